@@ -1,0 +1,59 @@
+"""The ``qwen4exp`` command line: one dispatcher, one module per subcommand.
+
+Each subcommand module ``parity/cmd_<name>.py`` defines ``register(subparsers)`` (cheap: no heavy
+imports at module level) which adds its parser and sets ``func`` to a callable taking the parsed
+args and returning the exit code. Exit codes: 0 success / agreement, 1 divergence or failed check,
+2 usage or input error.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand modules, in the order they appear in --help
+_MODULES = ["cmd_info", "cmd_logits", "cmd_taps", "cmd_kl", "cmd_parity", "cmd_generate", "cmd_bench"]
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line on stderr, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen4exp", description="qwen4exp parity tools: reference, engine, "
+                                "tap-diff, logit-KL and scenario suites for the Qwen3.8-Flash-Next architecture")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _MODULES:
+        try:
+            mod = importlib.import_module(f"parity.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"parity.{name}":
+                continue
+            raise
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except CLIError as e:
+        print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"qwen4exp {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # bad input from library layers (ConfigError, CheckpointError, ...)
+        from reference.errors import UserError
+        if isinstance(e, UserError):
+            print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
