@@ -1,0 +1,155 @@
+"""The tap registry: every tap's name, producing module, shape, dtype, kind and meaning.
+
+Names follow the checkpoint's module paths (``layers.{i}.`` is a decoder layer, 0-based) plus a
+suffix naming what the module produced. Shapes are positions first: ``[T, ...]`` where ``T`` is
+the number of recorded positions. Index taps name their companion score tap, so comparisons can
+tell a real selection error from a near-tie flip.
+
+Forward order (the order tap-diff walks): ``embed_tokens.out``; then per layer ``i``: the PLE taps
+(PLE layers only), the attention hyper-connection, the mixer block (``linear_attn`` or
+``self_attn``), the attention combine, the MLP hyper-connection, the MoE, the MLP combine; then
+``hyper_connection_mixer.out`` and ``logits``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+REGISTRY_VERSION = 1
+
+ACTIVATION, INDEX, SCALAR = "activation", "index", "scalar"
+
+
+@dataclass(frozen=True)
+class TapSpec:
+    """One tap pattern. ``{i}`` in ``pattern`` stands for a layer index."""
+
+    pattern: str
+    module: str
+    shape: str
+    dtype: str
+    kind: str
+    meaning: str
+    layer_type: str | None = None  # 'linear_attention' / 'indexed_attention' / 'ple' / None (every layer)
+    companion: str | None = None  # for index taps: the tap holding the scores the selection was made on
+    replay_input: str | None = None  # the tap that is this block's input (for --replay)
+
+
+_SPECS: list[TapSpec] = [
+    TapSpec("embed_tokens.out", "embed_tokens", "[T, hidden_size]", "float", ACTIVATION,
+            "token embeddings (before the hc_count-fold repeat)"),
+    # --- PLE (layers in ple_layer_ids)
+    TapSpec("layers.{i}.ple.ple_embedding.ngram_ids", "layers.{i}.ple.ple_embedding", "[T, ngram_heads]", "int64",
+            INDEX, "hashed n-gram row ids (head offsets added) into the PLE table", "ple"),
+    TapSpec("layers.{i}.ple.ple_embedding.out", "layers.{i}.ple.ple_embedding", "[T, ple_embed_dim]", "float",
+            ACTIVATION, "gathered n-gram embeddings, heads concatenated", "ple"),
+    TapSpec("layers.{i}.ple.gate", "layers.{i}.ple", "[T, hc_count]", "float", ACTIVATION,
+            "signed-square-root PLE gate per stream (before the sigmoid)", "ple"),
+    TapSpec("layers.{i}.ple.out", "layers.{i}.ple", "[T, hc_count * hidden_size]", "float", ACTIVATION,
+            "PLE output added to the residual: gated value + silu(dilated conv)", "ple"),
+    # --- attention half
+    TapSpec("layers.{i}.attn_hyper_connection.in", "layers.{i}.attn_hyper_connection",
+            "[T, hc_count * hidden_size]", "float", ACTIVATION, "multi-stream residual entering the layer's "
+            "attention half (after PLE where present)"),
+    TapSpec("layers.{i}.attn_hyper_connection.out", "layers.{i}.attn_hyper_connection", "[T, hidden_size]",
+            "float", ACTIVATION, "mixed block input (mean over streams of sigmoid mix * normed streams)"),
+    TapSpec("layers.{i}.attn_hyper_connection.injection_weights", "layers.{i}.attn_hyper_connection",
+            "[T, hc_count]", "float", ACTIVATION, "block injection weights 2*sigmoid(W x / hc_count)"),
+    TapSpec("layers.{i}.linear_attn.conv_out", "layers.{i}.linear_attn", "[T, 2*key_dim + value_dim]", "float",
+            ACTIVATION, "q|k|v after the causal depthwise conv and silu", "linear_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.linear_attn.core_out", "layers.{i}.linear_attn",
+            "[T, linear_num_value_heads, linear_value_head_dim]", "float", ACTIVATION,
+            "gated delta rule output (before the gated RMSNorm)", "linear_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.linear_attn.out", "layers.{i}.linear_attn", "[T, hidden_size]", "float", ACTIVATION,
+            "Gated DeltaNet output (out_proj)", "linear_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.indexer.block_scores", "layers.{i}.self_attn.indexer", "[T, n_blocks]",
+            "float", ACTIVATION, "relu-summed indexer score of every complete compressed block visible to the "
+            "query (-inf where the block is not complete/visible)", "indexed_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.indexer.selected_blocks", "layers.{i}.self_attn.indexer", "[T, block_topk]",
+            "int64", INDEX, "selected block indices in canonical order (score descending, then lower block "
+            "index), -1 padded", "indexed_attention", companion="layers.{i}.self_attn.indexer.block_scores",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.core_out", "layers.{i}.self_attn", "[T, num_attention_heads * head_dim]",
+            "float", ACTIVATION, "sparse attention output before the sigmoid output gate", "indexed_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.out", "layers.{i}.self_attn", "[T, hidden_size]", "float", ACTIVATION,
+            "gated sparse attention output (o_proj)", "indexed_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.attn_hyper_connection.combine", "layers.{i}.attn_hyper_connection",
+            "[T, hc_count * hidden_size]", "float", ACTIVATION, "residual after injecting the attention output"),
+    # --- MLP half
+    TapSpec("layers.{i}.mlp_hyper_connection.out", "layers.{i}.mlp_hyper_connection", "[T, hidden_size]",
+            "float", ACTIVATION, "mixed MoE input"),
+    TapSpec("layers.{i}.mlp_hyper_connection.injection_weights", "layers.{i}.mlp_hyper_connection",
+            "[T, hc_count]", "float", ACTIVATION, "MoE injection weights"),
+    TapSpec("layers.{i}.mlp.gate.router_logits", "layers.{i}.mlp.gate", "[T, num_experts]", "float",
+            ACTIVATION, "router logits", replay_input="layers.{i}.mlp_hyper_connection.out"),
+    TapSpec("layers.{i}.mlp.gate.topk_ids", "layers.{i}.mlp.gate", "[T, num_experts_per_tok]", "int64", INDEX,
+            "routed experts, probability descending then lower id", companion="layers.{i}.mlp.gate.router_logits",
+            replay_input="layers.{i}.mlp_hyper_connection.out"),
+    TapSpec("layers.{i}.mlp.gate.topk_weights", "layers.{i}.mlp.gate", "[T, num_experts_per_tok]", "float",
+            ACTIVATION, "routing weights (renormalised when norm_topk_prob)",
+            replay_input="layers.{i}.mlp_hyper_connection.out"),
+    TapSpec("layers.{i}.mlp.out", "layers.{i}.mlp", "[T, hidden_size]", "float", ACTIVATION,
+            "MoE output: routed experts + sigmoid-gated shared expert",
+            replay_input="layers.{i}.mlp_hyper_connection.out"),
+    TapSpec("layers.{i}.mlp_hyper_connection.combine", "layers.{i}.mlp_hyper_connection",
+            "[T, hc_count * hidden_size]", "float", ACTIVATION, "decoder layer output (multi-stream residual)"),
+    TapSpec("hyper_connection_mixer.out", "hyper_connection_mixer", "[T, hidden_size]", "float", ACTIVATION,
+            "final mixer output (the last hidden state)"),
+    TapSpec("logits", "lm_head", "[T, vocab_size]", "float", ACTIVATION, "LM head logits"),
+]
+
+
+def specs() -> list[TapSpec]:
+    """All tap patterns, in per-layer forward order."""
+    return list(_SPECS)
+
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+
+def spec_for(name: str) -> TapSpec | None:
+    """The spec of a concrete tap name (``layers.3.mlp.out``), or None when unknown."""
+    m = _LAYER_RE.match(name)
+    key = f"layers.{{i}}.{m.group(2)}" if m else name
+    for s in _SPECS:
+        if s.pattern == key:
+            return s
+    return None
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def tap_names(config) -> list[str]:
+    """Every concrete tap name for a model config, in forward order."""
+    out = ["embed_tokens.out"]
+    ple_layers = set(config.ple_layers)
+    for i, lt in enumerate(config.layer_types):
+        for s in _SPECS:
+            if not s.pattern.startswith("layers."):
+                continue
+            if s.layer_type == "ple" and i not in ple_layers:
+                continue
+            if s.layer_type in ("linear_attention", "indexed_attention") and s.layer_type != lt:
+                continue
+            out.append(s.pattern.replace("{i}", str(i)))
+    out += ["hyper_connection_mixer.out", "logits"]
+    return out
+
+
+def forward_rank(config) -> dict[str, int]:
+    """Map tap name -> its rank in forward order."""
+    return {n: k for k, n in enumerate(tap_names(config))}
+
+
+def matches(name: str, globs: list[str] | None) -> bool:
+    return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
