@@ -335,9 +335,13 @@ class ModelConfig:
         rdim = self.rotary_dim
         if rdim % 2 or rdim <= 0:
             bad(f"rotary dim (head_dim * partial_rotary_factor): expected a positive even number, found {rdim}")
-        sec = self.mrope_section
-        if sum(sec) != rdim // 2:
-            bad(f"rope_parameters.mrope_section: expected entries summing to rotary_dim/2={rdim // 2}, found {sec}")
+        # The official rotary (Qwen4ExpTextRotaryEmbedding.recomposition_frequencies) reads sections [1] and [2]
+        # and never checks their sum (its default [11, 11, 10] with head_dim 256 is valid); text positions are
+        # identical in T/H/W, so the sections do not change the numbers. Only the shape is checked.
+        sec = self.rope_parameters.get("mrope_section", [11, 11, 10])
+        if not (isinstance(sec, (list, tuple)) and len(sec) >= 3
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sec)):
+            bad(f"rope_parameters.mrope_section: expected a list of 3 non-negative integers, found {sec!r}")
         qsa = {k: getattr(self, k) for k in ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim",
                                               "indexer_budget", "indexer_compress_ratio")}
         if any(v is not None for v in qsa.values()):

@@ -153,3 +153,42 @@ def forward_rank(config) -> dict[str, int]:
 
 def matches(name: str, globs: list[str] | None) -> bool:
     return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+_SPEC_INDEX = {s.pattern: k for k, s in enumerate(_SPECS)}
+
+
+def order_key(name: str) -> tuple:
+    """Sort key putting concrete tap names in forward order without a config (the same order as
+    :func:`forward_rank`): ``embed_tokens.out``, then layer by layer in registry order, then
+    ``hyper_connection_mixer.out`` and ``logits``; names not in the registry sort last, by name."""
+    if name == "embed_tokens.out":
+        return (0, 0, 0, "")
+    m = _LAYER_RE.match(name)
+    if m:
+        k = _SPEC_INDEX.get(f"layers.{{i}}.{m.group(2)}")
+        if k is not None:
+            return (1, int(m.group(1)), k, "")
+    if name == "hyper_connection_mixer.out":
+        return (2, 0, 0, "")
+    if name == "logits":
+        return (2, 0, 1, "")
+    return (3, 0, 0, name)
+
+
+def companion_of(name: str) -> str | None:
+    """The concrete companion score tap of a concrete index tap name, or None."""
+    s = spec_for(name)
+    if s is None or s.companion is None:
+        return None
+    layer = layer_of(name)
+    return s.companion if layer is None else s.companion.replace("{i}", str(layer))
+
+
+def replay_input_of(name: str) -> str | None:
+    """The concrete tap recorded as the input of ``name``'s block (registry ``replay_input``), or None."""
+    s = spec_for(name)
+    if s is None or s.replay_input is None:
+        return None
+    layer = layer_of(name)
+    return s.replay_input if layer is None else s.replay_input.replace("{i}", str(layer))

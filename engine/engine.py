@@ -1,0 +1,202 @@
+"""The qwen4exp serving engine: sequences, batched decode, chunked prefill, verify/rollback, snapshots.
+
+API (docs/design.md, "Engine")::
+
+    eng = Engine(ck, precision="bf16"|"float32", device="cuda"|"cpu", page_size=16, kv_tokens=..., max_seqs=...)
+    seq = eng.add_sequence() ; eng.free(seq) ; child = eng.fork(seq)
+    eng.prefill(seq, ids, chunk_size=None) -> logits [T, V] (numpy float32)
+    eng.decode(seqs, ids) -> logits [B, V]       # batched, sequences of different lengths
+    eng.verify(seq, ids) -> logits [k, V] ; eng.rollback(seq, n)
+    eng.snapshot(seq) -> EngineSnapshot ; eng.restore(seq, snap)
+
+``device="cpu"`` runs the same engine code on NumPy (every kernel's NumPy twin): CI exercises it.
+Memory limits are fixed at construction (``eng.limits``, printed by ``eng.describe_limits()``); a request
+beyond them raises :class:`engine.state.CapacityError`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import get_xp
+from engine.model import EngineModel, Segment
+from engine.state import CapacityError, Snapshot, StateError, StatePool
+from reference.errors import InputError
+
+__all__ = ["Engine", "EngineSnapshot", "CapacityError", "StateError"]
+
+EngineSnapshot = Snapshot
+
+
+class Engine:
+    """A qwen4exp inference engine over one checkpoint.
+
+    Args:
+        ck: ``reference.checkpoint.Checkpoint`` (or ``DictWeights``); ``ck.config`` is the model config.
+        precision: 'bf16' (default: BF16 weights, FP32 accumulation and state) or 'float32'.
+        device: 'cuda' (CuPy + CUDA kernels), 'cpu' (NumPy twins) or 'auto' (cuda when a GPU is present).
+        page_size: KV tokens per page (any positive integer).
+        kv_tokens: KV token capacity shared by all sequences (rounded up to whole pages). Default:
+            ``max_seqs * max_position_embeddings`` capped to what ``kv_memory_fraction`` of free device
+            memory holds (on CPU: 65536 tokens or less).
+        max_seqs: live sequences at once (slab rows), forks and verify drafts included.
+        prefill_chunk: default prefill chunk length (None = the whole prompt in one chunk).
+        ple_placement: 'host' (memory-mapped PLE table, default) or 'device'.
+        progress: show weight-upload progress (tqdm).
+    Raises:
+        InputError: bad precision/page_size/sizes. DeviceError: device 'cuda' without a GPU.
+    """
+
+    def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
+                 kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
+                 ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5):
+        if precision not in ("bf16", "float32"):
+            raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
+        if device == "auto":
+            from engine.backend import gpu_available
+            device = "cuda" if gpu_available() else "cpu"
+        self.xp = xp = get_xp(device)
+        self.device = device
+        self.precision = precision
+        self.config = c = ck.config
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
+            raise InputError(f"prefill_chunk: expected a positive integer or None, found {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress)
+        if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
+            raise InputError(f"page_size: expected a positive integer, found {page_size!r}")
+        if kv_tokens is None:
+            want = max_seqs * c.max_position_embeddings
+            probe = StatePool(c, np, page_size=page_size, num_pages=1, max_seqs=1)
+            per_tok = max(1, probe.page_bytes() // page_size)
+            if device == "cuda":
+                free, _ = xp.cuda.runtime.memGetInfo()
+                cap = int(free * kv_memory_fraction) // per_tok
+            else:
+                cap = 65536
+            kv_tokens = max(page_size, min(want, cap))
+        num_pages = -(-int(kv_tokens) // page_size)
+        self.pool = StatePool(c, xp, page_size=int(page_size), num_pages=num_pages, max_seqs=int(max_seqs))
+        self.limits = self.pool.limits()
+        self.limits["weight_bytes"] = self.model.weight_bytes()
+
+    # ------------------------------------------------------------------ info
+    def describe_limits(self) -> str:
+        """One line stating the memory limits fixed at load."""
+        return self.pool.describe_limits() + f"; weights {self.limits['weight_bytes'] / 2**20:.1f} MiB ({self.precision})"
+
+    @property
+    def host_syncs(self) -> int:
+        """Device->host copies made so far (logits, and taps while recording)."""
+        return self.model.syncs.count
+
+    def position(self, seq) -> int:
+        return seq.length
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self):
+        """A new empty sequence. Raises CapacityError when ``max_seqs`` are live."""
+        return self.pool.add()
+
+    def free(self, seq) -> None:
+        """Release a sequence (its state is scrubbed; the handle is dead)."""
+        self.pool.free(seq)
+
+    def fork(self, seq):
+        """A copy of ``seq`` (pages shared copy-on-write, slab state copied)."""
+        return self.pool.fork(seq)
+
+    def snapshot(self, seq) -> Snapshot:
+        return self.pool.snapshot(seq)
+
+    def restore(self, seq, snap: Snapshot) -> None:
+        self.pool.restore(seq, snap)
+
+    def rollback(self, seq, n: int) -> None:
+        """Forget the last ``n`` tokens of the latest :meth:`verify` (per-position checkpoints)."""
+        self.pool.rollback(seq, n)
+
+    # ------------------------------------------------------------------ forward
+    def _ids(self, ids, what="ids") -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"{what}: expected a non-empty 1-D list of integer token ids, found {arr.dtype} "
+                             f"shape {arr.shape}")
+        V = self.config.vocab_size
+        if arr.min() < 0 or arr.max() >= V:
+            raise InputError(f"{what}: expected token ids in [0, {V}), found range [{arr.min()}, {arr.max()}]")
+        return arr.astype(np.int64)
+
+    def _run(self, segs, mode, last_only=False):
+        for s in segs:
+            self.pool.reserve(s.seq, len(s.ids))
+        logits = self.model.forward(self.pool, segs, mode, last_only=last_only)
+        for s in segs:
+            s.seq.length += len(s.ids)
+        return logits
+
+    def prefill(self, seq, ids, chunk_size: int | None = None, last_only: bool = False) -> np.ndarray:
+        """Append a prompt, in chunks of ``chunk_size`` tokens (default: the engine's ``prefill_chunk``).
+
+        Returns:
+            numpy float32 ``[T, V]`` logits of every prompt position (``[V]`` with ``last_only``).
+        Raises:
+            InputError: bad ids/chunk size. CapacityError: beyond pages or max_position_embeddings (checked
+                for the whole prompt before anything runs).
+        """
+        self.pool._check(seq)
+        ids = self._ids(ids)
+        cs = chunk_size if chunk_size is not None else self.prefill_chunk
+        if cs is not None and (not isinstance(cs, (int, np.integer)) or cs <= 0):
+            raise InputError(f"chunk_size: expected a positive integer or None, found {cs!r}")
+        end = seq.length + len(ids)
+        if end > self.pool.max_positions:
+            raise CapacityError(f"sequence {seq.sid}: {end} positions requested, expected <= "
+                                f"max_position_embeddings={self.pool.max_positions}")
+        seq.checkpoints = None
+        cs = len(ids) if cs is None else int(cs)
+        outs = []
+        for a in range(0, len(ids), cs):
+            chunk = ids[a:a + cs]
+            lg = self._run([Segment(seq, chunk)], "prefill", last_only=last_only)
+            if not last_only:
+                outs.append(self.model.syncs.host(lg))
+            elif a + cs >= len(ids):
+                outs.append(self.model.syncs.host(lg)[0])
+        return outs[-1] if last_only else np.concatenate(outs, axis=0)
+
+    def decode(self, seqs, ids) -> np.ndarray:
+        """One token for each of ``seqs`` (any lengths), in one batched step.
+
+        Returns:
+            numpy float32 ``[B, V]``.
+        Raises:
+            InputError: lengths differ, duplicate sequences, bad ids. CapacityError: out of pages/positions.
+        """
+        seqs = list(seqs)
+        ids = self._ids(ids, "decode ids")
+        if len(seqs) != len(ids):
+            raise InputError(f"decode: expected one token per sequence ({len(seqs)} sequences), found {len(ids)}")
+        if len({s.sid for s in seqs}) != len(seqs):
+            raise InputError("decode: expected distinct sequences, found one sequence twice")
+        for s in seqs:
+            self.pool._check(s)
+            s.checkpoints = None
+        return self.model.syncs.host(self._run([Segment(s, [t]) for s, t in zip(seqs, ids)], "decode"))
+
+    def verify(self, seq, ids) -> np.ndarray:
+        """Forward ``k`` drafted tokens keeping per-position recurrent checkpoints, so :meth:`rollback`
+        can return to any accepted prefix.
+
+        Returns:
+            numpy float32 ``[k, V]``.
+        """
+        self.pool._check(seq)
+        ids = self._ids(ids, "draft ids")
+        self.pool.begin_checkpoints(seq, len(ids))
+        try:
+            lg = self._run([Segment(seq, ids)], "verify")
+        except BaseException:
+            seq.checkpoints = None
+            raise
+        # the n-gram context (host) per position
+        return self.model.syncs.host(lg)

@@ -1,0 +1,1 @@
+"""Engine kernels: each op dispatches on the array module of its inputs (cupy -> CUDA, numpy -> NumPy twin)."""

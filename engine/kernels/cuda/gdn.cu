@@ -1,0 +1,170 @@
+// Gated DeltaNet kernels: causal depthwise conv (prefill / decode on a state slab) and the recurrent gated delta
+// rule (batched decode and k-token verify with per-position checkpoints).
+// Sources: modeling_qwen4_exp.py causal_conv1d_fn / causal_conv1d_update (conv + silu),
+// torch_recurrent_gated_delta_rule (l2norm eps inside rsqrt, q scaled by Dk^-0.5, v-head -> k-head = hv / (Hv/Hk)).
+// Layouts: x [T, C]; weight [C, K]; conv_state [S, K-1, C]; state [S, Hv, Dk, Dv].
+
+#ifndef GDN_DK
+#define GDN_DK 128   // key head dim; the host compiles with -DGDN_DK=<Dk>
+#endif
+
+__device__ __forceinline__ float dexp(float a) { return expf(a); }
+__device__ __forceinline__ double dexp(double a) { return exp(a); }
+__device__ __forceinline__ float dsqrt(float a) { return sqrtf(a); }
+__device__ __forceinline__ double dsqrt(double a) { return sqrt(a); }
+
+template <typename T>
+__device__ __forceinline__ T silu_(T a) { return a / ((T)1 + dexp(-a)); }
+
+// ---------------------------------------------------------------------------------------------- conv prefill
+// out[t, c] = silu(sum_j w[c, j] * window[t + j, c]), window = concat(state[slot], x). Optionally ck[t, j, c] =
+// window[t + 1 + j, c] (the conv state after input t). Reads the old state only: the state update runs after.
+template <typename X, typename S>
+__device__ void conv_prefill_body(const X* __restrict__ x, const X* __restrict__ w, const S* __restrict__ st, S* ck,
+                                  X* __restrict__ out, long long T, int C, int K, long long slot, int want_ck) {
+    long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gid >= T * C) return;
+    long long t = gid / C;
+    int c = (int)(gid % C);
+    const S* srow = st + slot * (long long)(K - 1) * C;
+    X acc = 0;
+    for (int j = 0; j < K; ++j) {
+        long long p = t + j - (K - 1);  // index into x; negative -> state row K-1+p
+        X val = p >= 0 ? x[p * C + c] : (X)srow[(K - 1 + p) * C + c];
+        acc += w[(long long)c * K + j] * val;
+    }
+    out[gid] = silu_(acc);
+    if (want_ck) {
+        for (int j = 0; j < K - 1; ++j) {
+            long long p = t + 1 + j - (K - 1);
+            S val = p >= 0 ? (S)x[p * C + c] : srow[(K - 1 + p) * C + c];
+            ck[(t * (K - 1) + j) * C + c] = val;
+        }
+    }
+}
+
+// state[slot] <- last K-1 rows of concat(state[slot], x); one thread per channel (reads before writes).
+template <typename X, typename S>
+__device__ void conv_state_update_body(const X* __restrict__ x, S* st, long long T, int C, int K, long long slot) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    S* srow = st + slot * (long long)(K - 1) * C;
+    S buf[16];
+    // K - 1 <= 16 (checked by the host); gather first, then write
+    for (int j = 0; j < K - 1; ++j) {
+        long long p = T + j - (K - 1);
+        buf[j] = p >= 0 ? (S)x[p * C + c] : srow[(K - 1 + p) * C + c];
+    }
+    for (int j = 0; j < K - 1; ++j) srow[j * C + c] = buf[j];
+}
+
+// ---------------------------------------------------------------------------------------------- conv decode
+template <typename X, typename S>
+__device__ void conv_decode_body(const X* __restrict__ x, const X* __restrict__ w, S* st, const long long* __restrict__ slots,
+                                 X* __restrict__ out, long long B, int C, int K) {
+    long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gid >= B * C) return;
+    long long b = gid / C;
+    int c = (int)(gid % C);
+    S* srow = st + slots[b] * (long long)(K - 1) * C;
+    X xin = x[gid];
+    X acc = w[(long long)c * K + (K - 1)] * xin;
+    for (int j = 0; j < K - 1; ++j) acc += w[(long long)c * K + j] * (X)srow[j * C + c];
+    for (int j = 0; j < K - 2; ++j) srow[j * C + c] = srow[(j + 1) * C + c];
+    if (K > 1) srow[(K - 2) * C + c] = (S)xin;
+    out[gid] = silu_(acc);
+}
+
+// ---------------------------------------------------------------------------------------------- recurrent rule
+// grid (Hv, B, ceil(Dv/32)), block 32 (one warp). Lane owns value column j; its state column lives in registers.
+template <typename X, typename S>
+__device__ void recurrent_body(const X* __restrict__ q, const X* __restrict__ k, const X* __restrict__ v,
+                               const X* __restrict__ g, const X* __restrict__ beta, S* state,
+                               const long long* __restrict__ slots, const long long* __restrict__ cu, S* ck,
+                               X* __restrict__ out, int Hk, int Hv, int Dv, int want_ck, float eps) {
+    const int hv = blockIdx.x, b = blockIdx.y;
+    const int lane = threadIdx.x;
+    const int j = blockIdx.z * 32 + lane;
+    const bool active = j < Dv;
+    const int hk = hv / (Hv / Hk);
+    __shared__ X qs[GDN_DK];
+    __shared__ X ks[GDN_DK];
+    S* srow = state + ((slots[b] * Hv + hv) * (long long)GDN_DK) * Dv;
+    X s[GDN_DK];
+#pragma unroll
+    for (int i = 0; i < GDN_DK; ++i) s[i] = active ? (X)srow[(long long)i * Dv + j] : (X)0;
+    const X qscale = (X)1 / dsqrt((X)GDN_DK);
+    for (long long t = cu[b]; t < cu[b + 1]; ++t) {
+        const X* qt = q + (t * Hk + hk) * GDN_DK;
+        const X* kt = k + (t * Hk + hk) * GDN_DK;
+        X sq = 0, sk = 0;
+        for (int i = lane; i < GDN_DK; i += 32) {
+            X a = qt[i], c = kt[i];
+            sq += a * a;
+            sk += c * c;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        }
+        const X rq = (X)1 / dsqrt(sq + (X)eps), rk = (X)1 / dsqrt(sk + (X)eps);
+        __syncwarp();
+        for (int i = lane; i < GDN_DK; i += 32) {
+            qs[i] = qt[i] * rq * qscale;
+            ks[i] = kt[i] * rk;
+        }
+        __syncwarp();
+        const X decay = dexp(g[t * Hv + hv]);
+        const X bt = beta[t * Hv + hv];
+        X mem = 0;
+#pragma unroll
+        for (int i = 0; i < GDN_DK; ++i) {
+            s[i] *= decay;
+            mem += s[i] * ks[i];
+        }
+        const X vj = active ? v[(t * Hv + hv) * (long long)Dv + j] : (X)0;
+        const X delta = (vj - mem) * bt;
+        X o = 0;
+#pragma unroll
+        for (int i = 0; i < GDN_DK; ++i) {
+            s[i] += ks[i] * delta;
+            o += s[i] * qs[i];
+        }
+        if (active) {
+            out[(t * Hv + hv) * (long long)Dv + j] = o;
+            if (want_ck) {
+                S* crow = ck + ((t * Hv + hv) * (long long)GDN_DK) * Dv;
+#pragma unroll
+                for (int i = 0; i < GDN_DK; ++i) crow[(long long)i * Dv + j] = (S)s[i];
+            }
+        }
+    }
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < GDN_DK; ++i) srow[(long long)i * Dv + j] = (S)s[i];
+    }
+}
+
+#define GDN_INSTANTIATE(SFX, X, S)                                                                               \
+extern "C" __global__ void gdn_conv_prefill_##SFX(const X* x, const X* w, const S* st, S* ck, X* out,            \
+                                                  long long T, int C, int K, long long slot, int want_ck) {      \
+    conv_prefill_body<X, S>(x, w, st, ck, out, T, C, K, slot, want_ck);                                          \
+}                                                                                                                \
+extern "C" __global__ void gdn_conv_state_update_##SFX(const X* x, S* st, long long T, int C, int K,             \
+                                                       long long slot) {                                         \
+    conv_state_update_body<X, S>(x, st, T, C, K, slot);                                                          \
+}                                                                                                                \
+extern "C" __global__ void gdn_conv_decode_##SFX(const X* x, const X* w, S* st, const long long* slots, X* out,   \
+                                                 long long B, int C, int K) {                                    \
+    conv_decode_body<X, S>(x, w, st, slots, out, B, C, K);                                                       \
+}                                                                                                                \
+extern "C" __global__ void gdn_recurrent_##SFX(const X* q, const X* k, const X* v, const X* g, const X* beta,    \
+                                               S* state, const long long* slots, const long long* cu, S* ck,     \
+                                               X* out, int Hk, int Hv, int Dv, int want_ck, float eps) {         \
+    recurrent_body<X, S>(q, k, v, g, beta, state, slots, cu, ck, out, Hk, Hv, Dv, want_ck, eps);                 \
+}
+
+GDN_INSTANTIATE(f32_f32, float, float)
+GDN_INSTANTIATE(f64_f32, double, float)
+GDN_INSTANTIATE(f32_f64, float, double)
+GDN_INSTANTIATE(f64_f64, double, double)

@@ -1,0 +1,146 @@
+"""Helpers shared by the dense kernels (linear, MoE, norms, PLE): BF16 bit handling, argument checks
+and launch helpers.
+
+Weight formats understood by every dense op:
+
+* ``uint16`` arrays: BF16 bit patterns (the engine's BF16 storage; cupy has no bfloat16 dtype);
+* ``ml_dtypes.bfloat16`` arrays (NumPy only): viewed as their ``uint16`` bits;
+* ``float32`` arrays: the exact-parity path;
+* ``float64`` arrays (NumPy only): the float64 twin used by tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import cupy_or_none, load_module, xp_of
+from reference.errors import UserError
+
+
+class KernelInputError(UserError, ValueError):
+    """An engine kernel was called with arrays of the wrong shape, dtype or device."""
+
+
+try:  # ml_dtypes is a hard dependency of the project; keep the import local to this module
+    import ml_dtypes
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except Exception:  # pragma: no cover
+    ml_dtypes = None
+    _BF16 = None
+
+
+def to_bf16_bits(a) -> np.ndarray:
+    """Round a float array to BF16 (round-to-nearest-even, via ml_dtypes) and return the ``uint16`` bits.
+
+    Args:
+        a: numpy or cupy float array of any shape.
+    Returns:
+        ``uint16`` array of the same shape, on the same device as ``a``.
+    """
+    xp = xp_of(a)
+    host = np.asarray(a if xp is np else a.get(), dtype=np.float32)
+    bits = host.astype(ml_dtypes.bfloat16).view(np.uint16)
+    return bits if xp is np else xp.asarray(bits)
+
+
+def bf16_bits_to_float32(bits):
+    """Exact upcast of BF16 bit patterns (``uint16``, any shape, numpy or cupy) to ``float32``."""
+    xp = xp_of(bits)
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def weight_kind(w) -> str:
+    """'bf16' for uint16/bfloat16 weights, 'f32' for float32, 'f64' for float64.
+
+    Raises:
+        KernelInputError: any other dtype.
+    """
+    dt = w.dtype
+    if dt == np.uint16 or (_BF16 is not None and dt == _BF16):
+        return "bf16"
+    if dt == np.float32:
+        return "f32"
+    if dt == np.float64:
+        return "f64"
+    raise KernelInputError(f"weight: expected uint16 (BF16 bits), bfloat16, float32 or float64, found {dt}")
+
+
+def weight_as_float(w, dtype=np.float32):
+    """Weights of any supported kind as a float array of ``dtype`` (exact for BF16 -> float32)."""
+    kind = weight_kind(w)
+    xp = xp_of(w)
+    if kind == "bf16":
+        bits = w.view(np.uint16) if w.dtype != np.uint16 else w
+        return bf16_bits_to_float32(bits).astype(dtype, copy=False)
+    return w.astype(dtype, copy=False)
+
+
+def compute_dtype(x):
+    """The float dtype the NumPy twin computes in for activation ``x`` (float64 stays float64)."""
+    return np.float64 if x.dtype == np.float64 else np.float32
+
+
+def check_ndim(name: str, a, ndim: int, shape_doc: str) -> None:
+    if a.ndim != ndim:
+        raise KernelInputError(f"{name}: expected {shape_doc} ({ndim}-D), found shape {tuple(a.shape)}")
+
+
+def check_dim(name: str, got: int, want: int, what: str) -> None:
+    if got != want:
+        raise KernelInputError(f"{name}: expected {what} = {want}, found {got}")
+
+
+def same_device(*arrays) -> object:
+    """The common array module of ``arrays`` (None entries skipped).
+
+    Raises:
+        KernelInputError: arrays live on different devices (numpy mixed with cupy).
+    """
+    mods = {xp_of(a) for a in arrays if a is not None}
+    if len(mods) > 1:
+        raise KernelInputError("arrays: expected all on one device (all numpy or all cupy), found a mix")
+    return mods.pop() if mods else np
+
+
+def is_cupy(xp) -> bool:
+    cp = cupy_or_none()
+    return cp is not None and xp is cp
+
+
+def module(filename: str):
+    """Compiled RawModule of ``engine/kernels/cuda/<filename>`` (NVRTC, cached)."""
+    return load_module(filename)
+
+
+def f32_contig(a, name: str):
+    """``a`` as a C-contiguous float32 device array whose data pointer is 16-byte aligned.
+
+    Raises:
+        KernelInputError: ``a`` is not a floating array.
+    """
+    xp = xp_of(a)
+    if a.dtype.kind != "f":
+        raise KernelInputError(f"{name}: expected a float32 array, found {a.dtype}")
+    if a.dtype != np.float32 or not a.flags.c_contiguous or a.data.ptr % 16:
+        a = xp.ascontiguousarray(a, dtype=xp.float32)
+        if a.data.ptr % 16:
+            a = a.copy()
+    return a
+
+
+def poison_like(shape, xp, dtype=np.float32):
+    """A fresh array filled with NaN (floats) or -7 (ints): tests check every element was written."""
+    if np.dtype(dtype).kind == "f":
+        return xp.full(shape, np.nan, dtype=dtype)
+    return xp.full(shape, -7, dtype=dtype)
+
+
+#: When True (tests), every output the dense ops allocate is pre-filled with NaN (floats) or -7
+#: (ints) so a kernel that leaves an element unwritten is caught. Off by default (no cost).
+POISON = False
+
+
+def empty(xp, shape, dtype=np.float32):
+    """``xp.empty`` for op outputs; poisoned (NaN / -7) when :data:`POISON` is set."""
+    if POISON:
+        return poison_like(shape, xp, dtype)
+    return xp.empty(shape, dtype=dtype)

@@ -1,0 +1,183 @@
+"""Dense linear ops: ``Y[M, N] = X[M, K] @ W[N, K]^T`` with BF16 (or float32) weights, float32
+activations and float32 accumulation; plus the grouped form used by the MoE experts.
+
+Dispatch on the array module of ``x`` (:func:`engine.backend.xp_of`):
+
+* cupy: custom CUDA kernels (``engine/kernels/cuda/dense_linear.cu``): a warp-per-row GEMV with
+  16-byte weight loads for ``M <= 16`` rows per weight matrix (decode), a 64x64-tiled GEMM otherwise
+  (prefill). No host synchronisation: grouped launches are sized by the worst case and read their
+  tile table from the device.
+* numpy: the NumPy twin: the weights upcast exactly to float32 (float64 for float64 inputs) and one
+  BLAS product per weight matrix.
+
+Source of the formula: ``torch.nn.functional.linear`` as used by every projection of
+modeling_qwen4_exp.py (e.g. ``Qwen4ExpTextMLP.forward``, ``Qwen4ExpTextExperts.forward``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.kernels.dense_common import empty as _empty
+from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
+                                         module, same_device, weight_as_float, weight_kind)
+
+__all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows"]
+
+#: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
+GEMV_MAX_ROWS = 16
+#: Rows of one GEMM tile (the MoE tile tables for prefill use this).
+GEMM_TILE_ROWS = 64
+_GEMV_WARPS = 8  # rows of W per GEMV block (one warp each)
+_GEMM_BN = 64
+
+
+def gemv_tile_rows(m: int) -> int:
+    """Activation rows sharing one GEMV weight pass for ``m`` rows: 1, 4 or 16."""
+    return 1 if m <= 1 else (4 if m <= 4 else 16)
+
+
+class GroupTiles:
+    """A device-side tile table for grouped launches: tile ``i`` covers rows
+    ``[start[i], start[i] + count[i])`` (``count <= rows_per_tile``) of weight matrix ``expert[i]``.
+
+    Attributes:
+        expert, start, count: int32 device arrays ``[max_tiles]`` (entries past ``n_tiles`` unused).
+        n_tiles: int32 device array ``[1]``: how many entries are valid (never read by the host).
+        max_tiles: host int, the launch grid's tile dimension (worst case).
+        rows_per_tile: host int, ``GEMV_MAX_ROWS``-style bound the table was built for.
+    """
+
+    def __init__(self, expert, start, count, n_tiles, max_tiles: int, rows_per_tile: int):
+        self.expert, self.start, self.count, self.n_tiles = expert, start, count, n_tiles
+        self.max_tiles, self.rows_per_tile = int(max_tiles), int(rows_per_tile)
+
+
+def _check_x_w(x, w, name_x="x", name_w="w"):
+    check_ndim(name_x, x, 2, "[M, K]")
+    kind = weight_kind(w)
+    if x.dtype.kind != "f":
+        raise KernelInputError(f"{name_x}: expected a float32 array [M, K], found dtype {x.dtype}")
+    return kind
+
+
+def linear(x, w, *, out=None):
+    """``x @ w.T`` with float32 accumulation.
+
+    Args:
+        x: activations ``[M, K]`` float32 (NumPy also float64: then the twin computes in float64).
+        w: weights ``[N, K]``: uint16 BF16 bits, ml_dtypes bfloat16 (NumPy), float32, or float64 (NumPy).
+        out: optional ``[M, N]`` float32 array (same device) written in full and returned.
+    Returns:
+        ``[M, N]`` float32 (float64 for a float64 NumPy ``x``), on the device of ``x``.
+    Raises:
+        KernelInputError: wrong ranks, mismatched K, unsupported dtypes, mixed devices, bad ``out``.
+    """
+    xp = same_device(x, w, out)
+    kind = _check_x_w(x, w)
+    check_ndim("w", w, 2, "[N, K]")
+    M, K = x.shape
+    N = w.shape[0]
+    check_dim("w", w.shape[1], K, "K (columns of w matching x's)")
+    if out is not None and tuple(out.shape) != (M, N):
+        raise KernelInputError(f"out: expected shape {(M, N)}, found {tuple(out.shape)}")
+    if not is_cupy(xp):
+        dt = compute_dtype(x)
+        y = x.astype(dt, copy=False) @ weight_as_float(w, dt).T
+        if out is not None:
+            out[...] = y
+            return out
+        return y
+    if kind == "f64" or x.dtype == np.float64:
+        raise KernelInputError("x/w: the CUDA path computes in float32; found float64")
+    y = out if out is not None else _empty(xp, (M, N), dtype=xp.float32)
+    if M == 0 or N == 0:
+        return y
+    _launch(xp, f32_contig(x, "x"), None, w, 0, y, None, M, N, K)
+    return y
+
+
+def grouped_linear(x, w, offsets, *, row_index=None, tiles: GroupTiles | None = None, out=None):
+    """Per-group products for MoE experts: rows ``s`` in ``[offsets[e], offsets[e+1])`` use ``w[e]``:
+    ``out[s] = x[row_index[s]] @ w[e].T`` (``x[s]`` when ``row_index`` is None).
+
+    Args:
+        x: activations ``[R, K]`` float32 (float64 on NumPy).
+        w: stacked weights ``[E, N, K]`` (uint16 BF16 bits / bfloat16 / float32 / float64 NumPy).
+        offsets: int ``[E + 1]`` segment bounds over the ``S`` output rows (used by the NumPy twin;
+            the CUDA path reads ``tiles`` instead and never syncs on ``offsets``).
+        row_index: optional int32 ``[S]`` rows of ``x`` to gather (``S`` rows computed); else ``S = R``.
+        tiles: (cupy only, required there) the device tile table built from the same routing, e.g. by
+            :func:`engine.kernels.moe.moe_route_tables`.
+        out: optional ``[S, N]`` float32 output, written in full.
+    Returns:
+        ``[S, N]`` float32 in segment (sorted) order.
+    Raises:
+        KernelInputError: shapes/dtypes inconsistent; cupy without ``tiles``.
+    """
+    xp = same_device(x, w, out, row_index)
+    kind = _check_x_w(x, w)
+    check_ndim("w", w, 3, "[E, N, K]")
+    E, N, K = w.shape
+    check_dim("x", x.shape[1], K, "K (columns, matching w's last axis)")
+    S = int(row_index.shape[0]) if row_index is not None else int(x.shape[0])
+    if out is not None and tuple(out.shape) != (S, N):
+        raise KernelInputError(f"out: expected shape {(S, N)}, found {tuple(out.shape)}")
+    if not is_cupy(xp):
+        dt = compute_dtype(x)
+        off = np.asarray(offsets, dtype=np.int64)
+        if off.shape != (E + 1,) or off[0] != 0 or off[-1] != S or np.any(np.diff(off) < 0):
+            raise KernelInputError(f"offsets: expected non-decreasing [E+1={E + 1}] from 0 to S={S}, found {off}")
+        xs = x if row_index is None else x[np.asarray(row_index, dtype=np.int64)]
+        xs = xs.astype(dt, copy=False)
+        y = out if out is not None else np.empty((S, N), dtype=dt)
+        for e in np.nonzero(np.diff(off))[0]:
+            a, b = off[e], off[e + 1]
+            y[a:b] = xs[a:b] @ weight_as_float(w[e], dt).T
+        return y
+    if tiles is None:
+        raise KernelInputError("tiles: the CUDA grouped_linear needs the device tile table (GroupTiles), found None")
+    if kind == "f64" or x.dtype == np.float64:
+        raise KernelInputError("x/w: the CUDA path computes in float32; found float64")
+    y = out if out is not None else _empty(xp, (S, N), dtype=xp.float32)
+    if S == 0:
+        return y
+    ri = None
+    if row_index is not None:
+        ri = row_index if row_index.dtype == np.int32 else row_index.astype(np.int32)
+    _launch(xp, f32_contig(x, "x"), ri, w, N * K, y, tiles, S, N, K)
+    return y
+
+
+def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M, N, K):
+    """Pick GEMV vs GEMM and launch (no host synchronisation)."""
+    kind = weight_kind(w)
+    if kind == "bf16" and w.dtype != np.uint16:
+        w = w.view(np.uint16)
+    if not w.flags.c_contiguous:
+        w = xp.ascontiguousarray(w)
+    wname = "bf16" if kind == "bf16" else "f32"
+    mod = module("dense_linear.cu")
+    null = None
+    if tiles is not None:
+        rpt = tiles.rows_per_tile
+        grid_y = tiles.max_tiles
+        tbl = (tiles.expert, tiles.start, tiles.count, tiles.n_tiles)
+    else:
+        rpt = gemv_tile_rows(M) if M <= GEMV_MAX_ROWS else GEMM_TILE_ROWS
+        grid_y = -(-M // rpt)
+        tbl = (null, null, null, null)
+    if grid_y == 0:
+        return
+    if rpt <= GEMV_MAX_ROWS:
+        vec = (K % 8 == 0) and (w.data.ptr % 16 == 0) and (x.data.ptr % 16 == 0)
+        fn = mod.get_function(f"gemv_{wname}_nt{rpt}_{'v' if vec else 's'}")
+        grid = (-(-N // _GEMV_WARPS), grid_y, 1)
+    else:
+        if rpt != GEMM_TILE_ROWS:
+            raise KernelInputError(f"tiles.rows_per_tile: expected <= {GEMV_MAX_ROWS} or {GEMM_TILE_ROWS}, found {rpt}")
+        fn = mod.get_function(f"gemm_{wname}")
+        grid = (-(-N // _GEMM_BN), grid_y, 1)
+    if grid[1] > 65535:
+        raise KernelInputError(f"rows: {M} rows need {grid[1]} tiles, above the grid limit 65535; use smaller chunks")
+    fn(grid, (256, 1, 1), (x, row_index, w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2], tbl[3],
+                           np.int32(M), np.int32(N), np.int32(K)))

@@ -1,0 +1,331 @@
+"""QSA (indexed sparse attention) kernels over the engine's paged token pools.
+
+Pool layout (owned by ``engine/state.py``; every array indexed by *token slot*): token ``p`` of the sequence in
+block-table row ``r`` lives in slot ``block_tables[r, p // page_size] * page_size + p % page_size``:
+  * ``kv_k, kv_v``: ``[num_slots, Hkv, D]`` float32 -- normed + roped keys, values;
+  * ``idx_k``: ``[num_slots, Di]`` float32 -- raw indexer keys (as projected; the official cache stores these);
+  * ``blk_k``: ``[num_slots, Di]`` float32 -- the pooled, k_layernormed, roped key of the compressed block that ENDS
+    at this token (block ``b`` = tokens ``[b*ratio, (b+1)*ratio)``, stored at the slot of token ``b*ratio+ratio-1``).
+Any page size works (1, 3, 16, 64, ...): blocks may straddle pages since every token is addressed through the
+block table.
+
+Per query token with ``n_visible`` visible tokens (``position + 1`` for a causal text query), the official
+selection is: ``n_complete = n_visible // ratio`` complete blocks are scored, the best
+``min(block_topk, n_complete)`` are kept (canonical order: higher score first, then lower block index), and the
+``n_visible - n_complete*ratio`` tail tokens are always visible. Prefill and decode use the same ops, so the
+semantics are identical by construction.
+
+Ops (numpy -> NumPy twin; cupy -> ``engine/kernels/cuda/qsa.cu``; each one launch for all query tokens):
+  :func:`token_slots`, :func:`qsa_block_keys`, :func:`qsa_index_scores`, :func:`qsa_topk`,
+  :func:`qsa_sparse_attention`, and :func:`qsa_select` (scores + top-k).
+
+Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextQSAIndexer.forward`` (pooled mean of raw keys in float32, k_layernorm,
+RoPE at each block's first position, ``relu(q.k)`` summed over index heads ``/ sqrt(Di)``, block top-k, tail
+always visible), ``Qwen4ExpTextAttention.forward`` + ``eager_attention_forward`` (GQA softmax attention over the
+selected tokens with ``scaling = head_dim ** -0.5``; the sigmoid output gate is applied by the caller).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.backend import load_module, xp_of
+from reference.blocks import rope as _ref_rope
+from reference.blocks.norms import rms_norm
+from reference.errors import InputError
+
+#: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
+QSA_MAX_BLOCK_TOPK = 4096
+_TOPK_THREADS = 1024
+
+
+def _int_arr(xp, a, name, n):
+    if a.shape != (n,):
+        raise InputError(f"qsa: {name}: expected shape [{n}], found {list(a.shape)}")
+    if a.dtype.kind not in "iu":
+        raise InputError(f"qsa: {name}: expected an integer array, found dtype {a.dtype}")
+    return a
+
+
+def _f32_gpu(name, a):
+    if a.dtype != np.float32:
+        raise InputError(f"qsa: {name}: the CUDA path takes float32, found {a.dtype}")
+
+
+def token_slots(block_tables, rows, positions, page_size: int):
+    """Pool slot of each token: ``block_tables[row, pos // page_size] * page_size + pos % page_size``.
+
+    Args:
+        block_tables: ``[max_seqs, max_pages]`` int32 (-1 = no page). rows: ``[T]`` int table rows.
+        positions: ``[T]`` int absolute positions. page_size: int.
+    Returns:
+        ``[T]`` int64 slots (same array module). A position whose page is missing gives a negative slot.
+    """
+    xp = xp_of(block_tables)
+    pg = xp.asarray(positions).astype(np.int64)
+    rw = xp.asarray(rows).astype(np.int64)
+    page = block_tables[rw, pg // page_size].astype(np.int64)
+    return xp.where(page >= 0, page * page_size + pg % page_size, -1)
+
+
+def _slots_np(block_tables, row, positions, page_size):
+    pos = np.asarray(positions, dtype=np.int64)
+    page = np.asarray(block_tables[int(row)], dtype=np.int64)[pos // page_size]
+    if np.any(page < 0):
+        raise InputError(f"qsa: block table row {row}: positions {pos[page < 0][:4].tolist()} have no page")
+    return page * page_size + pos % page_size
+
+
+# ------------------------------------------------------------------------------------------------ block keys
+def qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, k_norm_weight, inv_freq, rotary_dim: int,
+                   ratio: int, page_size: int, eps: float):
+    """Write the compressed key of every block completed by the given tokens (call after their raw indexer keys
+    are in ``idx_k``). Tokens whose position is not a block's last (``(pos+1) % ratio != 0``) do nothing.
+
+    Args:
+        idx_k: ``[num_slots, Di]`` raw indexer keys. blk_k: ``[num_slots, Di]``, written IN PLACE at the slot of
+            each completing token: ``rope(rmsnorm(mean(raw keys of the block)) * (1 + w), pos = block start)``.
+        block_tables: ``[max_seqs, max_pages]`` int32. rows, positions: ``[T]`` int (table row, absolute position).
+        k_norm_weight: ``[Di]`` (indexer ``k_layernorm`` weight, zero-centred). inv_freq: ``[rotary_dim // 2]``.
+        rotary_dim, ratio (``indexer_compress_ratio``), page_size: ints. eps: ``rms_norm_eps``.
+    Returns:
+        None.
+    Raises:
+        InputError: shape/dtype mismatch, or (NumPy path) a position without a page.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (pooled_keys, k_layernorm, apply_rotary_pos_emb at group_starts).
+    """
+    xp = xp_of(idx_k)
+    T = positions.shape[0]
+    Di = idx_k.shape[1]
+    _int_arr(xp, rows, "rows", T)
+    _int_arr(xp, positions, "positions", T)
+    if blk_k.shape != idx_k.shape:
+        raise InputError(f"qsa: blk_k: expected shape {list(idx_k.shape)} (idx_k), found {list(blk_k.shape)}")
+    if k_norm_weight.shape != (Di,):
+        raise InputError(f"qsa: k_norm_weight: expected shape [{Di}], found {list(k_norm_weight.shape)}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= Di or inv_freq.shape != (rotary_dim // 2,):
+        raise InputError(f"qsa: rotary_dim/inv_freq: expected an even rotary_dim <= {Di} and inv_freq "
+                         f"[rotary_dim/2], found {rotary_dim} and {list(inv_freq.shape)}")
+    if T == 0:
+        return None
+    if xp is np:
+        pos = np.asarray(positions, dtype=np.int64)
+        rw = np.asarray(rows, dtype=np.int64)
+        done = np.nonzero((pos + 1) % ratio == 0)[0]
+        if done.size == 0:
+            return None
+        dt = idx_k.dtype
+        starts = pos[done] - (ratio - 1)
+        pooled = np.empty((done.size, Di), dtype=dt)
+        for i, t in enumerate(done):
+            sl = _slots_np(block_tables, rw[t], np.arange(starts[i], pos[t] + 1), page_size)
+            pooled[i] = idx_k[sl].astype(np.float32).mean(axis=0)
+        normed = rms_norm(pooled, np.asarray(k_norm_weight, dtype=dt), eps)
+        cos, sin = _ref_rope.rope_cos_sin(starts, np.asarray(inv_freq, dtype=np.float32), [rotary_dim // 2, 0, 0])
+        keys = _ref_rope.apply_rope(normed, cos.astype(dt), sin.astype(dt))
+        for i, t in enumerate(done):
+            blk_k[_slots_np(block_tables, rw[t], pos[t:t + 1], page_size)[0]] = keys[i]
+        return None
+    import cupy as cp
+    for n, a in (("idx_k", idx_k), ("blk_k", blk_k)):
+        _f32_gpu(n, a)
+    mod = load_module("qsa.cu")
+    mod.get_function("qsa_block_keys")(
+        (T,), (32,),
+        (idx_k, blk_k, cp.ascontiguousarray(block_tables, dtype=cp.int32), cp.ascontiguousarray(rows, dtype=cp.int64),
+         cp.ascontiguousarray(positions, dtype=cp.int64), cp.ascontiguousarray(k_norm_weight, dtype=cp.float32),
+         cp.ascontiguousarray(inv_freq, dtype=cp.float32), np.int32(Di), np.int32(rotary_dim), np.int32(ratio),
+         np.int32(page_size), np.int32(block_tables.shape[1]), np.float32(eps)),
+        shared_mem=Di * 4)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+def qsa_index_scores(q_idx, blk_k, block_tables, rows, n_visible, n_blocks: int, ratio: int, page_size: int):
+    """Indexer score of every complete block visible to each query token.
+
+    Args:
+        q_idx: ``[T, Hi, Di]`` float32 indexer queries (q_layernormed and roped at the query's position).
+        blk_k: ``[num_slots, Di]`` block keys (see :func:`qsa_block_keys`). block_tables: ``[max_seqs, max_pages]``.
+        rows: ``[T]`` int table rows. n_visible: ``[T]`` int visible tokens per query (``pos + 1``).
+        n_blocks: int output width (>= max ``n_visible // ratio``; the caller knows it on the host).
+        ratio, page_size: ints.
+    Returns:
+        ``[T, n_blocks]`` float32: ``sum_h relu(q_h . K_b) / sqrt(Di)`` for ``b < n_visible // ratio``, ``-inf``
+        elsewhere (the registry's ``indexer.block_scores`` tap).
+    Raises:
+        InputError: shapes/dtypes inconsistent or ``n_blocks`` too small (NumPy path checks the latter).
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (scores).
+    """
+    xp = xp_of(q_idx)
+    if q_idx.ndim != 3 or q_idx.shape[2] != blk_k.shape[1]:
+        raise InputError(f"qsa: q_idx: expected shape [T, Hi, {blk_k.shape[1]}], found {list(q_idx.shape)}")
+    T, Hi, Di = q_idx.shape
+    _int_arr(xp, rows, "rows", T)
+    _int_arr(xp, n_visible, "n_visible", T)
+    n_blocks = int(n_blocks)
+    if xp is np:
+        nv = np.asarray(n_visible, dtype=np.int64)
+        nc = nv // ratio
+        if T and nc.max() > n_blocks:
+            raise InputError(f"qsa: n_blocks: expected >= {int(nc.max())} (max n_visible // ratio), found {n_blocks}")
+        out = np.full((T, n_blocks), -np.inf, dtype=np.float32)
+        for t in range(T):
+            if nc[t] == 0:
+                continue
+            ends = np.arange(nc[t], dtype=np.int64) * ratio + ratio - 1
+            K = blk_k[_slots_np(block_tables, int(rows[t]), ends, page_size)].astype(np.float32)
+            s = np.maximum(q_idx[t].astype(np.float32) @ K.T, 0).sum(axis=0) / np.float32(math.sqrt(Di))
+            out[t, :nc[t]] = s
+        return out
+    import cupy as cp
+    _f32_gpu("q_idx", q_idx)
+    _f32_gpu("blk_k", blk_k)
+    out = cp.empty((T, n_blocks), dtype=cp.float32)
+    if T == 0 or n_blocks == 0:
+        return out
+    warps = 8
+    load_module("qsa.cu").get_function("qsa_index_scores")(
+        ((n_blocks + warps - 1) // warps, T), (32 * warps,),
+        (cp.ascontiguousarray(q_idx), blk_k, cp.ascontiguousarray(block_tables, dtype=cp.int32),
+         cp.ascontiguousarray(rows, dtype=cp.int64), cp.ascontiguousarray(n_visible, dtype=cp.int64), out,
+         np.int32(Hi), np.int32(Di), np.int64(n_blocks), np.int32(ratio), np.int32(page_size),
+         np.int32(block_tables.shape[1]), np.float32(math.sqrt(Di))),
+        shared_mem=Hi * Di * 4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ top-k
+def qsa_topk(scores, n_visible, ratio: int, k: int):
+    """Exact, deterministic block top-k per query in the canonical order.
+
+    Args:
+        scores: ``[T, NB]`` float32 (from :func:`qsa_index_scores`). n_visible: ``[T]`` int. ratio: int.
+        k: ``block_topk`` (``<= QSA_MAX_BLOCK_TOPK`` on the GPU).
+    Returns:
+        ``[T, k]`` int32: the ``min(k, n_visible // ratio)`` best complete blocks, ordered by score descending,
+        then block index ascending (ties), then ``-1`` padding (the registry's ``indexer.selected_blocks``).
+    Raises:
+        InputError: shapes inconsistent, ``k < 1``, or ``k`` above the GPU limit.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (``scores.topk(min(block_topk, num_complete_blocks))``) with the
+    project's canonical tie order.
+    """
+    xp = xp_of(scores)
+    if scores.ndim != 2:
+        raise InputError(f"qsa_topk: scores: expected shape [T, n_blocks], found {list(scores.shape)}")
+    T, NB = scores.shape
+    _int_arr(xp, n_visible, "n_visible", T)
+    k = int(k)
+    if k < 1:
+        raise InputError(f"qsa_topk: k: expected >= 1, found {k}")
+    if xp is np:
+        out = np.full((T, k), -1, dtype=np.int32)
+        nc = np.minimum(np.asarray(n_visible, dtype=np.int64) // ratio, NB)
+        for t in range(T):
+            n = int(nc[t])
+            if n == 0:
+                continue
+            s = scores[t, :n].astype(np.float64)
+            order = np.lexsort((np.arange(n), -s))  # primary: higher score; ties: lower block index
+            kk = min(k, n)
+            out[t, :kk] = order[:kk]
+        return out
+    import cupy as cp
+    if k > QSA_MAX_BLOCK_TOPK:
+        raise InputError(f"qsa_topk: k (block_topk): the CUDA top-k supports at most {QSA_MAX_BLOCK_TOPK}, found {k}")
+    _f32_gpu("scores", scores)
+    out = cp.empty((T, k), dtype=cp.int32)
+    if T == 0:
+        return out
+    p2 = 1
+    while p2 < k:
+        p2 *= 2
+    load_module("qsa.cu").get_function("qsa_topk")(
+        (T,), (_TOPK_THREADS,),
+        (cp.ascontiguousarray(scores), cp.ascontiguousarray(n_visible, dtype=cp.int64), out, np.int64(NB),
+         np.int32(ratio), np.int32(k), np.int32(p2)),
+        shared_mem=p2 * 8)
+    return out
+
+
+def qsa_select(q_idx, blk_k, block_tables, rows, n_visible, n_blocks: int, ratio: int, page_size: int, k: int):
+    """Scores + top-k: ``(scores [T, n_blocks] float32, selected [T, k] int32)``; see :func:`qsa_index_scores`
+    and :func:`qsa_topk`."""
+    scores = qsa_index_scores(q_idx, blk_k, block_tables, rows, n_visible, n_blocks, ratio, page_size)
+    return scores, qsa_topk(scores, n_visible, ratio, k)
+
+
+def selected_token_positions(selected_row, n_visible: int, ratio: int) -> np.ndarray:
+    """Host helper: the token positions one query attends (selected blocks' tokens in selection order, then the
+    tail), ``[n]`` int64. Used by the NumPy twin and by tests."""
+    sel = np.asarray(selected_row, dtype=np.int64)
+    sel = sel[sel >= 0]
+    nc = int(n_visible) // ratio
+    blocks = (sel[:, None] * ratio + np.arange(ratio)[None, :]).reshape(-1)
+    tail = np.arange(nc * ratio, int(n_visible), dtype=np.int64)
+    return np.concatenate([blocks, tail])
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected, ratio: int, page_size: int,
+                         scale: float):
+    """Softmax attention of each query over its selected blocks' tokens plus the incomplete tail, read from the
+    paged K/V pools through the block table (GQA: query head ``h`` uses KV head ``h // (Hq / Hkv)``).
+
+    Args:
+        q: ``[T, Hq, D]`` float32 (q_normed, roped). kv_k, kv_v: ``[num_slots, Hkv, D]`` float32.
+        block_tables: ``[max_seqs, max_pages]`` int32. rows, n_visible: ``[T]`` int.
+        selected: ``[T, k]`` int32 from :func:`qsa_topk` (-1 padded). ratio, page_size: ints.
+        scale: softmax scale (``head_dim ** -0.5``).
+    Returns:
+        ``[T, Hq, D]`` float32 (before the sigmoid output gate: the registry's ``self_attn.core_out``).
+    Raises:
+        InputError: shapes inconsistent, Hq not a multiple of Hkv.
+    Source: ``Qwen4ExpTextAttention.forward`` / ``eager_attention_forward`` with the indexer's selection mask.
+    """
+    xp = xp_of(q)
+    if q.ndim != 3:
+        raise InputError(f"qsa attention: q: expected shape [T, Hq, D], found {list(q.shape)}")
+    T, Hq, D = q.shape
+    if kv_k.ndim != 3 or kv_k.shape[2] != D or kv_v.shape != kv_k.shape:
+        raise InputError(f"qsa attention: kv_k/kv_v: expected shape [num_slots, Hkv, {D}] each, found "
+                         f"{list(kv_k.shape)} and {list(kv_v.shape)}")
+    Hkv = kv_k.shape[1]
+    if Hq % Hkv:
+        raise InputError(f"qsa attention: q heads: expected a multiple of the {Hkv} KV heads, found {Hq}")
+    _int_arr(xp, rows, "rows", T)
+    _int_arr(xp, n_visible, "n_visible", T)
+    if selected.ndim != 2 or selected.shape[0] != T:
+        raise InputError(f"qsa attention: selected: expected shape [{T}, block_topk], found {list(selected.shape)}")
+    G = Hq // Hkv
+    if xp is np:
+        dt = np.float64 if q.dtype == np.float64 else np.float32
+        out = np.empty((T, Hq, D), dtype=dt)
+        for t in range(T):
+            pos = selected_token_positions(selected[t], int(n_visible[t]), ratio)
+            sl = _slots_np(block_tables, int(rows[t]), pos, page_size)
+            K = kv_k[sl].astype(dt)  # [n, Hkv, D]
+            V = kv_v[sl].astype(dt)
+            qh = q[t].astype(dt).reshape(Hkv, G, D)
+            s = np.einsum("hgd,nhd->hgn", qh, K) * dt(scale)
+            s = s - s.max(axis=-1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[t] = np.einsum("hgn,nhd->hgd", p, V).reshape(Hq, D)
+        return out
+    import cupy as cp
+    for n, a in (("q", q), ("kv_k", kv_k), ("kv_v", kv_v)):
+        _f32_gpu(n, a)
+    out = cp.empty((T, Hq, D), dtype=cp.float32)
+    if T == 0:
+        return out
+    mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}", f"-DQSA_GROUP={G}"))
+    warps = 8
+    mod.get_function("qsa_sparse_attention")(
+        (Hkv, T), (32 * warps,),
+        (cp.ascontiguousarray(q), kv_k, kv_v, cp.ascontiguousarray(block_tables, dtype=cp.int32),
+         cp.ascontiguousarray(rows, dtype=cp.int64), cp.ascontiguousarray(n_visible, dtype=cp.int64),
+         cp.ascontiguousarray(selected, dtype=cp.int32), out, np.int32(Hkv), np.int32(selected.shape[1]),
+         np.int32(ratio), np.int32(page_size), np.int32(block_tables.shape[1]), np.float32(scale)))
+    return out

@@ -1,0 +1,406 @@
+"""The engine's qwen4exp forward, assembled from the engine kernels (engine/kernels/*), over the
+engine's serving state (engine/state.py).
+
+One :meth:`EngineModel.forward` runs a *step*: a list of segments, each ``(sequence, new token ids)``.
+Prefill and verify pass one segment of ``T`` tokens; decode passes ``B`` segments of one token each
+(sequences of different lengths in one batch). Dense work (projections, norms, hyper-connections,
+MoE) runs once over all the step's tokens; sequence work (GDN conv/recurrence, QSA, PLE conv/n-grams)
+reads and writes each sequence's pages and slab rows.
+
+Weights: BF16 by default, stored on the device as ``uint16`` bit patterns (cupy has no bfloat16);
+``precision="float32"`` keeps every weight in float32 (exact-parity runs). FP8 block-scaled weights
+are dequantised on load by the shared checkpoint reader. Norm gains, conv kernels, ``A_log`` and
+``dt_bias`` stay float32 in both modes. Activations, accumulation and all state are float32.
+
+Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextModel.forward`` (embed, hc_count-fold repeat, layers,
+final ``hyper_connection_mixer``), ``Qwen4ExpTextDecoderLayer.forward`` (PLE add, two gated residual
+halves), ``Qwen4ExpForCausalLM.forward`` (``lm_head``). The per-block math lives in the kernels.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import to_numpy
+from engine.kernels import gdn as K_gdn
+from engine.kernels import linear as K_lin
+from engine.kernels import norms as K_norms
+from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
+from engine.ple_table import PLETable
+from taps import recorder as tap_recorder
+
+__all__ = ["EngineModel", "Segment"]
+
+
+class Segment:
+    """One sequence's part of a step: ``ids`` (host int64 ``[n]``) appended at ``start = seq.length``."""
+
+    __slots__ = ("seq", "ids", "start")
+
+    def __init__(self, seq, ids):
+        self.seq = seq
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.start = seq.length
+
+
+class SyncCounter:
+    """Counts device->host copies/synchronisations the engine makes (the decode-step budget is one: the
+    logits; taps add theirs only while a recorder is active)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def host(self, a):
+        """A host copy of ``a``, counted when ``a`` is a device array."""
+        if isinstance(a, np.ndarray):
+            return a
+        self.count += 1
+        return to_numpy(a)
+
+
+class EngineModel:
+    """Device weights + the forward pass.
+
+    Args:
+        ck: a shared checkpoint (``reference.checkpoint.Checkpoint`` or ``DictWeights``).
+        xp: numpy (CPU path: NumPy twins) or cupy.
+        precision: 'bf16' (BF16 weights, FP32 accumulation/state) or 'float32'.
+        ple_placement: 'host' (memory-mapped table, rows gathered per step) or 'device'.
+        prefill_gdn_chunk: chunk length of the chunked gated delta rule.
+    """
+
+    def __init__(self, ck, xp, precision: str = "bf16", ple_placement: str = "host", prefill_gdn_chunk: int = 64,
+                 progress: bool = False):
+        self.ck = ck
+        self.config = c = ck.config
+        self.xp = xp
+        self.precision = precision
+        self.gdn_chunk = int(prefill_gdn_chunk)
+        self.syncs = SyncCounter()
+        self.w: dict[str, object] = {}
+        names = self._weight_names()
+        it = names
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(names, desc="upload weights", unit="tensor")
+        for name, kind in it:
+            self.w[name] = self._load(name, kind)
+        self._load_experts(progress)
+        from engine.kernels.rope import rope_inv_freq
+        self.inv_freq = xp.asarray(rope_inv_freq(c))
+        self.ple = {i: PLETable(ck, i, xp, ple_placement) for i in c.ple_layers}
+        self.ple_meta = {}
+        for i in c.ple_layers:
+            lay = c.ple_layout(i)
+            self.ple_meta[i] = (np.asarray(lay.multipliers, np.int64), np.asarray(lay.head_vocab_sizes, np.int64),
+                                np.asarray(lay.head_offsets, np.int64))
+
+    # ------------------------------------------------------------------ weights
+    def _weight_names(self):
+        """(canonical name, 'mat' | 'vec') for every dense tensor the forward reads (experts apart)."""
+        c = self.config
+        out = [("embed_tokens.weight", "mat"), ("lm_head.weight", "mat")]
+        for hcn in ("hyper_connection_mixer",):
+            out += [(f"{hcn}.hc_norm.weight", "vec"), (f"{hcn}.input_mix_weight_down.weight", "mat"),
+                    (f"{hcn}.input_mix_weight_up.weight", "mat")]
+        for i, lt in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
+                out += [(p + hcn + ".hc_norm.weight", "vec"), (p + hcn + ".input_mix_weight_down.weight", "mat"),
+                        (p + hcn + ".input_mix_weight_up.weight", "mat"), (p + hcn + ".block_inject_weight.weight", "mat")]
+            if lt == "linear_attention":
+                q = p + "linear_attn."
+                out += [(q + "in_proj_qkv.weight", "mat"), (q + "in_proj_z.weight", "mat"), (q + "in_proj_b.weight", "mat"),
+                        (q + "in_proj_a.weight", "mat"), (q + "out_proj.weight", "mat"), (q + "conv1d.weight", "conv"),
+                        (q + "A_log", "vec"), (q + "dt_bias", "vec"), (q + "norm.weight", "vec")]
+            else:
+                q = p + "self_attn."
+                out += [(q + "q_proj.weight", "mat"), (q + "k_proj.weight", "mat"), (q + "v_proj.weight", "mat"),
+                        (q + "o_proj.weight", "mat"), (q + "q_norm.weight", "vec"), (q + "k_norm.weight", "vec"),
+                        (q + "indexer.index_qk_proj.weight", "mat"), (q + "indexer.q_layernorm.weight", "vec"),
+                        (q + "indexer.k_layernorm.weight", "vec")]
+            m = p + "mlp."
+            out += [(m + "gate.weight", "f32mat"), (m + "shared_expert.gate_proj.weight", "mat"),
+                    (m + "shared_expert.up_proj.weight", "mat"), (m + "shared_expert.down_proj.weight", "mat"),
+                    (m + "shared_expert_gate.weight", "mat")]
+            if i in c.ple_layers:
+                q = p + "ple."
+                out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
+                        (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
+        return out
+
+    def _dev_mat(self, a: np.ndarray):
+        """A host float32 matrix as a device weight of this precision (BF16 bits or float32)."""
+        if self.precision == "bf16":
+            return self.xp.asarray(to_bf16_bits(np.ascontiguousarray(a, dtype=np.float32)))
+        return self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+    def _load(self, name: str, kind: str):
+        a = self.ck.get(name, dtype=np.float32)
+        if kind == "mat":
+            return self._dev_mat(a)
+        if kind == "conv":  # [C, 1, K] -> [C, K]
+            return self.xp.asarray(np.ascontiguousarray(a.reshape(a.shape[0], a.shape[-1]), dtype=np.float32))
+        # 'vec' and 'f32mat' (the router stays float32: a BF16 router would move top-k ties)
+        return self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+    def _load_experts(self, progress: bool):
+        c = self.config
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        it = range(c.num_hidden_layers)
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(it, desc="upload experts", unit="layer")
+        for i in it:
+            gu = np.empty((E, 2 * I, H), np.float32)
+            dn = np.empty((E, H, I), np.float32)
+            for e in range(E):
+                g, u, d = self.ck.expert(i, e, dtype=np.float32)
+                gu[e, :I], gu[e, I:], dn[e] = g, u, d
+            self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
+            self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
+
+    def weight_bytes(self) -> int:
+        return int(sum(a.nbytes for a in self.w.values()))
+
+    # ------------------------------------------------------------------ helpers
+    def _emit(self, rec, name, value, positions):
+        """Emit a tap (host copy, counted) only when a recorder is active and wants ``name``."""
+        if rec is not None and rec.wants(name):
+            rec.emit(name, self.syncs.host(value), positions=positions)
+
+    def _embed(self, ids_dev):
+        W = self.w["embed_tokens.weight"]
+        rows = W[ids_dev]
+        if rows.dtype == np.uint16:
+            return bf16_bits_to_float32(rows)
+        return rows.astype(np.float32, copy=False)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, pool, segs: list[Segment], mode: str, last_only: bool = False):
+        """Run one step and return logits (device array, float32).
+
+        Args:
+            pool: the :class:`engine.state.StatePool` (pages for all positions already reserved).
+            segs: the step's segments (``mode='decode'``: one token each; else exactly one segment).
+            mode: 'prefill', 'decode' or 'verify' (verify fills ``seq.checkpoints`` per position).
+            last_only: return only each segment's last row.
+        Returns:
+            ``[T, V]`` (or ``[len(segs), V]`` with ``last_only``) float32 on the engine's device.
+        """
+        xp, c = self.xp, self.config
+        self._pool = pool
+        ids = np.concatenate([s.ids for s in segs])
+        positions = np.concatenate([np.arange(s.start, s.start + len(s.ids), dtype=np.int64) for s in segs])
+        T = len(ids)
+        rec = tap_recorder.current()
+        ids_dev = xp.asarray(ids)
+        pos_dev = xp.asarray(positions)
+        x = self._embed(ids_dev)  # [T, H]
+        self._emit(rec, "embed_tokens.out", x, positions)
+        h = xp.tile(x, (1, c.hc_count))  # [T, hc*H]: streams are copies (official .repeat(1, 1, hc))
+        eps = c.rms_norm_eps
+        for i, lt in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            if i in self.ple:
+                h = h + self._ple(i, h, segs, mode, rec, positions)
+            self._emit(rec, p + "attn_hyper_connection.in", h, positions)
+            pre = K_norms.hc_pre(h, self.w[p + "attn_hyper_connection.hc_norm.weight"],
+                                 self.w[p + "attn_hyper_connection.input_mix_weight_down.weight"],
+                                 self.w[p + "attn_hyper_connection.input_mix_weight_up.weight"],
+                                 self.w[p + "attn_hyper_connection.block_inject_weight.weight"],
+                                 hc_count=c.hc_count, eps=eps)
+            self._emit(rec, p + "attn_hyper_connection.out", pre.mixed, positions)
+            self._emit(rec, p + "attn_hyper_connection.injection_weights", pre.injection_weights, positions)
+            if lt == "linear_attention":
+                out = self._gdn(i, pre.mixed, segs, mode, rec, positions)
+            else:
+                out = self._qsa(i, pre.mixed, segs, mode, rec, positions, pos_dev, pool)
+            h = K_norms.hc_combine(h, out, pre.injection_weights)
+            self._emit(rec, p + "attn_hyper_connection.combine", h, positions)
+            pre = K_norms.hc_pre(h, self.w[p + "mlp_hyper_connection.hc_norm.weight"],
+                                 self.w[p + "mlp_hyper_connection.input_mix_weight_down.weight"],
+                                 self.w[p + "mlp_hyper_connection.input_mix_weight_up.weight"],
+                                 self.w[p + "mlp_hyper_connection.block_inject_weight.weight"],
+                                 hc_count=c.hc_count, eps=eps)
+            self._emit(rec, p + "mlp_hyper_connection.out", pre.mixed, positions)
+            self._emit(rec, p + "mlp_hyper_connection.injection_weights", pre.injection_weights, positions)
+            out = self._moe(i, pre.mixed, rec, positions)
+            h = K_norms.hc_combine(h, out, pre.injection_weights)
+            self._emit(rec, p + "mlp_hyper_connection.combine", h, positions)
+        fin = K_norms.hc_pre(h, self.w["hyper_connection_mixer.hc_norm.weight"],
+                             self.w["hyper_connection_mixer.input_mix_weight_down.weight"],
+                             self.w["hyper_connection_mixer.input_mix_weight_up.weight"], None,
+                             hc_count=c.hc_count, eps=eps)
+        final = fin.mixed
+        self._emit(rec, "hyper_connection_mixer.out", final, positions)
+        if last_only:
+            ends = np.cumsum([len(s.ids) for s in segs]) - 1
+            final = final[xp.asarray(ends)]
+            positions = positions[ends]
+        logits = K_lin.linear(final, self.w["lm_head.weight"])
+        self._emit(rec, "logits", logits, positions)
+        return logits
+
+    # ------------------------------------------------------------------ GDN
+    def _gdn(self, i, x, segs, mode, rec, positions):
+        """Gated DeltaNet block (``Qwen4ExpTextGatedDeltaNet.forward``) over the step's tokens."""
+        xp, c, w = self.xp, self.config, self.w
+        q = f"layers.{i}.linear_attn."
+        pool = self._pool
+        T = x.shape[0]
+        qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
+        z = K_lin.linear(x, w[q + "in_proj_z.weight"])
+        b = K_lin.linear(x, w[q + "in_proj_b.weight"])
+        a = K_lin.linear(x, w[q + "in_proj_a.weight"])
+        conv_state = pool.gdn_conv[i]
+        rec_state = pool.gdn_rec[i]
+        if mode == "decode":
+            slots = self._slab_index(segs)
+            conv = K_gdn.causal_conv_decode(qkv, w[q + "conv1d.weight"], conv_state, slots)
+        else:
+            seq = segs[0].seq
+            ck = seq.checkpoints[f"gdn_conv.{i}"][1:] if mode == "verify" else None
+            conv = K_gdn.causal_conv_prefill(qkv, w[q + "conv1d.weight"], conv_state, seq.slab, checkpoints=ck)
+        self._emit(rec, q + "conv_out", conv, positions)
+        kd, vd = c.linear_key_dim, c.linear_value_dim
+        Hk, Hv, Dk, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        qq = conv[:, :kd].reshape(T, Hk, Dk)
+        kk = conv[:, kd:2 * kd].reshape(T, Hk, Dk)
+        vv = conv[:, 2 * kd:].reshape(T, Hv, Dv)
+        g, beta = K_gdn.gdn_gates(a, b, w[q + "A_log"], w[q + "dt_bias"])
+        if mode == "decode":
+            core = K_gdn.gated_delta_decode(qq, kk, vv, g, beta, rec_state, slots)
+        elif mode == "verify":
+            seq = segs[0].seq
+            ck = seq.checkpoints[f"gdn_rec.{i}"][1:]
+            core = K_gdn.gated_delta_recurrent(qq, kk, vv, g, beta, rec_state, xp.asarray(np.array([seq.slab])),
+                                               cu_seqlens=xp.asarray(np.array([0, T])), checkpoints=ck)
+        else:
+            core = K_gdn.gated_delta_prefill(qq, kk, vv, g, beta, rec_state, segs[0].seq.slab, chunk_size=self.gdn_chunk)
+        self._emit(rec, q + "core_out", core, positions)
+        normed = K_norms.gated_rms_norm(core, z.reshape(T, Hv, Dv), w[q + "norm.weight"], eps=c.rms_norm_eps,
+                                        activation=c.output_gate)
+        out = K_lin.linear(normed.reshape(T, vd), w[q + "out_proj.weight"])
+        self._emit(rec, q + "out", out, positions)
+        return out
+
+    def _slab_index(self, segs):
+        return self.xp.asarray(np.array([s.seq.slab for s in segs], dtype=np.int64))
+
+    # ------------------------------------------------------------------ MoE / PLE / QSA (kernels of E-dense / E-seq)
+    def _moe(self, i, x, rec, positions):
+        """Sparse MoE block (``Qwen4ExpTextSparseMoeBlock.forward``) via :func:`engine.kernels.moe.moe_block`."""
+        from engine.kernels import moe as K_moe
+        c, w = self.config, self.w
+        m = f"layers.{i}.mlp."
+        r = K_moe.moe_block(x, w[m + "gate.weight"], w[m + "experts.gate_up"], w[m + "experts.down"],
+                            top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                            shared_gate_proj=w[m + "shared_expert.gate_proj.weight"],
+                            shared_up_proj=w[m + "shared_expert.up_proj.weight"],
+                            shared_down_proj=w[m + "shared_expert.down_proj.weight"],
+                            shared_expert_gate=w[m + "shared_expert_gate.weight"])
+        if rec is not None:
+            self._emit(rec, m + "gate.router_logits", r.router_logits, positions)
+            self._emit(rec, m + "gate.topk_ids", r.topk_ids.astype(np.int64), positions)
+            self._emit(rec, m + "gate.topk_weights", r.topk_weights, positions)
+            self._emit(rec, m + "out", r.out, positions)
+        return r.out
+
+    def _ple(self, i, h, segs, mode, rec, positions):
+        """PLE layer output (``Qwen4ExpTextPLELayer.forward``), added to the residual by the caller.
+
+        The n-gram ids are hashed on the host (the host has the token ids and the context), the hashed
+        table rows are gathered from the host-resident table (or on the device), then key/value
+        projections, the gate and the dilated conv run on the device. In verify mode the conv state and
+        the n-gram context after every position are recorded for rollback."""
+        from engine.kernels import ple as K_ple
+        xp, c, w = self.xp, self.config, self.w
+        q = f"layers.{i}.ple."
+        pool = self._pool
+        B, Tn = len(segs), len(segs[0].ids)
+        ids = np.stack([s.ids for s in segs])  # [B, Tn] host
+        slabs = np.array([s.seq.slab for s in segs], dtype=np.int64)
+        ctx = pool.ple_ctx[i]  # host int64 [max_seqs, n-1]
+        hist = np.concatenate([ctx[slabs], ids], axis=1) if mode == "verify" else None
+        rows = K_ple.ngram_hash(ids, ctx, slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
+        rows2 = rows.reshape(B * Tn, -1)
+        self._emit(rec, q + "ple_embedding.ngram_ids", rows2, positions)
+        emb = self.ple[i].gather(rows2)  # [B*Tn, ple_embed_dim] on the device
+        self._emit(rec, q + "ple_embedding.out", emb, positions)
+        key = K_lin.linear(emb, w[q + "key_proj.weight"])
+        value = K_lin.linear(emb, w[q + "value_proj.weight"])
+        pg = K_ple.ple_gate(key, value, h, w[q + "norm_key.weight"], w[q + "norm_query.weight"],
+                            w[q + "norm_conv.weight"], hc_count=c.hc_count, eps=c.rms_norm_eps)
+        W = h.shape[1]
+        slab_dev = xp.asarray(slabs)
+        conv_slab = pool.ple_conv[i]
+        if mode == "verify":
+            L = conv_slab.shape[1]
+            chist = xp.concatenate([conv_slab[int(slabs[0])][None], pg.gated_normed.reshape(1, Tn, W)], axis=1)[0]
+            ck, ckx = segs[0].seq.checkpoints[f"ple_conv.{i}"], segs[0].seq.checkpoints[f"ple_ctx.{i}"]
+            n = ckx.shape[1]
+            for j in range(Tn):
+                ck[j + 1] = chist[j + 1:j + 1 + L]
+                ckx[j + 1] = hist[0, j + 1:j + 1 + n]
+        conv = K_ple.ple_conv(pg.gated_normed.reshape(B, Tn, W), conv_slab, slab_dev, w[q + "conv1d.weight"],
+                              dilation=c.ngram_size)
+        out = pg.gated + conv.reshape(B * Tn, W)
+        self._emit(rec, q + "gate", pg.gate, positions)
+        self._emit(rec, q + "out", out, positions)
+        return out
+
+    def _hash_tables(self, i):
+        if not hasattr(self, "_htabs"):
+            self._htabs = {}
+        if i not in self._htabs:
+            from engine.kernels import ple as K_ple
+            self._htabs[i] = K_ple.PLEHashTables.from_layout(self.config.ple_layout(i), self.config, np)
+        return self._htabs[i]
+
+    def _qsa(self, i, x, segs, mode, rec, positions, pos_dev, pool):
+        """Indexed sparse attention (``Qwen4ExpTextAttention.forward`` with ``Qwen4ExpTextQSAIndexer``) over
+        the paged pools: raw indexer keys, block keys, K and V are written at the tokens' slots first, then
+        every query scores the complete blocks visible to it, keeps the canonical top-k plus the tail, and
+        attends. Prefill, verify and decode run the same ops (identical selection semantics)."""
+        from engine.kernels import qsa as K_qsa
+        from engine.kernels.rope import apply_rope
+        xp, c, w = self.xp, self.config, self.w
+        q = f"layers.{i}.self_attn."
+        T = x.shape[0]
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        ih, ihd, r = c.indexer_n_heads, c.indexer_head_dim, c.indexer_compress_ratio
+        ps, eps, rd = pool.page_size, c.rms_norm_eps, c.rotary_dim
+        rows = xp.asarray(np.concatenate([np.full(len(s.ids), s.seq.slab, np.int64) for s in segs]))
+        slots = K_qsa.token_slots(pool.block_tables, rows, pos_dev, ps)
+        # --- indexer: queries, raw keys, block keys, scores, top-k
+        qk = K_lin.linear(x, w[q + "indexer.index_qk_proj.weight"])
+        q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"], eps=eps)
+        q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
+        pool.idx_k[i][slots] = qk[:, ih * ihd:]
+        K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev,
+                             w[q + "indexer.k_layernorm.weight"], self.inv_freq, rd, r, ps, eps)
+        n_vis = pos_dev + 1
+        n_blocks = max(1, int(positions.max() + 1) // r)  # host-known: no device sync
+        scores, sel = K_qsa.qsa_select(q_idx, pool.blk_k[i], pool.block_tables, rows, n_vis, n_blocks, r, ps,
+                                       c.block_topk)
+        if rec is not None:
+            self._emit(rec, q + "indexer.block_scores", scores, positions)
+            self._emit(rec, q + "indexer.selected_blocks", sel.astype(np.int64), positions)
+        # --- attention projections, K/V into the pages, sparse attention, sigmoid output gate
+        qg = K_lin.linear(x, w[q + "q_proj.weight"]).reshape(T, nh, 2 * hd)
+        gate = qg[:, :, hd:].reshape(T, nh * hd)
+        qq = K_norms.rms_norm(xp.ascontiguousarray(qg[:, :, :hd]), w[q + "q_norm.weight"], eps=eps)
+        kk = K_norms.rms_norm(K_lin.linear(x, w[q + "k_proj.weight"]).reshape(T, nkv, hd), w[q + "k_norm.weight"],
+                              eps=eps)
+        vv = K_lin.linear(x, w[q + "v_proj.weight"]).reshape(T, nkv, hd)
+        qq = apply_rope(qq, pos_dev, self.inv_freq, rd)
+        kk = apply_rope(kk, pos_dev, self.inv_freq, rd)
+        pool.kv_k[i][slots] = kk
+        pool.kv_v[i][slots] = vv
+        core = K_qsa.qsa_sparse_attention(qq, pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, n_vis, sel, r, ps,
+                                          hd ** -0.5).reshape(T, nh * hd)
+        self._emit(rec, q + "core_out", core, positions)
+        gated = core * (1.0 / (1.0 + xp.exp(-gate)))
+        out = K_lin.linear(gated, w[q + "o_proj.weight"])
+        self._emit(rec, q + "out", out, positions)
+        return out

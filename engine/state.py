@@ -1,0 +1,435 @@
+"""Engine serving state: paged KV pools, recurrent/PLE state slabs, the sequence table.
+
+Layout (all arrays live on the engine's device, ``xp`` = numpy or cupy):
+
+* **Token slots.** A pool of ``num_pages`` pages of ``page_size`` token slots each. Token ``t`` of a
+  sequence lives in slot ``block_table[t // page_size] * page_size + t % page_size``. Per QSA layer
+  ``i`` the pools hold, indexed by slot:
+
+  - ``kv_k[i]``, ``kv_v[i]``: ``[num_slots, num_key_value_heads, head_dim]`` (normed, roped keys; values)
+  - ``idx_k[i]``: ``[num_slots, indexer_head_dim]`` the raw indexer key of that token (same slot, so a
+    selected token index addresses K, V and the indexer key alike)
+  - ``blk_k[i]``: ``[num_slots, indexer_head_dim]`` the pooled/normed/roped key of the compressed block
+    that *ends* at this token (written when a block completes; the block ``b`` of a sequence is read at
+    the slot of token ``b * compress_ratio + compress_ratio - 1``), so decode never recomputes old blocks
+    and copy-on-write/snapshots carry block keys with their pages. Any page size works (1, 3, 16, 64):
+    blocks may straddle pages.
+
+* **Slabs.** ``max_seqs`` rows, one per live sequence (``Sequence.slab``):
+
+  - GDN layers: ``gdn_conv[i]`` ``[max_seqs, linear_conv_kernel_dim - 1, linear_conv_dim]`` (newest input last) and
+    ``gdn_rec[i]`` ``[max_seqs, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim]`` (FP32)
+  - PLE layers: ``ple_conv[i]`` ``[max_seqs, ple_conv_state_len, hc_count * hidden_size]`` and
+    ``ple_ctx[i]`` ``[max_seqs, ngram_size - 1]`` int64 (n-gram history, EOS-filled when empty; host numpy
+    on every device, since n-gram ids are hashed on the host from the ids it feeds)
+
+* **Device block tables.** ``block_tables`` ``[max_seqs, max_pages_per_seq]`` int32 (row = slab), kept in
+  step with the host lists so kernels read it without any host round trip; ``-1`` = no page.
+
+Pages are reference counted: forks and snapshots share pages, and a write into a shared page copies it
+first (copy on write). Freed pages and slab rows are scrubbed (zeros, EOS context) so nothing of a freed
+sequence can reach the next owner.
+
+Limits are fixed at construction and reported by :meth:`StatePool.limits`; a request beyond them raises
+:class:`CapacityError` naming the resource, never truncates. The only cap on a sequence's length is the
+config's ``max_position_embeddings`` (and the pool's page count).
+
+Source of the state semantics: modeling_qwen4_exp.py (``Qwen4ExpTextGatedDeltaNet.forward`` conv and
+recurrent states; ``Qwen4ExpTextNGramEmbedding.forward`` n-gram context; ``Qwen4ExpTextPLELayer._short_conv``
+dilated conv state; ``Qwen4ExpTextQSAIndexer.forward`` raw indexer keys).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import numpy as np
+
+from reference.errors import InputError, UserError
+
+__all__ = ["CapacityError", "StateError", "Sequence", "Snapshot", "StatePool", "SLAB_FIELDS"]
+
+
+class CapacityError(UserError, MemoryError):
+    """A request needs more state memory (pages, slab rows, positions) than the engine was built with."""
+
+
+class StateError(UserError, ValueError):
+    """Misuse of sequence state: a freed sequence, a rollback past the checkpoints, a foreign snapshot."""
+
+
+# slab-resident per-sequence state (copied by fork/snapshot, checkpointed by verify)
+SLAB_FIELDS = ("gdn_conv", "gdn_rec", "ple_conv", "ple_ctx")
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sequence's handle. ``length`` = committed tokens; ``pages`` = host block table (page ids)."""
+
+    sid: int
+    slab: int
+    pages: list = dataclasses.field(default_factory=list)
+    length: int = 0
+    alive: bool = True
+    # verify checkpoints: {"k": n, "start": length before verify, "<field>.<layer>": xp [n+1, ...]}
+    checkpoints: dict | None = None
+    pool_id: int = 0
+
+    def __repr__(self):
+        return f"Sequence(sid={self.sid}, length={self.length}, pages={len(self.pages)})"
+
+
+class Snapshot:
+    """A sequence's whole state at one length: pages by reference (refcounted, copy on write), slab rows
+    by copy. Released automatically when garbage collected (or explicitly with :meth:`release`)."""
+
+    def __init__(self, pool: "StatePool", seq: Sequence):
+        self.pool_id = id(pool)
+        self.length = seq.length
+        self.pages = list(seq.pages)
+        self.slab = {key: arr[seq.slab].copy() for key, arr in pool.slab_arrays()}
+        pool._incref(self.pages)
+        self._finalizer = weakref.finalize(self, StatePool._decref_static, weakref.ref(pool), list(self.pages))
+
+    def release(self) -> None:
+        """Drop this snapshot's page references (idempotent)."""
+        self._finalizer()
+
+
+class StatePool:
+    """All per-sequence serving state of one engine.
+
+    Args:
+        config: the :class:`reference.config.ModelConfig`.
+        xp: numpy or cupy.
+        page_size: token slots per page (any positive integer).
+        num_pages: pages in the pool (shared by all sequences).
+        max_seqs: slab rows (live sequences at once, forks included).
+        kv_dtype: dtype of K/V/indexer-key pools (float32 by default; state slabs are always float32).
+    Raises:
+        InputError: non-positive sizes.
+    """
+
+    def __init__(self, config, xp, *, page_size: int = 16, num_pages: int = 256, max_seqs: int = 8,
+                 kv_dtype=np.float32):
+        for name, v in (("page_size", page_size), ("num_pages", num_pages), ("max_seqs", max_seqs)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise InputError(f"{name}: expected a positive integer, found {v!r}")
+        self.config = c = config
+        self.xp = xp
+        self.page_size = int(page_size)
+        self.num_pages = int(num_pages)
+        self.max_seqs = int(max_seqs)
+        self.max_positions = int(c.max_position_embeddings)
+        self.max_pages_per_seq = -(-self.max_positions // self.page_size)
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.num_slots = self.num_pages * self.page_size
+        self.eos = c.ple_eos_token_id if c.ple_eos_token_id is not None else 0
+        f32 = np.float32
+        self.qsa_layers = [i for i, t in enumerate(c.layer_types) if t == "indexed_attention"]
+        self.gdn_layers = [i for i, t in enumerate(c.layer_types) if t == "linear_attention"]
+        self.ple_layers = list(c.ple_layers)
+        S = self.num_slots
+        self.kv_k = {i: xp.zeros((S, c.num_key_value_heads, c.head_dim), self.kv_dtype) for i in self.qsa_layers}
+        self.kv_v = {i: xp.zeros((S, c.num_key_value_heads, c.head_dim), self.kv_dtype) for i in self.qsa_layers}
+        ihd = c.indexer_head_dim or 1
+        self.idx_k = {i: xp.zeros((S, ihd), self.kv_dtype) for i in self.qsa_layers}
+        self.blk_k = {i: xp.zeros((S, ihd), self.kv_dtype) for i in self.qsa_layers}
+        M = self.max_seqs
+        self.gdn_conv = {i: xp.zeros((M, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), f32)
+                         for i in self.gdn_layers}
+        self.gdn_rec = {i: xp.zeros((M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                                    f32) for i in self.gdn_layers}
+        self.ple_conv = {i: xp.zeros((M, c.ple_conv_state_len, c.hc_hidden_size), f32) for i in self.ple_layers}
+        # the n-gram context stays on the host (numpy) on every device: the host hashes n-grams from the token
+        # ids it feeds, so the host-resident PLE table needs no device->host copy
+        self.ple_ctx = {i: np.full((M, max(c.ngram_size - 1, 1)), self.eos, np.int64) for i in self.ple_layers}
+        self.block_tables = xp.full((M, self.max_pages_per_seq), -1, np.int32)
+        self.refcount = np.zeros(self.num_pages, np.int64)  # host-side bookkeeping
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() gives the lowest id first
+        self._free_slabs = list(range(M - 1, -1, -1))
+        self._next_sid = 0
+        self.seqs: dict[int, Sequence] = {}
+
+    # ------------------------------------------------------------------ limits
+    def page_bytes(self) -> int:
+        """Bytes of one page across all QSA layers (K, V, indexer key, block key)."""
+        c = self.config
+        per_tok = (2 * c.num_key_value_heads * c.head_dim + 2 * (c.indexer_head_dim or 1)) * self.kv_dtype.itemsize
+        return per_tok * self.page_size * len(self.qsa_layers)
+
+    def slab_bytes(self) -> int:
+        """Bytes of one sequence's slab rows (GDN conv + recurrent, PLE conv + context)."""
+        return sum(int(a[0].nbytes) for _, a in self.slab_arrays())
+
+    def limits(self) -> dict:
+        """The memory limits this pool imposes (stated at load)."""
+        return {"page_size": self.page_size, "num_pages": self.num_pages, "kv_token_capacity": self.num_slots,
+                "max_seqs": self.max_seqs, "max_positions_per_seq": self.max_positions,
+                "page_bytes": self.page_bytes(), "slab_bytes_per_seq": self.slab_bytes(),
+                "kv_pool_bytes": self.page_bytes() * self.num_pages, "slab_pool_bytes": self.slab_bytes() * self.max_seqs,
+                "block_table_bytes": int(self.block_tables.nbytes)}
+
+    def describe_limits(self) -> str:
+        L = self.limits()
+        return (f"state limits: {L['num_pages']} pages x {L['page_size']} tokens = {L['kv_token_capacity']} KV tokens "
+                f"shared by all sequences ({L['kv_pool_bytes'] / 2**20:.1f} MiB); {L['max_seqs']} sequences at once "
+                f"({L['slab_bytes_per_seq'] / 2**20:.2f} MiB slab each); <= {L['max_positions_per_seq']} positions "
+                f"per sequence (max_position_embeddings)")
+
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def free_slabs(self) -> int:
+        return len(self._free_slabs)
+
+    # ------------------------------------------------------------------ helpers
+    def slab_arrays(self):
+        """Every slab-resident array as ``(key, array)`` with key ``"<field>.<layer>"``."""
+        for f in SLAB_FIELDS:
+            for i, arr in getattr(self, f).items():
+                yield f"{f}.{i}", arr
+
+    def page_arrays(self):
+        """Every slot-indexed pool array as ``(key, array)``."""
+        for f in ("kv_k", "kv_v", "idx_k", "blk_k"):
+            for i, arr in getattr(self, f).items():
+                yield f"{f}.{i}", arr
+
+    def _check(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence):
+            raise StateError(f"sequence: expected an engine Sequence, found {type(seq).__name__}")
+        if not seq.alive or self.seqs.get(seq.sid) is not seq:
+            raise StateError(f"sequence {seq.sid}: expected a live sequence of this engine, found a freed or "
+                             f"foreign one")
+
+    def _incref(self, pages) -> None:
+        for p in pages:
+            self.refcount[p] += 1
+
+    @staticmethod
+    def _decref_static(pool_ref, pages) -> None:
+        pool = pool_ref()
+        if pool is not None:
+            pool._decref(pages)
+
+    def _decref(self, pages) -> None:
+        dead = []
+        for p in pages:
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                dead.append(p)
+            elif self.refcount[p] < 0:  # a bookkeeping bug, never user input
+                raise RuntimeError(f"page {p}: refcount below zero")
+        if dead:
+            self._scrub_pages(dead)
+            # freed pages go back in ascending order so the next allocation reuses the lowest ids
+            self._free_pages.extend(sorted(dead, reverse=True))
+            self._free_pages.sort(reverse=True)
+
+    def _page_slots(self, pages):
+        ps = self.page_size
+        pages = np.asarray(pages, np.int64)
+        return (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)
+
+    def _scrub_pages(self, pages) -> None:
+        slots = self.xp.asarray(self._page_slots(pages))
+        for _, arr in self.page_arrays():
+            arr[slots] = 0
+
+    def _scrub_slab(self, slab: int) -> None:
+        for key, arr in self.slab_arrays():
+            arr[slab] = self.eos if key.startswith("ple_ctx") else 0
+        self.block_tables[slab] = -1
+
+    def _alloc_page(self, what: str) -> int:
+        if not self._free_pages:
+            raise CapacityError(f"KV pages: {what} needs a free page, found none (pool of {self.num_pages} pages x "
+                                f"{self.page_size} tokens is full; raise kv_tokens/num_pages or free sequences)")
+        p = self._free_pages.pop()
+        self.refcount[p] = 1
+        return p
+
+    # ------------------------------------------------------------------ sequences
+    def add(self) -> Sequence:
+        """A new empty sequence with a scrubbed slab row.
+
+        Raises:
+            CapacityError: all ``max_seqs`` slab rows are in use.
+        """
+        if not self._free_slabs:
+            raise CapacityError(f"sequences: expected a free slab row, found all {self.max_seqs} in use "
+                                f"(raise max_seqs or free sequences)")
+        slab = self._free_slabs.pop()
+        self._scrub_slab(slab)
+        seq = Sequence(sid=self._next_sid, slab=slab, pool_id=id(self))
+        self._next_sid += 1
+        self.seqs[seq.sid] = seq
+        return seq
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence: its pages lose a reference (scrubbed when unreferenced), its slab row is
+        scrubbed and returned. The handle is dead afterwards."""
+        self._check(seq)
+        self._decref(seq.pages)
+        seq.pages = []
+        self._scrub_slab(seq.slab)
+        self._free_slabs.append(seq.slab)
+        seq.alive = False
+        seq.checkpoints = None
+        del self.seqs[seq.sid]
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A child sharing the parent's pages (copy on write) with its own copy of every slab row."""
+        self._check(seq)
+        child = self.add()
+        child.pages = list(seq.pages)
+        self._incref(child.pages)
+        child.length = seq.length
+        for _, arr in self.slab_arrays():
+            arr[child.slab] = arr[seq.slab]
+        self._sync_table(child)
+        return child
+
+    def _sync_table(self, seq: Sequence) -> None:
+        row = self.block_tables[seq.slab]
+        row[...] = -1
+        if seq.pages:
+            row[:len(seq.pages)] = self.xp.asarray(np.asarray(seq.pages, np.int32))
+
+    def reserve(self, seq: Sequence, n_new: int) -> None:
+        """Make positions ``[length, length + n_new)`` writable: allocate pages, copy shared ones (COW).
+
+        Raises:
+            CapacityError: past ``max_position_embeddings`` or out of pages (the sequence is unchanged
+                in the latter case: pages taken are given back).
+        """
+        self._check(seq)
+        end = seq.length + int(n_new)
+        if end > self.max_positions:
+            raise CapacityError(f"sequence {seq.sid}: {end} positions requested, expected <= "
+                                f"max_position_embeddings={self.max_positions}")
+        ps = self.page_size
+        need_pages = -(-end // ps)
+        first = seq.length // ps
+        new_pages = []
+        try:
+            for p in range(first, need_pages):
+                if p < len(seq.pages):
+                    old = seq.pages[p]
+                    if self.refcount[old] > 1:  # shared with a fork or a snapshot: copy on write
+                        q = self._alloc_page(f"sequence {seq.sid} (copy on write of page {old})")
+                        new_pages.append((p, q, old))
+                else:
+                    q = self._alloc_page(f"sequence {seq.sid} at position {p * ps}")
+                    new_pages.append((p, q, None))
+        except CapacityError:
+            for _, q, _ in new_pages:
+                self.refcount[q] = 0
+                self._free_pages.append(q)
+            self._free_pages.sort(reverse=True)
+            raise
+        if not new_pages:
+            return
+        xp = self.xp
+        cow = [(p, q, old) for p, q, old in new_pages if old is not None]
+        if cow:
+            src = xp.asarray(self._page_slots([o for _, _, o in cow]))
+            dst = xp.asarray(self._page_slots([q for _, q, _ in cow]))
+            for _, arr in self.page_arrays():
+                arr[dst] = arr[src]
+            self._decref([o for _, _, o in cow])
+        for p, q, old in new_pages:
+            if p < len(seq.pages):
+                seq.pages[p] = q
+            else:
+                seq.pages.append(q)
+        idx = np.asarray([p for p, _, _ in new_pages], np.int64)
+        vals = np.asarray([q for _, q, _ in new_pages], np.int32)
+        self.block_tables[seq.slab, xp.asarray(idx)] = xp.asarray(vals)
+
+    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Host int64 slot ids of positions ``[start, end)`` (pages must exist)."""
+        pos = np.arange(start, end, dtype=np.int64)
+        pages = np.asarray(seq.pages, np.int64)
+        if end > len(seq.pages) * self.page_size:
+            raise RuntimeError(f"sequence {seq.sid}: positions up to {end} not reserved")
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def truncate(self, seq: Sequence, new_length: int) -> None:
+        """Drop positions ``>= new_length`` (pages wholly past it lose a reference)."""
+        self._check(seq)
+        keep = -(-new_length // self.page_size)
+        drop = seq.pages[keep:]
+        seq.pages = seq.pages[:keep]
+        seq.length = new_length
+        if drop:
+            self._decref(drop)
+            self.block_tables[seq.slab, keep:keep + len(drop)] = -1
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self, seq: Sequence) -> Snapshot:
+        """Capture the sequence's whole state (see :class:`Snapshot`)."""
+        self._check(seq)
+        return Snapshot(self, seq)
+
+    def restore(self, seq: Sequence, snap: Snapshot) -> None:
+        """Put ``seq`` back to ``snap`` (pages shared again, slab rows copied back). The snapshot stays
+        valid and can be restored again.
+
+        Raises:
+            StateError: a snapshot of another engine.
+        """
+        self._check(seq)
+        if not isinstance(snap, Snapshot) or snap.pool_id != id(self):
+            raise StateError(f"snapshot: expected a snapshot taken by this engine, found {type(snap).__name__}")
+        self._incref(snap.pages)
+        self._decref(seq.pages)
+        seq.pages = list(snap.pages)
+        seq.length = snap.length
+        seq.checkpoints = None
+        for key, arr in self.slab_arrays():
+            arr[seq.slab] = snap.slab[key]
+        self._sync_table(seq)
+
+    # ------------------------------------------------------------------ verify checkpoints
+    def begin_checkpoints(self, seq: Sequence, k: int) -> dict:
+        """Start verify checkpoints for ``k`` tokens: index 0 holds the state before the first token;
+        the forward fills index ``j + 1`` with the state after token ``j`` for every slab field."""
+        self._check(seq)
+        ck: dict[str, Any] = {"k": int(k), "start": seq.length}
+        for key, arr in self.slab_arrays():
+            mod = np if isinstance(arr, np.ndarray) else self.xp
+            buf = mod.empty((k + 1,) + arr.shape[1:], arr.dtype)
+            buf[0] = arr[seq.slab]
+            ck[key] = buf
+        seq.checkpoints = ck
+        return ck
+
+    def rollback(self, seq: Sequence, n: int) -> None:
+        """Drop the last ``n`` tokens of the latest verify (0 <= n <= k): slab rows come back from the
+        per-position checkpoint, positions past the kept prefix are released.
+
+        Raises:
+            StateError: no verify checkpoints, or ``n`` beyond the verified tokens.
+        """
+        self._check(seq)
+        ck = seq.checkpoints
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise StateError(f"rollback: expected a token count >= 0, found {n!r}")
+        if ck is None:
+            if n == 0:
+                return
+            raise StateError(f"sequence {seq.sid}: rollback of {n} tokens needs the checkpoints of a verify, found "
+                             f"none (use snapshot/restore to go further back)")
+        done = seq.length - ck["start"]
+        if n > done:
+            raise StateError(f"sequence {seq.sid}: rollback of {n} tokens, expected <= {done} (tokens of the "
+                             f"latest verify still held)")
+        keep = done - n
+        for key, arr in self.slab_arrays():
+            arr[seq.slab] = ck[key][keep]
+        self.truncate(seq, ck["start"] + keep)
+        # checkpoints stay valid for a further (smaller) rollback; keep positions beyond new length out
+        seq.checkpoints = ck

@@ -1,0 +1,410 @@
+"""The measurements, each run in its own worker process (``python -m parity.bench.measure SPEC``) so
+that peak resident memory is per measurement and a crash or hang of one cannot take the others down.
+
+Kinds (``spec["kind"]``):
+
+* ``reference`` - the NumPy/Numba reference on the CPU: prefill and decode tokens/s, peak RSS.
+* ``peer`` - the official implementation (transformers ``Qwen4ExpForCausalLM``, eager attention) on
+  the CPU (float32, same numerics as the reference) or the GPU (bfloat16, like the engine), same
+  weights loaded with ``from_pretrained``: prefill and decode tokens/s (batched decode on the GPU).
+* ``engine`` - the engine (CuPy on the GPU, NumPy twins on the CPU): prefill tokens/s per prompt length,
+  decode tokens/s per (batch, context), host syncs per decode step (the engine's own counter), bytes
+  of weights and state touched per decoded token (an estimate from the shapes, see
+  :func:`decode_bytes`), the HBM bandwidth measured in the same process (a large device-to-device
+  copy) and the achieved fraction of it.
+* ``extras`` - the checkpoint n-gram gather rows/s and tap-diff MB/s (CPU, small sizes).
+
+Every kind prints exactly one JSON object as its last stdout line; progress goes to stderr. Warm-up
+runs are excluded from the statistics; medians of repeated runs with their spread are reported.
+A peer that cannot run returns ``{"unavailable": "<reason>"}`` instead of failing the bench.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+from parity.bench.stats import rate, summarize
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _ids(rng, n: int, vocab: int, avoid=()) -> np.ndarray:
+    ids = rng.integers(0, vocab, size=n, dtype=np.int64)
+    for a in avoid:  # keep EOS out: it resets the PLE n-gram history, which real prompts rarely do
+        ids[ids == a] = (a + 1) % vocab
+    return ids
+
+
+class _Deadline:
+    def __init__(self, budget_s):
+        self.end = None if not budget_s else time.monotonic() + float(budget_s)
+
+    def over(self) -> bool:
+        return self.end is not None and time.monotonic() > self.end
+
+
+# --------------------------------------------------------------------------------------------- reference
+def run_reference(spec: dict) -> dict:
+    """Reference on the CPU. spec: model, prompt_len, decode_tokens, repeats, warmup, dtype."""
+    from reference.checkpoint import Checkpoint
+    from reference.model import ReferenceModel
+
+    t0 = time.perf_counter()
+    ck = Checkpoint.open(spec["model"])
+    cfg = ck.config
+    model = ReferenceModel(ck, dtype=np.float64 if spec.get("dtype") == "float64" else np.float32)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(spec.get("seed", 0))
+    P, D = int(spec["prompt_len"]), int(spec["decode_tokens"])
+    prompt = _ids(rng, P, cfg.vocab_size, cfg.eos_token_ids)
+    pre, dec = [], []
+    runs = int(spec.get("warmup", 1)) + int(spec["repeats"])
+    for r in range(runs):
+        sess = model.new_session()
+        t = time.perf_counter()
+        logits = sess.prefill(prompt, last_only=True)
+        pt = time.perf_counter() - t
+        tok = int(np.argmax(logits))
+        steps = []
+        for _ in range(D):
+            t = time.perf_counter()
+            logits = sess.decode(tok)
+            steps.append(time.perf_counter() - t)
+            tok = int(np.argmax(logits))
+        _log(f"reference run {r + 1}/{runs}: prefill {P / pt:.1f} tok/s, decode {D / sum(steps):.2f} tok/s")
+        if r >= int(spec.get("warmup", 1)):
+            pre.append(pt)
+            dec.append(sum(steps) / D)
+    return {"kind": "reference", "device": "cpu", "dtype": spec.get("dtype", "float32"), "load_s": load_s,
+            "prompt_len": P, "decode_tokens": D,
+            "prefill_tokens_per_s": rate(P, summarize(pre)), "decode_tokens_per_s": rate(1, summarize(dec)),
+            "peak_rss_bytes": _peak_rss(), "threads": os.cpu_count()}
+
+
+# --------------------------------------------------------------------------------------------- peer
+def _peer_import():
+    """(torch, Qwen4ExpForCausalLM) or raise RuntimeError('<reason>')."""
+    try:
+        import torch
+    except Exception as e:
+        raise RuntimeError(f"torch not importable ({e})") from None
+    try:
+        import transformers
+    except Exception as e:
+        raise RuntimeError(f"transformers not importable ({e})") from None
+    try:
+        from transformers import Qwen4ExpForCausalLM
+    except Exception:
+        raise RuntimeError(f"transformers {transformers.__version__} has no qwen4_exp (needs >= 5.23; "
+                           f"ci/gpu_bench.sh installs a wheel from .whl/)") from None
+    return torch, Qwen4ExpForCausalLM
+
+
+def run_peer(spec: dict) -> dict:
+    """The official implementation's eager forward. spec: model, device, prompt_lens, decode (list of
+    [batch, context]), decode_tokens, repeats, warmup, budget_s."""
+    try:
+        torch, cls = _peer_import()
+    except RuntimeError as e:
+        return {"kind": "peer", "unavailable": str(e)}
+    import transformers
+
+    from parity.bench.stats import TorchEventTimer, WallTimer
+    dev = spec.get("device", "cpu")
+    if dev == "cuda" and not torch.cuda.is_available():
+        return {"kind": "peer", "unavailable": "torch sees no CUDA device"}
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    deadline = _Deadline(spec.get("budget_s"))
+    t0 = time.perf_counter()
+    try:
+        model = cls.from_pretrained(spec["model"], dtype=dtype, attn_implementation="eager",
+                                    device_map=dev if dev == "cuda" else None)
+    except Exception as e:
+        return {"kind": "peer", "unavailable": f"from_pretrained failed: {type(e).__name__}: {e}"}
+    model.eval()
+    load_s = time.perf_counter() - t0
+    cfg = model.config
+    V = cfg.vocab_size
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    rng = np.random.default_rng(spec.get("seed", 0))
+    timer = (lambda: TorchEventTimer(torch)) if dev == "cuda" else WallTimer
+    warm, reps = int(spec.get("warmup", 1)), int(spec["repeats"])
+    out = {"kind": "peer", "device": dev, "dtype": str(dtype).replace("torch.", ""), "load_s": load_s,
+           "transformers": transformers.__version__, "torch": torch.__version__, "prefill": [], "decode": []}
+
+    def cache_of(o):
+        return getattr(o, "cache", None) if getattr(o, "cache", None) is not None else getattr(o, "past_key_values", None)
+
+    with torch.inference_mode():
+        for P in spec.get("prompt_lens", []):
+            if deadline.over():
+                out["prefill"].append({"prompt_len": P, "skipped": "time budget"})
+                continue
+            ids = torch.as_tensor(_ids(rng, P, V, eos))[None].to(dev)
+            ts = []
+            for r in range(warm + reps):
+                with timer() as t:
+                    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                if r >= warm:
+                    ts.append(t.seconds)
+            out["prefill"].append({"prompt_len": P, "tokens_per_s": rate(P, summarize(ts))})
+            _log(f"peer prefill {P}: {P / np.median(ts):.1f} tok/s")
+        D = int(spec.get("decode_tokens", 8))
+        for B, C in spec.get("decode", []):
+            if deadline.over():
+                out["decode"].append({"batch": B, "context": C, "skipped": "time budget"})
+                continue
+            ids = torch.as_tensor(np.stack([_ids(rng, C, V, eos) for _ in range(B)])).to(dev)
+            o = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache = cache_of(o)
+            tok = o.logits[:, -1].argmax(-1, keepdim=True)
+            steps = []
+            for s in range(warm + D):
+                with timer() as t:
+                    o = model(input_ids=tok, cache=cache, use_cache=True)
+                cache = cache_of(o)
+                tok = o.logits[:, -1].argmax(-1, keepdim=True)
+                if s >= warm:
+                    steps.append(t.seconds)
+            del cache, o
+            out["decode"].append({"batch": B, "context": C, "tokens_per_s": rate(B, summarize(steps)),
+                                  "step_s": summarize(steps)})
+            _log(f"peer decode B={B} C={C}: {B / np.median(steps):.2f} tok/s")
+    if dev == "cuda":
+        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
+    out["peak_rss_bytes"] = _peak_rss()
+    return out
+
+
+# --------------------------------------------------------------------------------------------- engine
+def decode_bytes(cfg, weight_itemsize: int, kv_itemsize: int, batch: int, context: int,
+                 weight_shapes: dict) -> dict:
+    """Estimated bytes one decode step of ``batch`` sequences at ``context`` tokens moves.
+
+    weights: every non-expert weight once per step (``weight_shapes``: canonical name -> shape, the
+    checkpoint's), the expected number of distinct routed experts per layer
+    (``E * (1 - (1 - k/E) ** batch)``, uniform routing) x their three projections, ``batch`` embedding
+    rows and PLE table rows; state per sequence: GDN recurrent state (FP32, read and written) and
+    conv states, per QSA layer the compressed block keys (``context / compress_ratio`` x
+    ``indexer_head_dim``) and the K/V of the selected tokens (``min(context, qsa_bound)``).
+    Returns ``{"weights", "state_read", "state_written", "total", "per_token"}`` (bytes).
+    """
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    dense = 0
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * weight_itemsize
+    for name, shape in weight_shapes.items():
+        n = int(np.prod(shape))
+        if ".mlp.experts." in name or "ngram_embedding" in name or name == "embed_tokens.weight":
+            continue
+        dense += n * weight_itemsize
+    n_layers = cfg.num_hidden_layers
+    experts = n_layers * E * (1 - (1 - k / E) ** batch) * per_expert
+    rows = batch * cfg.hidden_size * weight_itemsize
+    if cfg.ple_layer_ids:
+        rows += batch * len(cfg.ple_layer_ids) * cfg.ngram_heads * (cfg.ple_embed_dim // cfg.ngram_heads) * 2
+    weights = dense + experts + rows
+    st_r = st_w = 0
+    for lt in cfg.layer_types:
+        if lt == "linear_attention":
+            rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+            conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * 4
+            st_r += rec + conv
+            st_w += rec + conv
+        else:
+            blocks = context // cfg.indexer_compress_ratio if cfg.qsa_enabled else 0
+            sel = min(context, cfg.qsa_bound) if cfg.qsa_enabled else context
+            st_r += (blocks * (cfg.indexer_head_dim or 0) + sel * 2 * cfg.num_key_value_heads * cfg.head_dim) * kv_itemsize
+            st_w += (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * (cfg.indexer_head_dim or 0)) * kv_itemsize
+    st_r *= batch
+    st_w *= batch
+    total = weights + st_r + st_w
+    return {"weights": int(weights), "state_read": int(st_r), "state_written": int(st_w), "total": int(total),
+            "per_token": total / batch}
+
+
+def hbm_bandwidth(cp, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of ``repeats`` after a
+    warm-up copy, timed with CUDA events."""
+    from parity.bench.stats import CupyEventTimer
+    a = cp.empty(nbytes, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    b[...] = a
+    ts = []
+    for _ in range(repeats):
+        with CupyEventTimer(cp) as t:
+            b[...] = a
+        ts.append(t.seconds)
+    del a, b
+    s = summarize(ts)
+    return {"bytes_per_s": 2 * nbytes / s["median"], "copy_bytes": nbytes, "seconds": s}
+
+
+def run_engine(spec: dict) -> dict:
+    """The engine. spec: model, device, precision, prompt_lens, decode ([[batch, context], ...]),
+    decode_tokens, repeats, warmup, budget_s."""
+    import engine as engine_pkg
+    from engine.backend import get_xp
+    from parity.bench.stats import CupyEventTimer, WallTimer
+    from reference.checkpoint import Checkpoint
+
+    dev = spec.get("device", "cpu")
+    xp = get_xp(dev)  # raises the engine's DeviceError when cuda is asked for and absent
+    prec = spec.get("precision") or ("bf16" if dev == "cuda" else "float32")
+    deadline = _Deadline(spec.get("budget_s"))
+    ck = Checkpoint.open(spec["model"])
+    cfg = ck.config
+    pl = list(spec.get("prompt_lens", []))
+    dc = [tuple(x) for x in spec.get("decode", [])]
+    D = int(spec.get("decode_tokens", 8))
+    warm, reps = int(spec.get("warmup", 1)), int(spec["repeats"])
+    max_b = max([b for b, _ in dc] + [1])
+    max_c = max([c for _, c in dc] + pl + [1])
+    kv_tokens = 2 * max_c + (max_b + 2) * (warm + D + 16) + 64
+    t0 = time.perf_counter()
+    eng = engine_pkg.Engine(ck, precision=prec, device=dev, max_seqs=max_b + 2, kv_tokens=kv_tokens,
+                            progress=bool(spec.get("progress")))
+    load_s = time.perf_counter() - t0
+    timer = (lambda: CupyEventTimer(xp)) if dev == "cuda" else WallTimer
+    rng = np.random.default_rng(spec.get("seed", 0))
+    V = cfg.vocab_size
+    out = {"kind": "engine", "device": dev, "precision": prec, "load_s": load_s, "limits": eng.describe_limits(),
+           "weight_bytes_on_device": int(eng.limits.get("weight_bytes", 0)), "prefill": [], "decode": []}
+    if dev == "cuda":
+        props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
+        out["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        out["hbm"] = hbm_bandwidth(xp, int(spec.get("copy_bytes", 2 << 30)))
+        _log(f"engine: HBM copy bandwidth {out['hbm']['bytes_per_s'] / 1e12:.2f} TB/s")
+    for P in pl:
+        if deadline.over():
+            out["prefill"].append({"prompt_len": P, "skipped": "time budget"})
+            continue
+        ids = _ids(rng, P, V, cfg.eos_token_ids)
+        ts = []
+        for r in range(warm + reps):
+            seq = eng.add_sequence()
+            try:
+                with timer() as t:
+                    eng.prefill(seq, ids, last_only=True)
+            finally:
+                eng.free(seq)
+            if r >= warm:
+                ts.append(t.seconds)
+        out["prefill"].append({"prompt_len": P, "tokens_per_s": rate(P, summarize(ts))})
+        _log(f"engine prefill {P}: {P / np.median(ts):.1f} tok/s")
+    shapes = {n: ck.shape(n) for n in ck.names()}
+    w_isz = 2 if prec == "bf16" else 4
+    kv_isz = int(getattr(eng.pool, "kv_dtype", np.dtype(np.float32)).itemsize)
+    for B, C in dc:
+        if deadline.over():
+            out["decode"].append({"batch": B, "context": C, "skipped": "time budget"})
+            continue
+        base = eng.add_sequence()
+        eng.prefill(base, _ids(rng, C, V, cfg.eos_token_ids), last_only=True)
+        seqs = [eng.fork(base) for _ in range(B)]
+        eng.free(base)
+        toks = _ids(rng, B, V, cfg.eos_token_ids)
+        steps, syncs = [], []
+        try:
+            for s in range(warm + D):
+                h0 = eng.host_syncs
+                with timer() as t:
+                    logits = eng.decode(seqs, toks)
+                syncs.append(eng.host_syncs - h0)
+                toks = np.argmax(logits, axis=-1).astype(np.int64)
+                if s >= warm:
+                    steps.append(t.seconds)
+        finally:
+            for q in seqs:
+                eng.free(q)
+        st = summarize(steps)
+        nb = decode_bytes(cfg, w_isz, kv_isz, B, C, shapes)
+        row = {"batch": B, "context": C, "above_qsa_bound": bool(cfg.qsa_enabled and C > cfg.qsa_bound),
+               "tokens_per_s": rate(B, st), "step_s": st,
+               "host_syncs_per_step": float(np.mean(syncs[warm:])) if len(syncs) > warm else None,
+               "bytes_per_step": nb["total"], "bytes_per_token": nb["per_token"], "bytes": nb}
+        if "hbm" in out:
+            row["hbm_fraction"] = (nb["total"] / st["median"]) / out["hbm"]["bytes_per_s"]
+        out["decode"].append(row)
+        _log(f"engine decode B={B} C={C}: {B / st['median']:.2f} tok/s, syncs/step {row['host_syncs_per_step']}"
+             + (f", {100 * row['hbm_fraction']:.1f}% of HBM" if "hbm_fraction" in row else ""))
+    out["host_syncs_note"] = ("engine counter (Engine.host_syncs): device->host copies per decode call; the "
+                              "returned logits are one of them")
+    out["peak_rss_bytes"] = _peak_rss()
+    if dev == "cuda":
+        out["peak_device_bytes"] = int(xp.get_default_memory_pool().total_bytes())
+    return out
+
+
+# --------------------------------------------------------------------------------------------- extras
+def run_extras(spec: dict) -> dict:
+    """Checkpoint n-gram gather rows/s and tap-diff MB/s where those modules offer their bench hooks."""
+    out = {"kind": "extras"}
+    try:
+        from reference.checkpoint import bench_ngram_gather
+        r = bench_ngram_gather(int(spec.get("table_bytes", 64 << 20)), n_gathers=int(spec.get("gathers", 20)),
+                               rows_per_gather=1024)
+        out["ngram_gather"] = {k: r[k] for k in ("rows_per_s", "table_bytes", "rows", "seconds")}
+    except Exception as e:
+        out["ngram_gather"] = {"unavailable": f"{type(e).__name__}: {e}"}
+    try:
+        import tempfile
+        from pathlib import Path
+
+        from taps.archive import Archive
+        from taps.diff import bench_diff
+        from taps.recorder import Recorder
+        from taps.synthetic import fake_forward, tiny_config
+        cfg = tiny_config()
+        ids = np.arange(int(spec.get("diff_positions", 256))) % cfg.vocab_size
+        with tempfile.TemporaryDirectory() as td:
+            paths = []
+            for name, fault in (("a", None), ("b", {"tap": "layers.2.mlp.out", "position": 7, "scale": 1e-3})):
+                p = Path(td) / name
+                with Recorder(p):
+                    try:
+                        fake_forward(cfg, ids, seed=1, fault=fault)
+                    except Exception:
+                        fake_forward(cfg, ids, seed=1)
+                paths.append(Archive.open(p))
+            out["tap_diff_mb_per_s"] = bench_diff(paths[0], paths[1], repeat=2)
+    except Exception as e:
+        out["tap_diff_mb_per_s"] = None
+        out["tap_diff_unavailable"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+KINDS = {"reference": run_reference, "peer": run_peer, "engine": run_engine, "extras": run_extras}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(argv[0])
+    fn = KINDS.get(spec.get("kind"))
+    if fn is None:
+        print(json.dumps({"error": f"unknown kind {spec.get('kind')!r}"}))
+        return 2
+    try:
+        res = fn(spec)
+    except Exception as e:
+        from reference.errors import UserError
+        res = {"kind": spec.get("kind"), "error": f"{type(e).__name__}: {e}", "user_error": isinstance(e, UserError)}
+        import traceback
+        traceback.print_exc()
+    res["spec"] = spec
+    print(json.dumps(res, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Plan, run (one worker process per measurement), compare against the peer, check the goals, and
+write/print the results.
+
+Result JSON (``SCHEMA`` 1)::
+
+    {"schema": 1, "created": ISO-8601, "host": {...}, "settings": {...},
+     "checkpoints": {"reference": {...}, "engine": {...}},
+     "runs": {"reference": {...}, "peer_cpu": {...}, "engine": {...}, "peer_gpu": {...}, "extras": {...}},
+     "ratios": {name: value or null}, "goals": [{"goal", "measured", "target", "met"}]}
+
+Each run is the worker's JSON (see :mod:`parity.bench.measure`); rates are
+``{"median", "min", "max", "spread", "n"}``. Ratios compare measurements of the same run only.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCHEMA = 1
+
+# the official eager GPU forward over one period of real-width layers, batch 1 (issue 7)
+GOALS = {"engine_b1_hbm_fraction": 0.40, "engine_b1_vs_peer": 5.0, "engine_b16_vs_b1": 6.0,
+         "engine_host_syncs_in_step": 0, "reference_vs_peer_cpu": 1.0}
+
+
+def run_worker(spec: dict, timeout_s: float | None = None, quiet: bool = False) -> dict:
+    """Run one measurement in a fresh ``python -m parity.bench.measure`` process; its last stdout line
+    is the result. A crash, a non-JSON answer or a timeout becomes ``{"error": ...}``."""
+    cmd = [sys.executable, "-m", "parity.bench.measure", json.dumps(spec)]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
+                           text=True, timeout=timeout_s, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        return {"kind": spec.get("kind"), "error": f"timed out after {timeout_s:.0f} s", "spec": spec}
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"kind": spec.get("kind"), "error": f"worker exited {p.returncode} without a result", "spec": spec}
+
+
+def _median(r, *path):
+    x = r
+    for k in path:
+        if not isinstance(x, dict) or k not in x:
+            return None
+        x = x[k]
+    return x.get("median") if isinstance(x, dict) else x
+
+
+def _find(rows, **kw):
+    for r in rows or []:
+        if all(r.get(k) == v for k, v in kw.items()) and "skipped" not in r:
+            return r
+    return None
+
+
+def _ratio(a, b):
+    return a / b if (a is not None and b) else None
+
+
+def compare(runs: dict) -> tuple[dict, list]:
+    """Ratios against the peer measured in the same run, and the issue-7 goals (met / not met / n/a)."""
+    ratios, goals = {}, []
+    ref, pc, eng, pg = (runs.get(k) or {} for k in ("reference", "peer_cpu", "engine", "peer_gpu"))
+    if ref and pc and "unavailable" not in pc and "error" not in pc and "error" not in ref:
+        pdec = _find(pc.get("decode"), batch=1)
+        ppre = _find(pc.get("prefill"))
+        ratios["reference_prefill_vs_peer_cpu"] = _ratio(_median(ref, "prefill_tokens_per_s"),
+                                                         _median(ppre, "tokens_per_s"))
+        ratios["reference_decode_vs_peer_cpu"] = _ratio(_median(ref, "decode_tokens_per_s"),
+                                                        _median(pdec, "tokens_per_s"))
+        ratios["reference_peak_rss_vs_peer_cpu"] = _ratio(ref.get("peak_rss_bytes"), pc.get("peak_rss_bytes"))
+        g = ratios["reference_decode_vs_peer_cpu"]
+        goals.append({"goal": "reference decode at least as fast as the official CPU forward",
+                      "measured": g, "target": GOALS["reference_vs_peer_cpu"],
+                      "met": None if g is None else g >= GOALS["reference_vs_peer_cpu"]})
+    if eng and "error" not in eng:
+        dec = [r for r in eng.get("decode", []) if "skipped" not in r]
+        b1 = [r for r in dec if r["batch"] == 1]
+        if b1:
+            f = max((r.get("hbm_fraction") or 0) for r in b1) if any("hbm_fraction" in r for r in b1) else None
+            goals.append({"goal": "engine decode batch 1 >= 40% of the measured HBM roofline",
+                          "measured": f, "target": GOALS["engine_b1_hbm_fraction"],
+                          "met": None if f is None else f >= GOALS["engine_b1_hbm_fraction"]})
+        for C in sorted({r["context"] for r in dec}):
+            r1, r16 = _find(dec, batch=1, context=C), _find(dec, batch=16, context=C)
+            if r1 and r16:
+                x = _ratio(_median(r16, "tokens_per_s"), _median(r1, "tokens_per_s"))
+                ratios[f"engine_b16_vs_b1_ctx{C}"] = x
+                goals.append({"goal": f"engine batch 16 >= 6x batch 1 (context {C})", "measured": x,
+                              "target": GOALS["engine_b16_vs_b1"], "met": x >= GOALS["engine_b16_vs_b1"]})
+        syn = [r["host_syncs_per_step"] for r in dec if r.get("host_syncs_per_step") is not None]
+        if syn and eng.get("device") == "cuda":  # on the CPU path nothing crosses a device boundary
+            # the counter includes the one copy of the returned logits, which ends the step
+            inside = max(syn) - 1
+            goals.append({"goal": "zero host synchronisations inside a decode step (counter minus the logits copy)",
+                          "measured": inside, "target": 0, "met": inside <= 0})
+        if pg and "unavailable" not in pg and "error" not in pg:
+            for r in dec:
+                p = _find(pg.get("decode"), batch=r["batch"], context=r["context"])
+                if p:
+                    x = _ratio(_median(r, "tokens_per_s"), _median(p, "tokens_per_s"))
+                    ratios[f"engine_decode_vs_peer_gpu_b{r['batch']}_ctx{r['context']}"] = x
+                    if r["batch"] == 1:
+                        goals.append({"goal": f"engine decode batch 1 >= 5x the official eager GPU forward "
+                                              f"(context {r['context']})", "measured": x,
+                                      "target": GOALS["engine_b1_vs_peer"], "met": x >= GOALS["engine_b1_vs_peer"]})
+            for r in eng.get("prefill", []):
+                p = _find(pg.get("prefill"), prompt_len=r["prompt_len"])
+                if p and "skipped" not in r:
+                    ratios[f"engine_prefill_vs_peer_gpu_{r['prompt_len']}"] = _ratio(
+                        _median(r, "tokens_per_s"), _median(p, "tokens_per_s"))
+    return ratios, goals
+
+
+def host_info() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def write_json_atomic(path: str | os.PathLike, obj: dict) -> Path:
+    """Write ``obj`` as JSON to ``path`` through a temp file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=float)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _fmt_rate(x) -> str:
+    m = x.get("median") if isinstance(x, dict) else None
+    if m is None:
+        return "-"
+    s = x.get("spread")
+    return f"{m:,.1f}" + (f" ±{100 * s / 2:.0f}%" if s else "")
+
+
+def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
+    """(what, setting, measured, note) rows for the closing table."""
+    rows = []
+    runs = results.get("runs", {})
+    for key, label in (("reference", "reference CPU"), ("peer_cpu", "official CPU (eager)"),
+                       ("engine", "engine"), ("peer_gpu", "official GPU (eager)")):
+        r = runs.get(key)
+        if not r:
+            continue
+        if "unavailable" in r:
+            rows.append((label, "", "peer unavailable", r["unavailable"]))
+            continue
+        if "error" in r:
+            rows.append((label, "", "error", r["error"]))
+            continue
+        dev = r.get("device", "")
+        if key == "reference":
+            rows.append((label, f"prefill {r['prompt_len']}", _fmt_rate(r["prefill_tokens_per_s"]) + " tok/s",
+                         f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB"))
+            rows.append((label, "decode b1", _fmt_rate(r["decode_tokens_per_s"]) + " tok/s", ""))
+            continue
+        if "hbm" in r:
+            rows.append((label, "HBM d2d copy", f"{r['hbm']['bytes_per_s'] / 1e9:,.0f} GB/s", r.get("gpu", "")))
+        for p in r.get("prefill", []):
+            if "skipped" in p:
+                rows.append((label, f"prefill {p['prompt_len']}", "skipped", p["skipped"]))
+            else:
+                rows.append((label, f"prefill {p['prompt_len']} ({dev})", _fmt_rate(p["tokens_per_s"]) + " tok/s", ""))
+        for d in r.get("decode", []):
+            setting = f"decode b{d['batch']} ctx {d['context']} ({dev})"
+            if "skipped" in d:
+                rows.append((label, setting, "skipped", d["skipped"]))
+                continue
+            note = []
+            if d.get("bytes_per_token") is not None:
+                note.append(f"{d['bytes_per_token'] / 2**20:,.1f} MiB/token")
+            if d.get("hbm_fraction") is not None:
+                note.append(f"{100 * d['hbm_fraction']:.1f}% HBM")
+            if d.get("host_syncs_per_step") is not None:
+                note.append(f"{d['host_syncs_per_step']:g} syncs/step")
+            rows.append((label, setting, _fmt_rate(d["tokens_per_s"]) + " tok/s", ", ".join(note)))
+        if r.get("peak_rss_bytes"):
+            rows.append((label, "peak RSS", f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB", ""))
+    ex = runs.get("extras")
+    if ex:
+        g = ex.get("ngram_gather", {})
+        rows.append(("checkpoint", "n-gram gather", f"{g['rows_per_s']:,.0f} rows/s" if "rows_per_s" in g else "-",
+                     g.get("unavailable", "")))
+        d = ex.get("tap_diff_mb_per_s")
+        rows.append(("taps", "tap-diff", f"{d:,.0f} MB/s" if d else "-", ex.get("tap_diff_unavailable", "")))
+    for k, v in results.get("ratios", {}).items():
+        rows.append(("ratio", k, "-" if v is None else f"{v:.2f}x", ""))
+    for g in results.get("goals", []):
+        m = g["measured"]
+        rows.append(("goal", g["goal"], "-" if m is None else f"{m:.3g}",
+                     {True: "met", False: "NOT met", None: "n/a"}[g["met"]] + f" (target {g['target']})"))
+    return rows
+
+
+def print_table(results: dict, file=None) -> None:
+    """The closing table (rich when it renders, plain text otherwise)."""
+    rows = table_rows(results)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        t = Table(title="qwen4exp bench")
+        for c in ("what", "setting", "measured", "note"):
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*r)
+        Console(file=file or sys.stdout, width=160).print(t)
+    except ImportError:
+        for r in rows:
+            print(" | ".join(r), file=file or sys.stdout)
+
+
+def assemble(runs: dict, settings: dict, checkpoints: dict) -> dict:
+    ratios, goals = compare(runs)
+    return {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": host_info(), "settings": settings, "checkpoints": checkpoints, "runs": runs,
+            "ratios": ratios, "goals": goals}

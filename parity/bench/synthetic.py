@@ -1,0 +1,247 @@
+"""Synthetic checkpoints with the real model's per-layer widths and random BF16 weights.
+
+The writer streams every tensor to disk in chunks (a 5 GB expert tensor never sits in memory), one
+safetensors shard per decoder layer plus one for the rest, with ``model.safetensors.index.json``,
+written into a temp directory that is renamed into place once complete (an interrupted write leaves
+nothing behind but the temp directory, which the next call removes). The layout is what
+transformers' ``Qwen4ExpForCausalLM.save_pretrained`` produces for the BF16 release: names under
+``model.``, ``lm_head.weight`` at the top, fused 3-D experts (``mlp.experts.gate_up_proj``
+``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``), the n-gram table as
+``split_ngram_parts`` row shards - so the official implementation loads it with ``from_pretrained``.
+
+Scaled down against the real checkpoint (stated in every result): the PLE n-gram table rows
+(``ngram_vocab_size_base`` 20,000 instead of 20,000,000: ~320k rows instead of 320M) and, where
+asked, the vocabulary. Everything else is model-facts §1: hidden 2560, 512 experts top-10 of width
+640, 24/2 attention heads of 256, GDN 16/48 heads of 128, hc_count 4 / hc_lowrank 320, indexer 4x128.
+
+Values: a pool of N(0, 0.02) BF16 numbers (the official ``initializer_range``) tiled with
+per-tensor offsets; RMSNorm weights near 0 (zero-centred norms), the GDN gated norm near 1,
+``A_log = log(U(1, 16))``, ``dt_bias = 1`` - magnitudes that keep a random model finite.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# model-facts §1 (text_config of Qwen/Qwen3.8-Flash-Next)
+REAL_TEXT_CONFIG = {
+    "model_type": "qwen4_exp_text", "architectures": ["Qwen4ExpForCausalLM"],
+    "vocab_size": 248320, "hidden_size": 2560, "num_attention_heads": 24, "num_key_value_heads": 2,
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
+    "output_gate_type": "sigmoid", "hidden_act": "silu", "moe_intermediate_size": 640,
+    "shared_expert_intermediate_size": 640, "num_experts": 512, "num_experts_per_tok": 10,
+    "hc_count": 4, "hc_lowrank": 320, "ple_embed_dim": 2560, "ple_conv_kernel_size": 4, "ngram_size": 3,
+    "heads_per_ngram": 8, "ngram_vocab_size_base": 20_000_000, "make_ngram_vocab_size_divisible_by": 128,
+    "split_ngram_parts": 128, "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128,
+    "indexer_budget": 2048, "indexer_compress_ratio": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "eos_token_id": 248044, "bos_token_id": 248044,
+    "pad_token_id": None, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "attention_bias": False, "dtype": "bfloat16", "router_aux_loss_coef": 0.001, "initializer_range": 0.02,
+    "full_attention_interval": 4,
+}
+
+DEFAULT_NGRAM_BASE = 20_000  # real: 20,000,000 -> the table has ~1/1000 of the real rows
+
+
+def real_width_config(layers: int = 4, *, vocab_size: int | None = None,
+                      ngram_vocab_size_base: int = DEFAULT_NGRAM_BASE, overrides: dict | None = None) -> dict:
+    """A flat ``qwen4_exp_text`` config dict at real widths with ``layers`` decoder layers.
+
+    Layer types follow the real period (3 ``linear_attention`` then 1 ``full_attention``); PLE sits
+    on 0-based layer 1 as in the real model (on layer 0 when ``layers == 1``). ``vocab_size`` and
+    ``ngram_vocab_size_base`` scale the embedding/lm_head and the n-gram table down; ``overrides``
+    replaces any field (tests use it for small widths).
+
+    Raises:
+        InputError: layers < 1.
+    """
+    from reference.errors import InputError
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise InputError(f"--layers: expected an integer >= 1, found {layers!r}")
+    cfg = json.loads(json.dumps(REAL_TEXT_CONFIG))
+    cfg["num_hidden_layers"] = layers
+    cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    cfg["ple_layer_ids"] = [2] if layers >= 2 else [1]
+    cfg["ngram_vocab_size_base"] = int(ngram_vocab_size_base)
+    if vocab_size is not None:
+        cfg["vocab_size"] = int(vocab_size)
+        cfg["eos_token_id"] = cfg["bos_token_id"] = min(cfg["eos_token_id"], int(vocab_size) - 1)
+    cfg.update(overrides or {})
+    return cfg
+
+
+def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(stored name, shape, kind, shard) for every tensor; kind picks the value recipe."""
+    from reference.checkpoint import expected_shapes
+    out = []
+    shapes = expected_shapes(cfg)
+    for name, shape in shapes.items():
+        if ".mlp.experts." in name and not name.endswith(("gate_up_proj", "down_proj")):
+            continue  # per-expert layout: we write the fused one
+        if ".ple_embedding." in name and not name.endswith("ngram_embedding.weight"):
+            lay = cfg.ple_layout(int(name.split(".")[1]))  # I64 buffers, as save_pretrained writes them
+            vals = {"layer_multipliers": lay.multipliers, "ngram_heads_vocab_sizes": lay.head_vocab_sizes,
+                    "ngram_heads_offsets": lay.head_offsets}[name.rsplit(".", 1)[1]]
+            out.append(("model." + name, shape, np.asarray(vals, dtype="<i8"), int(name.split(".")[1]) + 1))
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        shard = int(name.split(".")[1]) + 1 if name.startswith("layers.") else 0
+        stored = name if name == "lm_head.weight" else "model." + name
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight") or "hc_norm" in name:
+            kind = "ones" if ".linear_attn.norm." in name else "small"
+        elif name.endswith("A_log"):
+            kind = "a_log"
+        elif name.endswith("dt_bias"):
+            kind = "ones"
+        else:
+            kind = "normal"
+        if name.endswith("ngram_embedding.weight"):
+            rows, dim = shape
+            parts = cfg.split_ngram_parts
+            if rows % parts:
+                out.append((stored, shape, kind, shard))
+                continue
+            base = stored.rsplit(".weight", 1)[0]
+            for k in range(parts):
+                out.append((f"{base}.shard_{k}.weight", (rows // parts, dim), kind, shard))
+            continue
+        out.append((stored, shape, kind, shard))
+    return out
+
+
+class _Pool:
+    """Tiled random BF16 values: cheap to produce at any size, different for every tensor.
+
+    :meth:`pieces` yields read-only views into two pre-drawn pools (N(0, 0.02) and 0.1x that), so a
+    multi-GB tensor is written without ever being built in memory.
+    """
+
+    def __init__(self, seed: int, size: int = 1 << 22, std: float = 0.02):
+        rng = np.random.default_rng(seed)
+        normal = rng.standard_normal(size * 2, dtype=np.float32) * std
+        self.pools = {"normal": normal.astype(BF16), "small": (normal * np.float32(0.1)).astype(BF16),
+                      "ones": np.ones(size * 2, BF16)}
+        self.rng = rng
+        self.size = size
+
+    def pieces(self, kind: str, n: int, key: str):
+        if kind == "a_log":
+            yield np.log(self.rng.uniform(1.0, 16.0, size=n)).astype(BF16)
+            return
+        pool = self.pools[kind]
+        off = int(hashlib.blake2s(key.encode(), digest_size=4).hexdigest(), 16) % self.size
+        done = 0
+        while done < n:
+            m = min(self.size, n - done)
+            yield pool[off:off + m]
+            done += m
+            off = (off + 7919) % self.size  # a different phase for each repetition
+
+
+def _nbytes(shape, kind) -> int:
+    return int(np.prod(shape)) * (8 if isinstance(kind, np.ndarray) else 2)
+
+
+def _write_shard(path: Path, specs, pool: _Pool, bar) -> None:
+    header, off = {}, 0
+    for name, shape, kind, _ in specs:
+        nbytes = _nbytes(shape, kind)
+        dt = "I64" if isinstance(kind, np.ndarray) else "BF16"
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape, kind, _ in specs:
+            if isinstance(kind, np.ndarray):
+                f.write(kind.tobytes())
+                continue
+            for piece in pool.pieces(kind, int(np.prod(shape)), name):
+                f.write(piece.view(np.uint16).data)
+                if bar is not None:
+                    bar.update(piece.nbytes)
+
+
+def checkpoint_bytes(cfg_dict: dict) -> int:
+    """Bytes of weights the synthetic checkpoint for ``cfg_dict`` holds (BF16)."""
+    from reference.config import ModelConfig
+    cfg = ModelConfig.from_dict(cfg_dict)
+    return sum(_nbytes(s, k) for _, s, k, _ in _tensor_specs(cfg))
+
+
+def write_synthetic(out_dir: str | os.PathLike, cfg_dict: dict, *, seed: int = 0, progress: bool = True) -> Path:
+    """Write a synthetic BF16 checkpoint for ``cfg_dict`` into ``out_dir`` (created atomically).
+
+    Returns the directory. An existing complete ``out_dir`` is replaced.
+    Raises:
+        ConfigError: ``cfg_dict`` is not a valid qwen4exp text config.
+    """
+    from tqdm import tqdm
+
+    from reference.config import ModelConfig
+    cfg = ModelConfig.from_dict(cfg_dict, where="synthetic config")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
+    try:
+        specs = _tensor_specs(cfg)
+        shards = sorted({s for *_, s in specs})
+        total = sum(_nbytes(s, k) for _, s, k, _ in specs)
+        pool = _Pool(seed)
+        wmap = {}
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"synthetic {out.name}", disable=not progress,
+                  leave=False) as bar:
+            for k, sh in enumerate(shards):
+                fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                part = [s for s in specs if s[3] == sh]
+                _write_shard(tmp / fn, part, pool, bar)
+                wmap.update({s[0]: fn for s in part})
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total, "synthetic": True}, "weight_map": wmap}, indent=1))
+        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+        (tmp / "SYNTHETIC.json").write_text(json.dumps({"seed": seed, "bytes": total, "scaled_down": {
+            "ngram_vocab_size_base": cfg_dict.get("ngram_vocab_size_base"),
+            "vocab_size": cfg_dict.get("vocab_size")}}, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def cache_dir() -> Path:
+    """Where synthetic checkpoints are kept: ``$QWEN4EXP_CACHE`` or ``~/.cache/qwen4exp``."""
+    return Path(os.environ.get("QWEN4EXP_CACHE") or Path.home() / ".cache" / "qwen4exp") / "synthetic"
+
+
+def cached_synthetic(layers: int = 4, *, vocab_size: int | None = None,
+                     ngram_vocab_size_base: int = DEFAULT_NGRAM_BASE, overrides: dict | None = None,
+                     seed: int = 0, progress: bool = True) -> Path:
+    """The synthetic checkpoint for these settings, written once into :func:`cache_dir`."""
+    cfg = real_width_config(layers, vocab_size=vocab_size, ngram_vocab_size_base=ngram_vocab_size_base,
+                            overrides=overrides)
+    key = hashlib.sha256(json.dumps([cfg, seed, 1], sort_keys=True).encode()).hexdigest()[:12]
+    d = cache_dir() / f"realwidth-L{layers}-{key}"
+    if (d / "model.safetensors.index.json").is_file() and (d / "config.json").is_file():
+        return d
+    return write_synthetic(d, cfg, seed=seed, progress=progress)

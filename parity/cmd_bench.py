@@ -1,0 +1,161 @@
+"""``qwen4exp bench``: reference (CPU) and engine (GPU) speed, against the official implementation
+measured in the same run; JSON results and a closing table. Numbers are reported, never asserted."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ints(s: str) -> list[int]:
+    from reference.errors import InputError
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"expected a comma-separated list of integers, found {s!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise InputError(f"expected positive integers, found {s!r}")
+    return out
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="speed of the reference and the engine against the official implementation",
+        description="Benchmark the reference (CPU) and/or the engine (GPU, or its CPU path) on a checkpoint or "
+                    "on synthetic real-width weights, with the official transformers implementation (eager) "
+                    "timed in the same run as the peer. Warm-up excluded; medians of repeated runs with their "
+                    "spread; results as JSON; a table printed last.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
+    src.add_argument("--synthetic", choices=["real-widths"], default=None,
+                     help="random BF16 weights at the real model's widths (cached; PLE table rows scaled down)")
+    p.add_argument("--backend", choices=["engine", "reference", "both"], default=None,
+                   help="default: both when a GPU is usable, else reference")
+    p.add_argument("--layers", type=int, default=None,
+                   help="synthetic layers (default: engine 4 = one period 3 GDN + 1 QSA with PLE on layer 1; "
+                        "reference 1 real-width layer)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="synthetic vocabulary (default: engine 248320 (real), reference 32768 (reduced))")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device")
+    p.add_argument("--precision", default=None, help="engine precision: bf16 (GPU default) or float32 (CPU default)")
+    p.add_argument("--prompt-lens", type=_ints_arg, default=None, help="engine prefill lengths (GPU default 512,4096)")
+    p.add_argument("--batches", type=_ints_arg, default=None, help="engine decode batch sizes (GPU default 1,4,16)")
+    p.add_argument("--contexts", type=_ints_arg, default=None,
+                   help="engine decode contexts (default: below and above the QSA bound)")
+    p.add_argument("--decode-tokens", type=int, default=None, help="timed decode steps per setting")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (default 1)")
+    p.add_argument("--no-peer", action="store_true", help="skip the official implementation")
+    p.add_argument("--no-extras", action="store_true", help="skip the n-gram gather and tap-diff figures")
+    p.add_argument("--budget-s", type=float, default=None, help="time budget per measurement (later settings skipped)")
+    p.add_argument("--json", action="store_true", help="print the result JSON (instead of the table)")
+    p.add_argument("--out", default=None, help="write the result JSON to this file (atomic)")
+    p.set_defaults(func=run)
+
+
+def _ints_arg(s: str) -> list[int]:
+    try:
+        return _ints(s)
+    except Exception as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
+    """The (run key, worker spec) list, the settings and the checkpoint descriptions for ``args``."""
+    from engine.backend import gpu_available
+    from parity.bench import synthetic as S
+    from reference.checkpoint import Checkpoint
+    from reference.errors import InputError
+    from reference.paths import resolve_model
+
+    backend = args.backend or ("both" if gpu_available() else "reference")
+    dev = args.device
+    if dev == "auto":
+        dev = "cuda" if gpu_available() else "cpu"
+    if dev == "cuda" and backend in ("engine", "both") and not gpu_available():
+        from parity.generate import DeviceUnavailableError
+        raise DeviceUnavailableError("device 'cuda': a GPU was asked for, expected cupy and a CUDA device, found "
+                                     "none (use --device cpu)")
+    for name in ("repeats", "layers", "vocab", "decode_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "warmup" else 1):
+            raise InputError(f"--{name.replace('_', '-')}: expected an integer >= 1, found {v}")
+    if args.warmup < 0:
+        raise InputError(f"--warmup: expected an integer >= 0, found {args.warmup}")
+    jobs, checkpoints = [], {}
+    settings = {"backend": backend, "device": dev, "repeats": args.repeats, "warmup": args.warmup,
+                "synthetic": args.synthetic, "peer": not args.no_peer}
+
+    def model_for(which: str):
+        if args.synthetic:
+            layers = args.layers or (4 if which == "engine" else 1)
+            vocab = args.vocab or (None if which == "engine" else 32768)
+            path = S.cached_synthetic(layers, vocab_size=vocab)
+            cfg = S.real_width_config(layers, vocab_size=vocab)
+            checkpoints[which] = {"path": str(path), "synthetic": True, "layers": layers,
+                                  "layer_types": cfg["layer_types"], "ple_layer_ids": cfg["ple_layer_ids"],
+                                  "vocab_size": cfg["vocab_size"],
+                                  "scaled_down": {"ngram_vocab_size_base": cfg["ngram_vocab_size_base"],
+                                                  "real_ngram_vocab_size_base": 20_000_000,
+                                                  "vocab_size": None if vocab is None else vocab,
+                                                  "real_vocab_size": 248320},
+                                  "bytes": S.checkpoint_bytes(cfg)}
+            return str(path)
+        path = resolve_model(args.model)
+        checkpoints[which] = {"path": str(path), "synthetic": False}
+        return str(path)
+
+    real = bool(args.synthetic)
+    if backend in ("reference", "both"):
+        m = model_for("reference")
+        P = 32 if real else 64
+        D = args.decode_tokens or (4 if real else 16)
+        base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s}
+        jobs.append(("reference", dict(base, kind="reference", prompt_len=P, decode_tokens=D)))
+        if not args.no_peer:
+            jobs.append(("peer_cpu", dict(base, kind="peer", device="cpu", prompt_lens=[P], decode=[[1, P]],
+                                          decode_tokens=D)))
+    if backend in ("engine", "both"):
+        m = model_for("engine")
+        cfg = Checkpoint.open(m).config
+        gpu = dev == "cuda"
+        bound = cfg.qsa_bound if cfg.qsa_enabled else 64
+        pl = args.prompt_lens or ([512, 4096] if gpu else [32])
+        bs = args.batches or ([1, 4, 16] if gpu else [1, 4])
+        cs = args.contexts or ([max(8, bound // 2), 2 * bound] if gpu else [max(4, bound // 2), bound + 8])
+        D = args.decode_tokens or (8 if gpu else 4)
+        dec = [[b, c] for c in cs for b in bs]
+        base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
+                "decode_tokens": D}
+        jobs.append(("engine", dict(base, kind="engine", device=dev, precision=args.precision, prompt_lens=pl,
+                                    decode=dec)))
+        if not args.no_peer and gpu:
+            jobs.append(("peer_gpu", dict(base, kind="peer", device="cuda", prompt_lens=pl, decode=dec)))
+    if not args.no_extras:
+        jobs.append(("extras", {"kind": "extras"}))
+    return jobs, settings, checkpoints
+
+
+def run(args: argparse.Namespace) -> int:
+    from parity.bench import runner
+
+    jobs, settings, checkpoints = plan(args)
+    runs = {}
+    timeout = None if args.budget_s is None else 4 * args.budget_s + 600
+    for i, (key, spec) in enumerate(jobs, 1):
+        print(f"[bench] {i}/{len(jobs)}: {key}", file=sys.stderr, flush=True)
+        runs[key] = runner.run_worker(spec, timeout_s=timeout)
+        r = runs[key]
+        if "unavailable" in r:
+            print(f"[bench] {key}: peer unavailable: {r['unavailable']}", file=sys.stderr)
+        elif "error" in r:
+            print(f"[bench] {key}: error: {r['error']}", file=sys.stderr)
+    results = runner.assemble(runs, settings, checkpoints)
+    if args.out:
+        runner.write_json_atomic(args.out, results)
+    if args.json:
+        print(json.dumps(results, default=float))
+    else:
+        runner.print_table(results)
+    bad = [k for k, r in runs.items() if "error" in r]
+    return 1 if bad else 0

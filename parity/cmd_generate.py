@@ -1,0 +1,143 @@
+"""``qwen4exp generate``: sample text from the reference or the engine (streamed), single or batched."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text (streamed) on the engine or the reference",
+        description="Generate text with the engine or the reference. The chat template is the checkpoint's own "
+                    "(chat_template.jinja / tokenizer_config.json) where present, else a built-in ChatML rendering; "
+                    "thinking is on by default as in the official template. Sampling defaults come from "
+                    "generation_config.json. The default model is the bundled 'tiny' (random weights: noise).")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory or bundled fixture name (default: tiny)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts", metavar="FILE",
+                     help="several prompts run as one batch: one per line, or JSON lines with 'prompt' or 'messages'")
+    p.add_argument("--chat", action="store_true", help="wrap prompt(s) as a user turn with the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--no-thinking", action="store_true", help="chat: end the prompt with an empty think block")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generation limit (default 64 or generation_config)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus threshold in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-p/top-k)")
+    p.add_argument("--backend", choices=["engine", "reference"], default="engine")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device (default auto)")
+    p.add_argument("--precision", default=None, help="engine precision (bf16|float32) or reference dtype (float32|float64)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead")
+    p.set_defaults(func=run)
+
+
+def _read_prompts(path: str) -> list:
+    from reference.errors import InputError
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise InputError(f"--prompts {path}: expected a readable text file, found {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"--prompts {path}:{n}: expected a JSON object or plain text, found invalid "
+                                 f"JSON ({e})") from None
+            if isinstance(obj.get("messages"), list):
+                out.append(obj["messages"])
+            elif isinstance(obj.get("prompt"), str):
+                out.append(obj["prompt"])
+            else:
+                raise InputError(f"--prompts {path}:{n}: expected a 'prompt' string or a 'messages' list, found "
+                                 f"keys {sorted(obj)}")
+        else:
+            out.append(line)
+    if not out:
+        raise InputError(f"--prompts {path}: expected at least one prompt, found none")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from parity import generate as G
+    from reference.paths import bundled_model, resolve_model
+
+    model_dir = resolve_model(args.model)
+    if model_dir.resolve() == bundled_model("tiny").resolve():
+        print(G.NOISE_NOTE, file=sys.stderr)
+    tok = G.load_tokenizer(model_dir)
+    gen_cfg = G.load_generation_config(model_dir)
+    kw = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    kw.update(G.sampling_defaults(gen_cfg))
+    for name in ("temperature", "top_p", "top_k", "max_new_tokens"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+            if name in ("temperature", "top_p", "top_k"):
+                kw["do_sample"] = True
+    if args.greedy:
+        kw["do_sample"] = False
+    params = G.SamplingParams(seed=args.seed, **kw).validate()
+
+    raw = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    texts, template_source = [], None
+    for item in raw:
+        if args.chat or isinstance(item, list):
+            msgs = item if isinstance(item, list) else (
+                ([{"role": "system", "content": args.system}] if args.system else []) +
+                [{"role": "user", "content": item}])
+            text, template_source = G.render_chat(msgs, model_dir=model_dir, enable_thinking=not args.no_thinking)
+            texts.append(text)
+        else:
+            texts.append(item)
+    prompts = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+
+    lm = G.open_lm(model_dir, backend=args.backend, device=args.device, precision=args.precision,
+                   max_seqs=len(prompts))
+    eos = G.eos_ids_from(gen_cfg, lm.config.eos_token_ids)
+    gen = G.Generator(lm, tok, eos)
+    single = len(prompts) == 1
+    stream = single and not args.json
+
+    def on_text(i, piece):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json)
+    n_prompt = sum(len(p) for p in prompts)
+    prefill_s = sum(r.prefill_s for r in results)
+    decode_s = results[0].decode_s
+    n_dec = sum(max(len(r.token_ids) - 1, 0) for r in results)
+    n_gen = sum(len(r.token_ids) for r in results)
+    summary = {"prompts": len(prompts), "prompt_tokens": n_prompt, "generated_tokens": n_gen,
+               "prefill_s": prefill_s, "decode_s": decode_s,
+               "prompt_tokens_per_s": n_prompt / prefill_s if prefill_s > 0 else None,
+               "generation_tokens_per_s": n_dec / decode_s if decode_s > 0 else None}
+    if args.json:
+        obj = {"model": str(model_dir), "backend": args.backend, "template": template_source,
+               "sampling": vars(params), "timings": summary}
+        if single:
+            obj.update(results[0].to_json())
+        else:
+            obj["results"] = [r.to_json() for r in results]
+        print(json.dumps(obj, ensure_ascii=False))
+        return 0
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for i, r in enumerate(results):
+            print(f"--- [{i}] ({r.stop_reason}, {len(r.token_ids)} tokens)")
+            print(r.text)
+    stops = ", ".join(sorted({r.stop_reason for r in results}))
+    pt = summary["prompt_tokens_per_s"]
+    gt = summary["generation_tokens_per_s"]
+    gen_rate = f", {gt:.1f} tok/s" if gt else ""
+    print(f"prompt: {n_prompt} tokens, {pt:.1f} tok/s | generation: {n_gen} tokens{gen_rate} "
+          f"(stop: {stops}; backend {args.backend})", file=sys.stderr)
+    return 0

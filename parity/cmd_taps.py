@@ -1,0 +1,223 @@
+"""``qwen4exp taps list``, ``qwen4exp taps record`` and ``qwen4exp tap-diff``.
+
+  qwen4exp taps list [--model MODEL] [--json]
+  qwen4exp taps record MODEL --backend reference|engine --ids FILE --out DIR [--taps GLOB ...]
+                       [--layers SPEC] [--positions SPEC] [--dtype float32|float64] [--chunk-size N]
+                       [--cap BYTES] [--scenario NAME]
+  qwen4exp tap-diff A B [--profile fp32|bf16|FILE] [--json] [--all] [--force] [--replay MODEL]
+                   [--taps GLOB ...] [--memory-mb N]
+
+Exit codes: 0 agree / success, 1 diverged, 2 usage or input error.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("taps", help="list the tap registry or record taps of a run")
+    sub = p.add_subparsers(dest="taps_command", metavar="ACTION")
+    sub.required = True
+    pl = sub.add_parser("list", help="print the tap registry (name pattern, module, shape, dtype, kind, meaning)")
+    pl.add_argument("--model", default=None, help="also list the concrete tap names of this model (dir or fixture)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=_cmd_list)
+
+    pr = sub.add_parser("record", help="run a backend on token ids and record its taps into an archive")
+    pr.add_argument("model", help="checkpoint directory or bundled fixture name")
+    pr.add_argument("--backend", choices=["reference", "engine"], default="reference")
+    pr.add_argument("--ids", required=True, help="token ids: a .npy file, a JSON list, or whitespace/comma separated")
+    pr.add_argument("--out", required=True, help="archive directory to create (must not exist)")
+    pr.add_argument("--taps", action="append", default=None, metavar="GLOB", help="tap name glob (repeatable)")
+    pr.add_argument("--layers", default=None, metavar="SPEC", help="layer filter, e.g. '0:4,7'")
+    pr.add_argument("--positions", default=None, metavar="SPEC", help="positions to keep, e.g. '0:64,100'")
+    pr.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="reference compute dtype")
+    pr.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="engine precision")
+    pr.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one chunk)")
+    pr.add_argument("--cap", type=int, default=8 << 30, metavar="BYTES", help="maximum archive size (default 8 GiB)")
+    pr.add_argument("--scenario", default=None, help="scenario label stored in the manifest")
+    pr.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    pr.set_defaults(func=_cmd_record)
+
+    pd = subparsers.add_parser("tap-diff", help="diff two tap archives: first divergence, flips, replay bisect")
+    pd.add_argument("a", help="archive A (the reference side)")
+    pd.add_argument("b", help="archive B (the side under test)")
+    pd.add_argument("--profile", default="fp32", help="tolerance profile: fp32, bf16 or a TOML file")
+    pd.add_argument("--json", action="store_true", help="print the report as JSON")
+    pd.add_argument("--all", action="store_true", help="list every tap, not only the ones that disagree")
+    pd.add_argument("--force", action="store_true", help="diff archives of different models or tokens")
+    pd.add_argument("--replay", default=None, metavar="MODEL",
+                    help="re-run the first diverging block in the reference on B's recorded input (bisect)")
+    pd.add_argument("--taps", action="append", default=None, metavar="GLOB", help="only taps matching (repeatable)")
+    pd.add_argument("--memory-mb", type=int, default=256, help="approximate memory per tap chunk (MB)")
+    pd.set_defaults(func=_cmd_diff)
+
+
+# ---------------------------------------------------------------- list
+def _cmd_list(args) -> int:
+    from taps import registry
+    specs = registry.specs()
+    concrete = None
+    if args.model:
+        from reference.config import load_config
+        from reference.paths import resolve_model
+        concrete = registry.tap_names(load_config(resolve_model(args.model)))
+    if args.json:
+        d = {"registry_version": registry.REGISTRY_VERSION,
+             "taps": [{"pattern": s.pattern, "module": s.module, "shape": s.shape, "dtype": s.dtype, "kind": s.kind,
+                       "meaning": s.meaning, "layer_type": s.layer_type, "companion": s.companion,
+                       "replay_input": s.replay_input} for s in specs]}
+        if concrete is not None:
+            d["names"] = concrete
+        print(json.dumps(d, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    tty = sys.stdout.isatty()
+    con = Console(color_system="auto" if tty else None, width=None if tty else 250, highlight=False)
+    con.print(f"tap registry version {registry.REGISTRY_VERSION} (shapes are positions first: [T, ...])")
+    t = Table(box=None, pad_edge=False, show_edge=False)
+    for c in ("pattern", "module", "shape", "dtype", "kind", "layers", "meaning"):
+        t.add_column(c, no_wrap=c != "meaning")
+    for s in specs:
+        meaning = s.meaning + (f" [scores: {s.companion}]" if s.companion else "")
+        t.add_row(s.pattern, s.module, s.shape, s.dtype, s.kind, s.layer_type or "all", meaning)
+    con.print(t)
+    if concrete is not None:
+        con.print(f"\n{len(concrete)} concrete taps for {args.model}:")
+        for n in concrete:
+            con.print("  " + n)
+    return 0
+
+
+# ---------------------------------------------------------------- record
+def read_ids(path: str) -> list[int]:
+    """Token ids from ``path``: ``.npy``, a JSON list (or {"ids": [...]}) or whitespace/comma separated ints.
+
+    Raises:
+        InputError: unreadable file, non-integer or negative ids, or no ids.
+    """
+    import numpy as np
+    from reference.errors import InputError
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"--ids {path!r}: expected a file of token ids, found no file")
+    try:
+        if p.suffix == ".npy":
+            ids = np.load(p).reshape(-1).tolist()
+        else:
+            text = p.read_text().strip()
+            if text.startswith("[") or text.startswith("{"):
+                v = json.loads(text)
+                ids = v.get("ids", v.get("token_ids")) if isinstance(v, dict) else v
+            else:
+                ids = [int(x) for x in text.replace(",", " ").split()]
+    except (ValueError, OSError) as e:
+        raise InputError(f"--ids {path!r}: expected integer token ids, found unreadable content ({e})") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                         for x in ids):
+        raise InputError(f"--ids {path!r}: expected a non-empty list of non-negative integers, found "
+                         f"{str(ids)[:80]!r}")
+    return ids
+
+
+def record(model_path, ids: list[int], out, backend: str = "reference", include=None, layers=None, positions=None,
+           dtype: str = "float32", precision: str = "float32", chunk_size: int | None = None,
+           cap_bytes: int | None = 8 << 30, scenario: str | None = None, overwrite: bool = False):
+    """Run ``backend`` on ``ids`` and record its taps into archive directory ``out`` (None: in memory).
+
+    Returns: the finished archive (:class:`taps.archive.Archive` or ``MemoryArchive``).
+
+    Raises:
+        InputError / CheckpointError / ArchiveError / TapError: bad inputs; TapCapError when the
+        up-front estimate (or the recording) exceeds ``cap_bytes``.
+    """
+    import numpy as np
+    from reference.checkpoint import Checkpoint
+    from reference.errors import InputError
+    from reference.paths import resolve_model
+    from taps import registry
+    from taps.recorder import Recorder, TapCapError
+    ck = model_path if hasattr(model_path, "fingerprint") else Checkpoint.open(resolve_model(str(model_path)))
+    cfg = ck.config
+    if any(i >= cfg.vocab_size for i in ids):
+        raise InputError(f"token ids: expected ids < vocab_size {cfg.vocab_size}, found {max(ids)}")
+    names = registry.tap_names(cfg)
+    if include:
+        for g in include:
+            if not any(registry.matches(n, [g]) for n in names):
+                raise InputError(f"--taps {g!r}: expected a glob matching some tap of this model (see "
+                                 f"'qwen4exp taps list --model ...'), found none")
+    n_pos = len(ids)
+    from taps.recorder import parse_positions
+    pos = parse_positions(positions)
+    if pos is not None:
+        n_pos = int(np.sum(pos < len(ids)))
+    est = Recorder.estimate(cfg, n_pos, include=include, layers=layers, dtype_bytes=8 if dtype == "float64" else 4)
+    if cap_bytes is not None and est > cap_bytes:
+        raise TapCapError(f"tap recording: estimated {est} bytes exceeds the cap of {cap_bytes} bytes; narrow "
+                          f"--taps/--layers/--positions or raise --cap")
+    meta = {"backend": backend, "dtype": dtype if backend == "reference" else precision,
+            "model": {"config_hash": cfg.config_hash(), "weights_fingerprint": ck.fingerprint()},
+            "token_ids": list(ids), "scenario": scenario, "chunk_size": chunk_size, "estimated_bytes": est}
+    with Recorder(out, include=include, layers=layers, positions=positions, cap_bytes=cap_bytes, meta=meta,
+                  overwrite=overwrite) as rec:
+        if backend == "reference":
+            from reference.model import ReferenceModel
+            model = ReferenceModel(ck, dtype=np.float64 if dtype == "float64" else np.float32)
+            sess = model.new_session()
+            step = chunk_size or len(ids)
+            from tqdm import tqdm
+            with tqdm(total=len(ids), desc="taps record", unit="tok", disable=not sys.stderr.isatty(),
+                      file=sys.stderr) as bar:
+                for s in range(0, len(ids), step):   # consecutive prefills == one chunked prefill
+                    sess.prefill(list(ids[s:s + step]))
+                    bar.update(min(step, len(ids) - s))
+        else:
+            try:
+                import engine
+                eng = engine.Engine(ck, precision=precision)
+            except (ImportError, AttributeError) as e:
+                raise InputError(f"--backend engine: the engine is not available here ({e})") from None
+            seq = eng.add_sequence()
+            eng.prefill(seq, list(ids), chunk_size=chunk_size)
+    return rec.archive()
+
+
+def _cmd_record(args) -> int:
+    ids = read_ids(args.ids)
+    arc = record(args.model, ids, args.out, backend=args.backend, include=args.taps, layers=args.layers,
+                 positions=args.positions, dtype=args.dtype, precision=args.precision, chunk_size=args.chunk_size,
+                 cap_bytes=args.cap, scenario=args.scenario, overwrite=args.overwrite)
+    n = len(arc.names())
+    print(f"recorded {n} taps over {len(ids)} positions ({arc.manifest.get('bytes', 0)} bytes) to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- diff
+def _cmd_diff(args) -> int:
+    from taps.diff import diff_archives, render_table, replay_check
+    rep = diff_archives(args.a, args.b, profile=args.profile, force=args.force, taps=args.taps,
+                        memory_budget=args.memory_mb << 20, progress=sys.stderr.isatty() and not args.json)
+    if args.replay and rep.first_divergence:
+        import numpy as np
+        from reference.checkpoint import Checkpoint
+        from reference.model import ReferenceModel
+        from reference.paths import resolve_model
+        from reference.errors import InputError
+        from taps.archive import Archive
+        ck = Checkpoint.open(resolve_model(args.replay))
+        B = Archive.open(args.b)
+        want = B.model.get("config_hash")
+        if want is not None and want != ck.config.config_hash() and not args.force:
+            raise InputError(f"--replay {args.replay!r}: expected the model the archives were recorded from "
+                             f"(config hash {want}), found config hash {ck.config.config_hash()}")
+        dt = np.float64 if (Archive.open(args.a).dtype == "float64") else np.float32
+        rep.replay = replay_check(ReferenceModel(ck, dtype=dt), B, rep.first_divergence, args.profile, A=args.a)
+    if args.json:
+        print(rep.to_json())
+    else:
+        render_table(rep, show_all=args.all)
+    return rep.exit_code

@@ -1,0 +1,138 @@
+"""Parity reports: the verdict table and the JSON document of ``qwen4exp parity`` / ``qwen4exp kl``.
+
+One row per scenario (and one for the KL harness): scenario, cases, worst KL, worst logit error,
+first divergence (if any), time, verdict. JSON files are written to a temporary name and renamed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field, asdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ScenarioRow", "ParityReport", "write_json_atomic", "render_table", "jsonable"]
+
+
+def jsonable(x: Any):
+    """A JSON-safe copy: numpy scalars/arrays to Python, non-finite floats to strings ('nan', 'inf')."""
+    try:
+        import numpy as np
+        if isinstance(x, np.generic):
+            x = x.item()
+        elif isinstance(x, np.ndarray):
+            x = x.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json_atomic(path, obj) -> Path:
+    """Write ``obj`` (made :func:`jsonable`) as indented JSON to ``path`` via a temp file + rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(jsonable(obj), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+@dataclass
+class ScenarioRow:
+    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error'."""
+
+    scenario: str
+    cases: int
+    failed_cases: int
+    worst_kl: float
+    worst_logit_err: float
+    first_divergence: str | None
+    seconds: float
+    status: str
+    detail: str = ""
+    failures: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return jsonable(asdict(self))
+
+
+@dataclass
+class ParityReport:
+    """The whole ``qwen4exp parity`` result. ``exit_code``: 0 all pass, 1 any fail, 2 any error."""
+
+    backend: str
+    model: str
+    rows: list[ScenarioRow] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        if any(r.status == "error" for r in self.rows):
+            return 2
+        if any(r.status == "fail" for r in self.rows):
+            return 1
+        return 0
+
+    def to_json(self) -> dict:
+        return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
+                         "verdict": {0: "pass", 1: "fail", 2: "error"}[self.exit_code],
+                         "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
+
+
+def _fmt(x: float) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.2e}"
+
+
+def render_table(report: ParityReport, console=None) -> str:
+    """Render the verdict table (rich when installed, else plain text); returns the plain-text form too."""
+    header = ["scenario", "cases", "worst KL", "worst logit err", "first divergence", "time", "verdict"]
+    rows = []
+    for r in report.rows:
+        cases = f"{r.cases - r.failed_cases}/{r.cases}"
+        div = r.first_divergence or ("-" if r.status == "pass" else r.detail[:60])
+        rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
+                     r.status.upper()])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[report.exit_code]
+    lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
+    text = "\n".join(lines)
+    if console is not None:
+        try:
+            from rich.table import Table
+            t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
+            for h in header:
+                t.add_column(h, overflow="fold")
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow"}
+            for row in rows:
+                t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
+            console.print(t)
+            console.print(f"verdict: [{style[verdict]}]{verdict}[/]")
+        except ImportError:
+            console.print(text)
+    return text

@@ -1,0 +1,112 @@
+"""The four scenario suites: budget, chunk_boundary, snapshot_restore, speculative_rollback.
+
+``run_scenario(name, open_backend, truth)`` runs every case of one scenario against a backend, at
+each paged-cache page size the backend supports (sizes that do and do not divide the compress
+ratio; the reference has no pages and runs once), and returns the per-case results.
+``SCENARIOS`` maps scenario names (also accepted with dashes) to their modules.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Callable
+
+from reference.errors import InputError
+
+__all__ = ["SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results", "normalize_name"]
+
+SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback")
+
+
+def normalize_name(name: str) -> str:
+    """'chunk-boundary' / 'chunk_boundary' -> 'chunk_boundary'. Raises InputError for unknown names."""
+    n = name.strip().replace("-", "_")
+    if n not in SCENARIOS:
+        raise InputError(f"scenario {name!r}: expected one of {', '.join(s.replace('_', '-') for s in SCENARIOS)}, "
+                         f"found {name!r}")
+    return n
+
+
+def scenario_names() -> list[str]:
+    return list(SCENARIOS)
+
+
+def cases_for(name: str, config):
+    """The :class:`parity.scenarios.common.Case` list of scenario ``name`` for a model config."""
+    mod = importlib.import_module(f"parity.scenarios.{normalize_name(name)}")
+    return mod.cases(config)
+
+
+def _page_plan(backend_caps, config, page_sizes):
+    from parity.scenarios.common import page_sizes_for
+    if page_sizes is not None:
+        return list(page_sizes)
+    if backend_caps.get("page_sizes") is None:
+        return [None]
+    return page_sizes_for(config)
+
+
+def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, only: list[str] | None = None,
+                 archive_dir=None, progress=None, locate_on_fail=True):
+    """Run scenario ``name``.
+
+    Args:
+        open_backend: ``f(**opts) -> Backend`` (called with ``page_size=`` per page size).
+        truth: :class:`parity.scenarios.common.TruthCache` of the reference model.
+        page_sizes: override the page-size plan (None: from the backend's capabilities and the config).
+        only: case names to run (None: all).
+        archive_dir: where failing cases' tap archives go (None: not written).
+        progress: a tqdm-like object with ``update()`` / ``set_postfix_str()`` (optional).
+    Returns:
+        list of :class:`parity.scenarios.common.CaseResult`.
+    """
+    from parity.scenarios.common import run_case
+
+    name = normalize_name(name)
+    probe = open_backend()
+    caps = dict(getattr(probe, "capabilities", {}) or {})
+    config = probe.config
+    cases = cases_for(name, config)
+    if only:
+        cases = [c for c in cases if c.name in only]
+    results = []
+    plan = _page_plan(caps, config, page_sizes)
+    for ps in plan:
+        be = probe if ps is None else open_backend(page_size=ps)
+        try:
+            for case in cases:
+                if progress is not None:
+                    progress.set_postfix_str(f"{name}/{case.name}" + (f" page {ps}" if ps else ""))
+                results.append(run_case(name, case, be, truth, page_size=ps, locate_on_fail=locate_on_fail,
+                                        archive_dir=archive_dir))
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if be is not probe:
+                be.close()
+    probe.close()
+    return results
+
+
+def count_cases(name: str, config, caps: dict, page_sizes=None) -> int:
+    """Number of case runs :func:`run_scenario` will make (for progress bars)."""
+    return len(cases_for(name, config)) * len(_page_plan(caps, config, page_sizes))
+
+
+def summarize_results(name: str, results, seconds: float):
+    """One :class:`parity.report.ScenarioRow` from a scenario's case results."""
+    from parity.report import ScenarioRow
+
+    ran = [r for r in results if r.status != "skip"]
+    failed = [r for r in ran if r.status in ("fail", "error")]
+    status = "error" if any(r.status == "error" for r in ran) else ("fail" if failed else "pass")
+    wk = max((r.worst_kl for r in ran), default=0.0)
+    we = max((r.worst_logit_err for r in ran), default=0.0)
+    first = next((r for r in failed), None)
+    skipped = [r for r in results if r.status == "skip"]
+    detail = "" if not first else f"{first.label}: {first.failure}"
+    if skipped:
+        detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
+    return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
+                       worst_logit_err=we, first_divergence=(first.divergence if first else None), seconds=seconds,
+                       status=status, detail=detail, failures=[r.to_json() for r in failed])

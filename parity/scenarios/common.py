@@ -1,0 +1,447 @@
+"""Scenario machinery shared by the four suites: a tracked run of a backend against the truth.
+
+A *case* is a Python function ``case(run: Run)`` that drives a backend through operations on one or
+more sequences (``run.new``, ``run.prefill``, ``run.decode``, ``run.verify``, ``run.rollback``,
+``run.snapshot``, ``run.restore`` ...). The :class:`Run` keeps every sequence's token history and, after
+each operation that returns logits, compares those rows against the TRUTH: the reference model's
+single full forward over that sequence's history (:class:`TruthCache`). Non-logit expectations
+(positions, refusals, state equality) are checked too. The first failing check stops the case.
+
+On failure the case is replayed deterministically with taps recorded around the failing operation
+(:func:`locate`), the truth's taps are recorded for the same positions, and tap-diff names the first
+divergence. A failing batched decode is also replayed one sequence at a time, which tells a
+batching bug ("correct alone, wrong in a batch") from a state bug.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from parity.kl import compare_logits, thresholds_for, KLThresholds, verdict
+from reference.errors import UserError
+
+__all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "run_case", "page_sizes_for", "sizes",
+           "token_stream", "Sizes"]
+
+
+class CaseFailure(Exception):
+    """Raised inside a case at its first failing check (caught by :func:`run_case`)."""
+
+    def __init__(self, op: int, what: str, divergence: str | None = None, seq: str | None = None):
+        super().__init__(what)
+        self.op = op
+        self.seq = seq
+        self.what = what
+        self.divergence = divergence
+
+
+@dataclass
+class Case:
+    """One scenario case: ``fn(run)``; ``needs``: backend capabilities it requires (e.g. 'snapshot_file')."""
+
+    name: str
+    fn: Callable[["Run"], None]
+    needs: tuple[str, ...] = ()
+    batch: bool = False  # drives several concurrent sequences
+
+
+@dataclass
+class CaseResult:
+    """Outcome of one case at one page size. ``status``: 'pass' | 'fail' | 'error' | 'skip'."""
+
+    scenario: str
+    case: str
+    page_size: int | None
+    status: str
+    checks: int = 0
+    worst_kl: float = 0.0
+    worst_logit_err: float = 0.0
+    failure: str | None = None
+    failed_op: int | None = None
+    failed_seq: str | None = None
+    divergence: str | None = None
+    archives: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def label(self) -> str:
+        ps = "" if self.page_size is None else f" [page {self.page_size}]"
+        return f"{self.scenario}/{self.case}{ps}"
+
+    def to_json(self) -> dict:
+        from parity.report import jsonable
+        return jsonable(self.__dict__)
+
+
+# ----------------------------------------------------------------------------------------------- sizes
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes the suites cut at, all from the model config.
+
+    ``bound`` = indexer_budget + indexer_compress_ratio - 1 (at and below it QSA keeps every token);
+    ``ratio`` = indexer_compress_ratio; ``gdn_chunk`` = 64 (the chunked gated delta rule's block);
+    ``ple_window`` = (ple_conv_kernel_size - 1) * ngram_size (carried PLE conv history);
+    ``ngram_ctx`` = ngram_size - 1 (carried n-gram token context); ``eos`` = the PLE reset id.
+    """
+
+    bound: int
+    ratio: int
+    budget: int
+    gdn_chunk: int
+    ple_window: int
+    ngram_ctx: int
+    vocab: int
+    eos: int | None
+    has_qsa: bool
+    has_ple: bool
+    has_gdn: bool
+
+
+GDN_CHUNK = 64  # torch_chunk_gated_delta_rule(chunk_size=64), modeling_qwen4_exp.py
+
+
+def sizes(config) -> Sizes:
+    """The :class:`Sizes` of a :class:`reference.config.ModelConfig`."""
+    has_qsa = bool(config.qsa_enabled and "indexed_attention" in config.layer_types)
+    ratio = config.indexer_compress_ratio if has_qsa else 4
+    budget = config.indexer_budget if has_qsa else 8
+    return Sizes(bound=budget + ratio - 1, ratio=ratio, budget=budget, gdn_chunk=GDN_CHUNK,
+                 ple_window=config.ple_conv_state_len, ngram_ctx=config.ngram_size - 1, vocab=config.vocab_size,
+                 eos=config.ple_eos_token_id, has_qsa=has_qsa, has_ple=bool(config.ple_layer_ids),
+                 has_gdn="linear_attention" in config.layer_types)
+
+
+def page_sizes_for(config) -> list[int]:
+    """Paged-cache page sizes the suites run with: one equal to the compress ratio (divides it), one
+    twice it (a multiple), and ratio + 1 (neither divides nor is divided by it, so compress blocks
+    straddle pages)."""
+    r = sizes(config).ratio
+    out = [r, 2 * r, r + 1]
+    return sorted(set(p for p in out if p >= 1))
+
+
+def token_stream(config, n: int, seed: int, eos_every: int | None = None) -> list[int]:
+    """``n`` deterministic pseudo-random token ids in [0, vocab) avoiding the EOS id, with an EOS
+    inserted every ``eos_every`` tokens when given (to exercise the n-gram reset)."""
+    s = sizes(config)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, s.vocab, size=n).tolist()
+    if s.eos is not None:
+        ids = [t if t != s.eos else (t + 1) % s.vocab for t in ids]
+        if eos_every:
+            for i in range(eos_every - 1, n, eos_every):
+                ids[i] = s.eos
+    return [int(t) for t in ids]
+
+
+# ----------------------------------------------------------------------------------------------- truth
+class TruthCache:
+    """Truth logits: ``model.forward(history)`` (one full forward), cached. A cached forward over a
+    longer history also answers every prefix of it (the model is causal)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    def logits(self, hist: Sequence[int]) -> np.ndarray:
+        """``[len(hist), V]`` truth logits of every position of ``hist``."""
+        key = tuple(int(t) for t in hist)
+        n = len(key)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        for k, v in self._cache.items():
+            if len(k) > n and k[:n] == key:
+                return v[:n]
+        out = np.asarray(self.model.forward(list(key)))
+        self._cache[key] = out
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- the run
+class Seq:
+    """A tracked sequence: backend handle + the token history its state should hold."""
+
+    def __init__(self, label: str, handle):
+        self.label = label
+        self.h = handle
+        self.hist: list[int] = []
+        self.last_logits: np.ndarray | None = None
+
+
+@dataclass
+class Snap:
+    """A backend snapshot plus the history it holds."""
+
+    obj: Any
+    hist: list[int]
+
+
+class Run:
+    """One tracked execution of a case on one backend (see the module docstring).
+
+    Args:
+        backend: an open backend. truth: a :class:`TruthCache`. thresholds: pass thresholds.
+        record_at: operation index around which taps are recorded (replays for tap-diff).
+        unbatch_at: operation index of a batched decode to replay one sequence at a time.
+    """
+
+    def __init__(self, backend, truth: TruthCache, thresholds: KLThresholds, record_at: int | None = None,
+                 unbatch_at: int | None = None, record_seq: str | None = None):
+        self.be = backend
+        self.truth = truth
+        self.th = thresholds
+        self.config = backend.config
+        self.sizes = sizes(backend.config)
+        self.ops = 0
+        self.checks = 0
+        self.worst_kl = 0.0
+        self.worst_err = 0.0
+        self.record_at = record_at
+        self.unbatch_at = unbatch_at
+        self.record_seq = record_seq
+        self.recorded = None  # (archive, seq label, positions, history)
+        self.seqs: list[Seq] = []
+        self.scratch: dict = {}
+
+    # --- bookkeeping
+    def _next_op(self) -> int:
+        k = self.ops
+        self.ops += 1
+        return k
+
+    def fail(self, op: int, what: str, divergence: str | None = None, seq: str | None = None):
+        raise CaseFailure(op, what, divergence, seq)
+
+    def _compare(self, op: int, desc: str, s: Seq, logits: np.ndarray, start: int) -> None:
+        """Compare rows ``logits`` (positions start..start+k-1 of s.hist) with the truth."""
+        logits = np.asarray(logits)
+        if logits.ndim == 1:
+            logits = logits[None]
+        end = start + logits.shape[0]
+        if logits.shape[-1] != self.sizes.vocab or end > len(s.hist):
+            self.fail(op, f"{desc}: seq {s.label}: logits shape {logits.shape}: expected [{end - start}, "
+                          f"{self.sizes.vocab}]", "logits shape")
+        ref = self.truth.logits(s.hist[:end])[start:end]
+        cmp = compare_logits(ref, logits)
+        self.checks += 1
+        wk = cmp.worst_kl()
+        we = float(np.max(cmp.max_abs_err)) if cmp.n else 0.0
+        self.worst_kl = max(self.worst_kl, wk) if np.isfinite(wk) else float("inf")
+        self.worst_err = max(self.worst_err, we) if np.isfinite(we) else float("inf")
+        ok, why = verdict(cmp, self.th)
+        if not ok:
+            both = np.maximum(cmp.kl_ab, cmp.kl_ba)
+            bad = int(np.argmax(np.where(np.isnan(both), np.inf, both)))
+            self.fail(op, f"{desc}: seq {s.label}: {why} (worst at position {start + bad})", seq=s.label)
+        s.last_logits = logits[-1]
+
+    def _recording(self, op: int, positions, seq: Seq):
+        """Context manager: records taps when op == record_at (else a no-op)."""
+        import contextlib
+        if self.record_at != op:
+            return contextlib.nullcontext()
+        run = self
+
+        @contextlib.contextmanager
+        def cm():
+            with run.be.taps(None, positions=list(positions)) as rec:
+                yield rec
+            run.recorded = (rec.archive(), seq.label, list(positions), list(seq.hist))
+        return cm()
+
+    def check(self, cond: bool, what: str, divergence: str | None = None) -> None:
+        """A non-logit expectation (counted as a check)."""
+        op = self._next_op()
+        self.checks += 1
+        if not cond:
+            self.fail(op, what, divergence)
+
+    # --- operations
+    def new(self, label: str) -> Seq:
+        s = Seq(label, self.be.new_sequence())
+        self.seqs.append(s)
+        return s
+
+    def free(self, s: Seq) -> None:
+        self.be.free(s.h)
+        if s in self.seqs:
+            self.seqs.remove(s)
+
+    def prefill(self, s: Seq, ids: Sequence[int], chunk_size: int | None = None, desc: str | None = None):
+        op = self._next_op()
+        ids = [int(t) for t in ids]
+        start = len(s.hist)
+        s.hist.extend(ids)
+        d = desc or f"prefill {len(ids)} tokens at position {start}" + (f" in chunks of {chunk_size}"
+                                                                           if chunk_size else "")
+        with self._recording(op, range(start, start + len(ids)), s):
+            out = self.be.prefill(s.h, ids, chunk_size=chunk_size)
+        self._compare(op, d, s, out, start)
+        self._check_position(op, s, d)
+        return np.asarray(out)
+
+    def decode(self, seqs: Sequence[Seq], ids: Sequence[int], desc: str | None = None):
+        op = self._next_op()
+        seqs = list(seqs)
+        ids = [int(t) for t in ids]
+        starts = [len(s.hist) for s in seqs]
+        for s, t in zip(seqs, ids):
+            s.hist.append(t)
+        d = desc or f"decode batch of {len(seqs)}"
+        if self.unbatch_at == op or (self.record_at == op and len(seqs) > 1):
+            rows = []
+            for s, t, st in zip(seqs, ids, starts):
+                if self.record_at == op and s.label == self.record_seq:
+                    with self._recording(op, [st], s):
+                        rows.append(np.asarray(self.be.decode([s.h], [t]))[0])
+                else:
+                    rows.append(np.asarray(self.be.decode([s.h], [t]))[0])
+            out = np.stack(rows)
+            d += " (replayed one sequence at a time)"
+        else:
+            with self._recording(op, [starts[0]], seqs[0]):
+                out = np.asarray(self.be.decode([s.h for s in seqs], ids))
+        if out.shape[0] != len(seqs):
+            self.fail(op, f"{d}: expected {len(seqs)} rows of logits, found shape {out.shape}", "decode batch shape")
+        for i, (s, st) in enumerate(zip(seqs, starts)):
+            self._compare(op, d, s, out[i:i + 1], st)
+            self._check_position(op, s, d)
+        return out
+
+    def verify(self, s: Seq, ids: Sequence[int], desc: str | None = None):
+        op = self._next_op()
+        ids = [int(t) for t in ids]
+        start = len(s.hist)
+        s.hist.extend(ids)
+        d = desc or f"verify {len(ids)} drafted tokens at position {start}"
+        with self._recording(op, range(start, start + len(ids)), s):
+            out = self.be.forward_tokens(s.h, ids)
+        self._compare(op, d, s, out, start)
+        self._check_position(op, s, d)
+        return np.asarray(out)
+
+    def rollback(self, s: Seq, n: int, desc: str | None = None):
+        op = self._next_op()
+        d = desc or f"rollback {n} tokens"
+        self.be.rollback(s.h, n)
+        if n:
+            del s.hist[-n:]
+        self._check_position(op, s, d)
+
+    def snapshot(self, s: Seq) -> Snap:
+        self._next_op()
+        return Snap(self.be.snapshot(s.h), list(s.hist))
+
+    def restore(self, s: Seq, snap: Snap, desc: str | None = None):
+        op = self._next_op()
+        self.be.restore(s.h, snap.obj)
+        s.hist = list(snap.hist)
+        self._check_position(op, s, desc or "restore")
+
+    def _check_position(self, op: int, s: Seq, desc: str):
+        pos = self.be.position(s.h)
+        self.checks += 1
+        if pos != len(s.hist):
+            self.fail(op, f"{desc}: seq {s.label}: position {pos}, expected {len(s.hist)} (KV length)",
+                      f"sequence length (KV length) {pos} != {len(s.hist)}")
+
+    def expect_refusal(self, fn: Callable[[], Any], what: str):
+        """``fn`` must raise a :class:`UserError` (a clear refusal); anything else fails the case."""
+        op = self._next_op()
+        self.checks += 1
+        try:
+            fn()
+        except UserError:
+            return
+        except Exception as e:  # a crash is not a refusal
+            self.fail(op, f"{what}: expected a clear refusal (UserError), found {type(e).__name__}: {e}",
+                      f"{what}: crashed instead of refusing")
+        self.fail(op, f"{what}: expected a refusal, found it silently accepted", f"{what}: silently accepted")
+
+    def compare_state(self, a: Seq, b: Seq, desc: str, rel: float = 1e-4):
+        """When the backend exposes ``state_arrays``: every state array of ``a`` equals ``b``'s (a run that
+        never saw the rejected tokens); integer arrays (n-gram context) exactly, float arrays to
+        ``max|a - b| <= rel * max|b|``. Tolerance: both are float32 paths of one backend whose histories
+        were built by different op sequences (verify + rollback vs one prefill), so they agree to
+        accumulation order: ~1e-5 of the array's scale after 6 layers on the tiny fixtures (measured
+        3e-5 worst element vs 5 max); 1e-4 leaves margin while any stale state (a forgotten carry, an
+        untruncated cache) is an O(1) relative difference."""
+        if not self.be.capabilities.get("state_arrays"):
+            return
+        op = self._next_op()
+        sa, sb = self.be.state_arrays(a.h), self.be.state_arrays(b.h)
+        self.checks += 1
+        for name in sorted(set(sa) | set(sb)):
+            if name not in sa or name not in sb:
+                self.fail(op, f"{desc}: state {name} present in only one of {a.label}, {b.label}", f"state {name}")
+            x, y = np.asarray(sa[name]), np.asarray(sb[name])
+            if x.shape != y.shape:
+                self.fail(op, f"{desc}: state {name}: shape {x.shape} vs {y.shape} ({a.label} vs {b.label})",
+                          f"state {name} (shape)")
+            if x.dtype.kind in "iub":
+                same = np.array_equal(x, y)
+            else:
+                x64, y64 = x.astype(np.float64), y.astype(np.float64)
+                scale = max(float(np.max(np.abs(y64))) if y64.size else 0.0, 1e-30)
+                same = bool(np.all(np.isfinite(x64))) and (not x64.size or
+                                                           float(np.max(np.abs(x64 - y64))) <= rel * scale)
+            if not same:
+                self.fail(op, f"{desc}: state {name} of {a.label} differs from {b.label}", f"state {name}")
+
+    def close(self):
+        for s in list(self.seqs):
+            try:
+                self.be.free(s.h)
+            except Exception:
+                pass
+        self.seqs.clear()
+
+
+# ----------------------------------------------------------------------------------------------- runner
+def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size=None, locate_on_fail=True,
+             archive_dir=None) -> CaseResult:
+    """Run one case; on failure replay it with taps to name the first divergence.
+
+    Returns a :class:`CaseResult`; never raises for a backend fault (errors become status 'error').
+    """
+    t0 = time.perf_counter()
+    th = thresholds_for(getattr(backend, "precision", "float32"))
+    res = CaseResult(scenario, case.name, page_size, "pass")
+    missing = [c for c in case.needs if not backend.capabilities.get(c)]
+    if missing:
+        res.status = "skip"
+        res.failure = f"backend lacks {missing}"
+        return res
+    run = Run(backend, truth, th)
+    try:
+        case.fn(run)
+    except CaseFailure as f:
+        res.status = "fail"
+        res.failure = f.what
+        res.failed_op = f.op
+        res.failed_seq = f.seq
+        res.divergence = f.divergence
+    except UserError as e:
+        res.status = "fail"
+        res.failure = f"backend refused an operation the model allows: {type(e).__name__}: {e}"
+        res.failed_op = run.ops - 1
+        res.divergence = f"refused: {e}"
+    except Exception as e:
+        res.status = "error"
+        res.failure = f"{type(e).__name__}: {e}"
+        res.divergence = "".join(traceback.format_exception_only(type(e), e)).strip()
+        res.failed_op = run.ops - 1
+    finally:
+        run.close()
+    res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
+    if res.status == "fail" and res.divergence is None and locate_on_fail:
+        from parity.scenarios.locate import locate
+        res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
+                                              archive_dir=archive_dir, page_size=page_size)
+    res.seconds = time.perf_counter() - t0
+    return res

@@ -1,0 +1,115 @@
+"""Fault-injecting backends: the negative controls of the scenario suites.
+
+Each is the reference backend with one realistic porting bug, openable like any outside engine
+(``--backend parity.suites.faults:RollbackForgetsPLEConv``). The suites must catch each one and NAME it
+(the failing scenario/case and the first divergent tap or state):
+
+* :class:`RollbackForgetsPLEConv` -- rollback restores everything but the PLE dilated-conv history,
+  which keeps the rejected drafts' rows (speculative-rollback must catch it);
+* :class:`RestoreSkipsIndexerKeys` -- restore copies KV, GDN and PLE state but leaves the QSA
+  indexer keys zero-filled (snapshot-restore);
+* :class:`ChunkDropsNgramContext` -- chunked prefill resets the PLE n-gram context to EOS at every
+  chunk boundary (chunk-boundary);
+* :class:`BudgetOffByOne` -- QSA treats ``indexer_budget + indexer_compress_ratio`` visible tokens as
+  still within budget (dense), one past the true bound (budget).
+
+``FAULTS`` maps each to the scenario that must catch it and the substring its divergence must name.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from parity.backend import ReferenceBackend
+
+__all__ = ["RollbackForgetsPLEConv", "RestoreSkipsIndexerKeys", "ChunkDropsNgramContext", "BudgetOffByOne",
+           "FAULTS"]
+
+
+class RollbackForgetsPLEConv(ReferenceBackend):
+    """Rollback that forgets the PLE conv carry (keeps the post-draft conv history)."""
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        be = super().open(model_path, **opts)
+        be.name = "fault:rollback-forgets-ple-conv"
+        return be
+
+    def rollback(self, h, n):
+        sess = self._sess(h)
+        kept = {i: st.conv.copy() for i, st in sess.state.ple.items()}
+        super().rollback(h, n)
+        for i, conv in kept.items():
+            sess.state.ple[i].conv = conv
+
+
+class RestoreSkipsIndexerKeys(ReferenceBackend):
+    """Restore that does not copy the QSA indexer keys (they come back zero-filled)."""
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        be = super().open(model_path, **opts)
+        be.name = "fault:restore-skips-indexer-keys"
+        return be
+
+    def restore(self, h, snap):
+        super().restore(h, snap)
+        for st in self._sess(h).state.qsa.values():
+            st.index_keys.data[...] = 0
+            st.block_keys.data[...] = 0
+
+
+class ChunkDropsNgramContext(ReferenceBackend):
+    """Chunked prefill that drops the n-gram context at each chunk boundary (EOS-filled as at a new sequence)."""
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        be = super().open(model_path, **opts)
+        be.name = "fault:chunk-drops-ngram-context"
+        return be
+
+    def prefill(self, h, ids, chunk_size=None):
+        if not chunk_size:
+            return super().prefill(h, ids)
+        sess = self._sess(h)
+        eos = self.config.ple_eos_token_id
+        outs = []
+        ids = list(ids)
+        for s in range(0, len(ids), chunk_size):
+            if s > 0:
+                for st in sess.state.ple.values():
+                    st.context = np.full_like(st.context, eos)
+            outs.append(super().prefill(h, ids[s:s + chunk_size]))
+        return np.concatenate(outs, axis=0)
+
+
+class BudgetOffByOne(ReferenceBackend):
+    """QSA budget bound off by one: at exactly ``bound + 1`` visible tokens every block is kept (dense)."""
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        be = super().open(model_path, **opts)
+        be.name = "fault:budget-off-by-one"
+        cfg = be.config
+        r, topk = cfg.indexer_compress_ratio, cfg.block_topk
+
+        def hook(layer, pos, scores, sel):
+            n_complete = (np.asarray(pos) + 1) // r
+            extra = np.full((sel.shape[0], 1), -1, dtype=np.int64)
+            hit = (np.asarray(pos) + 1) == cfg.qsa_bound + 1  # one past the bound: should select, keeps all
+            for t in np.nonzero(hit)[0]:
+                missing = sorted(set(range(int(n_complete[t]))) - set(int(b) for b in sel[t] if b >= 0))
+                if missing:
+                    extra[t, 0] = missing[0]
+            return np.concatenate([sel, extra], axis=1)
+
+        be.model.selection_hook = hook
+        return be
+
+
+#: fault class -> (scenario that must catch it, substring the located divergence must contain)
+FAULTS = {
+    RollbackForgetsPLEConv: ("speculative_rollback", "ple"),
+    RestoreSkipsIndexerKeys: ("snapshot_restore", "indexer"),
+    ChunkDropsNgramContext: ("chunk_boundary", "ple"),
+    BudgetOffByOne: ("budget", "indexer"),
+}

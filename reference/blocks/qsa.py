@@ -1,0 +1,177 @@
+"""QSA: the block-sparse indexed attention layers (indexer + gated GQA over the selected tokens).
+
+Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextQSAIndexer.forward`` (indexer), ``Qwen4ExpTextAttention.forward``
+and ``eager_attention_forward`` (gated attention), ``apply_rotary_pos_emb``.
+
+Canonical top-k order (used by every component of this project): higher score first, then the LOWER
+block index. The official code leaves ties to ``torch.topk`` whose CPU order for ties is not fixed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from reference.blocks.norms import rms_norm, sigmoid
+from reference.blocks.rope import apply_rope
+
+__all__ = ["canonical_topk", "indexer_project", "pool_block_keys", "indexer_select", "selection_mask",
+           "attention_project", "sparse_attention"]
+
+
+def canonical_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest entries of each row, score descending then lower index first.
+
+    Args:
+        scores: ``[N, M]`` float (``-inf`` entries are never preferred over finite ones).
+        k: ``0 <= k <= M``.
+    Returns:
+        ``[N, k]`` int64. A stable sort of ``-scores`` gives exactly the canonical tie order.
+    """
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    return order[..., :k].astype(np.int64)
+
+
+def indexer_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg):
+    """Indexer queries (normed, rotated at their positions) and raw keys.
+
+    Args:
+        x: ``[T, H]``; w: ``index_qk_proj [(n_heads + 1) * D, H]``, ``q_layernorm [D]``;
+        cos/sin: ``[T, rotary_dim]`` at the tokens' positions.
+    Returns:
+        ``(q [T, indexer_n_heads, D], raw_keys [T, D])``.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (first part).
+    """
+    T = x.shape[0]
+    D, nh = cfg.indexer_head_dim, cfg.indexer_n_heads
+    qk = x @ w["index_qk_proj"].T
+    q = rms_norm(qk[:, :nh * D].reshape(T, nh, D), w["q_layernorm"], cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    return q, qk[:, nh * D:].reshape(T, D)
+
+
+def pool_block_keys(raw_keys: np.ndarray, first_block: int, n_blocks: int, k_norm_w: np.ndarray, cos_fn, cfg):
+    """Compressed keys of complete blocks ``first_block .. n_blocks-1``.
+
+    Block ``b`` = mean of raw keys ``b*r .. b*r+r-1`` -> ``k_layernorm`` -> RoPE at position ``b*r``.
+
+    Args:
+        raw_keys: ``[L, D]`` the raw indexer-key history (``L >= n_blocks * r``).
+        cos_fn: ``positions [n] -> (cos, sin)`` tables.
+    Returns:
+        ``[n_blocks - first_block, D]``.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (``pooled_keys``, ``block_key_states``).
+    """
+    r, D = cfg.indexer_compress_ratio, cfg.indexer_head_dim
+    if n_blocks <= first_block:
+        return np.zeros((0, D), dtype=raw_keys.dtype)
+    groups = raw_keys[first_block * r: n_blocks * r].reshape(n_blocks - first_block, r, D)
+    pooled = rms_norm(groups.mean(axis=1), k_norm_w, cfg.rms_norm_eps)
+    cos, sin = cos_fn(np.arange(first_block, n_blocks, dtype=np.int64) * r)
+    return apply_rope(pooled, cos, sin)
+
+
+def indexer_select(q: np.ndarray, block_keys: np.ndarray, positions: np.ndarray, cfg):
+    """Block scores and the canonical block top-k per query.
+
+    ``score[t, b] = sum_h relu(q[t, h] . K_b) / sqrt(D)`` for the ``n_t = (p_t + 1) // r`` complete blocks
+    visible to query ``t`` at absolute position ``p_t`` (``-inf`` for the others); ``min(block_topk, n_t)``
+    blocks are selected.
+
+    Args:
+        q: ``[T, n_heads, D]``; block_keys: ``[NB, D]`` with ``NB >= n_t`` for every query.
+        positions: ``[T]`` int64 absolute positions.
+    Returns:
+        ``(scores [T, NB], selected [T, block_topk] int64, -1 padded, n_complete [T])``.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (``scores``, ``topk``).
+    """
+    r, D = cfg.indexer_compress_ratio, cfg.indexer_head_dim
+    T = q.shape[0]
+    NB = block_keys.shape[0]
+    n_complete = (positions + 1) // r
+    raw = np.einsum("thd,bd->tbh", q, block_keys, optimize=True)
+    scores = np.maximum(raw, 0).sum(axis=-1) / q.dtype.type(math.sqrt(D))
+    visible = np.arange(NB)[None, :] < n_complete[:, None]
+    scores = np.where(visible, scores, -np.inf).astype(q.dtype, copy=False)
+    kk = min(cfg.block_topk, NB)
+    sel = canonical_topk(scores, kk)
+    keep = np.arange(kk)[None, :] < np.minimum(cfg.block_topk, n_complete)[:, None]
+    sel = np.where(keep, sel, -1)
+    if kk < cfg.block_topk:
+        sel = np.concatenate([sel, np.full((T, cfg.block_topk - kk), -1, dtype=np.int64)], axis=1)
+    return scores, sel, n_complete
+
+
+def selection_mask(selected: np.ndarray, positions: np.ndarray, n_complete: np.ndarray, length: int, r: int):
+    """Token-level visibility ``[T, length]`` bool: the selected blocks' tokens plus the incomplete tail
+    ``n_complete*r .. p`` (always visible).
+
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (``selected_tokens``, ``tail``) and the mask combine in
+    ``Qwen4ExpTextAttention.forward``.
+    """
+    T = selected.shape[0]
+    NB = length // r
+    blocks = np.zeros((T, NB + 1), dtype=bool)
+    rows = np.repeat(np.arange(T), selected.shape[1])
+    cols = np.where(selected >= 0, selected, NB).reshape(-1)
+    blocks[rows, cols] = True
+    mask = np.zeros((T, length), dtype=bool)
+    mask[:, :NB * r] = np.repeat(blocks[:, :NB], r, axis=1)
+    j = np.arange(length)[None, :]
+    mask |= (j >= (n_complete * r)[:, None]) & (j <= positions[:, None])
+    return mask
+
+
+def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg):
+    """Queries, output gate, keys and values of the gated attention.
+
+    ``q_proj`` rows per head: ``head_dim`` query values then ``head_dim`` gate values.
+    Returns:
+        ``(q [T, nH, hd], gate [T, nH*hd], k [T, nKV, hd], v [T, nKV, hd])``; q and k normed and rotated.
+    Source: ``Qwen4ExpTextAttention.forward``.
+    """
+    T = x.shape[0]
+    nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def lin(name):
+        y = x @ w[name + ".weight"].T
+        b = w.get(name + ".bias")
+        return y if b is None else y + b
+
+    qg = lin("q_proj").reshape(T, nH, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nH * hd)
+    q = apply_rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), cos, sin)
+    k = apply_rope(rms_norm(lin("k_proj").reshape(T, nKV, hd), w["k_norm"], cfg.rms_norm_eps), cos, sin)
+    v = lin("v_proj").reshape(T, nKV, hd)
+    return q, gate, k, v
+
+
+def sparse_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, mask: np.ndarray, scaling: float,
+                     query_block: int = 128) -> np.ndarray:
+    """Softmax attention of each query over the keys its mask allows (GQA: head ``h`` reads KV head
+    ``h // (nH // nKV)``).
+
+    Args:
+        q: ``[T, nH, hd]``; K, V: ``[L, nKV, hd]``; mask: ``[T, L]`` bool (every row has >= 1 True).
+        scaling: ``head_dim ** -0.5``.
+    Returns:
+        ``[T, nH * hd]``.
+    Source: ``eager_attention_forward``.
+    """
+    T, nH, hd = q.shape
+    nKV = K.shape[1]
+    rep = nH // nKV
+    out = np.empty((T, nH, hd), dtype=q.dtype)
+    Kh = K.transpose(1, 0, 2)  # [nKV, L, hd]
+    Vh = V.transpose(1, 0, 2)
+    for s0 in range(0, T, query_block):
+        sl = slice(s0, min(T, s0 + query_block))
+        qb = q[sl].transpose(1, 0, 2).reshape(nKV, rep * (sl.stop - sl.start), hd)
+        s = (qb @ Kh.transpose(0, 2, 1)).reshape(nKV, rep, -1, Kh.shape[1]) * q.dtype.type(scaling)
+        m = mask[sl][None, None]
+        s = np.where(m, s, -np.inf)
+        s = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = s / s.sum(axis=-1, keepdims=True)
+        o = p.reshape(nKV, -1, Kh.shape[1]) @ Vh  # [nKV, rep*Tb, hd]
+        out[sl] = o.reshape(nH, -1, hd).transpose(1, 0, 2)
+    return out.reshape(T, nH * hd)

@@ -1,0 +1,973 @@
+"""Lazy, memory-mapped reader of qwen4exp safetensors checkpoints (and an in-memory twin).
+
+Canonical tensor names carry no ``model.`` / ``model.language_model.`` prefix
+(``embed_tokens.weight``, ``layers.3.self_attn.q_proj.weight``, ``lm_head.weight``; the vision tower
+is listed as ``visual.*``, the MTP head as ``mtp.*``).
+
+What is read, and how (sources: transformers ``models/qwen4_exp/modeling_qwen4_exp.py`` for the
+module tree and shapes — ``Qwen4ExpTextModel.__init__`` and the classes it builds;
+``conversion_mapping.py`` entry ``qwen4_exp_text`` for the sharded n-gram table (``Concatenate``
+over ``split_ngram_parts`` shards, dim 0, shard order) and the per-expert <-> fused expert merge):
+
+* safetensors headers are parsed directly (8-byte little-endian header length + JSON) so that
+  truncated or corrupt files are diagnosed up front and every dtype (incl. BF16 and FP8, which
+  numpy's safetensors backend cannot map) is memory-mapped through ``np.memmap`` views;
+* dtypes F64/F32/F16/BF16 (ml_dtypes), I64/I32/I16/I8/U8/BOOL, F8_E4M3 (ml_dtypes float8_e4m3fn)
+  and F8_E5M2. FP8 weights are dequantised exactly in float32: block scales ``weight_scale_inv``
+  ``[ceil(rows/b0), ceil(cols/b1)]`` (``b = quantization_config.weight_block_size``, default 128x128,
+  the layout of the official FP8 release: ``w * scale_inv[r // b0, c // b1]``) or one per-tensor
+  scale (``weight_scale``, e.g. the FP8 n-gram table's single table-wide scale);
+* the PLE n-gram table is gathered row by row with ``os.preadv`` straight into the output buffer:
+  never materialised, never mapped, so resident memory stays flat however large the table is.
+
+Shapes are validated against the config lazily, when a tensor is first read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+
+from reference.config import ModelConfig, load_config
+from reference.errors import CheckpointError, InputError
+
+__all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes",
+           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES"]
+
+# safetensors dtype name -> numpy dtype (little-endian, as the format stores)
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}
+_FP8 = ("F8_E4M3", "F8_E5M2")
+_INT = ("I64", "I32", "I16", "I8", "U8", "BOOL")
+_NP_TO_ST = {v: k for k, v in DTYPES.items()}
+
+_PREFIXES = ("model.language_model.", "model.")
+_NGRAM_SHARD_RE = re.compile(r"^(layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
+_NGRAM_FULL = "layers.{i}.ple.ple_embedding.ngram_embedding.weight"
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+
+
+def canonical_name(stored: str) -> str:
+    """Strip the checkpoint prefix: ``model.language_model.X`` / ``model.X`` -> ``X``;
+    ``model.visual.X`` -> ``visual.X``; ``lm_head.*`` and ``mtp.*`` are kept."""
+    for p in _PREFIXES:
+        if stored.startswith(p):
+            return stored[len(p):]
+    return stored
+
+
+def _st_dtype_name(a: np.ndarray) -> str:
+    try:
+        return _NP_TO_ST[a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype]
+    except KeyError:
+        raise CheckpointError(f"array dtype {a.dtype}: expected one of the safetensors dtypes "
+                              f"{sorted(DTYPES)}, found {a.dtype}") from None
+
+
+# --------------------------------------------------------------------------- expected shapes
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> expected shape of every tensor the text model can hold.
+
+    Both expert layouts and both n-gram-table forms are listed (a checkpoint holds one of each);
+    MTP, vision and quantisation scales are not. Source: the ``__init__`` of each module in
+    modeling_qwen4_exp.py (``Qwen4ExpTextGatedResidual``, ``Qwen4ExpTextGatedDeltaNet``,
+    ``Qwen4ExpTextAttention``, ``Qwen4ExpTextQSAIndexer``, ``Qwen4ExpTextSparseMoeBlock``,
+    ``Qwen4ExpTextExperts``, ``Qwen4ExpTextPLELayer``, ``Qwen4ExpTextNGramEmbedding``).
+    """
+    H, V, hc, R = cfg.hidden_size, cfg.vocab_size, cfg.hc_count, cfg.hc_lowrank
+    hcH = hc * H
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H),
+                                       "hyper_connection_mixer.hc_norm.weight": (hcH,),
+                                       "hyper_connection_mixer.input_mix_weight_down.weight": (R, hcH),
+                                       "hyper_connection_mixer.input_mix_weight_up.weight": (hcH, R)}
+    E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    for i, lt in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
+            out[p + hcn + ".hc_norm.weight"] = (hcH,)
+            out[p + hcn + ".input_mix_weight_down.weight"] = (R, hcH)
+            out[p + hcn + ".input_mix_weight_up.weight"] = (hcH, R)
+            out[p + hcn + ".block_inject_weight.weight"] = (hc, hcH)
+        if lt == "linear_attention":
+            q = p + "linear_attn."
+            nv, conv = cfg.linear_num_value_heads, cfg.linear_conv_dim
+            out.update({q + "dt_bias": (nv,), q + "A_log": (nv,), q + "conv1d.weight": (conv, 1, cfg.linear_conv_kernel_dim),
+                        q + "norm.weight": (cfg.linear_value_head_dim,), q + "out_proj.weight": (H, cfg.linear_value_dim),
+                        q + "in_proj_qkv.weight": (conv, H), q + "in_proj_z.weight": (cfg.linear_value_dim, H),
+                        q + "in_proj_b.weight": (nv, H), q + "in_proj_a.weight": (nv, H)})
+        else:
+            q = p + "self_attn."
+            nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            out.update({q + "q_proj.weight": (2 * nh * hd, H), q + "k_proj.weight": (nkv * hd, H),
+                        q + "v_proj.weight": (nkv * hd, H), q + "o_proj.weight": (H, nh * hd),
+                        q + "q_norm.weight": (hd,), q + "k_norm.weight": (hd,)})
+            if cfg.attention_bias:
+                out.update({q + "q_proj.bias": (2 * nh * hd,), q + "k_proj.bias": (nkv * hd,),
+                            q + "v_proj.bias": (nkv * hd,), q + "o_proj.bias": (H,)})
+            if cfg.qsa_enabled:
+                ihd = cfg.indexer_head_dim
+                out.update({q + "indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + cfg.indexer_kv_heads) * ihd, H),
+                            q + "indexer.q_layernorm.weight": (ihd,), q + "indexer.k_layernorm.weight": (ihd,)})
+        m = p + "mlp."
+        out.update({m + "gate.weight": (E, H), m + "experts.gate_up_proj": (E, 2 * I, H),
+                    m + "experts.down_proj": (E, H, I), m + "shared_expert.gate_proj.weight": (S, H),
+                    m + "shared_expert.up_proj.weight": (S, H), m + "shared_expert.down_proj.weight": (H, S),
+                    m + "shared_expert_gate.weight": (1, H)})
+        for e in range(E):
+            out.update({f"{m}experts.{e}.gate_proj.weight": (I, H), f"{m}experts.{e}.up_proj.weight": (I, H),
+                        f"{m}experts.{e}.down_proj.weight": (H, I)})
+        if i in cfg.ple_layers:
+            lay = cfg.ple_layout(i)
+            q, P = p + "ple.", cfg.ple_embed_dim
+            out.update({q + "key_proj.weight": (hcH, P), q + "value_proj.weight": (H, P),
+                        q + "norm_key.weight": (hcH,), q + "norm_query.weight": (hcH,), q + "norm_conv.weight": (hcH,),
+                        q + "conv1d.weight": (hcH, 1, cfg.ple_conv_kernel_size),
+                        q + "ple_embedding.layer_multipliers": (cfg.ngram_size,),
+                        q + "ple_embedding.ngram_heads_vocab_sizes": (cfg.ngram_heads,),
+                        q + "ple_embedding.ngram_heads_offsets": (cfg.ngram_heads,),
+                        _NGRAM_FULL.format(i=i): (lay.padded_rows, lay.head_dim)})
+    return out
+
+
+def required_names(cfg: ModelConfig, names: Iterable[str] = ()) -> list[str]:
+    """Canonical names a complete text checkpoint must hold. Experts count in either layout and the
+    n-gram table in either form (sharded or whole), judged from ``names`` (the stored canonical names).
+    ``lm_head.weight`` is not required when ``tie_word_embeddings`` is set. The PLE buffers
+    (``layer_multipliers`` ...) are derived from the config and not required."""
+    names = set(names)
+    req = []
+    for n in expected_shapes(cfg):
+        if n == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".ple_embedding.layer_multipliers" in n or ".ngram_heads_" in n or n.endswith("ngram_embedding.weight"):
+            continue
+        if ".mlp.experts." in n:
+            continue
+        req.append(n)
+    for i in range(cfg.num_hidden_layers):
+        m = f"layers.{i}.mlp.experts."
+        if (m + "gate_up_proj") in names or (m + "down_proj") in names:
+            req += [m + "gate_up_proj", m + "down_proj"]
+        else:
+            for e in range(cfg.num_experts):
+                req += [f"{m}{e}.gate_proj.weight", f"{m}{e}.up_proj.weight", f"{m}{e}.down_proj.weight"]
+    return req
+
+
+def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
+    import difflib
+    return difflib.get_close_matches(name, list(names), n=k, cutoff=0.5)
+
+
+# --------------------------------------------------------------------------- shared logic
+@dataclass(frozen=True)
+class _NgramTable:
+    layer: int
+    shards: tuple[str, ...]            # canonical stored names, in shard order
+    starts: np.ndarray                 # int64 [n_shards + 1] first row of each shard (+ total)
+    head_dim: int
+    scale_name: str | None            # table-wide per-tensor scale (FP8), or None
+
+
+class _WeightsBase:
+    """The interface of docs/design.md over an abstract store of named arrays."""
+
+    config: ModelConfig
+
+    # --- to implement -------------------------------------------------------------------
+    def _stored(self) -> dict[str, tuple[str, tuple[int, ...]]]:  # canonical -> (dtype, shape)
+        raise NotImplementedError
+
+    def _raw(self, name: str) -> np.ndarray:  # stored dtype, stored shape (may be a memmap view)
+        raise NotImplementedError
+
+    def _gather(self, name: str, rows: np.ndarray) -> np.ndarray:  # raw rows of a 2-D tensor
+        return np.asarray(self._raw(name))[rows]
+
+    def _source(self) -> str:
+        return "weights"
+
+    # --- derived state ------------------------------------------------------------------
+    def _init_common(self) -> None:
+        self._expected = expected_shapes(self.config)
+        self._checked: set[str] = set()
+        self._tables: dict[int, _NgramTable] = {}
+        q = self.config.extra.get("quantization_config") or {}
+        bs = q.get("weight_block_size") or [128, 128]
+        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
+            raise CheckpointError(f"{self._source()}: quantization_config.weight_block_size: expected two positive "
+                                  f"integers, found {bs!r}")
+        self._block = (int(bs[0]), int(bs[1]))
+
+    # --- listing ------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Stored canonical tensor names, sorted (quantisation scales and buffers included)."""
+        return sorted(self._stored())
+
+    def _virtual(self, name: str) -> str | None:
+        """What a name that is not stored stands for: 'tied' lm_head, 'ngram' whole table, or None."""
+        st = self._stored()
+        if name == "lm_head.weight" and self.config.tie_word_embeddings and "embed_tokens.weight" in st:
+            return "tied"
+        m = re.match(r"^layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.weight$", name)
+        if m and int(m.group(1)) in self.config.ple_layers and f"{name[:-len('.weight')]}.shard_0.weight" in st:
+            return "ngram"
+        return None
+
+    def has(self, name: str) -> bool:
+        """True when ``name`` is stored, or is the tied lm_head / the whole sharded n-gram table."""
+        return name in self._stored() or self._virtual(name) is not None
+
+    def _missing(self, name: str) -> CheckpointError:
+        near = _near(name, self._stored())
+        return CheckpointError(f"{self._source()}: missing tensor {name!r}"
+                               + (f"; near names present: {near}" if near else
+                                  f"; {len(self._stored())} tensors present"))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stored shape (for the whole sharded n-gram table: rows summed over shards)."""
+        st = self._stored()
+        if name in st:
+            return tuple(st[name][1])
+        v = self._virtual(name)
+        if v == "tied":
+            return self.shape("embed_tokens.weight")
+        if v == "ngram":
+            t = self._table(int(name.split(".")[1]))
+            return (int(t.starts[-1]), t.head_dim)
+        raise self._missing(name)
+
+    def dtype(self, name: str) -> str:
+        """Stored safetensors dtype name (``BF16``, ``F8_E4M3``, ...)."""
+        st = self._stored()
+        if name in st:
+            return st[name][0]
+        v = self._virtual(name)
+        if v == "tied":
+            return self.dtype("embed_tokens.weight")
+        if v == "ngram":
+            return self.dtype(self._table(int(name.split(".")[1])).shards[0])
+        raise self._missing(name)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if name in self._checked:
+            return
+        exp = self._expected.get(name)
+        m = _NGRAM_SHARD_RE.match(name)
+        if exp is not None and tuple(shape) != exp:
+            raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected {list(exp)} "
+                                  f"(from config.json), found {list(shape)}")
+        if m is not None:
+            i = int(m.group(2))
+            if i in self.config.ple_layers:
+                hd = self.config.ple_layout(i).head_dim
+                if len(shape) != 2 or shape[1] != hd:
+                    raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected "
+                                          f"[rows, {hd}] (head_dim = ple_embed_dim / ngram heads), found {list(shape)}")
+        self._checked.add(name)
+
+    # --- reading ------------------------------------------------------------------------
+    def get_raw(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype (ml_dtypes bfloat16 / float8_e4m3fn for BF16 / FP8), read-only,
+        memory-mapped where the store is a file. The whole sharded n-gram table is concatenated (this
+        materialises it: meant for small models; use :meth:`ngram_rows` otherwise).
+
+        Raises:
+            CheckpointError: missing tensor, unexpected shape, unknown dtype, unreadable data.
+        """
+        st = self._stored()
+        if name in st:
+            self._check_shape(name, st[name][1])
+            return self._raw(name)
+        v = self._virtual(name)
+        if v == "tied":
+            return self.get_raw("embed_tokens.weight")
+        if v == "ngram":
+            t = self._table(int(name.split(".")[1]))
+            return np.concatenate([self.get_raw(s) for s in t.shards], axis=0)
+        raise self._missing(name)
+
+    def _scale_for(self, name: str) -> str | None:
+        """Name of the FP8 scale of ``name``: ``<name>_scale_inv`` / ``<name>_scale`` (so ``X.weight_scale_inv``),
+        and for an n-gram shard also the table-wide ``ngram_embedding.weight_scale[_inv]``."""
+        st = self._stored()
+        cands = [name + "_scale_inv", name + "_scale"]
+        m = _NGRAM_SHARD_RE.match(name)
+        if m:
+            cands += [m.group(1) + ".weight_scale_inv", m.group(1) + ".weight_scale"]
+        for c in cands:
+            if c in st:
+                return c
+        return None
+
+    def _dequant(self, name: str, raw: np.ndarray, scale_name: str | None) -> np.ndarray:
+        """FP8 -> float32: ``w * scale`` in float32 (block-wise over the last two dims or per tensor)."""
+        w = raw.astype(np.float32)
+        if scale_name is None:
+            raise CheckpointError(f"{self._source()}: FP8 tensor {name!r}: expected a scale tensor "
+                                  f"({name.removesuffix('.weight')}.weight_scale_inv or .weight_scale), found none")
+        s = np.asarray(self._raw(scale_name)).astype(np.float32)
+        if s.size == 1:
+            return w * s.reshape(())
+        if w.ndim < 2:
+            raise CheckpointError(f"{self._source()}: FP8 tensor {name!r}: block scales need a matrix, "
+                                  f"found shape {list(w.shape)}")
+        b0, b1 = self._block
+        r, c = w.shape[-2:]
+        exp = tuple(w.shape[:-2]) + (math.ceil(r / b0), math.ceil(c / b1))
+        if tuple(s.shape) != exp:
+            raise CheckpointError(f"{self._source()}: scale {scale_name!r} of FP8 tensor {name!r}: unexpected shape: "
+                                  f"expected {list(exp)} ({b0}x{b1} blocks of {list(w.shape)}), found {list(s.shape)}")
+        full = np.repeat(np.repeat(s, b0, axis=-2), b1, axis=-1)[..., :r, :c]
+        return w * full
+
+    def get(self, name: str, dtype=np.float32) -> np.ndarray:
+        """The tensor as a new ``dtype`` array (float32 default, float64 on request): BF16/F16 upcast
+        exactly; FP8 dequantised in float32 (``w * weight_scale_inv`` per 128x128 block, or per-tensor
+        ``weight_scale``) then cast. Integer tensors (PLE buffers) come back as int64 whatever ``dtype``.
+
+        Raises:
+            CheckpointError: missing tensor, unexpected shape, unknown dtype, FP8 without a scale.
+        """
+        v = self._virtual(name)
+        if v == "tied":
+            return self.get("embed_tokens.weight", dtype)
+        if v == "ngram":
+            t = self._table(int(name.split(".")[1]))
+            return np.concatenate([self.get(s, dtype) for s in t.shards], axis=0)
+        raw = self.get_raw(name)
+        sd = self.dtype(name)
+        if sd in _INT:
+            return np.array(raw, dtype=np.int64)
+        if sd in _FP8:
+            return self._dequant(name, raw, self._scale_for(name)).astype(dtype, copy=False)
+        return np.array(raw, dtype=dtype)
+
+    # --- experts ------------------------------------------------------------------------
+    def expert(self, layer: int, e: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Routed expert ``e`` of decoder layer ``layer``: ``(gate [I, H], up [I, H], down [H, I])``.
+
+        Reads either layout: per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what
+        save_pretrained writes) or fused ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first,
+        as ``Qwen4ExpTextExperts.forward`` chunks it) + ``mlp.experts.down_proj [E, H, I]``.
+
+        Raises:
+            InputError: layer or expert index out of range.  CheckpointError: tensors missing / mis-shaped.
+        """
+        cfg = self.config
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise InputError(f"expert(): layer: expected 0..{cfg.num_hidden_layers - 1}, found {layer}")
+        if not 0 <= e < cfg.num_experts:
+            raise InputError(f"expert(): expert: expected 0..{cfg.num_experts - 1}, found {e}")
+        m = f"layers.{layer}.mlp.experts."
+        if self.has(f"{m}{e}.gate_proj.weight"):
+            return (self.get(f"{m}{e}.gate_proj.weight", dtype), self.get(f"{m}{e}.up_proj.weight", dtype),
+                    self.get(f"{m}{e}.down_proj.weight", dtype))
+        if self.has(m + "gate_up_proj"):
+            I = cfg.moe_intermediate_size
+            gu_name, dn_name = m + "gate_up_proj", m + "down_proj"
+            gu = self._expert_slice(gu_name, e, dtype)
+            dn = self._expert_slice(dn_name, e, dtype)
+            return gu[:I].copy(), gu[I:].copy(), dn
+        raise self._missing(f"{m}{e}.gate_proj.weight")
+
+    def _expert_slice(self, name: str, e: int, dtype) -> np.ndarray:
+        raw = self.get_raw(name)
+        sd = self.dtype(name)
+        if sd in _FP8:
+            sc = self._scale_for(name)
+            if sc is None:
+                return self._dequant(name, raw[e], None)
+            s = np.asarray(self._raw(sc))
+            if s.size == 1:
+                return (raw[e].astype(np.float32) * s.astype(np.float32).reshape(())).astype(dtype)
+            # block scales [E, rb, cb]: dequantise the one expert's slice
+            w = raw[e].astype(np.float32)
+            b0, b1 = self._block
+            r, c = w.shape
+            exp = (raw.shape[0], math.ceil(r / b0), math.ceil(c / b1))
+            if tuple(s.shape) != exp:
+                raise CheckpointError(f"{self._source()}: scale {sc!r} of FP8 tensor {name!r}: unexpected shape: "
+                                      f"expected {list(exp)}, found {list(s.shape)}")
+            full = np.repeat(np.repeat(s[e].astype(np.float32), b0, 0), b1, 1)[:r, :c]
+            return (w * full).astype(dtype)
+        return np.array(raw[e], dtype=dtype)
+
+    # --- PLE n-gram table ---------------------------------------------------------------
+    def _table(self, layer: int) -> _NgramTable:
+        if layer in self._tables:
+            return self._tables[layer]
+        cfg = self.config
+        if layer not in cfg.ple_layers:
+            raise InputError(f"ngram_rows(): layer {layer}: expected a PLE layer "
+                             f"(0-based {list(cfg.ple_layers)}), found one without PLE")
+        lay = cfg.ple_layout(layer)
+        st = self._stored()
+        full = _NGRAM_FULL.format(i=layer)
+        base = full[:-len(".weight")]
+        if full in st:
+            shards = [full]
+        else:
+            idx = sorted(int(m.group(3)) for n in st if (m := _NGRAM_SHARD_RE.match(n)) and int(m.group(2)) == layer)
+            if not idx:
+                raise self._missing(full)
+            if idx != list(range(len(idx))):
+                gaps = sorted(set(range(max(idx) + 1)) - set(idx))
+                raise CheckpointError(f"{self._source()}: n-gram table of layer {layer}: expected shards "
+                                      f"0..{max(idx)} in sequence, found missing shard(s) {gaps[:10]}")
+            shards = [f"{base}.shard_{k}.weight" for k in idx]
+        starts = [0]
+        for s in shards:
+            shp = st[s][1]
+            self._check_shape(s, shp)
+            if st[s][0] not in DTYPES or st[s][0] in _INT:
+                raise CheckpointError(f"{self._source()}: tensor {s!r}: expected a float dtype, found {st[s][0]}")
+            starts.append(starts[-1] + shp[0])
+        if starts[-1] != lay.padded_rows:
+            raise CheckpointError(f"{self._source()}: n-gram table of layer {layer}: unexpected shape: expected "
+                                  f"{lay.padded_rows} rows in total (padded prime head sizes from config.json), "
+                                  f"found {starts[-1]} over {len(shards)} shard(s)")
+        scale = None
+        for c in (base + ".weight_scale", base + ".weight_scale_inv"):
+            if c in st:
+                scale = c
+        t = _NgramTable(layer, tuple(shards), np.asarray(starts, dtype=np.int64), lay.head_dim, scale)
+        self._tables[layer] = t
+        return t
+
+    def ngram_rows(self, layer: int, rows) -> np.ndarray:
+        """Gather rows of PLE layer ``layer``'s n-gram table without materialising it.
+
+        Args:
+            layer: 0-based decoder layer with PLE.
+            rows: int array ``[...]`` of global row ids (head offsets already added).
+        Returns:
+            float32 ``[..., head_dim]``; BF16 upcast exactly, FP8 times its per-shard or table scale.
+        Raises:
+            InputError: not a PLE layer, or a row outside ``[0, padded_rows)``.
+            CheckpointError: table missing, shards out of sequence, rows not summing to the padded size.
+        """
+        t = self._table(layer)
+        r = np.asarray(rows)
+        if r.dtype.kind not in "iu":
+            raise InputError(f"ngram_rows(): rows: expected an integer array, found dtype {r.dtype}")
+        flat = r.reshape(-1).astype(np.int64)
+        total = int(t.starts[-1])
+        if flat.size and (flat.min() < 0 or flat.max() >= total):
+            bad = flat[(flat < 0) | (flat >= total)][:5]
+            raise InputError(f"ngram_rows(): layer {layer}: rows: expected ids in [0, {total}), found {bad.tolist()}")
+        out = np.empty((flat.size, t.head_dim), dtype=np.float32)
+        which = np.searchsorted(t.starts, flat, side="right") - 1
+        for k in np.unique(which):
+            sel = np.nonzero(which == k)[0]
+            name = t.shards[int(k)]
+            raw = self._gather(name, flat[sel] - t.starts[k])
+            if self.dtype(name) in _FP8:
+                sc = self._scale_for(name)
+                if sc is None:
+                    raise CheckpointError(f"{self._source()}: FP8 n-gram shard {name!r}: expected a scale "
+                                          f"(ngram_embedding.weight_scale), found none")
+                s = np.asarray(self._raw(sc)).astype(np.float32)
+                if s.size != 1:
+                    raise CheckpointError(f"{self._source()}: scale {sc!r}: expected one per-tensor value, found "
+                                          f"shape {list(s.shape)}")
+                out[sel] = raw.astype(np.float32) * s.reshape(())
+            else:
+                out[sel] = raw.astype(np.float32)
+        return out.reshape(r.shape + (t.head_dim,))
+
+    # --- checks, identity, overrides --------------------------------------------------------
+    def validate(self, *, require_complete: bool = True) -> list[str]:
+        """Check every stored text tensor's shape against the config (reads headers only) and, with
+        ``require_complete``, that every required tensor is present. Returns the stored names the
+        model does not know (other than MTP / vision / scales).
+
+        Raises:
+            CheckpointError: the first missing or mis-shaped tensor.
+        """
+        st = self._stored()
+        unknown = []
+        for n, (_dt, shp) in st.items():
+            if n in self._expected or _NGRAM_SHARD_RE.match(n):
+                self._check_shape(n, shp)
+            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale"))):
+                unknown.append(n)
+        if require_complete:
+            for n in required_names(self.config, st):
+                if n not in st:
+                    raise self._missing(n)
+            for layer in self.config.ple_layers:
+                self._table(layer)
+        return unknown
+
+    def with_override(self, name: str, array: np.ndarray) -> "_WeightsBase":
+        """A patched view: ``name`` reads as ``array`` (shape-checked against the config), the rest as here.
+        Used for perturbation controls; this object is not modified.
+
+        Raises:
+            CheckpointError: ``array`` has the wrong shape for ``name``.
+        """
+        return _OverrideView(self, {name: np.asarray(array)})
+
+
+class _OverrideView(_WeightsBase):
+    def __init__(self, base: _WeightsBase, overrides: dict[str, np.ndarray]):
+        self.config = base.config
+        self._base = base
+        self._init_common()
+        self._block = base._block
+        self._ov = dict(getattr(base, "_ov", {}))
+        if isinstance(base, _OverrideView):
+            self._base = base._base
+        for n, a in overrides.items():
+            if not self._base.has(n) and n not in self._expected:
+                raise self._base._missing(n)
+            exp = self._expected.get(n)
+            if exp is None and self._base.has(n):
+                exp = self._base.shape(n)
+            if exp is not None and tuple(a.shape) != tuple(exp):
+                raise CheckpointError(f"with_override({n!r}): expected shape {list(exp)}, found {list(a.shape)}")
+            self._ov[n] = a
+        st = dict(self._base._stored())
+        for n, a in self._ov.items():
+            m = re.match(r"^(layers\.\d+\.ple\.ple_embedding\.ngram_embedding)\.weight$", n)
+            if m:  # a whole-table override replaces the shards
+                st = {k: v for k, v in st.items() if not k.startswith(m.group(1) + ".")}
+            st[n] = (_st_dtype_name(a), tuple(a.shape))
+        self._st = st
+
+    def _source(self) -> str:
+        return self._base._source() + f" (+{len(self._ov)} override(s))"
+
+    def _stored(self):
+        return self._st
+
+    def _raw(self, name):
+        if name in self._ov:
+            return self._ov[name]
+        return self._base._raw(name)
+
+    def _gather(self, name, rows):
+        if name in self._ov:
+            return np.asarray(self._ov[name])[rows]
+        return self._base._gather(name, rows)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self._base.fingerprint().encode())
+        for n in sorted(self._ov):
+            a = np.ascontiguousarray(self._ov[n])
+            h.update(n.encode() + str(a.dtype).encode() + str(a.shape).encode() + a.tobytes())
+        return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- in-memory weights
+class DictWeights(_WeightsBase):
+    """The :class:`Checkpoint` interface over in-memory arrays (tests, perturbation controls).
+
+    Args:
+        config: the :class:`ModelConfig`.
+        arrays: ``{name: ndarray}``; names canonical or with a ``model.`` / ``model.language_model.`` prefix.
+    Raises:
+        CheckpointError: a name given twice (after prefix removal) or an unsupported dtype.
+    """
+
+    def __init__(self, config: ModelConfig, arrays: dict[str, np.ndarray]):
+        self.config = config
+        self._arrays: dict[str, np.ndarray] = {}
+        for k, v in arrays.items():
+            c = canonical_name(k)
+            if c in self._arrays:
+                raise CheckpointError(f"DictWeights: tensor {c!r} given twice (as {k!r} and another prefix form)")
+            a = np.asarray(v)
+            _st_dtype_name(a)
+            self._arrays[c] = a
+        self._st = {k: (_st_dtype_name(a), tuple(a.shape)) for k, a in self._arrays.items()}
+        self._init_common()
+
+    def _source(self) -> str:
+        return "DictWeights"
+
+    def _stored(self):
+        return self._st
+
+    def _raw(self, name):
+        a = self._arrays[name]
+        v = a.view()
+        v.flags.writeable = False
+        return v
+
+    def fingerprint(self) -> str:
+        """sha256 (32 hex chars) of the config hash and every tensor's name, dtype, shape and bytes."""
+        h = hashlib.sha256(self.config.config_hash().encode())
+        for n in sorted(self._arrays):
+            a = np.ascontiguousarray(self._arrays[n])
+            h.update(n.encode() + str(a.dtype).encode() + str(a.shape).encode() + a.tobytes())
+        return h.hexdigest()[:32]
+
+    @classmethod
+    def from_checkpoint(cls, ck: "_WeightsBase") -> "DictWeights":
+        """Copy every stored tensor of ``ck`` into memory (small models only)."""
+        return cls(ck.config, {n: np.array(ck._raw(n)) for n in ck.names()})
+
+
+# --------------------------------------------------------------------------- safetensors files
+@dataclass
+class _Entry:
+    file: Path
+    stored_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """(header dict, data start, file size) of one safetensors file, with the corruption checks."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file: expected an 8-byte header length, "
+                                      f"found a {size}-byte file")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt or truncated safetensors file: header length {n} bytes "
+                                      f"runs beyond the file ({size} bytes)")
+            blob = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        hdr = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: expected JSON, found undecodable bytes ({e})") from None
+    if not isinstance(hdr, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: expected a JSON object, found {type(hdr).__name__}")
+    return hdr, 8 + n, size
+
+
+def _parse_file(path: Path) -> tuple[list[_Entry], dict]:
+    hdr, data0, size = _read_header(path)
+    meta = hdr.pop("__metadata__", {}) or {}
+    out = []
+    for name, info in hdr.items():
+        try:
+            dt, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}: expected dtype, shape and "
+                                  f"data_offsets, found {info!r}") from None
+        if not 0 <= b <= e or data0 + e > size:
+            raise CheckpointError(f"{path}: truncated or corrupt file: tensor {name!r} data_offsets [{b}, {e}] run "
+                                  f"beyond the data section ({size - data0} bytes)")
+        if dt in DTYPES:
+            want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dt].itemsize
+            if want != e - b:
+                raise CheckpointError(f"{path}: corrupt header: tensor {name!r} {dt}{list(shape)} needs {want} bytes, "
+                                      f"data_offsets give {e - b}")
+        out.append(_Entry(path, name, dt, shape, data0 + b, e - b))
+    return out, meta
+
+
+class Checkpoint(_WeightsBase):
+    """A lazily read safetensors checkpoint (see the module docstring). Open with :meth:`open`.
+
+    Tensors are read when first asked for; :meth:`get_raw` returns a memory-mapped view, :meth:`get`
+    a new array of the requested dtype, so peak memory stays near the tensor being read.
+    Usable as a context manager (closes file descriptors and maps).
+    """
+
+    def __init__(self, root: Path, config: ModelConfig, entries: dict[str, _Entry], metadata: dict):
+        self.root = root
+        self.config = config
+        self._entries = entries
+        self.metadata = metadata
+        self._st = {k: (v.dtype, v.shape) for k, v in entries.items()}
+        self._maps: dict[Path, np.memmap] = {}
+        self._fds: dict[Path, int] = {}
+        self._init_common()
+
+    # ---- construction
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Checkpoint":
+        """Open a checkpoint directory (config.json + model.safetensors, or shards listed by
+        model.safetensors.index.json, or else every ``*.safetensors`` in it).
+
+        Raises:
+            ConfigError: config.json missing or invalid.
+            CheckpointError: no weights, an index naming a missing shard or tensor, a truncated or
+                corrupt file, or a tensor name present twice.
+        """
+        root = Path(path)
+        if root.is_file():
+            root = root.parent
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: expected a checkpoint directory, found nothing there")
+        config = load_config(root)
+        index = root / "model.safetensors.index.json"
+        files: list[Path]
+        wanted: dict[str, str] | None = None
+        if index.exists():
+            try:
+                idx = json.loads(index.read_text())
+                wanted = dict(idx["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object, found unreadable content "
+                                      f"({e})") from None
+            files = sorted({root / f for f in wanted.values()})
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise CheckpointError(f"{index}: names shard file(s) that do not exist: {missing[:5]}"
+                                      f"{' ...' if len(missing) > 5 else ''} (expected them next to the index in {root})")
+        elif (root / "model.safetensors").exists():
+            files = [root / "model.safetensors"]
+        else:
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{root}: expected model.safetensors, model.safetensors.index.json or "
+                                      f"*.safetensors files, found none")
+        entries: dict[str, _Entry] = {}
+        metadata: dict = {}
+        stored_seen: dict[str, Path] = {}
+        for f in files:
+            ents, meta = _parse_file(f)
+            metadata.update(meta)
+            for en in ents:
+                c = canonical_name(en.stored_name)
+                if c in entries:
+                    raise CheckpointError(f"{root}: tensor {c!r} stored twice ({entries[c].stored_name!r} in "
+                                          f"{entries[c].file.name} and {en.stored_name!r} in {f.name})")
+                entries[c] = en
+                stored_seen[en.stored_name] = f
+        if wanted is not None:
+            for n, fn in wanted.items():
+                if stored_seen.get(n) != root / fn:
+                    raise CheckpointError(f"{index}: tensor {n!r}: expected in {fn}, found "
+                                          f"{'in ' + stored_seen[n].name if n in stored_seen else 'nowhere'}")
+        return cls(root, config, entries, metadata)
+
+    def _source(self) -> str:
+        return str(self.root)
+
+    def _stored(self):
+        return self._st
+
+    # ---- file access
+    def _map(self, path: Path) -> np.memmap:
+        m = self._maps.get(path)
+        if m is None:
+            m = np.memmap(path, dtype=np.uint8, mode="r")
+            self._maps[path] = m
+        return m
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            self._fds[path] = fd
+        return fd
+
+    def _dt(self, en: _Entry, name: str) -> np.dtype:
+        if en.dtype not in DTYPES:
+            raise CheckpointError(f"{self.root}: tensor {name!r} in {en.file.name}: unknown dtype: expected one of "
+                                  f"{sorted(DTYPES)}, found {en.dtype!r}")
+        return DTYPES[en.dtype]
+
+    def _raw(self, name: str) -> np.ndarray:
+        en = self._entries[name]
+        dt = self._dt(en, name)
+        if en.nbytes == 0:
+            return np.zeros(en.shape, dtype=dt)
+        buf = self._map(en.file)[en.start:en.start + en.nbytes]
+        return buf.view(dt).reshape(en.shape)
+
+    def _gather(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a 2-D stored tensor through ``os.preadv`` into one buffer: no map, flat RSS."""
+        en = self._entries[name]
+        dt = self._dt(en, name)
+        row_bytes = en.shape[1] * dt.itemsize
+        out = np.empty((rows.size, en.shape[1]), dtype=dt)
+        mv = memoryview(out.view(np.uint8).reshape(-1))
+        fd = self._fd(en.file)
+        order = np.argsort(rows, kind="stable")
+        for j in order.tolist():
+            off = en.start + int(rows[j]) * row_bytes
+            got = os.preadv(fd, [mv[j * row_bytes:(j + 1) * row_bytes]], off)
+            if got != row_bytes:
+                raise CheckpointError(f"{en.file}: truncated file: short read of {name!r} row {int(rows[j])}")
+        return out
+
+    def close(self) -> None:
+        """Release memory maps and file descriptors (views handed out keep their map alive)."""
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def stored_name(self, name: str) -> str:
+        """The name as written in the file (with its prefix)."""
+        if name not in self._entries:
+            raise self._missing(name)
+        return self._entries[name].stored_name
+
+    def fingerprint(self) -> str:
+        """Cheap weights identity (32 hex chars): sha256 over the config hash and, per tensor, its name,
+        dtype, shape and up to 3 x 64 sampled bytes (start, middle, end)."""
+        h = hashlib.sha256(self.config.config_hash().encode())
+        for n in sorted(self._entries):
+            en = self._entries[n]
+            h.update(f"{n}|{en.dtype}|{list(en.shape)}|{en.nbytes}".encode())
+            if en.nbytes:
+                fd = self._fd(en.file)
+                for off in sorted({0, max(0, en.nbytes // 2 - 32), max(0, en.nbytes - 64)}):
+                    h.update(os.pread(fd, min(64, en.nbytes - off), en.start + off))
+        return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- writing
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> Path:
+    """Write a safetensors file atomically (temp name in the same directory, then rename).
+
+    Any dtype of :data:`DTYPES` (incl. ml_dtypes bfloat16 / float8) is written; tensors are laid out in
+    name order. Used by fixtures and tests to create FP8 / BF16 / sharded checkpoints.
+    """
+    path = Path(path)
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    off = 0
+    arrs = []
+    for n in sorted(tensors):
+        a = np.ascontiguousarray(tensors[n])
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        header[n] = {"dtype": _st_dtype_name(a), "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+        arrs.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for a in arrs:
+                f.write(a.tobytes())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------- benchmark
+def _statm_rss_bytes() -> tuple[int, int]:
+    """(resident, resident - shared) bytes of this process from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        parts = f.read().split()
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(parts[1]) * page, (int(parts[1]) - int(parts[2])) * page
+
+
+def bench_ngram_gather(min_table_bytes: int = 256 * 1024 * 1024, *, head_dim: int = 160, n_shards: int = 8,
+                       n_gathers: int = 200, rows_per_gather: int = 4096, dtype: str = "BF16",
+                       directory: str | os.PathLike | None = None, seed: int = 0, progress: bool = False) -> dict:
+    """Gather random rows from a synthetic sharded n-gram table on disk; report speed and memory.
+
+    A sparse table (``min_table_bytes`` or more, split into ``n_shards`` safetensors files that hold
+    ``layers.0.ple.ple_embedding.ngram_embedding.shard_{k}.weight``) is written to a temp dir (files
+    are sparse, so a table far larger than RAM costs no disk), opened with :class:`Checkpoint`, and
+    ``n_gathers`` random batches of ``rows_per_gather`` rows are gathered with :meth:`ngram_rows`.
+
+    Returns:
+        dict: ``rows_per_s``, ``table_bytes``, ``rows`` (total gathered), ``rss_growth_bytes`` (statm
+        resident, after minus before the gathers, measured after a warm-up gather), ``anon_growth_bytes``
+        (resident minus shared), ``seconds``.
+    """
+    from tqdm import tqdm
+
+    st_dt = DTYPES[dtype]
+    row_bytes = head_dim * st_dt.itemsize
+    rows_per_shard = max(1, math.ceil(min_table_bytes / row_bytes / n_shards))
+    ngram_heads, ngram_size = 2, 3
+    # a config whose layer-0 PLE table has exactly n_shards * rows_per_shard padded rows
+    base = 1_000_003
+    total = n_shards * rows_per_shard
+    with tempfile.TemporaryDirectory(dir=directory, prefix="ngram-bench-") as td:
+        root = Path(td)
+        # choose the divisor so the padded table equals total: ngram heads' prime sizes sum < total
+        # is arranged by picking ngram_vocab_size_base ~ total / heads / 2
+        base = max(3, total // (2 * ngram_heads) // 2)
+        cfg_d = dict(model_type="qwen4_exp_text", vocab_size=256, hidden_size=8, num_hidden_layers=1,
+                     num_attention_heads=1, num_key_value_heads=1, head_dim=8, linear_key_head_dim=4,
+                     linear_value_head_dim=4, linear_num_key_heads=1, linear_num_value_heads=1,
+                     moe_intermediate_size=4, shared_expert_intermediate_size=4, num_experts=1,
+                     num_experts_per_tok=1, hc_count=2, hc_lowrank=2, layer_types=["linear_attention"],
+                     ple_layer_ids=[1], ple_embed_dim=head_dim * ngram_heads, ngram_size=2,
+                     heads_per_ngram=ngram_heads, ngram_vocab_size_base=base,
+                     make_ngram_vocab_size_divisible_by=total, split_ngram_parts=n_shards, eos_token_id=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        cfg = ModelConfig.from_dict(cfg_d)
+        lay = cfg.ple_layout(0)
+        if lay.padded_rows != total:
+            raise RuntimeError(f"bench config: padded rows {lay.padded_rows} != {total}")
+        (root / "config.json").write_text(json.dumps(cfg_d))
+        wmap = {}
+        for k in range(n_shards):
+            name = f"model.layers.0.ple.ple_embedding.ngram_embedding.shard_{k}.weight"
+            fn = f"model-{k:05d}-of-{n_shards:05d}.safetensors"
+            hdr = {name: {"dtype": dtype, "shape": [rows_per_shard, head_dim],
+                          "data_offsets": [0, rows_per_shard * row_bytes]}}
+            blob = json.dumps(hdr).encode()
+            blob += b" " * (-len(blob) % 8)
+            with open(root / fn, "wb") as f:
+                f.write(struct.pack("<Q", len(blob)) + blob)
+                f.truncate(8 + len(blob) + rows_per_shard * row_bytes)  # sparse: reads as zeros
+            wmap[name] = fn
+        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+        rng = np.random.default_rng(seed)
+        with Checkpoint.open(root) as ck:
+            ck.ngram_rows(0, rng.integers(0, total, size=rows_per_gather))  # warm-up
+            rss0, anon0 = _statm_rss_bytes()
+            t0 = time.perf_counter()
+            for _ in tqdm(range(n_gathers), disable=not progress, desc="gather", unit="batch"):
+                out = ck.ngram_rows(0, rng.integers(0, total, size=rows_per_gather))
+                del out
+            dt = time.perf_counter() - t0
+            rss1, anon1 = _statm_rss_bytes()
+    n = n_gathers * rows_per_gather
+    return {"rows_per_s": n / dt if dt > 0 else float("inf"), "table_bytes": total * row_bytes, "rows": n,
+            "rss_growth_bytes": rss1 - rss0, "anon_growth_bytes": anon1 - anon0, "seconds": dt}

@@ -1,0 +1,475 @@
+"""The reference qwen4exp text model (``Qwen4ExpForCausalLM``) over a weights object.
+
+``ReferenceModel(weights, dtype=np.float32)`` where ``weights`` offers the ``reference.checkpoint.Checkpoint``
+interface (``config``, ``get``, ``has``, ``expert``, ``ngram_rows``; ``names``/``shape``/``get_raw`` optional).
+Canonical tensor names carry no ``model.`` prefix (docs/design.md).
+
+Dataflow per call (source: modeling_qwen4_exp.py ``Qwen4ExpTextModel.forward``,
+``Qwen4ExpTextDecoderLayer.forward``, ``Qwen4ExpForCausalLM.forward``): embed -> repeat to ``hc_count`` streams
+-> per layer: (+PLE) -> attention hyper-connection -> GDN or QSA -> inject -> MLP hyper-connection -> MoE
+-> inject; then ``hyper_connection_mixer`` -> ``lm_head``.
+
+Every computation runs in ``dtype`` (float32 default, float64 on request) through the same code.
+Taps are emitted at every block boundary through ``taps.recorder.current()`` (nothing is built when no
+recorder is active).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from reference.blocks.gdn import gdn_block
+from reference.blocks.hyper_connection import hc_combine, hyper_connection
+from reference.blocks.moe import moe_block
+from reference.blocks.ple import ple_block
+from reference.blocks.qsa import (attention_project, indexer_project, indexer_select, pool_block_keys,
+                                  selection_mask, sparse_attention)
+from reference.blocks.norms import sigmoid
+from reference.blocks.rope import inv_freq, rope_cos_sin
+from reference.errors import InputError
+from reference.numba_kernels import ngram_hash_rows
+from reference.session import Session, SessionState, check_ids
+from taps import recorder as _recorder
+
+__all__ = ["ReferenceModel"]
+
+_AUTO_CACHE_BYTES = 2 << 30
+
+
+class _Capture:
+    """A minimal private recorder (hidden states, replay): keeps every emitted tap, concatenated over calls."""
+
+    def __init__(self, names=None):
+        self.names = names
+        self.values: dict[str, list] = {}
+
+    def emit(self, name, value, positions=None, **_):
+        if self.names is None or name in self.names:
+            self.values.setdefault(name, []).append(np.array(value, copy=True))
+
+    def result(self) -> dict:
+        return {k: (np.concatenate(v, axis=0) if len(v) > 1 else v[0]) for k, v in self.values.items()}
+
+
+class ReferenceModel:
+    """The NumPy/Numba ground truth for one checkpoint.
+
+    Args:
+        weights: a ``Checkpoint`` / ``DictWeights``-like object.
+        dtype: ``np.float32`` (default) or ``np.float64``.
+        cache_weights: keep upcast non-expert weights (and used experts) in memory; ``None`` = only when the
+            non-expert weights take under 2 GiB upcast (never for the real checkpoint: it then reads on demand
+            through the reader's memory maps).
+    Raises:
+        InputError: unsupported dtype.
+    """
+
+    def __init__(self, weights, dtype=np.float32, cache_weights: bool | None = None):
+        dt = np.dtype(dtype)
+        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise InputError(f"dtype: expected float32 or float64, found {dt}")
+        self.weights = weights
+        self.config = weights.config
+        self.dtype = dt.type
+        cfg = self.config
+        self._inv_freq = inv_freq(cfg.rope_theta, cfg.rotary_dim, self.dtype)
+        if cache_weights is None:
+            cache_weights = self._estimate_bytes() < _AUTO_CACHE_BYTES
+        self._cache_on = bool(cache_weights)
+        self._cache: dict = {}
+        self._expert_cache: dict = {}
+        #: diagnostic hook ``(layer, positions [T], block_scores [T, NB], selected [T, block_topk]) -> selected``:
+        #: replaces the QSA block selection (e.g. with another implementation's, to compare past a tie).
+        self.selection_hook = None
+
+    # ------------------------------------------------------------------ weights
+    def _estimate_bytes(self) -> int:
+        names = getattr(self.weights, "names", None)
+        shape = getattr(self.weights, "shape", None)
+        if names is None or shape is None:
+            return 0
+        total = 0
+        for n in names():
+            if ".mlp.experts." in n or "ngram_embedding" in n:
+                continue
+            total += int(np.prod(shape(n))) * np.dtype(self.dtype).itemsize
+        return total
+
+    def w(self, name: str) -> np.ndarray:
+        """Weight ``name`` upcast to the compute dtype (cached when caching is on)."""
+        a = self._cache.get(name)
+        if a is None:
+            a = np.asarray(self.weights.get(name, dtype=self.dtype), dtype=self.dtype)
+            if self._cache_on:
+                self._cache[name] = a
+        return a
+
+    def _w_opt(self, name: str):
+        return self.w(name) if self.weights.has(name) else None
+
+    def _expert(self, layer: int, e: int):
+        key = (layer, e)
+        got = self._expert_cache.get(key)
+        if got is None:
+            got = tuple(np.asarray(a, dtype=self.dtype) for a in self.weights.expert(layer, e, dtype=self.dtype))
+            if self._cache_on:
+                self._expert_cache[key] = got
+        return got
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        name = "embed_tokens.weight"
+        if name in self._cache:
+            return self._cache[name][ids]
+        if self._cache_on or not hasattr(self.weights, "get_raw"):
+            return self.w(name)[ids]
+        return np.asarray(self.weights.get_raw(name)[ids], dtype=self.dtype)
+
+    def _lm_head(self, h: np.ndarray) -> np.ndarray:
+        name = "lm_head.weight"
+        if not self.weights.has(name):
+            if not self.config.tie_word_embeddings:
+                from reference.errors import CheckpointError
+                raise CheckpointError("lm_head.weight: expected in the checkpoint (tie_word_embeddings is false), "
+                                      "found nothing")
+            name = "embed_tokens.weight"
+        if self._cache_on or name in self._cache or not hasattr(self.weights, "get_raw"):
+            return h @ self.w(name).T
+        raw = self.weights.get_raw(name)
+        out = np.empty((h.shape[0], raw.shape[0]), dtype=self.dtype)
+        step = 16384
+        for s in range(0, raw.shape[0], step):
+            out[:, s:s + step] = h @ np.asarray(raw[s:s + step], dtype=self.dtype).T
+        return out
+
+    def _hc_w(self, prefix: str, combine: bool = True):
+        return (self.w(prefix + ".hc_norm.weight"), self.w(prefix + ".input_mix_weight_down.weight"),
+                self.w(prefix + ".input_mix_weight_up.weight"),
+                self.w(prefix + ".block_inject_weight.weight") if combine else None)
+
+    def _gdn_w(self, i: int) -> dict:
+        p = f"layers.{i}.linear_attn."
+        d = {n: self.w(p + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                                                    "norm")}
+        conv = self.w(p + "conv1d.weight")
+        d["conv1d"] = conv.reshape(conv.shape[0], conv.shape[-1])
+        d["A_log"] = self.w(p + "A_log")
+        d["dt_bias"] = self.w(p + "dt_bias")
+        return d
+
+    def _attn_w(self, i: int) -> dict:
+        p = f"layers.{i}.self_attn."
+        d = {}
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            d[n + ".weight"] = self.w(p + n + ".weight")
+            b = self._w_opt(p + n + ".bias")
+            if b is not None:
+                d[n + ".bias"] = b
+        d["q_norm"] = self.w(p + "q_norm.weight")
+        d["k_norm"] = self.w(p + "k_norm.weight")
+        d["index_qk_proj"] = self.w(p + "indexer.index_qk_proj.weight")
+        d["q_layernorm"] = self.w(p + "indexer.q_layernorm.weight")
+        d["k_layernorm"] = self.w(p + "indexer.k_layernorm.weight")
+        return d
+
+    def _ple_w(self, i: int) -> dict:
+        p = f"layers.{i}.ple."
+        conv = self.w(p + "conv1d.weight")
+        return {"key_proj": self.w(p + "key_proj.weight"), "value_proj": self.w(p + "value_proj.weight"),
+                "norm_key": self.w(p + "norm_key.weight"), "norm_query": self.w(p + "norm_query.weight"),
+                "norm_conv": self.w(p + "norm_conv.weight"), "conv1d": conv.reshape(conv.shape[0], conv.shape[-1])}
+
+    def _moe_w(self, i: int) -> dict:
+        p = f"layers.{i}.mlp."
+        return {"gate": self.w(p + "gate.weight"), "shared_gate": self.w(p + "shared_expert.gate_proj.weight"),
+                "shared_up": self.w(p + "shared_expert.up_proj.weight"),
+                "shared_down": self.w(p + "shared_expert.down_proj.weight"),
+                "shared_expert_gate": self.w(p + "shared_expert_gate.weight")}
+
+    # ------------------------------------------------------------------ rope
+    def cos_sin(self, positions: np.ndarray):
+        """RoPE tables ``[T, rotary_dim]`` for absolute int positions ``[T]`` (text: all mrope rows equal)."""
+        return rope_cos_sin(np.asarray(positions, dtype=np.int64), self._inv_freq, self.config.mrope_section)
+
+    # ------------------------------------------------------------------ module steps (also used by replay)
+    def _ple_step(self, i, st, x, ids, pos, rec):
+        cfg = self.config
+        lay = cfg.ple_layout(i)
+        rows = ngram_hash_rows(st.context, ids, cfg.ple_eos_token_id, lay.multipliers, lay.head_vocab_sizes,
+                               lay.head_offsets, cfg.heads_per_ngram)
+        emb = np.asarray(self.weights.ngram_rows(i, rows), dtype=self.dtype).reshape(len(ids), -1)
+        out, gate, new_conv = ple_block(x, emb, self._ple_w(i), st.conv, cfg.hc_count, cfg.hidden_size,
+                                        cfg.ngram_size, cfg.rms_norm_eps)
+        ctx = np.concatenate([st.context, ids])[-(cfg.ngram_size - 1):]
+        if rec is not None:
+            p = f"layers.{i}.ple."
+            rec.emit(p + "ple_embedding.ngram_ids", rows, positions=pos)
+            rec.emit(p + "ple_embedding.out", emb, positions=pos)
+            rec.emit(p + "gate", gate, positions=pos)
+            rec.emit(p + "out", out, positions=pos)
+        return x + out, (new_conv, ctx)
+
+    def _hc_step(self, prefix, x, pos, rec, combine=True):
+        cfg = self.config
+        mixed, inj = hyper_connection(x, *self._hc_w(prefix, combine), cfg.hc_count, cfg.hidden_size,
+                                      cfg.rms_norm_eps)
+        if rec is not None:
+            rec.emit(prefix + ".out", mixed, positions=pos)
+            if inj is not None:
+                rec.emit(prefix + ".injection_weights", inj, positions=pos)
+        return mixed, inj
+
+    def _gdn_step(self, i, st, x, pos, rec, mode="auto"):
+        out, taps, conv, recur = gdn_block(x, self._gdn_w(i), st.conv, st.recurrent, self.config, mode)
+        if rec is not None:
+            p = f"layers.{i}.linear_attn."
+            rec.emit(p + "conv_out", taps["conv_out"], positions=pos)
+            rec.emit(p + "core_out", taps["core_out"], positions=pos)
+            rec.emit(p + "out", out, positions=pos)
+        return out, (conv, recur)
+
+    def _qsa_step(self, i, st, x, pos, cos, sin, rec):
+        """QSA block; appends to the layer's caches (the caller truncates them back on failure)."""
+        cfg = self.config
+        w = self._attn_w(i)
+        r = cfg.indexer_compress_ratio
+        q_idx, raw = indexer_project(x, w, cos, sin, cfg)
+        keys = st.index_keys.append(raw)
+        L = keys.shape[0]
+        nb_old, nb_new = st.block_keys.n, L // r
+        if nb_new > nb_old:
+            st.block_keys.append(pool_block_keys(keys, nb_old, nb_new, w["k_layernorm"], self.cos_sin, cfg))
+        scores, sel, n_complete = indexer_select(q_idx, st.block_keys.data[:nb_new], pos, cfg)
+        if self.selection_hook is not None:
+            sel = np.asarray(self.selection_hook(i, pos, scores, sel), dtype=np.int64)
+        mask = selection_mask(sel, pos, n_complete, L, r)
+        q, gate, k, v = attention_project(x, w, cos, sin, cfg)
+        K = st.k.append(k)
+        V = st.v.append(v)
+        core = sparse_attention(q, K, V, mask, cfg.head_dim ** -0.5)
+        out = (core * sigmoid(gate)) @ w["o_proj.weight"].T
+        if "o_proj.bias" in w:
+            out = out + w["o_proj.bias"]
+        if rec is not None:
+            p = f"layers.{i}.self_attn."
+            rec.emit(p + "indexer.block_scores", scores, positions=pos)
+            rec.emit(p + "indexer.selected_blocks", sel, positions=pos)
+            rec.emit(p + "core_out", core, positions=pos)
+            rec.emit(p + "out", out, positions=pos)
+        return out
+
+    def _moe_step(self, i, x, pos, rec):
+        out, logits, ids, wts = moe_block(x, self._moe_w(i), lambda e: self._expert(i, e), self.config)
+        if rec is not None:
+            p = f"layers.{i}.mlp."
+            rec.emit(p + "gate.router_logits", logits, positions=pos)
+            rec.emit(p + "gate.topk_ids", ids, positions=pos)
+            rec.emit(p + "gate.topk_weights", wts, positions=pos)
+            rec.emit(p + "out", out, positions=pos)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def _run(self, state: SessionState, ids: np.ndarray, logits: str = "all"):
+        """Consume ``ids`` ``[T]`` from ``state``; commit the new state only on success.
+
+        Args:
+            logits: ``'all'`` -> ``[T, V]``, ``'last'`` -> ``[1, V]``, ``'none'`` -> None.
+        """
+        cfg = self.config
+        rec = _recorder.current()
+        T = len(ids)
+        p0 = state.position
+        pos = np.arange(p0, p0 + T, dtype=np.int64)
+        cos, sin = self.cos_sin(pos)
+        qsa_len = {i: s.k.n for i, s in state.qsa.items()}
+        pending = {}
+        try:
+            e = self._embed(ids)
+            if rec is not None:
+                rec.emit("embed_tokens.out", e, positions=pos)
+            x = np.tile(e, (1, cfg.hc_count))
+            for i, lt in enumerate(cfg.layer_types):
+                if i in state.ple:
+                    x, pending[("ple", i)] = self._ple_step(i, state.ple[i], x, ids, pos, rec)
+                pre = f"layers.{i}."
+                if rec is not None:
+                    rec.emit(pre + "attn_hyper_connection.in", x, positions=pos)
+                mixed, inj = self._hc_step(pre + "attn_hyper_connection", x, pos, rec)
+                if lt == "linear_attention":
+                    out, pending[("gdn", i)] = self._gdn_step(i, state.gdn[i], mixed, pos, rec)
+                else:
+                    out = self._qsa_step(i, state.qsa[i], mixed, pos, cos, sin, rec)
+                x = hc_combine(x, out, inj)
+                if rec is not None:
+                    rec.emit(pre + "attn_hyper_connection.combine", x, positions=pos)
+                mixed, inj = self._hc_step(pre + "mlp_hyper_connection", x, pos, rec)
+                out = self._moe_step(i, mixed, pos, rec)
+                x = hc_combine(x, out, inj)
+                if rec is not None:
+                    rec.emit(pre + "mlp_hyper_connection.combine", x, positions=pos)
+            h, _ = self._hc_step("hyper_connection_mixer", x, pos, rec, combine=False)
+            result = None
+            if logits != "none":
+                hh, pp = (h[-1:], pos[-1:]) if logits == "last" else (h, pos)
+                result = self._lm_head(hh)
+                if rec is not None:
+                    rec.emit("logits", result, positions=pp)
+        except BaseException:
+            for i, n in qsa_len.items():
+                state.qsa[i].truncate(n, cfg.indexer_compress_ratio)
+            raise
+        for (kind, i), val in pending.items():
+            if kind == "ple":
+                state.ple[i].conv, state.ple[i].context = val
+            else:
+                state.gdn[i].conv, state.gdn[i].recurrent = val
+        state.position = p0 + T
+        return result
+
+    # ------------------------------------------------------------------ public API
+    def new_session(self) -> Session:
+        """A fresh :class:`~reference.session.Session` at position 0."""
+        return Session(self)
+
+    def forward(self, ids) -> np.ndarray:
+        """One full forward from an empty state (the truth): logits ``[T, vocab_size]`` in the model dtype.
+
+        Raises:
+            InputError: empty or out-of-range ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size)
+        return self._run(SessionState.empty(self.config, self.dtype), ids, "all")
+
+    def hidden_states(self, ids) -> dict:
+        """Per-layer outputs of one full forward.
+
+        Returns:
+            ``{"embed": [T, H], "layers": [L arrays [T, hc*H]] (decoder layer outputs), "final": [T, H]
+            (hyper_connection_mixer output), "logits": [T, V]}``.
+        """
+        cfg = self.config
+        names = {"embed_tokens.out", "hyper_connection_mixer.out", "logits"} | {
+            f"layers.{i}.mlp_hyper_connection.combine" for i in range(cfg.num_hidden_layers)}
+        cap = _Capture(names)
+        tok = _recorder._CURRENT.set(cap)
+        try:
+            self.forward(ids)
+        finally:
+            _recorder._CURRENT.reset(tok)
+        r = cap.result()
+        return {"embed": r["embed_tokens.out"], "final": r["hyper_connection_mixer.out"], "logits": r["logits"],
+                "layers": [r[f"layers.{i}.mlp_hyper_connection.combine"] for i in range(cfg.num_hidden_layers)]}
+
+    # ------------------------------------------------------------------ replay (tap-diff --replay)
+    def _prev_residual(self, i: int) -> str:
+        return "embed_tokens.out" if i == 0 else f"layers.{i - 1}.mlp_hyper_connection.combine"
+
+    def replay_inputs(self, tap_name: str) -> list[str]:
+        """The recorded taps :meth:`replay` needs to re-run the module producing ``tap_name``.
+
+        Raises:
+            InputError: unknown tap name or layer.
+        """
+        from taps.registry import layer_of, spec_for
+        cfg = self.config
+        spec = spec_for(tap_name)
+        if spec is None:
+            raise InputError(f"replay: unknown tap {tap_name!r} (see taps/registry.py)")
+        if tap_name == "embed_tokens.out":
+            return []
+        if tap_name == "hyper_connection_mixer.out":
+            return [f"layers.{cfg.num_hidden_layers - 1}.mlp_hyper_connection.combine"]
+        if tap_name == "logits":
+            return ["hyper_connection_mixer.out"]
+        i = layer_of(tap_name)
+        if i is None or not 0 <= i < cfg.num_hidden_layers:
+            raise InputError(f"replay: tap {tap_name!r}: layer out of range [0, {cfg.num_hidden_layers})")
+        lt = cfg.layer_types[i]
+        if spec.layer_type == "ple" and i not in cfg.ple_layers:
+            raise InputError(f"replay: tap {tap_name!r}: layer {i} has no PLE")
+        if spec.layer_type in ("linear_attention", "indexed_attention") and spec.layer_type != lt:
+            raise InputError(f"replay: tap {tap_name!r}: layer {i} is {lt}")
+        rest = tap_name[len(f"layers.{i}."):]
+        mixer = "linear_attn" if lt == "linear_attention" else "self_attn"
+        if rest.startswith("ple.") or rest == "attn_hyper_connection.in":
+            return [self._prev_residual(i)]
+        if rest in ("attn_hyper_connection.out", "attn_hyper_connection.injection_weights"):
+            return [f"layers.{i}.attn_hyper_connection.in"]
+        if rest.startswith(("linear_attn.", "self_attn.")):
+            return [f"layers.{i}.attn_hyper_connection.out"]
+        if rest == "attn_hyper_connection.combine":
+            return [f"layers.{i}.attn_hyper_connection.in", f"layers.{i}.{mixer}.out"]
+        if rest in ("mlp_hyper_connection.out", "mlp_hyper_connection.injection_weights"):
+            return [f"layers.{i}.attn_hyper_connection.combine"]
+        if rest.startswith("mlp."):
+            return [f"layers.{i}.mlp_hyper_connection.out"]
+        if rest == "mlp_hyper_connection.combine":
+            return [f"layers.{i}.attn_hyper_connection.combine", f"layers.{i}.mlp.out"]
+        raise InputError(f"replay: tap {tap_name!r} has no replay rule")
+
+    def replay(self, tap_name: str, inputs: dict, token_ids) -> dict:
+        """Re-run only the module producing ``tap_name`` over positions ``0..T-1`` from an empty state.
+
+        Args:
+            inputs: ``{name: array [T, ...]}`` for every name in :meth:`replay_inputs` (recorded taps).
+            token_ids: ``[T]`` the tokens (used by the embedding and PLE).
+        Returns:
+            every tap the re-run module emits (``{name: array}``), including ``tap_name``.
+        Raises:
+            InputError: missing or mis-shaped inputs, bad ids, unknown tap.
+        """
+        cfg = self.config
+        need = self.replay_inputs(tap_name)
+        ids = check_ids(token_ids, cfg.vocab_size)
+        T = len(ids)
+        arrs = {}
+        for n in need:
+            if n not in inputs:
+                raise InputError(f"replay {tap_name}: missing input tap {n!r} (needs {need})")
+            a = np.asarray(inputs[n], dtype=self.dtype)
+            if a.shape[0] != T:
+                raise InputError(f"replay {tap_name}: input {n!r} has {a.shape[0]} positions, expected {T} "
+                                 f"(one per token id)")
+            arrs[n] = a
+        pos = np.arange(T, dtype=np.int64)
+        cos, sin = self.cos_sin(pos)
+        state = SessionState.empty(cfg, self.dtype)
+        cap = _Capture()
+        tok = _recorder._CURRENT.set(cap)
+        try:
+            if tap_name == "embed_tokens.out":
+                cap.emit("embed_tokens.out", self._embed(ids))
+            elif tap_name == "hyper_connection_mixer.out":
+                self._hc_step("hyper_connection_mixer", arrs[need[0]], pos, cap, combine=False)
+            elif tap_name == "logits":
+                cap.emit("logits", self._lm_head(arrs[need[0]]))
+            else:
+                from taps.registry import layer_of
+                i = layer_of(tap_name)
+                rest = tap_name[len(f"layers.{i}."):]
+                pre = f"layers.{i}."
+                if rest.startswith("ple.") or rest == "attn_hyper_connection.in":
+                    x = arrs[need[0]]
+                    if x.shape[1] == cfg.hidden_size:
+                        x = np.tile(x, (1, cfg.hc_count))
+                    if i in state.ple:
+                        x, _ = self._ple_step(i, state.ple[i], x, ids, pos, cap)
+                    cap.emit(pre + "attn_hyper_connection.in", x)
+                elif rest.startswith("attn_hyper_connection.") and rest != "attn_hyper_connection.combine":
+                    self._hc_step(pre + "attn_hyper_connection", arrs[need[0]], pos, cap)
+                elif rest.startswith("linear_attn."):
+                    self._gdn_step(i, state.gdn[i], arrs[need[0]], pos, cap)
+                elif rest.startswith("self_attn."):
+                    self._qsa_step(i, state.qsa[i], arrs[need[0]], pos, cos, sin, cap)
+                elif rest.startswith("mlp_hyper_connection.") and rest != "mlp_hyper_connection.combine":
+                    self._hc_step(pre + "mlp_hyper_connection", arrs[need[0]], pos, cap)
+                elif rest.startswith("mlp."):
+                    self._moe_step(i, arrs[need[0]], pos, cap)
+                else:  # the two combines
+                    half = "attn" if rest.startswith("attn") else "mlp"
+                    x = arrs[need[0]]
+                    _, inj = self._hc_step(pre + f"{half}_hyper_connection", x, pos, _Capture(set()))
+                    cap.emit(pre + f"{half}_hyper_connection.combine", hc_combine(x, arrs[need[1]], inj))
+        finally:
+            _recorder._CURRENT.reset(tok)
+        return cap.result()

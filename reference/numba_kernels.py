@@ -1,0 +1,115 @@
+"""Numba kernels for the loops that would otherwise run in Python.
+
+* :func:`delta_rule_recurrent` -- the gated delta-rule recurrence, one token at a time (decode path and
+  the exact sequential oracle for the chunked form).
+* :func:`ngram_hash_rows` -- the PLE n-gram hash with the official int64 wrap-around arithmetic.
+
+Every kernel is ``@njit(cache=True)`` and called with at most two signatures (float32 / float64), so
+the JIT cost is paid once per machine. Each has a plain NumPy twin in the block modules that the
+tests hold it to.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["delta_rule_recurrent", "ngram_hash_rows"]
+
+
+@njit(cache=True, fastmath=False)
+def _delta_rule_kernel(q, k, v, g, beta, state, out):  # pragma: no cover - compiled
+    T, Hk, dk = q.shape
+    Hv = v.shape[1]
+    dv = v.shape[2]
+    rep = Hv // Hk
+    for h in range(Hv):
+        kh = h // rep
+        S = state[h]
+        for t in range(T):
+            decay = np.exp(g[t, h])
+            for i in range(dk):
+                for j in range(dv):
+                    S[i, j] *= decay
+            b = beta[t, h]
+            for j in range(dv):
+                acc = 0.0
+                for i in range(dk):
+                    acc += S[i, j] * k[t, kh, i]
+                delta = (v[t, h, j] - acc) * b
+                for i in range(dk):
+                    S[i, j] += k[t, kh, i] * delta
+            for j in range(dv):
+                acc = 0.0
+                for i in range(dk):
+                    acc += S[i, j] * q[t, kh, i]
+                out[t, h, j] = acc
+
+
+def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                         state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Gated delta rule, token by token.
+
+    Per value head ``h`` (key head ``h // (Hv // Hk)``) and token ``t``:
+    ``S = exp(g_t) S``; ``S += k_t ((v_t - S^T k_t) * beta_t)^T``; ``o_t = S^T q_t``.
+
+    Args:
+        q, k: ``[T, Hk, dk]`` already l2-normalised (and ``q`` scaled by ``dk**-0.5``).
+        v: ``[T, Hv, dv]``; g (log decay, ``<= 0``), beta: ``[T, Hv]``.
+        state: ``[Hv, dk, dv]`` the carried recurrent state (not modified).
+    Returns:
+        ``(out [T, Hv, dv], new_state [Hv, dk, dv])``, all in ``q.dtype``.
+    Source: modeling_qwen4_exp.py ``torch_recurrent_gated_delta_rule``.
+    """
+    dt = q.dtype
+    S = np.array(state, dtype=dt, copy=True, order="C")
+    out = np.empty((q.shape[0], v.shape[1], v.shape[2]), dtype=dt)
+    args = [np.ascontiguousarray(a, dtype=dt) for a in (q, k, v, g, beta)]
+    _delta_rule_kernel(*args, S, out)
+    return out, S
+
+
+@njit(cache=True)
+def _ngram_hash_kernel(history, ctx, eos, mult, sizes, offsets, heads_per_ngram, out):  # pragma: no cover
+    L = history.shape[0]
+    n = mult.shape[0]
+    T = L - ctx
+    shifted = np.empty(n, dtype=np.int64)
+    for t in range(T):
+        p = ctx + t
+        shifted[0] = history[p]
+        blocked = False  # an EOS at p-s .. p-1 resets every longer shift
+        for s in range(1, n):
+            src = p - s
+            if src < 0 or blocked or history[src] == eos:
+                blocked = True
+                shifted[s] = eos
+            else:
+                shifted[s] = history[src]
+        for ng in range(2, n + 1):
+            mixed = shifted[0] * mult[0]
+            for s in range(1, ng):
+                mixed = mixed ^ (shifted[s] * mult[s])
+            start = (ng - 2) * heads_per_ngram
+            for hh in range(heads_per_ngram):
+                h = start + hh
+                out[t, h] = (mixed % sizes[h]) + offsets[h]
+
+
+def ngram_hash_rows(context: np.ndarray, ids: np.ndarray, eos: int, multipliers, head_vocab_sizes,
+                    head_offsets, heads_per_ngram: int) -> np.ndarray:
+    """PLE n-gram table rows of ``ids`` given the carried ``ngram_size - 1`` token context (Numba).
+
+    Same contract as :func:`reference.blocks.ple.ngram_rows_numpy` (the readable twin).
+    Returns:
+        ``[T, ngram_heads]`` int64.
+    Source: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding.forward`` / ``_shift_right_ignore_eos``.
+    """
+    history = np.concatenate([np.asarray(context, dtype=np.int64), np.asarray(ids, dtype=np.int64)])
+    mult = np.asarray(multipliers, dtype=np.int64)
+    sizes = np.asarray(head_vocab_sizes, dtype=np.int64)
+    offs = np.asarray(head_offsets, dtype=np.int64)
+    T = len(ids)
+    out = np.empty((T, sizes.shape[0]), dtype=np.int64)
+    _ngram_hash_kernel(history, np.int64(len(context)), np.int64(eos), mult, sizes, offs,
+                       np.int64(heads_per_ngram), out)
+    return out

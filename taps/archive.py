@@ -1,0 +1,424 @@
+"""Tap archives: safetensors data segments plus a JSON manifest, written incrementally and atomically,
+read lazily.
+
+Layout of an archive directory ``DIR``::
+
+    DIR/manifest.json            format version, producer, backend, dtype, model identity, token ids,
+                                 positions, scenario, per-tap dtype / shape / kind / segments
+    DIR/chunk-00000.safetensors  one file per flush; holds, per tap flushed, ``<tap>#<seg>`` (rows)
+    DIR/chunk-00001.safetensors  and ``<tap>#<seg>.pos`` (int64 absolute positions of those rows)
+
+Each emit of a tap appends rows (positions first, ``[T, ...]``); repeated emits (chunked prefill,
+decode steps) concatenate along positions. The writer builds everything inside ``DIR.tmp-XXXX``
+next to ``DIR`` and renames it to ``DIR`` only at :meth:`ArchiveWriter.close`, so an interrupted
+run never leaves a half archive at ``DIR``.
+
+Readers (:class:`Archive` on disk, :class:`MemoryArchive` in memory) share the :class:`TapSource`
+interface that tap-diff consumes: ``names()``, ``info(name)``, ``positions(name)``,
+``read_rows(name, rows)``, ``get(name)``, ``iter_chunks(name, chunk_rows)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from reference.errors import UserError
+
+FORMAT_NAME = "qwen4exp-taps"
+FORMAT_VERSION = 1
+PRODUCER = "qwen4exp-parity"
+MANIFEST = "manifest.json"
+
+__all__ = ["ArchiveError", "FORMAT_VERSION", "TapInfo", "TapSource", "Archive", "MemoryArchive", "ArchiveWriter",
+           "producer_version", "storable"]
+
+
+class ArchiveError(UserError, ValueError):
+    """A tap archive that is missing, unreadable, from a newer format version, or lacks a tap."""
+
+
+def producer_version() -> str:
+    """This package's version string (``qwen4exp-parity``), or ``0+unknown`` when not installed."""
+    try:
+        from importlib.metadata import version
+        return version("qwen4exp-parity")
+    except Exception:
+        return "0+unknown"
+
+
+def storable(value) -> np.ndarray:
+    """Convert an emitted tap value to a host NumPy array that safetensors can store.
+
+    Accepts NumPy arrays, CuPy arrays (``.get()``), torch tensors and array-likes. Half precision
+    floats (float16, ml_dtypes bfloat16 / float8) are upcast exactly to float32; bools and integers
+    other than int64/int32 are kept as int64; float32/float64 are kept.
+
+    Returns: a C-contiguous ndarray (a copy when a conversion was needed).
+    """
+    if hasattr(value, "get") and not isinstance(value, np.ndarray) and type(value).__module__.startswith("cupy"):
+        value = value.get()
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        value = value.numpy()
+    a = np.asarray(value)
+    if a.dtype in (np.float32, np.float64, np.int64):
+        return np.ascontiguousarray(a)
+    if a.dtype.kind == "f" or a.dtype.kind == "V" or "float" in str(a.dtype):  # float16 / ml_dtypes types
+        return np.ascontiguousarray(a.astype(np.float32))
+    if a.dtype.kind in "iub":
+        return np.ascontiguousarray(a.astype(np.int64))
+    raise ArchiveError(f"tap value: expected a numeric array, found dtype {a.dtype}")
+
+
+@dataclass(frozen=True)
+class TapInfo:
+    """What an archive holds for one tap: ``rows`` recorded positions of ``tail`` shape each."""
+
+    name: str
+    dtype: str
+    tail: tuple[int, ...]
+    rows: int
+    kind: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.tail)
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.tail, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class TapSource:
+    """The read interface tap-diff uses. Subclasses implement ``names``, ``info``, ``positions`` and
+    ``_segments`` (a list of ``(row_start, row_stop, loader)``; ``loader(a, b)`` returns rows
+    ``a:b`` of that segment)."""
+
+    manifest: dict
+
+    # -- metadata
+    @property
+    def backend(self) -> str | None:
+        return self.manifest.get("backend")
+
+    @property
+    def dtype(self) -> str | None:
+        return self.manifest.get("dtype")
+
+    @property
+    def model(self) -> dict:
+        return self.manifest.get("model") or {}
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self.manifest.get("token_ids")
+
+    @property
+    def scenario(self):
+        return self.manifest.get("scenario")
+
+    def names(self) -> list[str]:
+        return list(self.manifest["order"])
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["taps"]
+
+    def info(self, name: str) -> TapInfo:
+        """Dtype, per-row shape, row count and kind of tap ``name``. Raises ArchiveError if absent."""
+        t = self._tap(name)
+        return TapInfo(name, t["dtype"], tuple(t["tail"]), int(t["rows"]), t.get("kind", "activation"))
+
+    def _tap(self, name: str) -> dict:
+        try:
+            return self.manifest["taps"][name]
+        except KeyError:
+            raise ArchiveError(f"{self.where}: tap {name!r}: not recorded in this archive "
+                               f"({len(self.manifest['taps'])} taps recorded)") from None
+
+    # -- data
+    def positions(self, name: str) -> np.ndarray:
+        """int64 ``[rows]``: the absolute position of each recorded row of ``name`` (emit order)."""
+        raise NotImplementedError
+
+    def _segments(self, name: str) -> list[tuple[int, int, object]]:
+        raise NotImplementedError
+
+    def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (int array of row indices, any order) of tap ``name``: ``[len(rows), *tail]``.
+
+        Only the segments touched are read; each is sliced to the span of rows needed.
+        """
+        info = self.info(name)
+        rows = np.asarray(rows, dtype=np.int64)
+        ragged = self._tap(name).get("ragged", False)
+        if ragged:  # rows of different widths (e.g. n_blocks grows with the sequence): pad with -inf
+            out = np.full((len(rows), *info.tail), -np.inf, dtype=np.dtype(info.dtype))
+        else:
+            out = np.empty((len(rows), *info.tail), dtype=np.dtype(info.dtype))
+        if len(rows) == 0:
+            return out
+        if rows.min() < 0 or rows.max() >= info.rows:
+            raise ArchiveError(f"{self.where}: tap {name!r}: row index out of range [0, {info.rows})")
+        segs = self._segments(name)
+        starts = np.array([a for a, _, _ in segs], dtype=np.int64)
+        seg_of = np.searchsorted(starts, rows, side="right") - 1
+        order = np.argsort(seg_of, kind="stable")
+        bounds = np.searchsorted(seg_of[order], np.arange(len(segs) + 1))
+        for k in np.unique(seg_of):
+            a, b, loader = segs[k]
+            sel = order[bounds[k]:bounds[k + 1]]
+            lo, hi = int(rows[sel].min()), int(rows[sel].max()) + 1
+            block = loader(lo - a, hi - a)
+            if ragged and block.shape[-1] != info.tail[-1]:
+                out[sel, ..., :block.shape[-1]] = block[rows[sel] - lo]
+            else:
+                out[sel] = block[rows[sel] - lo]
+        return out
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tap ``[rows, *tail]`` in emit order (repeated emits concatenated)."""
+        return self.read_rows(name, np.arange(self.info(name).rows))
+
+    def iter_chunks(self, name: str, chunk_rows: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(positions [n], rows [n, *tail])`` of ``name`` in emit order, ``n <= chunk_rows``."""
+        pos = self.positions(name)
+        for s in range(0, len(pos), max(1, chunk_rows)):
+            idx = np.arange(s, min(s + chunk_rows, len(pos)))
+            yield pos[idx], self.read_rows(name, idx)
+
+    @property
+    def where(self) -> str:
+        return "archive"
+
+
+class MemoryArchive(TapSource):
+    """An archive held in memory (the Recorder's in-memory mode; tests and the harness)."""
+
+    def __init__(self, manifest: dict, data: dict[str, list[tuple[np.ndarray, np.ndarray]]]):
+        self.manifest = manifest
+        self._data = data
+
+    def positions(self, name: str) -> np.ndarray:
+        self._tap(name)
+        parts = [p for p, _ in self._data[name]]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _segments(self, name):
+        out, r = [], 0
+        for _, v in self._data[name]:
+            out.append((r, r + len(v), (lambda a, b, v=v: v[a:b])))
+            r += len(v)
+        return out
+
+    @property
+    def where(self) -> str:
+        return "in-memory archive"
+
+
+class Archive(TapSource):
+    """A tap archive on disk, read lazily (manifest at open; data per segment slice on demand)."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+        self._handles: dict[str, object] = {}
+        self._pos_cache: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def open(cls, path) -> "Archive":
+        """Open archive directory ``path``.
+
+        Raises:
+            ArchiveError: not a directory / no manifest / unreadable manifest / not a tap archive /
+                written by a newer format version than this reader understands.
+        """
+        p = Path(path)
+        mf = p / MANIFEST
+        tmp = sorted(p.parent.glob(p.name + ".tmp-*")) if p.parent.is_dir() else []
+        hint = f" (an interrupted recording left {tmp[0].name} -- delete it)" if tmp else ""
+        if not p.is_dir():
+            raise ArchiveError(f"tap archive {str(p)!r}: expected a directory holding {MANIFEST}, found "
+                               f"{'a file' if p.exists() else 'nothing'}{hint}")
+        if not mf.is_file():
+            raise ArchiveError(f"tap archive {str(p)!r}: expected {MANIFEST}, found none{hint}")
+        try:
+            manifest = json.loads(mf.read_text())
+        except (OSError, ValueError) as e:
+            raise ArchiveError(f"tap archive {str(p)!r}: {MANIFEST} is not readable JSON ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+            raise ArchiveError(f"tap archive {str(p)!r}: expected format {FORMAT_NAME!r}, found "
+                               f"{manifest.get('format') if isinstance(manifest, dict) else type(manifest).__name__!r}")
+        ver = manifest.get("format_version")
+        if not isinstance(ver, int) or ver > FORMAT_VERSION or ver < 1:
+            raise ArchiveError(f"tap archive {str(p)!r}: format version {ver!r} is newer than this reader supports "
+                               f"(up to {FORMAT_VERSION}); upgrade qwen4exp-parity (producer was "
+                               f"{manifest.get('producer')})")
+        for k in ("taps", "order"):
+            if k not in manifest:
+                raise ArchiveError(f"tap archive {str(p)!r}: {MANIFEST} lacks {k!r}")
+        return cls(p, manifest)
+
+    @property
+    def where(self) -> str:
+        return f"tap archive {str(self.path)!r}"
+
+    def _file(self, fname: str):
+        h = self._handles.get(fname)
+        if h is None:
+            from safetensors import safe_open
+            fp = self.path / fname
+            if not fp.is_file():
+                raise ArchiveError(f"{self.where}: data file {fname!r} named in the manifest is missing")
+            h = safe_open(str(fp), framework="np")
+            self._handles[fname] = h
+        return h
+
+    def positions(self, name: str) -> np.ndarray:
+        if name not in self._pos_cache:
+            t = self._tap(name)
+            parts = [self._file(s["file"]).get_tensor(s["key"] + ".pos") for s in t["segments"]]
+            self._pos_cache[name] = (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
+        return self._pos_cache[name]
+
+    def _segments(self, name):
+        out, r = [], 0
+        for s in self._tap(name)["segments"]:
+            n = int(s["rows"])
+
+            def load(a, b, s=s):
+                return self._file(s["file"]).get_slice(s["key"])[a:b]
+            out.append((r, r + n, load))
+            r += n
+        return out
+
+
+def _same_shape(t: dict, rows: np.ndarray) -> bool:
+    """Does ``rows`` fit tap entry ``t`` (same dtype and per-row shape; any last dim when ragged)?"""
+    if t["dtype"] != str(rows.dtype) or len(t["tail"]) != rows.ndim - 1:
+        return False
+    if t.get("ragged"):
+        return tuple(t["tail"][:-1]) == tuple(rows.shape[1:-1])
+    return tuple(t["tail"]) == tuple(rows.shape[1:])
+
+
+def _concat_rows(parts: list[np.ndarray], ragged: bool) -> np.ndarray:
+    """Concatenate emitted row blocks; ragged blocks are padded to the widest with -inf."""
+    if ragged and len({p.shape[-1] for p in parts}) > 1:
+        w = max(p.shape[-1] for p in parts)
+        parts = [p if p.shape[-1] == w else np.concatenate(
+            [p, np.full((*p.shape[:-1], w - p.shape[-1]), -np.inf, dtype=p.dtype)], axis=-1) for p in parts]
+    return np.concatenate(parts)
+
+
+class ArchiveWriter:
+    """Incremental, atomic archive writer.
+
+    ``add(name, rows, positions, kind)`` buffers; once ``flush_bytes`` are buffered everything
+    pending goes to a new ``chunk-NNNNN.safetensors``. ``close(manifest_fields)`` flushes, writes the
+    manifest and renames ``DIR.tmp-XXXX`` to ``DIR``; ``abort()`` removes the temporary directory.
+
+    Raises:
+        ArchiveError: ``DIR`` already exists (and ``overwrite`` is False), or its parent is missing.
+    """
+
+    def __init__(self, out_dir, flush_bytes: int = 64 << 20, overwrite: bool = False):
+        self.out = Path(out_dir)
+        if self.out.exists() and not overwrite:
+            raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an existing "
+                               f"{'directory' if self.out.is_dir() else 'file'} (remove it or pass overwrite)")
+        if not self.out.parent.is_dir():
+            raise ArchiveError(f"archive output {str(self.out)!r}: parent directory does not exist")
+        self.overwrite = overwrite
+        self.tmp = Path(tempfile.mkdtemp(prefix=self.out.name + ".tmp-", dir=self.out.parent))
+        self.flush_bytes = int(flush_bytes)
+        self._pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._pending_bytes = 0
+        self._taps: dict[str, dict] = {}
+        self._order: list[str] = []
+        self._chunk = 0
+        self.closed = False
+
+    def add(self, name: str, rows: np.ndarray, positions: np.ndarray, kind: str = "activation",
+            ragged: bool = False) -> None:
+        """Append ``rows [T, ...]`` at int64 ``positions [T]`` to tap ``name``. ``ragged``: the last
+        dimension may differ between emits (the reader pads narrower rows with -inf).
+
+        Raises:
+            ArchiveError: the per-row shape or dtype differs from the tap's earlier emits.
+        """
+        t = self._taps.get(name)
+        if t is None:
+            t = {"dtype": str(rows.dtype), "tail": list(rows.shape[1:]), "rows": 0, "kind": kind, "segments": []}
+            if ragged:
+                t["ragged"] = True
+            self._taps[name] = t
+            self._order.append(name)
+        elif not _same_shape(t, rows):
+            raise ArchiveError(f"tap {name!r}: expected rows of shape {tuple(t['tail'])} {t['dtype']} like its "
+                               f"earlier emits, found {tuple(rows.shape[1:])} {rows.dtype}")
+        if t.get("ragged") and rows.ndim > 1:
+            t["tail"][-1] = max(t["tail"][-1], rows.shape[-1])
+        t["rows"] += len(rows)
+        self._pending.setdefault(name, []).append((positions, rows))
+        self._pending_bytes += rows.nbytes + positions.nbytes
+        if self._pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write everything pending to the next chunk file (written to a temp name, then renamed)."""
+        if not self._pending:
+            return
+        from safetensors.numpy import save_file
+        fname = f"chunk-{self._chunk:05d}.safetensors"
+        tensors = {}
+        for name, parts in self._pending.items():
+            t = self._taps[name]
+            key = f"{name}#{len(t['segments'])}"
+            pos = np.concatenate([p for p, _ in parts]).astype(np.int64)
+            rows = _concat_rows([r for _, r in parts], t.get("ragged", False))
+            tensors[key] = np.ascontiguousarray(rows)
+            tensors[key + ".pos"] = np.ascontiguousarray(pos)
+            t["segments"].append({"file": fname, "key": key, "rows": int(len(rows)),
+                                  "pos_min": int(pos.min()) if len(pos) else 0,
+                                  "pos_max": int(pos.max()) if len(pos) else -1})
+        part = self.tmp / (fname + ".part")
+        save_file(tensors, str(part))
+        os.replace(part, self.tmp / fname)
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._chunk += 1
+
+    def close(self, fields: dict) -> Path:
+        """Flush, write the manifest (``fields`` merged into it) and publish ``DIR``. Returns ``DIR``."""
+        self.flush()
+        manifest = {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+            "producer": {"name": PRODUCER, "version": producer_version()},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **fields,
+            "order": list(self._order), "taps": self._taps,
+        }
+        tmpm = self.tmp / (MANIFEST + ".part")
+        tmpm.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmpm, self.tmp / MANIFEST)
+        if self.out.exists() and self.overwrite:
+            shutil.rmtree(self.out)
+        os.rename(self.tmp, self.out)
+        self.closed = True
+        return self.out
+
+    def abort(self) -> None:
+        """Discard the temporary directory (nothing appears at ``DIR``)."""
+        self._pending.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.closed = True

@@ -1,0 +1,752 @@
+"""tap-diff: align two tap recordings by name and position, measure every tap, and name the first
+divergence in forward order (with the last agreeing tap before it).
+
+Metrics per activation tap (over the positions both recordings hold; float64 accumulation):
+  * ``max_abs`` = max |b - a|;  ``max_rel`` = max |b - a| / max(|a|, |b|) (0 where both are 0);
+  * ``rel_l2`` = ||b - a|| / ||a||;  ``cosine`` = <a, b> / (||a|| ||b||) (1 when both are 0);
+  * ``nonfinite`` = elements where a non-finite value differs (NaN never agrees; equal infinities
+    agree and are left out of the norms);
+  * the tolerance test of the profile (see ``taps/profiles/fp32.toml``) and the first position that
+    breaks it.
+Index taps: exact-match rate of rows, mean set overlap, and per differing row a verdict:
+  * *error*: B's pick contradicts B's own companion scores (including the canonical tie-break:
+    higher score first, then lower index), or the best item B dropped beats the worst item B took
+    by more than the profile's score tolerance on A's scores, or no scores to judge by;
+  * *flip*: otherwise (both items lie within the score tolerance of the cut-off), with its margin.
+A divergence at or after a flip (later in forward order, at or after the flip's position) is
+reported as possibly explained by it.
+
+Memory stays bounded: each tap is read in row chunks sized to ``memory_budget`` bytes.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from reference.errors import UserError
+from taps import registry
+from taps.archive import Archive, TapSource
+
+__all__ = ["DiffRefused", "ProfileError", "Profile", "load_profile", "TapResult", "DiffReport", "diff_archives",
+           "compare_tap", "bench_diff", "replay_check", "render_table", "PROFILES_DIR"]
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+class ProfileError(UserError, ValueError):
+    """A tolerance profile that cannot be found or read."""
+
+
+class DiffRefused(UserError, ValueError):
+    """The two archives are of different models or token streams (pass force to diff anyway)."""
+
+
+# ---------------------------------------------------------------- profiles
+_ACT_KEYS = {"rel_l2": float, "rtol": float, "atol_rms": float, "atol": float, "cos_min": float}
+_IDX_KEYS = {"score_rtol": float, "score_atol": float}
+
+
+@dataclass
+class Profile:
+    """Tolerances by tap kind with per-pattern overrides (first matching ``[[tap]] pattern`` wins)."""
+
+    name: str
+    activation: dict
+    index: dict
+    overrides: list[dict] = field(default_factory=list)
+    source: str = ""
+
+    def for_tap(self, name: str) -> dict:
+        """The merged tolerance dict for tap ``name`` (activation and index keys)."""
+        tol = {**self.activation, **self.index}
+        for o in self.overrides:
+            if fnmatch.fnmatchcase(name, o["pattern"]):
+                tol.update({k: v for k, v in o.items() if k != "pattern"})
+                break
+        return tol
+
+
+def load_profile(spec: str | Path = "fp32") -> Profile:
+    """Load a tolerance profile: a bundled name (``fp32``, ``bf16``) or a TOML file path.
+
+    Raises:
+        ProfileError: unknown name / missing file / invalid TOML / missing or non-numeric bounds.
+    """
+    p = Path(spec)
+    if not p.suffix and not p.exists():
+        p = PROFILES_DIR / f"{spec}.toml"
+        if not p.is_file():
+            names = sorted(x.stem for x in PROFILES_DIR.glob("*.toml"))
+            raise ProfileError(f"profile {str(spec)!r}: expected one of {names} or a TOML file, found neither")
+    if not p.is_file():
+        raise ProfileError(f"profile {str(spec)!r}: expected a TOML file, found no file")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ProfileError(f"profile {str(p)!r}: not valid TOML ({e})") from None
+
+    def section(key, keys):
+        d = raw.get(key)
+        if not isinstance(d, dict):
+            raise ProfileError(f"profile {str(p)!r}: expected a [{key}] table, found {d!r}")
+        out = {}
+        for k, typ in keys.items():
+            v = d.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
+                raise ProfileError(f"profile {str(p)!r}: [{key}] {k}: expected a number >= 0, found {v!r}")
+            out[k] = float(v)
+        return out
+
+    act = section("activation", _ACT_KEYS)
+    idx = section("index", _IDX_KEYS)
+    overrides = []
+    for o in raw.get("tap", []):
+        if not isinstance(o, dict) or not isinstance(o.get("pattern"), str):
+            raise ProfileError(f"profile {str(p)!r}: each [[tap]] needs a string 'pattern', found {o!r}")
+        for k, v in o.items():
+            if k != "pattern" and (k not in _ACT_KEYS and k not in _IDX_KEYS or not isinstance(v, (int, float))):
+                raise ProfileError(f"profile {str(p)!r}: [[tap]] {o['pattern']!r}: key {k!r}: expected one of "
+                                   f"{sorted({**_ACT_KEYS, **_IDX_KEYS})} with a number, found {v!r}")
+        overrides.append(dict(o))
+    return Profile(name=str(raw.get("name", p.stem)), activation=act, index=idx, overrides=overrides, source=str(p))
+
+
+# ---------------------------------------------------------------- results
+@dataclass
+class TapResult:
+    """The comparison of one tap. ``status``: agree / flip / diverged / missing-in-a / missing-in-b /
+    no-overlap. ``first_position``: the first position beyond tolerance (None when none)."""
+
+    name: str
+    kind: str
+    status: str
+    rows: int = 0
+    metrics: dict = field(default_factory=dict)
+    first_position: int | None = None
+    note: str = ""
+    flips: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("agree", "flip")
+
+
+@dataclass
+class DiffReport:
+    """Everything tap-diff found. ``exit_code``: 0 agree, 1 diverged."""
+
+    a: str
+    b: str
+    profile: str
+    results: list[TapResult]
+    identity: dict
+    first_divergence: str | None = None
+    last_agreeing: str | None = None
+    explained_by_flip: str | None = None
+    replay: dict | None = None
+    elapsed_s: float = 0.0
+    bytes_read: int = 0
+
+    @property
+    def agree(self) -> bool:
+        return self.first_divergence is None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.agree else 1
+
+    def result(self, name: str) -> TapResult | None:
+        for r in self.results:
+            if r.name == name:
+                return r
+        return None
+
+    def to_dict(self) -> dict:
+        d = {"a": self.a, "b": self.b, "profile": self.profile, "agree": self.agree, "identity": self.identity,
+             "first_divergence": self.first_divergence, "last_agreeing": self.last_agreeing,
+             "explained_by_flip": self.explained_by_flip, "replay": self.replay,
+             "elapsed_s": self.elapsed_s, "bytes_read": self.bytes_read,
+             "taps": [asdict(r) for r in self.results]}
+        fd = self.result(self.first_divergence) if self.first_divergence else None
+        if fd is not None:
+            d["first_divergence_detail"] = {"tap": fd.name, "layer": registry.layer_of(fd.name),
+                                            "module": (registry.spec_for(fd.name).module.replace(
+                                                "{i}", str(registry.layer_of(fd.name)))
+                                                if registry.spec_for(fd.name) else None),
+                                            "position": fd.first_position, "metrics": fd.metrics, "note": fd.note}
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=_json_default)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+# ---------------------------------------------------------------- alignment
+def align_positions(pa: np.ndarray, pb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Align two recorded position lists (emit order, may repeat: a position recorded twice -- e.g.
+    after a rollback -- counts by its LAST row).
+
+    Returns: ``(positions [n], rows_a [n], rows_b [n])``: the common positions in ascending order and
+    the row index holding each in A and in B.
+    """
+    pa = np.asarray(pa, dtype=np.int64)
+    pb = np.asarray(pb, dtype=np.int64)
+
+    def last_rows(p):
+        # unique positions with the index of their last occurrence
+        rev = p[::-1]
+        u, first_in_rev = np.unique(rev, return_index=True)
+        return u, (len(p) - 1 - first_in_rev).astype(np.int64)
+
+    ua, ra = last_rows(pa)
+    ub, rb = last_rows(pb)
+    common, ia, ib = np.intersect1d(ua, ub, assume_unique=True, return_indices=True)
+    return common.astype(np.int64), ra[ia], rb[ib]
+
+
+# ---------------------------------------------------------------- activation comparison
+class _ActAcc:
+    """Streaming accumulator for one activation tap."""
+
+    def __init__(self, n_rows: int, rtol: float):
+        self.rtol = rtol
+        self.n = 0
+        self.nonfinite = 0
+        self.max_abs = 0.0
+        self.max_abs_at = None
+        self.max_rel = 0.0
+        self.d2 = self.a2 = self.b2 = self.ab = 0.0
+        self.row_excess = np.zeros(n_rows)   # max over the row of |d| - rtol*|a|
+        self.row_nonfinite = np.zeros(n_rows, dtype=bool)
+        self.row_d2 = np.zeros(n_rows)
+        self.row_a2 = np.zeros(n_rows)
+
+    def add(self, r0: int, a: np.ndarray, b: np.ndarray, pos: np.ndarray):
+        a = a.reshape(len(a), -1).astype(np.float64, copy=False)
+        b = b.reshape(len(b), -1).astype(np.float64, copy=False)
+        n = len(a)
+        fin = np.isfinite(a) & np.isfinite(b)
+        same = a == b
+        bad = ~fin & ~same
+        self.nonfinite += int(bad.sum())
+        self.row_nonfinite[r0:r0 + n] |= bad.any(axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            af = np.where(fin, a, 0.0)
+            bf = np.where(fin, b, 0.0)
+            d = np.abs(bf - af)
+        self.n += int(fin.sum())
+        if d.size:
+            k = int(np.argmax(d))
+            if d.flat[k] > self.max_abs or self.max_abs_at is None:
+                self.max_abs = float(d.flat[k])
+                self.max_abs_at = (int(pos[k // d.shape[1]]), int(k % d.shape[1]))
+            den = np.maximum(np.abs(af), np.abs(bf))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                rel = np.where(den > 0, d / np.where(den > 0, den, 1.0), 0.0)
+            self.max_rel = max(self.max_rel, float(rel.max()))
+            self.row_excess[r0:r0 + n] = (d - self.rtol * np.abs(af)).max(axis=1)
+        rd2 = (d * d).sum(axis=1)
+        ra2 = (af * af).sum(axis=1)
+        self.row_d2[r0:r0 + n] = rd2
+        self.row_a2[r0:r0 + n] = ra2
+        self.d2 += float(rd2.sum())
+        self.a2 += float(ra2.sum())
+        self.b2 += float((bf * bf).sum())
+        self.ab += float((af * bf).sum())
+
+    def finish(self, tol: dict, positions: np.ndarray) -> tuple[dict, bool, int | None, str]:
+        na, nb = math.sqrt(self.a2), math.sqrt(self.b2)
+        nd = math.sqrt(self.d2)
+        rel_l2 = 0.0 if nd == 0 else (nd / na if na > 0 else math.inf)
+        cos = 1.0 if na == 0 and nb == 0 else (self.ab / (na * nb) if na > 0 and nb > 0 else 0.0)
+        rms = math.sqrt(self.a2 / self.n) if self.n else 0.0
+        bound = tol["atol_rms"] * rms + tol["atol"]
+        elem_bad = self.row_excess > bound
+        mean_row_a = math.sqrt(self.a2 / max(1, len(self.row_a2)))
+        row_rel = np.sqrt(self.row_d2) / mean_row_a if mean_row_a > 0 else np.where(self.row_d2 > 0, np.inf, 0.0)
+        reasons = []
+        if self.nonfinite:
+            reasons.append(f"{self.nonfinite} non-finite mismatches")
+        if rel_l2 > tol["rel_l2"]:
+            reasons.append(f"rel_l2 {rel_l2:.3g} > {tol['rel_l2']:.3g}")
+        if elem_bad.any():
+            reasons.append(f"{int(elem_bad.sum())} positions with |b-a| > {tol['rtol']:.3g}|a| + {bound:.3g}")
+        if cos < tol["cos_min"]:
+            reasons.append(f"cosine {cos:.7f} < {tol['cos_min']}")
+        diverged = bool(reasons)
+        first = None
+        if diverged:
+            bad_rows = elem_bad | self.row_nonfinite | (row_rel > tol["rel_l2"])
+            if bad_rows.any():
+                first = int(positions[np.nonzero(bad_rows)[0][0]])
+        metrics = {"max_abs": self.max_abs, "max_abs_at": self.max_abs_at, "max_rel": self.max_rel,
+                   "rel_l2": rel_l2, "cosine": cos, "nonfinite": self.nonfinite, "rms_a": rms,
+                   "bad_positions": int(elem_bad.sum())}
+        return metrics, diverged, first, "; ".join(reasons)
+
+
+# ---------------------------------------------------------------- index comparison
+def _canonical_violation(taken: np.ndarray, scores: np.ndarray) -> tuple[int, int] | None:
+    """Is ``taken`` (a -1 padded row of picks) the canonical top-k of ``scores`` (score descending,
+    then lower index)? Returns a violating ``(better_item, item_placed_after_it)`` pair or None."""
+    items = [int(x) for x in taken if x >= 0]
+    n = scores.shape[-1]
+    if any(x >= n for x in items):
+        return (items[0], items[0])  # out of range: certainly wrong
+    key = lambda i: (-float(scores[i]), i)  # noqa: E731
+    # order within the picks
+    for u, v in zip(items, items[1:]):
+        if key(v) < key(u):
+            return (v, u)
+    if not items:
+        return None
+    worst = items[-1]
+    chosen = set(items)
+    # an unpicked item ranking before the worst pick (only among finite, visible candidates)
+    order = np.lexsort((np.arange(n), -np.nan_to_num(scores.astype(np.float64), nan=-np.inf, neginf=-1e308)))
+    for i in order[:len(items)]:
+        i = int(i)
+        if i not in chosen and np.isfinite(scores[i]) and key(i) < key(worst):
+            return (i, worst)
+    return None
+
+
+class _IdxAcc:
+    """Streaming accumulator for one index tap (with optional companion scores)."""
+
+    def __init__(self, tol: dict, max_examples: int = 20):
+        self.tol = tol
+        self.max_examples = max_examples
+        self.rows = 0
+        self.exact = 0
+        self.overlap = 0.0
+        self.n_flips = 0
+        self.n_errors = 0
+        self.n_unjudged = 0
+        self.flips: list[dict] = []
+        self.errors: list[dict] = []
+        self.first_error_pos = None
+        self.first_flip_pos = None
+        self.max_flip_margin = 0.0
+
+    def _tol(self, x, y):
+        return self.tol["score_atol"] + self.tol["score_rtol"] * max(abs(x), abs(y))
+
+    def add(self, a, b, pos, sa=None, sb=None):
+        a = a.reshape(len(a), -1)
+        b = b.reshape(len(b), -1)
+        same = (a == b).all(axis=1) if a.shape == b.shape else np.zeros(len(a), dtype=bool)
+        n_same = int(same.sum())
+        self.rows += n_same
+        self.exact += n_same
+        self.overlap += n_same
+        for r in np.nonzero(~same)[0]:
+            self.rows += 1
+            ar, br = a[r], b[r]
+            sA = set(int(x) for x in ar if x >= 0)
+            sB = set(int(x) for x in br if x >= 0)
+            self.overlap += (len(sA & sB) / len(sA)) if sA else (1.0 if not sB else 0.0)
+            p = int(pos[r])
+            verdict = self._judge(ar, br, sA, sB, None if sa is None else sa[r], None if sb is None else sb[r])
+            verdict["position"] = p
+            if verdict["kind"] == "flip":
+                self.n_flips += 1
+                self.max_flip_margin = max(self.max_flip_margin, verdict["margin"])
+                if self.first_flip_pos is None:
+                    self.first_flip_pos = p
+                if len(self.flips) < self.max_examples:
+                    self.flips.append(verdict)
+            else:
+                self.n_errors += 1
+                if verdict.get("unjudged"):
+                    self.n_unjudged += 1
+                if self.first_error_pos is None:
+                    self.first_error_pos = p
+                if len(self.errors) < self.max_examples:
+                    self.errors.append(verdict)
+
+    def _judge(self, ar, br, sA, sB, sa, sb) -> dict:
+        dropped, taken = sorted(sA - sB), sorted(sB - sA)
+        base = {"a": [int(x) for x in ar], "b": [int(x) for x in br], "dropped": dropped, "taken": taken}
+        if len(sA) != len(sB):
+            return {**base, "kind": "error", "why": f"A picked {len(sA)} items, B {len(sB)}"}
+        if sb is not None:
+            v = _canonical_violation(br, np.asarray(sb, dtype=np.float64))
+            if v is not None:
+                better, worse = v
+                tie = float(sb[better]) == float(sb[worse]) if better < len(sb) and worse < len(sb) else False
+                why = (f"B's pick contradicts its own scores: item {better} ranks before {worse}"
+                       + (" (tie: the lower index wins)" if tie else ""))
+                return {**base, "kind": "error", "why": why, "tie_break": tie}
+        if sa is None:
+            return {**base, "kind": "error", "unjudged": True, "why": "no companion scores to judge the pick by"}
+        sa = np.asarray(sa, dtype=np.float64)
+        if dropped:
+            x = max(dropped, key=lambda i: sa[i])
+            y = min(taken, key=lambda i: sa[i])
+            margin, t = float(sa[x] - sa[y]), self._tol(sa[x], sa[y])
+            pair = (x, y)
+        else:  # same set, different order: the largest A-score gap among pairs B swapped
+            rank_a = {int(v): k for k, v in enumerate(ar)}
+            margin, t, pair = -math.inf, 0.0, None
+            items = [int(v) for v in br if v >= 0]
+            for i, u in enumerate(items):
+                for v in items[i + 1:]:
+                    if rank_a[v] < rank_a[u]:  # A ranks v first, B ranks u first
+                        m = float(sa[v] - sa[u])
+                        if m > margin:
+                            margin, t, pair = m, self._tol(sa[v], sa[u]), (v, u)
+        if math.isnan(margin) or margin == math.inf:
+            return {**base, "kind": "error", "why": f"non-finite score margin ({margin})", "margin": margin}
+        if margin > t:
+            return {**base, "kind": "error", "why": f"dropped item {pair[0]} beats taken item {pair[1]} by "
+                    f"{margin:.4g} > tolerance {t:.3g} (A's scores)", "margin": margin, "tolerance": t}
+        return {**base, "kind": "flip", "margin": max(margin, 0.0), "tolerance": t, "pair": list(pair) if pair else None}
+
+    def finish(self):
+        metrics = {"exact_match": self.exact / self.rows if self.rows else 1.0,
+                   "set_overlap": self.overlap / self.rows if self.rows else 1.0,
+                   "flips": self.n_flips, "errors": self.n_errors, "unjudged": self.n_unjudged,
+                   "max_flip_margin": self.max_flip_margin}
+        if self.n_errors:
+            status, first = "diverged", self.first_error_pos
+            note = f"{self.n_errors} selection errors" + (f", {self.n_flips} flips" if self.n_flips else "")
+            if self.errors:
+                note += f"; first at position {self.errors[0]['position']}: {self.errors[0]['why']}"
+        elif self.n_flips:
+            status, first = "flip", self.first_flip_pos
+            note = f"{self.n_flips} near-tie flips (max margin {self.max_flip_margin:.3g})"
+        else:
+            status, first, note = "agree", None, ""
+        return metrics, status, first, note
+
+
+# ---------------------------------------------------------------- one tap
+def _pad_scores(x: np.ndarray, width: int) -> np.ndarray:
+    if x.shape[-1] == width:
+        return x
+    out = np.full((*x.shape[:-1], width), -np.inf, dtype=np.float64)
+    out[..., :x.shape[-1]] = x
+    return out
+
+
+def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_budget: int = 256 << 20,
+                stats: dict | None = None) -> TapResult:
+    """Compare tap ``name`` of ``A`` (the reference side) and ``B``, streamed in row chunks.
+
+    Raises:
+        ArchiveError: the tap is missing from either side.
+    """
+    ia, ib = A.info(name), B.info(name)
+    kind = ia.kind
+    tol = profile.for_tap(name)
+    common, ra, rb = align_positions(A.positions(name), B.positions(name))
+    if len(common) == 0:
+        return TapResult(name, kind, "no-overlap", 0, note="the two recordings share no position of this tap")
+    comp = registry.companion_of(name) if kind == registry.INDEX else None
+    ragged = bool(A._tap(name).get("ragged") or B._tap(name).get("ragged"))
+    if ia.tail != ib.tail and not (ragged and ia.tail[:-1] == ib.tail[:-1] and len(ia.tail) == len(ib.tail) >= 1):
+        return TapResult(name, kind, "diverged", len(common), first_position=int(common[0]),
+                         note=f"shape differs: A rows {ia.tail}, B rows {ib.tail}")
+    width = max(ia.tail[-1], ib.tail[-1]) if ragged else None
+    row_bytes = max(ia.row_bytes, ib.row_bytes, 8)
+    chunk = max(1, int(memory_budget // (row_bytes * 12)))
+    if kind == registry.INDEX:
+        have_scores = comp is not None and A.has(comp) and B.has(comp)
+        sa_map = sb_map = None
+        if have_scores:
+            ca, cra, crb = align_positions(A.positions(comp), B.positions(comp))
+            sa_map = dict(zip(ca.tolist(), cra.tolist()))
+            sb_map = dict(zip(ca.tolist(), crb.tolist()))
+        acc = _IdxAcc(tol)
+        for s in range(0, len(common), chunk):
+            sl = slice(s, s + chunk)
+            a, b = A.read_rows(name, ra[sl]), B.read_rows(name, rb[sl])
+            if stats is not None:
+                stats["bytes"] = stats.get("bytes", 0) + a.nbytes + b.nbytes
+            sa = sb = None
+            if have_scores and all(int(p) in sa_map for p in common[sl]):
+                sa = A.read_rows(comp, np.array([sa_map[int(p)] for p in common[sl]]))
+                sb = B.read_rows(comp, np.array([sb_map[int(p)] for p in common[sl]]))
+                w = max(sa.shape[-1], sb.shape[-1])
+                sa, sb = _pad_scores(sa, w), _pad_scores(sb, w)
+            acc.add(a, b, common[sl], sa, sb)
+        metrics, status, first, note = acc.finish()
+        if comp is not None and not have_scores:
+            note = (note + "; " if note else "") + f"companion {comp} not in both archives: differing picks unjudged"
+        return TapResult(name, kind, status, len(common), metrics, first, note, acc.flips, acc.errors)
+    acc = _ActAcc(len(common), tol["rtol"])
+    for s in range(0, len(common), chunk):
+        sl = slice(s, s + chunk)
+        a, b = A.read_rows(name, ra[sl]), B.read_rows(name, rb[sl])
+        if stats is not None:
+            stats["bytes"] = stats.get("bytes", 0) + a.nbytes + b.nbytes
+        if width is not None:
+            a, b = _pad_scores(a, width), _pad_scores(b, width)
+        acc.add(s, a, b, common[sl])
+    metrics, diverged, first, note = acc.finish(tol, common)
+    return TapResult(name, kind, "diverged" if diverged else "agree", len(common), metrics, first, note)
+
+
+# ---------------------------------------------------------------- identity
+def check_identity(A: TapSource, B: TapSource) -> tuple[dict, list[str]]:
+    """Compare model identity and token ids. Returns ``(identity dict, list of mismatch messages)``;
+    a field missing from either side is reported as unverified, not as a mismatch."""
+    ident, problems = {}, []
+    for key in ("config_hash", "weights_fingerprint"):
+        va, vb = A.model.get(key), B.model.get(key)
+        ident[key] = {"a": va, "b": vb, "verified": va is not None and vb is not None}
+        if va is not None and vb is not None and va != vb:
+            problems.append(f"{key} differs: A {va}, B {vb}")
+    ta, tb = A.token_ids, B.token_ids
+    ident["token_ids"] = {"verified": ta is not None and tb is not None, "a_len": None if ta is None else len(ta),
+                          "b_len": None if tb is None else len(tb)}
+    if ta is not None and tb is not None and list(ta) != list(tb):
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        problems.append(f"token ids differ (A {len(ta)} tokens, B {len(tb)}; first difference at index {k})")
+    ident["backend"] = {"a": A.backend, "b": B.backend}
+    ident["dtype"] = {"a": A.dtype, "b": B.dtype}
+    return ident, problems
+
+
+# ---------------------------------------------------------------- the diff
+def _open(x) -> TapSource:
+    return x if isinstance(x, TapSource) else Archive.open(x)
+
+
+def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, taps: list[str] | None = None,
+                  memory_budget: int = 256 << 20, progress: bool = False) -> DiffReport:
+    """Diff recordings ``a`` (the reference side) and ``b``: archive paths or :class:`TapSource` objects.
+
+    Args:
+        profile: a :class:`Profile` or a name/path for :func:`load_profile`.
+        force: diff even when the model identity or the token ids differ.
+        taps: only taps matching these globs.
+        memory_budget: approximate bytes held per tap chunk (bounded-memory streaming).
+        progress: show a tqdm bar on stderr.
+
+    Returns: a :class:`DiffReport` (``first_divergence``, ``last_agreeing``, ``explained_by_flip``, per-tap results).
+
+    Raises:
+        DiffRefused: different models or tokens and not ``force``.
+        ArchiveError / ProfileError: unreadable inputs.
+    """
+    t0 = time.perf_counter()
+    A, B = _open(a), _open(b)
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    ident, problems = check_identity(A, B)
+    if problems and not force:
+        raise DiffRefused(f"archives {_label(a)} and {_label(b)}: expected recordings of the same model and "
+                          f"tokens, found: {'; '.join(problems)} (pass --force to diff anyway)")
+    ident["forced_past"] = problems
+    names_a, names_b = set(A.names()), set(B.names())
+    names = sorted(names_a | names_b, key=registry.order_key)
+    if taps:
+        names = [n for n in names if registry.matches(n, taps)]
+    results: list[TapResult] = []
+    stats: dict = {}
+    it = names
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(names, desc="tap-diff", unit="tap", file=sys.stderr)
+    for n in it:
+        if n not in names_b:
+            results.append(TapResult(n, A.info(n).kind, "missing-in-b", note="recorded only in A"))
+        elif n not in names_a:
+            results.append(TapResult(n, B.info(n).kind, "missing-in-a", note="recorded only in B"))
+        else:
+            results.append(compare_tap(A, B, n, prof, memory_budget, stats))
+    if not any(r.status in ("agree", "flip", "diverged") for r in results):
+        raise DiffRefused(f"archives {_label(a)} and {_label(b)}: expected taps recorded at common positions in "
+                          f"both, found none to compare ({len(names_a)} taps in A, {len(names_b)} in B"
+                          f"{', after --taps' if taps else ''})")
+    rep = DiffReport(a=_label(a), b=_label(b), profile=prof.name, results=results, identity=ident)
+    _conclude(rep)
+    rep.elapsed_s = time.perf_counter() - t0
+    rep.bytes_read = int(stats.get("bytes", 0))
+    return rep
+
+
+def _label(x) -> str:
+    return getattr(x, "where", None) if isinstance(x, TapSource) else str(x)
+
+
+def _conclude(rep: DiffReport) -> None:
+    """Name the first divergence (forward order), the last agreeing tap before it, and an earlier
+    flip that may explain it."""
+    last_ok = None
+    flips: list[TapResult] = []
+    for r in rep.results:
+        if r.status == "diverged":
+            rep.first_divergence = r.name
+            rep.last_agreeing = last_ok
+            for f in flips:
+                if r.first_position is None or f.first_position is None or f.first_position <= r.first_position:
+                    rep.explained_by_flip = f.name
+                    r.note = (r.note + "; " if r.note else "") + f"possibly explained by the earlier flip at {f.name}"
+                    break
+            return
+        if r.status == "flip":
+            flips.append(r)
+        if r.ok:
+            last_ok = r.name
+
+
+# ---------------------------------------------------------------- replay (bisect)
+def replay_check(model, B: TapSource, tap: str, profile: Profile | str = "fp32", A: TapSource | None = None) -> dict:
+    """Re-run the block producing ``tap`` in the reference ``model`` on B's recorded input to that block
+    and compare the replayed output with B's recorded ``tap``.
+
+    Uses ``model.replay_inputs(tap) -> list[str]`` and ``model.replay(tap, inputs, token_ids) -> dict``.
+
+    Returns: ``{"tap", "inputs", "verdict": "block" | "upstream", "message", "replayed_vs_b": metrics}``:
+    ``block`` when B's output is wrong given its own input (a block bug), ``upstream`` when the
+    reference, fed B's input, reproduces B's output (the input already carried the error).
+
+    Raises:
+        ArchiveError: B lacks an input tap or the token ids the replay needs.
+        UserError: the model cannot replay this tap.
+    """
+    from taps.archive import ArchiveError, MemoryArchive
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    B = _open(B)
+    need = list(model.replay_inputs(tap))
+    token_ids = B.token_ids
+    if token_ids is None:
+        raise ArchiveError(f"{B.where}: replay of {tap!r}: expected the archive's token ids, found none")
+    inputs = {}
+    for n in need:
+        if not B.has(n):
+            raise ArchiveError(f"{B.where}: replay of {tap!r} needs the input tap {n!r}, which was not recorded "
+                               f"(record it too, e.g. --taps '{n}')")
+        pos = B.positions(n)
+        common, _, rows = align_positions(pos, pos)
+        if len(common) != len(token_ids) or (len(common) and (common[0] != 0 or common[-1] != len(token_ids) - 1)):
+            raise ArchiveError(f"{B.where}: replay of {tap!r}: input tap {n!r} must cover positions 0..{len(token_ids)-1}, "
+                               f"found {len(common)} positions")
+        inputs[n] = B.read_rows(n, rows)
+    out = model.replay(tap, inputs, list(token_ids))
+    if tap not in out:
+        raise UserError(f"replay of {tap!r}: the model returned {sorted(out)} but not the tap itself")
+    positions = np.arange(len(token_ids), dtype=np.int64)
+    manifest = {"order": [], "taps": {}}
+    data = {}
+    for n, v in out.items():
+        v = np.asarray(v)
+        kind = (registry.spec_for(n).kind if registry.spec_for(n) else "activation")
+        manifest["order"].append(n)
+        manifest["taps"][n] = {"dtype": str(v.dtype), "tail": list(v.shape[1:]), "rows": len(v), "kind": kind}
+        data[n] = [(positions[:len(v)], v)]
+    R = MemoryArchive(manifest, data)
+    res = compare_tap(R, B, tap, prof)
+    verdict = "upstream" if res.ok else "block"
+    vs_a = None
+    if A is not None:
+        A = _open(A)
+        if A.has(tap):
+            vs_a = compare_tap(R, A, tap, prof)
+    if verdict == "block":
+        msg = (f"block bug: fed B's own recorded input ({', '.join(need)}), the reference block does not "
+               f"reproduce B's {tap} ({res.note})")
+        if vs_a is not None and vs_a.ok:
+            msg += "; it reproduces A's instead"
+    else:
+        msg = (f"look upstream: fed B's recorded input ({', '.join(need)}), the reference block reproduces B's "
+               f"{tap}; the error was already in the block's input")
+    return {"tap": tap, "inputs": need, "verdict": verdict, "message": msg, "replayed_vs_b": res.metrics,
+            "status": res.status, "replayed_vs_a": None if vs_a is None else vs_a.metrics}
+
+
+# ---------------------------------------------------------------- output
+_STYLE = {"agree": "green", "flip": "yellow", "diverged": "bold red", "missing-in-a": "magenta",
+          "missing-in-b": "magenta", "no-overlap": "magenta"}
+
+
+def _fmt(x, spec=".3g"):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def render_table(rep: DiffReport, show_all: bool = False, file=None, color: bool | None = None) -> None:
+    """Print the report as an aligned table (colour only when ``file`` is a terminal, or ``color``).
+
+    Without ``show_all`` only non-agreeing taps, the first divergence and the last agreeing tap are listed.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    file = file or sys.stdout
+    tty = file.isatty() if hasattr(file, "isatty") else False
+    color = tty if color is None else color
+    con = Console(file=file, color_system="auto" if color else None, force_terminal=color, width=200 if not tty else None,
+                  highlight=False, soft_wrap=False)
+    rows = [r for r in rep.results if show_all or not r.status == "agree" or r.name in
+            (rep.first_divergence, rep.last_agreeing)]
+    t = Table(box=None, pad_edge=False, show_edge=False)
+    for col in ("tap", "status", "rows", "max_abs", "max_rel", "rel_l2", "cosine", "match/flip/err", "first_pos"):
+        t.add_column(col, justify="left" if col in ("tap", "status") else "right", no_wrap=True)
+    for r in rows:
+        m = r.metrics
+        if r.kind == registry.INDEX:
+            mf = (f"{m.get('exact_match', 0):.3f}/{m.get('flips', 0)}/{m.get('errors', 0)}" if m else "-")
+            cols = ["-", "-", "-", "-", mf]
+        else:
+            cols = [_fmt(m.get("max_abs")), _fmt(m.get("max_rel")), _fmt(m.get("rel_l2")),
+                    _fmt(m.get("cosine"), ".7f") if m.get("cosine") is not None else "-", "-"]
+        status = r.status
+        mark = " <- FIRST DIVERGENCE" if r.name == rep.first_divergence else (
+            " <- last agreeing" if r.name == rep.last_agreeing and rep.first_divergence else "")
+        st = f"[{_STYLE.get(status, '')}]{status}[/]" if color else status
+        t.add_row(r.name + mark, st, str(r.rows), *cols, _fmt(r.first_position))
+    if rows:
+        con.print(t)
+    n_ag = sum(r.status == "agree" for r in rep.results)
+    n_fl = sum(r.status == "flip" for r in rep.results)
+    n_dv = sum(r.status == "diverged" for r in rep.results)
+    con.print(f"A: {rep.a}\nB: {rep.b}\nprofile {rep.profile}: {len(rep.results)} taps, {n_ag} agree, {n_fl} with "
+              f"flips only, {n_dv} diverged")
+    if rep.identity.get("forced_past"):
+        con.print("forced past identity checks: " + "; ".join(rep.identity["forced_past"]))
+    if rep.first_divergence:
+        fd = rep.result(rep.first_divergence)
+        con.print(f"FIRST DIVERGENCE: {fd.name} (layer {registry.layer_of(fd.name)}, position {fd.first_position}): "
+                  f"{fd.note}")
+        con.print(f"last agreeing tap before it: {rep.last_agreeing}")
+        if rep.explained_by_flip:
+            con.print(f"note: this divergence comes after near-tie flips at {rep.explained_by_flip}; it may be "
+                      f"explained by them rather than by a bug")
+    else:
+        con.print("AGREE: every common tap is within tolerance")
+    if rep.replay:
+        con.print(f"replay of {rep.replay['tap']}: {rep.replay['message']}")
+
+
+# ---------------------------------------------------------------- benchmark
+def bench_diff(a, b, profile: Profile | str = "fp32", repeat: int = 1, memory_budget: int = 256 << 20) -> float:
+    """Diff throughput in MB/s (bytes of tap data read from both sides per second; best of ``repeat``)."""
+    best = 0.0
+    for _ in range(max(1, repeat)):
+        rep = diff_archives(a, b, profile, force=True, memory_budget=memory_budget)
+        if rep.elapsed_s > 0:
+            best = max(best, rep.bytes_read / 1e6 / rep.elapsed_s)
+    return best

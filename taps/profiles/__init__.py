@@ -1,0 +1,1 @@
+"""Tolerance profiles for tap-diff (package data: one TOML file per profile)."""

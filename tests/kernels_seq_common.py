@@ -1,0 +1,135 @@
+"""Shared helpers for the sequence-kernel tests (tests/test_kernels_seq*.py): fresh random problems, scrambled
+paged pools, and float64 dense re-statements of the official semantics that know nothing of pages.
+
+Not a test module. Every generator takes an ``np.random.Generator``; tests draw a fresh seed per run and put it in
+their failure messages so a failure can be replayed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def fresh_rng():
+    """``(seed, rng)`` with a seed drawn from OS entropy (fresh inputs every run)."""
+    seed = int(np.random.SeedSequence().entropy % (2 ** 32))
+    return seed, np.random.default_rng(seed)
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max(|b|, tiny) over all elements (float64)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if b.size else 0.0
+
+
+class Pool:
+    """A paged pool of ``num_pages`` pages for ``n_seqs`` sequences of given lengths, pages handed out in a
+    scrambled order so that page adjacency never coincides with token adjacency."""
+
+    def __init__(self, rng, lengths, page_size, width_shapes, num_spare_pages=3, dtype=np.float32):
+        self.page_size = page_size
+        need = [-(-L // page_size) for L in lengths]
+        self.num_pages = sum(need) + num_spare_pages
+        perm = rng.permutation(self.num_pages)
+        self.max_pages = max(max(need), 1) + 2
+        self.block_tables = np.full((len(lengths) + 1, self.max_pages), -1, np.int32)  # one unused row
+        i = 0
+        for r, n in enumerate(need):
+            self.block_tables[r, :n] = perm[i:i + n]
+            i += n
+        S = self.num_pages * page_size
+        # garbage everywhere: only slots the kernels are supposed to read must matter
+        self.arrays = {name: (rng.standard_normal((S,) + shp) * 50).astype(dtype) for name, shp in width_shapes.items()}
+
+    def slots(self, row, positions):
+        pos = np.asarray(positions, dtype=np.int64)
+        return self.block_tables[row, pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
+
+
+# --------------------------------------------------------------------------------- float64 dense semantics (QSA)
+def dense_rms_norm(x, w, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + np.asarray(w, np.float64))
+
+
+def dense_rope(x, pos, inv_freq, rot):
+    """float64 rotate-half RoPE of ``x [..., D]`` at scalar/array position(s) ``pos`` (angles from float32
+    ``pos * inv_freq`` like the official forward)."""
+    x = np.asarray(x, np.float64).copy()
+    ang = (np.asarray(pos, np.float32)[..., None] * np.asarray(inv_freq, np.float32)).astype(np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    h = rot // 2
+    a, b = x[..., :h].copy(), x[..., h:rot].copy()
+    if x.ndim == 3 and c.ndim == 2:
+        c, s = c[:, None, :], s[:, None, :]
+    x[..., :h] = a * c - b * s
+    x[..., h:rot] = b * c + a * s
+    return x
+
+
+def dense_block_keys(raw, w, inv_freq, rot, ratio, eps):
+    """Block keys ``[L // ratio, Di]`` of one sequence's raw indexer keys ``raw [L, Di]`` (float64)."""
+    nb = raw.shape[0] // ratio
+    if nb == 0:
+        return np.zeros((0, raw.shape[1]))
+    pooled = np.asarray(raw[:nb * ratio], np.float64).reshape(nb, ratio, -1).mean(1)
+    return dense_rope(dense_rms_norm(pooled, w, eps), np.arange(nb) * ratio, inv_freq, rot)
+
+
+def dense_scores(qi, keys):
+    """``sum_h relu(q_h . k_b) / sqrt(Di)`` for ``qi [Hi, Di]``, ``keys [nb, Di]`` -> ``[nb]``."""
+    return np.maximum(np.asarray(qi, np.float64) @ np.asarray(keys, np.float64).T, 0).sum(0) / math.sqrt(qi.shape[-1])
+
+
+def canonical_topk(scores, k):
+    """Indices of the ``min(k, n)`` best entries: higher score first, ties to the lower index."""
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+    return order[:min(k, len(scores))]
+
+
+def dense_attention(q, K, V, positions, scale):
+    """float64 GQA softmax attention of ``q [Hq, D]`` over ``K, V [L, Hkv, D]`` restricted to ``positions``."""
+    Hq, D = q.shape
+    Hkv = K.shape[1]
+    G = Hq // Hkv
+    out = np.empty((Hq, D))
+    for h in range(Hq):
+        kk = np.asarray(K[positions, h // G], np.float64)
+        vv = np.asarray(V[positions, h // G], np.float64)
+        s = kk @ np.asarray(q[h], np.float64) * scale
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ vv
+    return out
+
+
+# --------------------------------------------------------------------------------- float64 dense semantics (GDN)
+def dense_gdn(q, k, v, g, beta, S0):
+    """Token-by-token float64 gated delta rule (q, k un-normalised; l2norm + Dk**-0.5 applied here).
+    Returns ``(out [T, Hv, Dv], S [Hv, Dk, Dv])``."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / math.sqrt(q.shape[-1])
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    Hv = v.shape[1]
+    rep = Hv // q.shape[1]
+    S = np.asarray(S0, np.float64).copy()
+    out = np.empty(v.shape)
+    for t in range(q.shape[0]):
+        for h in range(Hv):
+            qq, kk = q[t, h // rep], k[t, h // rep]
+            S[h] *= math.exp(g[t, h])
+            delta = (v[t, h] - kk @ S[h]) * beta[t, h]
+            S[h] += np.outer(kk, delta)
+            out[t, h] = qq @ S[h]
+    return out, S
+
+
+def dense_conv(x, w, state):
+    """float64 causal depthwise conv + silu over ``concat(state, x)``; returns ``(y, new_state)``."""
+    K = w.shape[1]
+    z = np.concatenate([np.asarray(state, np.float64), np.asarray(x, np.float64)], 0)
+    T = x.shape[0]
+    y = sum(z[j:j + T] * np.asarray(w, np.float64)[:, j] for j in range(K))
+    return y / (1 + np.exp(-y)), z[T:]
