@@ -21,6 +21,7 @@ from engine.backend import get_xp
 from engine.model import EngineModel, Segment
 from engine.state import CapacityError, Snapshot, StateError, StatePool
 from reference.errors import InputError
+from taps import recorder as tap_recorder
 
 __all__ = ["Engine", "EngineSnapshot", "CapacityError", "StateError"]
 
@@ -42,13 +43,17 @@ class Engine:
         prefill_chunk: default prefill chunk length (None = the whole prompt in one chunk).
         ple_placement: 'host' (memory-mapped PLE table, default) or 'device'.
         progress: show weight-upload progress (tqdm).
+        cuda_graphs: replay batched decode steps as CUDA graphs (cuda only; each graph verified against an
+            eager step before use, see :class:`engine.model.DecodeGraphs`). Default: on, unless the
+            environment sets ``QWEN4EXP_CUDA_GRAPHS=0``.
     Raises:
         InputError: bad precision/page_size/sizes. DeviceError: device 'cuda' without a GPU.
     """
 
     def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
                  kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
-                 ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5):
+                 ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5,
+                 cuda_graphs: bool | None = None):
         if precision not in ("bf16", "float32"):
             raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
         if device == "auto":
@@ -76,6 +81,13 @@ class Engine:
             kv_tokens = max(page_size, min(want, cap))
         num_pages = -(-int(kv_tokens) // page_size)
         self.pool = StatePool(c, xp, page_size=int(page_size), num_pages=num_pages, max_seqs=int(max_seqs))
+        if cuda_graphs is None:
+            import os
+            cuda_graphs = os.environ.get("QWEN4EXP_CUDA_GRAPHS", "1") != "0"
+        self.graphs = None
+        if cuda_graphs and device == "cuda":
+            from engine.model import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model)
         self.limits = self.pool.limits()
         self.limits["weight_bytes"] = self.model.weight_bytes()
 
@@ -129,7 +141,17 @@ class Engine:
     def _run(self, segs, mode, last_only=False):
         for s in segs:
             self.pool.reserve(s.seq, len(s.ids))
-        logits = self.model.forward(self.pool, segs, mode, last_only=last_only)
+        try:
+            if mode == "decode" and self.graphs is not None and tap_recorder.current() is None:
+                logits = self.graphs.decode(self.pool, segs)
+            else:
+                logits = self.model.forward(self.pool, segs, mode, last_only=last_only)
+        except BaseException:
+            # slab rows may be half updated (e.g. Ctrl-C between layers): refuse further use of these
+            # sequences until restore()/free() rather than continue from a corrupt state
+            for s in segs:
+                s.seq.broken = True
+            raise
         for s in segs:
             s.seq.length += len(s.ids)
         return logits

@@ -9,6 +9,7 @@ For every fixture (fixtures/*/golden.npz, written by the official implementation
 * ``f32_reference``: float32 engine vs ``reference.model.ReferenceModel.forward`` (same measure);
 * ``bf16_kl`` / ``bf16_top1``: BF16 engine vs the official float32 logits: mean KL(ref || engine) per
   position and top-1 agreement;
+* ``bf16_tapdiff``: tap-diff of the BF16 engine's taps vs the reference's under the ``bf16`` profile;
 * ``greedy64``: tokens of 64 greedy decode steps, float32 engine vs the reference session (count equal
   before the first difference, out of 64);
 * ``snapshot``, ``verify``: max relative difference of a restored / verified-and-rolled-back sequence's
@@ -160,6 +161,18 @@ def fixture_figures(name: str, device: str = "cuda") -> dict:
         eb.free(s)
     out["bf16_kl"] = float(np.mean(kls))
     out["bf16_top1"] = float(np.mean(tops))
+    # tap-diff: BF16 engine taps vs the reference's under the bf16 profile (longest prompt, chunked)
+    if rm is not None:
+        from taps.diff import diff_archives
+        from taps.recorder import Recorder
+        p = max(prompts, key=lambda q: len(g[f"{q}/ids"]))
+        with Recorder() as ra:
+            rm.forward(g[f"{p}/ids"])
+        s = eb.add_sequence()
+        with Recorder() as rb:
+            eb.prefill(s, g[f"{p}/ids"], chunk_size=7)
+        rep = diff_archives(ra.archive(), rb.archive(), "bf16")
+        out["bf16_tapdiff"] = "agree" if rep.agree else f"diverged at {rep.first_divergence}"
     return out
 
 
@@ -182,6 +195,8 @@ def verdict(f: dict) -> list[str]:
         bad.append("verify")
     if f.get("decode_syncs") not in (None, 1):
         bad.append("decode_syncs")
+    if f.get("bf16_tapdiff", "agree") != "agree":
+        bad.append("bf16_tapdiff")
     return bad
 
 
@@ -206,14 +221,14 @@ def main(argv=None) -> int:
         tmp.write_text(json.dumps(rows, indent=1))
         tmp.replace(p)
     print(f"engine parity ({a.device}, {time.time() - t0:.1f}s): fixture | f32 vs official | f32 vs reference | "
-          f"bf16 KL/pos | bf16 top1 | greedy64 | snapshot | verify+rollback | decode syncs | verdict")
+          f"bf16 KL/pos | bf16 top1 | bf16 tap-diff | greedy64 | snapshot | verify+rollback | decode syncs | verdict")
     for f in rows:
         if "error" in f:
             print(f"  {f['fixture']}: ERROR {f['error']}")
             continue
         ref = f.get("f32_reference")
         print(f"  {f['fixture']} | {f['f32_golden']:.2e} | {ref if ref is None else format(ref, '.2e')} | "
-              f"{f['bf16_kl']:.2e} | {f['bf16_top1']:.3f} | {f.get('greedy64')}/64 | {f['snapshot']:.1e} | "
+              f"{f['bf16_kl']:.2e} | {f['bf16_top1']:.3f} | {f.get('bf16_tapdiff')} | {f.get('greedy64')}/64 | {f['snapshot']:.1e} | "
               f"{f['verify']:.1e} | {f.get('decode_syncs')} | {'PASS' if not f['fail'] else 'FAIL ' + ','.join(f['fail'])}")
     return 0 if all(not f["fail"] for f in rows) else 1
 

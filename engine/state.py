@@ -75,6 +75,8 @@ class Sequence:
     # verify checkpoints: {"k": n, "start": length before verify, "<field>.<layer>": xp [n+1, ...]}
     checkpoints: dict | None = None
     pool_id: int = 0
+    # set when a forward was interrupted mid-step (state partly written): only restore/free are allowed
+    broken: bool = False
 
     def __repr__(self):
         return f"Sequence(sid={self.sid}, length={self.length}, pages={len(self.pages)})"
@@ -197,12 +199,15 @@ class StatePool:
             for i, arr in getattr(self, f).items():
                 yield f"{f}.{i}", arr
 
-    def _check(self, seq: Sequence) -> None:
+    def _check(self, seq: Sequence, allow_broken: bool = False) -> None:
         if not isinstance(seq, Sequence):
             raise StateError(f"sequence: expected an engine Sequence, found {type(seq).__name__}")
         if not seq.alive or self.seqs.get(seq.sid) is not seq:
             raise StateError(f"sequence {seq.sid}: expected a live sequence of this engine, found a freed or "
                              f"foreign one")
+        if seq.broken and not allow_broken:
+            raise StateError(f"sequence {seq.sid}: a step on it was interrupted and its state is partly written; "
+                             f"expected restore() of a snapshot or free(), found another use")
 
     def _incref(self, pages) -> None:
         for p in pages:
@@ -271,7 +276,7 @@ class StatePool:
     def free(self, seq: Sequence) -> None:
         """Release a sequence: its pages lose a reference (scrubbed when unreferenced), its slab row is
         scrubbed and returned. The handle is dead afterwards."""
-        self._check(seq)
+        self._check(seq, allow_broken=True)
         self._decref(seq.pages)
         seq.pages = []
         self._scrub_slab(seq.slab)
@@ -381,7 +386,7 @@ class StatePool:
         Raises:
             StateError: a snapshot of another engine.
         """
-        self._check(seq)
+        self._check(seq, allow_broken=True)
         if not isinstance(snap, Snapshot) or snap.pool_id != id(self):
             raise StateError(f"snapshot: expected a snapshot taken by this engine, found {type(snap).__name__}")
         self._incref(snap.pages)
@@ -389,6 +394,7 @@ class StatePool:
         seq.pages = list(snap.pages)
         seq.length = snap.length
         seq.checkpoints = None
+        seq.broken = False
         for key, arr in self.slab_arrays():
             arr[seq.slab] = snap.slab[key]
         self._sync_table(seq)

@@ -321,6 +321,7 @@ class EngineBackend(Backend):
             ck = ck.with_override(name_, np.asarray(fn(ck.get(name_, dtype=np.float32)), dtype=np.float32))
         prec = precision or ("float32" if device == "cpu" else "bf16")
         kw = dict(opts)
+        kw.setdefault("max_seqs", 16)  # the scenarios keep up to ~10 sequences live (batches + straight runs)
         if page_size is not None:
             kw["page_size"] = int(page_size)
         eng = Engine(ck, precision=prec, device=device, **kw)
@@ -360,14 +361,14 @@ class EngineBackend(Backend):
         self.eng.restore(h, snap)
 
     def position(self, h):
+        pos = getattr(self.eng, "position", None)
+        if pos is not None:
+            return int(pos(h))
         for attr in ("position", "length", "seq_len"):
             v = getattr(h, attr, None)
             if v is not None:
                 return int(v() if callable(v) else v)
-        pos = getattr(self.eng, "position", None)
-        if pos is None:
-            raise BackendError(f"backend {self.name}: position: the engine exposes no sequence length")
-        return int(pos(h))
+        raise BackendError(f"backend {self.name}: position: the engine exposes no sequence length")
 
 
 def _load_module_class(spec: str):

@@ -68,6 +68,7 @@ class ScenarioRow:
     status: str
     detail: str = ""
     failures: list = field(default_factory=list)
+    skipped: int = 0
 
     def to_json(self) -> dict:
         return jsonable(asdict(self))
@@ -111,7 +112,7 @@ def render_table(report: ParityReport, console=None) -> str:
     header = ["scenario", "cases", "worst KL", "worst logit err", "first divergence", "time", "verdict"]
     rows = []
     for r in report.rows:
-        cases = f"{r.cases - r.failed_cases}/{r.cases}"
+        cases = f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
         div = r.first_divergence or ("-" if r.status == "pass" else r.detail[:60])
         rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
                      r.status.upper()])

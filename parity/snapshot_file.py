@@ -167,8 +167,13 @@ def _decode(node, arrays: dict):
 def _logical(obj):
     """Replace grow-buffers (objects with a ``data`` view and ``truncate``) by their filled part, recursively,
     so states of equal content compare equal whatever their spare capacity."""
-    if hasattr(obj, "truncate") and isinstance(getattr(obj, "data", None), np.ndarray):
-        return obj.data
+    if hasattr(obj, "truncate") and hasattr(type(obj), "data"):
+        try:
+            data = obj.data
+        except (TypeError, AttributeError):  # a buffer whose storage was stripped
+            return None
+        if isinstance(data, np.ndarray):
+            return data
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _logical(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
@@ -190,7 +195,8 @@ def flatten_state(obj) -> dict[str, np.ndarray]:
 
 def state_kinds(obj) -> set[str]:
     """The state kinds present (non-empty arrays) in a snapshot object."""
-    return {k for p, a in flatten_state(obj).items() if a is not None and (k := kind_of(p)) is not None}
+    return {k for p, a in flatten_state(obj).items() if a is not None and a.dtype != object
+            and (k := kind_of(p)) is not None}
 
 
 def _drop_kind_labels(node, kind: str):

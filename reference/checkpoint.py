@@ -171,8 +171,16 @@ def required_names(cfg: ModelConfig, names: Iterable[str] = ()) -> list[str]:
 
 
 def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
+    """Up to ``k`` stored names close to ``name`` (same layer first; bounded work on 150k-tensor checkpoints)."""
     import difflib
-    return difflib.get_close_matches(name, list(names), n=k, cutoff=0.5)
+    names = list(names)
+    parts = name.split(".")
+    scope = ".".join(parts[:2]) + "." if parts[0] == "layers" and len(parts) > 2 else parts[0]
+    pool = [n for n in names if n.startswith(scope)] or names
+    if len(pool) > 4000:
+        stem = name.rsplit(".", 1)[-1]
+        pool = [n for n in pool if n.endswith(stem)][:4000] or pool[:4000]
+    return difflib.get_close_matches(name, pool, n=k, cutoff=0.5)
 
 
 # --------------------------------------------------------------------------- shared logic
@@ -223,6 +231,8 @@ class _WeightsBase:
     def _virtual(self, name: str) -> str | None:
         """What a name that is not stored stands for: 'tied' lm_head, 'ngram' whole table, or None."""
         st = self._stored()
+        if name in st:
+            return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings and "embed_tokens.weight" in st:
             return "tied"
         m = re.match(r"^layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.weight$", name)
@@ -842,8 +852,9 @@ class Checkpoint(_WeightsBase):
         return self._entries[name].stored_name
 
     def fingerprint(self) -> str:
-        """Cheap weights identity (32 hex chars): sha256 over the config hash and, per tensor, its name,
-        dtype, shape and up to 3 x 64 sampled bytes (start, middle, end)."""
+        """Cheap weights identity (32 hex chars): sha256 over the config hash and, per canonical tensor, its
+        name, dtype, shape and up to 3 x 64 sampled bytes (start, middle, end). Independent of the name
+        prefix and of the split into files; comparable between Checkpoints (DictWeights hash all bytes)."""
         h = hashlib.sha256(self.config.config_hash().encode())
         for n in sorted(self._entries):
             en = self._entries[n]
@@ -922,15 +933,13 @@ def bench_ngram_gather(min_table_bytes: int = 256 * 1024 * 1024, *, head_dim: in
     st_dt = DTYPES[dtype]
     row_bytes = head_dim * st_dt.itemsize
     rows_per_shard = max(1, math.ceil(min_table_bytes / row_bytes / n_shards))
-    ngram_heads, ngram_size = 2, 3
-    # a config whose layer-0 PLE table has exactly n_shards * rows_per_shard padded rows
-    base = 1_000_003
+    ngram_heads = 2
     total = n_shards * rows_per_shard
     with tempfile.TemporaryDirectory(dir=directory, prefix="ngram-bench-") as td:
         root = Path(td)
-        # choose the divisor so the padded table equals total: ngram heads' prime sizes sum < total
-        # is arranged by picking ngram_vocab_size_base ~ total / heads / 2
-        base = max(3, total // (2 * ngram_heads) // 2)
+        # a config whose layer-0 PLE table has exactly `total` padded rows: two prime-sized heads near
+        # total / 4 (sum < total) padded to a multiple of `total`
+        base = max(3, total // (2 * ngram_heads))
         cfg_d = dict(model_type="qwen4_exp_text", vocab_size=256, hidden_size=8, num_hidden_layers=1,
                      num_attention_heads=1, num_key_value_heads=1, head_dim=8, linear_key_head_dim=4,
                      linear_value_head_dim=4, linear_num_key_heads=1, linear_num_value_heads=1,

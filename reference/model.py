@@ -252,6 +252,8 @@ class ReferenceModel:
             out = out + w["o_proj.bias"]
         if rec is not None:
             p = f"layers.{i}.self_attn."
+            if scores.shape[1] == 0:  # no complete block yet: one -inf column (the engine's width rule)
+                scores = np.full((len(pos), 1), -np.inf, dtype=scores.dtype)
             rec.emit(p + "indexer.block_scores", scores, positions=pos)
             rec.emit(p + "indexer.selected_blocks", sel, positions=pos)
             rec.emit(p + "core_out", core, positions=pos)

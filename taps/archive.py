@@ -170,6 +170,14 @@ class TapSource:
         if rows.min() < 0 or rows.max() >= info.rows:
             raise ArchiveError(f"{self.where}: tap {name!r}: row index out of range [0, {info.rows})")
         segs = self._segments(name)
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        if hi - lo == len(rows) and np.array_equal(rows, np.arange(lo, hi)):   # fast path: one contiguous run
+            for a, b, loader in segs:
+                if a <= lo and hi <= b:
+                    block = loader(lo - a, hi - a)
+                    if tuple(block.shape[1:]) == info.tail:
+                        return np.asarray(block)
+                    break
         starts = np.array([a for a, _, _ in segs], dtype=np.int64)
         seg_of = np.searchsorted(starts, rows, side="right") - 1
         order = np.argsort(seg_of, kind="stable")

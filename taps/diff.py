@@ -223,8 +223,74 @@ def align_positions(pa: np.ndarray, pb: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 # ---------------------------------------------------------------- activation comparison
+_ROW_KERNEL = None
+
+
+def _row_kernel():
+    """The fused per-row statistics kernel (Numba, compiled on first use, cached on disk)."""
+    global _ROW_KERNEL
+    if _ROW_KERNEL is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def rows_stats(a, b, rtol, out, out_i):
+            # out[r] = d2, a2, b2, ab, excess, max_abs, max_rel ; out_i[r] = nonfinite, n_finite, argmax col
+            n, m = a.shape
+            for r in range(n):
+                d2 = 0.0
+                a2 = 0.0
+                b2 = 0.0
+                ab = 0.0
+                exc = -np.inf
+                mx = -1.0
+                mxc = 0
+                mr = 0.0
+                bad = 0
+                nf = 0
+                for c in range(m):
+                    x = np.float64(a[r, c])
+                    y = np.float64(b[r, c])
+                    if np.isfinite(x) and np.isfinite(y):
+                        nf += 1
+                        d = abs(y - x)
+                        ax = abs(x)
+                        d2 += d * d
+                        a2 += x * x
+                        b2 += y * y
+                        ab += x * y
+                        e = d - rtol * ax
+                        if e > exc:
+                            exc = e
+                        if d > mx:
+                            mx = d
+                            mxc = c
+                        den = max(ax, abs(y))
+                        if den > 0.0 and d / den > mr:
+                            mr = d / den
+                    else:
+                        if not (x == y):
+                            bad += 1
+                        if 0.0 > exc:
+                            exc = 0.0
+                        if mx < 0.0:
+                            mx = 0.0
+                            mxc = c
+                out[r, 0] = d2
+                out[r, 1] = a2
+                out[r, 2] = b2
+                out[r, 3] = ab
+                out[r, 4] = exc
+                out[r, 5] = max(mx, 0.0)
+                out[r, 6] = mr
+                out_i[r, 0] = bad
+                out_i[r, 1] = nf
+                out_i[r, 2] = mxc
+        _ROW_KERNEL = rows_stats
+    return _ROW_KERNEL
+
+
 class _ActAcc:
-    """Streaming accumulator for one activation tap."""
+    """Streaming accumulator for one activation tap (per-row statistics from one fused pass)."""
 
     def __init__(self, n_rows: int, rtol: float):
         self.rtol = rtol
@@ -240,37 +306,33 @@ class _ActAcc:
         self.row_a2 = np.zeros(n_rows)
 
     def add(self, r0: int, a: np.ndarray, b: np.ndarray, pos: np.ndarray):
-        a = a.reshape(len(a), -1).astype(np.float64, copy=False)
-        b = b.reshape(len(b), -1).astype(np.float64, copy=False)
+        a = np.ascontiguousarray(a.reshape(len(a), -1))
+        b = np.ascontiguousarray(b.reshape(len(b), -1))
+        if a.dtype != b.dtype:
+            a, b = a.astype(np.float64), b.astype(np.float64)
         n = len(a)
-        fin = np.isfinite(a) & np.isfinite(b)
-        same = a == b
-        bad = ~fin & ~same
-        self.nonfinite += int(bad.sum())
-        self.row_nonfinite[r0:r0 + n] |= bad.any(axis=1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            af = np.where(fin, a, 0.0)
-            bf = np.where(fin, b, 0.0)
-            d = np.abs(bf - af)
-        self.n += int(fin.sum())
-        if d.size:
-            k = int(np.argmax(d))
-            if d.flat[k] > self.max_abs or self.max_abs_at is None:
-                self.max_abs = float(d.flat[k])
-                self.max_abs_at = (int(pos[k // d.shape[1]]), int(k % d.shape[1]))
-            den = np.maximum(np.abs(af), np.abs(bf))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                rel = np.where(den > 0, d / np.where(den > 0, den, 1.0), 0.0)
-            self.max_rel = max(self.max_rel, float(rel.max()))
-            self.row_excess[r0:r0 + n] = (d - self.rtol * np.abs(af)).max(axis=1)
-        rd2 = (d * d).sum(axis=1)
-        ra2 = (af * af).sum(axis=1)
-        self.row_d2[r0:r0 + n] = rd2
-        self.row_a2[r0:r0 + n] = ra2
-        self.d2 += float(rd2.sum())
-        self.a2 += float(ra2.sum())
-        self.b2 += float((bf * bf).sum())
-        self.ab += float((af * bf).sum())
+        if n == 0:
+            return
+        if a.dtype.kind != "f":
+            a, b = a.astype(np.float64), b.astype(np.float64)
+        out = np.empty((n, 7))
+        out_i = np.empty((n, 3), dtype=np.int64)
+        _row_kernel()(a, b, float(self.rtol), out, out_i)
+        self.nonfinite += int(out_i[:, 0].sum())
+        self.row_nonfinite[r0:r0 + n] = out_i[:, 0] > 0
+        self.n += int(out_i[:, 1].sum())
+        k = int(np.argmax(out[:, 5]))
+        if out[k, 5] > self.max_abs or self.max_abs_at is None:
+            self.max_abs = float(out[k, 5])
+            self.max_abs_at = (int(pos[k]), int(out_i[k, 2]))
+        self.max_rel = max(self.max_rel, float(out[:, 6].max()))
+        self.row_excess[r0:r0 + n] = out[:, 4]
+        self.row_d2[r0:r0 + n] = out[:, 0]
+        self.row_a2[r0:r0 + n] = out[:, 1]
+        self.d2 += float(out[:, 0].sum())
+        self.a2 += float(out[:, 1].sum())
+        self.b2 += float(out[:, 2].sum())
+        self.ab += float(out[:, 3].sum())
 
     def finish(self, tol: dict, positions: np.ndarray) -> tuple[dict, bool, int | None, str]:
         na, nb = math.sqrt(self.a2), math.sqrt(self.b2)
@@ -300,32 +362,62 @@ class _ActAcc:
         metrics = {"max_abs": self.max_abs, "max_abs_at": self.max_abs_at, "max_rel": self.max_rel,
                    "rel_l2": rel_l2, "cosine": cos, "nonfinite": self.nonfinite, "rms_a": rms,
                    "bad_positions": int(elem_bad.sum())}
+        # how close to the profile's limits (1.0 = at a limit): the largest of the three ratios
+        ex = float(self.row_excess.max()) if len(self.row_excess) else 0.0
+        ratios = [rel_l2 / tol["rel_l2"] if tol["rel_l2"] > 0 else (math.inf if rel_l2 > 0 else 0.0),
+                  (ex / bound if bound > 0 else (math.inf if ex > 0 else 0.0)) if ex > 0 else 0.0,
+                  ((1 - cos) / (1 - tol["cos_min"]) if tol["cos_min"] < 1 else (math.inf if cos < 1 else 0.0))]
+        metrics["limit_ratio"] = math.inf if self.nonfinite else max(0.0, *ratios)
         return metrics, diverged, first, "; ".join(reasons)
 
 
 # ---------------------------------------------------------------- index comparison
+_OWN_EPS = 1e-6  # ~8 float32 ulps: B's picks are judged against its own scores up to this relative slack
+                 # (a selection made on, e.g., softmax probabilities can order two logits that close
+                 # either way); exact ties must follow the canonical lower-index rule.
+
+
+def _beats(s: np.ndarray, x: int, y: int) -> bool:
+    """Does item ``x`` rank clearly before ``y`` under scores ``s`` (canonical: higher score, then lower index)?"""
+    sx, sy = float(s[x]), float(s[y])
+    if sx == sy:
+        return x < y
+    if math.isnan(sx) or math.isnan(sy):
+        return False
+    if math.isinf(sx) or math.isinf(sy):
+        return sx > sy
+    return sx - sy > _OWN_EPS * max(abs(sx), abs(sy))
+
+
 def _canonical_violation(taken: np.ndarray, scores: np.ndarray) -> tuple[int, int] | None:
     """Is ``taken`` (a -1 padded row of picks) the canonical top-k of ``scores`` (score descending,
-    then lower index)? Returns a violating ``(better_item, item_placed_after_it)`` pair or None."""
+    then lower index), up to a relative slack of ``_OWN_EPS`` between unequal scores?
+
+    Returns: a violating ``(better_item, item_B_put_in_its_place)`` pair, or None.
+    """
     items = [int(x) for x in taken if x >= 0]
     n = scores.shape[-1]
     if any(x >= n for x in items):
         return (items[0], items[0])  # out of range: certainly wrong
-    key = lambda i: (-float(scores[i]), i)  # noqa: E731
-    # order within the picks
-    for u, v in zip(items, items[1:]):
-        if key(v) < key(u):
+    for u, v in zip(items, items[1:]):  # order within the picks
+        if _beats(scores, v, u):
             return (v, u)
     if not items:
         return None
-    worst = items[-1]
-    chosen = set(items)
-    # an unpicked item ranking before the worst pick (only among finite, visible candidates)
-    order = np.lexsort((np.arange(n), -np.nan_to_num(scores.astype(np.float64), nan=-np.inf, neginf=-1e308)))
-    for i in order[:len(items)]:
-        i = int(i)
-        if i not in chosen and np.isfinite(scores[i]) and key(i) < key(worst):
-            return (i, worst)
+    # the weakest pick (lowest score; among equal scores the highest index) against every unpicked
+    # visible candidate, vectorised
+    sc = np.asarray(scores, dtype=np.float64)
+    j = max(items, key=lambda t: (-sc[t], t))
+    sj = sc[j]
+    cand = np.ones(n, dtype=bool)
+    cand[items] = False
+    cand &= np.isfinite(sc)
+    idx = np.arange(n)
+    with np.errstate(invalid="ignore"):
+        clear = sc - sj > _OWN_EPS * np.maximum(np.abs(sc), abs(sj)) if math.isfinite(sj) else sc > sj
+    hit = cand & (clear | ((sc == sj) & (idx < j)))
+    if hit.any():
+        return (int(np.nonzero(hit)[0][0]), int(j))
     return None
 
 
@@ -737,6 +829,13 @@ def render_table(rep: DiffReport, show_all: bool = False, file=None, color: bool
                       f"explained by them rather than by a bug")
     else:
         con.print("AGREE: every common tap is within tolerance")
+    for r in rep.results:
+        if r.flips and (show_all or r.name == rep.explained_by_flip or rep.agree):
+            for f in r.flips[:3]:
+                con.print(f"flip at {r.name}, position {f['position']}: A {f['a']} vs B {f['b']}, score margin "
+                          f"{f['margin']:.3g} <= tolerance {f['tolerance']:.3g}")
+            if r.metrics.get("flips", 0) > 3:
+                con.print(f"  ... {r.metrics['flips'] - 3} more flips at {r.name} (see --json)")
     if rep.replay:
         con.print(f"replay of {rep.replay['tap']}: {rep.replay['message']}")
 

@@ -303,7 +303,7 @@ class Recorder:
             prev = self._last_pos.get(name, -1)
             pos = np.arange(prev + 1, prev + 1 + a.shape[0], dtype=np.int64)
         else:
-            pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+            pos = storable(positions).astype(np.int64, copy=False).reshape(-1)   # host copy (cupy ok)
             if len(pos) != a.shape[0]:
                 raise TapError(f"tap {name!r}: expected {a.shape[0]} positions (value shape {a.shape}), "
                                f"found {len(pos)}")

@@ -1,42 +1,19 @@
-"""Shared test helpers (keep small): bundled fixture paths and goldens.
-
-Fixtures are the committed files under ``fixtures/`` (built by ``python fixtures/build.py``);
-tests never need torch to read them.
-"""
+"""Shared pytest configuration for tests/ (keep small). Helpers live in ``tests/fixture_helpers.py``
+(bundled fixture paths and goldens); tests import them as ``from fixture_helpers import ...``.
+Fixtures are the committed files under ``fixtures/``; reading them never needs torch."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+_TESTS = Path(__file__).resolve().parent
+for _p in (_TESTS.parent, _TESTS):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-FIXTURES = REPO / "fixtures"
-FIXTURE_NAMES = ("tiny", "tiny-hc2", "tiny-hc3")
-
-
-def fixture_dir(name: str = "tiny") -> Path:
-    """Directory of a bundled fixture checkpoint."""
-    return FIXTURES / name
-
-
-def load_golden(name: str = "tiny") -> tuple[dict[str, np.ndarray], dict]:
-    """(golden.npz arrays, golden.json metadata) of a bundled fixture; keys are documented in
-    ``fixtures/build.py:_goldens`` (``<prompt>/ids|logits|hidden|mixer_out``, ``decode/<prompt>/...``)."""
-    d = fixture_dir(name)
-    with np.load(d / "golden.npz") as z:
-        arrays = {k: z[k] for k in z.files}
-    return arrays, json.loads((d / "golden.json").read_text())
-
-
-def golden_prompts(name: str = "tiny") -> list[str]:
-    """Prompt names of a fixture's goldens (``short``, ``qsa``, ``eos``, ``maxid``, ``chat``)."""
-    return list(load_golden(name)[1]["prompts"])
+from fixture_helpers import FIXTURE_NAMES  # noqa: E402
 
 
 @pytest.fixture(params=FIXTURE_NAMES)

@@ -41,7 +41,7 @@ def test_real_width_config_is_model_facts():
     assert (cfg.hc_count, cfg.hc_lowrank, cfg.vocab_size) == (4, 320, 248320)
     assert cfg.layer_types == ("linear_attention",) * 3 + ("indexed_attention",) and cfg.ple_layers == (1,)
     one = ModelConfig.from_dict(S.real_width_config(1, vocab_size=32768))
-    assert one.layer_types == ("linear_attention",) and one.ple_layers == (0,) and one.vocab_size == 32768
+    assert one.layer_types == ("indexed_attention",) and one.ple_layers == () and one.vocab_size == 32768
     # the n-gram table is scaled down ~1000x: rows per head ~ base
     assert cfg.ple_layout(1).padded_rows < 20 * S.DEFAULT_NGRAM_BASE
     from reference.errors import InputError
@@ -106,13 +106,15 @@ def test_synthetic_loads_in_official_implementation_and_matches_reference(small_
         pytest.skip(f"transformers {tr.__version__} has no qwen4_exp")
     from reference.checkpoint import Checkpoint
     from reference.model import ReferenceModel
-    m, info = tr.Qwen4ExpForCausalLM.from_pretrained(small_ckpt, dtype=torch.float64, output_loading_info=True)
+    m, info = tr.Qwen4ExpForCausalLM.from_pretrained(small_ckpt, dtype=torch.float64, output_loading_info=True,
+                                                       experts_implementation="eager")  # grouped_mm has no float64
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ids = np.array([3, 17, 99, 5, 250, 3, 17, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 21, 22], dtype=np.int64)
     with torch.no_grad():
         want = m(torch.as_tensor(ids)[None]).logits[0].numpy()
     got = ReferenceModel(Checkpoint.open(small_ckpt), dtype=np.float64).forward(ids)
-    # float64 on both sides: agreement to ~1e-9 relative; 1e-6 absolute leaves room for summation order
+    # float64 on both sides, but the official model keeps a few parts in float32 (GDN state dtype
+    # mamba_ssm_dtype, rotary inv_freq): observed ~2e-8; 1e-6 still catches any wrongly written tensor
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
 
 
@@ -216,12 +218,12 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     from parity.cli import main
     out = tmp_path / "r.json"
     rc = main(["bench", "--backend", "both", "--device", "cpu", "--repeats", "2", "--warmup", "1", "--no-peer",
-               "--decode-tokens", "2", "--json", "--out", str(out)])
+               "--no-extras", "--decode-tokens", "2", "--json", "--out", str(out)])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     res = json.loads(out.read_text())
     assert json.loads(cap.out.strip().splitlines()[-1]) == res
-    assert res["schema"] == runner.SCHEMA and set(res["runs"]) == {"reference", "engine", "extras"}
+    assert res["schema"] == runner.SCHEMA and set(res["runs"]) == {"reference", "engine"}
     ref, eng = res["runs"]["reference"], res["runs"]["engine"]
     assert _positive_rate(ref["prefill_tokens_per_s"]) and _positive_rate(ref["decode_tokens_per_s"])
     assert ref["prefill_tokens_per_s"]["n"] == 2 and ref["peak_rss_bytes"] > 0
@@ -251,11 +253,18 @@ def test_peer_cpu_worker_tiny():
     tr = pytest.importorskip("transformers", reason="transformers absent")
     if not hasattr(tr, "Qwen4ExpForCausalLM"):
         pytest.skip(f"transformers {tr.__version__} has no qwen4_exp")
-    r = runner.run_worker({"kind": "peer", "model": str(TINY), "device": "cpu", "prompt_lens": [8],
-                           "decode": [[1, 8], [2, 8]], "decode_tokens": 2, "repeats": 1, "warmup": 0}, quiet=True)
+    r = measure.run_peer({"kind": "peer", "model": str(TINY), "device": "cpu", "prompt_lens": [8],
+                          "decode": [[2, 8]], "decode_tokens": 1, "repeats": 1, "warmup": 0})
     assert "error" not in r and "unavailable" not in r, r
     assert _positive_rate(r["prefill"][0]["tokens_per_s"])
-    assert [d["batch"] for d in r["decode"]] == [1, 2] and all(_positive_rate(d["tokens_per_s"]) for d in r["decode"])
+    assert [d["batch"] for d in r["decode"]] == [2] and all(_positive_rate(d["tokens_per_s"]) for d in r["decode"])
+    assert r["attn_implementation"] == "eager" and r["peak_rss_bytes"] > 0
+
+
+def test_extras_small():
+    r = measure.run_extras({"table_bytes": 4 << 20, "gathers": 3, "rows_per_gather": 256, "diff_positions": 32})
+    assert r["ngram_gather"]["rows_per_s"] > 0 and r["ngram_gather"]["rows"] == 3 * 256
+    assert (r["tap_diff_mb_per_s"] or 0) > 0, r.get("tap_diff_unavailable")
 
 
 def test_bench_errors(capsys):

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import FIXTURE_NAMES, fixture_dir
+from fixture_helpers import FIXTURE_NAMES, fixture_dir
 from reference.checkpoint import (Checkpoint, CheckpointError, DictWeights, bench_ngram_gather, canonical_name,
                                   write_safetensors)
 from reference.errors import InputError
@@ -380,11 +380,9 @@ def test_corrupt_header(tmp_path):
     k = next(k for k in hdr if k != "__metadata__")
     hdr[k]["shape"] = [hdr[k]["shape"][0] + 1] + hdr[k]["shape"][1:]
     blob = json.dumps(hdr).encode()
-    blob += b" " * (n - len(blob)) if len(blob) <= n else b""
-    if len(blob) == n:
-        f.write_bytes(struct.pack("<Q", n) + blob + bytes(data[8 + n:]))
-        with pytest.raises(CheckpointError, match="needs .* bytes"):
-            Checkpoint.open(d)
+    f.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(data[8 + n:]))
+    with pytest.raises(CheckpointError, match=f"{k}.* needs .* bytes, data_offsets give"):
+        Checkpoint.open(d)
 
 
 def test_index_naming_missing_shard(tmp_path):
@@ -448,8 +446,11 @@ def test_no_weights_and_missing_config(tmp_path):
     with pytest.raises(CheckpointError, match="found none"):
         Checkpoint.open(tmp_path)
     from reference.config import ConfigError
-    with pytest.raises(ConfigError):
-        Checkpoint.open(tmp_path / "nope" / "..")  # no config.json in tmp_path's parent chain
+    (tmp_path / "noconf").mkdir()
+    with pytest.raises(ConfigError, match="config.json not found"):
+        Checkpoint.open(tmp_path / "noconf")
+    with pytest.raises(CheckpointError, match="expected a checkpoint directory"):
+        Checkpoint.open(tmp_path / "does-not-exist")
 
 
 # ------------------------------------------------------------------------------------------ laziness, identity

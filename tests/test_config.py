@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import FIXTURE_NAMES, fixture_dir
+from fixture_helpers import FIXTURE_NAMES, fixture_dir
 from reference.config import ConfigError, ModelConfig, _TEXT_DEFAULTS, find_nth_prime_after, load_config
 
 
@@ -263,3 +263,26 @@ def test_ple_layout_equals_official_for_later_layers():
         assert lay.padded_rows == emb.ngram_embedding.weight.shape[0]
         assert lay.head_dim == emb.ngram_embedding.weight.shape[1]
     del torch
+
+
+def test_real_architecture_config_parses():
+    """The real release's root config (wrapper form, `full_attention`, extra keys) is accepted."""
+    from fixture_helpers import FIXTURES
+    cfg = load_config(FIXTURES / "configs" / "qwen3.8-flash-next")
+    assert cfg.layer_types.count("indexed_attention") == 12 and cfg.ple_layers == (1,)
+    assert cfg.rotary_dim == 64 and cfg.qsa_bound == 2051 and cfg.split_ngram_parts == 128
+    assert "mtp_num_hidden_layers" in cfg.extra
+
+
+@pytest.mark.oracle
+def test_real_architecture_config_matches_official():
+    transformers = pytest.importorskip("transformers", reason="needs transformers (oracle extra)")
+    from fixture_helpers import FIXTURES
+    raw = json.loads((FIXTURES / "configs" / "qwen3.8-flash-next" / "config.json").read_text())
+    official = transformers.Qwen4ExpConfig(**raw).text_config
+    ours = load_config(FIXTURES / "configs" / "qwen3.8-flash-next")
+    for f in dataclasses.fields(ours):
+        if f.name in ("extra", "source"):
+            continue
+        a = getattr(ours, f.name)
+        assert (list(a) if isinstance(a, tuple) else a) == getattr(official, f.name), f.name

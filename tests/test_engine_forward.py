@@ -355,3 +355,34 @@ def test_taps_only_with_recorder_and_registry_names():
     names = set(arch.names()) if hasattr(arch, "names") else set(arch.manifest["order"])
     expected = set(tap_names(ckpt(name).config))
     assert names == expected, sorted(names ^ expected)[:10]
+
+
+@needs_fixtures
+def test_interrupted_step_marks_sequence_broken_until_restore(monkeypatch):
+    """A step interrupted between layers leaves the sequence unusable (clear error) until restore()."""
+    from engine import StateError
+    from engine import model as M
+    name = FIXTURE_NAMES[0]
+    eng = make_engine(name)
+    ids = _long_ids(name, 20)
+    s = eng.add_sequence()
+    eng.prefill(s, ids[:10])
+    snap = eng.snapshot(s)
+    real = M.EngineModel._moe
+    calls = []
+
+    def boom(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(M.EngineModel, "_moe", boom)
+    with pytest.raises(KeyboardInterrupt):
+        eng.prefill(s, ids[10:])
+    monkeypatch.setattr(M.EngineModel, "_moe", real)
+    with pytest.raises(StateError, match="interrupted"):
+        eng.decode([s], [1])
+    eng.restore(s, snap)
+    got = eng.prefill(s, ids[10:])
+    r = eng.add_sequence()
+    assert rel_err(got, eng.prefill(r, ids)[10:]) < TOL_SELF

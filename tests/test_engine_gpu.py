@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+
 
 
 def _gpu():
@@ -25,6 +25,7 @@ def _gpu():
 from engine import selfcheck  # noqa: E402
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", selfcheck.fixtures())
 def test_engine_cuda_acceptance(name):
     _gpu()
@@ -32,6 +33,7 @@ def test_engine_cuda_acceptance(name):
     assert selfcheck.verdict(f) == [], f
 
 
+@pytest.mark.gpu
 def test_negative_control_perturbed_weight_fails_on_gpu():
     _gpu()
     from engine import Engine
@@ -46,6 +48,7 @@ def test_negative_control_perturbed_weight_fails_on_gpu():
     assert selfcheck.rel_err(eng.prefill(s, g["short/ids"]), g["short/logits"]) > 10 * selfcheck.F32_TOL  # 53x measured; clearly outside the 1e-4 gate
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 3, 16, 64])
 def test_cuda_page_sizes_batched_decode(page_size):
     _gpu()
@@ -71,3 +74,14 @@ def test_cuda_page_sizes_batched_decode(page_size):
     steps = [eng.decode(seqs, [int(d[L + j]) for d, L in zip(data, lens)]) for j in range(3)]
     for b in range(len(lens)):
         assert selfcheck.rel_err(np.stack([st[b] for st in steps]), singles[b]) < selfcheck.SELF_TOL
+
+
+def test_selfcheck_cpu_path_and_verdict():
+    """The figures ci/gpu prints, computed on the CPU path for one fixture (runs in CI, no GPU needed);
+    negative control: the verdict flags a figure outside its gate."""
+    names = selfcheck.fixtures()
+    if not names:
+        pytest.skip("no fixtures built")
+    f = selfcheck.fixture_figures(names[0], "cpu")
+    assert selfcheck.verdict(f) == [], f
+    assert selfcheck.verdict({**f, "bf16_kl": 2e-3, "greedy64": 63}) == ["bf16_kl", "greedy64"]

@@ -439,3 +439,40 @@ def test_cli_prompt_longer_than_context(tmp_path, capsys):
     (d / "config.json").write_text(json.dumps(cfg))
     rc, out, err = _cli(["generate", str(d), "--prompt", "hello " * 20, "--backend", "reference"], capsys)
     assert rc == 2 and "context" in err
+
+
+def test_tiny_checkpoint_template_agrees_with_builtin_rules():
+    """The bundled tiny checkpoint ships its own ChatML template; where the rules overlap (plain turns,
+    thinking on/off) it must render exactly what the built-in rendering does."""
+    if (TINY / "tokenizer_config.json").is_file() and G.load_chat_template(TINY):
+        msgs = [{"role": "system", "content": "S"}, USER, {"role": "assistant", "content": "ok"}, USER]
+        for think in (True, False):
+            text, src = G.render_chat(msgs, model_dir=TINY, enable_thinking=think)
+            assert src == "checkpoint"
+            assert text == G.render_chatml(msgs, enable_thinking=think)
+    else:
+        pytest.skip("fixtures/tiny ships no chat template")
+
+
+@pytest.mark.gpu
+def test_batch_equals_single_tiny_gpu():
+    from engine.backend import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA GPU / cupy")
+    _need_tiny("engine")
+    tok = G.load_tokenizer(TINY)
+    prompts = [tok.encode(t).ids or [1] for t in ("hello world", "a b c d e f", "x")]
+    params = G.SamplingParams(do_sample=False, max_new_tokens=6)
+    # float32: a greedy flip needs a top-2 logit gap below float32 rounding (~1e-6 relative), far below
+    # the gaps of tiny's random logits; bf16 rounding could flip near-ties between batch shapes
+    for prec in ("float32",):
+        lm = G.open_lm(TINY, backend="engine", device="cuda", precision=prec)
+        gen = G.Generator(lm, tok, eos_ids=[])
+        batch = gen.generate_batch(prompts, params)
+        single = [gen.generate(p, params) for p in prompts]
+        assert G.first_divergence(batch, single) is None, prec
+    # the GPU engine in float32 generates what the reference generates (greedy, 6 tokens)
+    ref = G.Generator(G.open_lm(TINY, backend="reference"), tok, eos_ids=[]).generate_batch(prompts, params)
+    gpu = G.Generator(G.open_lm(TINY, backend="engine", device="cuda", precision="float32"), tok,
+                      eos_ids=[]).generate_batch(prompts, params)
+    assert G.first_divergence(gpu, ref) is None

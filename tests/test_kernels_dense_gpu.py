@@ -59,10 +59,16 @@ def three_way(gpu_out, twin32, twin64):
     return rel(gpu_out, twin64), rel(twin32, twin64)
 
 
+BIG = -1  # N large enough that the kernels use one K range per warp (no split-K): set from the SM count
+
+
 @pytest.mark.parametrize("wkind", ["bf16", "f32"])
 @pytest.mark.parametrize("M_,K,N_", [(1, 2560, 333), (3, 96, 64), (4, 100, 40), (5, 2560, 77), (16, 320, 129),
-                                      (17, 96, 70), (130, 2560, 200), (64, 36, 65)])
+                                      (17, 96, 70), (130, 2560, 200), (64, 36, 65), (1, 264, BIG), (3, 136, BIG),
+                                      (16, 72, BIG), (7, 20, BIG)])
 def test_linear_cuda(rng, wkind, M_, K, N_):
+    if N_ == BIG:  # 2 blocks per SM of 32-row blocks + a ragged tail: exercises the ks=1 kernels
+        N_ = 2 * dense_common.sm_count() * 32 + 13
     x = rng.standard_normal((M_, K)).astype(np.float32)
     w32 = (rng.standard_normal((N_, K)) * 0.1).astype(np.float32)
     w = to_bf16_bits(w32) if wkind == "bf16" else w32
@@ -97,7 +103,7 @@ def test_router_topk_cuda_tie_order(rng):
 
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 70])
 @pytest.mark.parametrize("wkind", ["bf16", "f32"])
-def test_moe_block_cuda(rng, T, wkind):
+def test_moe_block_cuda(rng, T, wkind):  # T = 17, 70: 16-row GEMV tiles (the prefill default here)
     E, H, I, Is, k = 64, 256, 96, 80, 6
 
     def mk(*shape):
@@ -142,6 +148,21 @@ def test_moe_block_cuda(rng, T, wkind):
     good = cp.asnumpy(M.moe_experts(g(x), og.topk_ids, og.topk_weights, g(W["gate_up"]), g(W["down"])))
     users = {t for t in range(T) if a in ids[t] or b in ids[t]}
     assert {int(t) for t in np.nonzero(np.abs(bad - good).max(1) > 1e-5)[0]} == users
+
+
+@pytest.mark.parametrize("rpt", [1, 4, 16, 64])
+def test_moe_experts_all_tile_kinds(rng, rpt):
+    """Every tile size the grouped kernels support (GEMV 1/4/16 rows, GEMM 64 rows) gives the twin's result."""
+    E, H, I, k, T = 24, 136, 72, 5, 90
+    gu = to_bf16_bits(rng.standard_normal((E, 2 * I, H)) * 0.1)
+    dn = to_bf16_bits(rng.standard_normal((E, H, I)) * 0.1)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, k)).astype(np.float32)
+    route = M.moe_route_tables(g(ids), E, rows_per_tile=rpt)
+    out = M.moe_experts(g(x), g(ids), g(w), g(gu), g(dn), route=route)
+    assert rel(out, M.moe_experts(x.astype(np.float64), ids, w, gu, dn)) < TOL
+    assert int(route.tiles.n_tiles.get()[0]) <= route.tiles.max_tiles
 
 
 def test_norms_and_hc_cuda(rng):

@@ -3,7 +3,6 @@ cap, atomicity (exception and kill -9 mid-write), newer-format refusal, lazy rea
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -222,3 +222,47 @@ def test_cli_taps_list(capsys):
     assert main(["taps", "list", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["registry_version"] == registry.REGISTRY_VERSION and len(d["taps"]) == len(registry.specs())
+
+
+def test_decode_steps_and_rollback_concatenate_by_position(A, monkeypatch):
+    # prefill 30 + 7 decode steps + verify 3 (rolled back, re-decoded) == one 40-token forward
+    m = ReferenceModel(CK)
+    with Recorder(meta={"token_ids": IDS, "model": {"config_hash": CFG.config_hash()}}) as rec:
+        s = m.new_session()
+        s.prefill(IDS[:30])
+        for t in IDS[30:37]:
+            s.decode(t)
+        s.forward_tokens(IDS[37:40])   # verify 3 tokens, then roll them back and decode them again
+        s.rollback(3)
+        for t in IDS[37:40]:
+            s.decode(t)
+    arc = rec.archive()
+    assert len(arc.positions("logits")) == 30 + 10 + 3     # every emit kept, re-recorded positions included
+    assert diff_archives(A, arc, "fp32").agree
+    # negative control: the same run whose re-decode after the rollback feeds a wrong token diverges
+    # exactly at the first re-decoded position (the LAST recording of a position counts)
+    with Recorder(meta={"token_ids": IDS, "model": {"config_hash": CFG.config_hash()}}) as rec2:
+        s = m.new_session()
+        s.prefill(IDS[:37])
+        s.forward_tokens(IDS[37:38])
+        s.rollback(1)
+        s.decode((IDS[37] + 1) % 440)
+        for t in IDS[38:40]:
+            s.decode(t)
+    rep = diff_archives(A, rec2.archive(), "fp32")
+    assert rep.first_divergence == "embed_tokens.out" and rep.result("embed_tokens.out").first_position == 37
+
+
+def test_cli_replay_without_recorded_input_is_reported_not_fatal(tmp_path, capsys):
+    from parity.cli import main
+    from parity.cmd_taps import record as record_cli
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(map(str, IDS)))
+    assert main(["taps", "record", "tiny", "--ids", str(ids_file), "--out", str(tmp_path / "A"),
+                 "--taps", "layers.3.linear_attn.*"]) == 0
+    record_cli(perturbed_weight()["weights"], IDS, tmp_path / "B", include=["layers.3.linear_attn.*"])
+    capsys.readouterr()
+    assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny"]) == 1
+    out = capsys.readouterr().out
+    assert "FIRST DIVERGENCE: layers.3.linear_attn.conv_out" in out
+    assert "replay unavailable" in out and "layers.3.attn_hyper_connection.out" in out

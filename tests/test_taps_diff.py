@@ -252,3 +252,41 @@ def test_bench_reports_throughput(tmp_path):
     mbps = bench_diff(tmp_path / "a", tmp_path / "b")
     assert mbps > 0 and math.isfinite(mbps)
     del a, b
+
+
+@settings(max_examples=80, deadline=None)
+@given(scores=st.lists(st.integers(-3, 3), min_size=2, max_size=12), k=st.integers(1, 4), data=st.data())
+def test_property_own_consistency_check(scores, k, data):
+    # integer scores make exact ties common; canonical = score descending, then lower index
+    from taps.diff import _canonical_violation
+    s = np.array(scores, dtype=np.float64)
+    k = min(k, len(s) - 1)
+    canon = np.lexsort((np.arange(len(s)), -s))[:k]
+    assert _canonical_violation(canon, s) is None
+    # replace one pick by an unpicked item: a violation unless that item ranks exactly like... never
+    # equal under the canonical key (indices differ), so any replacement by a lower-ranked item is caught
+    out = [i for i in range(len(s)) if i not in canon]
+    pos = data.draw(st.integers(0, k - 1))
+    repl = data.draw(st.sampled_from(out))
+    bad = canon.copy()
+    bad[pos] = repl
+    bad = np.array(sorted(bad, key=lambda i: (-s[i], i)))
+    assert _canonical_violation(bad, s) is not None
+
+
+def test_table_plain_and_coloured(tmp_path):
+    import io
+    from taps.diff import render_table
+    idx = "layers.2.mlp.gate.topk_ids"
+    A = run(fault={"near_tie": idx, "position": 7})
+    B = run(fault={"near_tie": idx, "position": 7, "swap": True, "tap": "layers.2.mlp.gate.topk_weights"})
+    rep = diff_archives(A, B)
+    buf = io.StringIO()
+    render_table(rep, file=buf)
+    out = buf.getvalue()
+    assert "\x1b[" not in out
+    assert "FIRST DIVERGENCE: layers.2.mlp.gate.topk_weights" in out
+    assert f"flip at {idx}, position 7" in out and "may be explained" in out
+    buf = io.StringIO()
+    render_table(rep, file=buf, color=True, show_all=True)
+    assert "\x1b[" in buf.getvalue() and "embed_tokens.out" in buf.getvalue()

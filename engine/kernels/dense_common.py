@@ -10,6 +10,8 @@ Weight formats understood by every dense op:
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from engine.backend import cupy_or_none, load_module, xp_of
@@ -111,6 +113,19 @@ def module(filename: str):
     return load_module(filename)
 
 
+@functools.lru_cache(maxsize=None)
+def kernel(filename: str, name: str):
+    """The cached ``cupy.RawKernel`` ``name`` of ``engine/kernels/cuda/<filename>``."""
+    return load_module(filename).get_function(name)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (launch heuristics)."""
+    cp = cupy_or_none()
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"]) if cp is not None else 1
+
+
 def f32_contig(a, name: str):
     """``a`` as a C-contiguous float32 device array whose data pointer is 16-byte aligned.
 
@@ -125,6 +140,15 @@ def f32_contig(a, name: str):
         if a.data.ptr % 16:
             a = a.copy()
     return a
+
+
+#: A null device pointer as a kernel argument (8-byte zero).
+NULL_PTR = np.uint64(0)
+
+
+def ptr_or_null(a):
+    """``a`` itself, or a null pointer argument when ``a`` is None."""
+    return NULL_PTR if a is None else a
 
 
 def poison_like(shape, xp, dtype=np.float32):

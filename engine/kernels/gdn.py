@@ -131,6 +131,9 @@ def causal_conv_prefill(x, weight, conv_state, slot: int, checkpoints=None):
     if T == 0:
         return out
     sfx = _sfx(x.dtype, conv_state.dtype)
+    _inplace_ok("conv_state", conv_state)
+    if checkpoints is not None:
+        _inplace_ok("checkpoints", checkpoints)
     mod = load_module("gdn.cu")
     ck = checkpoints if checkpoints is not None else x  # dummy pointer when unused
     n = T * C
@@ -172,12 +175,18 @@ def causal_conv_decode(x, weight, conv_state, slots):
     x = cp.ascontiguousarray(x)
     w = cp.ascontiguousarray(weight, dtype=x.dtype)
     sl = cp.ascontiguousarray(slots, dtype=cp.int64)
+    _inplace_ok("conv_state", conv_state)
     out = cp.empty_like(x)
     n = B * C
     if n:
         load_module("gdn.cu").get_function("gdn_conv_decode_" + _sfx(x.dtype, conv_state.dtype))(
             ((n + _BLOCK - 1) // _BLOCK,), (_BLOCK,), (x, w, conv_state, sl, out, np.int64(B), np.int32(C), np.int32(K)))
     return out
+
+
+def _inplace_ok(name, a):
+    if not a.flags.c_contiguous:
+        raise InputError(f"gdn: {name}: expected a C-contiguous slab (updated in place), found strides {a.strides}")
 
 
 def _sfx(xdt, sdt):
@@ -380,12 +389,15 @@ def gated_delta_recurrent(q, k, v, g, beta, state, slots, cu_seqlens=None, check
     cu = cp.arange(B + 1, dtype=cp.int64) if cu_seqlens is None else cp.ascontiguousarray(cu_seqlens, dtype=cp.int64)
     sl = cp.ascontiguousarray(slots, dtype=cp.int64)
     args = [cp.ascontiguousarray(a, dtype=dt) for a in (q, k, v, g, beta)]
+    _inplace_ok("state", state)
+    if checkpoints is not None:
+        _inplace_ok("checkpoints", checkpoints)
     ck = checkpoints if checkpoints is not None else state
     sfx = _sfx(dt, state.dtype)
     mod = load_module("gdn.cu", (f"-DGDN_DK={Dk}",))
     warps = (Dv + 31) // 32
     mod.get_function("gdn_recurrent_" + sfx)(
-        (Hv, B, warps), (32,),
+        (B, Hv, warps), (32,),
         (*args, state, sl, cu, ck, out, np.int32(Hk), np.int32(Hv), np.int32(Dv),
          np.int32(checkpoints is not None), np.float32(L2NORM_EPS)))
     return out

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
+from engine.kernels.dense_common import NULL_PTR, kernel, ptr_or_null, sm_count
 from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
-                                         module, same_device, weight_as_float, weight_kind)
+                                         same_device, weight_as_float, weight_kind)
 
 __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows"]
 
@@ -156,8 +157,7 @@ def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M
     if not w.flags.c_contiguous:
         w = xp.ascontiguousarray(w)
     wname = "bf16" if kind == "bf16" else "f32"
-    mod = module("dense_linear.cu")
-    null = None
+    null = NULL_PTR
     if tiles is not None:
         rpt = tiles.rows_per_tile
         grid_y = tiles.max_tiles
@@ -169,15 +169,22 @@ def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M
     if grid_y == 0:
         return
     if rpt <= GEMV_MAX_ROWS:
+        if rpt not in (1, 4, 16):
+            raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
         vec = (K % 8 == 0) and (w.data.ptr % 16 == 0) and (x.data.ptr % 16 == 0)
-        fn = mod.get_function(f"gemv_{wname}_nt{rpt}_{'v' if vec else 's'}")
-        grid = (-(-N // _GEMV_WARPS), grid_y, 1)
+        r = 1 if rpt == 1 else 4
+        # short/wide matrices (few row blocks for the SMs): 8 warps split K of one row instead
+        ks = 8 if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sm_count() else 1
+        if ks == 8:
+            r = 1
+        fn = kernel("dense_linear.cu", f"gemv_{wname}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}")
+        grid = (-(-N // ((_GEMV_WARPS // ks) * r)), grid_y, 1)
     else:
         if rpt != GEMM_TILE_ROWS:
-            raise KernelInputError(f"tiles.rows_per_tile: expected <= {GEMV_MAX_ROWS} or {GEMM_TILE_ROWS}, found {rpt}")
-        fn = mod.get_function(f"gemm_{wname}")
+            raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
+        fn = kernel("dense_linear.cu", f"gemm_{wname}")
         grid = (-(-N // _GEMM_BN), grid_y, 1)
     if grid[1] > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid[1]} tiles, above the grid limit 65535; use smaller chunks")
-    fn(grid, (256, 1, 1), (x, row_index, w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2], tbl[3],
+    fn(grid, (256, 1, 1), (x, ptr_or_null(row_index), w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2], tbl[3],
                            np.int32(M), np.int32(N), np.int32(K)))

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
-from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, module, same_device,
+from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, kernel, same_device,
                                          weight_as_float)
 from engine.kernels.linear import GEMM_TILE_ROWS, GEMV_MAX_ROWS, GroupTiles, grouped_linear, linear
+from engine.kernels.dense_common import ptr_or_null
 from reference.blocks import moe as _ref_moe
 from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
@@ -68,7 +69,7 @@ def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
     if T:
         if E * 4 > 96 * 1024:
             raise KernelInputError(f"logits: E={E} experts exceed the router kernel's shared-memory bound (24576)")
-        module("dense_moe.cu").get_function("router_topk")(
+        kernel("dense_moe.cu", "router_topk")(
             (T,), (256,), (lg, np.int32(T), np.int32(E), np.int32(top_k), np.int32(1 if norm_topk_prob else 0), ids, w),
             shared_mem=E * 4)
     return ids, w
@@ -83,7 +84,7 @@ class MoERoute:
         sorted_token: int32 ``[S]`` the token of each sorted slot.
         slot_pos: int32 ``[S]`` the sorted position of each original slot.
         tiles: :class:`GroupTiles` for the grouped linear launches (None on NumPy).
-        rows_per_tile: 1 (decode GEMV) or ``GEMM_TILE_ROWS`` (prefill GEMM).
+        rows_per_tile: 1 or 16 (GEMV tiles) or ``GEMM_TILE_ROWS`` (GEMM tiles).
     """
 
     offsets: object
@@ -93,8 +94,12 @@ class MoERoute:
     rows_per_tile: int
 
 
-def _rows_per_tile(T: int) -> int:
-    return 1 if T <= GEMV_MAX_ROWS else GEMM_TILE_ROWS
+def _rows_per_tile(T: int, k: int, E: int) -> int:
+    """Decode (T <= 16): one slot per tile (GEMV). Prefill: 16-row GEMV tiles while experts average
+    <= 32 rows (weights read once per 16 rows, little padding), 64-row GEMM tiles above."""
+    if T <= GEMV_MAX_ROWS:
+        return 1
+    return GEMV_MAX_ROWS if T * k <= 32 * E else GEMM_TILE_ROWS
 
 
 def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) -> MoERoute:
@@ -104,7 +109,7 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
     Args:
         ids: int ``[T, top_k]`` expert ids in ``[0, num_experts)``.
         num_experts: ``E``.
-        rows_per_tile: slots per tile; default 1 when ``T <= 16`` (GEMV) else 64 (GEMM).
+        rows_per_tile: slots per tile (1, 4, 16: GEMV; 64: GEMM); default by :func:`_rows_per_tile`.
     Returns:
         :class:`MoERoute` on the device of ``ids``.
     Raises:
@@ -116,7 +121,7 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
     T, k = ids.shape
     S = T * k
     E = int(num_experts)
-    rpt = _rows_per_tile(T) if rows_per_tile is None else int(rows_per_tile)
+    rpt = _rows_per_tile(T, k, E) if rows_per_tile is None else int(rows_per_tile)
     if not is_cupy(xp):
         flat = np.asarray(ids, dtype=np.int64).reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= E):
@@ -140,7 +145,7 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
     nt = xp.zeros(1, dtype=xp.int32)
     if E * 4 > 96 * 1024:
         raise KernelInputError(f"num_experts: {E} exceeds the dispatch kernel's shared-memory bound (24576)")
-    module("dense_moe.cu").get_function("moe_tables")(
+    kernel("dense_moe.cu", "moe_tables")(
         (1,), (1024,), (ids32, np.int32(S), np.int32(k), np.int32(E), np.int32(rpt), offsets, sorted_token, slot_pos,
                         te, ts, tc, nt), shared_mem=E * 4)
     return MoERoute(offsets=offsets, sorted_token=sorted_token, slot_pos=slot_pos,
@@ -155,7 +160,7 @@ def _swiglu(gu, I: int):
     h = _empty(xp, (S, I), dtype=xp.float32)
     n = S * I
     if n:
-        module("dense_moe.cu").get_function("moe_swiglu")((-(-n // 256),), (256,), (gu, h, np.int64(S), np.int32(I)))
+        kernel("dense_moe.cu", "moe_swiglu")((-(-n // 256),), (256,), (gu, h, np.int64(S), np.int32(I)))
     return h
 
 
@@ -175,8 +180,8 @@ def _combine(y_sorted, route: MoERoute, weights, shared=None, shared_gate=None, 
     n = T * H
     if n:
         wc = f32_contig(weights, "weights")
-        module("dense_moe.cu").get_function("moe_combine")(
-            (-(-n // 256),), (256,), (y_sorted, route.slot_pos, wc, shared, shared_gate, out, np.int32(T), np.int32(k),
+        kernel("dense_moe.cu", "moe_combine")(
+            (-(-n // 256),), (256,), (y_sorted, route.slot_pos, wc, ptr_or_null(shared), ptr_or_null(shared_gate), out, np.int32(T), np.int32(k),
                                       np.int32(H)))
     return out
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
-from engine.kernels.dense_common import (KernelInputError, check_dim, compute_dtype, f32_contig, is_cupy, module,
+from engine.kernels.dense_common import (KernelInputError, check_dim, compute_dtype, f32_contig, is_cupy, kernel,
                                          same_device, weight_as_float)
 from engine.kernels.linear import linear
 from reference.blocks import hyper_connection as _ref_hc
@@ -75,7 +75,7 @@ def rms_norm(x, weight, *, eps: float, group_size: int | None = None, out=None):
         return y
     yk = y if (y.flags.c_contiguous and y.dtype == np.float32) else _empty(xp, x.shape, dtype=xp.float32)
     threads = 256 if gs >= 256 else max(32, 1 << (gs - 1).bit_length())
-    module("dense_norms.cu").get_function("rms_norm_rows")(
+    kernel("dense_norms.cu", "rms_norm_rows")(
         (rows * (D // gs),), (min(threads, 1024),),
         (xc, w, yk, np.int64(rows), np.int32(D), np.int32(gs), np.float32(eps), np.int32(1)))
     if yk is not y:
@@ -117,7 +117,7 @@ def gated_rms_norm(x, gate, weight, *, eps: float, activation: str = "silu", out
     y = out if out is not None else _empty(xp, x.shape, dtype=xp.float32)
     rows = xc.size // D if D else 0
     if rows:
-        module("dense_norms.cu").get_function("gated_rms_norm_rows")(
+        kernel("dense_norms.cu", "gated_rms_norm_rows")(
             (rows,), (256,), (xc, gc, w, y, np.int64(rows), np.int32(D), np.float32(eps), np.int32(_ACTS[activation])))
     return y
 
@@ -143,7 +143,7 @@ def act_div(x, divisor: float, mode: str, *, out=None):
     y = out if out is not None else _empty(xp, x.shape, dtype=xp.float32)
     n = xc.size
     if n:
-        module("dense_norms.cu").get_function("act_div")(
+        kernel("dense_norms.cu", "act_div")(
             (-(-n // 256),), (256,), (xc, y, np.int64(n), np.float32(divisor), np.int32(0 if mode == "silu" else 1)))
     return y
 
@@ -200,7 +200,7 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
     mixed = _empty(xp, (T, H), dtype=xp.float32)
     n = T * H
     if n:
-        module("dense_norms.cu").get_function("hc_mix")(
+        kernel("dense_norms.cu", "hc_mix")(
             (-(-n // 256),), (256,), (mpre, normed, mixed, np.int64(T), np.int32(hc_count), np.int32(H)))
     inj = None
     if inject_weight is not None:
@@ -242,6 +242,6 @@ def hc_combine(residual, block_out, injection_weights, *, out=None):
     y = out if out is not None else _empty(xp, (T, W), dtype=xp.float32)
     n = T * W
     if n:
-        module("dense_norms.cu").get_function("hc_combine")(
+        kernel("dense_norms.cu", "hc_combine")(
             (-(-n // 256),), (256,), (r, b, i, y, np.int64(T), np.int32(hc), np.int32(H)))
     return y

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
-from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, module, same_device,
+from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, kernel, same_device,
                                          weight_as_float)
 from engine.kernels.linear import linear
 from engine.kernels.norms import rms_norm
@@ -97,6 +97,8 @@ def ngram_hash(ids, ctx_slab, slots, tables: PLEHashTables, *, update_context: b
     if ctx_slab.ndim != 2 or ctx_slab.shape[1] != L or ctx_slab.dtype != np.int64:
         raise KernelInputError(f"ctx_slab: expected int64 [n_slots, ngram_size-1={L}], found {ctx_slab.dtype} "
                                f"{tuple(ctx_slab.shape)}")
+    if not ctx_slab.flags.c_contiguous:
+        raise KernelInputError("ctx_slab: expected a C-contiguous int64 slab, found a strided view")
     sl = _slots_i64(slots, xp, B)
     ids64 = xp.ascontiguousarray(ids.astype(xp.int64))
     if not is_cupy(xp):  # NumPy twin: the shared reference function, one sequence at a time
@@ -110,15 +112,14 @@ def ngram_hash(ids, ctx_slab, slots, tables: PLEHashTables, *, update_context: b
         return rows
     rows = _empty(xp, (B, T, heads), dtype=xp.int64)
     total = B * T * heads
-    mod = module("dense_ple.cu")
     if total:
-        mod.get_function("ngram_hash")(
+        kernel("dense_ple.cu", "ngram_hash")(
             (-(-total // 256),), (256,), (ids64, ctx_slab, sl, np.int32(B), np.int32(T), np.int32(L), np.int32(n),
                                           np.int32(hpn), tables.multipliers, tables.vocab_sizes, tables.offsets,
                                           np.int64(tables.eos), rows))
     if update_context and B and T:
-        mod.get_function("ngram_ctx_update")((-(-B // 128),), (128,), (ids64, ctx_slab, sl, np.int32(B), np.int32(T),
-                                                                        np.int32(L)))
+        kernel("dense_ple.cu", "ngram_ctx_update")(
+            (-(-B // 128),), (128,), (ids64, ctx_slab, sl, np.int32(B), np.int32(T), np.int32(L)))
     return rows
 
 
@@ -164,13 +165,13 @@ def ple_gate(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, *, hc_co
         gn = rms_norm(gated, norm_conv_w, eps=eps, group_size=H)
         return PLEGateOut(gated=gated, gated_normed=gn, gate=g)
     k, v, h = f32_contig(key, "key"), f32_contig(value, "value"), f32_contig(hidden, "hidden")
-    wk, wq, wc = (f32_contig(w.reshape(-1).astype(xp.float32, copy=False), n) for w, n in
+    wk, wq, wc = (f32_contig(weight_as_float(w.reshape(-1)), n) for w, n in
                   ((norm_key_w, "norm_key_w"), (norm_query_w, "norm_query_w"), (norm_conv_w, "norm_conv_w")))
     gated = _empty(xp, (R, W), dtype=xp.float32)
     gn = _empty(xp, (R, W), dtype=xp.float32)
     g = _empty(xp, (R, hc_count), dtype=xp.float32)
     if R:
-        module("dense_ple.cu").get_function("ple_gate")(
+        kernel("dense_ple.cu", "ple_gate")(
             (R * hc_count,), (256,), (k, v, h, wk, wq, wc, gated, gn, g, np.int64(R), np.int32(hc_count), np.int32(H),
                                       np.float32(eps)))
     return PLEGateOut(gated=gated, gated_normed=gn, gate=g)
@@ -220,16 +221,18 @@ def ple_conv(x, conv_slab, slots, weight, *, dilation: int, update_state: bool =
                 conv_slab[sl[b]] = new_states[b].astype(conv_slab.dtype)
         return y
     xc = f32_contig(x, "x")
-    wc = f32_contig(weight.astype(xp.float32, copy=False), "weight")
+    if conv_slab.dtype != np.float32 or not conv_slab.flags.c_contiguous:
+        raise KernelInputError(f"conv_slab: expected a C-contiguous float32 slab on the GPU, found {conv_slab.dtype}")
+    wc = f32_contig(weight_as_float(weight), "weight")
     y = _empty(xp, (B, T, C), dtype=xp.float32)
-    mod = module("dense_ple.cu")
     n = B * T * C
     if n:
-        mod.get_function("ple_conv")((-(-n // 256),), (256,), (xc, conv_slab, sl, wc, y, np.int32(B), np.int32(T),
-                                                              np.int32(C), np.int32(K), np.int32(dilation)))
+        kernel("dense_ple.cu", "ple_conv")(
+            (-(-n // 256),), (256,), (xc, conv_slab, sl, wc, y, np.int32(B), np.int32(T), np.int32(C), np.int32(K),
+                                      np.int32(dilation)))
     if update_state and B * C and T and L:
-        mod.get_function("ple_conv_state")((-(-(B * C) // 256),), (256,), (xc, conv_slab, sl, np.int32(B), np.int32(T),
-                                                                           np.int32(C), np.int32(L)))
+        kernel("dense_ple.cu", "ple_conv_state")(
+            (-(-(B * C) // 256),), (256,), (xc, conv_slab, sl, np.int32(B), np.int32(T), np.int32(C), np.int32(L)))
     return y
 
 

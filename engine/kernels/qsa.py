@@ -38,6 +38,7 @@ from reference.errors import InputError
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
 _TOPK_THREADS = 1024
+_ATTN_WARPS = 4  # QSA_WARPS in qsa.cu
 
 
 def _int_arr(xp, a, name, n):
@@ -48,9 +49,11 @@ def _int_arr(xp, a, name, n):
     return a
 
 
-def _f32_gpu(name, a):
+def _f32_gpu(name, a, pool=True):
     if a.dtype != np.float32:
         raise InputError(f"qsa: {name}: the CUDA path takes float32, found {a.dtype}")
+    if pool and not a.flags.c_contiguous:
+        raise InputError(f"qsa: {name}: the CUDA path takes a C-contiguous array, found strides {a.strides}")
 
 
 def token_slots(block_tables, rows, positions, page_size: int):
@@ -180,14 +183,14 @@ def qsa_index_scores(q_idx, blk_k, block_tables, rows, n_visible, n_blocks: int,
             out[t, :nc[t]] = s
         return out
     import cupy as cp
-    _f32_gpu("q_idx", q_idx)
+    _f32_gpu("q_idx", q_idx, pool=False)
     _f32_gpu("blk_k", blk_k)
     out = cp.empty((T, n_blocks), dtype=cp.float32)
     if T == 0 or n_blocks == 0:
         return out
     warps = 8
     load_module("qsa.cu").get_function("qsa_index_scores")(
-        ((n_blocks + warps - 1) // warps, T), (32 * warps,),
+        (T, (n_blocks + warps - 1) // warps), (32 * warps,),
         (cp.ascontiguousarray(q_idx), blk_k, cp.ascontiguousarray(block_tables, dtype=cp.int32),
          cp.ascontiguousarray(rows, dtype=cp.int64), cp.ascontiguousarray(n_visible, dtype=cp.int64), out,
          np.int32(Hi), np.int32(Di), np.int64(n_blocks), np.int32(ratio), np.int32(page_size),
@@ -234,7 +237,7 @@ def qsa_topk(scores, n_visible, ratio: int, k: int):
     import cupy as cp
     if k > QSA_MAX_BLOCK_TOPK:
         raise InputError(f"qsa_topk: k (block_topk): the CUDA top-k supports at most {QSA_MAX_BLOCK_TOPK}, found {k}")
-    _f32_gpu("scores", scores)
+    _f32_gpu("scores", scores, pool=False)
     out = cp.empty((T, k), dtype=cp.int32)
     if T == 0:
         return out
@@ -315,17 +318,28 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
             out[t] = np.einsum("hgn,nhd->hgd", p, V).reshape(Hq, D)
         return out
     import cupy as cp
-    for n, a in (("q", q), ("kv_k", kv_k), ("kv_v", kv_v)):
+    _f32_gpu("q", q, pool=False)
+    for n, a in (("kv_k", kv_k), ("kv_v", kv_v)):
         _f32_gpu(n, a)
     out = cp.empty((T, Hq, D), dtype=cp.float32)
     if T == 0:
         return out
-    mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}", f"-DQSA_GROUP={G}"))
-    warps = 8
-    mod.get_function("qsa_sparse_attention")(
-        (Hkv, T), (32 * warps,),
-        (cp.ascontiguousarray(q), kv_k, kv_v, cp.ascontiguousarray(block_tables, dtype=cp.int32),
-         cp.ascontiguousarray(rows, dtype=cp.int64), cp.ascontiguousarray(n_visible, dtype=cp.int64),
-         cp.ascontiguousarray(selected, dtype=cp.int32), out, np.int32(Hkv), np.int32(selected.shape[1]),
-         np.int32(ratio), np.int32(page_size), np.int32(block_tables.shape[1]), np.float32(scale)))
+    mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}",))
+    ksel = selected.shape[1]
+    bound = ksel * ratio + ratio - 1  # most tokens one query can attend (QSA's budget + incomplete tail)
+    # split the token list so that even one decode query fills the GPU, but keep the scratch small for prefill
+    n_split = max(1, min(-(-bound // 64), -(-2048 // max(T * Hq, 1))))
+    tps = -(-bound // n_split)
+    pm = cp.empty((T, Hq, n_split), dtype=cp.float32)
+    pl = cp.empty((T, Hq, n_split), dtype=cp.float32)
+    pacc = cp.empty((T, Hq, n_split, D), dtype=cp.float32)
+    bt = cp.ascontiguousarray(block_tables, dtype=cp.int32)
+    mod.get_function("qsa_attn_partial")(
+        (T, Hq, n_split), (32 * _ATTN_WARPS,),
+        (cp.ascontiguousarray(q), kv_k, kv_v, bt, cp.ascontiguousarray(rows, dtype=cp.int64),
+         cp.ascontiguousarray(n_visible, dtype=cp.int64), cp.ascontiguousarray(selected, dtype=cp.int32), pm, pl,
+         pacc, np.int32(Hq), np.int32(Hkv), np.int32(ksel), np.int32(ratio), np.int32(page_size),
+         np.int32(block_tables.shape[1]), np.int64(tps), np.float32(scale)))
+    mod.get_function("qsa_attn_combine")((T, Hq), (min(256, ((D + 31) // 32) * 32),),
+                                         (pm, pl, pacc, out, np.int32(Hq), np.int32(n_split)))
     return out

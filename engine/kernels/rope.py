@@ -90,10 +90,14 @@ def _rope_cuda(x, positions, inv_freq, rotary_dim, out):
     pos = cp.ascontiguousarray(positions, dtype=cp.int64)
     invf = cp.ascontiguousarray(inv_freq, dtype=cp.float32)
     T, H, D = x.shape
+    # the kernel writes a C-contiguous buffer; a strided `out` (or an in-place call on a strided view) gets a copy
+    res = out if (out.flags.c_contiguous and out.dtype == x.dtype) else cp.empty_like(x, order="C")
     name = "rope_f32" if x.dtype == cp.float32 else "rope_f64"
     k = load_module("rope.cu").get_function(name)
     n = T * H * (D - rotary_dim // 2)  # one thread per rotated pair or copied channel
     if n:
         k(((n + _BLOCK - 1) // _BLOCK,), (_BLOCK,),
-          (x, out, pos, invf, np.int64(T), np.int32(H), np.int32(D), np.int32(rotary_dim)))
+          (x, res, pos, invf, np.int64(T), np.int32(H), np.int32(D), np.int32(rotary_dim)))
+    if res is not out:
+        out[...] = res
     return out

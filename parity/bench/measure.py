@@ -96,13 +96,13 @@ def run_reference(spec: dict) -> dict:
 def _peer_import():
     """(torch, Qwen4ExpForCausalLM) or raise RuntimeError('<reason>')."""
     try:
-        import torch
-    except Exception as e:
-        raise RuntimeError(f"torch not importable ({e})") from None
-    try:
         import transformers
     except Exception as e:
-        raise RuntimeError(f"transformers not importable ({e})") from None
+        raise RuntimeError(f"transformers not importable ({type(e).__name__}: {e})") from None
+    try:
+        import torch
+    except Exception as e:
+        raise RuntimeError(f"torch not importable ({type(e).__name__}: {e})") from None
     try:
         from transformers import Qwen4ExpForCausalLM
     except Exception:
@@ -141,8 +141,22 @@ def run_peer(spec: dict) -> dict:
     timer = (lambda: TorchEventTimer(torch)) if dev == "cuda" else WallTimer
     warm, reps = int(spec.get("warmup", 1)), int(spec["repeats"])
     out = {"kind": "peer", "device": dev, "dtype": str(dtype).replace("torch.", ""), "load_s": load_s,
+           "attn_implementation": "eager",
+           "experts_implementation": str(getattr(cfg, "_experts_implementation_internal", None)
+                                         or getattr(cfg, "_experts_implementation", None)),
            "transformers": transformers.__version__, "torch": torch.__version__, "prefill": [], "decode": []}
 
+    try:
+        _peer_measure(torch, model, spec, out, rng, V, eos, timer, warm, reps, deadline, dev)
+    except Exception as e:  # a peer that loads but cannot run its forward degrades, it does not fail the bench
+        out["unavailable"] = f"official forward failed: {type(e).__name__}: {e}"
+    if dev == "cuda":
+        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
+    out["peak_rss_bytes"] = _peak_rss()
+    return out
+
+
+def _peer_measure(torch, model, spec, out, rng, V, eos, timer, warm, reps, deadline, dev):
     def cache_of(o):
         return getattr(o, "cache", None) if getattr(o, "cache", None) is not None else getattr(o, "past_key_values", None)
 
@@ -178,13 +192,11 @@ def run_peer(spec: dict) -> dict:
                 if s >= warm:
                     steps.append(t.seconds)
             del cache, o
+            if dev == "cuda":
+                torch.cuda.empty_cache()
             out["decode"].append({"batch": B, "context": C, "tokens_per_s": rate(B, summarize(steps)),
                                   "step_s": summarize(steps)})
             _log(f"peer decode B={B} C={C}: {B / np.median(steps):.2f} tok/s")
-    if dev == "cuda":
-        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
-    out["peak_rss_bytes"] = _peak_rss()
-    return out
 
 
 # --------------------------------------------------------------------------------------------- engine
@@ -353,7 +365,7 @@ def run_extras(spec: dict) -> dict:
     try:
         from reference.checkpoint import bench_ngram_gather
         r = bench_ngram_gather(int(spec.get("table_bytes", 64 << 20)), n_gathers=int(spec.get("gathers", 20)),
-                               rows_per_gather=1024)
+                               rows_per_gather=int(spec.get("rows_per_gather", 1024)))
         out["ngram_gather"] = {k: r[k] for k in ("rows_per_s", "table_bytes", "rows", "seconds")}
     except Exception as e:
         out["ngram_gather"] = {"unavailable": f"{type(e).__name__}: {e}"}

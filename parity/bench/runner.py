@@ -169,9 +169,9 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
             continue
         dev = r.get("device", "")
         if key == "reference":
-            rows.append((label, f"prefill {r['prompt_len']}", _fmt_rate(r["prefill_tokens_per_s"]) + " tok/s",
-                         f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB"))
-            rows.append((label, "decode b1", _fmt_rate(r["decode_tokens_per_s"]) + " tok/s", ""))
+            rows.append((label, f"prefill {r.get('prompt_len', '?')}", _fmt_rate(r.get("prefill_tokens_per_s")) + " tok/s",
+                         f"peak RSS {r.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB"))
+            rows.append((label, "decode b1", _fmt_rate(r.get("decode_tokens_per_s")) + " tok/s", ""))
             continue
         if "hbm" in r:
             rows.append((label, "HBM d2d copy", f"{r['hbm']['bytes_per_s'] / 1e9:,.0f} GB/s", r.get("gpu", "")))

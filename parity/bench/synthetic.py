@@ -61,7 +61,8 @@ def real_width_config(layers: int = 4, *, vocab_size: int | None = None,
     """A flat ``qwen4_exp_text`` config dict at real widths with ``layers`` decoder layers.
 
     Layer types follow the real period (3 ``linear_attention`` then 1 ``full_attention``); PLE sits
-    on 0-based layer 1 as in the real model (on layer 0 when ``layers == 1``). ``vocab_size`` and
+    on 0-based layer 1 as in the real model. ``layers == 1`` gives one QSA layer without PLE (the
+    official implementation cannot run a cache without an attention layer). ``vocab_size`` and
     ``ngram_vocab_size_base`` scale the embedding/lm_head and the n-gram table down; ``overrides``
     replaces any field (tests use it for small widths).
 
@@ -73,8 +74,13 @@ def real_width_config(layers: int = 4, *, vocab_size: int | None = None,
         raise InputError(f"--layers: expected an integer >= 1, found {layers!r}")
     cfg = json.loads(json.dumps(REAL_TEXT_CONFIG))
     cfg["num_hidden_layers"] = layers
-    cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    cfg["ple_layer_ids"] = [2] if layers >= 2 else [1]
+    if layers == 1:
+        # a single layer is a QSA layer: the official implementation's cache cannot run a model that has
+        # no attention layer (DynamicCache.get_seq_length raises), and PLE needs a GDN layer
+        cfg["layer_types"], cfg["ple_layer_ids"] = ["full_attention"], []
+    else:
+        cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+        cfg["ple_layer_ids"] = [2]
     cfg["ngram_vocab_size_base"] = int(ngram_vocab_size_base)
     if vocab_size is not None:
         cfg["vocab_size"] = int(vocab_size)

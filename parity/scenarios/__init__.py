@@ -31,10 +31,18 @@ def scenario_names() -> list[str]:
     return list(SCENARIOS)
 
 
-def cases_for(name: str, config):
-    """The :class:`parity.scenarios.common.Case` list of scenario ``name`` for a model config."""
+LEVELS = ("full", "ci")
+
+
+def cases_for(name: str, config, level: str = "full"):
+    """The :class:`parity.scenarios.common.Case` list of scenario ``name`` for a model config.
+
+    ``level``: 'full' (every combination) or 'ci' (the same situations with fewer redundant combinations).
+    """
+    if level not in LEVELS:
+        raise InputError(f"level: expected one of {LEVELS}, found {level!r}")
     mod = importlib.import_module(f"parity.scenarios.{normalize_name(name)}")
-    return mod.cases(config)
+    return mod.cases(config, level=level)
 
 
 def _page_plan(backend_caps, config, page_sizes):
@@ -47,7 +55,7 @@ def _page_plan(backend_caps, config, page_sizes):
 
 
 def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, only: list[str] | None = None,
-                 archive_dir=None, progress=None, locate_on_fail=True):
+                 archive_dir=None, progress=None, locate_on_fail=True, level: str = "full"):
     """Run scenario ``name``.
 
     Args:
@@ -55,6 +63,7 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
         truth: :class:`parity.scenarios.common.TruthCache` of the reference model.
         page_sizes: override the page-size plan (None: from the backend's capabilities and the config).
         only: case names to run (None: all).
+        level: 'full' or 'ci' (see :func:`cases_for`).
         archive_dir: where failing cases' tap archives go (None: not written).
         progress: a tqdm-like object with ``update()`` / ``set_postfix_str()`` (optional).
     Returns:
@@ -66,7 +75,7 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
     probe = open_backend()
     caps = dict(getattr(probe, "capabilities", {}) or {})
     config = probe.config
-    cases = cases_for(name, config)
+    cases = cases_for(name, config, level)
     if only:
         cases = [c for c in cases if c.name in only]
     results = []
@@ -88,9 +97,9 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
     return results
 
 
-def count_cases(name: str, config, caps: dict, page_sizes=None) -> int:
+def count_cases(name: str, config, caps: dict, page_sizes=None, level: str = "full") -> int:
     """Number of case runs :func:`run_scenario` will make (for progress bars)."""
-    return len(cases_for(name, config)) * len(_page_plan(caps, config, page_sizes))
+    return len(cases_for(name, config, level)) * len(_page_plan(caps, config, page_sizes))
 
 
 def summarize_results(name: str, results, seconds: float):
@@ -105,8 +114,11 @@ def summarize_results(name: str, results, seconds: float):
     first = next((r for r in failed), None)
     skipped = [r for r in results if r.status == "skip"]
     detail = "" if not first else f"{first.label}: {first.failure}"
+    where = None if not first else (f"{first.case}" + (f" [page {first.page_size}]" if first.page_size else "")
+                                    + f": {first.divergence}")
     if skipped:
         detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
-                       worst_logit_err=we, first_divergence=(first.divergence if first else None), seconds=seconds,
-                       status=status, detail=detail, failures=[r.to_json() for r in failed])
+                       worst_logit_err=we, first_divergence=where, seconds=seconds,
+                       status=status, detail=detail, failures=[r.to_json() for r in failed],
+                       skipped=len(skipped))

@@ -22,13 +22,14 @@ def _lengths(config) -> dict[str, int]:
             "far-below": max(1, s.ratio - 1), "far-above": 2 * s.bound + s.ratio + 1}
 
 
-def cases(config) -> list[Case]:
+def cases(config, level: str = "full") -> list[Case]:
     """The budget cases for ``config`` (sizes from indexer_budget / indexer_compress_ratio)."""
     s = sizes(config)
     out = []
     for tag, L in _lengths(config).items():
         def prefill_then_decode(run: Run, L=L, tag=tag):
             ids = token_stream(run.config, L + 3, seed=100 + L)
+            run.plan(ids)
             a = run.new(f"len-{tag}")
             run.prefill(a, ids[:L])
             for t in ids[L:L + 3]:
@@ -38,6 +39,7 @@ def cases(config) -> list[Case]:
     def decode_across(run: Run):
         start = max(1, s.bound - 2)
         ids = token_stream(run.config, start + 5, seed=7)
+        run.plan(ids)
         a = run.new("across")
         run.prefill(a, ids[:start])
         for t in ids[start:]:
@@ -48,6 +50,7 @@ def cases(config) -> list[Case]:
         seqs, streams = [], []
         for k, (tag, L) in enumerate(_lengths(run.config).items()):
             ids = token_stream(run.config, L + 3, seed=200 + k)
+            run.plan(ids)
             sq = run.new(f"batch-{tag}")
             run.prefill(sq, ids[:L])
             seqs.append(sq)

@@ -29,13 +29,14 @@ def chunk_sizes(config) -> dict[str, int]:
     return out
 
 
-def cases(config) -> list[Case]:
+def cases(config, level: str = "full") -> list[Case]:
     s = sizes(config)
     n = prompt_length(config)
     out = []
     for tag, c in chunk_sizes(config).items():
         def chunked(run: Run, c=c):
             ids = token_stream(run.config, n + 2, seed=300 + c, eos_every=11)
+            run.plan(ids)
             a = run.new(f"chunk{c}")
             run.prefill(a, ids[:n], chunk_size=c)
             run.decode([a], [ids[n]])
@@ -48,6 +49,7 @@ def cases(config) -> list[Case]:
         if s.eos is not None:
             for i in range(c - 1, n, 3 * c):
                 ids[i] = s.eos  # an EOS right before every third chunk boundary
+        run.plan(ids)
         a = run.new(f"eos-boundary{c}")
         run.prefill(a, ids[:n], chunk_size=c)
         run.decode([a], [ids[n]])
@@ -58,6 +60,7 @@ def cases(config) -> list[Case]:
         seqs, streams = [], []
         for k, (L, c) in enumerate(plan):
             ids = token_stream(run.config, L + 2, seed=400 + k, eos_every=13)
+            run.plan(ids)
             seqs.append(run.new(f"piecewise-{L}-by-{c}"))
             streams.append((ids, L, c))
         offs = [0] * len(plan)

@@ -158,8 +158,16 @@ class TruthCache:
             if len(k) > n and k[:n] == key:
                 return v[:n]
         out = np.asarray(self.model.forward(list(key)))
+        # drop cached prefixes of the new entry (they are answered by it now)
+        for k in [k for k in self._cache if len(k) < n and key[:len(k)] == k]:
+            del self._cache[k]
         self._cache[key] = out
         return out
+
+    def prime(self, hist: Sequence[int]) -> None:
+        """Compute (once) the truth over a history the case will reach piece by piece, so every
+        intermediate comparison is answered by this one forward."""
+        self.logits(hist)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -262,6 +270,11 @@ class Run:
             self.fail(op, what, divergence)
 
     # --- operations
+    def plan(self, *histories: Sequence[int]) -> None:
+        """Declare token histories the case will build (one truth forward each, reused by every step)."""
+        for h in histories:
+            self.truth.prime(list(h))
+
     def new(self, label: str) -> Seq:
         s = Seq(label, self.be.new_sequence())
         self.seqs.append(s)

@@ -98,7 +98,10 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
     except Exception as e:  # noqa: BLE001
         return f"could not record the truth's taps: {type(e).__name__}: {e}", archives
     if archive_dir is not None:
-        archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc)
+        try:
+            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc)
+        except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
+            archives = [f"(archives not written: {type(e).__name__}: {e})"]
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         return where + diff_archives(truth_arc, be_arc, getattr(backend, "precision", "float32")), archives
@@ -110,6 +113,7 @@ def _save(root, scenario, case, page_size, *arcs) -> list[str]:
     """Write the in-memory archives under ``root/<scenario>/<case>[-page<N>]/{truth,backend}.taps``."""
     out = []
     d = Path(root) / _safe(scenario) / (_safe(case) + (f"-page{page_size}" if page_size else ""))
+    d.mkdir(parents=True, exist_ok=True)
     try:
         from taps.archive import ArchiveWriter
     except ImportError:

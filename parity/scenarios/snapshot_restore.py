@@ -24,20 +24,23 @@ def snap_points(config) -> dict[str, int]:
     return {"at-bound": s.bound, "inside-block": 2 * s.ratio + 1, "ple-window": max(1, s.ple_window)}
 
 
-def cases(config) -> list[Case]:
+def cases(config, level: str = "full") -> list[Case]:
     s = sizes(config)
     out = []
     for tag, p in snap_points(config).items():
         def restore_same(run: Run, p=p):
             ids = token_stream(run.config, p + 6, seed=1300 + p, eos_every=7)
+            side, other, dec = (token_stream(run.config, 5, seed=1400), token_stream(run.config, p + 3, seed=1500),
+                                token_stream(run.config, 2, seed=1600))
+            run.plan(ids, ids[:p] + side + dec[:1], other + dec[1:])
             a = run.new("a")
             run.prefill(a, ids[:p])
             snap = run.snapshot(a)
             # the same sequence runs on with other tokens, another sequence runs meanwhile
-            run.prefill(a, token_stream(run.config, 5, seed=1400))
+            run.prefill(a, side)
             b = run.new("other")
-            run.prefill(b, token_stream(run.config, p + 3, seed=1500))
-            run.decode([a, b], token_stream(run.config, 2, seed=1600))
+            run.prefill(b, other)
+            run.decode([a, b], dec)
             run.restore(a, snap, desc=f"restore the snapshot at {p} into the advanced sequence")
             for t in ids[p:p + 3]:
                 run.decode([a], [t])
@@ -47,6 +50,7 @@ def cases(config) -> list[Case]:
     def fresh_twice(run: Run):
         p = s.bound + 1
         ids = token_stream(run.config, p + 4, seed=1700)
+        run.plan(ids[:p + 1], ids[:p] + [ids[p], ids[p + 2]], ids[:p] + [ids[p + 1], ids[p + 2]])
         a = run.new("a")
         run.prefill(a, ids[:p])
         snap = run.snapshot(a)
@@ -61,6 +65,10 @@ def cases(config) -> list[Case]:
     for left in ("several", "one", "none"):
         def prefix(run: Run, left=left):
             P = token_stream(run.config, s.bound + 2, seed=1800)
+            rest = {"several": token_stream(run.config, s.ratio + 2, seed=1802),
+                    "one": token_stream(run.config, 1, seed=1803), "none": []}[left]
+            d1, d2 = token_stream(run.config, 1, seed=1804), token_stream(run.config, 2, seed=1805)
+            run.plan(P + token_stream(run.config, 3, seed=1801) + d2[1:], P + rest + d1 + d2[:1])
             a = run.new("request1")
             run.prefill(a, P + token_stream(run.config, 3, seed=1801))
             shared = run.new("prefix-owner")
@@ -69,17 +77,18 @@ def cases(config) -> list[Case]:
             r2 = run.new("request2")
             run.restore(r2, snap, desc="prefix cache hit")
             if left == "several":
-                run.prefill(r2, token_stream(run.config, s.ratio + 2, seed=1802), desc="prefill the rest")
+                run.prefill(r2, rest, desc="prefill the rest")
             elif left == "one":
-                run.prefill(r2, token_stream(run.config, 1, seed=1803), desc="prefill the one prompt token left")
-            run.decode([r2], token_stream(run.config, 1, seed=1804), desc=f"first decode ({left} left)")
-            run.decode([r2, a], token_stream(run.config, 2, seed=1805))
+                run.prefill(r2, rest, desc="prefill the one prompt token left")
+            run.decode([r2], d1, desc=f"first decode ({left} left)")
+            run.decode([r2, a], d2)
         out.append(Case(f"shared_prefix_hit_{left}_left", prefix))
 
     def file_roundtrip(run: Run):
         from parity import snapshot_file as sf
         p = s.bound + s.ratio
         ids = token_stream(run.config, p + 3, seed=1900, eos_every=5)
+        run.plan(ids)
         a = run.new("a")
         run.prefill(a, ids[:p])
         snap = run.snapshot(a)
@@ -133,6 +142,7 @@ def cases(config) -> list[Case]:
         seqs, snaps, conts = [], [], []
         for i, p in enumerate(pts):
             ids = token_stream(run.config, p + 3, seed=2100 + i, eos_every=6)
+            run.plan(ids)
             sq = run.new(f"batch{i}-at{p}")
             run.prefill(sq, ids[:p])
             snaps.append(run.snapshot(sq))

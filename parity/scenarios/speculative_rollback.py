@@ -40,28 +40,34 @@ def _prompt_len(s) -> int:
     return max(2, s.bound - 2)
 
 
-def cases(config) -> list[Case]:
+def _draft(run: Run, kind: str, hist: list[int], k: int, seed: int) -> list[int]:
+    if kind == "right":
+        return greedy_drafts(run, hist, k)
+    drafts = wrong_drafts(run, hist, k, seed=seed)
+    if kind == "eos" and run.sizes.eos is not None:
+        drafts[seed % k] = run.sizes.eos
+    return drafts
+
+
+def cases(config, level: str = "full") -> list[Case]:
+    """Speculative cases. ``level='ci'`` cycles the draft kind over j (right, wrong, eos, ...) in one case
+    instead of running every kind for every j."""
     s = sizes(config)
     out = []
-    for kind in ("right", "wrong", "eos"):
-        def accept_each(run: Run, kind=kind):
+    plans = ({"all": None} if level == "ci" else {k: k for k in ("right", "wrong", "eos")})
+    for tag, fixed in plans.items():
+        def accept_each(run: Run, fixed=fixed, tag=tag):
             L = _prompt_len(run.sizes)
             prompt = token_stream(run.config, L, seed=500)
             for j in range(K + 1):
+                kind = fixed or ("right", "wrong", "eos")[j % 3]
                 a = run.new(f"{kind}-accept{j}")
                 run.prefill(a, prompt)
-                if kind == "right":
-                    drafts = greedy_drafts(run, a.hist, K)
-                elif kind == "wrong":
-                    drafts = wrong_drafts(run, a.hist, K, seed=600 + j)
-                else:
-                    drafts = wrong_drafts(run, a.hist, K, seed=700 + j)
-                    if run.sizes.eos is not None:
-                        drafts[min(j, K - 1)] = run.sizes.eos
+                drafts = _draft(run, kind, a.hist, K, seed=600 + j)
                 run.verify(a, drafts, desc=f"verify {K} {kind} drafts")
                 run.rollback(a, K - j, desc=f"accept {j}/{K}, roll back {K - j}")
                 nxt = token_stream(run.config, 1, seed=800 + j)[0]
-                run.decode([a], [nxt], desc=f"decode after accepting {j}/{K}")
+                run.decode([a], [nxt], desc=f"decode after accepting {j}/{K} {kind} drafts")
                 straight = run.new(f"{kind}-straight{j}")
                 run.prefill(straight, a.hist)
                 run.compare_state(a, straight, f"state after accepting {j}/{K} {kind} drafts")
@@ -72,7 +78,7 @@ def cases(config) -> list[Case]:
                 run.decode([a], [d2[0]], desc="decode after second round")
                 run.free(straight)
                 run.free(a)
-        out.append(Case(f"accept_each_j_{kind}_drafts", accept_each))
+        out.append(Case(f"accept_each_j_{tag}_drafts", accept_each))
 
     def batch(run: Run):
         plan = [(_prompt_len(run.sizes), 4, 1), (run.sizes.bound + 3, 3, 3), (5, 2, 0),

@@ -11,11 +11,10 @@ with a unit lower-triangular system); tests hold it equal to the recurrent form.
 from __future__ import annotations
 
 import numpy as np
-from scipy.linalg import solve_triangular
 
 from reference.blocks.norms import gated_rms_norm, sigmoid, silu, softplus
 from reference.blocks.ple import dilated_causal_conv
-from reference.numba_kernels import delta_rule_recurrent
+from reference.numba_kernels import delta_rule_recurrent, unit_lower_solve
 
 __all__ = ["l2norm", "delta_rule_chunked", "delta_rule_recurrent", "delta_rule_recurrent_numpy", "gdn_block",
            "CHUNK_SIZE"]
@@ -80,10 +79,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
         A = A * np.tril(np.ones((C, C), dtype=dt), -1)
         ec = np.exp(c).astype(dt)
         rhs = b[:, :, None] * vc - (b * ec)[:, :, None] * (kc @ S)  # [Hv, C, dv]
-        u = np.empty_like(rhs)
-        eye = np.eye(C, dtype=dt)
-        for h in range(Hv):
-            u[h] = solve_triangular(eye + A[h], rhs[h], lower=True, unit_diagonal=True, check_finite=False)
+        u = unit_lower_solve(A, rhs)
         qk = (qc @ kc.transpose(0, 2, 1)) * decay
         out[:, sl] = ec[:, :, None] * (qc @ S) + qk @ u
         tail = np.exp(c[:, -1:] - c).astype(dt)  # [Hv, C]

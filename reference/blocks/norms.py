@@ -7,18 +7,14 @@ zero-centred -- times an activation of the gate).
 from __future__ import annotations
 
 import numpy as np
+from scipy.special import expit
 
 __all__ = ["rms_norm", "gated_rms_norm", "silu", "sigmoid", "softplus"]
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """Logistic function, overflow-free for both signs; same shape and dtype as ``x``."""
-    out = np.empty_like(x)
-    pos = x >= 0
-    out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
-    e = np.exp(x[~pos])
-    out[~pos] = e / (1.0 + e)
-    return out
+    """Logistic function (``scipy.special.expit``: overflow-free); same shape and dtype as ``x``."""
+    return expit(x)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -2,8 +2,9 @@
 //
 // Weights are BF16 bit patterns (unsigned short; decoded exactly by a 16-bit shift) or float32;
 // activations and accumulation are float32. Two shapes of work:
-//   * gemv_*  : decode (few rows per weight matrix). One warp per output row, 16-byte weight loads,
-//               up to NT activation rows share every weight load, warp-shuffle reduction.
+//   * gemv_*  : decode (few rows per weight matrix). Warps own R weight rows (optionally KS warps split
+//               K for short, wide matrices), 16-byte weight loads, up to NT activation rows share
+//               every weight load, warp-shuffle (+ shared-memory for KS > 1) reduction.
 //   * gemm_*  : prefill (many rows). 64x64 output tiles, BK=16, 4x4 per thread, shared memory.
 // Both support "grouped" operation (MoE experts): a tile table lists (expert, first row, row count)
 // per tile, computed on the device; tiles past *n_tiles exit early, so the grid can be sized by the
@@ -50,108 +51,162 @@ __device__ __forceinline__ bool resolve_tile(int tile, int TM, int M, const int*
     return count > 0;
 }
 
-template <typename WT, int NT, bool VEC>
+// 8 weights . 8 activations (two float4)
+__device__ __forceinline__ float dot8(const float* w, float4 a, float4 b) {
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}
+
+// GEMV body. A block is 8 warps. KS warps split the K range of one row group (KS = 1: none), each
+// warp owns R consecutive weight rows and up to NT activation rows (the tile). Every lane loads 16
+// bytes of each of its R weight rows per step (U steps unrolled: 4 loads in flight per lane), and
+// each activation value loaded is reused for R rows, each weight for NT activation rows.
+template <typename WT, int NT, int R, int KS, bool VEC>
 __device__ __forceinline__ void gemv_body(const float* __restrict__ X, const int* __restrict__ row_index,
                                           const WT* __restrict__ W, long long w_expert_stride,
                                           float* __restrict__ Y, const int* tile_expert, const int* tile_start,
                                           const int* tile_count, const int* n_tiles, int M, int N, int K) {
+    constexpr int RG = 8 / KS;               // row groups per block
+    constexpr int U = R >= 4 ? 1 : 4 / R;    // chunks unrolled per step
     int start, count;
     long long e;
     if (!resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (n >= N) return;
-    const WT* wrow = W + e * w_expert_stride + (long long)n * K;
+    const int rg = warp / KS, ks = warp % KS;
+    const int n0 = (blockIdx.x * RG + rg) * R;
+    const WT* Wb = W + e * w_expert_stride;
+    const WT* wrow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wrow[r] = Wb + (long long)(n0 + r < N ? n0 + r : 0) * K;
+    const bool any_row = n0 < N;
     const float* xr[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-        int r = start + (t < count ? t : 0);
-        long long xrow = row_index != nullptr ? (long long)row_index[r] : (long long)r;
+        int rr = start + (t < count ? t : 0);
+        long long xrow = row_index != nullptr ? (long long)row_index[rr] : (long long)rr;
         xr[t] = X + xrow * K;
     }
-    float acc[NT];
+    float acc[R][NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
     int k_done = 0;
     if (VEC) {
         const int K8 = K >> 3;
-        int c = lane;
-        // four independent 16-byte loads in flight per lane
-        for (; c + 96 < K8; c += 128) {
-            float w0[8], w1[8], w2[8], w3[8];
-            load8(wrow + (long long)c * 8, w0);
-            load8(wrow + (long long)(c + 32) * 8, w1);
-            load8(wrow + (long long)(c + 64) * 8, w2);
-            load8(wrow + (long long)(c + 96) * 8, w3);
+        constexpr int STEP = 32 * KS;
+        int c = ks * 32 + lane;
+        if (any_row) {
+            for (; c + (U - 1) * STEP < K8; c += U * STEP) {
+                float w[U][R][8];
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (t < count) {
-                    const float4* xp = reinterpret_cast<const float4*>(xr[t]);
-                    float s = 0.f;
-                    float4 a, b;
-                    a = xp[2 * c]; b = xp[2 * c + 1];
-                    s += w0[0] * a.x + w0[1] * a.y + w0[2] * a.z + w0[3] * a.w + w0[4] * b.x + w0[5] * b.y + w0[6] * b.z + w0[7] * b.w;
-                    a = xp[2 * (c + 32)]; b = xp[2 * (c + 32) + 1];
-                    s += w1[0] * a.x + w1[1] * a.y + w1[2] * a.z + w1[3] * a.w + w1[4] * b.x + w1[5] * b.y + w1[6] * b.z + w1[7] * b.w;
-                    a = xp[2 * (c + 64)]; b = xp[2 * (c + 64) + 1];
-                    s += w2[0] * a.x + w2[1] * a.y + w2[2] * a.z + w2[3] * a.w + w2[4] * b.x + w2[5] * b.y + w2[6] * b.z + w2[7] * b.w;
-                    a = xp[2 * (c + 96)]; b = xp[2 * (c + 96) + 1];
-                    s += w3[0] * a.x + w3[1] * a.y + w3[2] * a.z + w3[3] * a.w + w3[4] * b.x + w3[5] * b.y + w3[6] * b.z + w3[7] * b.w;
-                    acc[t] += s;
+                for (int u = 0; u < U; ++u)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) load8(wrow[r] + (long long)(c + u * STEP) * 8, w[u][r]);
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t < count) {
+                        const float4* xp = reinterpret_cast<const float4*>(xr[t]);
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+                            const float4 a = xp[2 * (c + u * STEP)], b = xp[2 * (c + u * STEP) + 1];
+#pragma unroll
+                            for (int r = 0; r < R; ++r) acc[r][t] += dot8(w[u][r], a, b);
+                        }
+                    }
                 }
             }
-        }
-        for (; c < K8; c += 32) {
-            float w0[8];
-            load8(wrow + (long long)c * 8, w0);
+            for (; c < K8; c += STEP) {
+                float w[R][8];
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (t < count) {
-                    const float4* xp = reinterpret_cast<const float4*>(xr[t]);
-                    float4 a = xp[2 * c], b = xp[2 * c + 1];
-                    acc[t] += w0[0] * a.x + w0[1] * a.y + w0[2] * a.z + w0[3] * a.w + w0[4] * b.x + w0[5] * b.y + w0[6] * b.z + w0[7] * b.w;
+                for (int r = 0; r < R; ++r) load8(wrow[r] + (long long)c * 8, w[r]);
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t < count) {
+                        const float4* xp = reinterpret_cast<const float4*>(xr[t]);
+                        const float4 a = xp[2 * c], b = xp[2 * c + 1];
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r][t] += dot8(w[r], a, b);
+                    }
                 }
             }
         }
         k_done = K8 << 3;
     }
-    for (int k = k_done + lane; k < K; k += 32) {
-        float wv = load_w(wrow, k);
+    if (any_row) {
+        for (int k = k_done + ks * 32 + lane; k < K; k += 32 * KS) {
+            float wv[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) wv[r] = load_w(wrow[r], k);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                if (t < count) {
+                    const float xv = xr[t][k];
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r][t] += wv[r] * xv;
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int t = 0; t < NT; ++t)
-            if (t < count) acc[t] += wv * xr[t][k];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
+    if (KS == 1) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if (lane == t && t < count) {
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (n0 + r < N) Y[(long long)(start + t) * N + n0 + r] = acc[r][t];
+            }
+    } else {
+        __shared__ float red[8][R * NT];
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int t = 0; t < NT; ++t) red[warp][r * NT + t] = acc[r][t];
+        }
+        __syncthreads();
+        if (ks == 0 && lane < NT && lane < count) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (n0 + r < N) {
+                    float s = 0.f;
+                    for (int q = 0; q < KS; ++q) s += red[rg * KS + q][r * NT + lane];
+                    Y[(long long)(start + lane) * N + n0 + r] = s;
+                }
+            }
+        }
     }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-        if (lane == t && t < count) Y[(long long)(start + t) * N + n] = acc[t];
 }
 
-#define GEMV_ENTRY(NAME, WT, NT, VEC)                                                                            \
+#define GEMV_ENTRY(NAME, WT, NT, R, KS, VEC)                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
         const float* X, const int* row_index, const WT* W, long long w_expert_stride, float* Y,                  \
         const int* tile_expert, const int* tile_start, const int* tile_count, const int* n_tiles, int M, int N,  \
         int K) {                                                                                                 \
-        gemv_body<WT, NT, VEC>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count, n_tiles, \
-                               M, N, K);                                                                         \
+        gemv_body<WT, NT, R, KS, VEC>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count,  \
+                                      n_tiles, M, N, K);                                                         \
     }
 
-GEMV_ENTRY(gemv_bf16_nt1_v, bf16_bits_t, 1, true)
-GEMV_ENTRY(gemv_bf16_nt4_v, bf16_bits_t, 4, true)
-GEMV_ENTRY(gemv_bf16_nt16_v, bf16_bits_t, 16, true)
-GEMV_ENTRY(gemv_bf16_nt1_s, bf16_bits_t, 1, false)
-GEMV_ENTRY(gemv_bf16_nt4_s, bf16_bits_t, 4, false)
-GEMV_ENTRY(gemv_bf16_nt16_s, bf16_bits_t, 16, false)
-GEMV_ENTRY(gemv_f32_nt1_v, float, 1, true)
-GEMV_ENTRY(gemv_f32_nt4_v, float, 4, true)
-GEMV_ENTRY(gemv_f32_nt16_v, float, 16, true)
-GEMV_ENTRY(gemv_f32_nt1_s, float, 1, false)
-GEMV_ENTRY(gemv_f32_nt4_s, float, 4, false)
-GEMV_ENTRY(gemv_f32_nt16_s, float, 16, false)
+#define GEMV_FAMILY(WNAME, WT)                                       \
+    GEMV_ENTRY(gemv_##WNAME##_nt1_r1_ks1_v, WT, 1, 1, 1, true)      \
+    GEMV_ENTRY(gemv_##WNAME##_nt1_r1_ks1_s, WT, 1, 1, 1, false)     \
+    GEMV_ENTRY(gemv_##WNAME##_nt1_r1_ks8_v, WT, 1, 1, 8, true)      \
+    GEMV_ENTRY(gemv_##WNAME##_nt1_r1_ks8_s, WT, 1, 1, 8, false)     \
+    GEMV_ENTRY(gemv_##WNAME##_nt4_r4_ks1_v, WT, 4, 4, 1, true)      \
+    GEMV_ENTRY(gemv_##WNAME##_nt4_r4_ks1_s, WT, 4, 4, 1, false)     \
+    GEMV_ENTRY(gemv_##WNAME##_nt4_r1_ks8_v, WT, 4, 1, 8, true)      \
+    GEMV_ENTRY(gemv_##WNAME##_nt4_r1_ks8_s, WT, 4, 1, 8, false)     \
+    GEMV_ENTRY(gemv_##WNAME##_nt16_r4_ks1_v, WT, 16, 4, 1, true)    \
+    GEMV_ENTRY(gemv_##WNAME##_nt16_r4_ks1_s, WT, 16, 4, 1, false)   \
+    GEMV_ENTRY(gemv_##WNAME##_nt16_r1_ks8_v, WT, 16, 1, 8, true)    \
+    GEMV_ENTRY(gemv_##WNAME##_nt16_r1_ks8_s, WT, 16, 1, 8, false)
+
+GEMV_FAMILY(bf16, bf16_bits_t)
+GEMV_FAMILY(f32, float)
 
 // ---------------------------------------------------------------------------------------------------------
 // Tiled GEMM: 64 x 64 outputs per block, 256 threads, 4 x 4 per thread, K in steps of 16.

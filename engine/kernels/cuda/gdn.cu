@@ -76,13 +76,13 @@ __device__ void conv_decode_body(const X* __restrict__ x, const X* __restrict__ 
 }
 
 // ---------------------------------------------------------------------------------------------- recurrent rule
-// grid (Hv, B, ceil(Dv/32)), block 32 (one warp). Lane owns value column j; its state column lives in registers.
+// grid (B, Hv, ceil(Dv/32)), block 32 (one warp). Lane owns value column j; its state column lives in registers.
 template <typename X, typename S>
 __device__ void recurrent_body(const X* __restrict__ q, const X* __restrict__ k, const X* __restrict__ v,
                                const X* __restrict__ g, const X* __restrict__ beta, S* state,
                                const long long* __restrict__ slots, const long long* __restrict__ cu, S* ck,
                                X* __restrict__ out, int Hk, int Hv, int Dv, int want_ck, float eps) {
-    const int hv = blockIdx.x, b = blockIdx.y;
+    const int b = blockIdx.x, hv = blockIdx.y;
     const int lane = threadIdx.x;
     const int j = blockIdx.z * 32 + lane;
     const bool active = j < Dv;
@@ -168,3 +168,30 @@ GDN_INSTANTIATE(f32_f32, float, float)
 GDN_INSTANTIATE(f64_f32, double, float)
 GDN_INSTANTIATE(f32_f64, float, double)
 GDN_INSTANTIATE(f64_f64, double, double)
+
+// ---------------------------------------------------------------------------------------------- chunk solve
+// Forward substitution for the chunked prefill: X <- (I + L)^-1 X for strictly lower L [Bt, C, C] (C <= 64) and
+// X [Bt, C, W], in place. grid (Bt, ceil(W / 64)), block 64: thread = one column of X (columns independent).
+template <typename X>
+__device__ void unit_lower_solve_body(const X* __restrict__ L, X* x, int C, int W) {
+    __shared__ X Ls[64 * 64];
+    __shared__ X Xs[64 * 64];
+    const long long b = blockIdx.x;
+    const int col = blockIdx.y * 64 + threadIdx.x;
+    for (int i = threadIdx.x; i < C * C; i += blockDim.x) Ls[i] = L[b * C * C + i];
+    const bool active = col < W;
+    if (active)
+        for (int i = 0; i < C; ++i) Xs[i * 64 + threadIdx.x] = x[(b * C + i) * (long long)W + col];
+    __syncthreads();
+    if (!active) return;
+    for (int i = 1; i < C; ++i) {
+        X acc = Xs[i * 64 + threadIdx.x];
+        for (int j = 0; j < i; ++j) acc -= Ls[i * C + j] * Xs[j * 64 + threadIdx.x];
+        Xs[i * 64 + threadIdx.x] = acc;
+    }
+    for (int i = 1; i < C; ++i) x[(b * C + i) * (long long)W + col] = Xs[i * 64 + threadIdx.x];
+}
+
+extern "C" __global__ void gdn_unit_lower_solve_f32(const float* L, float* x, int C, int W) {
+    unit_lower_solve_body<float>(L, x, C, W);
+}

@@ -7,10 +7,7 @@
 #ifndef QSA_HEAD_DIM
 #define QSA_HEAD_DIM 256   // attention head dim; the host compiles with -DQSA_HEAD_DIM=<D>
 #endif
-#ifndef QSA_GROUP
-#define QSA_GROUP 12       // query heads per KV head; the host compiles with -DQSA_GROUP=<Hq/Hkv>
-#endif
-#define QSA_WARPS 8
+#define QSA_WARPS 4
 #define QSA_DPL ((QSA_HEAD_DIM + 31) / 32)
 
 __device__ __forceinline__ long long qsa_slot(const int* __restrict__ bt_row, long long p, int page) {
@@ -66,18 +63,18 @@ extern "C" __global__ void qsa_block_keys(const float* __restrict__ idx_k, float
 }
 
 // ------------------------------------------------------------------------------------------ scores
-// grid (ceil(NB / 8), T), block 256: one warp per block key. dynamic smem Hi*Di floats (the query).
+// grid (T, ceil(NB / 8)), block 256: one warp per block key. dynamic smem Hi*Di floats (the query).
 extern "C" __global__ void qsa_index_scores(const float* __restrict__ q, const float* __restrict__ blk_k,
                                             const int* __restrict__ bt, const long long* __restrict__ rows,
                                             const long long* __restrict__ n_visible, float* __restrict__ out,
                                             int Hi, int Di, long long NB, int ratio, int page, int max_pages,
                                             float sqrt_d) {
     extern __shared__ float sq[];
-    const int t = blockIdx.y;
+    const int t = blockIdx.x;
     for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) sq[i] = q[(long long)t * Hi * Di + i];
     __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long n = (long long)blockIdx.x * (blockDim.x / 32) + warp;
+    const long long n = (long long)blockIdx.y * (blockDim.x / 32) + warp;
     if (n >= NB) return;
     const long long nc = n_visible[t] / ratio;
     if (n >= nc) {
@@ -176,94 +173,104 @@ extern "C" __global__ void qsa_topk(const float* __restrict__ scores, const long
 }
 
 // ------------------------------------------------------------------------------------------ sparse attention
-// grid (Hkv, T), block 32*QSA_WARPS. Each warp runs an online softmax over a strided share of the query's tokens
-// (selected blocks' tokens, then the tail) for the QSA_GROUP query heads of one KV head; warps merge in order.
-extern "C" __global__ void qsa_sparse_attention(const float* __restrict__ q, const float* __restrict__ kv_k,
-                                                const float* __restrict__ kv_v, const int* __restrict__ bt,
-                                                const long long* __restrict__ rows,
-                                                const long long* __restrict__ n_visible,
-                                                const int* __restrict__ sel, float* __restrict__ out, int Hkv,
-                                                int ksel, int ratio, int page, int max_pages, float scale) {
-    __shared__ float sm_m[QSA_WARPS][QSA_GROUP];
-    __shared__ float sm_l[QSA_WARPS][QSA_GROUP];
-    __shared__ float sm_acc[QSA_GROUP][QSA_HEAD_DIM];
-    const int h = blockIdx.x, t = blockIdx.y;
+// Split-KV ("flash decoding"): the query's token list (selected blocks' tokens, then the tail) is cut into
+// n_split contiguous pieces of tps tokens. qsa_attn_partial: grid (T, Hq, n_split), block 32*QSA_WARPS; each warp
+// runs an online softmax over a strided share of its piece for ONE query head (GQA: KV head h / group), the warps
+// merge in shared memory and write (max, sum, unnormalised acc) for the piece. qsa_attn_combine: grid (T, Hq),
+// merges the pieces in order (deterministic) and normalises.
+__device__ __forceinline__ long long qsa_token(const int* __restrict__ sel_row, long long s, long long nsel,
+                                               long long nc, int ratio) {
+    return s < nsel ? (long long)sel_row[s / ratio] * ratio + s % ratio : nc * ratio + (s - nsel);
+}
+
+extern "C" __global__ void qsa_attn_partial(const float* __restrict__ q, const float* __restrict__ kv_k,
+                                            const float* __restrict__ kv_v, const int* __restrict__ bt,
+                                            const long long* __restrict__ rows,
+                                            const long long* __restrict__ n_visible, const int* __restrict__ sel,
+                                            float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc,
+                                            int Hq, int Hkv, int ksel, int ratio, int page, int max_pages,
+                                            long long tps, float scale) {
+    __shared__ float sm_m[QSA_WARPS], sm_l[QSA_WARPS];
+    __shared__ float sm_acc[QSA_WARPS][QSA_HEAD_DIM];
+    const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, n_split = gridDim.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int Hq = Hkv * QSA_GROUP;
+    const int hk = h / (Hq / Hkv);
     const float NEG_INF = -__int_as_float(0x7f800000);
-    float qr[QSA_GROUP][QSA_DPL], acc[QSA_GROUP][QSA_DPL], m[QSA_GROUP], l[QSA_GROUP];
-#pragma unroll
-    for (int g = 0; g < QSA_GROUP; ++g) {
-        m[g] = NEG_INF;
-        l[g] = 0.f;
-#pragma unroll
-        for (int i = 0; i < QSA_DPL; ++i) {
-            int d = lane + 32 * i;
-            qr[g][i] = d < QSA_HEAD_DIM ? q[((long long)t * Hq + h * QSA_GROUP + g) * QSA_HEAD_DIM + d] : 0.f;
-            acc[g][i] = 0.f;
-        }
-    }
     const long long nv = n_visible[t];
     const long long nc = nv / ratio;
     const long long kk = nc < (long long)ksel ? nc : (long long)ksel;
     const long long nsel = kk * ratio;
     const long long total = nsel + (nv - nc * ratio);
+    const long long lo = (long long)sp * tps;
+    const long long hi = lo + tps < total ? lo + tps : total;
     const int* btr = bt + rows[t] * (long long)max_pages;
-    for (long long s = warp; s < total; s += QSA_WARPS) {
-        long long p = s < nsel ? (long long)sel[(long long)t * ksel + s / ratio] * ratio + s % ratio
-                               : nc * ratio + (s - nsel);
-        const long long base = (qsa_slot(btr, p, page) * Hkv + h) * QSA_HEAD_DIM;
-        float kr[QSA_DPL], vr[QSA_DPL];
+    const int* sel_row = sel + (long long)t * ksel;
+    float qr[QSA_DPL], acc[QSA_DPL], m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int i = 0; i < QSA_DPL; ++i) {
+        int d = lane + 32 * i;
+        qr[i] = d < QSA_HEAD_DIM ? q[((long long)t * Hq + h) * QSA_HEAD_DIM + d] : 0.f;
+        acc[i] = 0.f;
+    }
+    for (long long s = lo + warp; s < hi; s += QSA_WARPS) {
+        const long long p = qsa_token(sel_row, s, nsel, nc, ratio);
+        const long long base = (qsa_slot(btr, p, page) * Hkv + hk) * QSA_HEAD_DIM;
+        float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < QSA_DPL; ++i) {
             int d = lane + 32 * i;
-            kr[i] = d < QSA_HEAD_DIM ? kv_k[base + d] : 0.f;
-            vr[i] = d < QSA_HEAD_DIM ? kv_v[base + d] : 0.f;
+            if (d < QSA_HEAD_DIM) dot += qr[i] * kv_k[base + d];
         }
+        dot = warp_sum(dot) * scale;
+        const float mn = fmaxf(m, dot);
+        const float corr = expf(m - mn);
+        const float pe = expf(dot - mn);
+        l = l * corr + pe;
 #pragma unroll
-        for (int g = 0; g < QSA_GROUP; ++g) {
-            float dot = 0.f;
-#pragma unroll
-            for (int i = 0; i < QSA_DPL; ++i) dot += qr[g][i] * kr[i];
-            dot = warp_sum(dot) * scale;
-            float mn = fmaxf(m[g], dot);
-            float corr = expf(m[g] - mn);
-            float pe = expf(dot - mn);
-            l[g] = l[g] * corr + pe;
-#pragma unroll
-            for (int i = 0; i < QSA_DPL; ++i) acc[g][i] = acc[g][i] * corr + pe * vr[i];
-            m[g] = mn;
+        for (int i = 0; i < QSA_DPL; ++i) {
+            int d = lane + 32 * i;
+            if (d < QSA_HEAD_DIM) acc[i] = acc[i] * corr + pe * kv_v[base + d];
         }
+        m = mn;
     }
-    if (lane == 0) {
+    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
 #pragma unroll
-        for (int g = 0; g < QSA_GROUP; ++g) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+    for (int i = 0; i < QSA_DPL; ++i) {
+        int d = lane + 32 * i;
+        if (d < QSA_HEAD_DIM) sm_acc[warp][d] = acc[i];
     }
-    for (int i = threadIdx.x; i < QSA_GROUP * QSA_HEAD_DIM; i += blockDim.x) (&sm_acc[0][0])[i] = 0.f;
     __syncthreads();
-    float f[QSA_GROUP];
-#pragma unroll
-    for (int g = 0; g < QSA_GROUP; ++g) {
-        float M = NEG_INF;
-        for (int w = 0; w < QSA_WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
+    float M = NEG_INF;
+    for (int w = 0; w < QSA_WARPS; ++w) M = fmaxf(M, sm_m[w]);
+    const long long o = ((long long)t * Hq + h) * n_split + sp;
+    if (threadIdx.x == 0) {
         float L = 0.f;
-        for (int w = 0; w < QSA_WARPS; ++w) if (sm_m[w][g] != NEG_INF) L += sm_l[w][g] * expf(sm_m[w][g] - M);
-        f[g] = (m[g] == NEG_INF || L == 0.f) ? 0.f : expf(m[g] - M) / L;
+        for (int w = 0; w < QSA_WARPS; ++w) if (sm_m[w] != NEG_INF) L += sm_l[w] * expf(sm_m[w] - M);
+        pm[o] = M;
+        pl[o] = L;
     }
-    for (int w = 0; w < QSA_WARPS; ++w) {
-        if (warp == w) {
-#pragma unroll
-            for (int g = 0; g < QSA_GROUP; ++g)
-#pragma unroll
-                for (int i = 0; i < QSA_DPL; ++i) {
-                    int d = lane + 32 * i;
-                    if (d < QSA_HEAD_DIM) sm_acc[g][d] += acc[g][i] * f[g];
-                }
-        }
-        __syncthreads();
+    for (int d = threadIdx.x; d < QSA_HEAD_DIM; d += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < QSA_WARPS; ++w) if (sm_m[w] != NEG_INF) a += sm_acc[w][d] * expf(sm_m[w] - M);
+        pacc[o * QSA_HEAD_DIM + d] = a;
     }
-    for (int i = threadIdx.x; i < QSA_GROUP * QSA_HEAD_DIM; i += blockDim.x) {
-        int g = i / QSA_HEAD_DIM, d = i % QSA_HEAD_DIM;
-        out[((long long)t * Hq + h * QSA_GROUP + g) * QSA_HEAD_DIM + d] = sm_acc[g][d];
+}
+
+extern "C" __global__ void qsa_attn_combine(const float* __restrict__ pm, const float* __restrict__ pl,
+                                            const float* __restrict__ pacc, float* __restrict__ out, int Hq,
+                                            int n_split) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const long long o = ((long long)t * Hq + h) * n_split;
+    float M = NEG_INF;
+    for (int s = 0; s < n_split; ++s) M = fmaxf(M, pm[o + s]);
+    float L = 0.f;
+    for (int s = 0; s < n_split; ++s) if (pm[o + s] != NEG_INF) L += pl[o + s] * expf(pm[o + s] - M);
+    const float inv = L > 0.f ? 1.0f / L : 0.f;
+    for (int d = threadIdx.x; d < QSA_HEAD_DIM; d += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < n_split; ++s)
+            if (pm[o + s] != NEG_INF) a += pacc[(o + s) * QSA_HEAD_DIM + d] * expf(pm[o + s] - M);
+        out[((long long)t * Hq + h) * QSA_HEAD_DIM + d] = a * inv;
     }
 }

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU generation tests + the engine benchmark at real widths, against the official implementation.
+# Called by ci/gpu on the GPU machine, from the repository root. Budget: about 4 minutes of GPU time.
+#
+# The official peer needs transformers >= 5.23 (qwen4_exp); the GPU image has 5.17. Put the wheel in
+# .whl/ beforehand (on a machine with PyPI access) and carry .whl to the GPU machine:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0
+# Its other needs (huggingface-hub>=1.31, tokenizers>=0.23.1,<0.24, safetensors>=0.8) are in the image.
+# Without the wheel the bench still runs and reports "peer unavailable: <reason>".
+#
+# Environment: OUT (results folder; default ci/out), BENCH_BUDGET_S (per measurement, default 60),
+# BENCH_LAYERS (default 4 = one period: 3 GDN + 1 QSA, PLE on layer 1), BENCH_ARGS (extra bench flags).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-ci/out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+status=0
+
+if ls .whl/transformers-*.whl >/dev/null 2>&1; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_bench: wheel install failed; the official peer will report itself unavailable" >&2
+  fi
+else
+  echo "gpu_bench: no .whl/transformers-*.whl; the official peer will report itself unavailable" >&2
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" - <<'PY' || true
+import importlib
+for m in ("torch", "transformers", "cupy", "numba", "tokenizers", "jinja2"):
+    try:
+        mod = importlib.import_module(m); print(f"gpu_bench: {m} {getattr(mod, '__version__', '?')}")
+    except Exception as e:
+        print(f"gpu_bench: {m} missing ({e})")
+PY
+
+# synthetic weights (~23.5 GB at 4 layers) go to RAM-backed /dev/shm when it has room: disk writes
+# would dominate the run
+need=$(( 30 * 1024 * 1024 ))
+if [ "$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2{print $4}')" -gt "$need" ] 2>/dev/null; then
+  export QWEN4EXP_CACHE=/dev/shm/qwen4exp
+else
+  export QWEN4EXP_CACHE="${QWEN4EXP_CACHE:-/tmp/qwen4exp}"
+fi
+echo "gpu_bench: synthetic cache $QWEN4EXP_CACHE"
+
+# 1. generation tests (GPU ones included; they skip cleanly elsewhere)
+"$PY" -m pytest -q -p no:cacheprovider tests/test_generate.py 2>&1 | tee "$OUT/generate_tests.log" || status=1
+
+# 2. the benchmark: engine (GPU) + official eager GPU forward on the same weights
+t0=$(date +%s)
+"$PY" -m parity.cli bench --synthetic real-widths --backend engine --device cuda \
+    --layers "${BENCH_LAYERS:-4}" --budget-s "${BENCH_BUDGET_S:-60}" --repeats 3 --warmup 1 \
+    --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+echo "gpu_bench: bench took $(( $(date +%s) - t0 )) s; results in $OUT/bench.json"
+rm -rf /dev/shm/qwen4exp
+exit $status

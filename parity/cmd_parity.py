@@ -1,0 +1,169 @@
+"""``qwen4exp parity``: the main job -- is this engine the qwen4exp model?
+
+    qwen4exp parity [MODEL] [--backend engine] [--scenario NAME...] [--json] [--out DIR]
+
+Runs the logit-KL harness (backend against the reference's full forward, with its controls) and the
+scenario suites (budget, chunk-boundary, snapshot-restore, speculative-rollback) at the page sizes
+the backend supports; prints one verdict table (scenario, cases, worst KL, worst logit error, first
+divergence, time); writes ``report.json`` and the failing cases' tap archives under ``--out``.
+Exit codes: 0 pass, 1 fail (a divergence or a failed control), 2 error (bad input, a backend that
+cannot be opened, a crash inside a scenario).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "parity", help="the main job: KL harness + all scenario suites of a backend against the reference",
+        description="Judge a backend against the reference: logit-KL with controls, then the budget, "
+                    "chunk-boundary, snapshot-restore and speculative-rollback scenarios (every one also with "
+                    "concurrent sequences and several paged-cache page sizes). Failures are located by tap-diff. "
+                    "Exit 0 pass / 1 fail / 2 error.")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
+    p.add_argument("--backend", default="engine",
+                   help="reference, reference-f64, engine (cuda when a GPU is present, else cpu), engine-cpu, "
+                        "engine-cuda, or module:Class (default: engine)")
+    p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",
+                   help="scenarios to run: budget, chunk-boundary, snapshot-restore, speculative-rollback, kl "
+                        "(default: all)")
+    p.add_argument("--level", choices=["full", "ci"], default="full",
+                   help="full: every combination (default); ci: the same situations, fewer combinations")
+    p.add_argument("--page-sizes", default=None, metavar="N,N,...",
+                   help="paged-cache page sizes (default: the compress ratio, twice it and ratio+1)")
+    p.add_argument("--prompts", metavar="FILE", default=None, help="prompt set of the KL harness")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="write report.json and failing cases' tap archives (truth.taps / backend.taps) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def _parse_scenarios(names):
+    from parity.scenarios import SCENARIOS, normalize_name
+    if not names:
+        return ["kl", *SCENARIOS]
+    out = []
+    for n in names:
+        out.append("kl" if n.strip().lower() == "kl" else normalize_name(n))
+    return list(dict.fromkeys(out))
+
+
+def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
+               out_dir=None, progress=True):
+    """Run the KL harness and the scenarios; returns a :class:`parity.report.ParityReport`.
+
+    Raises:
+        BackendError / InputError: the backend cannot be opened, bad options.
+    """
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    from parity.backend import open_backend, opener, truth_model
+    from parity.report import ParityReport, ScenarioRow
+    from parity.scenarios import count_cases, run_scenario, summarize_results
+    from parity.scenarios.common import TruthCache
+
+    op = opener(backend_spec, model)
+    probe = op()  # fails here, clearly, when the backend cannot be opened
+    caps = dict(getattr(probe, "capabilities", {}) or {})
+    cfg = probe.config
+    report = ParityReport(backend=probe.name, model=str(model),
+                          meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
+                                "capabilities": {k: v for k, v in caps.items()}})
+    probe.close()
+    truth = TruthCache(truth_model(model))
+    archive_dir = Path(out_dir) / "taps" if out_dir else None
+    total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
+    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
+    try:
+        for name in scenarios:
+            t0 = time.perf_counter()
+            if name == "kl":
+                report.rows.append(_kl_row(model, backend_spec, prompts, progress, t0))
+                bar.update(1)
+                continue
+            try:
+                res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
+                                   level=level)
+                report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # a scenario that cannot run at all is an error row, not a crash
+                report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
+                                               time.perf_counter() - t0, "error", f"{type(e).__name__}: {e}"))
+    finally:
+        bar.close()
+    return report
+
+
+def _kl_row(model, backend_spec, prompts_file, progress, t0):
+    from parity.cmd_kl import run_kl_command
+    from parity.prompts import load_prompts
+    from parity.report import ScenarioRow
+    from reference.config import load_config
+
+    cfg = load_config(model)
+    prompts = load_prompts(prompts_file, model, cfg.vocab_size)
+    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False)
+    s = rep.comparison.summary()
+    failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
+    status = "pass" if rep.exit_code == 0 else "fail"
+    detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
+    first = None
+    if not rep.passed:
+        import numpy as np
+        bad = int(np.argmax(np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)))
+        first = f"worst position {bad} of {s['positions']} (prompts concatenated); run the scenarios for tap-diff"
+    elif failed_controls:
+        first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
+    import numpy as np
+    both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
+    bounds = np.cumsum([0] + rep.per_prompt_positions)
+    n_bad = sum(1 for i in range(len(prompts)) if not np.all(both[bounds[i]:bounds[i + 1]] <= rep.thresholds.max_kl))
+    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), s["max_logit_err"], first,
+                       time.perf_counter() - t0, status, detail, failures=[rep.to_json()] if status != "pass" else [])
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from parity.report import render_table, write_json_atomic
+    from reference.paths import resolve_model
+
+    model = resolve_model(args.model)
+    scen = _parse_scenarios(args.scenario)
+    pages = None
+    if args.page_sizes:
+        from reference.errors import InputError
+        try:
+            pages = [int(x) for x in args.page_sizes.split(",")]
+            if any(p <= 0 for p in pages):
+                raise ValueError
+        except ValueError:
+            raise InputError(f"--page-sizes: expected comma-separated positive integers, found {args.page_sizes!r}")
+    progress = not args.no_progress and sys.stderr.isatty()
+    report = run_parity(model, args.backend, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
+                        out_dir=args.out, progress=progress)
+    doc = report.to_json()
+    if args.out:
+        path = write_json_atomic(Path(args.out) / "report.json", doc)
+        print(f"report: {path}", file=sys.stderr)
+    if args.json:
+        import json
+        print(json.dumps(doc, indent=1))
+    else:
+        console = None
+        if sys.stdout.isatty():
+            try:
+                from rich.console import Console
+                console = Console()
+            except ImportError:
+                console = None
+        text = render_table(report, console)
+        if console is None:
+            print(text)
+    return report.exit_code

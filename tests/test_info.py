@@ -1,0 +1,89 @@
+"""``qwen4exp info``: layer pattern, per-component parameter counts from checkpoint headers and from
+config.json alone, the real architecture's numbers, and the error path."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fixture_helpers import FIXTURES, fixture_dir
+from parity.cli import main
+from reference.checkpoint import write_safetensors
+from reference.config import load_config
+
+REAL = FIXTURES / "configs" / "qwen3.8-flash-next"
+
+
+def _info(capsys, *argv) -> dict:
+    assert main(["info", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_default_model_is_bundled_tiny(capsys):
+    a = _info(capsys)
+    b = _info(capsys, str(fixture_dir("tiny")))
+    assert a["params"] == b["params"] and a["model"].endswith("tiny")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-hc2", "tiny-hc3"])
+def test_counts_match_config_arithmetic(capsys, name):
+    cfg = load_config(fixture_dir(name))
+    r = _info(capsys, name)
+    p = r["params"]
+    # routed experts: L x E x (gate + up + down) x I x H
+    assert p["routed_experts"] == cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    assert p["ple_table"] == sum(cfg.ple_layout(i).padded_rows * cfg.ple_layout(i).head_dim for i in cfg.ple_layers)
+    assert p["mtp"] == 0 and p["vision"] == 0
+    # the same numbers from config.json alone (tied lm_head counted once, per-expert == fused)
+    c = _info(capsys, name, "--config-only")["params"]
+    assert {k: c[k] for k in ("backbone", "routed_experts", "ple_table")} == \
+        {k: p[k] for k in ("backbone", "routed_experts", "ple_table")}
+    assert c["mtp"] is None and c["vision"] is None
+    assert r["bf16_bytes"]["backbone"] == 2 * p["backbone"]
+    pat = r["config"]["layer_pattern"].replace(" ", "")
+    assert len(pat) == cfg.num_hidden_layers
+    for i, t in enumerate(cfg.layer_types):
+        assert pat[i] == ("Q" if t == "indexed_attention" else "P" if i in cfg.ple_layers else "L")
+
+
+def test_layer_pattern_text(capsys):
+    assert main(["info", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "LPQ LLQ" in out and "routed experts" in out and "MiB" in out
+
+
+def test_mtp_and_vision_counted(tmp_path, capsys):
+    """Extra mtp.* / model.visual.* tensors land in their own components (not in the backbone)."""
+    from reference.checkpoint import Checkpoint
+    src = Checkpoint.open(fixture_dir("tiny-hc2"))
+    t = {src.stored_name(n): np.array(src.get_raw(n)) for n in src.names()}
+    t["mtp.fc.weight"] = np.zeros((64, 128), np.float32)
+    t["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 5), np.float32)
+    t["model.layers.0.linear_attn.in_proj_z.weight_scale_inv"] = np.ones((1, 1), np.float32)  # not a parameter
+    (tmp_path / "config.json").write_text((fixture_dir("tiny-hc2") / "config.json").read_text())
+    write_safetensors(tmp_path / "model.safetensors", t)
+    base = _info(capsys, "tiny-hc2")["params"]
+    r = _info(capsys, str(tmp_path))["params"]
+    assert r["mtp"] == 64 * 128 and r["vision"] == 15
+    assert r["backbone"] == base["backbone"]
+
+
+def test_real_architecture_config_only(capsys):
+    """Numbers from config.json of the real model agree with the published tensor census
+    (model-facts.md: PLE shards [2,500,012, 160] x 128; routed experts 120.80B params)."""
+    r = _info(capsys, str(REAL), "--config-only")
+    assert r["config"]["layer_pattern"] == "LPLQ" + " LLLQ" * 11
+    assert r["params"]["ple_table"] == 128 * 2_500_012 * 160
+    assert round(r["params"]["routed_experts"] / 1e9, 2) == 120.80
+    assert r["config"]["tie_word_embeddings"] is False
+    cfg = load_config(REAL)
+    assert cfg.ple_layout(1).padded_rows // cfg.split_ngram_parts == 2_500_012
+    assert math.isclose(cfg.rotary_dim, 64)
+
+
+def test_missing_model_is_exit_2(capsys):
+    assert main(["info", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "tiny" in err

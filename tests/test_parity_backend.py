@@ -1,0 +1,98 @@
+"""The Backend protocol adapters and the --backend resolver."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity.backend import (BackendError, EngineBackend, ReferenceBackend, backend_class, open_backend)
+from reference.errors import InputError, UserError
+
+FIX = "fixtures/tiny"
+
+
+def test_names_resolve():
+    assert backend_class("reference")[0] is ReferenceBackend
+    assert backend_class("reference-f64")[1]["dtype"] == np.float64
+    assert backend_class("engine-cpu") == (EngineBackend, {"device": "cpu"})
+    cls, _ = backend_class("parity.suites.faults:BudgetOffByOne")
+    assert issubclass(cls, ReferenceBackend)
+
+
+@pytest.mark.parametrize("spec,err,match", [
+    ("nonsense", InputError, "expected one of"),
+    ("no_such_module_xyz:Cls", BackendError, "cannot import"),
+    ("parity.kl:NoSuchClass", BackendError, "no attribute"),
+    ("parity.kl:verdict", BackendError, "open"),
+    (":Cls", InputError, "module:Class"),
+])
+def test_bad_backend_specs_are_one_clear_error(spec, err, match):
+    with pytest.raises(err, match=match):
+        backend_class(spec)
+
+
+def test_engine_cuda_without_gpu_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("QWEN4EXP_NO_GPU", "1")
+    from engine.backend import cupy_or_none
+    cupy_or_none.cache_clear()
+    try:
+        with pytest.raises(UserError, match="cuda"):
+            open_backend("engine-cuda", FIX)
+    finally:
+        cupy_or_none.cache_clear()
+
+
+def test_reference_backend_operations_match_the_truth():
+    be = open_backend("reference", FIX)
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    truth = be.logits(ids)
+    a, b = be.new_sequence(), be.new_sequence()
+    la = be.prefill(a, ids[:10], chunk_size=3)
+    be.prefill(b, ids[:5])
+    d = be.decode([a, b], [ids[10], ids[5]])
+    v = be.forward_tokens(a, ids[11:13])
+    assert be.position(a) == 13 and be.position(b) == 6
+    # float32 incremental vs full forward: accumulation-order noise only (~1e-6 of the logit scale)
+    tol = 1e-4 * np.abs(truth).max()
+    assert np.allclose(la, truth[:10], atol=tol) and np.allclose(d[0], truth[10], atol=tol)
+    assert np.allclose(v, truth[11:13], atol=tol)
+    be.rollback(a, 2)
+    assert be.position(a) == 11
+    s = be.snapshot(a)
+    c = be.new_sequence()
+    be.restore(c, s)
+    assert be.position(c) == 11
+    assert set(be.state_arrays(c)) == set(be.state_arrays(a))
+
+
+def test_reference_backend_bad_input():
+    be = open_backend("reference", FIX)
+    h = be.new_sequence()
+    with pytest.raises(InputError, match="token ids in"):
+        be.prefill(h, [1, 2, 10**6])
+    with pytest.raises(InputError, match="one token per sequence"):
+        be.decode([h], [1, 2])
+    be.free(h)
+    with pytest.raises(BackendError, match="live handle"):
+        be.prefill(h, [1])
+    with pytest.raises(InputError, match="options"):
+        open_backend("reference", FIX, bogus=1)
+
+
+def test_perturb_option_changes_logits_and_unknown_tensor_is_refused():
+    from reference.errors import CheckpointError
+    base = open_backend("reference", FIX)
+    pert = open_backend("reference", FIX, perturb=("lm_head.weight", lambda w: w * 1.5))
+    ids = [3, 4, 5]
+    assert not np.allclose(base.logits(ids), pert.logits(ids))
+    with pytest.raises(CheckpointError, match="perturb"):
+        open_backend("reference", FIX, perturb=("no.such.tensor", lambda w: w))
+
+
+def test_engine_cpu_backend_opens_and_agrees():
+    pytest.importorskip("engine.engine", reason="engine not importable")
+    be = open_backend("engine-cpu", FIX, page_size=5)
+    ref = open_backend("reference", FIX)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    # engine float32 (CPU) vs the float32 reference: accumulation order only
+    assert np.allclose(be.logits(ids), ref.logits(ids), atol=1e-4 * np.abs(ref.logits(ids)).max())
+    assert be.precision == "float32" and be.name == "engine-cpu"
