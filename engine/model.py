@@ -553,6 +553,7 @@ class DecodeGraphs:
             got = self._replay(st, e)
             cp = self.cp
             err = float(cp.abs(got - ref).max() / cp.maximum(cp.abs(ref).max(), 1e-30))
+            self.model.syncs.count += 1  # the check's scalar copy (first replays of a key only)
             if not err <= 1e-5:
                 self.failed[key] = f"replay differs from eager (rel {err:.2e})"
                 self.stats["failed"] += 1

@@ -14,6 +14,7 @@ For every fixture (fixtures/*/golden.npz, written by the official implementation
   before the first difference, out of 64);
 * ``snapshot``, ``verify``: max relative difference of a restored / verified-and-rolled-back sequence's
   logits vs a straight run;
+* ``graphs``: CUDA-graph replays / captures / failures during the greedy run (cuda);
 * ``decode_syncs``: device->host copies in one batched decode step (1 = the logits only).
 
 Acceptance (issue 5): f32 <= 1e-4, KL <= 1e-3, top-1 >= 0.99, greedy 64/64, snapshot/verify <= 1e-5.
@@ -112,6 +113,9 @@ def fixture_figures(name: str, device: str = "cuda") -> dict:
             eng_toks.append(t)
             lg = eng.decode([s], [t])[0]
         eng.free(s)
+        if eng.graphs is not None:
+            st = eng.graphs.stats
+            out["graphs"] = f"{st['replays']} replays/{st['captures']} captures/{st['failed']} failed"
         same = 0
         while same < 64 and eng_toks[same] == ref_toks[same]:
             same += 1
@@ -221,7 +225,7 @@ def main(argv=None) -> int:
         tmp.write_text(json.dumps(rows, indent=1))
         tmp.replace(p)
     print(f"engine parity ({a.device}, {time.time() - t0:.1f}s): fixture | f32 vs official | f32 vs reference | "
-          f"bf16 KL/pos | bf16 top1 | bf16 tap-diff | greedy64 | snapshot | verify+rollback | decode syncs | verdict")
+          f"bf16 KL/pos | bf16 top1 | bf16 tap-diff | greedy64 | snapshot | verify+rollback | decode syncs | CUDA graphs (greedy) | verdict")
     for f in rows:
         if "error" in f:
             print(f"  {f['fixture']}: ERROR {f['error']}")
@@ -229,7 +233,7 @@ def main(argv=None) -> int:
         ref = f.get("f32_reference")
         print(f"  {f['fixture']} | {f['f32_golden']:.2e} | {ref if ref is None else format(ref, '.2e')} | "
               f"{f['bf16_kl']:.2e} | {f['bf16_top1']:.3f} | {f.get('bf16_tapdiff')} | {f.get('greedy64')}/64 | {f['snapshot']:.1e} | "
-              f"{f['verify']:.1e} | {f.get('decode_syncs')} | {'PASS' if not f['fail'] else 'FAIL ' + ','.join(f['fail'])}")
+              f"{f['verify']:.1e} | {f.get('decode_syncs')} | {f.get('graphs')} | {'PASS' if not f['fail'] else 'FAIL ' + ','.join(f['fail'])}")
     return 0 if all(not f["fail"] for f in rows) else 1
 
 

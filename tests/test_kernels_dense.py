@@ -457,3 +457,53 @@ def test_ple_forward_matches_float64(rng):
         ref = gated + conv_ref64(rms_ref64(gated, nc, H, eps), cw, dil)
         assert rel(gate[b], g) < TOL32
         assert rel(out[b], ref) < TOL32
+
+
+# ----------------------------------------------------------------------------------------------- properties
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq=st.lists(st.integers(0, 12), min_size=1, max_size=24), n=st.integers(2, 4),
+       cuts=st.lists(st.integers(1, 23), max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_ngram_hash_property_any_chunking(seq, n, cuts, seed):
+    """Any token sequence (EOS = 5 appears often: ids 0..12), any chunking: the carried-context hash
+    equals the whole-sequence Python-int reference bit for bit."""
+    rng = np.random.default_rng(seed)
+    hpn, eos = 2, 5
+    lay = _Layout(rng, n, hpn)
+    tabs = P.PLEHashTables.from_layout(lay, _Cfg(n, hpn, eos))
+    arr = np.array(seq, dtype=np.int64)
+    T = len(seq)
+    bounds = [0] + sorted({c for c in cuts if c < T}) + [T]
+    ctx = np.full((1, n - 1), eos, np.int64)
+    got = np.concatenate([P.ngram_hash(arr[None, a:b], ctx, [0], tabs)[0] for a, b in zip(bounds, bounds[1:])])
+    ref = ngram_ref_python(seq, n, hpn, eos, lay.multipliers, lay.head_vocab_sizes, lay.head_offsets)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_bad_inputs_name_the_argument():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(KernelInputError, match="top_k"):
+        M.router_topk(x, 9)
+    with pytest.raises(KernelInputError, match="gate_up/down"):
+        M.moe_experts(x, np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32), np.zeros((3, 6, 8), np.float32),
+                      np.zeros((3, 8, 4), np.float32))
+    with pytest.raises(KernelInputError, match="ids/weights"):
+        M.moe_experts(x, np.zeros((2, 1), np.int32), np.ones((2, 2), np.float32), np.zeros((3, 6, 8), np.float32),
+                      np.zeros((3, 8, 3), np.float32))
+    with pytest.raises(KernelInputError, match="x"):
+        N.hc_pre(np.zeros((2, 10), np.float32), np.zeros(10, np.float32), np.zeros((2, 10), np.float32),
+                 np.zeros((10, 2), np.float32), hc_count=4, eps=1e-6)
+    lay = _Layout(np.random.default_rng(0), 3, 2)
+    tabs = P.PLEHashTables.from_layout(lay, _Cfg(3, 2, 5))
+    with pytest.raises(KernelInputError, match="ctx_slab"):
+        P.ngram_hash(np.zeros((1, 3), np.int64), np.zeros((2, 3), np.int64), [0], tabs)
+    with pytest.raises(KernelInputError, match="slots"):
+        P.ngram_hash(np.zeros((2, 3), np.int64), np.zeros((2, 2), np.int64), [0], tabs)
+    with pytest.raises(KernelInputError, match="weight/conv_slab"):
+        P.ple_conv(np.zeros((1, 2, 4), np.float32), np.zeros((1, 5, 4), np.float32), [0], np.zeros((4, 4)),
+                   dilation=3)
+    with pytest.raises(KernelInputError, match="key/value/hidden"):
+        P.ple_gate(np.zeros((2, 8)), np.zeros((2, 3)), np.zeros((2, 8)), *(np.zeros(8),) * 3, hc_count=4, eps=1e-6)

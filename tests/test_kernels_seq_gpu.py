@@ -72,6 +72,10 @@ def test_rope_cuda_matches_twin_and_dense():
     y = g(x)
     rope.apply_rope(y, g(pos), g(invf), 64, out=y)
     assert rel_err(y.get(), twin) < TOL, seed
+    wide = g(np.concatenate([x, x], axis=2))  # a strided view, rotated in place
+    view = wide[:, :, :256]
+    rope.apply_rope(view, g(pos), g(invf), 64, out=view)
+    assert rel_err(view.get(), twin) < TOL and np.array_equal(wide[:, :, 256:].get(), x), seed
     assert rel_err(rope.apply_rope(g(x), g(pos + 1), g(invf), 64).get(), twin) > 1e-2, "off-by-one not caught"
 
 
@@ -120,7 +124,7 @@ def test_gdn_conv_cuda_prefill_decode_checkpoints():
     assert np.array_equal(dst[2].get(), st[2]), seed  # untouched row
 
 
-@pytest.mark.parametrize("T,chunk", [(1, 64), (200, 64), (77, 32)])
+@pytest.mark.parametrize("T,chunk", [(1, 64), (200, 64), (77, 32), (150, 100)])  # 100 > 64: array-code solve
 def test_gdn_chunked_prefill_cuda(T, chunk):
     seed, rng = fresh_rng()
     q, k, v, a, b, A_log, dtb, state = _gdn(rng, T)
@@ -299,7 +303,14 @@ def test_seq_kernels_timing_summary(capsys):
     args = [g(x) for x in (q, k, v, gg, bb)]
     dst = g(state)
     t0 = time.perf_counter()
-    timeit(f"gdn_prefill T={T}", lambda: gdn.gated_delta_prefill(*args, dst, 0, 64), n=3)
+    timeit(f"gdn_prefill_chunked T={T}", lambda: gdn.gated_delta_prefill(*args, dst, 0, 64), n=3)
+    timeit(f"gdn_prefill_recurrent T={T}", lambda: gdn.gated_delta_recurrent(*args, dst, g(np.array([0])),
+                                                                             g(np.array([0, T]))), n=3)
+    qp = g(rng.standard_normal((512, HQ, D)).astype(np.float32))
+    selp = cp.tile(sel[:1], (512, 1))
+    rp, nvp = g(np.zeros(512, np.int64)), g(np.full(512, L))
+    timeit("qsa_attention prefill T=512", lambda: qsa.qsa_sparse_attention(qp, kv, kv, bt, rp, nvp, selp, RATIO, 16,
+                                                                           D ** -0.5), n=3)
     with capsys.disabled():
         print("\nSEQ-KERNEL TIMINGS (us per call): " + "; ".join(f"{k}: {v:.1f}" for k, v in res.items()))
     assert all(v > 0 for v in res.values()) and time.perf_counter() - t0 > 0

@@ -151,21 +151,31 @@ def _ours(mc, W, x, page_size, split, tie_flip=False):
                                             kind="stable")[:, :sel.shape[1]], -1).astype(np.int32)
     core = qsa.qsa_sparse_attention(q, A["kv_k"], A["kv_v"], bt, zeros, pos + 1, sel, r, page_size, D ** -0.5)
     out = core.reshape(T, Hq * D) * (1 / (1 + np.exp(-gate)))
-    return out @ W["o_proj.weight"].T
+    return out @ W["o_proj.weight"].T, scores
+
+
+def _near_tie_rows(scores, k, rel=1e-5):
+    """Queries whose k-th and (k+1)-th best block scores are within ``rel``: float32 (ours) vs float64 (official)
+    may legitimately select differently there; every other query must agree."""
+    rows = []
+    for t, s in enumerate(scores):
+        f = np.sort(s[np.isfinite(s)])[::-1]
+        if len(f) > k and f[k - 1] - f[k] <= rel * max(abs(f[k - 1]), 1e-30):
+            rows.append(t)
+    return rows
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_qsa_attention_vs_official_module(rng, page_size):
     T = 46  # 11 complete blocks at the end, block_topk 2: selection active from position 11 on
     mc, W, x, ref = _attention_case(rng, T, page_size, split=23)
-    ours = _ours(mc, W, x, page_size, split=23)
-    assert rel_err(ours, ref) < TOL
-    bad = _ours(mc, W, x, page_size, split=23, tie_flip=True)
+    ours, scores = _ours(mc, W, x, page_size, split=23)
+    ties = _near_tie_rows(scores, mc.block_topk)
+    keep = np.setdiff1d(np.arange(T), ties)
+    assert len(ties) <= T // 4, f"too many near-tie queries to judge: {ties}"
+    assert rel_err(ours[keep], ref[keep]) < TOL
+    bad, _ = _ours(mc, W, x, page_size, split=23, tie_flip=True)
     assert rel_err(bad[12:], ref[12:]) > 1e-3, "a wrong selection was not caught"
-    W2 = dict(W)
-    W2["indexer.k_layernorm.weight"] = W["indexer.k_layernorm.weight"] + 0.5
-    pert = _ours(mc, W2, x, page_size, split=23)
     W3 = dict(W)
     W3["v_proj.weight"] = W["v_proj.weight"] * 1.1
-    assert rel_err(_ours(mc, W3, x, page_size, split=23), ref) > 1e-2, "a perturbed weight was not caught"
-    assert pert.shape == ref.shape
+    assert rel_err(_ours(mc, W3, x, page_size, split=23)[0], ref) > 1e-2, "a perturbed weight was not caught"

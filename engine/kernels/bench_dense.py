@@ -28,6 +28,27 @@ def _timer(cp, fn, reps=20, warm=3):
     return ts[len(ts) // 2] * 1e-3  # seconds
 
 
+def _graph_timer(cp, fn, reps=20):
+    """Median time of ``fn`` captured as one CUDA graph (kernel time without Python launch overhead)."""
+    fn()
+    fn()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        fn()
+        graph = s.end_capture()
+        for _ in range(3):
+            graph.launch(stream=s)
+        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
+        for a, b in ev:
+            a.record(s)
+            graph.launch(stream=s)
+            b.record(s)
+        ev[-1][1].synchronize()
+    ts = sorted(cp.cuda.get_elapsed_time(a, b) for a, b in ev)
+    return ts[len(ts) // 2] * 1e-3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -97,9 +118,14 @@ def main(argv=None) -> int:
         bytes_min = n_exp * 3 * I * H * 2
         res[f"moe_experts_T{T}_us"] = t * 1e6
         res[f"moe_experts_T{T}_GBps_unique_experts"] = bytes_min / t / 1e9
-        t = _timer(cp, lambda: M.moe_block(x, router, gu, dn, top_k=k, shared_gate_proj=sg, shared_up_proj=su,
-                                           shared_down_proj=sd, shared_expert_gate=sgt), reps=10 if T > 16 else 20)
-        res[f"moe_block_T{T}_us"] = t * 1e6
+        blk = (lambda: M.moe_block(x, router, gu, dn, top_k=k, shared_gate_proj=sg, shared_up_proj=su,
+                                   shared_down_proj=sd, shared_expert_gate=sgt))
+        t = _timer(cp, blk, reps=10 if T > 16 else 20)
+        res[f"moe_block_T{T}_eager_us"] = t * 1e6
+        tg = _graph_timer(cp, blk, reps=10 if T > 16 else 20)
+        res[f"moe_block_T{T}_us"] = tg * 1e6
+        if T == 1:  # bytes the decode step must read: 10 experts, router, shared expert
+            res["moe_block_T1_GBps"] = (n_exp * 3 * I * H * 2 + E * H * 2 + 3 * Is * H * 2) / tg / 1e9
     res["moe_tokrate_T16_over_T1"] = 16 * res["moe_block_T1_us"] / res["moe_block_T16_us"]
     del gu, dn
     # hyper-connection at real width
@@ -108,7 +134,9 @@ def main(argv=None) -> int:
     down, up, inj = bf16(r, hc * H), bf16(hc * H, r), bf16(hc, hc * H)
     for T in (1, 16):
         x = rs.standard_normal((T, hc * H), dtype=cp.float32)
-        res[f"hc_pre_T{T}_us"] = _timer(cp, lambda: N.hc_pre(x, nw, down, up, inj, hc_count=hc, eps=1e-6)) * 1e6
+        f = (lambda: N.hc_pre(x, nw, down, up, inj, hc_count=hc, eps=1e-6))
+        res[f"hc_pre_T{T}_eager_us"] = _timer(cp, f) * 1e6
+        res[f"hc_pre_T{T}_us"] = _graph_timer(cp, f) * 1e6
     # PLE at real width: 16 heads x 160 = 2560
     D, K, dil = 2560, 4, 3
     kp, vp = bf16(hc * H, D), bf16(H, D)
@@ -118,8 +146,10 @@ def main(argv=None) -> int:
         hid = rs.standard_normal((B, 1, hc * H), dtype=cp.float32)
         emb = rs.standard_normal((B, 1, D), dtype=cp.float32)
         slots = cp.arange(B, dtype=cp.int64)
-        res[f"ple_forward_B{B}_us"] = _timer(cp, lambda: P.ple_forward(hid, emb, kp, vp, nw, nw, nw, cw, slab, slots,
-                                                                       hc_count=hc, eps=1e-6, dilation=dil)) * 1e6
+        f = (lambda: P.ple_forward(hid, emb, kp, vp, nw, nw, nw, cw, slab, slots, hc_count=hc, eps=1e-6,
+                                   dilation=dil))
+        res[f"ple_forward_B{B}_eager_us"] = _timer(cp, f) * 1e6
+        res[f"ple_forward_B{B}_us"] = _graph_timer(cp, f) * 1e6
     width = max(len(k_) for k_ in res)
     for k_, v in res.items():
         print(f"{k_:<{width}}  {v:12.3f}")

@@ -233,9 +233,18 @@ def _prep_qk(xp, q, k, Hv, dt):
 
 def _unit_lower_solve(xp, L, rhs):
     """Solve ``(I + L) X = rhs`` for strictly lower-triangular ``L [..., C, C]`` by forward substitution
-    (vectorised over all leading dims)."""
-    X = rhs.copy()
+    (vectorised over all leading dims). On the GPU, float32 with C <= 64: one CUDA launch
+    (``gdn_unit_lower_solve_f32``, a thread per right-hand-side column); otherwise array code row by row."""
     C = L.shape[-1]
+    if xp is not np and rhs.dtype == np.float32 and C <= 64:
+        W = rhs.shape[-1]
+        Lc = xp.ascontiguousarray(L, dtype=np.float32).reshape(-1, C, C)
+        X = xp.ascontiguousarray(rhs).copy().reshape(-1, C, W)
+        if X.shape[0]:
+            load_module("gdn.cu").get_function("gdn_unit_lower_solve_f32")(
+                (X.shape[0], (W + 63) // 64), (64,), (Lc, X, np.int32(C), np.int32(W)))
+        return X.reshape(rhs.shape)
+    X = rhs.copy()
     for i in range(1, C):
         X[..., i, :] -= (L[..., i:i + 1, :i] @ X[..., :i, :])[..., 0, :]
     return X

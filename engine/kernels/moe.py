@@ -67,8 +67,9 @@ def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
     ids = _empty(xp, (T, top_k), dtype=xp.int32)
     w = _empty(xp, (T, top_k), dtype=xp.float32)
     if T:
-        if E * 4 > 96 * 1024:
-            raise KernelInputError(f"logits: E={E} experts exceed the router kernel's shared-memory bound (24576)")
+        if E * 4 > 48 * 1024:
+            raise KernelInputError(f"logits: expected at most 12288 experts (the router kernel's shared memory), "
+                                   f"found E={E}")
         kernel("dense_moe.cu", "router_topk")(
             (T,), (256,), (lg, np.int32(T), np.int32(E), np.int32(top_k), np.int32(1 if norm_topk_prob else 0), ids, w),
             shared_mem=E * 4)
@@ -143,8 +144,8 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
     ts = _empty(xp, max(max_tiles, 1), dtype=xp.int32)
     tc = _empty(xp, max(max_tiles, 1), dtype=xp.int32)
     nt = xp.zeros(1, dtype=xp.int32)
-    if E * 4 > 96 * 1024:
-        raise KernelInputError(f"num_experts: {E} exceeds the dispatch kernel's shared-memory bound (24576)")
+    if E * 4 > 48 * 1024:
+        raise KernelInputError(f"num_experts: expected at most 12288 (the dispatch kernel's shared memory), found {E}")
     kernel("dense_moe.cu", "moe_tables")(
         (1,), (1024,), (ids32, np.int32(S), np.int32(k), np.int32(E), np.int32(rpt), offsets, sorted_token, slot_pos,
                         te, ts, tc, nt), shared_mem=E * 4)
@@ -181,8 +182,8 @@ def _combine(y_sorted, route: MoERoute, weights, shared=None, shared_gate=None, 
     if n:
         wc = f32_contig(weights, "weights")
         kernel("dense_moe.cu", "moe_combine")(
-            (-(-n // 256),), (256,), (y_sorted, route.slot_pos, wc, ptr_or_null(shared), ptr_or_null(shared_gate), out, np.int32(T), np.int32(k),
-                                      np.int32(H)))
+            (-(-n // 256),), (256,), (y_sorted, route.slot_pos, wc, ptr_or_null(shared), ptr_or_null(shared_gate), out,
+                                      np.int32(T), np.int32(k), np.int32(H)))
     return out
 
 

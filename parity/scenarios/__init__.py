@@ -8,7 +8,6 @@ ratio; the reference has no pages and runs once), and returns the per-case resul
 from __future__ import annotations
 
 import importlib
-import time
 from typing import Callable
 
 from reference.errors import InputError
