@@ -23,7 +23,6 @@ import dataclasses
 import importlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path

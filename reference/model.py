@@ -61,11 +61,13 @@ class ReferenceModel:
         cache_weights: keep upcast non-expert weights (and used experts) in memory; ``None`` = only when the
             non-expert weights take under 2 GiB upcast (never for the real checkpoint: it then reads on demand
             through the reader's memory maps).
+        progress: show a per-layer progress bar (tqdm) inside long steps; ``None`` = for real-width models
+            (``hidden_size >= 1024``) on steps of 64 tokens or more.
     Raises:
         InputError: unsupported dtype.
     """
 
-    def __init__(self, weights, dtype=np.float32, cache_weights: bool | None = None):
+    def __init__(self, weights, dtype=np.float32, cache_weights: bool | None = None, progress: bool | None = None):
         dt = np.dtype(dtype)
         if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise InputError(f"dtype: expected float32 or float64, found {dt}")
@@ -77,6 +79,7 @@ class ReferenceModel:
         if cache_weights is None:
             cache_weights = self._estimate_bytes() < _AUTO_CACHE_BYTES
         self._cache_on = bool(cache_weights)
+        self.progress = progress
         self._cache: dict = {}
         self._expert_cache: dict = {}
         #: diagnostic hook ``(layer, positions [T], block_scores [T, NB], selected [T, block_topk]) -> selected``:
@@ -290,7 +293,10 @@ class ReferenceModel:
             if rec is not None:
                 rec.emit("embed_tokens.out", e, positions=pos)
             x = np.tile(e, (1, cfg.hc_count))
-            for i, lt in enumerate(cfg.layer_types):
+            show = self.progress if self.progress is not None else (cfg.hidden_size >= 1024 and T >= 64)
+            from tqdm.auto import tqdm
+            for i, lt in tqdm(list(enumerate(cfg.layer_types)), desc=f"reference step ({T} tokens)", unit="layer",
+                              disable=not show, leave=False):
                 if i in state.ple:
                     x, pending[("ple", i)] = self._ple_step(i, state.ple[i], x, ids, pos, rec)
                 pre = f"layers.{i}."

@@ -6,8 +6,8 @@ Metrics per activation tap (over the positions both recordings hold; float64 acc
   * ``rel_l2`` = ||b - a|| / ||a||;  ``cosine`` = <a, b> / (||a|| ||b||) (1 when both are 0);
   * ``nonfinite`` = elements where a non-finite value differs (NaN never agrees; equal infinities
     agree and are left out of the norms);
-  * the tolerance test of the profile (see ``taps/profiles/fp32.toml``) and the first position that
-    breaks it.
+  * the tolerance test of the profile (see ``taps/profiles/fp32.toml``), the first position that
+    breaks it, and ``limit_ratio`` (how close the tap came to the profile's limits; 1.0 = at one).
 Index taps: exact-match rate of rows, mean set overlap, and per differing row a verdict:
   * *error*: B's pick contradicts B's own companion scores (including the canonical tie-break:
     higher score first, then lower index), or the best item B dropped beats the worst item B took

@@ -122,3 +122,14 @@ def test_negative_control_decode_position_off_by_one():
     s.state.position += 1
     steps = np.stack([s.decode(t) for t in ids[n:]])
     assert _rel(steps, z["decode/qsa/logits"]) > REL
+
+
+def test_on_demand_weights_equal_cached():
+    """Without the weight cache (the real-checkpoint mode: memory-mapped rows, chunked lm_head) the result
+    is bit-identical to the cached mode."""
+    ck, z = _fixture("tiny-hc3")
+    ids = z["chat/ids"]
+    a = ReferenceModel(ck, cache_weights=True).forward(ids)
+    b = ReferenceModel(ck, cache_weights=False).forward(ids)
+    assert np.array_equal(a, b)
+    assert _rel(b, z["chat/logits"]) <= REL

@@ -191,3 +191,35 @@ def test_bad_ids_are_input_errors(model64):
     with pytest.raises(InputError, match="dtype"):
         ReferenceModel(model64.weights, dtype=np.float16)
     assert s.position == 0
+
+
+def test_only_routed_experts_are_read(ids):
+    """Experts are requested from the weights object one by one, and only those some token routes to."""
+    import taps.recorder as recmod
+    from reference.model import _Capture
+    w = random_weights(tiny_config(), seed=3)
+    asked = []
+
+    class Spy:
+        def __init__(self, inner):
+            self._inner = inner
+            self.config = inner.config
+
+        def expert(self, layer, e, dtype=np.float32):
+            asked.append((layer, e))
+            return self._inner.expert(layer, e, dtype)
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    m = ReferenceModel(Spy(w), dtype=np.float64, cache_weights=False)
+    cap = _Capture()
+    tok = recmod._CURRENT.set(cap)
+    try:
+        m.forward(ids[:5])
+    finally:
+        recmod._CURRENT.reset(tok)
+    r = cap.result()
+    used = {(i, int(e)) for i in range(4) for e in np.unique(r[f"layers.{i}.mlp.gate.topk_ids"])}
+    assert set(asked) == used and len(asked) == len(used)
+    assert len(used) < 4 * 8  # some experts unused, so the check has teeth

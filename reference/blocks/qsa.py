@@ -147,7 +147,7 @@ def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, 
 
 
 def sparse_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, mask: np.ndarray, scaling: float,
-                     query_block: int = 128) -> np.ndarray:
+                     query_block: int | None = None) -> np.ndarray:
     """Softmax attention of each query over the keys its mask allows (GQA: head ``h`` reads KV head
     ``h // (nH // nKV)``).
 
@@ -161,6 +161,8 @@ def sparse_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, mask: np.ndarr
     T, nH, hd = q.shape
     nKV = K.shape[1]
     rep = nH // nKV
+    if query_block is None:  # keep one block's score matrix [nH, block, L] around 16M entries
+        query_block = max(1, min(128, (1 << 24) // max(1, nH * K.shape[0])))
     out = np.empty((T, nH, hd), dtype=q.dtype)
     Kh = K.transpose(1, 0, 2)  # [nKV, L, hd]
     Vh = V.transpose(1, 0, 2)
