@@ -9,7 +9,9 @@
 # Its other needs (huggingface-hub>=1.31, tokenizers>=0.23.1,<0.24, safetensors>=0.8) are in the image.
 # Without the wheel the bench still runs and reports "peer unavailable: <reason>".
 #
-# Environment: OUT (results folder; default ci/out), BENCH_BUDGET_S (per measurement, default 60),
+# Environment: OUT (results folder; default ci/out), BENCH_BUDGET_S (measuring time per process before
+# later settings are skipped, default 40), BENCH_TIMEOUT_S (hard limit per process, load included,
+# default 150; what was measured before it is kept),
 # BENCH_LAYERS (default 4 = one period: 3 GDN + 1 QSA, PLE on layer 1), BENCH_ARGS (extra bench flags).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +55,8 @@ echo "gpu_bench: synthetic cache $QWEN4EXP_CACHE"
 # 2. the benchmark: engine (GPU) + official eager GPU forward on the same weights
 t0=$(date +%s)
 "$PY" -m parity.cli bench --synthetic real-widths --backend engine --device cuda \
-    --layers "${BENCH_LAYERS:-4}" --budget-s "${BENCH_BUDGET_S:-60}" --repeats 3 --warmup 1 \
+    --layers "${BENCH_LAYERS:-4}" --budget-s "${BENCH_BUDGET_S:-40}" --timeout-s "${BENCH_TIMEOUT_S:-150}" \
+    --repeats 3 --warmup 1 \
     --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
 echo "gpu_bench: bench took $(( $(date +%s) - t0 )) s; results in $OUT/bench.json"
 rm -rf /dev/shm/qwen4exp

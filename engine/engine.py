@@ -174,6 +174,11 @@ class Engine:
         if end > self.pool.max_positions:
             raise CapacityError(f"sequence {seq.sid}: {end} positions requested, expected <= "
                                 f"max_position_embeddings={self.pool.max_positions}")
+        need = self.pool.pages_needed(seq, len(ids))
+        if need > self.pool.free_pages():
+            raise CapacityError(f"KV pages: sequence {seq.sid}: a prompt of {len(ids)} tokens needs {need} free pages, "
+                                f"found {self.pool.free_pages()} (pool of {self.pool.num_pages} pages x "
+                                f"{self.pool.page_size} tokens; raise kv_tokens or free sequences)")
         seq.checkpoints = None
         cs = len(ids) if cs is None else int(cs)
         outs = []

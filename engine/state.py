@@ -354,6 +354,15 @@ class StatePool:
         vals = np.asarray([q for _, q, _ in new_pages], np.int32)
         self.block_tables[seq.slab, xp.asarray(idx)] = xp.asarray(vals)
 
+    def pages_needed(self, seq: Sequence, n_new: int) -> int:
+        """Free pages that :meth:`reserve` of ``n_new`` tokens would take (new pages + copy-on-write)."""
+        ps = self.page_size
+        end = seq.length + int(n_new)
+        need = max(0, -(-end // ps) - len(seq.pages))
+        first = seq.length // ps
+        need += sum(1 for p in range(first, min(len(seq.pages), -(-end // ps))) if self.refcount[seq.pages[p]] > 1)
+        return need
+
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Host int64 slot ids of positions ``[start, end)`` (pages must exist)."""
         pos = np.arange(start, end, dtype=np.int64)

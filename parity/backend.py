@@ -295,7 +295,7 @@ class EngineBackend(Backend):
     'float32' on cpu and 'bf16' on cuda), ``perturb``, ``weights``; others are passed to ``engine.Engine``.
     """
 
-    capabilities = {"page_sizes": "any", "batched_decode": True, "perturb": True, "state_arrays": False,
+    capabilities = {"page_sizes": "any", "batched_decode": True, "perturb": True, "state_arrays": True,
                     "snapshot_file": False}
 
     def __init__(self, eng, name, model_path, precision):
@@ -305,6 +305,9 @@ class EngineBackend(Backend):
         self.precision = precision
         self.config = getattr(eng, "config", None)
         self._live: set = set()
+        pool = getattr(eng, "pool", None)
+        if not all(hasattr(pool, a) for a in ("slab_arrays", "page_arrays", "slots")):
+            self.capabilities = {**type(self).capabilities, "state_arrays": False}
 
     @classmethod
     def open(cls, model_path, *, device="cpu", page_size=None, precision=None, perturb=None, weights=None,
@@ -359,6 +362,38 @@ class EngineBackend(Backend):
 
     def restore(self, h, snap):
         self.eng.restore(h, snap)
+
+    _STATE_NAMES = {"gdn_conv": "gdn.{i}.conv", "gdn_rec": "gdn.{i}.recurrent", "ple_conv": "ple.{i}.conv",
+                    "ple_ctx": "ple.{i}.context", "kv_k": "qsa.{i}.k", "kv_v": "qsa.{i}.v",
+                    "idx_k": "qsa.{i}.index_keys", "blk_k": "qsa.{i}.block_keys"}
+
+    def state_arrays(self, h):
+        """The sequence's logical state, named like the reference's (``gdn.{i}.conv``, ``qsa.{i}.k`` ...):
+        slab rows as they are, KV / indexer keys gathered from the sequence's pages for positions
+        ``0..L-1``, block keys from the slot of each complete block's last token (engine/state.py layout).
+
+        Raises:
+            BackendError: the engine's state layout is not the one this adapter reads.
+        """
+        from engine.backend import to_numpy
+        pool = self.eng.pool
+        L = self.position(h)
+        out = {}
+        try:
+            for key, arr in pool.slab_arrays():
+                f, i = key.rsplit(".", 1)
+                out[self._STATE_NAMES[f].format(i=i)] = np.array(to_numpy(arr[h.slab]), copy=True)
+            slots = pool.slots(h, 0, L) if L else np.zeros(0, np.int64)
+            r = self.config.indexer_compress_ratio or 1
+            blk = slots[r - 1::r][:L // r] if L else slots
+            for key, arr in pool.page_arrays():
+                f, i = key.rsplit(".", 1)
+                idx = blk if f == "blk_k" else slots
+                out[self._STATE_NAMES[f].format(i=i)] = np.array(to_numpy(arr[idx]), copy=True)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BackendError(f"backend {self.name}: state_arrays: expected the engine/state.py layout, found "
+                               f"{type(e).__name__}: {e}") from e
+        return out
 
     def position(self, h):
         pos = getattr(self.eng, "position", None)

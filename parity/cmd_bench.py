@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip the official implementation")
     p.add_argument("--no-extras", action="store_true", help="skip the n-gram gather and tap-diff figures")
     p.add_argument("--budget-s", type=float, default=None, help="time budget per measurement (later settings skipped)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="hard limit per measurement process, load included (default: 3 x budget + 240 s, or none); "
+                        "what was measured before it is kept")
     p.add_argument("--json", action="store_true", help="print the result JSON (instead of the table)")
     p.add_argument("--out", default=None, help="write the result JSON to this file (atomic)")
     p.set_defaults(func=run)
@@ -128,7 +131,7 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
         base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
                 "decode_tokens": D}
         jobs.append(("engine", dict(base, kind="engine", device=dev, precision=args.precision, prompt_lens=pl,
-                                    decode=dec)))
+                                    decode=dec, progress=gpu)))
         if not args.no_peer and gpu:
             # the peer decodes at batch 1 only (the goal's comparison); its batched prefill at 16 x 4k
             # tokens would cost more GPU time than the whole engine run
@@ -144,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
 
     jobs, settings, checkpoints = plan(args)
     runs = {}
-    timeout = None if args.budget_s is None else 3 * args.budget_s + 240  # loads + the setting in flight
+    timeout = args.timeout_s
+    if timeout is None and args.budget_s is not None:
+        timeout = 3 * args.budget_s + 240  # loads + the setting in flight
     for i, (key, spec) in enumerate(jobs, 1):
         print(f"[bench] {i}/{len(jobs)}: {key}", file=sys.stderr, flush=True)
         runs[key] = runner.run_worker(spec, timeout_s=timeout)

@@ -328,6 +328,9 @@ def test_limits_are_stated_and_enforced():
     with pytest.raises(CapacityError, match="KV pages"):
         eng.prefill(s, _long_ids(name, 17))
     assert s.length == 0  # nothing silently truncated
+    with pytest.raises(CapacityError, match="needs 5 free pages"):
+        eng.prefill(s, _long_ids(name, 17), chunk_size=4)  # checked for the whole prompt before any chunk runs
+    assert s.length == 0 and s.pages == []
     lg = eng.prefill(s, _long_ids(name, 16))
     assert lg.shape[0] == 16
     with pytest.raises(CapacityError, match="max_position_embeddings"):

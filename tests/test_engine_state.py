@@ -246,3 +246,18 @@ def test_negative_control_rollback_with_wrong_checkpoint_is_detected():
         ck[key][1:] = ck[key][:-1].copy()
     pool.rollback(s, 1)
     assert not same(read_state(pool, s), states[2])
+
+
+def test_pages_needed_counts_copy_on_write_and_matches_reserve():
+    cfg = tiny_config()
+    pool = StatePool(cfg, np, page_size=4, num_pages=20, max_seqs=3)
+    p = pool.add()
+    write_tokens(pool, p, 6, np.random.default_rng())
+    c = pool.fork(p)  # shares the half-full page 1
+    for n in (1, 2, 3, 7):
+        need = pool.pages_needed(c, n)
+        expect = 1 + (-(-(6 + n) // 4) - 2)  # one copy-on-write + the new pages
+        assert need == expect
+    free = pool.free_pages()
+    pool.reserve(c, 7)
+    assert free - pool.free_pages() == pool.pages_needed(p, 0) + 3  # reserve took exactly what was predicted

@@ -50,7 +50,8 @@ def test_delta_prefill_twin_and_gpu_algorithm_match_dense(T, chunk):
     seed, rng = fresh_rng()
     q, k, v, g, beta, state, _ = _gdn_problem(rng, T)
     ref_out, ref_S = dense_gdn(q, k, v, g, beta, state[1])
-    for name, fn in (("twin", gdn.gated_delta_prefill), ("gpu-algorithm", lambda *a: gdn._chunked_xp(np, *a))):
+    for name, fn in (("twin", gdn.gated_delta_prefill), ("gpu-algorithm", lambda *a: gdn._chunked_xp(np, *a)),
+                     ("recurrent", lambda *a: gdn.gated_delta_prefill(*a, algorithm="recurrent"))):
         st = state.copy()
         out = fn(q, k, v, g, beta, st, 1, chunk)
         assert out.shape == (T, 4, 8) and out.dtype == np.float32
@@ -144,6 +145,9 @@ def test_input_errors_are_clear():
     with pytest.raises(UserError, match="slot"):
         gdn.gated_delta_prefill(q, q, np.zeros((3, 2, 4), np.float32), np.zeros((3, 2), np.float32),
                                 np.zeros((3, 2), np.float32), np.zeros((1, 2, 4, 4), np.float32), 5)
+    with pytest.raises(UserError, match="algorithm"):
+        gdn.gated_delta_prefill(q, q, np.zeros((3, 2, 4), np.float32), np.zeros((3, 2), np.float32),
+                                np.zeros((3, 2), np.float32), np.zeros((1, 2, 4, 4), np.float32), 0, algorithm="fast")
     with pytest.raises(UserError, match="rotary_dim"):
         rope.apply_rope(np.zeros((2, 1, 8), np.float32), np.arange(2), np.zeros(5, np.float32), 10)
 

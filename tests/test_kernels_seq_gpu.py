@@ -124,23 +124,29 @@ def test_gdn_conv_cuda_prefill_decode_checkpoints():
     assert np.array_equal(dst[2].get(), st[2]), seed  # untouched row
 
 
-@pytest.mark.parametrize("T,chunk", [(1, 64), (200, 64), (77, 32), (150, 100)])  # 100 > 64: array-code solve
-def test_gdn_chunked_prefill_cuda(T, chunk):
+@pytest.mark.parametrize("algorithm", ["chunked", "auto"])  # auto = the recurrent kernel on the GPU
+@pytest.mark.parametrize("T,chunk", [(1, 64), (200, 64), (77, 32), (150, 100)])
+def test_gdn_prefill_cuda(T, chunk, algorithm):
     seed, rng = fresh_rng()
     q, k, v, a, b, A_log, dtb, state = _gdn(rng, T)
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     dst, tst = g(state), state.copy()
-    out = gdn.gated_delta_prefill(g(q), g(k), g(v), g(gg), g(bb), dst, 2, chunk)
+    out = gdn.gated_delta_prefill(g(q), g(k), g(v), g(gg), g(bb), dst, 2, chunk, algorithm=algorithm)
     tout = gdn.gated_delta_prefill(q, k, v, gg, bb, tst, 2, chunk)
     assert _no_poison(out), seed
-    assert rel_err(out.get(), tout) < TOL and rel_err(dst.get(), tst) < TOL, seed
+    # chunks longer than 64 take the array-code forward substitution (cuBLAS batched products, ~100 dependent
+    # rows): measured 1.5e-5 against the twin on the H200 (CPU: 2e-6), so that path is held to 1e-4; every other
+    # path to TOL
+    tol = 1e-4 if (chunk > 64 and algorithm == "chunked") else TOL
+    assert rel_err(out.get(), tout) < tol and rel_err(dst.get(), tst) < tol, seed
     if T <= 77:
         ro, rs = dense_gdn(q, k, v, gg, bb, state[2])
         assert rel_err(out.get(), ro) < TOL and rel_err(dst[2].get(), rs) < TOL, seed
     # negative control: a dropped state is caught by the same comparison
     dz = g(state)
     dz[2] = 0
-    assert rel_err(gdn.gated_delta_prefill(g(q), g(k), g(v), g(gg), g(bb), dz, 2, chunk).get(), tout) > 1e-2, seed
+    assert rel_err(gdn.gated_delta_prefill(g(q), g(k), g(v), g(gg), g(bb), dz, 2, chunk,
+                                           algorithm=algorithm).get(), tout) > 1e-2, seed
 
 
 def test_gdn_recurrent_cuda_decode_batch_and_verify_checkpoints():
@@ -303,7 +309,8 @@ def test_seq_kernels_timing_summary(capsys):
     args = [g(x) for x in (q, k, v, gg, bb)]
     dst = g(state)
     t0 = time.perf_counter()
-    timeit(f"gdn_prefill_chunked T={T}", lambda: gdn.gated_delta_prefill(*args, dst, 0, 64), n=3)
+    timeit(f"gdn_prefill_chunked T={T}", lambda: gdn.gated_delta_prefill(*args, dst, 0, 64, algorithm="chunked"),
+           n=3)
     timeit(f"gdn_prefill_recurrent T={T}", lambda: gdn.gated_delta_recurrent(*args, dst, g(np.array([0])),
                                                                              g(np.array([0, T]))), n=3)
     qp = g(rng.standard_normal((512, HQ, D)).astype(np.float32))

@@ -96,3 +96,27 @@ def test_engine_cpu_backend_opens_and_agrees():
     # engine float32 (CPU) vs the float32 reference: accumulation order only
     assert np.allclose(be.logits(ids), ref.logits(ids), atol=1e-4 * np.abs(ref.logits(ids)).max())
     assert be.precision == "float32" and be.name == "engine-cpu"
+
+
+def test_engine_state_arrays_match_after_rollback_and_flag_a_stale_state():
+    pytest.importorskip("engine.engine", reason="engine not importable")
+    from parity.scenarios.common import token_stream
+    be = open_backend("engine-cpu", FIX, page_size=5)  # 5 does not divide the compress ratio 4
+    if not be.capabilities.get("state_arrays"):
+        pytest.fail("engine-cpu: expected state_arrays support (engine/state.py layout)")
+    ids = token_stream(be.config, 20, seed=3, eos_every=7)
+    a = be.new_sequence()
+    be.prefill(a, ids[:15])
+    be.forward_tokens(a, ids[15:19])
+    be.rollback(a, 2)
+    b, c = be.new_sequence(), be.new_sequence()
+    be.prefill(b, ids[:17])
+    be.prefill(c, ids[:18])  # one token more: a stale state
+    sa, sb, sc = be.state_arrays(a), be.state_arrays(b), be.state_arrays(c)
+    kinds = {k.split(".")[0] + "." + k.split(".")[2] for k in sa}
+    assert {"gdn.conv", "gdn.recurrent", "ple.conv", "ple.context", "qsa.k", "qsa.index_keys",
+            "qsa.block_keys"} <= kinds
+    for k in sa:  # float32 verify+rollback vs prefill: accumulation order only (see Run.compare_state)
+        assert sa[k].shape == sb[k].shape and np.allclose(sa[k], sb[k], atol=1e-4 * max(1.0, np.abs(sb[k]).max()))
+    stale = [k for k in sa if sa[k].shape != sc[k].shape or not np.allclose(sa[k], sc[k], atol=1e-3)]
+    assert any(k.startswith("gdn.") for k in stale) and any(k.startswith("qsa.") for k in stale)

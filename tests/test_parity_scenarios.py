@@ -169,3 +169,16 @@ def test_pytest_pyargs_suite_runs_against_any_backend(backend, rc):
     assert p.returncode == rc, out[-3000:]
     if rc:
         assert "selected_blocks" in out and "decode_across_bound" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_engine_cuda_passes(scenario):
+    pytest.importorskip("cupy", reason="cupy not installed")
+    from engine.backend import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    op = opener("engine-cuda", REPO / "fixtures" / "tiny")
+    res = run_scenario(scenario, op, truth_for("tiny"), level="ci")
+    ran = [r for r in res if r.status != "skip"]
+    assert ran and all(r.status == "pass" for r in ran), _report(res)

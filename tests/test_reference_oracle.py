@@ -143,7 +143,8 @@ def test_live_fresh_weights_second_config():
     """Other widths: 3 streams, more experts, GQA 4:1, silu output gate, PLE on two layers, no QSA tail."""
     d = tiny_config_dict(hc_count=3, num_experts=6, num_experts_per_tok=3, num_attention_heads=4,
                          num_key_value_heads=1, output_gate_type="silu", norm_topk_prob=False,
-                         indexer_budget=6, indexer_compress_ratio=3, ple_layer_ids=[1, 2])
+                         indexer_budget=6, indexer_compress_ratio=3, ple_layer_ids=[1, 2], attention_bias=True,
+                         tie_word_embeddings=True)
     tm, w = official_model(d, seed=5)
     m = ReferenceModel(w)
     lr, layers, ties, differ = tie_aware_compare(m, tm, _prompt(9, 33))

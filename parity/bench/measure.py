@@ -46,6 +46,17 @@ def _ids(rng, n: int, vocab: int, avoid=()) -> np.ndarray:
     return ids
 
 
+def _partial(spec: dict, out: dict) -> None:
+    """Save what is measured so far (atomically) where the parent can read it after a timeout."""
+    path = spec.get("partial_path")
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, default=float)
+    os.replace(tmp, path)
+
+
 class _Deadline:
     def __init__(self, budget_s):
         self.end = None if not budget_s else time.monotonic() + float(budget_s)
@@ -145,6 +156,7 @@ def run_peer(spec: dict) -> dict:
            "experts_implementation": str(getattr(cfg, "_experts_implementation_internal", None)
                                          or getattr(cfg, "_experts_implementation", None)),
            "transformers": transformers.__version__, "torch": torch.__version__, "prefill": [], "decode": []}
+    _partial(spec, out)
 
     try:
         _peer_measure(torch, model, spec, out, rng, V, eos, timer, warm, reps, deadline, dev)
@@ -173,6 +185,7 @@ def _peer_measure(torch, model, spec, out, rng, V, eos, timer, warm, reps, deadl
                 if r >= warm:
                     ts.append(t.seconds)
             out["prefill"].append({"prompt_len": P, "tokens_per_s": rate(P, summarize(ts))})
+            _partial(spec, out)
             _log(f"peer prefill {P}: {P / np.median(ts):.1f} tok/s")
         D = int(spec.get("decode_tokens", 8))
         for B, C in spec.get("decode", []):
@@ -196,6 +209,7 @@ def _peer_measure(torch, model, spec, out, rng, V, eos, timer, warm, reps, deadl
                 torch.cuda.empty_cache()
             out["decode"].append({"batch": B, "context": C, "tokens_per_s": rate(B, summarize(steps)),
                                   "step_s": summarize(steps)})
+            _partial(spec, out)
             _log(f"peer decode B={B} C={C}: {B / np.median(steps):.2f} tok/s")
 
 
@@ -262,7 +276,6 @@ def hbm_bandwidth(cp, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
         with CupyEventTimer(cp) as t:
             copy()
         ts.append(t.seconds)
-    del a, b
     s = summarize(ts)
     return {"bytes_per_s": 2 * nbytes / s["median"], "copy_bytes": nbytes, "seconds": s}
 
@@ -302,6 +315,7 @@ def run_engine(spec: dict) -> dict:
         out["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         out["hbm"] = hbm_bandwidth(xp, int(spec.get("copy_bytes", 2 << 30)))
         _log(f"engine: HBM copy bandwidth {out['hbm']['bytes_per_s'] / 1e12:.2f} TB/s")
+    _partial(spec, out)
     for P in pl:
         if deadline.over():
             out["prefill"].append({"prompt_len": P, "skipped": "time budget"})
@@ -318,6 +332,7 @@ def run_engine(spec: dict) -> dict:
             if r >= warm:
                 ts.append(t.seconds)
         out["prefill"].append({"prompt_len": P, "tokens_per_s": rate(P, summarize(ts))})
+        _partial(spec, out)
         _log(f"engine prefill {P}: {P / np.median(ts):.1f} tok/s")
     shapes = {n: ck.shape(n) for n in ck.names()}
     w_isz = 2 if prec == "bf16" else 4
@@ -353,6 +368,7 @@ def run_engine(spec: dict) -> dict:
         if "hbm" in out:
             row["hbm_fraction"] = (nb["total"] / st["median"]) / out["hbm"]["bytes_per_s"]
         out["decode"].append(row)
+        _partial(spec, out)
         _log(f"engine decode B={B} C={C}: {B / st['median']:.2f} tok/s, syncs/step {row['host_syncs_per_step']}"
              + (f", {100 * row['hbm_fraction']:.1f}% of HBM" if "hbm_fraction" in row else ""))
     out["host_syncs_note"] = ("engine counter (Engine.host_syncs): device->host copies per decode call; the "
@@ -401,7 +417,17 @@ def run_extras(spec: dict) -> dict:
     return out
 
 
-KINDS = {"reference": run_reference, "peer": run_peer, "engine": run_engine, "extras": run_extras}
+def run_selftest(spec: dict) -> dict:
+    """Harness check (tests): record one partial result, then sleep ``spec["sleep"]`` seconds."""
+    out = {"kind": "selftest", "decode": [{"batch": 1, "context": 1, "tokens_per_s": rate(1, summarize([0.5]))}]}
+    _partial(spec, out)
+    time.sleep(float(spec.get("sleep", 0)))
+    out["finished"] = True
+    return out
+
+
+KINDS = {"reference": run_reference, "peer": run_peer, "engine": run_engine, "extras": run_extras,
+         "selftest": run_selftest}
 
 
 def main(argv=None) -> int:

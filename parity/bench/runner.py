@@ -32,20 +32,27 @@ GOALS = {"engine_b1_hbm_fraction": 0.40, "engine_b1_vs_peer": 5.0, "engine_b16_v
 def run_worker(spec: dict, timeout_s: float | None = None, quiet: bool = False) -> dict:
     """Run one measurement in a fresh ``python -m parity.bench.measure`` process; its last stdout line
     is the result. A crash, a non-JSON answer or a timeout becomes ``{"error": ...}``."""
-    cmd = [sys.executable, "-m", "parity.bench.measure", json.dumps(spec)]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
-                           text=True, timeout=timeout_s, env=env, cwd=root)
-    except subprocess.TimeoutExpired:
-        return {"kind": spec.get("kind"), "error": f"timed out after {timeout_s:.0f} s", "spec": spec}
-    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, ValueError):
-        return {"kind": spec.get("kind"), "error": f"worker exited {p.returncode} without a result", "spec": spec}
+    with tempfile.TemporaryDirectory(prefix="qwen4exp-bench-") as td:
+        partial = os.path.join(td, "partial.json")
+        cmd = [sys.executable, "-m", "parity.bench.measure", json.dumps(dict(spec, partial_path=partial))]
+        try:
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
+                               text=True, timeout=timeout_s, env=env, cwd=root)
+        except subprocess.TimeoutExpired:
+            res = {"kind": spec.get("kind")}
+            if os.path.exists(partial):  # keep what was measured before the limit
+                with open(partial) as f:
+                    res = json.load(f)
+            res.update(error=f"timed out after {timeout_s:.0f} s (measurements up to then kept)", spec=spec)
+            return res
+        lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, ValueError):
+            return {"kind": spec.get("kind"), "error": f"worker exited {p.returncode} without a result", "spec": spec}
 
 
 def _median(r, *path):
@@ -72,7 +79,7 @@ def compare(runs: dict) -> tuple[dict, list]:
     """Ratios against the peer measured in the same run, and the issue-7 goals (met / not met / n/a)."""
     ratios, goals = {}, []
     ref, pc, eng, pg = (runs.get(k) or {} for k in ("reference", "peer_cpu", "engine", "peer_gpu"))
-    if ref and pc and "unavailable" not in pc and "error" not in pc and "error" not in ref:
+    if ref and pc and "unavailable" not in pc and "prefill_tokens_per_s" in ref and pc.get("decode"):
         pdec = _find(pc.get("decode"), batch=1)
         ppre = _find(pc.get("prefill"))
         ratios["reference_prefill_vs_peer_cpu"] = _ratio(_median(ref, "prefill_tokens_per_s"),
@@ -84,7 +91,7 @@ def compare(runs: dict) -> tuple[dict, list]:
         goals.append({"goal": "reference decode at least as fast as the official CPU forward",
                       "measured": g, "target": GOALS["reference_vs_peer_cpu"],
                       "met": None if g is None else g >= GOALS["reference_vs_peer_cpu"]})
-    if eng and "error" not in eng:
+    if eng and eng.get("decode") is not None:  # also a run cut short: its finished settings count
         dec = [r for r in eng.get("decode", []) if "skipped" not in r]
         b1 = [r for r in dec if r["batch"] == 1]
         if b1:
@@ -105,7 +112,7 @@ def compare(runs: dict) -> tuple[dict, list]:
             inside = max(syn) - 1
             goals.append({"goal": "zero host synchronisations inside a decode step (counter minus the logits copy)",
                           "measured": inside, "target": 0, "met": inside <= 0})
-        if pg and "unavailable" not in pg and "error" not in pg:
+        if pg and "unavailable" not in pg and pg.get("decode") is not None:
             for r in dec:
                 p = _find(pg.get("decode"), batch=r["batch"], context=r["context"])
                 if p:
@@ -166,9 +173,10 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
             continue
         if "error" in r:
             rows.append((label, "", "error", r["error"]))
-            continue
+            if not any(k in r for k in ("prefill", "decode", "prefill_tokens_per_s")):
+                continue
         dev = r.get("device", "")
-        if key == "reference":
+        if key == "reference" and "prefill_tokens_per_s" in r:
             rows.append((label, f"prefill {r.get('prompt_len', '?')}", _fmt_rate(r.get("prefill_tokens_per_s")) + " tok/s",
                          f"peak RSS {r.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB"))
             rows.append((label, "decode b1", _fmt_rate(r.get("decode_tokens_per_s")) + " tok/s", ""))

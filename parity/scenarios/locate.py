@@ -60,7 +60,7 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32") -> str:
         return "tap-diff: all recorded taps agree within the profile (divergence below tap resolution)"
     r = rep.result(rep.first_divergence)
     m = r.metrics if r is not None else {}
-    metric = next((f"{k} {m[k]:.3g}" for k in ("max_rel", "rel_l2", "exact_rate") if isinstance(m.get(k), float)), "")
+    metric = next((f"{k} {m[k]:.3g}" for k in ("max_rel", "rel_l2", "exact_match") if isinstance(m.get(k), float)), "")
     out = f"first divergence {rep.first_divergence}"
     if r is not None and r.first_position is not None:
         out += f" at position {r.first_position}"
