@@ -41,7 +41,7 @@ import numpy as np
 from reference.errors import InputError, UserError
 
 __all__ = ["Backend", "ReferenceBackend", "EngineBackend", "BackendError", "open_backend", "backend_class",
-           "BACKEND_NAMES", "truth_model", "load_weights"]
+           "BACKEND_NAMES", "truth_model", "load_weights", "capabilities_of", "one_shot_logits"]
 
 BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda")
 
@@ -87,6 +87,19 @@ def truth_model(model_path, dtype=np.float32, weights=None):
         raise BackendError(f"reference.model: expected the reference model, found {e}") from e
     ck = weights if weights is not None else load_weights(model_path)
     return ReferenceModel(ck, dtype=dtype)
+
+
+def capabilities_of(be) -> dict:
+    """A backend's capabilities with the protocol defaults filled in (duck-typed backends may omit some)."""
+    return {**Backend.capabilities, **(getattr(be, "capabilities", None) or {})}
+
+
+def one_shot_logits(be, ids) -> np.ndarray:
+    """``be.logits(ids)`` when the backend has it, else a fresh sequence prefilled with ``ids`` and freed."""
+    fn = getattr(be, "logits", None)
+    if fn is not None:
+        return np.asarray(fn(ids))
+    return Backend.logits(be, ids)
 
 
 def _check_ids(ids, vocab: int, what: str = "ids") -> list[int]:
@@ -461,6 +474,13 @@ def open_backend(spec: str, model_path, **opts) -> Backend:
     be = cls.open(Path(model_path), **kw)
     if ":" in spec and getattr(be, "name", None) in (None, "backend"):
         be.name = spec
+    for attr in ("new_sequence", "prefill", "decode", "forward_tokens", "rollback", "snapshot", "restore",
+                 "position", "free", "config"):
+        if not hasattr(be, attr):
+            raise BackendError(f"--backend {spec!r}: expected the parity Backend protocol (parity/backend.py), "
+                               f"found no {attr!r} on {type(be).__name__}")
+    if not hasattr(be, "precision"):
+        be.precision = "float32"
     return be
 
 

@@ -59,7 +59,7 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
     the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight).
     """
-    from parity.backend import backend_class, open_backend
+    from parity.backend import capabilities_of, open_backend
     from parity.kl import run_kl
 
     a = open_backend(a_spec, model_path)
@@ -67,8 +67,7 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     r32 = a if a_spec == "reference" else open_backend("reference", model_path)
     r64 = open_backend("reference-f64", model_path)
     name = perturb_name or default_perturb_target(b.config)
-    cls, _ = backend_class(b_spec)
-    target = b_spec if getattr(cls, "capabilities", {}).get("perturb") else "reference"
+    target = b_spec if capabilities_of(b).get("perturb") else "reference"
     note = f"{target} with {name} perturbed (+ rms * N(0,1))"
 
     def perturbed():
@@ -121,10 +120,10 @@ def write_plot(rep, path) -> None:
     h.hist(np.log10(pos), bins=40)
     h.set_xlabel("log10 KL(a||b)")
     h.set_ylabel("positions")
-    line.plot(kl, lw=0.8)
+    line.plot(pos, lw=0.8)  # floored at 1e-30 so exact agreement still plots on the log axis
     line.set_yscale("log")
     line.set_xlabel("position (prompts concatenated)")
-    line.set_ylabel("KL(a||b)")
+    line.set_ylabel("KL(a||b) (floor 1e-30)")
     fig.suptitle(f"{rep.b} vs {rep.a}")
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))

@@ -68,13 +68,15 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     from parity.scenarios.common import TruthCache
 
     op = opener(backend_spec, model)
+    from parity.backend import capabilities_of
     probe = op()  # fails here, clearly, when the backend cannot be opened
-    caps = dict(getattr(probe, "capabilities", {}) or {})
+    caps = capabilities_of(probe)
     cfg = probe.config
     report = ParityReport(backend=probe.name, model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
                                 "capabilities": {k: v for k, v in caps.items()}})
-    probe.close()
+    if hasattr(probe, "close"):
+        probe.close()
     truth = TruthCache(truth_model(model))
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
@@ -83,7 +85,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         for name in scenarios:
             t0 = time.perf_counter()
             if name == "kl":
-                report.rows.append(_kl_row(model, backend_spec, prompts, progress, t0))
+                report.rows.append(_kl_row(model, backend_spec, prompts, progress, t0, truth=truth,
+                                           archive_dir=archive_dir))
                 bar.update(1)
                 continue
             try:
@@ -100,7 +103,12 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     return report
 
 
-def _kl_row(model, backend_spec, prompts_file, progress, t0):
+def _kl_row(model, backend_spec, prompts_file, progress, t0, truth=None, archive_dir=None):
+    """The KL harness as one verdict-table row; a failing comparison is located by tap-diff on its worst
+    prompt (the backend's one-shot logits against the truth's forward)."""
+    import numpy as np
+
+    from parity.backend import open_backend
     from parity.cmd_kl import run_kl_command
     from parity.prompts import load_prompts
     from parity.report import ScenarioRow
@@ -109,23 +117,29 @@ def _kl_row(model, backend_spec, prompts_file, progress, t0):
     cfg = load_config(model)
     prompts = load_prompts(prompts_file, model, cfg.vocab_size)
     rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False)
-    s = rep.comparison.summary()
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = "pass" if rep.exit_code == 0 else "fail"
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
-    first = None
-    if not rep.passed:
-        import numpy as np
-        bad = int(np.argmax(np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)))
-        first = f"worst position {bad} of {s['positions']} (prompts concatenated); run the scenarios for tap-diff"
-    elif failed_controls:
-        first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
-    import numpy as np
     both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
     bounds = np.cumsum([0] + rep.per_prompt_positions)
-    n_bad = sum(1 for i in range(len(prompts)) if not np.all(both[bounds[i]:bounds[i + 1]] <= rep.thresholds.max_kl))
-    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), s["max_logit_err"], first,
-                       time.perf_counter() - t0, status, detail, failures=[rep.to_json()] if status != "pass" else [])
+    per_prompt = [float(np.max(both[bounds[i]:bounds[i + 1]])) for i in range(len(prompts))]
+    n_bad = sum(1 for w in per_prompt if not w <= rep.thresholds.max_kl)
+    first, archives = None, []
+    if not rep.passed:
+        worst = int(np.argmax(np.nan_to_num(per_prompt, nan=np.inf)))
+        if truth is not None:
+            from parity.scenarios.locate import locate_one_shot
+            be = open_backend(backend_spec, model)
+            where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
+            first = f"prompt {worst}: {where}"
+        else:
+            first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
+    elif failed_controls:
+        first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
+    doc = rep.to_json()
+    doc["archives"] = archives
+    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
+                       first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [])
 
 
 def run(args) -> int:

@@ -318,16 +318,19 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     """
     from tqdm.auto import tqdm
 
+    from parity.backend import one_shot_logits
+
     if not prompts:
         raise InputError("prompts: expected at least one prompt, found none")
     t0 = time.perf_counter()
     th = thresholds_for(getattr(b, "precision", "float32"))
+    name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, det_ok, det_bad, greedy = [], True, [], []
     la_all, lb_all = [], []
-    for i, ids in enumerate(tqdm(prompts, desc=f"kl {b.name} vs {a.name}", disable=not progress, leave=False)):
-        la = np.asarray(a.logits(ids))
-        lb = np.asarray(b.logits(ids))
-        lb2 = np.asarray(b.logits(ids))
+    for i, ids in enumerate(tqdm(prompts, desc=f"kl {name_b} vs {name_a}", disable=not progress, leave=False)):
+        la = one_shot_logits(a, ids)
+        lb = one_shot_logits(b, ids)
+        lb2 = one_shot_logits(b, ids)
         if lb.shape != lb2.shape or not np.array_equal(lb, lb2, equal_nan=True):
             det_ok = False
             det_bad.append(i)
@@ -346,7 +349,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         controls["precision_floor"] = {"ok": False, "detail": "not computed (no float32/float64 reference pair)"}
     else:
         r32, r64 = floor_pair
-        fl = LogitComparison.concat([compare_logits(np.asarray(r64.logits(ids)), np.asarray(r32.logits(ids)))
+        fl = LogitComparison.concat([compare_logits(one_shot_logits(r64, ids), one_shot_logits(r32, ids))
                                      for ids in prompts])
         worst = fl.worst_kl()
         ok = bool(np.isfinite(worst) and worst <= FLOOR_MAX_KL)
@@ -359,7 +362,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     else:
         pb = perturbed_b()
         try:
-            nc = LogitComparison.concat([compare_logits(l_a, np.asarray(pb.logits(ids)))
+            nc = LogitComparison.concat([compare_logits(l_a, one_shot_logits(pb, ids))
                                          for l_a, ids in zip(la_all, prompts)])
         finally:
             close = getattr(pb, "close", None)
@@ -369,7 +372,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         controls["negative_control"] = {"ok": not flagged, "max_kl": nc.worst_kl(),
                                         "detail": (f"{perturbed_note}: " if perturbed_note else "")
                                         + ("flagged (" + why + ")" if not flagged else "NOT flagged (" + why + ")")}
-    return KLReport(a=a.name, b=b.name, model=model, comparison=cmp,
+    return KLReport(a=name_a, b=name_b, model=model, comparison=cmp,
                     per_prompt_positions=[c.n for c in cmps], greedy=greedy, thresholds=th, passed=passed,
                     reason=reason, controls=controls, seconds=time.perf_counter() - t0)
 

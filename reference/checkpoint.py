@@ -344,8 +344,11 @@ class _WeightsBase:
         if tuple(s.shape) != exp:
             raise CheckpointError(f"{self._source()}: scale {scale_name!r} of FP8 tensor {name!r}: unexpected shape: "
                                   f"expected {list(exp)} ({b0}x{b1} blocks of {list(w.shape)}), found {list(s.shape)}")
-        full = np.repeat(np.repeat(s, b0, axis=-2), b1, axis=-1)[..., :r, :c]
-        return w * full
+        # in place, one row block at a time: peak memory ~ the float32 output (+ one block row of scales)
+        for bi in range(exp[-2]):
+            rows = slice(bi * b0, min((bi + 1) * b0, r))
+            w[..., rows, :] *= np.repeat(s[..., bi:bi + 1, :], b1, axis=-1)[..., :c]
+        return w
 
     def get(self, name: str, dtype=np.float32) -> np.ndarray:
         """The tensor as a new ``dtype`` array (float32 default, float64 on request): BF16/F16 upcast

@@ -15,8 +15,6 @@ recorder is active).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from reference.blocks.gdn import gdn_block
@@ -58,16 +56,18 @@ class ReferenceModel:
     Args:
         weights: a ``Checkpoint`` / ``DictWeights``-like object.
         dtype: ``np.float32`` (default) or ``np.float64``.
-        cache_weights: keep upcast non-expert weights (and used experts) in memory; ``None`` = only when the
-            non-expert weights take under 2 GiB upcast (never for the real checkpoint: it then reads on demand
-            through the reader's memory maps).
+        cache_weights: keep upcast weights (and used experts) in memory: ``True`` all, ``False`` none (every
+            step reads through the reader's memory maps), ``None`` (default) up to ``cache_bytes`` -- all of a
+            small model; for the real checkpoint the first weights touched, the rest read on demand.
+        cache_bytes: the byte budget of ``cache_weights=None`` (default 2 GiB).
         progress: show a per-layer progress bar (tqdm) inside long steps; ``None`` = for real-width models
             (``hidden_size >= 1024``) on steps of 64 tokens or more.
     Raises:
         InputError: unsupported dtype.
     """
 
-    def __init__(self, weights, dtype=np.float32, cache_weights: bool | None = None, progress: bool | None = None):
+    def __init__(self, weights, dtype=np.float32, cache_weights: bool | None = None, progress: bool | None = None,
+                 cache_bytes: int = _AUTO_CACHE_BYTES):
         dt = np.dtype(dtype)
         if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise InputError(f"dtype: expected float32 or float64, found {dt}")
@@ -76,9 +76,9 @@ class ReferenceModel:
         self.dtype = dt.type
         cfg = self.config
         self._inv_freq = inv_freq(cfg.rope_theta, cfg.rotary_dim, self.dtype)
-        if cache_weights is None:
-            cache_weights = self._estimate_bytes() < _AUTO_CACHE_BYTES
-        self._cache_on = bool(cache_weights)
+        self._cache_budget = {True: None, False: 0, None: int(cache_bytes)}[cache_weights]
+        self._cache_on = cache_weights is True or (cache_weights is None and self._estimate_bytes() < cache_bytes)
+        self._cached_bytes = 0
         self.progress = progress
         self._cache: dict = {}
         self._expert_cache: dict = {}
@@ -99,12 +99,19 @@ class ReferenceModel:
             total += int(np.prod(shape(n))) * np.dtype(self.dtype).itemsize
         return total
 
+    def _keep(self, nbytes: int) -> bool:
+        b = self._cache_budget
+        if b is None or self._cached_bytes + nbytes <= b:
+            self._cached_bytes += nbytes
+            return True
+        return False
+
     def w(self, name: str) -> np.ndarray:
-        """Weight ``name`` upcast to the compute dtype (cached when caching is on)."""
+        """Weight ``name`` upcast to the compute dtype (kept in memory within the cache budget)."""
         a = self._cache.get(name)
         if a is None:
             a = np.asarray(self.weights.get(name, dtype=self.dtype), dtype=self.dtype)
-            if self._cache_on:
+            if self._keep(a.nbytes):
                 self._cache[name] = a
         return a
 
@@ -116,7 +123,7 @@ class ReferenceModel:
         got = self._expert_cache.get(key)
         if got is None:
             got = tuple(np.asarray(a, dtype=self.dtype) for a in self.weights.expert(layer, e, dtype=self.dtype))
-            if self._cache_on:
+            if self._keep(sum(a.nbytes for a in got)):
                 self._expert_cache[key] = got
         return got
 

@@ -3,6 +3,8 @@
 * :func:`delta_rule_recurrent` -- the gated delta-rule recurrence, one token at a time (decode path and
   the exact sequential oracle for the chunked form).
 * :func:`ngram_hash_rows` -- the PLE n-gram hash with the official int64 wrap-around arithmetic.
+* :func:`unit_lower_solve` -- the triangular solve of the chunked delta rule.
+* :func:`block_topk_select` -- the QSA per-query block top-k in the canonical order.
 
 Every kernel is ``@njit(cache=True)`` and called with at most two signatures (float32 / float64), so
 the JIT cost is paid once per machine. Each has a plain NumPy twin in the block modules that the
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["delta_rule_recurrent", "ngram_hash_rows", "unit_lower_solve"]
+__all__ = ["delta_rule_recurrent", "ngram_hash_rows", "unit_lower_solve", "block_topk_select"]
 
 
 @njit(cache=True, fastmath=False)
@@ -141,3 +143,30 @@ def unit_lower_solve(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     X = np.empty(B.shape, dtype=dt)
     _unit_lower_solve_kernel(np.ascontiguousarray(A), np.ascontiguousarray(B, dtype=dt), X)
     return X
+
+
+@njit(cache=True)
+def _block_topk_kernel(scores, n_complete, k, out):  # pragma: no cover - compiled
+    T = scores.shape[0]
+    for t in range(T):
+        nc = n_complete[t]
+        kk = min(k, nc)
+        if kk > 0:
+            # stable sort of -score over the visible blocks: score descending, lower index first on ties
+            order = np.argsort(-scores[t, :nc], kind="mergesort")
+            for j in range(kk):
+                out[t, j] = order[j]
+
+
+def block_topk_select(scores: np.ndarray, n_complete: np.ndarray, k: int) -> np.ndarray:
+    """QSA block selection per query: the ``min(k, n_t)`` best of the first ``n_t`` blocks, canonical order.
+
+    Args:
+        scores: ``[T, NB]`` float; n_complete: ``[T]`` int (``n_t <= NB``); k: ``block_topk``.
+    Returns:
+        ``[T, k]`` int64, ``-1`` padded. Same result as ``reference.blocks.qsa.canonical_topk`` on the visible
+        blocks (tests hold them equal).
+    """
+    out = np.full((scores.shape[0], k), -1, dtype=np.int64)
+    _block_topk_kernel(np.ascontiguousarray(scores), np.asarray(n_complete, dtype=np.int64), np.int64(k), out)
+    return out

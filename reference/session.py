@@ -15,7 +15,6 @@ A step is committed only when it completes, so an interrupted call leaves the se
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import numpy as np

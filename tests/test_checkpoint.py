@@ -518,3 +518,36 @@ def test_write_safetensors_is_atomic(tmp_path, monkeypatch):
         write_safetensors(p, {"a": np.zeros(4, np.float32), "b": np.ones(2, ml_dtypes.bfloat16)})
     assert p.read_bytes() == before
     assert sorted(x.name for x in tmp_path.iterdir()) == ["w.safetensors"]  # no temp file left behind
+
+
+def test_peak_memory_near_the_tensor_being_read(tmp_path):
+    """get() allocates about its float32 output, not the file, not several temporaries (tracemalloc
+    sees numpy's allocations). Bound 1.3x the output: the output plus small per-block scale rows."""
+    import tracemalloc
+
+    cfg = _config("tiny-hc2")
+    cfg.update(vocab_size=4096, hidden_size=64, eos_token_id=[1, 2], pad_token_id=1)
+    cfg["quantization_config"] = {"weight_block_size": [128, 128]}
+    t = {k: v for k, v in _tensors("tiny-hc2").items() if "embed_tokens" not in k and "lm_head" not in k}
+    rng = np.random.default_rng(5)
+    t["model.embed_tokens.weight"] = rng.integers(0, 0x7E, (4096, 64), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    t["model.embed_tokens.weight_scale_inv"] = (rng.random((32, 1)) + 0.5).astype(np.float32)
+    t["lm_head.weight"] = rng.standard_normal((4096, 64)).astype(ml_dtypes.bfloat16)
+    ck = Checkpoint.open(_write_ck(tmp_path, cfg, t))
+    out_bytes = 4096 * 64 * 4
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        tracemalloc.start()
+        a = ck.get(name)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert a.nbytes == out_bytes
+        assert peak < 1.3 * out_bytes, (name, peak, out_bytes)
+    # negative control: the naive dequant (full-size repeated scale matrix + product) exceeds the bound,
+    # so the measurement can tell
+    raw = ck.get_raw("embed_tokens.weight")
+    s = np.asarray(ck.get_raw("embed_tokens.weight_scale_inv"))
+    tracemalloc.start()
+    naive = raw.astype(np.float32) * np.repeat(np.repeat(s, 128, 0), 128, 1)[:4096, :64]
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert np.array_equal(naive, ck.get("embed_tokens.weight")) and peak > 1.3 * out_bytes

@@ -5,8 +5,6 @@ The GPU algorithm of the chunked prefill (``gdn._chunked_xp``) is array code; it
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -317,3 +315,18 @@ def test_token_slots_any_page_size():
         pos = np.array([0, 49, 0, 6])
         got = qsa.token_slots(pool.block_tables, rows, pos, ps)
         assert got.tolist() == [int(pool.slots(r, [p])[0]) for r, p in zip(rows, pos)], seed
+
+
+def test_seq_kernel_limits_stated_and_enforced():
+    from reference.config import ConfigError
+    from engine.kernels.seq_limits import seq_kernel_limits
+    from tests.reference_helpers import tiny_config
+    # the shipped model's QSA numbers: budget 2048 / ratio 4 at 262144 positions
+    lim = seq_kernel_limits(tiny_config(indexer_budget=2048, indexer_compress_ratio=4, max_position_embeddings=262144))
+    assert lim["block_topk"] == 512 and lim["max_blocks"] == 65536 and lim["max_attended_tokens"] == 2051
+    assert lim["max_blocks"] <= lim["max_scored_blocks"] and lim["block_topk"] <= lim["max_block_topk"]
+    with pytest.raises(ConfigError, match="block_topk=8192"):
+        seq_kernel_limits(tiny_config(indexer_budget=32768, indexer_compress_ratio=4))
+    with pytest.raises(ConfigError, match="linear_conv_kernel_dim"):
+        seq_kernel_limits(tiny_config(linear_conv_kernel_dim=40))
+    assert seq_kernel_limits(tiny_config(linear_conv_kernel_dim=40), gpu=False)["conv_state_rows"] == 39

@@ -120,3 +120,78 @@ def test_engine_state_arrays_match_after_rollback_and_flag_a_stale_state():
         assert sa[k].shape == sb[k].shape and np.allclose(sa[k], sb[k], atol=1e-4 * max(1.0, np.abs(sb[k]).max()))
     stale = [k for k in sa if sa[k].shape != sc[k].shape or not np.allclose(sa[k], sc[k], atol=1e-3)]
     assert any(k.startswith("gdn.") for k in stale) and any(k.startswith("qsa.") for k in stale)
+
+
+class DuckBackend:
+    """An outside engine implementing the protocol by duck typing only (no Backend base class, no
+    capabilities, no logits helper): what a team plugs in with --backend module:Class."""
+
+    def __init__(self, model):
+        self.model, self.config, self.s, self.n = model, model.config, {}, 0
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        from parity.backend import truth_model
+        return cls(truth_model(model_path))
+
+    def new_sequence(self):
+        self.n += 1
+        self.s[self.n] = self.model.new_session()
+        return self.n
+
+    def free(self, h):
+        self.s.pop(h, None)
+
+    def prefill(self, h, ids, chunk_size=None):
+        return self.s[h].prefill(ids, chunk_size=chunk_size)
+
+    def decode(self, hs, ids):
+        return np.stack([self.s[h].decode(t) for h, t in zip(hs, ids)])
+
+    def forward_tokens(self, h, ids):
+        return self.s[h].forward_tokens(ids)
+
+    def rollback(self, h, n):
+        self.s[h].rollback(n)
+
+    def snapshot(self, h):
+        return self.s[h].snapshot()
+
+    def restore(self, h, snap):
+        self.s[h].restore(snap)
+
+    def position(self, h):
+        return self.s[h].position
+
+
+def test_duck_typed_outside_backend_runs_kl_and_a_scenario():
+    from parity.backend import opener
+    from parity.kl import run_kl
+    from parity.scenarios import run_scenario
+    from parity.scenarios.common import TruthCache
+    from parity.backend import truth_model
+    be = open_backend("tests.test_parity_backend:DuckBackend", FIX)
+    assert be.precision == "float32"
+    ref = open_backend("reference", FIX)
+    rep = run_kl(ref, be, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], greedy_tokens=2, progress=False)
+    assert rep.passed and rep.controls["determinism"]["ok"]
+    res = run_scenario("speculative_rollback", opener("tests.test_parity_backend:DuckBackend", FIX),
+                       TruthCache(truth_model(FIX)), level="ci", only=["batch_mixed_accepts"])
+    assert [r.status for r in res] == ["pass"], [(r.failure, r.divergence) for r in res]
+
+
+def test_backend_missing_a_protocol_method_is_refused():
+    with pytest.raises(BackendError, match="protocol"):
+        open_backend("tests.test_parity_backend:HalfBackend", FIX)
+
+
+class HalfBackend:
+    """Opens, but lacks most of the protocol (a half-finished plug-in)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        from reference.config import load_config
+        return cls(load_config(model_path))

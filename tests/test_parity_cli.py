@@ -20,11 +20,13 @@ def test_parity_reference_passes_and_writes_report(tmp_path, capsys):
 
 
 def test_parity_fault_fails_names_divergence_and_writes_archives(tmp_path, capsys):
-    rc = main(["parity", "--backend", "parity.suites.faults:BudgetOffByOne", "--scenario", "budget", "--level",
-               "ci", "--json", "--out", str(tmp_path), "--no-progress"])
+    rc = main(["parity", "--backend", "parity.suites.faults:BudgetOffByOne", "--scenario", "kl", "budget",
+               "--level", "ci", "--json", "--out", str(tmp_path), "--no-progress"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 1 and doc["verdict"] == "fail"
-    row = doc["scenarios"][0]
+    kl, row = doc["scenarios"]
+    # the KL row is located too: tap-diff of the worst prompt's one-shot logits
+    assert kl["scenario"] == "kl" and kl["status"] == "fail" and "indexer.selected_blocks" in kl["first_divergence"]
     assert row["status"] == "fail" and "indexer.selected_blocks" in row["first_divergence"]
     arcs = [a for f in row["failures"] for a in f["archives"]]
     assert arcs and all((tmp_path / "taps").exists() for _ in arcs)
@@ -98,3 +100,14 @@ def test_report_table_and_json_handle_nan(tmp_path):
     p = write_json_atomic(tmp_path / "r.json", rep.to_json())
     doc = json.loads(p.read_text())
     assert doc["exit_code"] == 1 and doc["scenarios"][0]["worst_kl"] == "nan"
+
+
+def test_kl_plot_is_written_when_matplotlib_is_present(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib (optional) not installed")
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    png = tmp_path / "kl.png"
+    rc = main(["kl", "--b", "reference", "--prompts", str(prompts), "--greedy-tokens", "0", "--plot", str(png),
+               "--no-progress"])
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*")) and not [p for p in tmp_path.iterdir() if p.suffix == ".png" and p != png]

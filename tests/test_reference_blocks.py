@@ -119,6 +119,17 @@ def test_hash_context_spanning_calls():
     assert not np.array_equal(b_bad, whole[6:])
 
 
+def test_hash_literal_hand_example():
+    """Worked by hand: multipliers (3, 5, 7), one bigram head (vocab 11) and one trigram head (vocab 13,
+    offset 11), EOS = 9, fresh context (9, 9), ids (2, 4).
+    t=0: bigram 2*3 ^ 9*5 = 6 ^ 45 = 43 -> 43 % 11 = 10; trigram 43 ^ 9*7 = 43 ^ 63 = 20 -> 20 % 13 + 11 = 18.
+    t=1: bigram 4*3 ^ 2*5 = 12 ^ 10 = 6 -> 6; trigram 6 ^ 63 = 57 -> 57 % 13 + 11 = 16 (the EOS two back)."""
+    want = [[10, 18], [6, 16]]
+    args = ([9, 9], [2, 4], 9, [3, 5, 7], [11, 13], [0, 11], 1)
+    assert ngram_hash_rows(*args).tolist() == want
+    assert ngram_rows_numpy(*args).tolist() == want
+
+
 def test_shift_ignore_eos_hand_example():
     e = 9
     hist = np.array([e, e, 1, 2, e, 3, 4, 5])
@@ -167,6 +178,20 @@ def test_canonical_topk_tie_order():
     # negative control: an unstable/reversed tie-break is distinguishable
     rev = np.argsort(-s[:, ::-1], axis=-1, kind="stable")[:, :3]
     assert (s.shape[1] - 1 - rev).tolist() != canonical_topk(s, 3).tolist()
+
+
+def test_block_topk_kernel_equals_canonical():
+    from reference.numba_kernels import block_topk_select
+    rng = np.random.default_rng(3)
+    for dt in (np.float32, np.float64):
+        s = np.maximum(rng.standard_normal((40, 12)), 0).astype(dt)  # many exact zero ties
+        s[:, 6] = s[:, 2]
+        nc = rng.integers(0, 13, 40)
+        s[np.arange(12)[None, :] >= nc[:, None]] = -np.inf
+        got = block_topk_select(s, nc, 4)
+        want = canonical_topk(s, 4)
+        want[np.arange(4)[None, :] >= np.minimum(4, nc)[:, None]] = -1
+        assert np.array_equal(got, want)
 
 
 def test_norms():

@@ -64,3 +64,18 @@ def test_missing_ids_file_and_bad_chunk(tiny, tmp_path, capsys):
     f.write_text("1 2 3")
     assert main(["logits", str(tiny), "--ids", str(f), "--out", str(tmp_path / "o.npy"), "--chunk-size", "0"]) == 2
     assert "chunk-size" in capsys.readouterr().err
+
+
+def test_engine_backend_cpu_matches_reference(tiny, tmp_path):
+    """``--backend engine`` goes through the engine API (CPU twin here) and writes the same layout."""
+    pytest.importorskip("engine.engine", reason="engine not importable")
+    f = tmp_path / "ids.json"
+    f.write_text("[1, 2, 3, 500, 7, 9, 100, 200, 300, 301, 302, 303, 304]")
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    assert main(["logits", str(tiny), "--ids", str(f), "--out", str(a)]) == 0
+    assert main(["logits", str(tiny), "--ids", str(f), "--out", str(b), "--backend", "engine", "--device", "cpu",
+                 "--precision", "float32"]) == 0
+    ra, rb = np.load(a), np.load(b)
+    assert ra.shape == rb.shape == (13, 512) and rb.dtype == np.float32
+    # float32 engine vs float32 reference: the project's 1e-4 relative logit bound
+    assert np.abs(ra - rb).max() <= 1e-4 * np.abs(ra).max()

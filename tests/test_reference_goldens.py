@@ -133,3 +133,11 @@ def test_on_demand_weights_equal_cached():
     b = ReferenceModel(ck, cache_weights=False).forward(ids)
     assert np.array_equal(a, b)
     assert _rel(b, z["chat/logits"]) <= REL
+
+
+def test_cache_budget_respected():
+    ck, z = _fixture("tiny")
+    ids = z["short/ids"]
+    m = ReferenceModel(ck, cache_bytes=50_000)
+    assert np.array_equal(m.forward(ids), ReferenceModel(ck).forward(ids))
+    assert 0 < m._cached_bytes <= 50_000

@@ -307,3 +307,24 @@ def test_hash_negative_control_wrong_eos_vs_official():
     wrong = ngram_hash_rows(np.full(2, cfg.ple_eos_token_id), ids, -1, lay.multipliers, lay.head_vocab_sizes,
                             lay.head_offsets, cfg.heads_per_ngram)
     assert not np.array_equal(wrong, _official_rows(emb, ids))
+
+
+def test_live_incremental_vs_official_cache(live):
+    """Official cached prefill + decode (its own recurrent/conv/indexer caches) vs a reference session."""
+    from transformers.cache_utils import DynamicCache
+    d, tm, w = live
+    ids = _prompt(6, 22)
+    cache = DynamicCache(config=tm.config)
+    outs = []
+    with torch.no_grad():
+        outs.append(tm(torch.as_tensor(ids[:9])[None], cache=cache, use_cache=True).logits[0].numpy())
+        for t in ids[9:]:
+            outs.append(tm(torch.as_tensor([[int(t)]]), cache=cache, use_cache=True).logits[0].numpy())
+    off = np.concatenate(outs)
+    s = ReferenceModel(w).new_session()
+    mine = np.concatenate([s.prefill(ids[:9]), np.stack([s.decode(t) for t in ids[9:]])])
+    # a QSA tie would make the official choice arbitrary: the full-forward tie-aware test covers that case;
+    # this prompt/seed has none at the cut-off (asserted through the full-forward comparison below)
+    lr, _, _, differ = tie_aware_compare(ReferenceModel(w), tm, ids)
+    assert differ == 0 and lr <= REL
+    assert np.abs(mine - off).max() <= REL * np.abs(off).max()

@@ -223,3 +223,14 @@ def test_only_routed_experts_are_read(ids):
     used = {(i, int(e)) for i in range(4) for e in np.unique(r[f"layers.{i}.mlp.gate.topk_ids"])}
     assert set(asked) == used and len(asked) == len(used)
     assert len(used) < 4 * 8  # some experts unused, so the check has teeth
+
+
+def test_long_prompt_crosses_delta_rule_chunks(model64):
+    """80 tokens: the chunked delta rule runs two 64-token chunks in one call; other splits agree."""
+    rng = np.random.default_rng(8)
+    x = rng.integers(0, 256, 80)
+    x[x == EOS] = 2
+    x[[30, 70]] = EOS
+    whole = model64.forward(x)
+    for cs in (1, 7, 63, 64, 65):
+        assert rel(model64.new_session().prefill(x, chunk_size=cs), whole) <= REL64, cs

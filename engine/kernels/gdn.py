@@ -2,8 +2,14 @@
 (chunked for prefill, recurrent for batched decode / verify) and the gate nonlinearities.
 
 Every op takes numpy or cupy arrays and dispatches on :func:`engine.backend.xp_of`: cupy -> CUDA kernels from
-``engine/kernels/cuda/gdn.cu`` (the chunked prefill is cupy array code: batched matmuls + forward substitution);
-numpy -> the NumPy twin (the CPU path CI runs).
+``engine/kernels/cuda/gdn.cu``; numpy -> the NumPy twin (the CPU path CI runs), which calls the shared reference
+functions (``reference.blocks.gdn`` / ``ple`` / ``norms``) for the math.
+
+Prefill on the GPU: :func:`gated_delta_prefill` runs the one-launch recurrent kernel by default (measured faster at
+the real widths on the H200); ``algorithm="chunked"`` runs the chunked form as cupy array code (batched matmuls,
+one CUDA launch for the unit-lower forward substitution of every chunk at once when ``chunk_size <= 64``).
+Decode and verify: :func:`gated_delta_recurrent` (one launch for a whole batch of sequences, optional per-position
+state checkpoints for rollback); :func:`causal_conv_decode` (one launch per step).
 
 State layouts (owned by the engine's pools, addressed here by slot index):
   * conv state slab ``conv_state [S, K-1, C]`` (row ``K-2`` is the newest input), C = ``2*key_dim + value_dim``;

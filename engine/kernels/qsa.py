@@ -15,7 +15,8 @@ selection is: ``n_complete = n_visible // ratio`` complete blocks are scored, th
 ``n_visible - n_complete*ratio`` tail tokens are always visible. Prefill and decode use the same ops, so the
 semantics are identical by construction.
 
-Ops (numpy -> NumPy twin; cupy -> ``engine/kernels/cuda/qsa.cu``; each one launch for all query tokens):
+Ops (numpy -> NumPy twin; cupy -> ``engine/kernels/cuda/qsa.cu``; each one launch for all query tokens of all
+sequences, except the attention: a split-KV partial launch + an in-order combine launch; no host synchronisation):
   :func:`token_slots`, :func:`qsa_block_keys`, :func:`qsa_index_scores`, :func:`qsa_topk`,
   :func:`qsa_sparse_attention`, and :func:`qsa_select` (scores + top-k).
 
@@ -31,9 +32,12 @@ import math
 import numpy as np
 
 from engine.backend import load_module, xp_of
+from types import SimpleNamespace
+
+from reference.blocks import qsa as _ref_qsa
 from reference.blocks import rope as _ref_rope
-from reference.blocks.norms import rms_norm
 from reference.errors import InputError
+from reference.numba_kernels import block_topk_select
 
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
@@ -70,6 +74,12 @@ def token_slots(block_tables, rows, positions, page_size: int):
     rw = xp.asarray(rows).astype(np.int64)
     page = block_tables[rw, pg // page_size].astype(np.int64)
     return xp.where(page >= 0, page * page_size + pg % page_size, -1)
+
+
+def _ref_cfg(ratio, head_dim, eps=1e-6, k=1):
+    """The config fields the shared reference QSA functions read."""
+    return SimpleNamespace(indexer_compress_ratio=int(ratio), indexer_head_dim=int(head_dim), rms_norm_eps=eps,
+                           block_topk=int(k))
 
 
 def _slots_np(block_tables, row, positions, page_size):
@@ -112,23 +122,21 @@ def qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, k_norm_weight, i
                          f"[rotary_dim/2], found {rotary_dim} and {list(inv_freq.shape)}")
     if T == 0:
         return None
-    if xp is np:
+    if xp is np:  # NumPy twin: gather each completed block's raw keys, then the reference's pool_block_keys
         pos = np.asarray(positions, dtype=np.int64)
         rw = np.asarray(rows, dtype=np.int64)
-        done = np.nonzero((pos + 1) % ratio == 0)[0]
-        if done.size == 0:
-            return None
-        dt = idx_k.dtype
-        starts = pos[done] - (ratio - 1)
-        pooled = np.empty((done.size, Di), dtype=dt)
-        for i, t in enumerate(done):
-            sl = _slots_np(block_tables, rw[t], np.arange(starts[i], pos[t] + 1), page_size)
-            pooled[i] = idx_k[sl].astype(np.float32).mean(axis=0)
-        normed = rms_norm(pooled, np.asarray(k_norm_weight, dtype=dt), eps)
-        cos, sin = _ref_rope.rope_cos_sin(starts, np.asarray(inv_freq, dtype=np.float32), [rotary_dim // 2, 0, 0])
-        keys = _ref_rope.apply_rope(normed, cos.astype(dt), sin.astype(dt))
-        for i, t in enumerate(done):
-            blk_k[_slots_np(block_tables, rw[t], pos[t:t + 1], page_size)[0]] = keys[i]
+        cfg = _ref_cfg(ratio, Di, eps)
+        invf = np.asarray(inv_freq, dtype=np.float32)
+        w = np.asarray(k_norm_weight, dtype=idx_k.dtype)
+        for t in np.nonzero((pos + 1) % ratio == 0)[0]:
+            start = int(pos[t]) - (ratio - 1)
+            raw = idx_k[_slots_np(block_tables, rw[t], np.arange(start, pos[t] + 1), page_size)]
+
+            def cos_fn(p, start=start):  # the block's own position, not its index in `raw`
+                c, s_ = _ref_rope.rope_cos_sin(np.asarray(p) + start, invf, [rotary_dim // 2, 0, 0])
+                return c.astype(idx_k.dtype), s_.astype(idx_k.dtype)
+            key = _ref_qsa.pool_block_keys(raw, 0, 1, w, cos_fn, cfg)
+            blk_k[_slots_np(block_tables, rw[t], pos[t:t + 1], page_size)[0]] = key[0]
         return None
     import cupy as cp
     for n, a in (("idx_k", idx_k), ("blk_k", blk_k)):
@@ -168,27 +176,33 @@ def qsa_index_scores(q_idx, blk_k, block_tables, rows, n_visible, n_blocks: int,
     _int_arr(xp, rows, "rows", T)
     _int_arr(xp, n_visible, "n_visible", T)
     n_blocks = int(n_blocks)
-    if xp is np:
+    if xp is np:  # NumPy twin: per table row, gather the block keys, then the reference's indexer_select
         nv = np.asarray(n_visible, dtype=np.int64)
         nc = nv // ratio
         if T and nc.max() > n_blocks:
             raise InputError(f"qsa: n_blocks: expected >= {int(nc.max())} (max n_visible // ratio), found {n_blocks}")
         out = np.full((T, n_blocks), -np.inf, dtype=np.float32)
-        for t in range(T):
-            if nc[t] == 0:
+        rw = np.asarray(rows, dtype=np.int64)
+        cfg = _ref_cfg(ratio, Di)
+        for r in np.unique(rw):
+            ts = np.nonzero(rw == r)[0]
+            nb = int(nc[ts].max())
+            if nb == 0:
                 continue
-            ends = np.arange(nc[t], dtype=np.int64) * ratio + ratio - 1
-            K = blk_k[_slots_np(block_tables, int(rows[t]), ends, page_size)].astype(np.float32)
-            s = np.maximum(q_idx[t].astype(np.float32) @ K.T, 0).sum(axis=0) / np.float32(math.sqrt(Di))
-            out[t, :nc[t]] = s
+            keys = blk_k[_slots_np(block_tables, r, np.arange(nb, dtype=np.int64) * ratio + ratio - 1, page_size)]
+            sc, _, _ = _ref_qsa.indexer_select(np.asarray(q_idx[ts], np.float32), keys.astype(np.float32),
+                                               nv[ts] - 1, cfg)
+            out[ts, :nb] = sc
         return out
     import cupy as cp
     _f32_gpu("q_idx", q_idx, pool=False)
     _f32_gpu("blk_k", blk_k)
+    warps = 8
+    if -(-n_blocks // warps) > 65535:
+        raise InputError(f"qsa: n_blocks: the CUDA scoring grid covers at most {65535 * warps} blocks, found {n_blocks}")
     out = cp.empty((T, n_blocks), dtype=cp.float32)
     if T == 0 or n_blocks == 0:
         return out
-    warps = 8
     load_module("qsa.cu").get_function("qsa_index_scores")(
         (T, (n_blocks + warps - 1) // warps), (32 * warps,),
         (cp.ascontiguousarray(q_idx), blk_k, cp.ascontiguousarray(block_tables, dtype=cp.int32),
@@ -222,18 +236,9 @@ def qsa_topk(scores, n_visible, ratio: int, k: int):
     k = int(k)
     if k < 1:
         raise InputError(f"qsa_topk: k: expected >= 1, found {k}")
-    if xp is np:
-        out = np.full((T, k), -1, dtype=np.int32)
+    if xp is np:  # NumPy twin: the reference's block_topk_select (canonical order, -1 padded)
         nc = np.minimum(np.asarray(n_visible, dtype=np.int64) // ratio, NB)
-        for t in range(T):
-            n = int(nc[t])
-            if n == 0:
-                continue
-            s = scores[t, :n].astype(np.float64)
-            order = np.lexsort((np.arange(n), -s))  # primary: higher score; ties: lower block index
-            kk = min(k, n)
-            out[t, :kk] = order[:kk]
-        return out
+        return block_topk_select(np.asarray(scores), nc, k).astype(np.int32)
     import cupy as cp
     if k > QSA_MAX_BLOCK_TOPK:
         raise InputError(f"qsa_topk: k (block_topk): the CUDA top-k supports at most {QSA_MAX_BLOCK_TOPK}, found {k}")
@@ -257,17 +262,6 @@ def qsa_select(q_idx, blk_k, block_tables, rows, n_visible, n_blocks: int, ratio
     and :func:`qsa_topk`."""
     scores = qsa_index_scores(q_idx, blk_k, block_tables, rows, n_visible, n_blocks, ratio, page_size)
     return scores, qsa_topk(scores, n_visible, ratio, k)
-
-
-def selected_token_positions(selected_row, n_visible: int, ratio: int) -> np.ndarray:
-    """Host helper: the token positions one query attends (selected blocks' tokens in selection order, then the
-    tail), ``[n]`` int64. Used by the NumPy twin and by tests."""
-    sel = np.asarray(selected_row, dtype=np.int64)
-    sel = sel[sel >= 0]
-    nc = int(n_visible) // ratio
-    blocks = (sel[:, None] * ratio + np.arange(ratio)[None, :]).reshape(-1)
-    tail = np.arange(nc * ratio, int(n_visible), dtype=np.int64)
-    return np.concatenate([blocks, tail])
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -301,21 +295,19 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
     _int_arr(xp, n_visible, "n_visible", T)
     if selected.ndim != 2 or selected.shape[0] != T:
         raise InputError(f"qsa attention: selected: expected shape [{T}, block_topk], found {list(selected.shape)}")
-    G = Hq // Hkv
-    if xp is np:
+    if xp is np:  # NumPy twin: per table row, gather K/V, then the reference's selection_mask + sparse_attention
         dt = np.float64 if q.dtype == np.float64 else np.float32
         out = np.empty((T, Hq, D), dtype=dt)
-        for t in range(T):
-            pos = selected_token_positions(selected[t], int(n_visible[t]), ratio)
-            sl = _slots_np(block_tables, int(rows[t]), pos, page_size)
-            K = kv_k[sl].astype(dt)  # [n, Hkv, D]
-            V = kv_v[sl].astype(dt)
-            qh = q[t].astype(dt).reshape(Hkv, G, D)
-            s = np.einsum("hgd,nhd->hgn", qh, K) * dt(scale)
-            s = s - s.max(axis=-1, keepdims=True)
-            p = np.exp(s)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[t] = np.einsum("hgn,nhd->hgd", p, V).reshape(Hq, D)
+        nv = np.asarray(n_visible, dtype=np.int64)
+        rw = np.asarray(rows, dtype=np.int64)
+        for r in np.unique(rw):
+            ts = np.nonzero(rw == r)[0]
+            length = int(nv[ts].max())
+            sl = _slots_np(block_tables, r, np.arange(length, dtype=np.int64), page_size)
+            mask = _ref_qsa.selection_mask(np.asarray(selected[ts], np.int64), nv[ts] - 1, nv[ts] // ratio, length,
+                                           ratio)
+            o = _ref_qsa.sparse_attention(q[ts].astype(dt), kv_k[sl].astype(dt), kv_v[sl].astype(dt), mask, scale)
+            out[ts] = o.reshape(len(ts), Hq, D)
         return out
     import cupy as cp
     _f32_gpu("q", q, pool=False)
@@ -327,8 +319,11 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
     mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}",))
     ksel = selected.shape[1]
     bound = ksel * ratio + ratio - 1  # most tokens one query can attend (QSA's budget + incomplete tail)
-    # split the token list so that even one decode query fills the GPU, but keep the scratch small for prefill
-    n_split = max(1, min(-(-bound // 64), -(-2048 // max(T * Hq, 1))))
+    # split the token list so that even one decode query fills the GPU (>= ~2048 CUDA blocks), and prefill gets
+    # as many pieces as a 64 MiB scratch allows (pieces of >= 64 tokens either way)
+    by_fill = -(-2048 // max(T * Hq, 1))
+    by_memory = (64 << 20) // max(T * Hq * D * 4, 1)
+    n_split = max(1, min(-(-bound // 64), max(by_fill, by_memory)))
     tps = -(-bound // n_split)
     pm = cp.empty((T, Hq, n_split), dtype=cp.float32)
     pl = cp.empty((T, Hq, n_split), dtype=cp.float32)

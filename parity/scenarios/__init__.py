@@ -71,8 +71,9 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
     from parity.scenarios.common import run_case
 
     name = normalize_name(name)
+    from parity.backend import capabilities_of
     probe = open_backend()
-    caps = dict(getattr(probe, "capabilities", {}) or {})
+    caps = capabilities_of(probe)
     config = probe.config
     cases = cases_for(name, config, level)
     if only:
@@ -90,9 +91,11 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
                 if progress is not None:
                     progress.update(1)
         finally:
-            if be is not probe:
+            if be is not probe and hasattr(be, "close"):
                 be.close()
-    probe.close()
+    close = getattr(probe, "close", None)
+    if close:
+        close()
     return results
 
 

@@ -21,12 +21,16 @@ def prompt_length(config) -> int:
 
 
 def chunk_sizes(config) -> dict[str, int]:
+    """Chunk sizes by the boundary they cut at (sizes that coincide are merged into one case)."""
     s = sizes(config)
     n = prompt_length(config)
-    out = {"inside-compress-block": s.ratio + 1, "gdn-chunk": s.gdn_chunk,
+    raw = {"inside-compress-block": s.ratio + 1, "gdn-chunk": s.gdn_chunk,
            "inside-ple-window": max(1, s.ple_window - 1), "ngram-context": max(1, s.ngram_ctx),
            "one": 1, "length-1": n - 1}
-    return out
+    by_size: dict[int, list[str]] = {}
+    for tag, c in raw.items():  # one case per distinct size, named after every boundary it stands for
+        by_size.setdefault(c, []).append(tag)
+    return {"+".join(tags): c for c, tags in by_size.items()}
 
 
 def cases(config, level: str = "full") -> list[Case]:

@@ -141,10 +141,12 @@ def token_stream(config, n: int, seed: int, eos_every: int | None = None) -> lis
 # ----------------------------------------------------------------------------------------------- truth
 class TruthCache:
     """Truth logits: ``model.forward(history)`` (one full forward), cached. A cached forward over a
-    longer history also answers every prefix of it (the model is causal)."""
+    longer history also answers every prefix of it (the model is causal). At most ``max_bytes`` of
+    logits are kept (oldest evicted first: a real vocabulary makes each entry ~1 MB per token)."""
 
-    def __init__(self, model):
+    def __init__(self, model, max_bytes: int = 2 << 30):
         self.model = model
+        self.max_bytes = int(max_bytes)
         self._cache: dict[tuple, np.ndarray] = {}
 
     def logits(self, hist: Sequence[int]) -> np.ndarray:
@@ -162,6 +164,8 @@ class TruthCache:
         for k in [k for k in self._cache if len(k) < n and key[:len(k)] == k]:
             del self._cache[k]
         self._cache[key] = out
+        while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > self.max_bytes:
+            del self._cache[next(iter(self._cache))]
         return out
 
     def prime(self, hist: Sequence[int]) -> None:
@@ -387,7 +391,8 @@ class Run:
         ~4e-3 rounding per op, compounded over the layers), still far below a stale state's O(1)."""
         if rel is None:
             rel = 2e-2 if getattr(self.be, "precision", "float32") in ("bf16", "fp8") else 1e-4
-        if not self.be.capabilities.get("state_arrays"):
+        from parity.backend import capabilities_of
+        if not capabilities_of(self.be).get("state_arrays"):
             return
         op = self._next_op()
         sa, sb = self.be.state_arrays(a.h), self.be.state_arrays(b.h)
@@ -428,7 +433,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     t0 = time.perf_counter()
     th = thresholds_for(getattr(backend, "precision", "float32"))
     res = CaseResult(scenario, case.name, page_size, "pass")
-    missing = [c for c in case.needs if not backend.capabilities.get(c)]
+    from parity.backend import capabilities_of
+    missing = [c for c in case.needs if not capabilities_of(backend).get(c)]
     if missing:
         res.status = "skip"
         res.failure = f"backend lacks {missing}"

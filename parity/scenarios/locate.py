@@ -17,7 +17,7 @@ from pathlib import Path
 
 from parity.scenarios.common import CaseFailure, Run
 
-__all__ = ["locate", "diff_archives"]
+__all__ = ["locate", "diff_archives", "locate_one_shot"]
 
 
 def _safe(name: str) -> str:
@@ -137,3 +137,28 @@ def _manifest_fields(arc) -> dict:
     m = dict(getattr(arc, "manifest", {}) or {})
     keep = {k: m[k] for k in ("backend", "dtype", "model", "token_ids", "positions", "scenario") if k in m}
     return keep
+
+
+def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") -> tuple[str, list[str]]:
+    """tap-diff of one prompt's one-shot logits: the backend's ``logits(ids)`` against the truth's full
+    forward, all positions recorded. Returns (divergence line, archive paths)."""
+    from taps.recorder import Recorder
+
+    ids = [int(t) for t in ids]
+    try:
+        with backend.taps(None, meta={"token_ids": ids}) as rec_b:
+            from parity.backend import one_shot_logits
+            one_shot_logits(backend, ids)
+        be_arc = rec_b.archive()
+        with Recorder(None, meta={"backend": "truth", "token_ids": ids}) as rec_t:
+            truth_model.forward(ids)
+        truth_arc = rec_t.archive()
+    except Exception as e:  # noqa: BLE001
+        return f"could not record taps: {type(e).__name__}: {e}", []
+    archives: list[str] = []
+    if archive_dir is not None:
+        try:
+            archives = _save(archive_dir, label, "worst_prompt", None, truth_arc, be_arc)
+        except Exception as e:  # noqa: BLE001
+            archives = [f"(archives not written: {type(e).__name__}: {e})"]
+    return diff_archives(truth_arc, be_arc, getattr(backend, "precision", "float32")), archives

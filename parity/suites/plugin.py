@@ -43,13 +43,13 @@ def pytest_generate_tests(metafunc):
     if "parity_case" not in metafunc.fixturenames:
         return
     from parity.scenarios import SCENARIOS, cases_for, _page_plan
-    from parity.backend import backend_class
+    from parity.backend import Backend, backend_class
     from reference.config import load_config
     spec, model, level, pages = _settings(metafunc.config)
     cfg = load_config(model)
     try:
         cls, _ = backend_class(spec)
-        caps = dict(getattr(cls, "capabilities", {}) or {})
+        caps = {**Backend.capabilities, **(getattr(cls, "capabilities", None) or {})}
     except Exception:  # reported by the backend fixture when the tests run
         caps = {}
     params, ids = [], []
@@ -87,4 +87,5 @@ def parity_backends(parity_settings):
         return cache[ps]
     yield get
     for be in cache.values():
-        be.close()
+        if hasattr(be, "close"):
+            be.close()

@@ -12,8 +12,9 @@ import math
 
 import numpy as np
 
-from reference.blocks.norms import rms_norm, sigmoid
+from reference.blocks.norms import rms_norm
 from reference.blocks.rope import apply_rope
+from reference.numba_kernels import block_topk_select
 
 __all__ = ["canonical_topk", "indexer_project", "pool_block_keys", "indexer_select", "selection_mask",
            "attention_project", "sparse_attention"]
@@ -86,19 +87,13 @@ def indexer_select(q: np.ndarray, block_keys: np.ndarray, positions: np.ndarray,
     Source: ``Qwen4ExpTextQSAIndexer.forward`` (``scores``, ``topk``).
     """
     r, D = cfg.indexer_compress_ratio, cfg.indexer_head_dim
-    T = q.shape[0]
     NB = block_keys.shape[0]
     n_complete = (positions + 1) // r
     raw = np.einsum("thd,bd->tbh", q, block_keys, optimize=True)
     scores = np.maximum(raw, 0).sum(axis=-1) / q.dtype.type(math.sqrt(D))
     visible = np.arange(NB)[None, :] < n_complete[:, None]
     scores = np.where(visible, scores, -np.inf).astype(q.dtype, copy=False)
-    kk = min(cfg.block_topk, NB)
-    sel = canonical_topk(scores, kk)
-    keep = np.arange(kk)[None, :] < np.minimum(cfg.block_topk, n_complete)[:, None]
-    sel = np.where(keep, sel, -1)
-    if kk < cfg.block_topk:
-        sel = np.concatenate([sel, np.full((T, cfg.block_topk - kk), -1, dtype=np.int64)], axis=1)
+    sel = block_topk_select(scores, n_complete, cfg.block_topk)  # Numba twin of canonical_topk per row
     return scores, sel, n_complete
 
 
