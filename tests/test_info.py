@@ -27,7 +27,7 @@ def test_default_model_is_bundled_tiny(capsys):
     assert a["params"] == b["params"] and a["model"].endswith("tiny")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-hc2", "tiny-hc3"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8"])
 def test_counts_match_config_arithmetic(capsys, name):
     cfg = load_config(fixture_dir(name))
     r = _info(capsys, name)

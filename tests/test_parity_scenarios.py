@@ -182,3 +182,17 @@ def test_engine_cuda_passes(scenario):
     res = run_scenario(scenario, op, truth_for("tiny"), level="ci")
     ran = [r for r in res if r.status != "skip"]
     assert ran and all(r.status == "pass" for r in ran), _report(res)
+
+
+class PrefillReturnsLastRowOnly(ReferenceBackend):
+    """A protocol slip: prefill returns [V] (the last row) instead of [T, V]."""
+
+    def prefill(self, h, ids, chunk_size=None):
+        return super().prefill(h, ids, chunk_size)[-1]
+
+
+def test_wrong_logits_shape_is_named_not_compared():
+    be = PrefillReturnsLastRowOnly.open(REPO / "fixtures" / "tiny")
+    case = _pick("budget", be.config, "decode_across_bound")[0]
+    r = run_case("budget", case, be, truth_for("tiny"))
+    assert r.status == "fail" and "logits shape" in r.divergence, (r.failure, r.divergence)

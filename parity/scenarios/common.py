@@ -229,15 +229,15 @@ class Run:
     def fail(self, op: int, what: str, divergence: str | None = None, seq: str | None = None):
         raise CaseFailure(op, what, divergence, seq)
 
-    def _compare(self, op: int, desc: str, s: Seq, logits: np.ndarray, start: int) -> None:
-        """Compare rows ``logits`` (positions start..start+k-1 of s.hist) with the truth."""
+    def _compare(self, op: int, desc: str, s: Seq, logits: np.ndarray, start: int, k: int) -> None:
+        """Compare ``k`` rows of ``logits`` (positions start..start+k-1 of s.hist) with the truth (KL only:
+        see :func:`parity.kl.verdict`)."""
         logits = np.asarray(logits)
-        if logits.ndim == 1:
-            logits = logits[None]
-        end = start + logits.shape[0]
-        if logits.shape[-1] != self.sizes.vocab or end > len(s.hist):
-            self.fail(op, f"{desc}: seq {s.label}: logits shape {logits.shape}: expected [{end - start}, "
-                          f"{self.sizes.vocab}]", "logits shape")
+        end = start + k
+        if logits.shape != (k, self.sizes.vocab) or end > len(s.hist):
+            self.fail(op, f"{desc}: seq {s.label}: logits shape {logits.shape}: expected ({k}, "
+                          f"{self.sizes.vocab})", f"logits shape {logits.shape} != ({k}, {self.sizes.vocab})",
+                      seq=s.label)
         ref = self.truth.logits(s.hist[:end])[start:end]
         cmp = compare_logits(ref, logits)
         self.checks += 1
@@ -245,7 +245,7 @@ class Run:
         we = float(np.max(cmp.max_abs_err)) if cmp.n else 0.0
         self.worst_kl = max(self.worst_kl, wk) if np.isfinite(wk) else float("inf")
         self.worst_err = max(self.worst_err, we) if np.isfinite(we) else float("inf")
-        ok, why = verdict(cmp, self.th)
+        ok, why = verdict(cmp, self.th, top1=False)
         if not ok:
             both = np.maximum(cmp.kl_ab, cmp.kl_ba)
             bad = int(np.argmax(np.where(np.isnan(both), np.inf, both)))
@@ -298,7 +298,7 @@ class Run:
                                                                            if chunk_size else "")
         with self._recording(op, range(start, start + len(ids)), s):
             out = self.be.prefill(s.h, ids, chunk_size=chunk_size)
-        self._compare(op, d, s, out, start)
+        self._compare(op, d, s, out, start, len(ids))
         self._check_position(op, s, d)
         return np.asarray(out)
 
@@ -323,10 +323,10 @@ class Run:
         else:
             with self._recording(op, [starts[0]], seqs[0]):
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
-        if out.shape[0] != len(seqs):
+        if out.ndim != 2 or out.shape[0] != len(seqs):
             self.fail(op, f"{d}: expected {len(seqs)} rows of logits, found shape {out.shape}", "decode batch shape")
         for i, (s, st) in enumerate(zip(seqs, starts)):
-            self._compare(op, d, s, out[i:i + 1], st)
+            self._compare(op, d, s, out[i:i + 1], st, 1)
             self._check_position(op, s, d)
         return out
 
@@ -338,7 +338,7 @@ class Run:
         d = desc or f"verify {len(ids)} drafted tokens at position {start}"
         with self._recording(op, range(start, start + len(ids)), s):
             out = self.be.forward_tokens(s.h, ids)
-        self._compare(op, d, s, out, start)
+        self._compare(op, d, s, out, start, len(ids))
         self._check_position(op, s, d)
         return np.asarray(out)
 
