@@ -55,15 +55,31 @@ def classify(name: str) -> str | None:
 
 def counts_from_checkpoint(ck) -> dict:
     """Parameters per component from stored shapes (integer buffers and FP8 scales excluded)."""
-    from reference.checkpoint import _INT
+    return _scan(ck)[0]
+
+
+def stored_bytes(ck) -> dict:
+    """Bytes each component occupies on disk as stored (scales counted with their component)."""
+    return _scan(ck)[1]
+
+
+def _scan(ck) -> tuple[dict, dict]:
+    from reference.checkpoint import _INT, DTYPES
 
     c = dict.fromkeys(COMPONENTS, 0)
+    b = dict.fromkeys(COMPONENTS, 0)
     for n in ck.names():
+        dt = ck.dtype(n)
         comp = classify(n)
-        if comp is None or ck.dtype(n) in _INT:
+        size = math.prod(ck.shape(n))
+        if dt in _INT:
             continue
-        c[comp] += math.prod(ck.shape(n))
-    return c
+        if comp is None:  # a quantisation scale: bytes to the component of its tensor
+            comp = classify(n.rsplit("_scale", 1)[0])
+        else:
+            c[comp] += size
+        b[comp] += size * (DTYPES[dt].itemsize if dt in DTYPES else 0)
+    return c, b
 
 
 def counts_from_config(cfg) -> dict:
@@ -92,6 +108,10 @@ def _fmt(n: int) -> str:
 
 def _gib(n_params: int) -> str:
     b = 2 * n_params
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def _bytes(b: int) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
 
 
@@ -132,7 +152,7 @@ def run(args) -> int:
         from reference.checkpoint import Checkpoint
         ck = Checkpoint.open(path)
         cfg = ck.config
-        counts = counts_from_checkpoint(ck)
+        counts, on_disk = _scan(ck)
     known = {k: v for k, v in counts.items() if v is not None}
     total = sum(known.values())
     active = counts["backbone"] + (counts["routed_experts"] * cfg.num_experts_per_tok) // cfg.num_experts
@@ -146,7 +166,7 @@ def run(args) -> int:
         fused = any(n.endswith("mlp.experts.gate_up_proj") for n in ck.names())
         info["storage"] = {"tensors": len(ck.names()), "dtypes": dtypes,
                            "expert_layout": "fused" if fused else "per-expert",
-                           "files": len({e.file for e in ck._entries.values()})}
+                           "files": len({e.file for e in ck._entries.values()}), "stored_bytes": on_disk}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -158,13 +178,15 @@ def run(args) -> int:
         s = info["storage"]
         print(f"  storage              {s['tensors']} tensors in {s['files']} file(s), dtypes {s['dtypes']}, "
               f"{s['expert_layout']} experts")
-    print("parameters (memory in BF16):")
+    disk = info.get("storage", {}).get("stored_bytes")
+    print("parameters (memory in BF16" + (", as stored):" if disk else "):"))
     for k in COMPONENTS:
         v = counts[k]
         if v is None:
             print(f"  {_LABELS[k]:52s} {'unknown (config only)':>10s}")
         elif v or k in ("backbone", "routed_experts", "ple_table"):
-            print(f"  {_LABELS[k]:52s} {_fmt(v):>10s} {_gib(v):>12s}")
-    print(f"  {'total':52s} {_fmt(total):>10s} {_gib(total):>12s}")
+            print(f"  {_LABELS[k]:52s} {_fmt(v):>10s} {_gib(v):>12s}" + (f" {_bytes(disk[k]):>12s}" if disk else ""))
+    print(f"  {'total':52s} {_fmt(total):>10s} {_gib(total):>12s}"
+          + (f" {_bytes(sum(disk.values())):>12s}" if disk else ""))
     print(f"  {'active per token (backbone + top-k experts)':52s} {_fmt(active):>10s}")
     return 0

@@ -87,3 +87,16 @@ def test_missing_model_is_exit_2(capsys):
     assert main(["info", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "tiny" in err
+
+
+def test_stored_bytes_follow_the_dtypes(capsys):
+    """F32 fixture: 4 bytes/param; BF16: 2; FP8 experts: 1 byte/param + 4 per float32 block scale."""
+    for name, per in (("tiny-hc2", 4), ("tiny", 2)):
+        r = _info(capsys, name)
+        for k in ("backbone", "routed_experts", "ple_table"):
+            assert r["storage"]["stored_bytes"][k] == per * r["params"][k], (name, k)
+    r = _info(capsys, "tiny-fp8")
+    cfg = load_config(fixture_dir("tiny-fp8"))
+    n_scales = cfg.num_hidden_layers * cfg.num_experts * 3  # one 128x128 block per (small) expert matrix
+    assert r["storage"]["stored_bytes"]["routed_experts"] == r["params"]["routed_experts"] + 4 * n_scales
+    assert r["storage"]["stored_bytes"]["ple_table"] == r["params"]["ple_table"] + 2  # one BF16 scale
