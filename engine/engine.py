@@ -8,16 +8,21 @@ API (docs/design.md, "Engine")::
     eng.decode(seqs, ids) -> logits [B, V]       # batched, sequences of different lengths
     eng.verify(seq, ids) -> logits [k, V] ; eng.rollback(seq, n)
     eng.snapshot(seq) -> EngineSnapshot ; eng.restore(seq, snap)
+    eng.export_snapshot(snap) -> dict of host arrays ; eng.import_snapshot(seq, data)   # to/from disk, any page size
 
 ``device="cpu"`` runs the same engine code on NumPy (every kernel's NumPy twin): CI exercises it.
 Memory limits are fixed at construction (``eng.limits``, printed by ``eng.describe_limits()``); a request
-beyond them raises :class:`engine.state.CapacityError`.
+beyond them raises :class:`engine.state.CapacityError`. The sequence kernels' limits
+(:func:`engine.kernels.seq_limits.seq_kernel_limits`) are checked at load too (``eng.limits["seq_kernels"]``): a
+config beyond what the CUDA kernels handle is refused with a :class:`reference.config.ConfigError` before any
+weight is read.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from engine.backend import get_xp
+from engine.kernels.seq_limits import seq_kernel_limits
 from engine.model import EngineModel, Segment
 from engine.state import CapacityError, Snapshot, StateError, StatePool
 from reference.errors import InputError
@@ -48,6 +53,7 @@ class Engine:
             environment sets ``QWEN4EXP_CUDA_GRAPHS=0``.
     Raises:
         InputError: bad precision/page_size/sizes. DeviceError: device 'cuda' without a GPU.
+        ConfigError: device 'cuda' and the config exceeds a CUDA sequence-kernel limit (checked first).
     """
 
     def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
@@ -59,10 +65,13 @@ class Engine:
         if device == "auto":
             from engine.backend import gpu_available
             device = "cuda" if gpu_available() else "cpu"
+        # the sequence kernels' limits, stated (and refused, for the CUDA kernels) before anything is loaded
+        seq_limits = seq_kernel_limits(ck.config, gpu=(device == "cuda"))
         self.xp = xp = get_xp(device)
         self.device = device
         self.precision = precision
         self.config = c = ck.config
+        self.ck = ck  # weights identity (ck.fingerprint()) for snapshot files
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise InputError(f"prefill_chunk: expected a positive integer or None, found {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
@@ -90,11 +99,20 @@ class Engine:
             self.graphs = DecodeGraphs(self.model)
         self.limits = self.pool.limits()
         self.limits["weight_bytes"] = self.model.weight_bytes()
+        self.limits["seq_kernels"] = seq_limits
 
     # ------------------------------------------------------------------ info
     def describe_limits(self) -> str:
         """One line stating the memory limits fixed at load."""
-        return self.pool.describe_limits() + f"; weights {self.limits['weight_bytes'] / 2**20:.1f} MiB ({self.precision})"
+        k = self.limits.get("seq_kernels") or {}
+        kern = f"; kernels: conv state rows {k['conv_state_rows']} <= {k['max_conv_state_rows']}" if k else ""
+        if "block_topk" in k:
+            kern += (f", block top-k {k['block_topk']} <= {k['max_block_topk']}, blocks {k['max_blocks']} <= "
+                     f"{k['max_scored_blocks']}")
+        if k and self.device != "cuda":
+            kern += " (CUDA limits; the NumPy path has none)"
+        return (self.pool.describe_limits() + f"; weights {self.limits['weight_bytes'] / 2**20:.1f} MiB "
+                f"({self.precision})" + kern)
 
     @property
     def host_syncs(self) -> int:
@@ -122,6 +140,25 @@ class Engine:
 
     def restore(self, seq, snap: Snapshot) -> None:
         self.pool.restore(seq, snap)
+
+    def export_snapshot(self, snap: Snapshot) -> dict:
+        """A snapshot as host numpy copies + meta (``format``, ``version``, ``config_hash``, ``length``, ``kinds``:
+        the state kinds present), independent of pages, page size and device; see
+        :meth:`engine.state.StatePool.export_snapshot` for the layout (``qsa.{i}.k`` ``[L, nKV, hd]`` ...).
+
+        Raises:
+            StateError: not a live snapshot of this engine.
+        """
+        return self.pool.export_snapshot(snap)
+
+    def import_snapshot(self, seq, data: dict) -> None:
+        """Put ``seq`` into the state of an :meth:`export_snapshot` dict (pages allocated here).
+
+        Raises:
+            StateError: another model/format, or a partial state (a kind or any layer's array missing or
+                misshapen; the contents are checked, not only the ``kinds`` label). CapacityError: out of pages.
+        """
+        self.pool.import_snapshot(seq, data)
 
     def rollback(self, seq, n: int) -> None:
         """Forget the last ``n`` tokens of the latest :meth:`verify` (per-position checkpoints)."""

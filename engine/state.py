@@ -48,7 +48,8 @@ import numpy as np
 
 from reference.errors import InputError, UserError
 
-__all__ = ["CapacityError", "StateError", "Sequence", "Snapshot", "StatePool", "SLAB_FIELDS"]
+__all__ = ["CapacityError", "StateError", "Sequence", "Snapshot", "StatePool", "SLAB_FIELDS", "EXPORT_FORMAT",
+           "EXPORT_VERSION"]
 
 
 class CapacityError(UserError, MemoryError):
@@ -61,6 +62,17 @@ class StateError(UserError, ValueError):
 
 # slab-resident per-sequence state (copied by fork/snapshot, checkpointed by verify)
 SLAB_FIELDS = ("gdn_conv", "gdn_rec", "ple_conv", "ple_ctx")
+
+#: the ``format`` / ``version`` of :meth:`StatePool.export_snapshot` dicts
+EXPORT_FORMAT = "qwen4exp-engine-state"
+EXPORT_VERSION = 1
+# (family, field) of every exported array -> (pool attribute, state kind); names follow the reference's
+# SessionState (``qsa.{i}.k``, ``gdn.{i}.conv``, ``ple.{i}.context`` ...) so parity.snapshot_file.kind_of reads them
+_EXPORT_FIELDS = {("qsa", "k"): ("kv_k", "qsa.kv"), ("qsa", "v"): ("kv_v", "qsa.kv"),
+                  ("qsa", "index_keys"): ("idx_k", "qsa.indexer_keys"),
+                  ("qsa", "block_keys"): ("blk_k", "qsa.indexer_keys"),
+                  ("gdn", "conv"): ("gdn_conv", "gdn.conv"), ("gdn", "recurrent"): ("gdn_rec", "gdn.recurrent"),
+                  ("ple", "conv"): ("ple_conv", "ple.conv"), ("ple", "context"): ("ple_ctx", "ple.ngram_context")}
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,11 +104,23 @@ class Snapshot:
         self.pages = list(seq.pages)
         self.slab = {key: arr[seq.slab].copy() for key, arr in pool.slab_arrays()}
         pool._incref(self.pages)
+        self._pool_ref = weakref.ref(pool)
         self._finalizer = weakref.finalize(self, StatePool._decref_static, weakref.ref(pool), list(self.pages))
 
     def release(self) -> None:
         """Drop this snapshot's page references (idempotent)."""
         self._finalizer()
+
+    def to_portable(self) -> dict:
+        """This snapshot as host arrays (:meth:`StatePool.export_snapshot`); used by ``parity.snapshot_file``.
+
+        Raises:
+            StateError: the engine that took it is gone.
+        """
+        pool = self._pool_ref()
+        if pool is None:
+            raise StateError("snapshot: expected the engine that took it to be alive, found it garbage collected")
+        return pool.export_snapshot(self)
 
 
 class StatePool:
@@ -407,6 +431,160 @@ class StatePool:
         for key, arr in self.slab_arrays():
             arr[seq.slab] = snap.slab[key]
         self._sync_table(seq)
+
+    # ------------------------------------------------------------------ export / import (host arrays)
+    def _layers_of(self, fam: str) -> list:
+        return {"qsa": self.qsa_layers, "gdn": self.gdn_layers, "ple": self.ple_layers}[fam]
+
+    def required_kinds(self) -> frozenset:
+        """The state kinds a sequence of this model holds (QSA, GDN, PLE kinds for the layers present)."""
+        return frozenset(kind for (fam, _), (_, kind) in _EXPORT_FIELDS.items() if self._layers_of(fam))
+
+    def _expected_export_shape(self, fam: str, field: str, length: int) -> tuple:
+        c = self.config
+        if fam == "qsa":
+            arr = getattr(self, _EXPORT_FIELDS[(fam, field)][0])[self.qsa_layers[0]]
+            n = length // (c.indexer_compress_ratio or 1) if field == "block_keys" else length
+            return (n,) + tuple(arr.shape[1:])
+        arr = next(iter(getattr(self, _EXPORT_FIELDS[(fam, field)][0]).values()))
+        return tuple(arr.shape[1:])
+
+    def _block_end_slots(self, slots: np.ndarray, length: int) -> np.ndarray:
+        r = self.config.indexer_compress_ratio or 1
+        return slots[r - 1::r][:length // r]
+
+    def export_snapshot(self, snap: Snapshot) -> dict:
+        """A snapshot's whole state as host numpy copies, independent of pages, page size and device.
+
+        Returns:
+            dict ``{"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "config_hash": str, "length": L,
+            "kinds": frozenset of state kinds present, "qsa": {i: {"k" [L, nKV, hd], "v" [L, nKV, hd],
+            "index_keys" [L, D], "block_keys" [L // ratio, D]}}, "gdn": {i: {"conv" [K-1, conv_dim],
+            "recurrent" [Hv, dk, dv]}}, "ple": {i: {"conv" [ple_conv_state_len, hc*H], "context" [n-1] int64}}}``
+            (float arrays in the pool dtype, float32). Names follow the reference's ``SessionState``.
+        Raises:
+            StateError: not a live snapshot of this engine (another engine's, or released).
+        """
+        self._check_snapshot(snap)
+        from engine.backend import to_numpy
+        L = int(snap.length)
+        ps = self.page_size
+        pos = np.arange(L, dtype=np.int64)
+        pages = np.asarray(snap.pages, np.int64)
+        slots = pages[pos // ps] * ps + pos % ps if L else np.zeros(0, np.int64)
+        blk = self._block_end_slots(slots, L)
+        out: dict = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "config_hash": self.config.config_hash(),
+                     "length": L, "qsa": {}, "gdn": {}, "ple": {}}
+        kinds = set()
+        xslots, xblk = self.xp.asarray(slots), self.xp.asarray(blk)
+        for (fam, field), (attr, kind) in _EXPORT_FIELDS.items():
+            for i, arr in getattr(self, attr).items():
+                if fam == "qsa":
+                    val = arr[xblk if field == "block_keys" else xslots]
+                else:
+                    val = snap.slab[f"{attr}.{i}"]
+                out[fam].setdefault(int(i), {})[field] = np.array(to_numpy(val), copy=True)
+                kinds.add(kind)
+        out["kinds"] = frozenset(kinds)
+        return out
+
+    def _check_snapshot(self, snap) -> None:
+        if not isinstance(snap, Snapshot) or snap.pool_id != id(self):
+            raise StateError(f"snapshot: expected a snapshot taken by this engine, found {type(snap).__name__}")
+        if not snap._finalizer.alive:
+            raise StateError("snapshot: expected a live snapshot, found a released one (its pages may be reused)")
+
+    def validate_export(self, data) -> int:
+        """Check an :meth:`export_snapshot` dict against this model: format, version, model, length, the kinds
+        label AND the contents (every array of every layer present, with its exact shape and a fitting dtype).
+
+        Returns:
+            the length (positions) it holds.
+        Raises:
+            StateError: naming the first problem (e.g. ``qsa.2.index_keys (state kind qsa.indexer_keys): expected
+                an array [12, 16], found none``).
+        """
+        if not isinstance(data, dict):
+            raise StateError(f"engine state import: expected a dict from export_snapshot(), found {type(data).__name__}")
+        if data.get("format") != EXPORT_FORMAT:
+            raise StateError(f"engine state import: format: expected {EXPORT_FORMAT!r}, found {data.get('format')!r}")
+        if data.get("version") != EXPORT_VERSION:
+            raise StateError(f"engine state import: version: expected {EXPORT_VERSION}, found {data.get('version')!r}")
+        want_hash = self.config.config_hash()
+        if data.get("config_hash") != want_hash:
+            raise StateError(f"engine state import: config_hash: expected {want_hash} (this model), found "
+                             f"{data.get('config_hash')!r} (a state of another model)")
+        L = data.get("length")
+        if not isinstance(L, (int, np.integer)) or isinstance(L, bool) or not 0 <= L <= self.max_positions:
+            raise StateError(f"engine state import: length: expected an integer in [0, {self.max_positions}], "
+                             f"found {L!r}")
+        L = int(L)
+        need = self.required_kinds()
+        have = frozenset(data.get("kinds") or ())
+        if need - have:
+            raise StateError(f"engine state import: kinds: expected {sorted(need)} for this model, found "
+                             f"{sorted(have)} (missing {sorted(need - have)}); refusing a partial state")
+        for (fam, field), (attr, kind) in _EXPORT_FIELDS.items():
+            layers = self._layers_of(fam)
+            if not layers:
+                continue
+            shape = self._expected_export_shape(fam, field, L)
+            fam_d = data.get(fam)
+            for i in layers:
+                layer_d = None
+                if isinstance(fam_d, dict):
+                    layer_d = fam_d.get(i, fam_d.get(str(i)))
+                a = layer_d.get(field) if isinstance(layer_d, dict) else None
+                name = f"{fam}.{i}.{field} (state kind {kind})"
+                if not isinstance(a, np.ndarray):
+                    raise StateError(f"engine state import: {name}: expected an array {list(shape)}, found "
+                                     f"{'none' if a is None else type(a).__name__}; refusing a partial state")
+                if tuple(a.shape) != shape:
+                    raise StateError(f"engine state import: {name}: expected shape {list(shape)}, found "
+                                     f"{list(a.shape)}")
+                int_field = attr == "ple_ctx"
+                if (a.dtype.kind in "iu") != int_field or (not int_field and a.dtype.kind != "f"):
+                    raise StateError(f"engine state import: {name}: expected "
+                                     f"{'integer token ids' if int_field else 'floating point values'}, found "
+                                     f"dtype {a.dtype}")
+        return L
+
+    def import_snapshot(self, seq: Sequence, data: dict) -> None:
+        """Put ``seq`` (live, empty or not) into the state of an :meth:`export_snapshot` dict: pages are
+        allocated here (any page size), KV / indexer / block keys written to their slots, slab rows copied.
+
+        Everything is checked before anything changes (:meth:`validate_export`, then capacity).
+        Raises:
+            StateError: not an export of this model, or a partial one (a kind label or an array missing).
+            CapacityError: not enough free pages (``seq`` is unchanged).
+        """
+        self._check(seq, allow_broken=True)
+        L = self.validate_export(data)
+        need = -(-L // self.page_size)
+        own = sum(1 for p in seq.pages if self.refcount[p] == 1)
+        if need > self.free_pages() + own:
+            raise CapacityError(f"KV pages: importing a state of {L} tokens into sequence {seq.sid} needs {need} "
+                                f"pages, found {self.free_pages()} free + {own} of its own (pool of {self.num_pages} "
+                                f"pages x {self.page_size} tokens; raise kv_tokens or free sequences)")
+        xp = self.xp
+        self._decref(seq.pages)
+        seq.pages = [self._alloc_page(f"import into sequence {seq.sid}") for _ in range(need)]
+        seq.length = L
+        seq.checkpoints = None
+        seq.broken = False
+        self._sync_table(seq)
+        slots = self.slots(seq, 0, L) if L else np.zeros(0, np.int64)
+        xslots, xblk = xp.asarray(slots), xp.asarray(self._block_end_slots(slots, L))
+        for (fam, field), (attr, _kind) in _EXPORT_FIELDS.items():
+            for i, arr in getattr(self, attr).items():
+                fam_d = data[fam]
+                a = (fam_d[i] if i in fam_d else fam_d[str(i)])[field]
+                if fam == "qsa":
+                    if a.shape[0]:
+                        arr[xblk if field == "block_keys" else xslots] = xp.asarray(a.astype(arr.dtype, copy=False))
+                else:
+                    mod = np if isinstance(arr, np.ndarray) else xp
+                    arr[seq.slab] = mod.asarray(a.astype(arr.dtype, copy=False))
 
     # ------------------------------------------------------------------ verify checkpoints
     def begin_checkpoints(self, seq: Sequence, k: int) -> dict:

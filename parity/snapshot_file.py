@@ -16,6 +16,12 @@ keys/values), ``qsa.indexer_keys`` (QSA raw indexer keys and their compressed bl
 (PLE n-gram token context). A snapshot lacking a kind that the model needs is refused on load
 (:class:`SnapshotError`), as is one of another model (config hash or weights fingerprint) or
 another format version.
+
+Snapshots that are handles to live device state (the engine's, whose KV lives in refcounted pages) provide
+``to_portable()`` returning their state as host arrays (``engine.state.StatePool.export_snapshot``: a dict
+with ``qsa.{i}.k`` ... named like the reference's state); :func:`save_snapshot`, :func:`strip_kind`,
+:func:`flatten_state` and :func:`state_kinds` use that form (:func:`portable`), so a loaded engine snapshot is
+that dict and the engine backend restores it with ``Engine.import_snapshot`` (which checks contents, not labels).
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ import numpy as np
 from reference.errors import UserError
 
 __all__ = ["SnapshotError", "FORMAT", "FORMAT_VERSION", "save_snapshot", "load_snapshot", "read_meta",
-           "flatten_state", "state_kinds", "required_kinds", "strip_kind", "kind_of", "KINDS"]
+           "flatten_state", "state_kinds", "required_kinds", "strip_kind", "kind_of", "KINDS", "portable",
+           "missing_state"]
 
 FORMAT = "qwen4exp-snapshot"
 FORMAT_VERSION = 1
@@ -90,6 +97,20 @@ def required_kinds(config) -> set[str]:
     if config.ple_layer_ids:
         need |= {"ple.conv", "ple.ngram_context"}
     return need
+
+
+def portable(obj):
+    """``obj.to_portable()`` when the snapshot object offers it (live device-state handles), else ``obj``."""
+    fn = getattr(obj, "to_portable", None)
+    return fn() if callable(fn) else obj
+
+
+def missing_state(obj, config) -> list[str]:
+    """The required state kinds (:func:`required_kinds`) for which ``obj`` holds no array at all, judged by its
+    contents (array paths), never by a ``kinds`` label; [] for a complete snapshot. Stripped arrays (None) count
+    as absent."""
+    present = {k for p, a in flatten_state(obj).items() if a is not None and (k := kind_of(p)) is not None}
+    return sorted(required_kinds(config) - present)
 
 
 # ------------------------------------------------------------------------------------------- encode
@@ -188,7 +209,7 @@ def flatten_state(obj) -> dict[str, np.ndarray]:
     """Every array of a state/snapshot object by path (``gdn.0.conv``, ``qsa.3.index_keys``), logical content
     only (grow-buffers trimmed to their filled part). Copies."""
     arrays: dict = {}
-    _encode(_logical(obj), "", arrays)
+    _encode(_logical(portable(obj)), "", arrays)
     return {k: np.array(v, copy=True) for k, v in arrays.items()}
 
 
@@ -225,7 +246,7 @@ def strip_kind(obj, kind: str):
     if kind not in KINDS:
         raise SnapshotError(f"strip_kind: kind: expected one of {KINDS}, found {kind!r}")
     arrays: dict = {}
-    tree = _encode(obj, "", arrays)
+    tree = _encode(portable(obj), "", arrays)
     _drop_kind_labels(tree, kind)
     kept = {k: np.array(v, copy=True) for k, v in arrays.items() if kind_of(k) != kind}
     return _decode(tree, kept)
@@ -259,7 +280,7 @@ def save_snapshot(path, snap, backend, position: int | None = None) -> Path:
 
     path = Path(path)
     arrays: dict = {}
-    tree = _encode(snap, "", arrays)
+    tree = _encode(portable(snap), "", arrays)
     kinds = sorted({k for p in arrays if (k := kind_of(p)) is not None})
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": _identity(backend),
             "backend": getattr(backend, "name", None), "position": position, "kinds": kinds, "tree": tree}

@@ -216,7 +216,8 @@ class _WeightsBase:
         self._expected = expected_shapes(self.config)
         self._checked: set[str] = set()
         self._tables: dict[int, _NgramTable] = {}
-        q = self.config.extra.get("quantization_config") or {}
+        # quantization_config sits in the text config or, in the multimodal wrapper, at the root
+        q = self.config.extra.get("quantization_config") or (self.config.source or {}).get("quantization_config") or {}
         bs = q.get("weight_block_size") or [128, 128]
         if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
             raise CheckpointError(f"{self._source()}: quantization_config.weight_block_size: expected two positive "

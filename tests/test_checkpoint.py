@@ -551,3 +551,52 @@ def test_peak_memory_near_the_tensor_being_read(tmp_path):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert np.array_equal(naive, ck.get("embed_tokens.weight")) and peak > 1.3 * out_bytes
+
+
+def test_block_size_from_wrapper_root_quantization_config(tmp_path):
+    """The FP8 release puts quantization_config at the root of the wrapper config: its block size is used."""
+    cfg, codes, w8, _ = _fp8_fixture(tmp_path, rows=200)
+    cfg.pop("quantization_config")
+    cfg.update(eos_token_id=[1, 2], pad_token_id=1)
+    wrapper = {"model_type": "qwen4_exp", "text_config": cfg,
+               "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}
+    t = {k: v for k, v in _tensors("tiny-hc2").items() if "embed_tokens" not in k and "lm_head" not in k}
+    scale = np.array([[1.0], [2.0], [4.0], [8.0]], np.float32)  # [ceil(200/64), ceil(64/64)]
+    t["model.embed_tokens.weight"] = w8
+    t["model.embed_tokens.weight_scale_inv"] = scale
+    t["lm_head.weight"] = np.zeros((200, 64), np.float32)
+    ck = Checkpoint.open(_write_ck(tmp_path, wrapper, t))
+    got = ck.get("embed_tokens.weight")
+    plain = w8.astype(np.float32)
+    assert np.array_equal(got, plain * np.repeat(scale, 64, 0)[:200])
+
+
+def test_ngram_rows_any_shard_split_property(tmp_path):
+    """Any split of the table into contiguous shards (even or not) gathers the same rows, through files
+    (preadv path) and through memory (DictWeights)."""
+    from hypothesis import given, settings, strategies as st, HealthCheck
+
+    cfg_d = _config("tiny-hc2")
+    from reference.config import ModelConfig
+    cfg = ModelConfig.from_dict(cfg_d)
+    i = cfg.ple_layers[0]
+    lay = cfg.ple_layout(i)
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((lay.padded_rows, lay.head_dim)).astype(np.float32)
+    base = f"layers.{i}.ple.ple_embedding.ngram_embedding"
+    others = {canonical_name(k): v for k, v in _tensors("tiny-hc2").items() if "ngram_embedding" not in k}
+    counter = iter(range(10**6))
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(cuts=st.lists(st.integers(1, lay.padded_rows - 1), max_size=5, unique=True),
+           rows=st.lists(st.integers(0, lay.padded_rows - 1), min_size=1, max_size=40))
+    def check(cuts, rows):
+        edges = [0] + sorted(cuts) + [lay.padded_rows]
+        shards = {f"{base}.shard_{k}.weight": table[a:b] for k, (a, b) in enumerate(zip(edges, edges[1:]))}
+        r = np.asarray(rows, dtype=np.int64)
+        dw = DictWeights(cfg, {**others, **shards})
+        assert np.array_equal(dw.ngram_rows(i, r), table[r])
+        d = _write_ck(tmp_path / f"c{next(counter)}", cfg_d, {**others, **shards})
+        with Checkpoint.open(d) as ck:
+            assert np.array_equal(ck.ngram_rows(i, r), table[r])
+    check()
