@@ -309,7 +309,7 @@ class EngineBackend(Backend):
     """
 
     capabilities = {"page_sizes": "any", "batched_decode": True, "perturb": True, "state_arrays": True,
-                    "snapshot_file": False}
+                    "snapshot_file": True}
 
     def __init__(self, eng, name, model_path, precision):
         self.eng = eng
@@ -321,6 +321,8 @@ class EngineBackend(Backend):
         pool = getattr(eng, "pool", None)
         if not all(hasattr(pool, a) for a in ("slab_arrays", "page_arrays", "slots")):
             self.capabilities = {**type(self).capabilities, "state_arrays": False}
+        if not all(hasattr(eng, a) for a in ("export_snapshot", "import_snapshot")):
+            self.capabilities = {**self.capabilities, "snapshot_file": False}
 
     @classmethod
     def open(cls, model_path, *, device="cpu", page_size=None, precision=None, perturb=None, weights=None,
@@ -374,7 +376,16 @@ class EngineBackend(Backend):
         return self.eng.snapshot(h)
 
     def restore(self, h, snap):
-        self.eng.restore(h, snap)
+        """Restore a live engine snapshot (pages shared again), or a host-array export of one (from
+        ``parity.snapshot_file.load_snapshot`` / ``Engine.export_snapshot``: pages allocated, contents checked).
+
+        Raises:
+            StateError (a UserError): a foreign snapshot, or an export of another model or lacking any state.
+        """
+        if isinstance(snap, dict):
+            self.eng.import_snapshot(h, snap)
+        else:
+            self.eng.restore(h, snap)
 
     _STATE_NAMES = {"gdn_conv": "gdn.{i}.conv", "gdn_rec": "gdn.{i}.recurrent", "ple_conv": "ple.{i}.conv",
                     "ple_ctx": "ple.{i}.context", "kv_k": "qsa.{i}.k", "kv_v": "qsa.{i}.v",

@@ -38,8 +38,7 @@ import numpy as np
 from reference.errors import UserError
 
 __all__ = ["SnapshotError", "FORMAT", "FORMAT_VERSION", "save_snapshot", "load_snapshot", "read_meta",
-           "flatten_state", "state_kinds", "required_kinds", "strip_kind", "kind_of", "KINDS", "portable",
-           "missing_state"]
+           "flatten_state", "state_kinds", "required_kinds", "strip_kind", "kind_of", "KINDS", "portable"]
 
 FORMAT = "qwen4exp-snapshot"
 FORMAT_VERSION = 1
@@ -103,14 +102,6 @@ def portable(obj):
     """``obj.to_portable()`` when the snapshot object offers it (live device-state handles), else ``obj``."""
     fn = getattr(obj, "to_portable", None)
     return fn() if callable(fn) else obj
-
-
-def missing_state(obj, config) -> list[str]:
-    """The required state kinds (:func:`required_kinds`) for which ``obj`` holds no array at all, judged by its
-    contents (array paths), never by a ``kinds`` label; [] for a complete snapshot. Stripped arrays (None) count
-    as absent."""
-    present = {k for p, a in flatten_state(obj).items() if a is not None and (k := kind_of(p)) is not None}
-    return sorted(required_kinds(config) - present)
 
 
 # ------------------------------------------------------------------------------------------- encode

@@ -10,6 +10,9 @@ Dataflow per call (source: modeling_qwen4_exp.py ``Qwen4ExpTextModel.forward``,
 -> inject; then ``hyper_connection_mixer`` -> ``lm_head``.
 
 Every computation runs in ``dtype`` (float32 default, float64 on request) through the same code.
+In float32, stored BF16 matrices (routed experts, every projection, the lm_head) are multiplied from their stored bits (``reference.blocks.linear``): a product of a few rows
+reads the 2-byte weight through the checkpoint's memory map instead of a 4-byte upcast copy; only the
+float32 summation order differs from multiplying the upcast weight.
 Taps are emitted at every block boundary through ``taps.recorder.current()`` (nothing is built when no
 recorder is active).
 """
@@ -19,6 +22,7 @@ import numpy as np
 
 from reference.blocks.gdn import gdn_block
 from reference.blocks.hyper_connection import hc_combine, hyper_connection
+from reference.blocks.linear import FUSED_MAX_ROWS, BF16Matrix, linear
 from reference.blocks.moe import moe_block
 from reference.blocks.ple import ple_block
 from reference.blocks.qsa import (attention_project, indexer_project, indexer_select, pool_block_keys,
@@ -26,7 +30,7 @@ from reference.blocks.qsa import (attention_project, indexer_project, indexer_se
 from reference.blocks.norms import sigmoid
 from reference.blocks.rope import inv_freq, rope_cos_sin
 from reference.errors import InputError
-from reference.numba_kernels import ngram_hash_rows
+from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows
 from reference.session import Session, SessionState, check_ids
 from taps import recorder as _recorder
 
@@ -82,6 +86,8 @@ class ReferenceModel:
         self.progress = progress
         self._cache: dict = {}
         self._expert_cache: dict = {}
+        self._expert_raw: dict = {}
+        self._raw_views: dict = {}
         #: diagnostic hook ``(layer, positions [T], block_scores [T, NB], selected [T, block_topk]) -> selected``:
         #: replaces the QSA block selection (e.g. with another implementation's, to compare past a tie).
         self.selection_hook = None
@@ -118,10 +124,59 @@ class ReferenceModel:
     def _w_opt(self, name: str):
         return self.w(name) if self.weights.has(name) else None
 
+    def _bf16_raw(self, name: str):
+        """The stored BF16 ``[O, K]`` tensor ``name`` (memory-mapped) when products may read its bits: float32
+        compute and a weights object with ``get_raw``/``dtype``; else None."""
+        w = self.weights
+        if self.dtype is not np.float32 or not hasattr(w, "get_raw") or not hasattr(w, "dtype"):
+            return None
+        if name in self._raw_views:
+            return self._raw_views[name]
+        raw = w.get_raw(name) if w.dtype(name) == "BF16" else None
+        if raw is not None and raw.ndim < 2:
+            raw = None
+        self._raw_views[name] = raw  # a view of the memory map (or None): no data is held
+        return raw
+
+    def m(self, name: str):
+        """Weight ``name`` as an operand of :func:`reference.blocks.linear.linear`: a :class:`BF16Matrix` over
+        its stored bits (float32 compute, stored BF16; products of many rows use :meth:`w`'s cached upcast),
+        else :meth:`w`."""
+        raw = self._bf16_raw(name)
+        if raw is None or raw.ndim != 2:
+            return self.w(name)
+        return BF16Matrix(raw, upcast=lambda dt, n=name: self.w(n))
+
+    def _expert_bits(self, layer: int, e: int):
+        """``(gate [I, H], up [I, H], down [H, I])`` stored BF16 views of a routed expert (memory-mapped; nothing
+        read yet), or None when the float32 bits path does not apply (then :meth:`_expert` upcasts)."""
+        if self.dtype is not np.float32 or not hasattr(self.weights, "get_raw"):
+            return None
+        m = f"layers.{layer}.mlp.experts."
+        if self.weights.has(f"{m}{e}.gate_proj.weight"):
+            got = tuple(self._bf16_raw(f"{m}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            return None if any(g is None for g in got) else got
+        lay = self._expert_raw.get(layer)
+        if lay is None:
+            lay = ()
+            if self.weights.has(m + "gate_up_proj") and self.weights.has(m + "down_proj"):
+                gu, dn = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
+                if gu is not None and dn is not None and gu.ndim == 3 and dn.ndim == 3:
+                    lay = (gu, dn)
+            self._expert_raw[layer] = lay
+        if not lay:
+            return None
+        gu, dn = lay
+        I = gu.shape[1] // 2
+        return gu[e, :I], gu[e, I:], dn[e]
+
     def _expert(self, layer: int, e: int):
         key = (layer, e)
         got = self._expert_cache.get(key)
         if got is None:
+            bits = self._expert_bits(layer, e)
+            if bits is not None:  # upcast (for many-row products) once per use, never kept
+                return tuple(BF16Matrix(b) for b in bits)
             got = tuple(np.asarray(a, dtype=self.dtype) for a in self.weights.expert(layer, e, dtype=self.dtype))
             if self._keep(sum(a.nbytes for a in got)):
                 self._expert_cache[key] = got
@@ -143,6 +198,10 @@ class ReferenceModel:
                 raise CheckpointError("lm_head.weight: expected in the checkpoint (tie_word_embeddings is false), "
                                       "found nothing")
             name = "embed_tokens.weight"
+        if h.shape[0] <= FUSED_MAX_ROWS and name not in self._cache:
+            raw = self._bf16_raw(name)
+            if raw is not None and raw.ndim == 2:
+                return bf16_matmul_t(h, raw)
         if self._cache_on or name in self._cache or not hasattr(self.weights, "get_raw"):
             return h @ self.w(name).T
         raw = self.weights.get_raw(name)
@@ -153,14 +212,14 @@ class ReferenceModel:
         return out
 
     def _hc_w(self, prefix: str, combine: bool = True):
-        return (self.w(prefix + ".hc_norm.weight"), self.w(prefix + ".input_mix_weight_down.weight"),
-                self.w(prefix + ".input_mix_weight_up.weight"),
-                self.w(prefix + ".block_inject_weight.weight") if combine else None)
+        return (self.w(prefix + ".hc_norm.weight"), self.m(prefix + ".input_mix_weight_down.weight"),
+                self.m(prefix + ".input_mix_weight_up.weight"),
+                self.m(prefix + ".block_inject_weight.weight") if combine else None)
 
     def _gdn_w(self, i: int) -> dict:
         p = f"layers.{i}.linear_attn."
-        d = {n: self.w(p + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-                                                    "norm")}
+        d = {n: self.m(p + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")}
+        d["norm"] = self.w(p + "norm.weight")
         conv = self.w(p + "conv1d.weight")
         d["conv1d"] = conv.reshape(conv.shape[0], conv.shape[-1])
         d["A_log"] = self.w(p + "A_log")
@@ -171,13 +230,13 @@ class ReferenceModel:
         p = f"layers.{i}.self_attn."
         d = {}
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            d[n + ".weight"] = self.w(p + n + ".weight")
+            d[n + ".weight"] = self.m(p + n + ".weight")
             b = self._w_opt(p + n + ".bias")
             if b is not None:
                 d[n + ".bias"] = b
         d["q_norm"] = self.w(p + "q_norm.weight")
         d["k_norm"] = self.w(p + "k_norm.weight")
-        d["index_qk_proj"] = self.w(p + "indexer.index_qk_proj.weight")
+        d["index_qk_proj"] = self.m(p + "indexer.index_qk_proj.weight")
         d["q_layernorm"] = self.w(p + "indexer.q_layernorm.weight")
         d["k_layernorm"] = self.w(p + "indexer.k_layernorm.weight")
         return d
@@ -185,15 +244,15 @@ class ReferenceModel:
     def _ple_w(self, i: int) -> dict:
         p = f"layers.{i}.ple."
         conv = self.w(p + "conv1d.weight")
-        return {"key_proj": self.w(p + "key_proj.weight"), "value_proj": self.w(p + "value_proj.weight"),
+        return {"key_proj": self.m(p + "key_proj.weight"), "value_proj": self.m(p + "value_proj.weight"),
                 "norm_key": self.w(p + "norm_key.weight"), "norm_query": self.w(p + "norm_query.weight"),
                 "norm_conv": self.w(p + "norm_conv.weight"), "conv1d": conv.reshape(conv.shape[0], conv.shape[-1])}
 
     def _moe_w(self, i: int) -> dict:
         p = f"layers.{i}.mlp."
-        return {"gate": self.w(p + "gate.weight"), "shared_gate": self.w(p + "shared_expert.gate_proj.weight"),
-                "shared_up": self.w(p + "shared_expert.up_proj.weight"),
-                "shared_down": self.w(p + "shared_expert.down_proj.weight"),
+        return {"gate": self.m(p + "gate.weight"), "shared_gate": self.m(p + "shared_expert.gate_proj.weight"),
+                "shared_up": self.m(p + "shared_expert.up_proj.weight"),
+                "shared_down": self.m(p + "shared_expert.down_proj.weight"),
                 "shared_expert_gate": self.w(p + "shared_expert_gate.weight")}
 
     # ------------------------------------------------------------------ rope
@@ -257,7 +316,7 @@ class ReferenceModel:
         K = st.k.append(k)
         V = st.v.append(v)
         core = sparse_attention(q, K, V, mask, cfg.head_dim ** -0.5)
-        out = (core * sigmoid(gate)) @ w["o_proj.weight"].T
+        out = linear(core * sigmoid(gate), w["o_proj.weight"])
         if "o_proj.bias" in w:
             out = out + w["o_proj.bias"]
         if rec is not None:

@@ -5,6 +5,7 @@
 * :func:`ngram_hash_rows` -- the PLE n-gram hash with the official int64 wrap-around arithmetic.
 * :func:`unit_lower_solve` -- the triangular solve of the chunked delta rule.
 * :func:`block_topk_select` -- the QSA per-query block top-k in the canonical order.
+* :func:`bf16_matmul_t` -- ``x @ W.T`` straight from a BF16 weight's stored bits (no float32 copy of ``W``).
 
 Every kernel is ``@njit(cache=True)`` and called with at most two signatures (float32 / float64), so
 the JIT cost is paid once per machine. Each has a plain NumPy twin in the block modules that the
@@ -15,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["delta_rule_recurrent", "ngram_hash_rows", "unit_lower_solve", "block_topk_select"]
+__all__ = ["delta_rule_recurrent", "ngram_hash_rows", "unit_lower_solve", "block_topk_select",
+           "bf16_matmul_t"]
 
 
 @njit(cache=True, fastmath=False)
@@ -170,3 +172,71 @@ def block_topk_select(scores: np.ndarray, n_complete: np.ndarray, k: int) -> np.
     out = np.full((scores.shape[0], k), -1, dtype=np.int64)
     _block_topk_kernel(np.ascontiguousarray(scores), np.asarray(n_complete, dtype=np.int64), np.int64(k), out)
     return out
+
+
+# Float32 reassociation (SIMD reductions) and FMA contraction only: the products are exact (a float32
+# activation times an exactly upcast BF16 weight), the sums differ from BLAS's in rounding order alone.
+_FM = {"reassoc", "contract", "nsz"}
+
+
+@njit(cache=True, fastmath=_FM)
+def _bf16_matmul_kernel(x, w, out):  # pragma: no cover - compiled
+    # One thread on purpose: the product is bandwidth-bound, and a parallel region measured 2-5x slower
+    # per call on the shared 2-core machine (threads wait at the barrier for a descheduled sibling).
+    # Each weight row is upcast once into an L1-resident buffer, then dotted with 4 activation rows at a time.
+    N, K = x.shape
+    O = w.shape[0]
+    buf = np.empty(K, np.uint32)
+    row = buf.view(np.float32)
+    N4 = N - N % 4
+    for o in range(O):
+        for k in range(K):
+            buf[k] = np.uint32(w[o, k]) << 16  # BF16 bits are the high half of the float32
+        for n in range(0, N4, 4):
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for k in range(K):
+                r = row[k]
+                a0 += x[n, k] * r
+                a1 += x[n + 1, k] * r
+                a2 += x[n + 2, k] * r
+                a3 += x[n + 3, k] * r
+            out[n, o] = a0
+            out[n + 1, o] = a1
+            out[n + 2, o] = a2
+            out[n + 3, o] = a3
+        for n in range(N4, N):
+            acc = np.float32(0.0)
+            for k in range(K):
+                acc += x[n, k] * row[k]
+            out[n, o] = acc
+
+
+def _bits(w: np.ndarray) -> np.ndarray:
+    a = np.asarray(w)
+    if a.dtype != np.dtype(np.uint16) and a.dtype.name != "bfloat16":
+        raise TypeError(f"bf16 bits: expected a bfloat16 or uint16 array, found {a.dtype}")
+    return np.ascontiguousarray(a.view(np.uint16))
+
+
+def bf16_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ upcast(w).T`` in float32 without materialising the upcast weight (Numba).
+
+    Args:
+        x: ``[N, K]`` float32 activations; w: ``[O, K]`` BF16 weight (``ml_dtypes.bfloat16`` or its
+            ``uint16`` bits), e.g. a memory-mapped slice of a checkpoint.
+    Returns:
+        ``[N, O]`` float32. Equal to the BLAS product of the float32 upcast up to float32 summation order.
+    Raises:
+        TypeError: ``w`` is not 16-bit.  ValueError: inner dimensions differ.
+    """
+    bits = _bits(w)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or bits.ndim != 2 or x.shape[1] != bits.shape[1]:
+        raise ValueError(f"bf16_matmul_t: expected x [N, K] and w [O, K], found {x.shape} and {bits.shape}")
+    out = np.empty((x.shape[0], bits.shape[0]), dtype=np.float32)
+    _bf16_matmul_kernel(x, bits, out)
+    return out
+

@@ -182,6 +182,38 @@ class SessionState:
                             {i: s.copy() for i, s in self.ple.items()})
 
 
+def _content_problem(config, snapshot) -> str | None:
+    """The first state a snapshot's CONTENTS lack for ``config`` (whatever its ``kinds`` label says), or None.
+
+    Checks that every layer the model has carries its state objects with real arrays: GDN ``conv``/``recurrent``,
+    PLE ``conv``/``context``, QSA ``k``/``v``/``index_keys`` filled to the snapshot position and ``block_keys`` to
+    ``position // indexer_compress_ratio`` (a stripped array, e.g. by ``parity.snapshot_file.strip_kind``, is None).
+    """
+    st, pos = getattr(snapshot, "state", None), snapshot.position
+    if not isinstance(st, SessionState):
+        return f"state: expected a SessionState, found {type(st).__name__}"
+    r = config.indexer_compress_ratio or 1
+    for i, lt in enumerate(config.layer_types):
+        if lt == "linear_attention":
+            g = st.gdn.get(i)
+            for f, kind in (("conv", "gdn.conv"), ("recurrent", "gdn.recurrent")):
+                if not isinstance(getattr(g, f, None), np.ndarray):
+                    return f"layer {i} GDN {f} ({kind}): expected an array, found none"
+        else:
+            q = st.qsa.get(i)
+            for f, kind, n in (("k", "qsa.kv", pos), ("v", "qsa.kv", pos), ("index_keys", "qsa.indexer_keys", pos),
+                               ("block_keys", "qsa.indexer_keys", pos // r)):
+                b = getattr(q, f, None)
+                if not isinstance(getattr(b, "_a", None), np.ndarray) or getattr(b, "n", None) != n:
+                    return f"layer {i} QSA {f} ({kind}): expected {n} rows, found none"
+    for i in config.ple_layers:
+        pl = st.ple.get(i)
+        for f, kind in (("conv", "ple.conv"), ("context", "ple.ngram_context")):
+            if not isinstance(getattr(pl, f, None), np.ndarray):
+                return f"layer {i} PLE {f} ({kind}): expected an array, found none"
+    return None
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A deep, independent copy of a session's state.
@@ -310,6 +342,9 @@ class Session:
         if missing:
             raise InputError(f"restore: snapshot lacks state kinds {sorted(missing)} that this model needs "
                              f"(it holds {sorted(snapshot.kinds)})")
+        problem = _content_problem(self.config, snapshot)
+        if problem:  # the label may claim a kind whose arrays are gone: check the contents too
+            raise InputError(f"restore: snapshot contents: {problem}; refusing to restore a partial state")
         if snapshot.config_hash != self.config.config_hash():
             raise InputError(f"restore: snapshot is of model config {snapshot.config_hash}, this session's is "
                              f"{self.config.config_hash()}")

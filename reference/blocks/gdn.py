@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.blocks.linear import linear
 from reference.blocks.norms import gated_rms_norm, sigmoid, silu, softplus
 from reference.blocks.ple import dilated_causal_conv
 from reference.numba_kernels import delta_rule_recurrent, unit_lower_solve
@@ -108,10 +109,10 @@ def gdn_block(x: np.ndarray, w: dict, conv_state: np.ndarray, rec_state: np.ndar
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kd = Hk * dk
-    mixed = x @ w["in_proj_qkv"].T
-    z = x @ w["in_proj_z"].T
-    b = x @ w["in_proj_b"].T
-    a = x @ w["in_proj_a"].T
+    mixed = linear(x, w["in_proj_qkv"])
+    z = linear(x, w["in_proj_z"])
+    b = linear(x, w["in_proj_b"])
+    a = linear(x, w["in_proj_a"])
     conv, new_conv = dilated_causal_conv(mixed, conv_state, w["conv1d"], 1)
     conv = silu(conv)
     q = conv[:, :kd].reshape(T, Hk, dk)
@@ -126,5 +127,5 @@ def gdn_block(x: np.ndarray, w: dict, conv_state: np.ndarray, rec_state: np.ndar
     else:
         core, new_rec = delta_rule_chunked(q, k, v, g, beta, rec_state)
     normed = gated_rms_norm(core, z.reshape(T, Hv, dv), w["norm"], cfg.rms_norm_eps, cfg.output_gate)
-    out = normed.reshape(T, Hv * dv) @ w["out_proj"].T
+    out = linear(normed.reshape(T, Hv * dv), w["out_proj"])
     return out, {"conv_out": conv, "core_out": core}, new_conv, new_rec

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.blocks.linear import linear
 from reference.blocks.norms import rms_norm, sigmoid, silu
 
 __all__ = ["hyper_connection", "hc_combine"]
@@ -23,7 +24,7 @@ def hyper_connection(x: np.ndarray, norm_w: np.ndarray, down_w: np.ndarray, up_w
     Args:
         x: ``[T, hc_count * hidden_size]`` the multi-stream residual.
         norm_w: ``[hc*H]`` zero-centred grouped-norm weight (group = ``hidden_size``).
-        down_w: ``[hc_lowrank, hc*H]``; up_w: ``[hc*H, hc_lowrank]``.
+        down_w: ``[hc_lowrank, hc*H]``; up_w: ``[hc*H, hc_lowrank]`` (arrays or ``BF16Matrix``).
         inject_w: ``[hc, hc*H]`` or None (the final mixer has no combine).
     Returns:
         ``(mixed [T, H], injection_weights [T, hc] or None)`` in ``x.dtype``.
@@ -32,11 +33,11 @@ def hyper_connection(x: np.ndarray, norm_w: np.ndarray, down_w: np.ndarray, up_w
     T = x.shape[0]
     hc = x.dtype.type(hc_count)
     n = rms_norm(x, norm_w, eps, group_size=hidden_size)
-    m = sigmoid(silu((n @ down_w.T) / hc) @ up_w.T)
+    m = sigmoid(linear(silu(linear(n, down_w) / hc), up_w))
     mixed = (m * n).reshape(T, hc_count, hidden_size).mean(axis=1)
     if inject_w is None:
         return mixed, None
-    inj = x.dtype.type(2.0) * sigmoid((n @ inject_w.T) / hc)
+    inj = x.dtype.type(2.0) * sigmoid(linear(n, inject_w) / hc)
     return mixed, inj
 
 

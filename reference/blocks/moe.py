@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.blocks.linear import linear
 from reference.blocks.norms import sigmoid, silu
 from reference.blocks.qsa import canonical_topk
 
@@ -23,7 +24,7 @@ def route(x: np.ndarray, gate_w: np.ndarray, top_k: int, norm_topk_prob: bool):
         1 when ``norm_topk_prob``.
     Source: ``Qwen4ExpTextTopKRouter.forward`` (softmax in float32 there; in the compute dtype here).
     """
-    logits = x @ gate_w.T
+    logits = linear(x, gate_w)
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)
     ids = canonical_topk(probs, top_k)
@@ -36,9 +37,11 @@ def route(x: np.ndarray, gate_w: np.ndarray, top_k: int, norm_topk_prob: bool):
 def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """``down(silu(gate x) * up x)``: x ``[N, H]``, gate/up ``[I, H]``, down ``[H, I]`` -> ``[N, H]``.
 
+    The weights are arrays or :class:`reference.blocks.linear.BF16Matrix` (stored BF16 bits).
+
     Source: ``Qwen4ExpTextMLP.forward`` and the per-expert body of ``Qwen4ExpTextExperts.forward``.
     """
-    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+    return linear(silu(linear(x, gate)) * linear(x, up), down)
 
 
 def moe_block(x: np.ndarray, w: dict, expert_fn, cfg):
@@ -47,8 +50,9 @@ def moe_block(x: np.ndarray, w: dict, expert_fn, cfg):
     Args:
         x: ``[T, H]``.
         w: ``gate [E, H]``, ``shared_gate``/``shared_up [I_s, H]``, ``shared_down [H, I_s]``, ``shared_expert_gate [1, H]``.
-        expert_fn: ``e -> (gate [I, H], up [I, H], down [H, I])`` in the compute dtype; called only for
-            experts some token uses (so only those are read and upcast).
+        expert_fn: ``e -> (gate [I, H], up [I, H], down [H, I])`` in the compute dtype (or as
+            ``BF16Matrix`` stored bits); called once per call and only for experts some token uses (so only
+            those are read), with all the rows routed to that expert at once.
     Returns:
         ``(out [T, H], router_logits [T, E], topk_ids [T, k], topk_weights [T, k])``.
     Source: ``Qwen4ExpTextSparseMoeBlock.forward``.
@@ -61,5 +65,5 @@ def moe_block(x: np.ndarray, w: dict, expert_fn, cfg):
         y = swiglu(x[tok], g, u, d) * wts[tok, slot][:, None]
         out[tok] += y  # a token routes to an expert at most once: tok has no repeats
     shared = swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
-    out = out + sigmoid(x @ w["shared_expert_gate"].T) * shared
+    out = out + sigmoid(linear(x, w["shared_expert_gate"])) * shared
     return out, logits, ids, wts

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from reference.blocks.linear import linear
 from reference.blocks.norms import rms_norm, sigmoid, silu
 
 __all__ = ["shift_ignore_eos", "ngram_rows_numpy", "ple_gate", "dilated_causal_conv", "ple_block"]
@@ -132,8 +133,8 @@ def ple_block(hidden: np.ndarray, embeddings: np.ndarray, w: dict, conv_state: n
     Source: ``Qwen4ExpTextPLELayer.forward``.
     """
     T = hidden.shape[0]
-    key = rms_norm(embeddings @ w["key_proj"].T, w["norm_key"], eps, group_size=hidden_size)
-    value = embeddings @ w["value_proj"].T
+    key = rms_norm(linear(embeddings, w["key_proj"]), w["norm_key"], eps, group_size=hidden_size)
+    value = linear(embeddings, w["value_proj"])
     query = rms_norm(hidden, w["norm_query"], eps, group_size=hidden_size)
     gate = ple_gate(key.reshape(T, hc_count, hidden_size), query.reshape(T, hc_count, hidden_size), hidden_size)
     gated = (sigmoid(gate)[:, :, None] * value[:, None, :]).reshape(T, hc_count * hidden_size)

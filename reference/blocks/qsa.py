@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from reference.blocks.linear import linear
 from reference.blocks.norms import rms_norm
 from reference.blocks.rope import apply_rope
 from reference.numba_kernels import block_topk_select
@@ -45,7 +46,7 @@ def indexer_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cf
     """
     T = x.shape[0]
     D, nh = cfg.indexer_head_dim, cfg.indexer_n_heads
-    qk = x @ w["index_qk_proj"].T
+    qk = linear(x, w["index_qk_proj"])
     q = rms_norm(qk[:, :nh * D].reshape(T, nh, D), w["q_layernorm"], cfg.rms_norm_eps)
     q = apply_rope(q, cos, sin)
     return q, qk[:, nh * D:].reshape(T, D)
@@ -129,7 +130,7 @@ def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, 
     nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
     def lin(name):
-        y = x @ w[name + ".weight"].T
+        y = linear(x, w[name + ".weight"])
         b = w.get(name + ".bias")
         return y if b is None else y + b
 
