@@ -482,7 +482,14 @@ def open_backend(spec: str, model_path, **opts) -> Backend:
     """
     cls, defaults = backend_class(spec)
     kw = {**defaults, **opts}
-    be = cls.open(Path(model_path), **kw)
+    try:
+        be = cls.open(Path(model_path), **kw)
+    except UserError:
+        raise
+    except Exception as e:  # a backend that cannot be opened is a clear exit-2 error, not a traceback
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise BackendError(f"--backend {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"
+                           f"{': ' + msg if msg else ''}") from e
     if ":" in spec and getattr(be, "name", None) in (None, "backend"):
         be.name = spec
     for attr in ("new_sequence", "prefill", "decode", "forward_tokens", "rollback", "snapshot", "restore",

@@ -19,9 +19,36 @@ class CLIError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
 
 
+def package_version() -> str:
+    """The installed ``qwen4exp-parity`` version (importlib.metadata), or pyproject's when not installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("qwen4exp-parity")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+        try:
+            text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+            m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+            return m.group(1) if m else "unknown"
+        except OSError:
+            return "unknown"
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush cannot fail."""
+    import os
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen4exp", description="qwen4exp parity tools: reference, engine, "
                                 "tap-diff, logit-KL and scenario suites for the Qwen3.8-Flash-Next architecture")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _MODULES:
@@ -43,15 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"qwen4exp {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except BrokenPipeError:  # e.g. `qwen4exp taps list --json | head`: the reader went away, not an error
+        _silence_stdout()
+        return 0
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", None)  # parity.bench.runner.Terminated (SIGTERM) carries its signal
+        what = "interrupted" if signum is None else f"terminated (signal {signum})"
+        print(f"qwen4exp {args.command}: {what}", file=sys.stderr)
+        return 128 + signum if signum else 130
     except Exception as e:  # bad input from library layers (ConfigError, CheckpointError, ...)
         from reference.errors import UserError
         if isinstance(e, UserError):
             print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
             return 2
         raise
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
     return int(rc or 0)
 
 

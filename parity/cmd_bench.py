@@ -25,6 +25,8 @@ def register(subparsers) -> None:
                     "on synthetic real-width weights, with the official transformers implementation (eager) "
                     "timed in the same run as the peer. Warm-up excluded; medians of repeated runs with their "
                     "spread; results as JSON; a table printed last.")
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory or bundled fixture (same as --model; default: tiny)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
     src.add_argument("--synthetic", choices=["real-widths"], default=None,
@@ -71,6 +73,25 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     from reference.errors import InputError
     from reference.paths import resolve_model
 
+    model_pos = getattr(args, "model_pos", None)
+    if model_pos is not None:
+        if args.synthetic:
+            raise InputError(f"MODEL {model_pos!r}: expected either a MODEL or --synthetic, found both")
+        if args.model is not None and args.model != model_pos:
+            raise InputError(f"MODEL {model_pos!r}: expected either a positional MODEL or --model, found both "
+                             f"(--model {args.model!r})")
+        args.model = model_pos
+    if not args.synthetic:
+        for name in ("layers", "vocab"):
+            if getattr(args, name) is not None:
+                raise InputError(f"--{name}: only applies to --synthetic checkpoints, found it without --synthetic")
+    for name in ("budget_s", "timeout_s"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise InputError(f"--{name.replace('_', '-')}: expected a number of seconds > 0, found {v:g}")
+    if getattr(args, "out", None):
+        from reference.atomic import check_output_path
+        check_output_path(args.out, "file", overwrite=True)
     backend = args.backend or ("both" if gpu_available() else "reference")
     dev = args.device
     if dev == "auto":
@@ -105,6 +126,7 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
                                   "bytes": S.checkpoint_bytes(cfg)}
             return str(path)
         path = resolve_model(args.model)
+        Checkpoint.open(path).validate()  # a bad checkpoint is one clear error here, not a worker traceback
         checkpoints[which] = {"path": str(path), "synthetic": False}
         return str(path)
 
@@ -146,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
     from parity.bench import runner
 
     jobs, settings, checkpoints = plan(args)
+    with runner.terminate_on_signals():  # SIGTERM: stop the worker, remove its temp dir, exit 143
+        return _run_jobs(args, runner, jobs, settings, checkpoints)
+
+
+def _run_jobs(args, runner, jobs, settings, checkpoints) -> int:
     runs = {}
     timeout = args.timeout_s
     if timeout is None and args.budget_s is not None:

@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-p/top-k)")
     p.add_argument("--backend", choices=["engine", "reference"], default="engine")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device (default auto)")
-    p.add_argument("--precision", default=None, help="engine precision (bf16|float32) or reference dtype (float32|float64)")
+    p.add_argument("--precision", default=None, help="engine precision (bf16|float32; bf16 = BF16 weights with float32 accumulation, equal to float32 "
+                        "on a checkpoint stored in BF16) or reference dtype (float32|float64)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead")
     p.set_defaults(func=run)
 
@@ -68,13 +69,25 @@ def run(args: argparse.Namespace) -> int:
     from parity import generate as G
     from reference.paths import bundled_model, resolve_model
 
+    from parity.cmd_logits import check_precision
+    from reference.errors import InputError, UserError
+
     model_dir = resolve_model(args.model)
-    if model_dir.resolve() == bundled_model("tiny").resolve():
-        print(G.NOISE_NOTE, file=sys.stderr)
+    if args.precision is not None:
+        allowed = ("float32", "float64") if args.backend == "reference" else ("float32", "bf16")
+        if args.backend == "reference":
+            check_precision("reference", args.precision)
+        if args.precision not in allowed:
+            raise InputError(f"--precision {args.precision}: expected one of {', '.join(allowed)} for the "
+                             f"{args.backend} backend")
     tok = G.load_tokenizer(model_dir)
     gen_cfg = G.load_generation_config(model_dir)
     kw = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
     kw.update(G.sampling_defaults(gen_cfg))
+    try:  # the checkpoint's own defaults: a bad value names generation_config.json
+        G.SamplingParams(seed=0, **kw).validate()
+    except UserError as e:
+        raise InputError(f"{model_dir / 'generation_config.json'}: {e}") from None
     for name in ("temperature", "top_p", "top_k", "max_new_tokens"):
         v = getattr(args, name)
         if v is not None:
@@ -97,9 +110,18 @@ def run(args: argparse.Namespace) -> int:
         else:
             texts.append(item)
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    if args.no_thinking and template_source is None:
+        print("note: --no-thinking has no effect without --chat (no chat template is applied)", file=sys.stderr)
+    if args.system and template_source is None:
+        print("note: --system has no effect without --chat (no chat template is applied)", file=sys.stderr)
 
     lm = G.open_lm(model_dir, backend=args.backend, device=args.device, precision=args.precision,
                    max_seqs=len(prompts))
+    if args.backend == "engine" and args.precision == "bf16":
+        from reference.checkpoint import Checkpoint
+        check_precision("engine", "bf16", Checkpoint.open(model_dir))
+    if model_dir.resolve() == bundled_model("tiny").resolve():
+        print(G.NOISE_NOTE, file=sys.stderr)
     eos = G.eos_ids_from(gen_cfg, lm.config.eos_token_ids)
     gen = G.Generator(lm, tok, eos)
     single = len(prompts) == 1

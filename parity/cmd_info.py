@@ -151,6 +151,7 @@ def run(args) -> int:
     else:
         from reference.checkpoint import Checkpoint
         ck = Checkpoint.open(path)
+        ck.validate(require_complete=False)  # header shapes against config.json (names the first bad tensor)
         cfg = ck.config
         counts, on_disk = _scan(ck)
     known = {k: v for k, v in counts.items() if v is not None}

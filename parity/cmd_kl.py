@@ -110,9 +110,6 @@ def write_plot(rep, path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InputError("--plot: expected matplotlib to be installed (pip install matplotlib), found it missing")
-    import os
-    import tempfile
-
     import numpy as np
     kl = np.asarray(rep.comparison.kl_ab)
     fig, (h, line) = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -126,15 +123,11 @@ def write_plot(rep, path) -> None:
     line.set_ylabel("KL(a||b) (floor 1e-30)")
     fig.suptitle(f"{rep.b} vs {rep.a}")
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=d)
-    os.close(fd)
+    from reference.atomic import atomic_open
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format="png")
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         plt.close(fig)
 
 
@@ -144,7 +137,13 @@ def run(args) -> int:
     from reference.config import load_config
     from reference.paths import resolve_model
 
+    from reference.errors import InputError
     model = resolve_model(args.model)
+    if args.greedy_tokens < 0:
+        raise InputError(f"--greedy-tokens: expected an integer >= 0 (0 disables), found {args.greedy_tokens}")
+    if args.plot:
+        from reference.atomic import check_output_path
+        check_output_path(args.plot, "file", overwrite=True, flag="--plot")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -3,16 +3,12 @@
   qwen4exp logits MODEL --ids FILE --out OUT.npy [--backend reference|engine] [--dtype float32|float64]
                         [--chunk-size N] [--last-only]
 
-FILE holds a JSON list of integers (or ``{"ids": [...]}``) or whitespace/comma separated integers.
+FILE holds a ``.npy`` integer array, a JSON list of integers (or ``{"ids": [...]}``) or whitespace/comma
+separated integers (:mod:`reference.ids_file`).
 ``--last-only`` writes ``[1, vocab_size]`` (the last position's logits). The file is written to a temp
 name and renamed. Exit codes: 0 success, 2 usage or input error.
 """
 from __future__ import annotations
-
-import json
-import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
@@ -20,65 +16,67 @@ import numpy as np
 def register(subparsers) -> None:
     p = subparsers.add_parser("logits", help="write the float32 logits [T, vocab] of token ids (reference or engine)")
     p.add_argument("model", help="checkpoint directory or bundled fixture name")
-    p.add_argument("--ids", required=True, help="token ids: a JSON list, or whitespace/comma separated integers")
+    p.add_argument("--ids", required=True, metavar="FILE",
+                   help="a FILE holding token ids: a .npy integer array, a JSON list (or {\"ids\": [...]}), or "
+                        "integers separated by whitespace or commas")
     p.add_argument("--out", required=True, help="output .npy file (float32 [T, vocab_size])")
     p.add_argument("--backend", choices=["reference", "engine"], default="reference")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="reference compute dtype (the file is float32 either way)")
-    p.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="engine precision")
+    p.add_argument("--precision", choices=["float32", "bf16"], default=None,
+                   help="engine precision (default float32): bf16 rounds weights to BF16 and accumulates in "
+                        "float32, so on a checkpoint stored in BF16 it equals float32; the reference backend "
+                        "uses --dtype instead")
     p.add_argument("--device", default="auto", help="engine device: cuda, cpu or auto (cuda when a GPU is present)")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one chunk)")
     p.add_argument("--last-only", action="store_true", help="only the last position's logits ([1, vocab_size])")
     p.set_defaults(func=run)
 
 
-def read_ids_file(path: str) -> np.ndarray:
-    """Token ids from ``path``: a JSON list (or ``{"ids": [...]}``) or whitespace/comma separated integers.
+def read_ids_file(path: str, vocab_size: int | None = None) -> np.ndarray:
+    """Token ids from ``path`` (:func:`reference.ids_file.read_ids_file`: ``.npy``, a JSON list or
+    ``{"ids": [...]}``, or whitespace/comma separated integers).
 
     Returns:
         ``[T]`` int64.
     Raises:
-        InputError: missing/unreadable file, non-integer content or no ids.
+        InputError: missing/unreadable file, non-integer content, an empty item, no ids, ids out of
+            ``[0, vocab_size)`` (when given).
     """
+    from reference.ids_file import read_ids_file as _read
+    return _read(path, vocab_size=vocab_size)
+
+
+BF16_NOTE = ("note: --precision bf16 rounds the weights to BF16 and accumulates in float32; this checkpoint's "
+             "weights are stored in BF16 already, so the result equals --precision float32")
+
+
+def weights_bf16_exact(ck) -> bool:
+    """True when every floating-point tensor of checkpoint ``ck`` is stored as BF16 (so rounding the
+    weights to BF16 changes nothing)."""
+    from reference.checkpoint import _INT
+    dts = {ck.dtype(n) for n in ck.names()}
+    return bool(dts - set(_INT)) and all(d == "BF16" or d in _INT for d in dts)
+
+
+def check_precision(backend: str, precision: str | None, ck=None, *, flag: str = "--precision") -> None:
+    """``--precision`` against the backend: the reference computes in float32/float64 only, so bf16 is an
+    error there; for the engine a one-line notice is printed (stderr) when bf16 equals float32 because
+    the checkpoint's weights are BF16 already.
+
+    Raises:
+        InputError: bf16 asked of the reference backend.
+    """
+    import sys
+
     from reference.errors import InputError
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"--ids {path!r}: expected a file of token ids, found no such file")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--ids {path!r}: expected a text file of token ids, found unreadable content ({e})") from None
-    s = text.strip()
-    if not s:
-        raise InputError(f"--ids {path!r}: expected at least one token id, found an empty file")
-    try:
-        if s[0] in "[{":
-            v = json.loads(s)
-            ids = v.get("ids", v.get("token_ids")) if isinstance(v, dict) else v
-        else:
-            ids = [int(x) for x in s.replace(",", " ").split()]
-    except (ValueError, json.JSONDecodeError) as e:
-        raise InputError(f"--ids {path!r}: expected integer token ids, found unparsable content ({e})") from None
-    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-        raise InputError(f"--ids {path!r}: expected a list of integers, found {str(ids)[:80]!r}")
-    if not ids:
-        raise InputError(f"--ids {path!r}: expected at least one token id, found an empty list")
-    return np.asarray(ids, dtype=np.int64)
-
-
-def _atomic_save(path: Path, arr: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    if precision is None:
+        return
+    if backend == "reference" and precision not in ("float32", "float64"):
+        raise InputError(f"{flag} {precision}: the reference backend computes in float32 or float64 only "
+                         f"(use --backend engine for BF16 weights)")
+    if backend == "engine" and precision == "bf16" and ck is not None and weights_bf16_exact(ck):
+        print(BF16_NOTE, file=sys.stderr)
 
 
 def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "float32", chunk_size=None,
@@ -118,10 +116,19 @@ def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "fl
 
 
 def run(args) -> int:
-    ids = read_ids_file(args.ids)
+    from reference.atomic import atomic_save_npy, check_output_path
+    from reference.checkpoint import Checkpoint
+    from reference.paths import resolve_model
+
+    check_output_path(args.out, "file", overwrite=True)
+    if args.backend == "reference":
+        check_precision("reference", args.precision)
+    ck = Checkpoint.open(resolve_model(args.model))
+    ids = read_ids_file(args.ids, vocab_size=ck.config.vocab_size)
+    check_precision(args.backend, args.precision, ck)
     logits = compute_logits(args.model, ids, backend=args.backend, dtype=args.dtype, chunk_size=args.chunk_size,
-                            last_only=args.last_only, precision=args.precision, device=args.device)
-    _atomic_save(Path(args.out), logits)
+                            last_only=args.last_only, precision=args.precision or "float32", device=args.device)
+    atomic_save_npy(args.out, logits)
     print(f"wrote {args.out}: float32 {list(logits.shape)} ({args.backend}"
           f"{', ' + args.dtype if args.backend == 'reference' else ''})")
     return 0

@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write report.json and failing cases' tap archives (truth.taps / backend.taps) here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="reuse a non-empty --out DIR: its old report.json and taps/ are removed first")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -45,10 +47,47 @@ def _parse_scenarios(names):
     from parity.scenarios import SCENARIOS, normalize_name
     if not names:
         return ["kl", *SCENARIOS]
+    from reference.errors import InputError
     out = []
     for n in names:
-        out.append("kl" if n.strip().lower() == "kl" else normalize_name(n))
+        if n.strip().lower() == "kl":
+            out.append("kl")
+            continue
+        try:
+            out.append(normalize_name(n))
+        except InputError:
+            valid = ", ".join(["kl", *(s.replace("_", "-") for s in SCENARIOS)])
+            raise InputError(f"scenario {n!r}: expected one of {valid}, found {n!r}") from None
     return list(dict.fromkeys(out))
+
+
+def prepare_out_dir(out, overwrite: bool = False):
+    """Validate ``--out DIR`` before anything runs. A non-empty DIR needs ``overwrite``; then its old
+    ``report.json`` and ``taps/`` (failing-case archives of an earlier run) are removed, so a new
+    report never sits next to stale archives. Other files in DIR are left alone.
+
+    Raises:
+        InputError: DIR is a file, is not writable, or is non-empty without ``overwrite``.
+    """
+    import shutil
+
+    from reference.atomic import check_output_path
+    p = check_output_path(out, "dir", overwrite=overwrite)
+    if overwrite and p.is_dir():
+        if (p / "taps").is_dir():
+            shutil.rmtree(p / "taps")
+        if (p / "report.json").is_file():
+            (p / "report.json").unlink()
+    return p
+
+
+def display_path(path) -> str:
+    """``path`` relative to the current directory when inside it (as README shows), else as is."""
+    from pathlib import Path
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
 
 
 def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
@@ -150,6 +189,8 @@ def run(args) -> int:
 
     model = resolve_model(args.model)
     scen = _parse_scenarios(args.scenario)
+    if args.out:
+        prepare_out_dir(args.out, overwrite=args.overwrite)
     pages = None
     if args.page_sizes:
         from reference.errors import InputError
@@ -177,7 +218,8 @@ def run(args) -> int:
                 console = Console()
             except ImportError:
                 console = None
-        text = render_table(report, console)
+        import dataclasses
+        text = render_table(dataclasses.replace(report, model=display_path(model)), console)
         if console is None:
             print(text)
     return report.exit_code

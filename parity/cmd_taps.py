@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     pl = sub.add_parser("list", help="print the tap registry (name pattern, module, shape, dtype, kind, meaning)")
     pl.add_argument("--model", default=None, help="also list the concrete tap names of this model (dir or fixture)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    pl.set_defaults(func=_cmd_list)
+    pl.set_defaults(func=_cmd_list, command="taps list")   # command: the prefix of error messages
 
     pr = sub.add_parser("record", help="run a backend on token ids and record its taps into an archive")
     pr.add_argument("model", help="checkpoint directory or bundled fixture name")
@@ -36,11 +36,13 @@ def register(subparsers) -> None:
     pr.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="reference compute dtype")
     pr.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="engine precision")
     pr.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="engine device")
-    pr.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one chunk)")
-    pr.add_argument("--cap", type=int, default=8 << 30, metavar="BYTES", help="maximum archive size (default 8 GiB)")
+    pr.add_argument("--chunk-size", type=int, default=None, metavar="N",
+                    help="prefill chunk size, N >= 1 (default: one chunk)")
+    pr.add_argument("--cap", type=int, default=8 << 30, metavar="BYTES",
+                    help="maximum archive size, BYTES >= 1 (default 8 GiB)")
     pr.add_argument("--scenario", default=None, help="scenario label stored in the manifest")
     pr.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    pr.set_defaults(func=_cmd_record)
+    pr.set_defaults(func=_cmd_record, command="taps record")
 
     pd = subparsers.add_parser("tap-diff", help="diff two tap archives: first divergence, flips, replay bisect")
     pd.add_argument("a", help="archive A (the reference side)")
@@ -133,8 +135,10 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
     Returns: the finished archive (:class:`taps.archive.Archive` or ``MemoryArchive``).
 
     Raises:
-        InputError / CheckpointError / ArchiveError / TapError: bad inputs; TapCapError when the
-        up-front estimate (or the recording) exceeds ``cap_bytes``.
+        InputError / CheckpointError / ArchiveError / TapError: bad inputs (``chunk_size`` or
+        ``cap_bytes`` < 1, a layer beyond the model, a selection -- ``include`` / ``layers`` /
+        ``positions`` -- that would record nothing; errors name the CLI flag); TapCapError when the
+        up-front estimate (or the recording) exceeds ``cap_bytes``. Nothing is left at ``out`` on error.
     """
     import numpy as np
     from reference.checkpoint import Checkpoint
@@ -142,27 +146,53 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
     from reference.paths import resolve_model
     from taps import registry
     from taps.recorder import Recorder, TapCapError
-    ck = model_path if hasattr(model_path, "fingerprint") else Checkpoint.open(resolve_model(str(model_path)))
+    from taps.recorder import parse_layers, parse_positions
+    if chunk_size is not None and (isinstance(chunk_size, bool) or int(chunk_size) < 1):
+        raise InputError(f"--chunk-size {chunk_size}: expected a chunk size >= 1 (or no --chunk-size for one "
+                         f"chunk), found {chunk_size}")
+    if cap_bytes is not None and int(cap_bytes) < 1:
+        raise InputError(f"--cap {cap_bytes}: expected a byte count >= 1, found {cap_bytes}")
+    lay = parse_layers(layers, "--layers")
+    pos = parse_positions(positions, "--positions")
+    if hasattr(model_path, "fingerprint"):
+        ck = model_path
+        where = getattr(ck, "root", None)
+    else:
+        where = resolve_model(str(model_path))
+        ck = Checkpoint.open(where)
     cfg = ck.config
     if any(i >= cfg.vocab_size for i in ids):
         raise InputError(f"token ids: expected ids < vocab_size {cfg.vocab_size}, found {max(ids)}")
+    if lay is not None:
+        bad = sorted(x for x in lay if x >= cfg.num_hidden_layers)
+        if bad:
+            raise InputError(f"--layers {layers!r}: expected layer indices in 0..{cfg.num_hidden_layers - 1} (the "
+                             f"model has {cfg.num_hidden_layers} layers), found {', '.join(map(str, bad[:5]))}")
+        if not lay:
+            raise InputError(f"--layers {layers!r}: expected at least one layer, found an empty selection")
     names = registry.tap_names(cfg)
     if include:
         for g in include:
             if not any(registry.matches(n, [g]) for n in names):
                 raise InputError(f"--taps {g!r}: expected a glob matching some tap of this model (see "
                                  f"'qwen4exp taps list --model ...'), found none")
+    probe = Recorder(include=include, layers=lay)
+    if not any(probe.wants(n) for n in names):
+        raise InputError(f"--taps {include!r} with --layers {layers!r}: expected a selection holding some tap of "
+                         f"this model, found none (the globs match no tap of the selected layers)")
     n_pos = len(ids)
-    from taps.recorder import parse_positions
-    pos = parse_positions(positions)
     if pos is not None:
         n_pos = int(np.sum(pos < len(ids)))
+        if n_pos == 0:
+            raise InputError(f"--positions {positions!r}: expected positions within the {len(ids)} token ids "
+                             f"(0..{len(ids) - 1}), found none there")
     est = Recorder.estimate(cfg, n_pos, include=include, layers=layers, dtype_bytes=8 if dtype == "float64" else 4)
     if cap_bytes is not None and est > cap_bytes:
         raise TapCapError(f"tap recording: estimated {est} bytes exceeds the cap of {cap_bytes} bytes; narrow "
                           f"--taps/--layers/--positions or raise --cap")
     meta = {"backend": backend, "dtype": dtype if backend == "reference" else precision,
-            "model": {"config_hash": cfg.config_hash(), "weights_fingerprint": ck.fingerprint()},
+            "model": {"config_hash": cfg.config_hash(), "weights_fingerprint": ck.fingerprint(),
+                      **({"path": str(where)} if where is not None else {})},
             "token_ids": list(ids), "scenario": scenario, "chunk_size": chunk_size, "estimated_bytes": est}
     with Recorder(out, include=include, layers=layers, positions=positions, cap_bytes=cap_bytes, meta=meta,
                   overwrite=overwrite) as rec:
@@ -186,6 +216,9 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
                 raise InputError(f"--backend engine: the engine is not available here ({e})") from None
             seq = eng.add_sequence()
             eng.prefill(seq, list(ids), chunk_size=chunk_size)
+        if rec.n_emits == 0:   # raised inside the block: the writer discards the (empty) archive
+            raise InputError(f"tap recording: the {backend} run emitted no tap matching --taps {include!r} / "
+                             f"--layers {layers!r} / --positions {positions!r}; nothing was written")
     return rec.archive()
 
 
@@ -195,7 +228,8 @@ def _cmd_record(args) -> int:
                  positions=args.positions, dtype=args.dtype, precision=args.precision, chunk_size=args.chunk_size,
                  cap_bytes=args.cap, scenario=args.scenario, overwrite=args.overwrite, device=args.device)
     n = len(arc.names())
-    print(f"recorded {n} taps over {len(ids)} positions ({arc.manifest.get('bytes', 0)} bytes) to {args.out}")
+    n_pos = sum(int(b) - int(a) for a, b in (arc.manifest.get("positions") or []))
+    print(f"recorded {n} taps over {n_pos} positions ({arc.manifest.get('bytes', 0)} bytes) to {args.out}")
     return 0
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Any
@@ -38,20 +36,10 @@ def jsonable(x: Any):
 
 
 def write_json_atomic(path, obj) -> Path:
-    """Write ``obj`` (made :func:`jsonable`) as indented JSON to ``path`` via a temp file + rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(jsonable(obj), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``obj`` (made :func:`jsonable`) as indented JSON to ``path`` via a temp file + rename
+    (:func:`reference.atomic.atomic_write_json`: mode per umask)."""
+    from reference.atomic import atomic_write_json
+    return atomic_write_json(path, jsonable(obj), indent=1)
 
 
 @dataclass
@@ -107,13 +95,22 @@ def _fmt(x: float) -> str:
     return f"{x:.2e}"
 
 
+DIVERGENCE_WIDTH = 80  # the table column; the JSON report keeps the full text
+
+
+def _abbrev(text: str, width: int = DIVERGENCE_WIDTH) -> str:
+    """One table cell: whitespace collapsed, cut at ``width`` with '...' (full text in the JSON)."""
+    t = " ".join(str(text).split())
+    return t if len(t) <= width else t[:width - 3].rstrip() + "..."
+
+
 def render_table(report: ParityReport, console=None) -> str:
     """Render the verdict table (rich when installed, else plain text); returns the plain-text form too."""
     header = ["scenario", "cases", "worst KL", "worst logit err", "first divergence", "time", "verdict"]
     rows = []
     for r in report.rows:
         cases = f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
-        div = r.first_divergence or ("-" if r.status == "pass" else r.detail[:60])
+        div = _abbrev(r.first_divergence or ("-" if r.status == "pass" else r.detail))
         rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
                      r.status.upper()])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]

@@ -892,19 +892,12 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
         arrs.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for a in arrs:
-                f.write(a.tobytes())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from reference.atomic import atomic_open
+    with atomic_open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrs:
+            f.write(a.tobytes())
     return path
 
 

@@ -8,6 +8,10 @@ Layout of an archive directory ``DIR``::
     DIR/chunk-00000.safetensors  one file per flush; holds, per tap flushed, ``<tap>#<seg>`` (rows)
     DIR/chunk-00001.safetensors  and ``<tap>#<seg>.pos`` (int64 absolute positions of those rows)
 
+The manifest's ``chunks`` maps each chunk file to its ``sha256`` and ``bytes``; a reader verifies a
+chunk before its first use and refuses a corrupt or truncated one with :class:`ArchiveError` naming
+the file. Archives written before ``chunks`` existed are still read (without the checksum check).
+
 Each emit of a tap appends rows (positions first, ``[T, ...]``); repeated emits (chunked prefill,
 decode steps) concatenate along positions. The writer builds everything inside ``DIR.tmp-XXXX``
 next to ``DIR`` and renames it to ``DIR`` only at :meth:`ArchiveWriter.close`, so an interrupted
@@ -19,6 +23,7 @@ interface that tap-diff consumes: ``names()``, ``info(name)``, ``positions(name)
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -42,7 +47,18 @@ __all__ = ["ArchiveError", "FORMAT_VERSION", "TapInfo", "TapSource", "Archive", 
 
 
 class ArchiveError(UserError, ValueError):
-    """A tap archive that is missing, unreadable, from a newer format version, or lacks a tap."""
+    """A tap archive that is missing, unreadable, corrupt, from a newer format version, or lacks a tap."""
+
+
+def file_sha256(path) -> tuple[str, int]:
+    """``(sha256 hex digest, size in bytes)`` of file ``path``, read in 1 MiB blocks (bounded memory)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
 
 
 def producer_version() -> str:
@@ -280,21 +296,62 @@ class Archive(TapSource):
     def where(self) -> str:
         return f"tap archive {str(self.path)!r}"
 
+    def _corrupt(self, fname: str, why: str) -> ArchiveError:
+        return ArchiveError(f"{self.where}: data file {fname!r} is corrupt or truncated ({why}); re-record "
+                            f"the archive")
+
+    def verify_file(self, fname: str) -> None:
+        """Check chunk ``fname`` against the manifest's ``chunks`` entry (size and sha256).
+
+        Archives without a ``chunks`` entry for the file (older writers) pass unchecked.
+
+        Raises:
+            ArchiveError: the file is missing, or its size or sha256 differs from the manifest.
+        """
+        fp = self.path / fname
+        if not fp.is_file():
+            raise ArchiveError(f"{self.where}: data file {fname!r} named in the manifest is missing")
+        want = (self.manifest.get("chunks") or {}).get(fname)
+        if not isinstance(want, dict):
+            return
+        size = fp.stat().st_size
+        if "bytes" in want and size != int(want["bytes"]):
+            raise self._corrupt(fname, f"expected {int(want['bytes'])} bytes, found {size}")
+        if "sha256" in want:
+            got, _ = file_sha256(fp)
+            if got != want["sha256"]:
+                raise self._corrupt(fname, f"sha256 expected {want['sha256'][:16]}..., found {got[:16]}...")
+
     def _file(self, fname: str):
         h = self._handles.get(fname)
         if h is None:
             from safetensors import safe_open
-            fp = self.path / fname
-            if not fp.is_file():
-                raise ArchiveError(f"{self.where}: data file {fname!r} named in the manifest is missing")
-            h = safe_open(str(fp), framework="np")
+            self.verify_file(fname)
+            try:
+                h = safe_open(str(self.path / fname), framework="np")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise self._corrupt(fname, f"safetensors: {e}") from None
             self._handles[fname] = h
         return h
+
+    def _load(self, fname: str, key: str, a: int | None = None, b: int | None = None) -> np.ndarray:
+        """Tensor ``key`` of chunk ``fname`` (rows ``a:b`` when given); read errors name the file."""
+        h = self._file(fname)
+        try:
+            return h.get_tensor(key) if a is None else h.get_slice(key)[a:b]
+        except Exception as e:  # noqa: BLE001
+            raise self._corrupt(fname, f"reading {key!r}: {type(e).__name__}: {e}") from None
 
     def positions(self, name: str) -> np.ndarray:
         if name not in self._pos_cache:
             t = self._tap(name)
-            parts = [self._file(s["file"]).get_tensor(s["key"] + ".pos") for s in t["segments"]]
+            parts = []
+            for s in t["segments"]:
+                p = np.asarray(self._load(s["file"], s["key"] + ".pos")).reshape(-1)
+                if len(p) != int(s["rows"]):
+                    raise self._corrupt(s["file"], f"{s['key']}.pos: expected {int(s['rows'])} positions, "
+                                                   f"found {len(p)}")
+                parts.append(p)
             self._pos_cache[name] = (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
         return self._pos_cache[name]
 
@@ -304,7 +361,7 @@ class Archive(TapSource):
             n = int(s["rows"])
 
             def load(a, b, s=s):
-                return self._file(s["file"]).get_slice(s["key"])[a:b]
+                return self._load(s["file"], s["key"], a, b)
             out.append((r, r + n, load))
             r += n
         return out
@@ -343,7 +400,7 @@ class ArchiveWriter:
         self.out = Path(out_dir)
         if self.out.exists() and not overwrite:
             raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an existing "
-                               f"{'directory' if self.out.is_dir() else 'file'} (remove it or pass overwrite)")
+                               f"{'directory' if self.out.is_dir() else 'file'} (remove it or pass --overwrite)")
         if not self.out.parent.is_dir():
             raise ArchiveError(f"archive output {str(self.out)!r}: parent directory does not exist")
         self.overwrite = overwrite
@@ -354,6 +411,7 @@ class ArchiveWriter:
         self._taps: dict[str, dict] = {}
         self._order: list[str] = []
         self._chunk = 0
+        self._chunks: dict[str, dict] = {}
         self.closed = False
 
     def add(self, name: str, rows: np.ndarray, positions: np.ndarray, kind: str = "activation",
@@ -401,6 +459,8 @@ class ArchiveWriter:
                                   "pos_max": int(pos.max()) if len(pos) else -1})
         part = self.tmp / (fname + ".part")
         save_file(tensors, str(part))
+        digest, size = file_sha256(part)
+        self._chunks[fname] = {"sha256": digest, "bytes": size}
         os.replace(part, self.tmp / fname)
         self._pending.clear()
         self._pending_bytes = 0
@@ -414,7 +474,7 @@ class ArchiveWriter:
             "producer": {"name": PRODUCER, "version": producer_version()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **fields,
-            "order": list(self._order), "taps": self._taps,
+            "order": list(self._order), "taps": self._taps, "chunks": dict(self._chunks),
         }
         tmpm = self.tmp / (MANIFEST + ".part")
         tmpm.write_text(json.dumps(manifest, indent=1))

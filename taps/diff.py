@@ -120,10 +120,16 @@ def load_profile(spec: str | Path = "fp32") -> Profile:
 
 
 # ---------------------------------------------------------------- results
+FAILING = ("diverged", "no-overlap")   # statuses that make a tap-diff fail (exit 1)
+
 @dataclass
 class TapResult:
     """The comparison of one tap. ``status``: agree / flip / diverged / missing-in-a / missing-in-b /
-    no-overlap. ``first_position``: the first position beyond tolerance (None when none)."""
+    no-overlap. ``first_position``: the first position beyond tolerance (None when none).
+
+    ``no-overlap`` (recorded in both, at no common position) is NOT agreement: like ``diverged`` it
+    makes the report fail (see :attr:`failed`). A tap recorded on one side only (``missing-in-*``,
+    e.g. different ``--taps`` filters) is listed but does not decide the verdict."""
 
     name: str
     kind: str
@@ -138,6 +144,11 @@ class TapResult:
     @property
     def ok(self) -> bool:
         return self.status in ("agree", "flip")
+
+    @property
+    def failed(self) -> bool:
+        """Diverged, or recorded on both sides but impossible to compare (counts as a divergence)."""
+        return self.status in FAILING
 
 
 @dataclass
@@ -540,6 +551,11 @@ def _pad_scores(x: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+def _span(pos: np.ndarray) -> str:
+    pos = np.asarray(pos)
+    return "no positions" if len(pos) == 0 else f"{len(pos)} rows at positions {int(pos.min())}..{int(pos.max())}"
+
+
 def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_budget: int = 256 << 20,
                 stats: dict | None = None) -> TapResult:
     """Compare tap ``name`` of ``A`` (the reference side) and ``B``, streamed in row chunks.
@@ -552,7 +568,9 @@ def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_
     tol = profile.for_tap(name)
     common, ra, rb = align_positions(A.positions(name), B.positions(name))
     if len(common) == 0:
-        return TapResult(name, kind, "no-overlap", 0, note="the two recordings share no position of this tap")
+        return TapResult(name, kind, "no-overlap", 0,
+                         note=(f"cannot be compared: the two recordings share no position of this tap (A has "
+                               f"{_span(A.positions(name))}, B has {_span(B.positions(name))})"))
     comp = registry.companion_of(name) if kind == registry.INDEX else None
     ragged = bool(A._tap(name).get("ragged") or B._tap(name).get("ragged"))
     if ia.tail != ib.tail and not (ragged and ia.tail[:-1] == ib.tail[:-1] and len(ia.tail) == len(ib.tail) >= 1):
@@ -687,7 +705,7 @@ def _conclude(rep: DiffReport) -> None:
     last_ok = None
     flips: list[TapResult] = []
     for r in rep.results:
-        if r.status == "diverged":
+        if r.failed:
             rep.first_divergence = r.name
             rep.last_agreeing = last_ok
             for f in flips:
@@ -815,8 +833,9 @@ def render_table(rep: DiffReport, show_all: bool = False, file=None, color: bool
     n_ag = sum(r.status == "agree" for r in rep.results)
     n_fl = sum(r.status == "flip" for r in rep.results)
     n_dv = sum(r.status == "diverged" for r in rep.results)
+    n_nc = sum(r.status == "no-overlap" for r in rep.results)
     con.print(f"A: {rep.a}\nB: {rep.b}\nprofile {rep.profile}: {len(rep.results)} taps, {n_ag} agree, {n_fl} with "
-              f"flips only, {n_dv} diverged")
+              f"flips only, {n_dv} diverged" + (f", {n_nc} not comparable (no common position)" if n_nc else ""))
     if rep.identity.get("forced_past"):
         con.print("forced past identity checks: " + "; ".join(rep.identity["forced_past"]))
     if rep.first_divergence:

@@ -57,14 +57,15 @@ class TapCapError(TapError):
 _RANGE_RE = re.compile(r"^\s*(-?\d*)\s*:\s*(-?\d*)\s*(?::\s*(\d+)\s*)?$")
 
 
-def parse_positions(spec) -> np.ndarray | None:
+def parse_positions(spec, what: str = "positions") -> np.ndarray | None:
     """A positions spec -> sorted unique int64 array of absolute positions, or None for all.
 
     Accepts None / ``"all"`` / ``""``, an iterable of ints, a ``range``, or a string of comma-separated
     items each ``N`` or ``A:B`` / ``A:B:S`` (half-open, like Python slices; ``A`` defaults to 0).
 
     Raises:
-        TapError: syntax errors, negative positions, an open-ended ``A:`` range.
+        TapError: syntax errors, negative positions, an open-ended ``A:`` range. Messages start with
+            ``what`` (e.g. ``"--layers"``), the name of the option the spec came from.
     """
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "all")):
         return None
@@ -77,7 +78,7 @@ def parse_positions(spec) -> np.ndarray | None:
             if m:
                 a = int(m.group(1)) if m.group(1) else 0
                 if not m.group(2):
-                    raise TapError(f"positions {spec!r}: item {item.strip()!r}: expected a closed range A:B "
+                    raise TapError(f"{what} {spec!r}: item {item.strip()!r}: expected a closed range A:B "
                                    f"(the total length is not known while recording), found an open end")
                 b = int(m.group(2))
                 s = int(m.group(3)) if m.group(3) else 1
@@ -86,17 +87,17 @@ def parse_positions(spec) -> np.ndarray | None:
                 try:
                     out.append(int(item))
                 except ValueError:
-                    raise TapError(f"positions {spec!r}: item {item.strip()!r}: expected N, A:B or A:B:S") from None
+                    raise TapError(f"{what} {spec!r}: item {item.strip()!r}: expected N, A:B or A:B:S") from None
         arr = np.asarray(out, dtype=np.int64)
     if len(arr) and arr.min() < 0:
-        raise TapError(f"positions {spec!r}: expected absolute positions >= 0, found {int(arr.min())}")
+        raise TapError(f"{what} {spec!r}: expected {'layer indices' if 'layer' in what else 'absolute positions'} >= 0, found {int(arr.min())}")
     return np.unique(arr)
 
 
-def parse_layers(spec) -> set[int] | None:
+def parse_layers(spec, what: str = "layers") -> set[int] | None:
     """A layers filter -> set of 0-based layer indices, or None for all. Accepts None, a ``range``,
-    an iterable of ints, or the string syntax of :func:`parse_positions`."""
-    p = parse_positions(spec)
+    an iterable of ints, or the string syntax of :func:`parse_positions` (errors name ``what``)."""
+    p = parse_positions(spec, what)
     return None if p is None else set(int(x) for x in p)
 
 

@@ -13,10 +13,12 @@ Each run is the worker's JSON (see :mod:`parity.bench.measure`); rates are
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,30 +31,83 @@ GOALS = {"engine_b1_hbm_fraction": 0.40, "engine_b1_vs_peer": 5.0, "engine_b16_v
          "engine_host_syncs_in_step": 0, "reference_vs_peer_cpu": 1.0}
 
 
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM (inside :func:`terminate_on_signals`): unwinds like Ctrl-C,
+    so running workers are stopped and temp directories removed. ``signum`` gives the exit code 128+N."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def terminate_on_signals():
+    """Turn SIGTERM (and SIGHUP) into :class:`Terminated` while the block runs (main thread only);
+    SIGINT already raises KeyboardInterrupt. Previous handlers are restored afterwards."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {}
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Terminate ``proc`` (SIGTERM, then SIGKILL after ``grace_s``) and reap it."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.terminate()
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except (ProcessLookupError, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()
+
+
 def run_worker(spec: dict, timeout_s: float | None = None, quiet: bool = False) -> dict:
     """Run one measurement in a fresh ``python -m parity.bench.measure`` process; its last stdout line
-    is the result. A crash, a non-JSON answer or a timeout becomes ``{"error": ...}``."""
+    is the result. A crash, a non-JSON answer or a timeout becomes ``{"error": ...}``. An interrupt
+    (Ctrl-C, or SIGTERM under :func:`terminate_on_signals`) stops the worker, removes its temp
+    directory and propagates."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryDirectory(prefix="qwen4exp-bench-") as td:
         partial = os.path.join(td, "partial.json")
         cmd = [sys.executable, "-m", "parity.bench.measure", json.dumps(dict(spec, partial_path=partial))]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
+                                text=True, env=env, cwd=root)
         try:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
-                               text=True, timeout=timeout_s, env=env, cwd=root)
+            out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            _stop(proc)
             res = {"kind": spec.get("kind")}
             if os.path.exists(partial):  # keep what was measured before the limit
                 with open(partial) as f:
                     res = json.load(f)
             res.update(error=f"timed out after {timeout_s:.0f} s (measurements up to then kept)", spec=spec)
             return res
-        lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+        except BaseException:
+            _stop(proc)
+            raise
+        lines = [ln for ln in (out or "").splitlines() if ln.strip()]
         try:
             return json.loads(lines[-1])
         except (IndexError, ValueError):
-            return {"kind": spec.get("kind"), "error": f"worker exited {p.returncode} without a result", "spec": spec}
+            return {"kind": spec.get("kind"), "error": f"worker exited {proc.returncode} without a result",
+                    "spec": spec}
 
 
 def _median(r, *path):
@@ -136,19 +191,10 @@ def host_info() -> dict:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: dict) -> Path:
-    """Write ``obj`` as JSON to ``path`` through a temp file in the same directory and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, default=float)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``obj`` as JSON to ``path`` through a temp file in the same directory and a rename
+    (:func:`reference.atomic.atomic_write_json`: mode per umask)."""
+    from reference.atomic import atomic_write_json
+    return atomic_write_json(path, obj, indent=1, default=float)
 
 
 def _fmt_rate(x) -> str:

@@ -206,8 +206,8 @@ def write_synthetic(out_dir: str | os.PathLike, cfg_dict: dict, *, seed: int = 0
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
-    try:
+    from reference.atomic import atomic_dir
+    with atomic_dir(out, prefix=f".{out.name}.tmp") as tmp:
         specs = _tensor_specs(cfg)
         shards = sorted({s for *_, s in specs})
         total = sum(_nbytes(s, k) for _, s, k, _ in specs)
@@ -226,12 +226,6 @@ def write_synthetic(out_dir: str | os.PathLike, cfg_dict: dict, *, seed: int = 0
         (tmp / "SYNTHETIC.json").write_text(json.dumps({"seed": seed, "bytes": total, "scaled_down": {
             "ngram_vocab_size_base": cfg_dict.get("ngram_vocab_size_base"),
             "vocab_size": cfg_dict.get("vocab_size")}}, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -98,8 +98,9 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
     except Exception as e:  # noqa: BLE001
         return f"could not record the truth's taps: {type(e).__name__}: {e}", archives
     if archive_dir is not None:
-        try:
-            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc)
+        try:   # token ids + model on both sides, so `tap-diff --replay` can use the saved archives
+            meta = {"token_ids": [int(t) for t in hist[:max(positions) + 1]], "model": _model_meta(backend, truth)}
+            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc, meta=meta)
         except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
             archives = [f"(archives not written: {type(e).__name__}: {e})"]
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
@@ -109,8 +110,24 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
         return where + f"tap-diff failed: {type(e).__name__}: {e}", archives
 
 
-def _save(root, scenario, case, page_size, *arcs) -> list[str]:
-    """Write the in-memory archives under ``root/<scenario>/<case>[-page<N>]/{truth,backend}.taps``."""
+def _model_meta(backend, truth) -> dict:
+    """Manifest ``model`` fields of the harness's archives: the truth's config hash and the model path
+    (the backend's ``model_path``, else the truth's checkpoint root), where known."""
+    model = getattr(truth, "model", truth)
+    out = {}
+    try:
+        out["config_hash"] = model.config.config_hash()
+    except Exception:  # noqa: BLE001 - identity is best effort; tap-diff reports it as unverified
+        pass
+    path = getattr(backend, "model_path", None) or getattr(getattr(model, "weights", None), "root", None)
+    if isinstance(path, (str, Path)):
+        out["path"] = str(path)
+    return out
+
+
+def _save(root, scenario, case, page_size, *arcs, meta: dict | None = None) -> list[str]:
+    """Write the in-memory archives under ``root/<scenario>/<case>[-page<N>]/{truth,backend}.taps``;
+    ``meta`` fields (token ids, model) are set in both manifests."""
     out = []
     d = Path(root) / _safe(scenario) / (_safe(case) + (f"-page{page_size}" if page_size else ""))
     d.mkdir(parents=True, exist_ok=True)
@@ -125,7 +142,7 @@ def _save(root, scenario, case, page_size, *arcs) -> list[str]:
             for name in arc.names():
                 info = arc.info(name)
                 w.add(name, arc.get(name), arc.positions(name), kind=getattr(info, "kind", "activation"))
-            w.close(_manifest_fields(arc))
+            w.close({**_manifest_fields(arc), **(meta or {})})
         except BaseException:
             w.abort()
             raise
@@ -158,7 +175,8 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") 
     archives: list[str] = []
     if archive_dir is not None:
         try:
-            archives = _save(archive_dir, label, "worst_prompt", None, truth_arc, be_arc)
+            archives = _save(archive_dir, label, "worst_prompt", None, truth_arc, be_arc,
+                             meta={"token_ids": ids, "model": _model_meta(backend, truth_model)})
         except Exception as e:  # noqa: BLE001
             archives = [f"(archives not written: {type(e).__name__}: {e})"]
     return diff_archives(truth_arc, be_arc, getattr(backend, "precision", "float32")), archives

@@ -1,0 +1,155 @@
+"""Output paths and atomic writes shared by every command and writer.
+
+* :func:`check_output_path` validates an output path *before* any work is done (so a long run never
+  ends in a traceback because ``--out`` names a directory, an existing file or an unwritable place).
+* :func:`atomic_write_bytes`, :func:`atomic_write_json`, :func:`atomic_save_npy` write a file to a temp
+  name in the target directory and rename it into place; :func:`atomic_dir` assembles a directory
+  aside and swaps it in. Written files get mode ``0o666 & ~umask`` (directories ``0o777 & ~umask``),
+  like an ordinary ``open()`` would, instead of mkstemp's 0600.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from reference.errors import InputError
+
+__all__ = ["check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
+           "atomic_dir", "apply_umask_modes", "atomic_open"]
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it for longer than the two calls)."""
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _file_mode() -> int:
+    return 0o666 & ~current_umask()
+
+
+def _dir_mode() -> int:
+    return 0o777 & ~current_umask()
+
+
+def check_output_path(path, kind: str = "file", overwrite: bool = True, flag: str = "--out") -> Path:
+    """Validate an output path up front; returns it as a :class:`Path`.
+
+    Args:
+        path: where the output will be written.
+        kind: ``'file'`` (a file will be written at ``path``) or ``'dir'`` (a directory).
+        overwrite: whether an existing output may be replaced (for ``'dir'``: whether a non-empty
+            existing directory may be written into / replaced).
+        flag: the option name used in the message.
+    Raises:
+        InputError: ``path`` is a directory (kind 'file') or a file (kind 'dir'), exists and
+            ``overwrite`` is false, or its parent is not a writable directory (nor creatable).
+    """
+    if kind not in ("file", "dir"):
+        raise ValueError(f"check_output_path: kind must be 'file' or 'dir', found {kind!r}")
+    p = Path(path)
+    if str(path) == "":
+        raise InputError(f"{flag}: expected a {'file' if kind == 'file' else 'directory'} path, found ''")
+    if kind == "file":
+        if p.is_dir():
+            raise InputError(f"{flag} {str(path)!r}: expected a file path, found a directory")
+        if p.exists() and not overwrite:
+            raise InputError(f"{flag} {str(path)!r}: expected a new file, found an existing one (pass --overwrite)")
+        if p.exists() and not p.is_file():
+            raise InputError(f"{flag} {str(path)!r}: expected a regular file path, found a special file")
+    else:
+        if p.exists() and not p.is_dir():
+            raise InputError(f"{flag} {str(path)!r}: expected a directory, found an existing file")
+        if p.is_dir() and not overwrite and any(p.iterdir()):
+            raise InputError(f"{flag} {str(path)!r}: expected a new or empty directory, found a non-empty one "
+                             f"(pass --overwrite)")
+    # the nearest existing ancestor must be a writable directory (parents are created on write)
+    anc = p.parent if kind == "file" or not p.exists() else p
+    anc = Path(os.path.abspath(anc))
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"{flag} {str(path)!r}: expected a path under a directory, found {str(anc)!r} is a file")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {str(path)!r}: expected a writable location, found {str(anc)!r} not writable")
+    if str(anc).startswith(("/proc", "/sys")):
+        raise InputError(f"{flag} {str(path)!r}: expected a location on a normal file system, found {str(anc)!r}")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode: str = "wb") -> Iterator:
+    """Yield an open temp file next to ``path``; on success chmod it to the umask mode and rename it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.chmod(tmp, _file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temp file in the same directory + rename (mode per umask)."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def atomic_write_json(path, obj, *, indent: int | None = 1, default=None) -> Path:
+    """Write ``obj`` as JSON (trailing newline) to ``path`` atomically (mode per umask)."""
+    text = json.dumps(obj, indent=indent, default=default) + "\n"
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_save_npy(path, arr) -> Path:
+    """``np.save`` ``arr`` to ``path`` atomically (mode per umask)."""
+    import numpy as np
+    with atomic_open(path, "wb") as f:
+        np.save(f, arr)
+    return Path(path)
+
+
+def apply_umask_modes(root) -> None:
+    """chmod ``root`` and everything under it to the umask modes (dirs 0777&~umask, files 0666&~umask)."""
+    root = Path(root)
+    dm, fm = _dir_mode(), _file_mode()
+    os.chmod(root, dm)
+    for p in root.rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, dm if p.is_dir() else fm)
+
+
+@contextlib.contextmanager
+def atomic_dir(final, *, prefix: str | None = None) -> Iterator[Path]:
+    """Yield a fresh temp directory next to ``final``; on success give it umask modes and swap it in
+    place of ``final`` (an existing ``final`` is replaced). On failure the temp directory is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix or f".{final.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        apply_umask_modes(tmp)
+        old = None
+        if final.exists():
+            old = final.parent / f".{final.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""One parser for token-id files (``--ids FILE`` of ``qwen4exp logits``, ``taps record``, ...).
+
+Accepted forms: a ``.npy`` array of integers (any shape, flattened), a JSON list of integers (or an
+object ``{"ids": [...]}`` / ``{"token_ids": [...]}``), or integers separated by whitespace and/or
+commas (``1 2 3``, ``1,2,3``). An empty item (``1,,2``) is an error naming its position.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from reference.errors import InputError
+
+__all__ = ["read_ids_file", "IDS_FILE_HELP"]
+
+IDS_FILE_HELP = ("a FILE holding token ids: a .npy integer array, a JSON list (or {\"ids\": [...]}), "
+                 "or integers separated by whitespace or commas")
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _range_error(flag, path, vocab_size, value, index, count):
+    hi = f"vocab_size={vocab_size}" if vocab_size is not None else "2^63"
+    return InputError(f"{flag} {path!r}: expected ids in [0, {hi}), found {value} at index {index} "
+                      f"({count} out of range)")
+
+
+def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> np.ndarray:
+    """Token ids from the file ``path`` (see the module docstring for the forms).
+
+    Args:
+        vocab_size: when given, every id must lie in ``[0, vocab_size)``; otherwise in ``[0, 2^63)``.
+    Returns:
+        ``[T]`` int64, T >= 1.
+    Raises:
+        InputError: missing/unreadable file, non-integer content, an empty item, no ids, or an id out
+            of range (naming the first bad value and its index).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{flag} {str(path)!r}: expected a file of token ids, found "
+                         f"{'a directory' if p.is_dir() else 'no such file'}")
+    if p.suffix == ".npy":
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise InputError(f"{flag} {str(path)!r}: expected a readable .npy array, found {e}") from None
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"{flag} {str(path)!r}: expected an integer .npy array, found dtype {arr.dtype}")
+        ids = [int(x) for x in arr.reshape(-1)]
+    else:
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"{flag} {str(path)!r}: expected a text file of token ids, found unreadable "
+                             f"content ({e})") from None
+        s = text.strip()
+        if not s:
+            raise InputError(f"{flag} {str(path)!r}: expected at least one token id, found an empty file")
+        if s[0] in "[{":
+            try:
+                v = json.loads(s)
+            except ValueError as e:
+                raise InputError(f"{flag} {str(path)!r}: expected a JSON list of integers, found unparsable JSON "
+                                 f"({e})") from None
+            ids = v.get("ids", v.get("token_ids")) if isinstance(v, dict) else v
+            if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                raise InputError(f"{flag} {str(path)!r}: expected a list of integers, found {str(ids)[:80]!r}")
+        else:
+            ids = []
+            # items are separated by commas (optionally with whitespace) or by whitespace alone
+            for n, item in enumerate(re.split(r"\s*,\s*|\s+", s)):
+                if item == "":
+                    raise InputError(f"{flag} {str(path)!r}: expected an integer at item {n}, found an empty item "
+                                     f"(two separators in a row)")
+                try:
+                    ids.append(int(item))
+                except ValueError:
+                    raise InputError(f"{flag} {str(path)!r}: expected integer token ids, found unparsable item "
+                                     f"{item[:40]!r} at item {n}") from None
+    if not ids:
+        raise InputError(f"{flag} {str(path)!r}: expected at least one token id, found an empty list")
+    hi = _INT64_MAX if vocab_size is None else int(vocab_size) - 1
+    bad = [i for i, x in enumerate(ids) if x < 0 or x > hi]
+    if bad:
+        raise _range_error(flag, str(path), vocab_size, ids[bad[0]], bad[0], len(bad))
+    return np.asarray(ids, dtype=np.int64)
