@@ -276,16 +276,10 @@ def save_snapshot(path, snap, backend, position: int | None = None) -> Path:
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": _identity(backend),
             "backend": getattr(backend, "name", None), "position": position, "kinds": kinds, "tree": tree}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    try:
+    from reference.atomic import atomic_dir  # temp dir + rename, modes per umask
+    with atomic_dir(path, prefix=path.name + ".tmp-") as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / "state.safetensors"))
         (tmp / "meta.json").write_text(json.dumps(meta))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -181,9 +181,10 @@ _FM = {"reassoc", "contract", "nsz"}
 
 @njit(cache=True, fastmath=_FM)
 def _bf16_matmul_kernel(x, w, out):  # pragma: no cover - compiled
-    # One thread on purpose: the product is bandwidth-bound, and a parallel region measured 2-5x slower
-    # per call on the shared 2-core machine (threads wait at the barrier for a descheduled sibling).
-    # Each weight row is upcast once into an L1-resident buffer, then dotted with 4 activation rows at a time.
+    # One thread on purpose: a parallel region measured 2-10x slower per call on the shared 2-core machine
+    # (threads wait at the barrier for a descheduled sibling). Each weight row is upcast once into an
+    # L1-resident buffer (BF16 bits are the high half of the float32), then dotted with 4 activation rows at
+    # a time. (A 2-weight-row x 4-activation-row variant measured ~40% slower on one-row decode.)
     N, K = x.shape
     O = w.shape[0]
     buf = np.empty(K, np.uint32)
@@ -191,7 +192,7 @@ def _bf16_matmul_kernel(x, w, out):  # pragma: no cover - compiled
     N4 = N - N % 4
     for o in range(O):
         for k in range(K):
-            buf[k] = np.uint32(w[o, k]) << 16  # BF16 bits are the high half of the float32
+            buf[k] = np.uint32(w[o, k]) << 16
         for n in range(0, N4, 4):
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
