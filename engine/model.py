@@ -89,6 +89,7 @@ class EngineModel:
         self.gdn_chunk = int(prefill_gdn_chunk)
         self.syncs = SyncCounter()
         self.w: dict[str, object] = {}
+        self.kept_float32 = 0
         names = self._weight_names()
         it = names
         if progress:
@@ -97,6 +98,10 @@ class EngineModel:
         for name, kind in it:
             self.w[name] = self._load(name, kind)
         self._load_experts(progress)
+        if self.kept_float32:
+            import sys
+            print(f"engine: precision bf16: {self.kept_float32} weight matrices are not exactly representable in "
+                  f"BF16 (e.g. FP8 dequantised on load) and stay float32", file=sys.stderr)
         from engine.kernels.rope import rope_inv_freq
         self.inv_freq = xp.asarray(rope_inv_freq(c))
         self.ple = {i: PLETable(ck, i, xp, ple_placement) for i in c.ple_layers}
@@ -141,10 +146,19 @@ class EngineModel:
         return out
 
     def _dev_mat(self, a: np.ndarray):
-        """A host float32 matrix as a device weight of this precision (BF16 bits or float32)."""
+        """A host float32 matrix as a device weight of this precision (BF16 bits or float32).
+
+        In BF16 mode a matrix whose values are not all exactly representable in BF16 (FP8 block-scaled
+        weights dequantised on load, F32 checkpoints trained in higher precision) stays float32: the
+        engine never adds a quantisation the checkpoint does not have. ``self.kept_float32`` counts
+        them; load prints one notice."""
+        a = np.ascontiguousarray(a, dtype=np.float32)
         if self.precision == "bf16":
-            return self.xp.asarray(to_bf16_bits(np.ascontiguousarray(a, dtype=np.float32)))
-        return self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+            bits = to_bf16_bits(a)
+            if np.array_equal(bf16_bits_to_float32(bits), a):
+                return self.xp.asarray(bits)
+            self.kept_float32 = getattr(self, "kept_float32", 0) + 1
+        return self.xp.asarray(a)
 
     def _bf16_raw(self, name: str):
         """The stored BF16 bits of ``name`` (host uint16, memory-mapped) when it is stored as BF16, else None."""
