@@ -225,6 +225,17 @@ class EngineModel:
         if rec is not None and rec.wants(name):
             rec.emit(name, self.syncs.host(value), positions=positions)
 
+    def _hc_pre(self, prefix: str, h, rec, positions):
+        """Input side of the hyper-connection ``prefix`` (``layers.{i}.attn_hyper_connection.``) on the
+        residual ``h`` [T, hc*H]; emits its ``.out`` and ``.injection_weights`` taps."""
+        c = self.config
+        pre = K_norms.hc_pre(h, self.w[prefix + "hc_norm.weight"], self.w[prefix + "input_mix_weight_down.weight"],
+                             self.w[prefix + "input_mix_weight_up.weight"], self.w[prefix + "block_inject_weight.weight"],
+                             hc_count=c.hc_count, eps=c.rms_norm_eps)
+        self._emit(rec, prefix + "out", pre.mixed, positions)
+        self._emit(rec, prefix + "injection_weights", pre.injection_weights, positions)
+        return pre
+
     def _embed(self, ids_dev):
         W = self.w["embed_tokens.weight"]
         rows = W[ids_dev]
@@ -284,26 +295,14 @@ class EngineModel:
             if i in self.ple:
                 h = h + self._ple(i, h, segs, st)
             self._emit(rec, p + "attn_hyper_connection.in", h, positions)
-            pre = K_norms.hc_pre(h, self.w[p + "attn_hyper_connection.hc_norm.weight"],
-                                 self.w[p + "attn_hyper_connection.input_mix_weight_down.weight"],
-                                 self.w[p + "attn_hyper_connection.input_mix_weight_up.weight"],
-                                 self.w[p + "attn_hyper_connection.block_inject_weight.weight"],
-                                 hc_count=c.hc_count, eps=eps)
-            self._emit(rec, p + "attn_hyper_connection.out", pre.mixed, positions)
-            self._emit(rec, p + "attn_hyper_connection.injection_weights", pre.injection_weights, positions)
+            pre = self._hc_pre(p + "attn_hyper_connection.", h, rec, positions)
             if lt == "linear_attention":
                 out = self._gdn(i, pre.mixed, segs, st)
             else:
                 out = self._qsa(i, pre.mixed, st, pool)
             h = K_norms.hc_combine(h, out, pre.injection_weights)
             self._emit(rec, p + "attn_hyper_connection.combine", h, positions)
-            pre = K_norms.hc_pre(h, self.w[p + "mlp_hyper_connection.hc_norm.weight"],
-                                 self.w[p + "mlp_hyper_connection.input_mix_weight_down.weight"],
-                                 self.w[p + "mlp_hyper_connection.input_mix_weight_up.weight"],
-                                 self.w[p + "mlp_hyper_connection.block_inject_weight.weight"],
-                                 hc_count=c.hc_count, eps=eps)
-            self._emit(rec, p + "mlp_hyper_connection.out", pre.mixed, positions)
-            self._emit(rec, p + "mlp_hyper_connection.injection_weights", pre.injection_weights, positions)
+            pre = self._hc_pre(p + "mlp_hyper_connection.", h, rec, positions)
             out = self._moe(i, pre.mixed, rec, positions)
             h = K_norms.hc_combine(h, out, pre.injection_weights)
             self._emit(rec, p + "mlp_hyper_connection.combine", h, positions)

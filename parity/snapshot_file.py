@@ -28,9 +28,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -87,15 +84,9 @@ def kind_of(path: str) -> str | None:
 
 
 def required_kinds(config) -> set[str]:
-    """State kinds a snapshot of this model must hold (from its layer types and PLE layers)."""
-    need = set()
-    if "indexed_attention" in config.layer_types:
-        need |= {"qsa.kv", "qsa.indexer_keys"}
-    if "linear_attention" in config.layer_types:
-        need |= {"gdn.conv", "gdn.recurrent"}
-    if config.ple_layer_ids:
-        need |= {"ple.conv", "ple.ngram_context"}
-    return need
+    """State kinds a snapshot of this model must hold (the reference session's own rule)."""
+    from reference.session import required_kinds as _session_kinds
+    return set(_session_kinds(config))
 
 
 def portable(obj):
