@@ -46,7 +46,9 @@ class Engine:
             memory holds (on CPU: 65536 tokens or less).
         max_seqs: live sequences at once (slab rows), forks and verify drafts included.
         prefill_chunk: default prefill chunk length (None = the whole prompt in one chunk).
-        ple_placement: 'host' (memory-mapped PLE table, default) or 'device'.
+        ple_placement: 'host' (memory-mapped PLE table, default: read in place where the device reads
+            pageable host memory, else pinned staging), 'device', or 'unified' (force in place; see
+            :mod:`engine.ple_table`). The path in use is ``limits['ple_table']``.
         progress: show weight-upload progress (tqdm).
         cuda_graphs: replay batched decode steps as CUDA graphs (cuda only; each graph verified against an
             eager step before use, see :class:`engine.model.DecodeGraphs`). Default: on, unless the
@@ -100,6 +102,7 @@ class Engine:
         self.limits = self.pool.limits()
         self.limits["weight_bytes"] = self.model.weight_bytes()
         self.limits["seq_kernels"] = seq_limits
+        self.limits["ple_table"] = sorted({t.mode for t in self.model.ple.values()})
 
     # ------------------------------------------------------------------ info
     def describe_limits(self) -> str:
@@ -111,6 +114,8 @@ class Engine:
                      f"{k['max_scored_blocks']}")
         if k and self.device != "cuda":
             kern += " (CUDA limits; the NumPy path has none)"
+        ple = self.limits.get("ple_table") or []
+        kern += f"; PLE table: {'/'.join(ple)}" if ple else ""
         return (self.pool.describe_limits() + f"; weights {self.limits['weight_bytes'] / 2**20:.1f} MiB "
                 f"({self.precision})" + kern)
 

@@ -76,7 +76,8 @@ class EngineModel:
         ck: a shared checkpoint (``reference.checkpoint.Checkpoint`` or ``DictWeights``).
         xp: numpy (CPU path: NumPy twins) or cupy.
         precision: 'bf16' (BF16 weights, FP32 accumulation/state) or 'float32'.
-        ple_placement: 'host' (memory-mapped table, rows gathered per step) or 'device'.
+        ple_placement: 'host' (memory-mapped table, rows gathered per step), 'device' or 'unified' (see
+            :mod:`engine.ple_table`; each ``self.ple[i].mode`` names the path in use).
         prefill_gdn_chunk: chunk length of the chunked gated delta rule.
     """
 

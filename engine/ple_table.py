@@ -2,38 +2,248 @@
 
 The table (``ple.ple_embedding.ngram_embedding``, ``padded_rows x head_dim``; 51.2B values on the real
 model) is host-resident by default: the shared :class:`reference.checkpoint.Checkpoint` memory-maps its
-shards and :meth:`Checkpoint.ngram_rows` gathers only the hashed rows of a step. On a CUDA device those
-rows go through a reusable pinned staging buffer and one asynchronous host->device copy (no
-device->host traffic: the n-gram ids are hashed on the host from the token ids the host feeds).
-``placement="device"`` uploads the whole table once and gathers rows on the device.
+shards and only the hashed rows of a step are read. Modes (``PLETable.mode``):
+
+- ``numpy``: the NumPy engine; :meth:`Checkpoint.ngram_rows` gathers the rows on the host.
+- ``pinned``: placement ``host`` on a CUDA device that cannot read pageable host memory (e.g. H200 on
+  x86): rows are gathered on the host into a reusable pinned staging buffer, then one asynchronous
+  host->device copy (no device->host traffic: n-gram ids are hashed on the host from the token ids).
+- ``unified``: placement ``host`` on a device whose ``cudaDevAttrPageableMemoryAccess`` is 1 (GB10 /
+  Grace with ATS), or placement ``unified`` (forced): each shard's memory map is wrapped as device-readable
+  memory (``cupy.cuda.UnownedMemory`` owned by the map) and the kernel ``ple_gather_rows``
+  (engine/kernels/cuda/ple_gather.cu) gathers and upcasts the hashed rows in place on the device; no
+  host-side row copy. Only the row ids (``[T, heads]`` int64) go host->device.
+- ``device``: placement ``device`` uploads the whole table (float32) once and gathers rows on the device.
+
+**The unified path has NOT been run on GB10 (or any ATS) hardware.** What is checked: the kernel compiles
+with nvcc for sm_90 and sm_121 (tests/test_engine_nvcc.py), its selection logic (attribute mocked), and a
+NumPy twin of the kernel (:func:`gather_twin`: same shard search, dtype decode by bit manipulation and
+scale) against :meth:`Checkpoint.ngram_rows` on the fixtures. GPU tests comparing the CUDA kernel with the
+twin exist (tests/test_engine_ple_table.py, ``@pytest.mark.gpu``) but need a device that reports
+pageable-memory access.
 
 Source of the table layout: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding.__init__`` / ``forward``
 (rows of ``head_dim`` values, one row per (token, hash head), heads concatenated).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from reference.errors import InputError
+from reference.errors import CheckpointError, InputError
 
-__all__ = ["PLETable"]
+__all__ = ["PLETable", "PLACEMENTS", "TableShards", "table_shards", "gather_twin", "decode_twin",
+           "unified_memory_supported", "device_memory_attributes", "select_mode", "DTYPE_CODES"]
+
+PLACEMENTS = ("host", "device", "unified")
+
+#: dtype codes of ple_gather.cu (PLE_F32 / PLE_BF16 / PLE_F8E4M3 / PLE_F8E5M2)
+DTYPE_CODES = {"F32": 0, "BF16": 1, "F8_E4M3": 2, "F8_E5M2": 3}
+_ITEMSIZE = {0: 4, 1: 2, 2: 1, 3: 1}
+
+# CUDA runtime enum values (driver_types.h, cudaDeviceAttr), used when cupy lacks the named constant
+_ATTR_FALLBACK = {"cudaDevAttrPageableMemoryAccess": 88, "cudaDevAttrPageableMemoryAccessUsesHostPageTables": 100,
+                  "cudaDevAttrIntegrated": 18}
 
 
+def _attr(cp, name: str) -> int:
+    return int(getattr(cp.cuda.runtime, name, _ATTR_FALLBACK[name]))
+
+
+def device_memory_attributes(cp, dev: int) -> dict[str, int]:
+    """Memory attributes of CUDA device ``dev`` that decide the PLE path.
+
+    Returns: ``{'pageable_memory_access': cudaDevAttrPageableMemoryAccess, 'uses_host_page_tables':
+    cudaDevAttrPageableMemoryAccessUsesHostPageTables, 'integrated': cudaDevAttrIntegrated}`` (ints, 0/1).
+    """
+    rt = cp.cuda.runtime
+    return {"pageable_memory_access": int(rt.deviceGetAttribute(_attr(cp, "cudaDevAttrPageableMemoryAccess"), dev)),
+            "uses_host_page_tables": int(rt.deviceGetAttribute(
+                _attr(cp, "cudaDevAttrPageableMemoryAccessUsesHostPageTables"), dev)),
+            "integrated": int(rt.deviceGetAttribute(_attr(cp, "cudaDevAttrIntegrated"), dev))}
+
+
+def unified_memory_supported(cp, dev: int) -> bool:
+    """True when CUDA device ``dev`` can dereference pageable host memory directly
+    (``cudaDevAttrPageableMemoryAccess == 1``: GB10 / Grace with ATS, or HMM-enabled systems)."""
+    return device_memory_attributes(cp, dev)["pageable_memory_access"] == 1
+
+
+def _device_id(xp) -> int:
+    return int(xp.cuda.Device().id)
+
+
+def select_mode(placement: str, xp) -> str:
+    """The PLE table mode for ``placement`` on array module ``xp`` (numpy or cupy).
+
+    ``host`` -> ``numpy`` on NumPy, else ``unified`` when :func:`unified_memory_supported`, else ``pinned``;
+    ``device`` -> ``device``; ``unified`` -> ``unified`` or an error.
+    Raises:
+        InputError: unknown placement; ``unified`` forced on NumPy or on a device without pageable-memory
+            access (names the attribute and the device).
+    """
+    if placement not in PLACEMENTS:
+        raise InputError(f"ple_placement: expected one of {list(PLACEMENTS)}, found {placement!r}")
+    if placement == "device":
+        return "device"
+    if xp is np:
+        if placement == "unified":
+            raise InputError("ple_placement 'unified': expected a CUDA device (cupy), found the NumPy backend "
+                             "(use 'host')")
+        return "numpy"
+    dev = _device_id(xp)
+    ok = unified_memory_supported(xp, dev)
+    if placement == "unified" and not ok:
+        try:
+            attrs = device_memory_attributes(xp, dev)
+        except Exception:  # pragma: no cover - attribute query itself failing
+            attrs = {}
+        raise InputError(f"ple_placement 'unified': expected CUDA device {dev} to report "
+                         f"cudaDevAttrPageableMemoryAccess = 1 (device reads pageable host memory in place, e.g. "
+                         f"GB10 / Grace with ATS), found {attrs.get('pageable_memory_access', 0)} "
+                         f"(attributes {attrs}); use ple_placement 'host' (pinned staging) or 'device'")
+    return "unified" if ok else "pinned"
+
+
+# --------------------------------------------------------------------------- host view of the shards
+@dataclass
+class TableShards:
+    """The stored shards of one PLE layer's n-gram table, as host arrays (memory-mapped views of the
+    checkpoint files for a file checkpoint; each view keeps its ``np.memmap`` alive through ``.base``).
+
+    Attributes:
+        arrays: per shard, the stored bytes as uint8 ``[rows_k, head_dim * itemsize]`` (C-contiguous).
+        starts: int64 ``[n_shards + 1]`` first global row of each shard (last = padded rows).
+        codes: int32 ``[n_shards]`` dtype codes (:data:`DTYPE_CODES`).
+        scales: float32 ``[n_shards]`` per-tensor multiplier (FP8 scale; 1 for F32 / BF16).
+        head_dim: values per row.
+    """
+    arrays: tuple
+    starts: np.ndarray
+    codes: np.ndarray
+    scales: np.ndarray
+    head_dim: int
+
+
+def table_shards(ck, layer: int) -> TableShards:
+    """Raw views of PLE layer ``layer``'s n-gram table shards (no copy for a file checkpoint).
+
+    Uses the checkpoint's table description (shard order and start rows, as :meth:`Checkpoint.ngram_rows`)
+    and :meth:`Checkpoint.get_raw` for each shard.
+    Raises:
+        CheckpointError: a shard dtype the gather kernel does not decode, an FP8 shard without a
+            per-tensor scale, or a scale that is not one value.
+    """
+    t = ck._table(int(layer))
+    arrays, codes, scales = [], [], []
+    for name in t.shards:
+        dt = ck.dtype(name)
+        if dt not in DTYPE_CODES:
+            raise CheckpointError(f"PLE layer {layer}: n-gram shard {name!r}: expected dtype one of "
+                                  f"{sorted(DTYPE_CODES)}, found {dt}")
+        code = DTYPE_CODES[dt]
+        raw = ck.get_raw(name)
+        if raw.ndim != 2 or raw.shape[1] != t.head_dim:
+            raise CheckpointError(f"PLE layer {layer}: n-gram shard {name!r}: expected [rows, {t.head_dim}], "
+                                  f"found {list(raw.shape)}")
+        if not raw.flags.c_contiguous:
+            raw = np.ascontiguousarray(raw)
+        arrays.append(raw.view(np.uint8).reshape(raw.shape[0], t.head_dim * _ITEMSIZE[code]))
+        scale = 1.0
+        if code in (2, 3):
+            sc = ck._scale_for(name)
+            if sc is None:
+                raise CheckpointError(f"PLE layer {layer}: FP8 n-gram shard {name!r}: expected a per-tensor scale "
+                                      f"(ngram_embedding.weight_scale), found none")
+            s = np.asarray(ck.get_raw(sc)).astype(np.float32)
+            if s.size != 1:
+                raise CheckpointError(f"PLE layer {layer}: scale {sc!r}: expected one per-tensor value, found "
+                                      f"shape {list(s.shape)}")
+            scale = float(s.reshape(()))
+        codes.append(code)
+        scales.append(scale)
+    return TableShards(tuple(arrays), np.asarray(t.starts, np.int64), np.asarray(codes, np.int32),
+                       np.asarray(scales, np.float32), int(t.head_dim))
+
+
+def decode_twin(raw_bytes: np.ndarray, code: int) -> np.ndarray:
+    """NumPy twin of ``ple_decode`` in ple_gather.cu: stored bytes -> float32 by bit manipulation.
+
+    Args:
+        raw_bytes: uint8 ``[..., n * itemsize]`` (little-endian stored values).
+        code: dtype code (:data:`DTYPE_CODES`).
+    Returns: float32 ``[..., n]``.
+    """
+    b = np.ascontiguousarray(raw_bytes)
+    if code == 0:
+        return b.view(np.float32).copy()
+    if code == 1:
+        return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    v = b.astype(np.uint32)
+    sign = (v & 0x80) << 24
+    if code == 2:
+        e, m = (v >> 3) & 0xF, v & 0x7
+        normal = (sign | ((e + 120) << 23) | (m << 20)).view(np.float32)
+        sub = m.astype(np.float32) * np.float32(2.0 ** -9)
+        out = np.where(e == 0, np.where(sign != 0, -sub, sub), normal)
+        return np.where((e == 0xF) & (m == 0x7), np.float32(np.nan), out).astype(np.float32)
+    if code == 3:
+        e, m = (v >> 2) & 0x1F, v & 0x3
+        normal = (sign | ((e + 112) << 23) | (m << 21)).view(np.float32)
+        sub = m.astype(np.float32) * np.float32(2.0 ** -16)
+        out = np.where(e == 0, np.where(sign != 0, -sub, sub), normal)
+        special = (sign | np.where(m != 0, 0x7FC00000, 0x7F800000).astype(np.uint32)).view(np.float32)
+        return np.where(e == 0x1F, special, out).astype(np.float32)
+    raise InputError(f"decode_twin: code: expected one of {sorted(_ITEMSIZE)}, found {code}")
+
+
+def gather_twin(sh: TableShards, rows) -> np.ndarray:
+    """NumPy twin of the ``ple_gather_rows`` kernel: same shard search (last shard whose start <= row),
+    decode and per-shard scale (float32 multiply), reading the shard views in place.
+
+    Args:
+        sh: :func:`table_shards` of the layer.
+        rows: int ``[T, heads]`` global row ids (head offsets added), in ``[0, starts[-1])``.
+    Returns: float32 ``[T, heads * head_dim]``.
+    Raises:
+        InputError: ids outside the table.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    T, H = rows.shape
+    flat = rows.reshape(-1)
+    total = int(sh.starts[-1])
+    if flat.size and (flat.min() < 0 or flat.max() >= total):
+        raise InputError(f"gather_twin: rows: expected ids in [0, {total}), found [{flat.min()}, {flat.max()}]")
+    n = len(sh.arrays)
+    which = np.searchsorted(sh.starts[:n], flat, side="right") - 1
+    out = np.empty((flat.size, sh.head_dim), np.float32)
+    for k in np.unique(which):
+        sel = np.nonzero(which == k)[0]
+        raw = sh.arrays[int(k)][flat[sel] - sh.starts[k]]
+        out[sel] = decode_twin(raw, int(sh.codes[k])) * sh.scales[k]
+    return out.reshape(T, H * sh.head_dim)
+
+
+# --------------------------------------------------------------------------- the table
 class PLETable:
     """Row gatherer of one PLE layer's n-gram table.
 
     Args:
-        ck: the checkpoint (``ngram_rows(layer, rows)`` is used).
+        ck: the checkpoint (``ngram_rows(layer, rows)`` and, for the unified path, the shard views).
         layer: 0-based PLE layer index.
         xp: numpy or cupy (where the gathered rows are needed).
-        placement: 'host' (memory map, default) or 'device' (whole table on the device).
+        placement: 'host' (memory map, default: in place on unified-memory devices, else pinned staging),
+            'device' (whole table on the device) or 'unified' (force the in-place path).
+    Attributes:
+        mode: 'numpy', 'pinned', 'unified' or 'device' (see the module docstring).
     Raises:
-        InputError: unknown placement.
+        InputError: unknown placement, or 'unified' where the device cannot read pageable host memory.
+        CheckpointError: (unified) a shard the kernel cannot decode or an FP8 shard without its scale.
     """
 
     def __init__(self, ck, layer: int, xp, placement: str = "host"):
-        if placement not in ("host", "device"):
-            raise InputError(f"ple_placement: expected 'host' or 'device', found {placement!r}")
+        self.mode = select_mode(placement, xp)
         self.ck = ck
         self.layer = int(layer)
         self.xp = xp
@@ -43,13 +253,38 @@ class PLETable:
         self.head_dim = lay.head_dim
         self._pinned = None
         self._table = None
-        self.rows_moved = 0  # rows copied host->device (bench/perf accounting)
-        if placement == "device":
+        self._unified = None
+        self.rows_moved = 0  # rows copied host->device (bench/perf accounting; 0 in unified/device modes)
+        if self.mode == "device":
             self._table = xp.empty((self.rows_total, self.head_dim), np.float32)
             step = 1 << 20
             for a in range(0, self.rows_total, step):
                 b = min(self.rows_total, a + step)
                 self._table[a:b] = xp.asarray(self._host_rows(np.arange(a, b, dtype=np.int64)))
+        elif self.mode == "unified":
+            self._setup_unified()
+
+    def _setup_unified(self) -> None:
+        """Wrap each shard's mapped host address as device memory (owner = the host view, which keeps the
+        memory map alive) and upload the small shard tables the kernel reads."""
+        cp = self.xp
+        sh = table_shards(self.ck, self.layer)
+        dev = _device_id(cp)
+        views = []
+        for a in sh.arrays:
+            ptr = int(a.__array_interface__["data"][0])
+            mem = cp.cuda.UnownedMemory(ptr, int(a.nbytes), a, device_id=dev)
+            views.append(cp.ndarray(a.shape, np.uint8, cp.cuda.MemoryPointer(mem, 0)))
+        from engine.backend import load_module
+        self._unified = {
+            "shards": sh,  # host views (hold the maps)
+            "views": views,  # device views over the same memory (hold the host views)
+            "ptrs": cp.asarray(np.asarray([v.data.ptr for v in views], np.uint64)),
+            "starts": cp.asarray(sh.starts),
+            "codes": cp.asarray(sh.codes),
+            "scales": cp.asarray(sh.scales),
+            "kernel": load_module("ple_gather.cu").get_function("ple_gather_rows"),
+        }
 
     def _host_rows(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(self.ck.ngram_rows(self.layer, rows), dtype=np.float32)
@@ -57,6 +292,12 @@ class PLETable:
     def nbytes_device(self) -> int:
         """Device bytes held by the table (0 when host-resident, apart from staging)."""
         return 0 if self._table is None else int(self._table.nbytes)
+
+    def describe(self) -> str:
+        """One phrase naming the path in use, e.g. ``'unified (in place, pageable memory access)'``."""
+        return {"numpy": "host memmap (NumPy)", "pinned": "host memmap, pinned staging",
+                "unified": "host memmap read in place (pageable memory access)",
+                "device": "device-resident"}[self.mode]
 
     def gather(self, rows: np.ndarray):
         """Rows of the table for hashed ids ``rows``.
@@ -76,11 +317,29 @@ class PLETable:
         xp = self.xp
         if self._table is not None:
             return self._table[xp.asarray(rows.reshape(-1))].reshape(T, H * self.head_dim)
+        if self._unified is not None:
+            return self._gather_unified(rows)
         host = self._host_rows(rows.reshape(-1)).reshape(T, H * self.head_dim)
         self.rows_moved += rows.size
         if xp is np:
             return host
         return self._upload(host)
+
+    def _gather_unified(self, rows: np.ndarray):
+        """``ple_gather_rows`` over the in-place shard views: float32 ``[T, H * head_dim]`` on the device."""
+        cp = self.xp
+        u = self._unified
+        T, H = rows.shape
+        out = cp.empty((T, H * self.head_dim), np.float32)
+        n = T * H * self.head_dim
+        if n == 0:
+            return out
+        d_rows = cp.asarray(rows.reshape(-1))
+        threads = 256
+        u["kernel"](((n + threads - 1) // threads,), (threads,),
+                    (u["ptrs"], u["starts"], u["codes"], u["scales"], np.int32(len(u["views"])), d_rows,
+                     np.int64(T * H), np.int32(self.head_dim), out))
+        return out
 
     def _upload(self, host: np.ndarray):
         """Copy ``host`` rows to the device through a ring of two pinned buffers (async copy; a buffer is
