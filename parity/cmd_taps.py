@@ -1,9 +1,10 @@
 """``qwen4exp taps list``, ``qwen4exp taps record`` and ``qwen4exp tap-diff``.
 
   qwen4exp taps list [--model MODEL] [--json]
-  qwen4exp taps record MODEL --backend reference|engine --ids FILE --out DIR [--taps GLOB ...]
+  qwen4exp taps record MODEL [--backend NAME] --ids FILE --out DIR [--overwrite] [--taps GLOB ...]
                        [--layers SPEC] [--positions SPEC] [--dtype float32|float64] [--chunk-size N]
                        [--cap BYTES] [--scenario NAME]
+      NAME: reference, reference-f64, engine, engine-cpu, engine-cuda or module:Class (parity.backend)
   qwen4exp tap-diff A B [--profile fp32|bf16|FILE] [--json] [--all] [--force] [--replay MODEL]
                    [--taps GLOB ...] [--memory-mb N]
 
@@ -27,15 +28,19 @@ def register(subparsers) -> None:
 
     pr = sub.add_parser("record", help="run a backend on token ids and record its taps into an archive")
     pr.add_argument("model", help="checkpoint directory or bundled fixture name")
-    pr.add_argument("--backend", choices=["reference", "engine"], default="reference")
+    pr.add_argument("--backend", default="reference", metavar="NAME",
+                    help="reference, reference-f64, engine, engine-cpu, engine-cuda or module:Class "
+                         "(the names of 'qwen4exp parity')")
     pr.add_argument("--ids", required=True, help="token ids: a .npy file, a JSON list, or whitespace/comma separated")
     pr.add_argument("--out", required=True, help="archive directory to create (must not exist)")
     pr.add_argument("--taps", action="append", default=None, metavar="GLOB", help="tap name glob (repeatable)")
     pr.add_argument("--layers", default=None, metavar="SPEC", help="layer filter, e.g. '0:4,7'")
     pr.add_argument("--positions", default=None, metavar="SPEC", help="positions to keep, e.g. '0:64,100'")
-    pr.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="reference compute dtype")
+    pr.add_argument("--dtype", choices=["float32", "float64"], default=None,
+                    help="reference compute dtype (default float32; reference-f64: float64)")
     pr.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="engine precision")
-    pr.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="engine device")
+    pr.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                    help="engine device for --backend engine (engine-cpu / engine-cuda name it)")
     pr.add_argument("--chunk-size", type=int, default=None, metavar="N",
                     help="prefill chunk size, N >= 1 (default: one chunk)")
     pr.add_argument("--cap", type=int, default=8 << 30, metavar="BYTES",
@@ -126,23 +131,70 @@ def read_ids(path: str) -> list[int]:
     return ids
 
 
+def resolve_backend(backend: str, dtype: str | None = None, device: str = "auto") -> str:
+    """The ``qwen4exp parity`` backend name that ``taps record --backend/--dtype/--device`` select.
+
+    ``reference`` + ``--dtype float64`` is ``reference-f64``; ``engine`` + ``--device cpu|cuda`` is
+    ``engine-cpu|engine-cuda``. Names are checked by :func:`parity.backend.backend_class` (so a
+    ``module:Class`` plugin must be importable, e.g. on ``PYTHONPATH``).
+
+    Raises:
+        InputError: an unknown name, or ``--dtype`` / ``--device`` contradicting the name.
+        BackendError: a ``module:Class`` that cannot be imported.
+    """
+    from parity.backend import backend_class
+    from reference.errors import InputError
+    spec = str(backend)
+    if spec in ("reference", "reference-f64"):
+        if dtype == "float64":
+            spec = "reference-f64"
+        elif dtype == "float32" and spec == "reference-f64":
+            raise InputError(f"--dtype float32: expected float64 (or no --dtype) with --backend reference-f64, "
+                             f"found float32")
+        if device != "auto":
+            raise InputError(f"--device {device}: expected only with an engine backend, found --backend {backend}")
+    else:
+        if dtype is not None:
+            raise InputError(f"--dtype {dtype}: expected only with --backend reference / reference-f64 (the "
+                             f"engine's is --precision), found --backend {backend}")
+        if spec == "engine" and device != "auto":
+            spec = f"engine-{device}"
+        elif spec in ("engine-cpu", "engine-cuda") and device not in ("auto", spec.split("-")[1]):
+            raise InputError(f"--device {device}: expected {spec.split('-')[1]} (or no --device) with --backend "
+                             f"{spec}, found {device}")
+        elif ":" in spec and device != "auto":
+            raise InputError(f"--device {device}: expected only with an engine backend, found --backend {backend}")
+    backend_class(spec)   # unknown name -> InputError naming --backend; plugin import -> BackendError
+    return spec
+
+
 def record(model_path, ids: list[int], out, backend: str = "reference", include=None, layers=None, positions=None,
-           dtype: str = "float32", precision: str = "float32", chunk_size: int | None = None,
+           dtype: str | None = None, precision: str = "float32", chunk_size: int | None = None,
            cap_bytes: int | None = 8 << 30, scenario: str | None = None, overwrite: bool = False,
            device: str = "auto"):
     """Run ``backend`` on ``ids`` and record its taps into archive directory ``out`` (None: in memory).
 
+    Args:
+        backend: a ``qwen4exp parity`` backend name -- reference, reference-f64, engine (cuda when a GPU
+            is present), engine-cpu, engine-cuda or module:Class (see :func:`resolve_backend`). The
+            manifest's ``backend`` is the opened backend's name (``engine-cuda``, ``my_mod:MyBackend``).
+        dtype: reference compute dtype ('float32' default, 'float64'); precision/device: the engine's.
+
     Returns: the finished archive (:class:`taps.archive.Archive` or ``MemoryArchive``).
 
     Raises:
-        InputError / CheckpointError / ArchiveError / TapError: bad inputs (``chunk_size`` or
-        ``cap_bytes`` < 1, a layer beyond the model, a selection -- ``include`` / ``layers`` /
-        ``positions`` -- that would record nothing; errors name the CLI flag); TapCapError when the
-        up-front estimate (or the recording) exceeds ``cap_bytes``. Nothing is left at ``out`` on error.
+        InputError / CheckpointError / ArchiveError / TapError / BackendError: bad inputs (``chunk_size``
+        or ``cap_bytes`` < 1; ``out`` an existing file, an existing archive without ``overwrite``, under a
+        missing or non-directory parent or on /proc; an unknown backend; a layer beyond the model; a
+        selection -- ``include`` / ``layers`` / ``positions`` -- that would record nothing; errors name
+        the CLI flag); TapCapError when the up-front estimate (or the recording) exceeds ``cap_bytes``;
+        BackendError when a ``module:Class`` backend raises while running. Nothing is left at ``out``
+        (nor a temporary directory beside it) on error.
     """
     import numpy as np
+    from reference.atomic import check_output_path
     from reference.checkpoint import Checkpoint
-    from reference.errors import InputError
+    from reference.errors import InputError, UserError
     from reference.paths import resolve_model
     from taps import registry
     from taps.recorder import Recorder, TapCapError
@@ -152,6 +204,16 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
                          f"chunk), found {chunk_size}")
     if cap_bytes is not None and int(cap_bytes) < 1:
         raise InputError(f"--cap {cap_bytes}: expected a byte count >= 1, found {cap_bytes}")
+    if out is not None:   # the shared output rules, checked before any work
+        if Path(out).is_dir() and not overwrite:   # an empty directory too: an archive replaces it
+            raise InputError(f"--out {str(out)!r}: expected a new path, found an existing directory "
+                             f"(pass --overwrite)")
+        check_output_path(out, kind="dir", overwrite=overwrite, flag="--out")
+        parent = Path(out).absolute().parent
+        if not parent.is_dir():
+            raise InputError(f"--out {str(out)!r}: expected an existing parent directory, found "
+                             f"{str(parent)!r} missing")
+    spec = resolve_backend(backend, dtype, device)
     lay = parse_layers(layers, "--layers")
     pos = parse_positions(positions, "--positions")
     if hasattr(model_path, "fingerprint"):
@@ -186,39 +248,64 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
         if n_pos == 0:
             raise InputError(f"--positions {positions!r}: expected positions within the {len(ids)} token ids "
                              f"(0..{len(ids) - 1}), found none there")
-    est = Recorder.estimate(cfg, n_pos, include=include, layers=layers, dtype_bytes=8 if dtype == "float64" else 4)
+    ref_dtype = "float64" if spec == "reference-f64" else "float32"
+    est = Recorder.estimate(cfg, n_pos, include=include, layers=layers,
+                            dtype_bytes=8 if spec == "reference-f64" else 4)
     if cap_bytes is not None and est > cap_bytes:
         raise TapCapError(f"tap recording: estimated {est} bytes exceeds the cap of {cap_bytes} bytes; narrow "
                           f"--taps/--layers/--positions or raise --cap")
-    meta = {"backend": backend, "dtype": dtype if backend == "reference" else precision,
+    be = None
+    if spec.startswith("reference"):
+        name, run_dtype = spec, ref_dtype
+    else:
+        from parity.backend import open_backend
+        if spec.startswith("engine"):
+            be = open_backend(spec, where if where is not None else ".", weights=ck, precision=precision,
+                              max_seqs=1, kv_tokens=len(ids) + 64)
+        else:
+            if where is None:
+                raise InputError(f"--backend {spec!r}: expected a model directory to open the plugin on, found "
+                                 f"an in-memory checkpoint")
+            be = open_backend(spec, where)
+        name, run_dtype = str(getattr(be, "name", spec)), str(getattr(be, "precision", "float32"))
+    meta = {"backend": name, "dtype": run_dtype,
             "model": {"config_hash": cfg.config_hash(), "weights_fingerprint": ck.fingerprint(),
                       **({"path": str(where)} if where is not None else {})},
             "token_ids": list(ids), "scenario": scenario, "chunk_size": chunk_size, "estimated_bytes": est}
-    with Recorder(out, include=include, layers=layers, positions=positions, cap_bytes=cap_bytes, meta=meta,
-                  overwrite=overwrite) as rec:
-        if backend == "reference":
-            from reference.model import ReferenceModel
-            model = ReferenceModel(ck, dtype=np.float64 if dtype == "float64" else np.float32)
-            sess = model.new_session()
-            step = chunk_size or len(ids)
-            from tqdm import tqdm
-            with tqdm(total=len(ids), desc="taps record", unit="tok", disable=not sys.stderr.isatty(),
-                      file=sys.stderr) as bar:
-                for s in range(0, len(ids), step):   # consecutive prefills == one chunked prefill
-                    sess.prefill(list(ids[s:s + step]))
-                    bar.update(min(step, len(ids) - s))
-        else:
-            try:
-                import engine
-                eng = engine.Engine(ck, precision=precision, device=device, max_seqs=1,
-                                    kv_tokens=len(ids) + 64)
-            except (ImportError, AttributeError) as e:
-                raise InputError(f"--backend engine: the engine is not available here ({e})") from None
-            seq = eng.add_sequence()
-            eng.prefill(seq, list(ids), chunk_size=chunk_size)
-        if rec.n_emits == 0:   # raised inside the block: the writer discards the (empty) archive
-            raise InputError(f"tap recording: the {backend} run emitted no tap matching --taps {include!r} / "
-                             f"--layers {layers!r} / --positions {positions!r}; nothing was written")
+    try:
+        with Recorder(out, include=include, layers=layers, positions=positions, cap_bytes=cap_bytes, meta=meta,
+                      overwrite=overwrite) as rec:
+            if be is None:
+                from reference.model import ReferenceModel
+                model = ReferenceModel(ck, dtype=np.float64 if ref_dtype == "float64" else np.float32)
+                sess = model.new_session()
+                step = chunk_size or len(ids)
+                from tqdm import tqdm
+                with tqdm(total=len(ids), desc="taps record", unit="tok", disable=not sys.stderr.isatty(),
+                          file=sys.stderr) as bar:
+                    for s in range(0, len(ids), step):   # consecutive prefills == one chunked prefill
+                        sess.prefill(list(ids[s:s + step]))
+                        bar.update(min(step, len(ids) - s))
+            else:
+                try:
+                    h = be.new_sequence()
+                    be.prefill(h, list(ids), chunk_size=chunk_size)
+                    be.free(h)
+                except UserError:
+                    raise
+                except Exception as e:   # noqa: BLE001 - the backend under test failed: one line, nothing written
+                    from parity.backend import BackendError
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                    raise BackendError(f"--backend {spec!r}: raised {type(e).__name__}{': ' + msg if msg else ''} "
+                                       f"while prefilling the {len(ids)} token ids; nothing was written") from e
+            if rec.n_emits == 0:   # raised inside the block: the writer discards the (empty) archive
+                raise InputError(f"tap recording: the {name} run emitted no tap matching --taps {include!r} / "
+                                 f"--layers {layers!r} / --positions {positions!r}; nothing was written")
+    finally:
+        if be is not None:
+            close = getattr(be, "close", None)
+            if close is not None:
+                close()
     return rec.archive()
 
 
@@ -236,16 +323,25 @@ def _cmd_record(args) -> int:
 # ---------------------------------------------------------------- diff
 def _cmd_diff(args) -> int:
     from taps.diff import diff_archives, render_table, replay_check
+    from reference.errors import InputError
+    if args.memory_mb < 1:
+        raise InputError(f"--memory-mb {args.memory_mb}: expected a memory budget >= 1 (MB), found {args.memory_mb}")
+    replay_ck = None
+    if args.replay:   # validated up front, whether or not the archives end up diverging
+        from reference.checkpoint import Checkpoint
+        from reference.paths import resolve_model
+        from reference.errors import UserError
+        try:
+            replay_ck = Checkpoint.open(resolve_model(args.replay))
+        except UserError as e:
+            raise InputError(f"--replay {args.replay!r}: expected a model to replay in, found: {e}") from None
     rep = diff_archives(args.a, args.b, profile=args.profile, force=args.force, taps=args.taps,
                         memory_budget=args.memory_mb << 20, progress=sys.stderr.isatty() and not args.json)
     if args.replay and rep.first_divergence:
         import numpy as np
-        from reference.checkpoint import Checkpoint
         from reference.model import ReferenceModel
-        from reference.paths import resolve_model
-        from reference.errors import InputError
         from taps.archive import Archive
-        ck = Checkpoint.open(resolve_model(args.replay))
+        ck = replay_ck
         B = Archive.open(args.b)
         want = B.model.get("config_hash")
         if want is not None and want != ck.config.config_hash() and not args.force:

@@ -24,6 +24,7 @@ interface that tap-diff consumes: ``names()``, ``info(name)``, ``positions(name)
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import os
 import shutil
@@ -398,10 +399,17 @@ class ArchiveWriter:
 
     def __init__(self, out_dir, flush_bytes: int = 64 << 20, overwrite: bool = False):
         self.out = Path(out_dir)
+        if self.out.exists() and not self.out.is_dir():   # even with overwrite: never replace a file by an archive
+            raise ArchiveError(f"archive output {str(self.out)!r}: expected a directory path (an archive is a "
+                               f"directory), found an existing file")
         if self.out.exists() and not overwrite:
             raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an existing "
-                               f"{'directory' if self.out.is_dir() else 'file'} (remove it or pass --overwrite)")
-        if not self.out.parent.is_dir():
+                               f"directory (remove it or pass --overwrite)")
+        parent = self.out.parent
+        if parent.exists() and not parent.is_dir():
+            raise ArchiveError(f"archive output {str(self.out)!r}: expected a parent directory, found "
+                               f"{str(parent)!r} is a file")
+        if not parent.is_dir():
             raise ArchiveError(f"archive output {str(self.out)!r}: parent directory does not exist")
         self.overwrite = overwrite
         self.tmp = Path(tempfile.mkdtemp(prefix=self.out.name + ".tmp-", dir=self.out.parent))
@@ -476,12 +484,32 @@ class ArchiveWriter:
             **fields,
             "order": list(self._order), "taps": self._taps, "chunks": dict(self._chunks),
         }
-        tmpm = self.tmp / (MANIFEST + ".part")
-        tmpm.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmpm, self.tmp / MANIFEST)
-        if self.out.exists() and self.overwrite:
-            shutil.rmtree(self.out)
-        os.rename(self.tmp, self.out)
+        old = None
+        try:
+            tmpm = self.tmp / (MANIFEST + ".part")
+            tmpm.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmpm, self.tmp / MANIFEST)
+            if self.out.exists() or self.out.is_symlink():
+                if not self.out.is_dir() or self.out.is_symlink():
+                    raise ArchiveError(f"archive output {str(self.out)!r}: expected a directory path, found "
+                                       f"an existing file")
+                if not self.overwrite:
+                    raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an "
+                                       f"existing directory (remove it or pass --overwrite)")
+                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+                os.replace(self.out, old)          # set aside; restored if publishing fails
+            os.rename(self.tmp, self.out)
+        except BaseException as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)   # nothing half-written is left behind
+            if old is not None and not self.out.exists():
+                with contextlib.suppress(OSError):
+                    os.replace(old, self.out)
+            if isinstance(e, OSError):
+                raise ArchiveError(f"archive output {str(self.out)!r}: could not be written: "
+                                   f"{e.strerror or e}") from None
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         self.closed = True
         return self.out
 

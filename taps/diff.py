@@ -677,14 +677,15 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
     if progress:
         from tqdm import tqdm
         it = tqdm(names, desc="tap-diff", unit="tap", file=sys.stderr)
+    out_a, out_b = _outside(A), _outside(B)
     for n in it:
         if n not in names_b:
-            results.append(TapResult(n, A.info(n).kind, "missing-in-b", note="recorded only in A"))
+            results.append(_one_sided(n, A, "b", out_b))
         elif n not in names_a:
-            results.append(TapResult(n, B.info(n).kind, "missing-in-a", note="recorded only in B"))
+            results.append(_one_sided(n, B, "a", out_a))
         else:
             results.append(compare_tap(A, B, n, prof, memory_budget, stats))
-    if not any(r.status in ("agree", "flip", "diverged") for r in results):
+    if not any(r.status in ("agree", "flip", "diverged", "no-overlap") for r in results):
         raise DiffRefused(f"archives {_label(a)} and {_label(b)}: expected taps recorded at common positions in "
                           f"both, found none to compare ({len(names_a)} taps in A, {len(names_b)} in B"
                           f"{', after --taps' if taps else ''})")
@@ -693,6 +694,28 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
     rep.elapsed_s = time.perf_counter() - t0
     rep.bytes_read = int(stats.get("bytes", 0))
     return rep
+
+
+def _outside(S: TapSource) -> tuple[list, set]:
+    """(positions ranges, tap names) a recording's run emitted outside its ``positions`` filter
+    (manifest ``outside_positions``, written by :class:`taps.recorder.Recorder`); empty when none."""
+    o = (getattr(S, "manifest", None) or {}).get("outside_positions") or {}
+    return list(o.get("positions") or []), set(o.get("taps") or [])
+
+
+def _one_sided(name: str, S: TapSource, other: str, other_outside: tuple[list, set]) -> TapResult:
+    """A tap recorded only in ``S``. When the other side's run did emit it, but only at positions its
+    filter dropped, the tap was produced by both and shares no position: ``no-overlap`` (a divergence,
+    e.g. a backend whose position bookkeeping is off), else ``missing-in-<other>`` (not a verdict)."""
+    from taps.recorder import format_ranges
+    ranges, names = other_outside
+    if name in names:
+        return TapResult(name, S.info(name).kind, "no-overlap", 0,
+                         note=(f"cannot be compared: {other.upper()}'s run emitted this tap only at positions "
+                               f"{format_ranges(ranges)}, outside its recorded positions; "
+                               f"{'B' if other == 'a' else 'A'} has {_span(S.positions(name))}"))
+    return TapResult(name, S.info(name).kind, f"missing-in-{other}",
+                     note=f"recorded only in {'B' if other == 'a' else 'A'}")
 
 
 def _label(x) -> str:

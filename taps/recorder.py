@@ -37,7 +37,8 @@ from taps.archive import _same_shape, ArchiveWriter, MemoryArchive, TapSource, s
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("qwen4exp_tap_recorder", default=None)
 
-__all__ = ["current", "Recorder", "TapError", "TapCapError", "parse_positions", "parse_layers", "tap_row_shape"]
+__all__ = ["current", "Recorder", "TapError", "TapCapError", "parse_positions", "parse_layers", "tap_row_shape",
+           "format_ranges", "position_ranges"]
 
 
 def current():
@@ -125,6 +126,16 @@ def tap_row_shape(spec: registry.TapSpec, config, n_positions: int = 1) -> tuple
     return tuple(out)
 
 
+def format_ranges(ranges) -> str:
+    """Half-open ``[[start, stop), ...]`` runs (a manifest's ``positions``) as ``'9..9, 13..20'``."""
+    return ", ".join(f"{int(a)}..{int(b) - 1}" for a, b in ranges) if ranges else "none"
+
+
+def position_ranges(positions) -> list[list[int]]:
+    """Positions (any order, repeats allowed) as sorted half-open ``[start, stop)`` runs."""
+    return _ranges(np.unique(np.asarray(list(positions), dtype=np.int64)))
+
+
 def _ranges(pos: np.ndarray) -> list[list[int]]:
     """Sorted unique positions as half-open ``[start, stop)`` runs (the manifest's ``positions``)."""
     if len(pos) == 0:
@@ -142,7 +153,9 @@ class Recorder:
         include: name globs (``fnmatch``, e.g. ``layers.*.mlp.*``); None records every tap. An included
             index tap brings its companion score tap along (tap-diff needs it to judge flips).
         layers: 0-based layer filter (range / ints / ``"0:4,7"``); taps outside layers always pass.
-        positions: absolute positions to keep (see :func:`parse_positions`); None keeps all.
+        positions: absolute positions to keep (see :func:`parse_positions`); None keeps all. Rows
+            dropped by it are summarised in the manifest's ``outside_positions`` ({positions: runs,
+            taps: names}; only when something was dropped) -- tap-diff treats such a tap as no-overlap.
         cap_bytes: maximum bytes of tap data; an emit that would exceed it raises :class:`TapCapError`
             (inside the recorded run, so a directory recording is then discarded).
         store_dtype: cast float taps to this dtype when stored (e.g. ``"float32"`` for a float64 run).
@@ -176,6 +189,8 @@ class Recorder:
         self._last_pos: dict[str, int] = {}
         self._mem_tap: dict[str, dict] = {}
         self._seen = np.zeros(0, np.int64)
+        self._outside = np.zeros(0, np.int64)   # positions emitted but outside the ``positions`` filter
+        self._outside_names: dict[str, None] = {}
         self._token = None
         self._result: TapSource | None = None
         self._closed = False
@@ -241,6 +256,8 @@ class Recorder:
                         "positions": None if self.positions is None else [int(p) for p in self.positions]}
         f["bytes"] = int(self.bytes_recorded)
         f["positions"] = _ranges(self._seen)
+        if len(self._outside):   # what the positions filter dropped: tells a wrong-position run from a silent one
+            f["outside_positions"] = {"positions": _ranges(self._outside), "taps": list(self._outside_names)}
         return f
 
     def archive(self) -> TapSource:
@@ -313,6 +330,8 @@ class Recorder:
         if self.positions is not None:
             keep = np.isin(pos, self.positions)
             if not keep.all():
+                self._outside = np.union1d(self._outside, pos[~keep])
+                self._outside_names[name] = None
                 a, pos = a[keep], pos[keep]
         if a.shape[0] == 0:
             return
