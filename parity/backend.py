@@ -430,25 +430,27 @@ class EngineBackend(Backend):
         raise BackendError(f"backend {self.name}: position: the engine exposes no sequence length")
 
 
-def _load_module_class(spec: str):
+def _load_module_class(spec: str, flag: str = "--backend"):
     mod_name, _, cls_name = spec.partition(":")
     if not mod_name or not cls_name:
-        raise InputError(f"--backend {spec!r}: expected a name ({', '.join(BACKEND_NAMES)}) or 'module:Class'")
+        raise InputError(f"{flag} {spec!r}: expected a name ({', '.join(BACKEND_NAMES)}) or 'module:Class'")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise BackendError(f"--backend {spec!r}: cannot import module {mod_name!r}: {e}") from e
+        raise BackendError(f"{flag} {spec!r}: cannot import module {mod_name!r}: {e} (a module:Class "
+                           f"backend must be importable: installed, or its folder on PYTHONPATH)") from e
     cls = getattr(mod, cls_name, None)
     if cls is None:
-        raise BackendError(f"--backend {spec!r}: module {mod_name!r} has no attribute {cls_name!r}")
+        raise BackendError(f"{flag} {spec!r}: module {mod_name!r} has no attribute {cls_name!r}")
     if not hasattr(cls, "open"):
-        raise BackendError(f"--backend {spec!r}: expected a class with an open(model_path, **opts) classmethod "
+        raise BackendError(f"{flag} {spec!r}: expected a class with an open(model_path, **opts) classmethod "
                            f"(the parity Backend protocol), found {cls!r}")
     return cls
 
 
-def backend_class(spec: str) -> tuple[type, dict]:
-    """Resolve a ``--backend`` value to (class, default open options).
+def backend_class(spec: str, flag: str = "--backend") -> tuple[type, dict]:
+    """Resolve a ``--backend`` value to (class, default open options). ``flag``: the option named in
+    error messages (``--a`` / ``--b`` for ``qwen4exp kl``).
 
     Names: 'reference', 'reference-f64', 'engine' (cuda when a GPU is present, else cpu), 'engine-cpu',
     'engine-cuda', or 'module:Class'.
@@ -470,17 +472,18 @@ def backend_class(spec: str) -> tuple[type, dict]:
             device = spec.split("-")[1]
         return EngineBackend, {"device": device}
     if ":" in spec:
-        return _load_module_class(spec), {}
-    raise InputError(f"--backend: expected one of {', '.join(BACKEND_NAMES)} or 'module:Class', found {spec!r}")
+        return _load_module_class(spec, flag), {}
+    raise InputError(f"{flag}: expected one of {', '.join(BACKEND_NAMES)} or 'module:Class', found {spec!r}")
 
 
-def open_backend(spec: str, model_path, **opts) -> Backend:
-    """Open a backend by ``--backend`` value on a checkpoint directory. ``opts`` override the defaults.
+def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Backend:
+    """Open a backend by ``--backend`` value on a checkpoint directory. ``opts`` override the defaults;
+    ``flag`` is the option named in error messages.
 
     Raises:
         InputError / BackendError: see :func:`backend_class`; the backend's own errors on open.
     """
-    cls, defaults = backend_class(spec)
+    cls, defaults = backend_class(spec, flag)
     kw = {**defaults, **opts}
     try:
         be = cls.open(Path(model_path), **kw)
@@ -488,14 +491,14 @@ def open_backend(spec: str, model_path, **opts) -> Backend:
         raise
     except Exception as e:  # a backend that cannot be opened is a clear exit-2 error, not a traceback
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise BackendError(f"--backend {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"
+        raise BackendError(f"{flag} {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"
                            f"{': ' + msg if msg else ''}") from e
     if ":" in spec and getattr(be, "name", None) in (None, "backend"):
         be.name = spec
     for attr in ("new_sequence", "prefill", "decode", "forward_tokens", "rollback", "snapshot", "restore",
                  "position", "free", "config"):
         if not hasattr(be, attr):
-            raise BackendError(f"--backend {spec!r}: expected the parity Backend protocol (parity/backend.py), "
+            raise BackendError(f"{flag} {spec!r}: expected the parity Backend protocol (parity/backend.py), "
                                f"found no {attr!r} on {type(be).__name__}")
     if not hasattr(be, "precision"):
         be.precision = "float32"

@@ -53,17 +53,18 @@ def perturbation(seed: int = 0):
 
 
 def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=8, perturb_name=None,
-                   progress=True):
+                   progress=True, flags=("--a", "--b")):
     """Open the backends, run :func:`parity.kl.run_kl` with all three controls. Returns the KLReport.
 
     The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
     the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight).
+    ``flags``: the options of a and b named in error messages.
     """
     from parity.backend import capabilities_of, open_backend
     from parity.kl import run_kl
 
-    a = open_backend(a_spec, model_path)
-    b = a if b_spec == a_spec else open_backend(b_spec, model_path)
+    a = open_backend(a_spec, model_path, flag=flags[0])
+    b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
     r32 = a if a_spec == "reference" else open_backend("reference", model_path)
     r64 = open_backend("reference-f64", model_path)
     name = perturb_name or default_perturb_target(b.config)
@@ -139,6 +140,9 @@ def run(args) -> int:
 
     from reference.errors import InputError
     model = resolve_model(args.model)
+    from parity.backend import backend_class
+    backend_class(args.a, "--a")  # an unknown name is reported against the option that gave it
+    backend_class(args.b, "--b")
     if args.greedy_tokens < 0:
         raise InputError(f"--greedy-tokens: expected an integer >= 0 (0 disables), found {args.greedy_tokens}")
     if args.plot:

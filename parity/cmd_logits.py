@@ -19,7 +19,10 @@ def register(subparsers) -> None:
     p.add_argument("--ids", required=True, metavar="FILE",
                    help="a FILE holding token ids: a .npy integer array, a JSON list (or {\"ids\": [...]}), or "
                         "integers separated by whitespace or commas")
-    p.add_argument("--out", required=True, help="output .npy file (float32 [T, vocab_size])")
+    p.add_argument("--out", required=True,
+                   help="output .npy file (float32 [T, vocab_size]); its folder must exist, an existing file "
+                        "needs --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--backend", choices=["reference", "engine"], default="reference")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="reference compute dtype (the file is float32 either way)")
@@ -120,7 +123,15 @@ def run(args) -> int:
     from reference.checkpoint import Checkpoint
     from reference.paths import resolve_model
 
-    check_output_path(args.out, "file", overwrite=True)
+    from pathlib import Path
+
+    from reference.errors import InputError
+    # the same rule as `taps record`: the parent must exist (nothing is created), an existing file needs --overwrite
+    check_output_path(args.out, "file", overwrite=args.overwrite)
+    parent = Path(args.out).parent
+    if not parent.is_dir():
+        found = "a file" if parent.exists() else "nothing"
+        raise InputError(f"--out {args.out!r}: expected an existing parent directory {str(parent)!r}, found {found}")
     if args.backend == "reference":
         check_precision("reference", args.precision)
     ck = Checkpoint.open(resolve_model(args.model))

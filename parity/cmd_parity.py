@@ -6,8 +6,9 @@ Runs the logit-KL harness (backend against the reference's full forward, with it
 scenario suites (budget, chunk-boundary, snapshot-restore, speculative-rollback) at the page sizes
 the backend supports; prints one verdict table (scenario, cases, worst KL, worst logit error, first
 divergence, time); writes ``report.json`` and the failing cases' tap archives under ``--out``.
-Exit codes: 0 pass, 1 fail (a divergence or a failed control), 2 error (bad input, a backend that
-cannot be opened, a crash inside a scenario).
+Exit codes: 0 pass; 1 fail (a divergence, a failed control, or the backend under test raising inside a
+case or the KL harness -- such a case is shown as ERROR and counted as failed); 2 usage/input error (bad
+arguments, model or prompts, an --out that cannot be written, a backend that cannot be opened).
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def register(subparsers) -> None:
         description="Judge a backend against the reference: logit-KL with controls, then the budget, "
                     "chunk-boundary, snapshot-restore and speculative-rollback scenarios (every one also with "
                     "concurrent sequences and several paged-cache page sizes). Failures are located by tap-diff. "
-                    "Exit 0 pass / 1 fail / 2 error.")
+                    "Exit 0 pass / 1 fail (a divergence, a failed control, or an exception raised by the backend inside a "
+                    "case: an ERROR row) / 2 usage or input error (bad arguments, model, a backend that cannot be "
+                    "opened).")
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
     p.add_argument("--backend", default="engine",
                    help="reference, reference-f64, engine (cuda when a GPU is present, else cpu), engine-cpu, "
@@ -67,12 +70,22 @@ def prepare_out_dir(out, overwrite: bool = False):
     report never sits next to stale archives. Other files in DIR are left alone.
 
     Raises:
-        InputError: DIR is a file, is not writable, or is non-empty without ``overwrite``.
+        InputError: DIR is a file, is not writable, is non-empty without ``overwrite``, or holds a
+            ``report.json`` that is not a regular file / a ``taps`` that is not a directory (the job would
+            only find out after running).
     """
     import shutil
 
     from reference.atomic import check_output_path
+    from reference.errors import InputError
     p = check_output_path(out, "dir", overwrite=overwrite)
+    rj, tp = p / "report.json", p / "taps"
+    if (rj.exists() or rj.is_symlink()) and not rj.is_file():
+        raise InputError(f"--out {str(out)!r}: expected {str(rj)!r} to be absent or a regular file (it is "
+                         f"replaced by the new report), found a directory or special file")
+    if tp.exists() and not tp.is_dir():
+        raise InputError(f"--out {str(out)!r}: expected {str(tp)!r} to be absent or a directory (failing cases' "
+                         f"tap archives go there), found a file")
     if overwrite and p.is_dir():
         if (p / "taps").is_dir():
             shutil.rmtree(p / "taps")
@@ -94,8 +107,11 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                out_dir=None, progress=True):
     """Run the KL harness and the scenarios; returns a :class:`parity.report.ParityReport`.
 
+    An exception raised by the backend under test inside a case or the KL harness does not escape: it
+    becomes an 'error' row / case (a failed case; the report's exit code is 1).
+
     Raises:
-        BackendError / InputError: the backend cannot be opened, bad options.
+        BackendError / InputError: the backend cannot be opened, bad options or prompts (before anything runs).
     """
     from pathlib import Path
 
@@ -105,6 +121,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     from parity.report import ParityReport, ScenarioRow
     from parity.scenarios import count_cases, run_scenario, summarize_results
     from parity.scenarios.common import TruthCache
+    from reference.errors import UserError
 
     op = opener(backend_spec, model)
     from parity.backend import capabilities_of
@@ -116,6 +133,10 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                                 "capabilities": {k: v for k, v in caps.items()}})
     if hasattr(probe, "close"):
         probe.close()
+    kl_prompts = None
+    if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
+        from parity.prompts import load_prompts
+        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
     truth = TruthCache(truth_model(model))
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
@@ -124,17 +145,25 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         for name in scenarios:
             t0 = time.perf_counter()
             if name == "kl":
-                report.rows.append(_kl_row(model, backend_spec, prompts, progress, t0, truth=truth,
-                                           archive_dir=archive_dir))
+                try:
+                    report.rows.append(_kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
+                                               archive_dir=archive_dir))
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:  # the backend raised in the KL harness: a failed (ERROR) row, as in a case
+                    msg = f"backend raised {type(e).__name__}: {e}"
+                    report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
+                                                   float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
+                                                   "error", msg))
                 bar.update(1)
                 continue
             try:
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
                                    level=level)
                 report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:  # a scenario that cannot run at all is an error row, not a crash
+            except (KeyboardInterrupt, UserError):
+                raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
+            except Exception as e:  # a scenario that cannot run at all is an error row (a failure), not a crash
                 report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
                                                time.perf_counter() - t0, "error", f"{type(e).__name__}: {e}"))
     finally:
@@ -142,30 +171,42 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     return report
 
 
-def _kl_row(model, backend_spec, prompts_file, progress, t0, truth=None, archive_dir=None):
+def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None):
     """The KL harness as one verdict-table row; a failing comparison is located by tap-diff on its worst
-    prompt (the backend's one-shot logits against the truth's forward)."""
+    prompt (the backend's one-shot logits against the truth's forward).
+
+    ``prompts``: token-id lists (already loaded), or a prompt file / None (the bundled set). The row's
+    failed cases are the prompts failing :func:`parity.kl.verdict` on their own (KL or top-1).
+    """
+    import dataclasses
+
     import numpy as np
 
     from parity.backend import open_backend
     from parity.cmd_kl import run_kl_command
-    from parity.prompts import load_prompts
+    from parity.kl import LogitComparison, verdict
     from parity.report import ScenarioRow
-    from reference.config import load_config
 
-    cfg = load_config(model)
-    prompts = load_prompts(prompts_file, model, cfg.vocab_size)
-    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False)
+    if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__fspath__"):
+        from parity.prompts import load_prompts
+        from reference.config import load_config
+        prompts = load_prompts(prompts, model, load_config(model).vocab_size)
+    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False, flags=("reference", "--backend"))
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = "pass" if rep.exit_code == 0 else "fail"
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
     both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
     bounds = np.cumsum([0] + rep.per_prompt_positions)
     per_prompt = [float(np.max(both[bounds[i]:bounds[i + 1]])) for i in range(len(prompts))]
-    n_bad = sum(1 for w in per_prompt if not w <= rep.thresholds.max_kl)
+    cmp_fields = [f.name for f in dataclasses.fields(LogitComparison)]
+    prompt_ok = [verdict(LogitComparison(*[getattr(rep.comparison, f)[bounds[i]:bounds[i + 1]] for f in cmp_fields]),
+                         rep.thresholds)[0] for i in range(len(prompts))]
+    n_bad = sum(1 for ok in prompt_ok if not ok)
     first, archives = None, []
     if not rep.passed:
-        worst = int(np.argmax(np.nan_to_num(per_prompt, nan=np.inf)))
+        # the worst prompt among those failing on their own (KL or top-1), else the worst KL overall
+        cand = [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
+        worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
         if truth is not None:
             from parity.scenarios.locate import locate_one_shot
             be = open_backend(backend_spec, model)

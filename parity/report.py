@@ -64,7 +64,13 @@ class ScenarioRow:
 
 @dataclass
 class ParityReport:
-    """The whole ``qwen4exp parity`` result. ``exit_code``: 0 all pass, 1 any fail, 2 any error."""
+    """The whole ``qwen4exp parity`` result. ``exit_code``: 0 all pass, 1 any row 'fail' or 'error'.
+
+    A row's 'error' status means the backend under test raised inside a case (or the KL harness): that is
+    a failed case (shown as ERROR in the table, counted among the failed cases), so the verdict is FAIL and
+    the exit code 1 -- CI files it as a divergence, not as an infrastructure error. Exit 2 is left to
+    usage/input errors (bad arguments, model, a backend that cannot be opened), which are raised before
+    any report exists."""
 
     backend: str
     model: str
@@ -73,9 +79,7 @@ class ParityReport:
 
     @property
     def exit_code(self) -> int:
-        if any(r.status == "error" for r in self.rows):
-            return 2
-        if any(r.status == "fail" for r in self.rows):
+        if any(r.status in ("fail", "error") for r in self.rows):
             return 1
         return 0
 
@@ -95,28 +99,48 @@ def _fmt(x: float) -> str:
     return f"{x:.2e}"
 
 
-DIVERGENCE_WIDTH = 80  # the table column; the JSON report keeps the full text
+MIN_DIVERGENCE_WIDTH = 30  # narrowest "first divergence" column; longer text wraps onto more lines
 
 
-def _abbrev(text: str, width: int = DIVERGENCE_WIDTH) -> str:
-    """One table cell: whitespace collapsed, cut at ``width`` with '...' (full text in the JSON)."""
+def _cell_lines(text: str, width: int) -> list[str]:
+    """One table cell as lines of at most ``width`` characters: whitespace collapsed, then wrapped at
+    spaces (a word longer than ``width`` -- a long tap name -- is broken). Nothing is cut."""
+    import textwrap
     t = " ".join(str(text).split())
-    return t if len(t) <= width else t[:width - 3].rstrip() + "..."
+    return textwrap.wrap(t, width=max(1, width), break_on_hyphens=False) or [""]
 
 
-def render_table(report: ParityReport, console=None) -> str:
-    """Render the verdict table (rich when installed, else plain text); returns the plain-text form too."""
+def _terminal_columns() -> int:
+    """The terminal width (``shutil.get_terminal_size``: the COLUMNS variable, then the terminal, else 80)."""
+    import shutil
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def render_table(report: ParityReport, console=None, columns: int | None = None) -> str:
+    """Render the verdict table (rich when installed, else plain text); returns the plain-text form too.
+
+    The plain text fits ``columns`` characters (default: the terminal width): the "first divergence"
+    column takes the room the other columns leave (at least :data:`MIN_DIVERGENCE_WIDTH`) and long text
+    wraps onto continuation lines -- it is never cut, so the table shows what the JSON report holds.
+    """
     header = ["scenario", "cases", "worst KL", "worst logit err", "first divergence", "time", "verdict"]
     rows = []
     for r in report.rows:
         cases = f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
-        div = _abbrev(r.first_divergence or ("-" if r.status == "pass" else r.detail))
+        div = " ".join(str(r.first_divergence or ("-" if r.status == "pass" else r.detail)).split())
         rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
                      r.status.upper()])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+    cols = _terminal_columns() if columns is None else int(columns)
+    room = cols - (sum(widths) - widths[4]) - 2 * (len(header) - 1)
+    widths[4] = max(len(header[4]), min(widths[4], max(room, MIN_DIVERGENCE_WIDTH)))
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
              "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    for row in rows:
+        cell = _cell_lines(row[4], widths[4])
+        lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:4], cell[0], *row[5:]], widths)).rstrip())
+        pad = sum(widths[:4]) + 2 * 4
+        lines += [" " * pad + more for more in cell[1:]]
     verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[report.exit_code]
     lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
     text = "\n".join(lines)

@@ -272,13 +272,16 @@ def test_parity_bogus_scenario_lists_kl(capsys):
     assert "kl" in line.split("expected one of", 1)[1]
 
 
-def test_parity_table_abbreviates_first_divergence():
-    from parity.report import DIVERGENCE_WIDTH, ParityReport, ScenarioRow, render_table
+def test_parity_table_wraps_first_divergence_to_the_terminal(monkeypatch):
+    # the table stays within the terminal width (COLUMNS) and wraps long text (even one long word) onto
+    # continuation lines instead of cutting it (second user's finding 6: cut at 80 even on wide terminals)
+    from parity.report import ParityReport, ScenarioRow, render_table
+    monkeypatch.setenv("COLUMNS", "120")
     long = "layers.3.self_attn.indexer.selected_blocks: " + "x" * 250
     rep = ParityReport(backend="b", model="tiny", rows=[ScenarioRow("budget", 2, 1, 1.0, 2.0, long, 0.1, "fail")])
     text = render_table(rep)
-    assert max(len(ln) for ln in text.splitlines()) < DIVERGENCE_WIDTH + 80
-    assert "layers.3.self_attn.indexer" in text and "..." in text
+    assert max(len(ln) for ln in text.splitlines()[:-1]) <= 120
+    assert "layers.3.self_attn.indexer" in text and "..." not in text and text.count("x") == long.count("x")
     assert rep.to_json()["scenarios"][0]["first_divergence"] == long  # the JSON keeps the full text
 
 
