@@ -70,6 +70,15 @@ def unified_memory_supported(cp, dev: int) -> bool:
     return device_memory_attributes(cp, dev)["pageable_memory_access"] == 1
 
 
+def unified_memory_preferred(cp, dev: int) -> bool:
+    """True when ``placement='host'`` should read the table in place: pageable access backed by hardware
+    coherence (the host page tables, as with ATS on GB10/Grace, or an integrated GPU). A discrete GPU whose
+    pageable access comes from HMM (x86 + recent drivers) would fault and migrate pages on every gather,
+    so it keeps pinned staging there unless ``placement='unified'`` is asked for."""
+    a = device_memory_attributes(cp, dev)
+    return a["pageable_memory_access"] == 1 and (a["uses_host_page_tables"] == 1 or a["integrated"] == 1)
+
+
 def _device_id(xp) -> int:
     return int(xp.cuda.Device().id)
 
@@ -77,7 +86,7 @@ def _device_id(xp) -> int:
 def select_mode(placement: str, xp) -> str:
     """The PLE table mode for ``placement`` on array module ``xp`` (numpy or cupy).
 
-    ``host`` -> ``numpy`` on NumPy, else ``unified`` when :func:`unified_memory_supported`, else ``pinned``;
+    ``host`` -> ``numpy`` on NumPy, else ``unified`` when :func:`unified_memory_preferred`, else ``pinned``;
     ``device`` -> ``device``; ``unified`` -> ``unified`` or an error.
     Raises:
         InputError: unknown placement; ``unified`` forced on NumPy or on a device without pageable-memory
@@ -94,7 +103,9 @@ def select_mode(placement: str, xp) -> str:
         return "numpy"
     dev = _device_id(xp)
     ok = unified_memory_supported(xp, dev)
-    if placement == "unified" and not ok:
+    if placement == "host":
+        return "unified" if unified_memory_preferred(xp, dev) else "pinned"
+    if not ok:
         try:
             attrs = device_memory_attributes(xp, dev)
         except Exception:  # pragma: no cover - attribute query itself failing
@@ -103,7 +114,7 @@ def select_mode(placement: str, xp) -> str:
                          f"cudaDevAttrPageableMemoryAccess = 1 (device reads pageable host memory in place, e.g. "
                          f"GB10 / Grace with ATS), found {attrs.get('pageable_memory_access', 0)} "
                          f"(attributes {attrs}); use ple_placement 'host' (pinned staging) or 'device'")
-    return "unified" if ok else "pinned"
+    return "unified"
 
 
 # --------------------------------------------------------------------------- host view of the shards

@@ -77,13 +77,21 @@ def test_attribute_query_reads_pageable_memory_access():
     assert attrs == {"pageable_memory_access": 1, "uses_host_page_tables": 0, "integrated": 1}
 
 
-@pytest.mark.parametrize("supported, expected", [(True, "unified"), (False, "pinned")])
-def test_host_placement_picks_path_from_attribute(monkeypatch, supported, expected):
-    seen = []
-    monkeypatch.setattr(P, "unified_memory_supported", lambda cp, dev: seen.append(dev) or supported)
-    assert select_mode("host", _fake_cp(pageable=int(supported), dev=5)) == expected
-    assert seen == [5]  # asked about the current device
-    assert select_mode("device", _fake_cp(pageable=int(supported))) == "device"
+@pytest.mark.parametrize("pageable, host_tables, integrated, expected", [
+    (1, 1, 0, "unified"),   # Grace + ATS: hardware-coherent pageable access
+    (1, 0, 1, "unified"),   # integrated GPU (GB10-like)
+    (1, 0, 0, "pinned"),    # discrete GPU with HMM only: in-place reads would fault and migrate pages
+    (0, 0, 0, "pinned"),    # no pageable access (H200 on x86 without HMM)
+])
+def test_host_placement_picks_path_from_attributes(pageable, host_tables, integrated, expected):
+    cp = _fake_cp(pageable=pageable, dev=5, host_tables=host_tables, integrated=integrated)
+    assert select_mode("host", cp) == expected
+    assert cp.calls and all(d == 5 for _, d in cp.calls)  # asked about the current device only
+    assert select_mode("device", _fake_cp(pageable=pageable)) == "device"
+
+
+def test_forced_unified_allowed_with_hmm_only():
+    assert select_mode("unified", _fake_cp(pageable=1, host_tables=0, integrated=0)) == "unified"
 
 
 def test_forced_unified_where_supported(monkeypatch):
