@@ -163,15 +163,7 @@ def table_shards(ck, layer: int) -> TableShards:
         arrays.append(raw.view(np.uint8).reshape(raw.shape[0], t.head_dim * _ITEMSIZE[code]))
         scale = 1.0
         if code in (2, 3):
-            sc = ck._scale_for(name)
-            if sc is None:
-                raise CheckpointError(f"PLE layer {layer}: FP8 n-gram shard {name!r}: expected a per-tensor scale "
-                                      f"(ngram_embedding.weight_scale), found none")
-            s = np.asarray(ck.get_raw(sc)).astype(np.float32)
-            if s.size != 1:
-                raise CheckpointError(f"PLE layer {layer}: scale {sc!r}: expected one per-tensor value, found "
-                                      f"shape {list(s.shape)}")
-            scale = float(s.reshape(()))
+            scale = ck.ngram_shard_scale(name)
         codes.append(code)
         scales.append(scale)
     return TableShards(tuple(arrays), np.asarray(t.starts, np.int64), np.asarray(codes, np.int32),

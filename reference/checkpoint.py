@@ -493,18 +493,27 @@ class _WeightsBase:
             name = t.shards[int(k)]
             raw = self._gather(name, flat[sel] - t.starts[k])
             if self.dtype(name) in _FP8:
-                sc = self._scale_for(name)
-                if sc is None:
-                    raise CheckpointError(f"{self._source()}: FP8 n-gram shard {name!r}: expected a scale "
-                                          f"(ngram_embedding.weight_scale), found none")
-                s = np.asarray(self._raw(sc)).astype(np.float32)
-                if s.size != 1:
-                    raise CheckpointError(f"{self._source()}: scale {sc!r}: expected one per-tensor value, found "
-                                          f"shape {list(s.shape)}")
-                out[sel] = raw.astype(np.float32) * s.reshape(())
+                out[sel] = raw.astype(np.float32) * np.float32(self.ngram_shard_scale(name))
             else:
                 out[sel] = raw.astype(np.float32)
         return out.reshape(r.shape + (t.head_dim,))
+
+    def ngram_shard_scale(self, name: str) -> float:
+        """The per-tensor dequantisation scale of FP8 n-gram table shard ``name`` (official FP8 release:
+        one ``ngram_embedding.weight_scale`` for the whole table).
+
+        Raises:
+            CheckpointError: no scale tensor, or one that is not a single value.
+        """
+        sc = self._scale_for(name)
+        if sc is None:
+            raise CheckpointError(f"{self._source()}: FP8 n-gram shard {name!r}: expected a scale "
+                                  f"(ngram_embedding.weight_scale), found none")
+        s = np.asarray(self._raw(sc)).astype(np.float32)
+        if s.size != 1:
+            raise CheckpointError(f"{self._source()}: scale {sc!r}: expected one per-tensor value, found "
+                                  f"shape {list(s.shape)}")
+        return float(s.reshape(()))
 
     # --- checks, identity, overrides --------------------------------------------------------
     def validate(self, *, require_complete: bool = True) -> list[str]:
