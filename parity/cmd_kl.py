@@ -30,7 +30,7 @@ def register(subparsers) -> None:
                    help="tensor perturbed for the negative control (default: layer 0's attention output projection)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="write a KL histogram and per-position KL plot (needs matplotlib)")
+                   help="write a KL histogram and per-position KL plot (needs matplotlib: pip install -e '.[plot]')")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -110,7 +110,7 @@ def write_plot(rep, path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("--plot: expected matplotlib to be installed (pip install matplotlib), found it missing")
+        raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
     import numpy as np
     kl = np.asarray(rep.comparison.kl_ab)
     fig, (h, line) = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -153,7 +153,7 @@ def run(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             from reference.errors import InputError
-            raise InputError("--plot: expected matplotlib to be installed (pip install matplotlib), found it missing")
+            raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
     cfg = load_config(model)
     prompts = load_prompts(args.prompts, model, cfg.vocab_size)
     rep = run_kl_command(model, args.a, args.b, prompts, greedy_tokens=args.greedy_tokens,

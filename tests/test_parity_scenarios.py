@@ -14,7 +14,7 @@ from parity.scenarios.common import CaseFailure, Run, TruthCache, run_case, size
 from parity.suites import faults
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = ("tiny", "tiny-hc2", "tiny-hc3")
+FIXTURES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8")
 _TRUTH: dict = {}
 
 
