@@ -125,6 +125,7 @@ class Engine:
         return self.model.syncs.count
 
     def position(self, seq) -> int:
+        """Committed tokens of ``seq`` (``seq.length``): the position the next token gets."""
         return seq.length
 
     # ------------------------------------------------------------------ sequences
@@ -141,9 +142,19 @@ class Engine:
         return self.pool.fork(seq)
 
     def snapshot(self, seq) -> Snapshot:
+        """Capture ``seq``'s whole state (``StatePool.snapshot``).
+
+        Raises:
+            StateError: ``seq`` is not a live sequence of this engine, or a step on it was interrupted.
+        """
         return self.pool.snapshot(seq)
 
     def restore(self, seq, snap: Snapshot) -> None:
+        """Put ``seq`` back to ``snap`` (``StatePool.restore``); the snapshot stays valid.
+
+        Raises:
+            StateError: ``seq`` is not a live sequence of this engine, or ``snap`` is not a snapshot of this engine.
+        """
         self.pool.restore(seq, snap)
 
     def export_snapshot(self, snap: Snapshot) -> dict:

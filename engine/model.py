@@ -218,6 +218,7 @@ class EngineModel:
             self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
 
     def weight_bytes(self) -> int:
+        """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``)."""
         return int(sum(a.nbytes for a in self.w.values()))
 
     # ------------------------------------------------------------------ helpers

@@ -34,6 +34,7 @@ F32_TOL, KL_TOL, TOP1_MIN, SELF_TOL = 1e-4, 1e-3, 0.99, 1e-5
 
 
 def rel_err(a, b) -> float:
+    """``max |a - b| / max(max |b|, 1e-30)`` computed in float64 (a scalar over all elements)."""
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
@@ -52,6 +53,7 @@ def kl_top1(ref_logits, logits) -> tuple[float, float]:
 
 
 def fixtures() -> list[str]:
+    """Names of the bundled fixtures that have a ``golden.npz``, sorted."""
     return sorted(p.parent.name for p in FIXTURES.glob("*/golden.npz"))
 
 
@@ -205,6 +207,14 @@ def verdict(f: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """Run the engine self-check on every fixture and print one summary row each.
+
+    Args:
+        argv: command-line arguments (``--device cuda|cpu``, ``--json FILE`` also writes the rows, atomically).
+
+    Returns:
+        0 when every fixture passes, 1 when any fails; a fixture that raises is reported as an error row (FAIL).
+    """
     ap = argparse.ArgumentParser(prog="python -m engine.selfcheck", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")

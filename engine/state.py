@@ -198,6 +198,7 @@ class StatePool:
                 "block_table_bytes": int(self.block_tables.nbytes)}
 
     def describe_limits(self) -> str:
+        """One human-readable line stating :meth:`limits` (pages, KV tokens, MiB, sequences, positions)."""
         L = self.limits()
         return (f"state limits: {L['num_pages']} pages x {L['page_size']} tokens = {L['kv_token_capacity']} KV tokens "
                 f"shared by all sequences ({L['kv_pool_bytes'] / 2**20:.1f} MiB); {L['max_seqs']} sequences at once "
@@ -205,9 +206,11 @@ class StatePool:
                 f"per sequence (max_position_embeddings)")
 
     def free_pages(self) -> int:
+        """Number of KV pages not in use."""
         return len(self._free_pages)
 
     def free_slabs(self) -> int:
+        """Number of per-sequence state slabs not in use (sequences that can still be added)."""
         return len(self._free_slabs)
 
     # ------------------------------------------------------------------ helpers

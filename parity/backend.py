@@ -143,30 +143,41 @@ class Backend:
 
     # --- sequences
     def new_sequence(self):
+        """Start an empty sequence; returns its opaque handle (several may be live at once)."""
         raise NotImplementedError
 
     def free(self, h) -> None:
+        """Release the sequence ``h``; the handle is dead afterwards."""
         raise NotImplementedError
 
     def prefill(self, h, ids: Sequence[int], chunk_size: int | None = None) -> np.ndarray:
+        """Feed ``ids`` (optionally in chunks of ``chunk_size``) to sequence ``h``; returns the logits
+        ``[T, V]`` of every fed position (host float32, float64 for 'reference-f64')."""
         raise NotImplementedError
 
     def decode(self, hs: Sequence, ids: Sequence[int]) -> np.ndarray:
+        """One token per sequence (``ids[i]`` for ``hs[i]``), decoded as a batch; returns logits ``[B, V]``."""
         raise NotImplementedError
 
     def forward_tokens(self, h, ids: Sequence[int]) -> np.ndarray:
+        """Verify ``k`` drafted tokens on ``h`` (keeping what :meth:`rollback` needs); returns logits
+        ``[k, V]``."""
         raise NotImplementedError
 
     def rollback(self, h, n: int) -> None:
+        """Forget the last ``n`` tokens of sequence ``h``."""
         raise NotImplementedError
 
     def snapshot(self, h):
+        """Capture sequence ``h``'s whole state; returns an opaque snapshot for :meth:`restore`."""
         raise NotImplementedError
 
     def restore(self, h, snap) -> None:
+        """Put ``snap`` into the live handle ``h`` (empty or not)."""
         raise NotImplementedError
 
     def position(self, h) -> int:
+        """Tokens in sequence ``h``'s state (the KV length)."""
         raise NotImplementedError
 
     def state_arrays(self, h) -> dict[str, np.ndarray]:
@@ -237,6 +248,12 @@ class ReferenceBackend(Backend):
     @classmethod
     def open(cls, model_path, *, dtype=np.float32, page_size=None, perturb=None, weights=None, name=None,
              **opts) -> "ReferenceBackend":
+        """Open the reference on ``model_path`` (see the class docstring for the options); ``name``
+        defaults to 'reference' or 'reference-f64'.
+
+        Raises:
+            InputError: an unknown option. Checkpoint/config errors propagate from loading.
+        """
         if opts:
             raise InputError(f"reference backend options: expected dtype/page_size/perturb/weights, "
                              f"found {sorted(opts)}")
@@ -256,19 +273,33 @@ class ReferenceBackend(Backend):
                                f"backend, found none (freed or foreign)") from None
 
     def new_sequence(self):
+        """A new reference session; returns its int handle."""
         h = self._next
         self._next += 1
         self._sessions[h] = self.model.new_session()
         return h
 
     def free(self, h) -> None:
+        """Drop the session of ``h`` (an unknown handle is ignored)."""
         self._sessions.pop(h, None)
 
     def prefill(self, h, ids, chunk_size=None):
+        """Logits ``[T, V]`` of ``ids`` fed to session ``h`` (``chunk_size``: chunked prefill).
+
+        Raises:
+            InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
+            BackendError: ``h`` is not a live handle of this backend.
+        """
         ids = _check_ids(ids, self.config.vocab_size)
         return np.asarray(self._sess(h).prefill(ids, chunk_size=chunk_size))
 
     def decode(self, hs, ids):
+        """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
+
+        Raises:
+            InputError: ``len(hs) != len(ids)`` or bad ids.
+            BackendError: a handle that is not live.
+        """
         if len(hs) != len(ids):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
                              f"{len(ids)} tokens")
@@ -276,22 +307,36 @@ class ReferenceBackend(Backend):
         return np.stack([np.asarray(self._sess(h).decode(t)) for h, t in zip(hs, ids)])
 
     def forward_tokens(self, h, ids):
+        """Logits ``[k, V]`` of the ``k`` drafted ``ids`` on session ``h`` (``Session.forward_tokens``).
+
+        Raises:
+            InputError: bad ids.
+            BackendError: ``h`` is not a live handle of this backend.
+        """
         ids = _check_ids(ids, self.config.vocab_size, "draft ids")
         return np.asarray(self._sess(h).forward_tokens(ids))
 
     def rollback(self, h, n):
+        """Forget the last ``n`` tokens of session ``h`` (``Session.rollback``). Raises BackendError when ``h`` is not
+        a live handle."""
         self._sess(h).rollback(int(n))
 
     def snapshot(self, h):
+        """Session ``h``'s snapshot (``Session.snapshot``). Raises BackendError when ``h`` is not a live handle."""
         return self._sess(h).snapshot()
 
     def restore(self, h, snap):
+        """Restore ``snap`` into session ``h`` (``Session.restore``). Raises BackendError when ``h`` is not a live
+        handle."""
         self._sess(h).restore(snap)
 
     def position(self, h):
+        """Tokens in session ``h``'s state. Raises BackendError when ``h`` is not a live handle."""
         return int(self._sess(h).position)
 
     def state_arrays(self, h):
+        """Session ``h``'s state as named arrays (``parity.snapshot_file.flatten_state``). Raises BackendError when
+        ``h`` is not a live handle."""
         from parity.snapshot_file import flatten_state
         return flatten_state(self._sess(h).state)
 
@@ -327,6 +372,12 @@ class EngineBackend(Backend):
     @classmethod
     def open(cls, model_path, *, device="cpu", page_size=None, precision=None, perturb=None, weights=None,
              name=None, **opts) -> "EngineBackend":
+        """Open ``engine.Engine`` on ``model_path`` (see the class docstring for the options; ``max_seqs``
+        defaults to 16); ``name`` defaults to ``engine-<device>``.
+
+        Raises:
+            BackendError: ``engine.Engine`` cannot be imported.
+        """
         try:
             import engine as engine_pkg
             Engine = engine_pkg.Engine
@@ -349,30 +400,49 @@ class EngineBackend(Backend):
         return be
 
     def new_sequence(self):
+        """A new engine sequence (``Engine.add_sequence``); the sequence object is the handle."""
         s = self.eng.add_sequence()
         self._live.add(id(s))
         return s
 
     def free(self, h):
+        """Release engine sequence ``h`` (``Engine.free``)."""
         self.eng.free(h)
         self._live.discard(id(h))
 
     def prefill(self, h, ids, chunk_size=None):
+        """Logits ``[T, V]`` of ``ids`` fed to sequence ``h`` (``Engine.prefill``).
+
+        Raises:
+            InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
+        """
         ids = _check_ids(ids, self.config.vocab_size)
         return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
 
     def decode(self, hs, ids):
+        """Logits ``[B, V]``: ``ids[i]`` for sequence ``hs[i]``, batched (``Engine.decode``).
+
+        Raises:
+            InputError: bad ids.
+        """
         ids = _check_ids(ids, self.config.vocab_size, "decode ids")
         return np.asarray(self.eng.decode(list(hs), ids))
 
     def forward_tokens(self, h, ids):
+        """Logits ``[k, V]`` of the ``k`` drafted ``ids`` on sequence ``h`` (``Engine.verify``).
+
+        Raises:
+            InputError: bad ids.
+        """
         ids = _check_ids(ids, self.config.vocab_size, "draft ids")
         return np.asarray(self.eng.verify(h, ids))
 
     def rollback(self, h, n):
+        """Forget the last ``n`` tokens of sequence ``h`` (``Engine.rollback``)."""
         self.eng.rollback(h, int(n))
 
     def snapshot(self, h):
+        """Sequence ``h``'s snapshot (``Engine.snapshot``)."""
         return self.eng.snapshot(h)
 
     def restore(self, h, snap):
@@ -420,6 +490,12 @@ class EngineBackend(Backend):
         return out
 
     def position(self, h):
+        """Tokens in sequence ``h``'s state: ``Engine.position(h)``, else the handle's ``position``,
+        ``length`` or ``seq_len``.
+
+        Raises:
+            BackendError: none of these exists.
+        """
         pos = getattr(self.eng, "position", None)
         if pos is not None:
             return int(pos(h))

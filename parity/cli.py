@@ -46,6 +46,8 @@ def _silence_stdout() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``qwen4exp`` argument parser with every available ``parity.cmd_*`` subcommand registered (a
+    missing command module is skipped; other import errors propagate)."""
     p = argparse.ArgumentParser(prog="qwen4exp", description="qwen4exp parity tools: reference, engine, "
                                 "tap-diff, logit-KL and scenario suites for the Qwen3.8-Flash-Next architecture")
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -63,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``qwen4exp`` command line.
+
+    Returns:
+        The command's exit code; 2 for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``),
+        0 when stdout's reader went away (BrokenPipeError), 128 + signal number (130 for Ctrl-C) when interrupted.
+        Other exceptions propagate.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -19,6 +19,7 @@ def _ints(s: str) -> list[int]:
 
 
 def register(subparsers) -> None:
+    """Add the ``bench`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
         "bench", help="speed of the reference and the engine against the official implementation",
         description="Benchmark the reference (CPU) and/or the engine (GPU, or its CPU path) on a checkpoint or "
@@ -165,6 +166,9 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qwen4exp bench``: each planned job in a worker process, then the results as JSON and/or
+    a table. Returns 1 when any job reported an error, else 0; InputError/DeviceUnavailableError from
+    :func:`plan` for bad options."""
     from parity.bench import runner
 
     jobs, settings, checkpoints = plan(args)

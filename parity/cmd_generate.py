@@ -7,6 +7,7 @@ import sys
 
 
 def register(subparsers) -> None:
+    """Add the ``generate`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
         "generate", help="generate text (streamed) on the engine or the reference",
         description="Generate text with the engine or the reference. The chat template is the checkpoint's own "
@@ -66,6 +67,13 @@ def _read_prompts(path: str) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``qwen4exp generate``: tokenize the prompt(s) (optionally through the chat template),
+    generate with the chosen backend (streamed for one prompt) and print the text, or one JSON object with
+    ``--json``. Returns 0.
+
+    Raises:
+        InputError: a precision the backend does not support, or bad sampling defaults in generation_config.json.
+    """
     from parity import generate as G
     from reference.paths import bundled_model, resolve_model
 

@@ -22,6 +22,7 @@ _LABELS = {"backbone": "backbone (everything else, incl. embed + lm_head)",
 
 
 def register(subparsers) -> None:
+    """Add the ``info`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser("info", help="config summary, layer pattern and parameter counts of a checkpoint")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or bundled fixture name (default: bundled 'tiny')")
@@ -140,6 +141,8 @@ def summary(cfg) -> dict:
 
 
 def run(args) -> int:
+    """Run ``qwen4exp info``: print the config summary, storage and parameter counts (from config.json
+    only with ``--config-only``) as text or JSON. Returns 0; checkpoint/config errors propagate."""
     from reference.config import load_config
     from reference.paths import resolve_model
 

@@ -10,6 +10,7 @@ import sys
 
 
 def register(subparsers) -> None:
+    """Add the ``kl`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
         "kl", help="logit-KL harness: backend b against backend a, with determinism/precision/negative controls",
         description="Per-position KL(P_a||P_b) and KL(P_b||P_a) over a prompt set (mean, median, p90, p99, p99.9, "
@@ -133,6 +134,12 @@ def write_plot(rep, path) -> None:
 
 
 def run(args) -> int:
+    """Run ``qwen4exp kl``: the logit-KL harness of backend b against a over the prompt set, printed
+    as a table or JSON (optionally plotted). Returns the report's exit code (0 pass, 1 fail or a failed control).
+
+    Raises:
+        InputError: an unknown backend, ``--greedy-tokens < 0``, or ``--plot`` without matplotlib.
+    """
     from parity.kl import dumps
     from parity.prompts import load_prompts
     from reference.config import load_config

@@ -14,6 +14,7 @@ import numpy as np
 
 
 def register(subparsers) -> None:
+    """Add the ``logits`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser("logits", help="write the float32 logits [T, vocab] of token ids (reference or engine)")
     p.add_argument("model", help="checkpoint directory or bundled fixture name")
     p.add_argument("--ids", required=True, metavar="FILE",
@@ -119,6 +120,13 @@ def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "fl
 
 
 def run(args) -> int:
+    """Run ``qwen4exp logits``: write the float32 logits ``[T, vocab_size]`` (or the last row only with
+    ``--last-only``) of the ids file to ``--out`` (atomically). Returns 0.
+
+    Raises:
+        InputError: ``--out``'s parent directory missing, an existing file without ``--overwrite``, bad ids,
+            or a precision the backend does not support.
+    """
     from reference.atomic import atomic_save_npy, check_output_path
     from reference.checkpoint import Checkpoint
     from reference.paths import resolve_model

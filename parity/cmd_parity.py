@@ -17,6 +17,7 @@ import time
 
 
 def register(subparsers) -> None:
+    """Add the ``parity`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
         "parity", help="the main job: KL harness + all scenario suites of a backend against the reference",
         description="Judge a backend against the reference: logit-KL with controls, then the budget, "
@@ -223,6 +224,12 @@ def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=
 
 
 def run(args) -> int:
+    """Run ``qwen4exp parity``: the KL harness and the scenario suites of ``--backend`` against the
+    reference, printed as a table or JSON (and written to ``--out/report.json``). Returns the report's exit code.
+
+    Raises:
+        InputError: bad ``--page-sizes``, scenario names or ``--out`` directory.
+    """
     from pathlib import Path
 
     from parity.report import render_table, write_json_atomic

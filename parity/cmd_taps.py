@@ -18,6 +18,8 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
+    """Add the ``taps`` subcommand (actions ``list`` and ``record``) and the ``tap-diff`` subcommand,
+    with their options, to ``subparsers``."""
     p = subparsers.add_parser("taps", help="list the tap registry or record taps of a run")
     sub = p.add_subparsers(dest="taps_command", metavar="ACTION")
     sub.required = True

@@ -360,6 +360,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when sampling is off (``do_sample`` False) or ``temperature == 0``."""
         return (not self.do_sample) or self.temperature == 0
 
     def validate(self) -> "SamplingParams":
@@ -468,6 +469,8 @@ class StreamDecoder:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_id: int) -> str:
+        """Add one token id; returns the newly completed text ("" while the tail decodes to an incomplete
+        character, U+FFFD)."""
         self.ids.append(int(token_id))
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -493,12 +496,15 @@ class LanguageModel(Protocol):
     config: object  # reference.config.ModelConfig
 
     def start(self, prompt_ids: np.ndarray):  # -> (handle, logits [V] of the last prompt position)
+        """Start a sequence on ``prompt_ids``; returns ``(handle, logits [V] of the last prompt position)``."""
         ...
 
     def step(self, handles: list, token_ids: np.ndarray) -> np.ndarray:  # logits [B, V]
+        """Feed ``token_ids[i]`` to ``handles[i]``; returns logits ``[B, V]``."""
         ...
 
     def close(self, handle) -> None:
+        """Release ``handle``."""
         ...
 
 
@@ -514,15 +520,19 @@ class ReferenceLM:
         self.max_context = int(max_context or cfg.max_position_embeddings)
 
     def start(self, prompt_ids):
+        """A new session prefilled with ``prompt_ids`` (int64); returns ``(session, logits [V])`` of the
+        last prompt position."""
         sess = self.model.new_session()
         logits = sess.prefill(np.asarray(prompt_ids, dtype=np.int64), last_only=True)
         logits = np.asarray(logits)
         return sess, (logits[-1] if logits.ndim == 2 else logits)
 
     def step(self, handles, token_ids):
+        """Decode ``token_ids[i]`` on session ``handles[i]``, one after another; returns logits ``[B, V]``."""
         return np.stack([np.asarray(h.decode(int(t))).reshape(-1) for h, t in zip(handles, token_ids)])
 
     def close(self, handle):
+        """Does nothing (a reference session holds nothing to release)."""
         pass
 
 
@@ -539,6 +549,8 @@ class EngineLM:
         self.max_context = int(lim or config.max_position_embeddings)
 
     def start(self, prompt_ids):
+        """A new engine sequence prefilled with ``prompt_ids`` (int64); returns ``(sequence, logits [V])`` of
+        the last prompt position. The sequence is freed when the prefill raises."""
         seq = self.eng.add_sequence()
         try:
             logits = np.asarray(self.eng.prefill(seq, np.asarray(prompt_ids, dtype=np.int64), last_only=True))
@@ -548,9 +560,11 @@ class EngineLM:
         return seq, (logits[-1] if logits.ndim == 2 else logits)
 
     def step(self, handles, token_ids):
+        """Decode ``token_ids[i]`` on ``handles[i]`` as one batch (``Engine.decode``); returns logits ``[B, V]``."""
         return np.asarray(self.eng.decode(list(handles), np.asarray(token_ids, dtype=np.int64)))
 
     def close(self, handle):
+        """Free the engine sequence ``handle``."""
         self.eng.free(handle)
 
 
@@ -603,6 +617,7 @@ class GenerationResult:
 
     @property
     def prompt_tokens_per_s(self) -> float:
+        """Prompt tokens per prefill second (inf when ``prefill_s`` is 0)."""
         return len(self.prompt_ids) / self.prefill_s if self.prefill_s > 0 else float("inf")
 
     @property
@@ -612,6 +627,8 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 else float("nan")
 
     def to_json(self) -> dict:
+        """The result as a JSON-ready dict: text, ids, stop reason and timings (seconds, tokens, rates;
+        non-finite rates as None)."""
         return {"text": self.text, "prompt_ids": self.prompt_ids, "token_ids": self.token_ids,
                 "stop_reason": self.stop_reason,
                 "timings": {"prefill_s": self.prefill_s, "decode_s": self.decode_s,

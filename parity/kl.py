@@ -122,6 +122,7 @@ class LogitComparison:
 
     @staticmethod
     def concat(items: Sequence["LogitComparison"]) -> "LogitComparison":
+        """Concatenate several comparisons position-wise (an empty one when ``items`` is empty)."""
         if not items:
             z = np.zeros(0)
             return LogitComparison(z, z, z.astype(bool), z, z, z)
@@ -130,6 +131,7 @@ class LogitComparison:
 
     @property
     def n(self) -> int:
+        """Number of positions compared."""
         return int(self.kl_ab.size)
 
     def summary(self) -> dict:
@@ -266,6 +268,7 @@ class KLReport:
 
     @property
     def controls_ok(self) -> bool:
+        """True when every control has ``ok`` set (also when there are no controls)."""
         return all(c.get("ok") for c in self.controls.values())
 
     @property
@@ -274,6 +277,8 @@ class KLReport:
         return 0 if (self.passed and self.controls_ok) else 1
 
     def to_json(self) -> dict:
+        """The ``--json`` document: verdict, thresholds, summary metrics, per-position KL(P_a||P_b), per-prompt
+        positions, greedy results, controls and seconds."""
         return {
             "a": self.a, "b": self.b, "model": self.model, "passed": self.passed, "reason": self.reason,
             "controls_ok": self.controls_ok, "exit_code": self.exit_code,

@@ -59,6 +59,7 @@ class ScenarioRow:
     skipped: int = 0
 
     def to_json(self) -> dict:
+        """The row as a JSON-ready dict (``jsonable``)."""
         return jsonable(asdict(self))
 
 
@@ -79,11 +80,13 @@ class ParityReport:
 
     @property
     def exit_code(self) -> int:
+        """1 when any row's status is 'fail' or 'error', else 0."""
         if any(r.status in ("fail", "error") for r in self.rows):
             return 1
         return 0
 
     def to_json(self) -> dict:
+        """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
                          "verdict": {0: "pass", 1: "fail", 2: "error"}[self.exit_code],
                          "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})

@@ -592,6 +592,8 @@ class _OverrideView(_WeightsBase):
         return self._base._gather(name, rows)
 
     def fingerprint(self) -> str:
+        """32 hex chars of SHA-256 over the base checkpoint's fingerprint and every override's name, dtype,
+        shape and bytes (in name order): changes whenever an override does."""
         h = hashlib.sha256(self._base.fingerprint().encode())
         for n in sorted(self._ov):
             a = np.ascontiguousarray(self._ov[n])

@@ -395,10 +395,14 @@ class ModelConfig:
 
     @property
     def partial_rotary_factor(self) -> float:
+        """Fraction of each head's channels that are rotated: ``rope_parameters["partial_rotary_factor"]``,
+        1.0 when unset (official ``Qwen4ExpTextRotaryEmbedding.compute_default_rope_parameters``)."""
         return float(self.rope_parameters.get("partial_rotary_factor", 1.0))
 
     @property
     def rope_theta(self) -> float:
+        """RoPE base ``rope_parameters["rope_theta"]`` as a float (KeyError when absent; official
+        ``Qwen4ExpTextRotaryEmbedding.compute_default_rope_parameters``)."""
         return float(self.rope_parameters["rope_theta"])
 
     @property
@@ -432,6 +436,7 @@ class ModelConfig:
 
     @property
     def qsa_enabled(self) -> bool:
+        """True when the config defines the QSA indexer (``indexer_n_heads`` is not None)."""
         return self.indexer_n_heads is not None
 
     @property
@@ -447,6 +452,8 @@ class ModelConfig:
 
     @property
     def ngram_heads(self) -> int:
+        """PLE n-gram embedding heads: ``(ngram_size - 1) * heads_per_ngram`` (official
+        ``Qwen4ExpTextNGramEmbedding.__init__``)."""
         return (self.ngram_size - 1) * self.heads_per_ngram
 
     @property
@@ -456,10 +463,14 @@ class ModelConfig:
 
     @property
     def linear_key_dim(self) -> int:
+        """GDN key width: ``linear_num_key_heads * linear_key_head_dim`` (official
+        ``Qwen4ExpTextGatedDeltaNet.__init__`` ``key_dim``)."""
         return self.linear_num_key_heads * self.linear_key_head_dim
 
     @property
     def linear_value_dim(self) -> int:
+        """GDN value width: ``linear_num_value_heads * linear_value_head_dim`` (official
+        ``Qwen4ExpTextGatedDeltaNet.__init__`` ``value_dim``)."""
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property

@@ -47,10 +47,13 @@ class _Capture:
         self.values: dict[str, list] = {}
 
     def emit(self, name, value, positions=None, **_):
+        """Keep a copy of ``value`` under ``name`` when no filter is set or ``name`` is in it; ``positions``
+        and other keywords are ignored."""
         if self.names is None or name in self.names:
             self.values.setdefault(name, []).append(np.array(value, copy=True))
 
     def result(self) -> dict:
+        """Every kept tap: ``{name: array}``, the copies of several emits concatenated along axis 0."""
         return {k: (np.concatenate(v, axis=0) if len(v) > 1 else v[0]) for k, v in self.values.items()}
 
 

@@ -77,6 +77,8 @@ class GrowBuffer:
         return self._a[:self.n]
 
     def append(self, x: np.ndarray) -> np.ndarray:
+        """Append rows ``x [m, ...]`` (same tail shape, cast to the buffer's dtype), growing the storage to
+        at least double when full; returns :attr:`data` ``[n + m, ...]`` (a view)."""
         need = self.n + x.shape[0]
         if need > self._a.shape[0]:
             new = np.zeros((max(need, 2 * self._a.shape[0]), *self._a.shape[1:]), dtype=self._a.dtype)
@@ -87,9 +89,11 @@ class GrowBuffer:
         return self.data
 
     def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` rows (no-op when ``n >= self.n``); the storage is not shrunk."""
         self.n = min(self.n, n)
 
     def copy(self) -> "GrowBuffer":
+        """An independent deep copy holding the filled rows (storage trimmed to ``max(n, 1)`` rows)."""
         b = GrowBuffer.__new__(GrowBuffer)
         b._a = self._a[:max(self.n, 1)].copy()
         b.n = self.n
@@ -103,6 +107,7 @@ class GDNState:
     recurrent: np.ndarray
 
     def copy(self) -> "GDNState":
+        """A deep copy (both arrays copied)."""
         return GDNState(self.conv.copy(), self.recurrent.copy())
 
 
@@ -113,6 +118,7 @@ class PLEState:
     context: np.ndarray
 
     def copy(self) -> "PLEState":
+        """A deep copy (both arrays copied)."""
         return PLEState(self.conv.copy(), self.context.copy())
 
 
@@ -126,9 +132,12 @@ class QSAState:
     block_keys: GrowBuffer
 
     def copy(self) -> "QSAState":
+        """A deep copy (every buffer copied)."""
         return QSAState(self.k.copy(), self.v.copy(), self.index_keys.copy(), self.block_keys.copy())
 
     def truncate(self, length: int, compress_ratio: int) -> None:
+        """Keep the first ``length`` positions of ``k``, ``v`` and ``index_keys`` and the
+        ``length // compress_ratio`` complete blocks of ``block_keys``."""
         for b in (self.k, self.v, self.index_keys):
             b.truncate(length)
         self.block_keys.truncate(length // compress_ratio)
@@ -144,6 +153,8 @@ class SessionState:
 
     @property
     def kinds(self) -> frozenset:
+        """The state kinds held: 'qsa.kv' and 'qsa.indexer_keys' when any QSA layer state is held,
+        'gdn.conv' and 'gdn.recurrent' for GDN layer state, 'ple.conv' and 'ple.ngram_context' for PLE layer state."""
         k = set()
         if self.qsa:
             k |= {"qsa.kv", "qsa.indexer_keys"}
@@ -154,6 +165,7 @@ class SessionState:
         return frozenset(k)
 
     def copy(self) -> "SessionState":
+        """A deep copy: same position, every layer's state copied."""
         return SessionState(self.position, {i: s.copy() for i, s in self.gdn.items()},
                             {i: s.copy() for i, s in self.qsa.items()}, {i: s.copy() for i, s in self.ple.items()})
 

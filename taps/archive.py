@@ -109,10 +109,12 @@ class TapInfo:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """Full array shape ``(rows, *tail)``."""
         return (self.rows, *self.tail)
 
     @property
     def row_bytes(self) -> int:
+        """Bytes per recorded position: ``prod(tail) * itemsize(dtype)``."""
         return int(np.prod(self.tail, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
@@ -126,28 +128,35 @@ class TapSource:
     # -- metadata
     @property
     def backend(self) -> str | None:
+        """The recording backend's name from the manifest (None when absent)."""
         return self.manifest.get("backend")
 
     @property
     def dtype(self) -> str | None:
+        """The recording's compute dtype from the manifest (None when absent)."""
         return self.manifest.get("dtype")
 
     @property
     def model(self) -> dict:
+        """The model description from the manifest (``{}`` when absent)."""
         return self.manifest.get("model") or {}
 
     @property
     def token_ids(self) -> list[int] | None:
+        """The recorded run's token ids from the manifest (None when absent)."""
         return self.manifest.get("token_ids")
 
     @property
     def scenario(self):
+        """The manifest's ``scenario`` entry (None when absent)."""
         return self.manifest.get("scenario")
 
     def names(self) -> list[str]:
+        """Recorded tap names in recording order."""
         return list(self.manifest["order"])
 
     def has(self, name: str) -> bool:
+        """True when tap ``name`` was recorded."""
         return name in self.manifest["taps"]
 
     def info(self, name: str) -> TapInfo:
@@ -223,6 +232,7 @@ class TapSource:
 
     @property
     def where(self) -> str:
+        """How error messages name this source ('archive')."""
         return "archive"
 
 
@@ -234,6 +244,11 @@ class MemoryArchive(TapSource):
         self._data = data
 
     def positions(self, name: str) -> np.ndarray:
+        """Positions recorded for tap ``name``: int64 ``[rows]``, in row order.
+
+        Raises:
+            ArchiveError: ``name`` was not recorded.
+        """
         self._tap(name)
         parts = [p for p, _ in self._data[name]]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -247,6 +262,7 @@ class MemoryArchive(TapSource):
 
     @property
     def where(self) -> str:
+        """How error messages name this source: 'in-memory archive'."""
         return "in-memory archive"
 
 
@@ -295,6 +311,7 @@ class Archive(TapSource):
 
     @property
     def where(self) -> str:
+        """How error messages name this source: ``tap archive '<path>'``."""
         return f"tap archive {str(self.path)!r}"
 
     def _corrupt(self, fname: str, why: str) -> ArchiveError:
@@ -344,6 +361,11 @@ class Archive(TapSource):
             raise self._corrupt(fname, f"reading {key!r}: {type(e).__name__}: {e}") from None
 
     def positions(self, name: str) -> np.ndarray:
+        """Positions recorded for tap ``name``: int64 ``[rows]``, in row order (read once, then cached).
+
+        Raises:
+            ArchiveError: ``name`` was not recorded, or a segment's position count differs from its ``rows``.
+        """
         if name not in self._pos_cache:
             t = self._tap(name)
             parts = []

@@ -143,6 +143,7 @@ class TapResult:
 
     @property
     def ok(self) -> bool:
+        """True when ``status`` is 'agree' or 'flip'."""
         return self.status in ("agree", "flip")
 
     @property
@@ -169,19 +170,24 @@ class DiffReport:
 
     @property
     def agree(self) -> bool:
+        """True when no tap diverged (``first_divergence`` is None)."""
         return self.first_divergence is None
 
     @property
     def exit_code(self) -> int:
+        """0 when :attr:`agree`, else 1."""
         return 0 if self.agree else 1
 
     def result(self, name: str) -> TapResult | None:
+        """The :class:`TapResult` of tap ``name``, or None when it is not in the report."""
         for r in self.results:
             if r.name == name:
                 return r
         return None
 
     def to_dict(self) -> dict:
+        """The report as a JSON-ready dict: the report's fields, ``agree``, every tap's result and, when a
+        tap diverged, ``first_divergence_detail`` (tap, layer, official module, position, metrics, note)."""
         d = {"a": self.a, "b": self.b, "profile": self.profile, "agree": self.agree, "identity": self.identity,
              "first_divergence": self.first_divergence, "last_agreeing": self.last_agreeing,
              "explained_by_flip": self.explained_by_flip, "replay": self.replay,
@@ -197,6 +203,7 @@ class DiffReport:
         return d
 
     def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON text."""
         return json.dumps(self.to_dict(), indent=1, default=_json_default)
 
 
@@ -317,6 +324,8 @@ class _ActAcc:
         self.row_a2 = np.zeros(n_rows)
 
     def add(self, r0: int, a: np.ndarray, b: np.ndarray, pos: np.ndarray):
+        """Accumulate rows ``r0 .. r0 + n`` of the tap: ``a``/``b`` ``[n, ...]`` (flattened to ``[n, -1]``; compared
+        in float64 when the dtypes differ or are not floating), ``pos`` int ``[n]`` their positions."""
         a = np.ascontiguousarray(a.reshape(len(a), -1))
         b = np.ascontiguousarray(b.reshape(len(b), -1))
         if a.dtype != b.dtype:
@@ -346,6 +355,12 @@ class _ActAcc:
         self.ab += float(out[:, 3].sum())
 
     def finish(self, tol: dict, positions: np.ndarray) -> tuple[dict, bool, int | None, str]:
+        """Judge the accumulated statistics against profile tolerances ``tol`` (keys ``rel_l2``, ``rtol``,
+        ``atol``, ``atol_rms``, ``cos_min``); ``positions [n_rows]`` maps rows to positions.
+
+        Returns:
+            ``(metrics, diverged, first_position or None, reasons joined by '; ')``.
+        """
         na, nb = math.sqrt(self.a2), math.sqrt(self.b2)
         nd = math.sqrt(self.d2)
         rel_l2 = 0.0 if nd == 0 else (nd / na if na > 0 else math.inf)
@@ -454,6 +469,9 @@ class _IdxAcc:
         return self.tol["score_atol"] + self.tol["score_rtol"] * max(abs(x), abs(y))
 
     def add(self, a, b, pos, sa=None, sb=None):
+        """Accumulate index rows ``a``/``b`` ``[n, ...]`` (flattened to ``[n, -1]``; negative entries are padding) at
+        positions ``pos [n]``; ``sa``/``sb``: optional companion scores per row, used to judge each differing row as a
+        near-tie flip or an error."""
         a = a.reshape(len(a), -1)
         b = b.reshape(len(b), -1)
         same = (a == b).all(axis=1) if a.shape == b.shape else np.zeros(len(a), dtype=bool)
@@ -525,6 +543,8 @@ class _IdxAcc:
         return {**base, "kind": "flip", "margin": max(margin, 0.0), "tolerance": t, "pair": list(pair) if pair else None}
 
     def finish(self):
+        """Returns ``(metrics, status, first_position or None, note)``; ``status`` is 'diverged' (any
+        selection error), 'flip' (only near-tie flips) or 'agree'."""
         metrics = {"exact_match": self.exact / self.rows if self.rows else 1.0,
                    "set_overlap": self.overlap / self.rows if self.rows else 1.0,
                    "flips": self.n_flips, "errors": self.n_errors, "unjudged": self.n_unjudged,

@@ -125,6 +125,7 @@ def spec_for(name: str) -> TapSpec | None:
 
 
 def layer_of(name: str) -> int | None:
+    """The 0-based layer index of a ``layers.<i>.*`` tap name, None for other names."""
     m = _LAYER_RE.match(name)
     return int(m.group(1)) if m else None
 
@@ -152,6 +153,7 @@ def forward_rank(config) -> dict[str, int]:
 
 
 def matches(name: str, globs: list[str] | None) -> bool:
+    """True when ``globs`` is empty/None or ``name`` matches any of them (``fnmatchcase``, case-sensitive)."""
     return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 

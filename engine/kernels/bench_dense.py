@@ -50,6 +50,14 @@ def _graph_timer(cp, fn, reps=20):
 
 
 def main(argv=None) -> int:
+    """Time the dense engine kernels on the GPU (needs cupy) and print one ``name value`` line per result.
+
+    Args:
+        argv: command-line arguments (``--json FILE`` also writes the results there as JSON, atomically).
+
+    Returns:
+        0. Times are in microseconds (``*_us``), bandwidths in GB/s (``*_GBps``).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)

@@ -82,11 +82,13 @@ def compute_dtype(x):
 
 
 def check_ndim(name: str, a, ndim: int, shape_doc: str) -> None:
+    """Raise KernelInputError naming ``name``, ``shape_doc`` and the shape found unless ``a.ndim == ndim``."""
     if a.ndim != ndim:
         raise KernelInputError(f"{name}: expected {shape_doc} ({ndim}-D), found shape {tuple(a.shape)}")
 
 
 def check_dim(name: str, got: int, want: int, what: str) -> None:
+    """Raise KernelInputError naming ``name``, ``what``, ``want`` and ``got`` unless ``got == want``."""
     if got != want:
         raise KernelInputError(f"{name}: expected {what} = {want}, found {got}")
 
@@ -104,6 +106,7 @@ def same_device(*arrays) -> object:
 
 
 def is_cupy(xp) -> bool:
+    """True when the array module ``xp`` is cupy (False when cupy is not importable)."""
     cp = cupy_or_none()
     return cp is not None and xp is cp
 

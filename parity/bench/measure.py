@@ -62,6 +62,7 @@ class _Deadline:
         self.end = None if not budget_s else time.monotonic() + float(budget_s)
 
     def over(self) -> bool:
+        """True once the budget given at construction has passed (never when there was none)."""
         return self.end is not None and time.monotonic() > self.end
 
 
@@ -436,6 +437,13 @@ KINDS = {"reference": run_reference, "peer": run_peer, "engine": run_engine, "ex
 
 
 def main(argv=None) -> int:
+    """Worker entry point: run the measurement ``KINDS[spec["kind"]]`` for the JSON spec in ``argv[0]``
+    and print its result (with ``spec`` added) as one JSON line on stdout.
+
+    Returns:
+        2 for an unknown kind, else 0; an exception inside the measurement is reported in the JSON
+        (``error``, ``user_error``) with its traceback on stderr.
+    """
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(argv[0])
     fn = KINDS.get(spec.get("kind"))

@@ -186,6 +186,7 @@ def compare(runs: dict) -> tuple[dict, list]:
 
 
 def host_info() -> dict:
+    """This host's platform string, Python version, CPU count and processor name."""
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "processor": platform.processor() or platform.machine()}
 
@@ -283,6 +284,8 @@ def print_table(results: dict, file=None) -> None:
 
 
 def assemble(runs: dict, settings: dict, checkpoints: dict) -> dict:
+    """The results document: schema, UTC creation time, host, settings, checkpoints, the raw ``runs``
+    and the ratios and goals from :func:`compare`."""
     ratios, goals = compare(runs)
     return {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "host": host_info(), "settings": settings, "checkpoints": checkpoints, "runs": runs,

@@ -58,6 +58,7 @@ class CupyEventTimer:
 
     @property
     def seconds(self) -> float:
+        """Elapsed device time between the two events, in seconds (waits for the end event)."""
         self.b.synchronize()
         return self.cp.cuda.get_elapsed_time(self.a, self.b) / 1e3
 
@@ -79,5 +80,6 @@ class TorchEventTimer:
 
     @property
     def seconds(self) -> float:
+        """Elapsed device time between the two events, in seconds (waits for the end event)."""
         self.b.synchronize()
         return self.a.elapsed_time(self.b) / 1e3

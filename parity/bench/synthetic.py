@@ -145,6 +145,8 @@ class _Pool:
         self.size = size
 
     def pieces(self, kind: str, n: int, key: str):
+        """Yield BF16 pieces totalling ``n`` values of pool ``kind`` ('normal', 'small', 'ones'), starting at
+        an offset derived from ``key``; 'a_log' yields one freshly drawn array of ``log(U(1, 16))``."""
         if kind == "a_log":
             yield np.log(self.rng.uniform(1.0, 16.0, size=n)).astype(BF16)
             return

@@ -27,6 +27,7 @@ def normalize_name(name: str) -> str:
 
 
 def scenario_names() -> list[str]:
+    """The scenario names, in run order."""
     return list(SCENARIOS)
 
 

@@ -34,6 +34,8 @@ def chunk_sizes(config) -> dict[str, int]:
 
 
 def cases(config, level: str = "full") -> list[Case]:
+    """The chunk-boundary cases for ``config``: one per chunk size of :func:`chunk_sizes`, an EOS right
+    before a chunk boundary, and a batch prefilled piecewise, interleaved. ``level`` is not used."""
     s = sizes(config)
     n = prompt_length(config)
     out = []

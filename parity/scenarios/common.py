@@ -90,10 +90,12 @@ class CaseResult:
 
     @property
     def label(self) -> str:
+        """``scenario/case``, with `` [page N]`` when a page size is set."""
         ps = "" if self.page_size is None else f" [page {self.page_size}]"
         return f"{self.scenario}/{self.case}{ps}"
 
     def to_json(self) -> dict:
+        """The result as a JSON-ready dict (``jsonable``)."""
         from parity.report import jsonable
         return jsonable(self.__dict__)
 
@@ -253,6 +255,7 @@ class Run:
         return k
 
     def fail(self, op: int, what: str, divergence: str | None = None, seq: str | None = None):
+        """Fail the case at operation ``op``: always raises CaseFailure(op, what, divergence, seq)."""
         raise CaseFailure(op, what, divergence, seq)
 
     def _compare(self, op: int, desc: str, s: Seq, logits: np.ndarray, start: int, k: int) -> None:
@@ -358,16 +361,24 @@ class Run:
             self.truth.prime(list(h))
 
     def new(self, label: str) -> Seq:
+        """A new tracked sequence labelled ``label`` on the backend."""
         s = Seq(label, self.be.new_sequence())
         self.seqs.append(s)
         return s
 
     def free(self, s: Seq) -> None:
+        """Free sequence ``s`` on the backend and stop tracking it."""
         self.be.free(s.h)
         if s in self.seqs:
             self.seqs.remove(s)
 
     def prefill(self, s: Seq, ids: Sequence[int], chunk_size: int | None = None, desc: str | None = None):
+        """Prefill ``s`` with ``ids`` (optionally in chunks) and check the returned logits ``[len(ids), V]``
+        against the truth and the backend's position afterwards; returns the logits.
+
+        Raises:
+            CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
+        """
         op = self._next_op()
         ids = [int(t) for t in ids]
         start = len(s.hist)
@@ -382,6 +393,12 @@ class Run:
         return np.asarray(out)
 
     def decode(self, seqs: Sequence[Seq], ids: Sequence[int], desc: str | None = None):
+        """Decode ``ids[i]`` on ``seqs[i]`` as one batch and check each row of the returned logits ``[B, V]``
+        and each position; returns the logits.
+
+        Raises:
+            CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
+        """
         op = self._next_op()
         seqs = list(seqs)
         ids = [int(t) for t in ids]
@@ -412,6 +429,12 @@ class Run:
         return out
 
     def verify(self, s: Seq, ids: Sequence[int], desc: str | None = None):
+        """Verify drafted ``ids`` on ``s`` (``forward_tokens``) and check the logits ``[len(ids), V]`` and the
+        position; returns the logits.
+
+        Raises:
+            CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
+        """
         op = self._next_op()
         ids = [int(t) for t in ids]
         start = len(s.hist)
@@ -425,6 +448,7 @@ class Run:
         return np.asarray(out)
 
     def rollback(self, s: Seq, n: int, desc: str | None = None):
+        """Roll ``s`` back by ``n`` tokens and check its position. Raises CaseFailure on a wrong position."""
         op = self._next_op()
         d = desc or f"rollback {n} tokens"
         self.be.rollback(s.h, n)
@@ -433,10 +457,13 @@ class Run:
         self._check_position(op, s, d)
 
     def snapshot(self, s: Seq) -> Snap:
+        """Snapshot ``s``: the backend's snapshot plus a copy of the history it holds."""
         self._next_op()
         return Snap(self.be.snapshot(s.h), list(s.hist))
 
     def restore(self, s: Seq, snap: Snap, desc: str | None = None):
+        """Restore ``snap`` into ``s`` (history included) and check the position. Raises CaseFailure on a wrong
+        position."""
         op = self._next_op()
         self.be.restore(s.h, snap.obj)
         s.hist = list(snap.hist)
@@ -497,6 +524,7 @@ class Run:
                 self.fail(op, f"{desc}: state {name} of {a.label} differs from {b.label}", f"state {name}")
 
     def close(self):
+        """Free every tracked sequence, ignoring errors from the backend."""
         for s in list(self.seqs):
             try:
                 self.be.free(s.h)

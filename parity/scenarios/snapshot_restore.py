@@ -20,11 +20,14 @@ NAME = "snapshot_restore"
 
 
 def snap_points(config) -> dict[str, int]:
+    """Snapshot positions by name: at the QSA bound, inside a compress block (``2 * ratio + 1``) and at
+    the PLE conv window (at least 1)."""
     s = sizes(config)
     return {"at-bound": s.bound, "inside-block": 2 * s.ratio + 1, "ple-window": max(1, s.ple_window)}
 
 
 def cases(config, level: str = "full") -> list[Case]:
+    """The snapshot-restore cases for ``config`` (see the module docstring). ``level`` is not used."""
     s = sizes(config)
     out = []
     for tag, p in snap_points(config).items():

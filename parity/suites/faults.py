@@ -30,11 +30,13 @@ class RollbackForgetsPLEConv(ReferenceBackend):
 
     @classmethod
     def open(cls, model_path, **opts):
+        """The reference backend, named 'fault:rollback-forgets-ple-conv'."""
         be = super().open(model_path, **opts)
         be.name = "fault:rollback-forgets-ple-conv"
         return be
 
     def rollback(self, h, n):
+        """Injected fault: roll back, then put each PLE layer's conv state back to its pre-rollback value."""
         sess = self._sess(h)
         kept = {i: st.conv.copy() for i, st in sess.state.ple.items()}
         super().rollback(h, n)
@@ -47,11 +49,13 @@ class RestoreSkipsIndexerKeys(ReferenceBackend):
 
     @classmethod
     def open(cls, model_path, **opts):
+        """The reference backend, named 'fault:restore-skips-indexer-keys'."""
         be = super().open(model_path, **opts)
         be.name = "fault:restore-skips-indexer-keys"
         return be
 
     def restore(self, h, snap):
+        """Injected fault: restore, then zero every QSA layer's index keys and block keys."""
         super().restore(h, snap)
         for st in self._sess(h).state.qsa.values():
             st.index_keys.data[...] = 0
@@ -63,11 +67,14 @@ class ChunkDropsNgramContext(ReferenceBackend):
 
     @classmethod
     def open(cls, model_path, **opts):
+        """The reference backend, named 'fault:chunk-drops-ngram-context'."""
         be = super().open(model_path, **opts)
         be.name = "fault:chunk-drops-ngram-context"
         return be
 
     def prefill(self, h, ids, chunk_size=None):
+        """Injected fault: with ``chunk_size``, prefill chunk by chunk and reset every PLE layer's n-gram
+        context to the EOS id before each chunk after the first; returns the concatenated logits ``[T, V]``."""
         if not chunk_size:
             return super().prefill(h, ids)
         sess = self._sess(h)
@@ -87,6 +94,9 @@ class BudgetOffByOne(ReferenceBackend):
 
     @classmethod
     def open(cls, model_path, **opts):
+        """The reference backend, named 'fault:budget-off-by-one', with a selection hook that, at the
+        position one past the QSA bound, adds one more block (the lowest complete block not selected) to the selection.
+        """
         be = super().open(model_path, **opts)
         be.name = "fault:budget-off-by-one"
         cfg = be.config

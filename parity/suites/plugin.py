@@ -13,6 +13,8 @@ if str(_ROOT) not in sys.path:
 
 
 def pytest_addoption(parser):
+    """Add ``--backend``, ``--model``, ``--parity-level`` and ``--page-sizes`` (skipped when already
+    registered)."""
     group = parser.getgroup("qwen4exp parity")
     for args, kw in [
         (("--backend",), dict(action="store", default="reference",
@@ -40,6 +42,9 @@ def _settings(config):
 
 
 def pytest_generate_tests(metafunc):
+    """Parametrize ``parity_case`` with ``(scenario, case, page_size)`` for every case of every scenario
+    at each page size of the page plan (``--page-sizes``, else the config's sizes when the backend pages, else
+    one run without a page size)."""
     if "parity_case" not in metafunc.fixturenames:
         return
     from parity.scenarios import SCENARIOS, cases_for, _page_plan
@@ -63,11 +68,13 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def parity_settings(request):
+    """Session fixture: ``(backend spec, model path, level, page sizes or None)`` from the options."""
     return _settings(request.config)
 
 
 @pytest.fixture(scope="session")
 def parity_truth(parity_settings):
+    """Session fixture: a TruthCache over the reference truth model of the chosen model."""
     from parity.backend import truth_model
     from parity.scenarios.common import TruthCache
     return TruthCache(truth_model(parity_settings[1]))

@@ -5,6 +5,7 @@ import pytest
 
 
 def test_scenario_case(parity_case, parity_settings, parity_backends, parity_truth):
+    """Run one scenario case on the chosen backend; it must pass (skipped when the case is skipped)."""
     from parity.backend import BackendError
     from parity.scenarios import cases_for
     from parity.scenarios.common import run_case
