@@ -372,6 +372,21 @@ class Run:
         if s in self.seqs:
             self.seqs.remove(s)
 
+    def _segment(self, s: Seq, ids: Sequence[int], call, d_of):
+        """Run one multi-token backend call on ``s`` (``call(handle, ids)``), recording its taps, and check
+        the returned logits ``[len(ids), V]`` against the truth and the position afterwards."""
+        op = self._next_op()
+        ids = [int(t) for t in ids]
+        start = len(s.hist)
+        s.hist.extend(ids)
+        d = d_of(start)
+        with self._recording(op, range(start, start + len(ids)), s):
+            out = call(s.h, ids)
+        self._keep_returned(op, out)
+        self._compare(op, d, s, out, start, len(ids))
+        self._check_position(op, s, d)
+        return np.asarray(out)
+
     def prefill(self, s: Seq, ids: Sequence[int], chunk_size: int | None = None, desc: str | None = None):
         """Prefill ``s`` with ``ids`` (optionally in chunks) and check the returned logits ``[len(ids), V]``
         against the truth and the backend's position afterwards; returns the logits.
@@ -379,18 +394,10 @@ class Run:
         Raises:
             CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
         """
-        op = self._next_op()
-        ids = [int(t) for t in ids]
-        start = len(s.hist)
-        s.hist.extend(ids)
-        d = desc or f"prefill {len(ids)} tokens at position {start}" + (f" in chunks of {chunk_size}"
-                                                                           if chunk_size else "")
-        with self._recording(op, range(start, start + len(ids)), s):
-            out = self.be.prefill(s.h, ids, chunk_size=chunk_size)
-        self._keep_returned(op, out)
-        self._compare(op, d, s, out, start, len(ids))
-        self._check_position(op, s, d)
-        return np.asarray(out)
+        n = len(ids)
+        return self._segment(s, ids, lambda h, t: self.be.prefill(h, t, chunk_size=chunk_size),
+                             lambda start: desc or f"prefill {n} tokens at position {start}"
+                             + (f" in chunks of {chunk_size}" if chunk_size else ""))
 
     def decode(self, seqs: Sequence[Seq], ids: Sequence[int], desc: str | None = None):
         """Decode ``ids[i]`` on ``seqs[i]`` as one batch and check each row of the returned logits ``[B, V]``
@@ -435,17 +442,9 @@ class Run:
         Raises:
             CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
         """
-        op = self._next_op()
-        ids = [int(t) for t in ids]
-        start = len(s.hist)
-        s.hist.extend(ids)
-        d = desc or f"verify {len(ids)} drafted tokens at position {start}"
-        with self._recording(op, range(start, start + len(ids)), s):
-            out = self.be.forward_tokens(s.h, ids)
-        self._keep_returned(op, out)
-        self._compare(op, d, s, out, start, len(ids))
-        self._check_position(op, s, d)
-        return np.asarray(out)
+        n = len(ids)
+        return self._segment(s, ids, self.be.forward_tokens,
+                             lambda start: desc or f"verify {n} drafted tokens at position {start}")
 
     def rollback(self, s: Seq, n: int, desc: str | None = None):
         """Roll ``s`` back by ``n`` tokens and check its position. Raises CaseFailure on a wrong position."""
