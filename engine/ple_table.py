@@ -75,7 +75,10 @@ def unified_memory_preferred(cp, dev: int) -> bool:
     coherence (the host page tables, as with ATS on GB10/Grace, or an integrated GPU). A discrete GPU whose
     pageable access comes from HMM (x86 + recent drivers) would fault and migrate pages on every gather,
     so it keeps pinned staging there unless ``placement='unified'`` is asked for."""
-    a = device_memory_attributes(cp, dev)
+    try:
+        a = device_memory_attributes(cp, dev)
+    except Exception:  # a runtime that cannot answer keeps the path the H200 runs (pinned staging)
+        return False
     return a["pageable_memory_access"] == 1 and (a["uses_host_page_tables"] == 1 or a["integrated"] == 1)
 
 

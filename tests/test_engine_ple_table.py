@@ -90,6 +90,12 @@ def test_host_placement_picks_path_from_attributes(pageable, host_tables, integr
     assert select_mode("device", _fake_cp(pageable=pageable)) == "device"
 
 
+def test_host_placement_keeps_pinned_when_attribute_query_fails():
+    cp = _fake_cp(pageable=1, dev=5)
+    cp.cuda.runtime.deviceGetAttribute = lambda attr, d: (_ for _ in ()).throw(RuntimeError("unsupported"))
+    assert select_mode("host", cp) == "pinned"
+
+
 def test_forced_unified_allowed_with_hmm_only():
     assert select_mode("unified", _fake_cp(pageable=1, host_tables=0, integrated=0)) == "unified"
 
