@@ -105,10 +105,9 @@ def select_mode(placement: str, xp) -> str:
                              "(use 'host')")
         return "numpy"
     dev = _device_id(xp)
-    ok = unified_memory_supported(xp, dev)
     if placement == "host":
         return "unified" if unified_memory_preferred(xp, dev) else "pinned"
-    if not ok:
+    if not unified_memory_supported(xp, dev):
         try:
             attrs = device_memory_attributes(xp, dev)
         except Exception:  # pragma: no cover - attribute query itself failing
