@@ -96,6 +96,7 @@ class Engine:
             import os
             cuda_graphs = os.environ.get("QWEN4EXP_CUDA_GRAPHS", "1") != "0"
         self.graphs = None
+        self.last_logits = None  # device logits of the latest decode_greedy step (valid until the next step)
         if cuda_graphs and device == "cuda":
             from engine.model import DecodeGraphs
             self.graphs = DecodeGraphs(self.model)
@@ -191,14 +192,20 @@ class Engine:
             raise InputError(f"{what}: expected token ids in [0, {V}), found range [{arr.min()}, {arr.max()}]")
         return arr.astype(np.int64)
 
-    def _run(self, segs, mode, last_only=False):
+    def _run(self, segs, mode, last_only=False, tokens=False):
+        """One step; returns the logits, or with ``tokens`` (decode only) ``(logits, argmax ids)`` (device)."""
         for s in segs:
             self.pool.reserve(s.seq, len(s.ids))
         try:
             if mode == "decode" and self.graphs is not None and tap_recorder.current() is None:
-                logits = self.graphs.decode(self.pool, segs)
+                logits, tok = self.graphs.decode(self.pool, segs)
+                if tokens:
+                    logits = (logits, tok)
             else:
                 logits = self.model.forward(self.pool, segs, mode, last_only=last_only)
+                if tokens:
+                    from engine.kernels.sampling import row_argmax
+                    logits = (logits, row_argmax(logits))
         except BaseException:
             # slab rows may be half updated (e.g. Ctrl-C between layers): refuse further use of these
             # sequences until restore()/free() rather than continue from a corrupt state
@@ -252,6 +259,25 @@ class Engine:
         Raises:
             InputError: lengths differ, duplicate sequences, bad ids. CapacityError: out of pages/positions.
         """
+        segs = self._decode_segs(seqs, ids)
+        return self.model.syncs.host(self._run(segs, "decode"))
+
+    def decode_greedy(self, seqs, ids) -> np.ndarray:
+        """:meth:`decode`, returning the greedy next tokens instead of the logits: the argmax of each row
+        (first maximum, as ``np.argmax``) is taken on the device, so the step's only device->host copy is
+        ``B`` int64 ids. The logits stay on the device (:attr:`last_logits`).
+
+        Returns:
+            numpy int64 ``[B]``.
+        Raises:
+            as :meth:`decode`.
+        """
+        segs = self._decode_segs(seqs, ids)
+        logits, tok = self._run(segs, "decode", tokens=True)
+        self.last_logits = logits
+        return self.model.syncs.host(tok)
+
+    def _decode_segs(self, seqs, ids):
         seqs = list(seqs)
         ids = self._ids(ids, "decode ids")
         if len(seqs) != len(ids):
@@ -261,7 +287,7 @@ class Engine:
         for s in seqs:
             self.pool._check(s)
             s.checkpoints = None
-        return self.model.syncs.host(self._run([Segment(s, [t]) for s, t in zip(seqs, ids)], "decode"))
+        return [Segment(s, ids[j:j + 1]) for j, s in enumerate(seqs)]
 
     def verify(self, seq, ids) -> np.ndarray:
         """Forward ``k`` drafted tokens keeping per-position recurrent checkpoints, so :meth:`rollback`

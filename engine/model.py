@@ -246,25 +246,48 @@ class EngineModel:
         return rows.astype(np.float32, copy=False)
 
     # ------------------------------------------------------------------ forward
-    def prepare_step(self, pool, segs: list[Segment], mode: str, rec=None) -> "Step":
-        """Host side of a step (never captured in a CUDA graph): token ids, positions, slab rows and their
-        device copies (host->device only), the PLE n-gram hashing on the host (advances each sequence's
-        n-gram context) and the gather of the hashed table rows, the QSA score width."""
-        xp, c = self.xp, self.config
+    def prepare_host(self, pool, segs: list[Segment], mode: str, rec=None, ple_out: dict | None = None) -> "Step":
+        """Host half of a step without any device copy: token ids, positions, slab rows, the PLE n-gram
+        hashing (advances each sequence's n-gram context) and, for host-resident tables, the gather of the
+        hashed rows (into ``ple_out[i]`` when given: the decode graphs' pinned staging). ``st.emb[i]`` is a
+        host float32 array for host tables, a device array for device / unified tables."""
+        c = self.config
         st = Step()
         st.rec = rec
         st.mode = mode
-        st.ids = np.concatenate([s.ids for s in segs])
-        st.positions = np.concatenate([np.arange(s.start, s.start + len(s.ids), dtype=np.int64) for s in segs])
-        st.slabs = np.array([s.seq.slab for s in segs], dtype=np.int64)
-        st.ids_dev = xp.asarray(st.ids)
-        st.pos_dev = xp.asarray(st.positions)
-        st.rows_dev = xp.asarray(np.concatenate([np.full(len(s.ids), s.seq.slab, np.int64) for s in segs]))
-        st.slabs_dev = xp.asarray(st.slabs)
+        st.ids = np.concatenate([s.ids for s in segs]) if len(segs) > 1 else segs[0].ids
+        if mode == "decode" and len(st.ids) == len(segs):  # one token per sequence
+            st.positions = np.fromiter((s.start for s in segs), dtype=np.int64, count=len(segs))
+            st.slabs = np.fromiter((s.seq.slab for s in segs), dtype=np.int64, count=len(segs))
+            st.rows = st.slabs
+        else:
+            st.positions = np.concatenate([np.arange(s.start, s.start + len(s.ids), dtype=np.int64) for s in segs])
+            st.slabs = np.array([s.seq.slab for s in segs], dtype=np.int64)
+            st.rows = np.concatenate([np.full(len(s.ids), s.seq.slab, np.int64) for s in segs])
         r = c.indexer_compress_ratio or 1
         st.n_blocks = max(1, int(st.positions.max() + 1) // r)  # host-known: no device sync
-        st.emb = {i: self._ple_host(i, pool, segs, st) for i in self.ple}
+        st.emb = {i: self._ple_host(i, pool, segs, st, None if ple_out is None else ple_out.get(i))
+                  for i in self.ple}
         return st
+
+    def upload_step(self, st: "Step") -> "Step":
+        """Device copies of a host-prepared step (``st.ids_dev``, ``pos_dev``, ``rows_dev``, ``slabs_dev``;
+        host PLE rows uploaded through the table's pinned ring)."""
+        xp = self.xp
+        st.ids_dev = xp.asarray(st.ids)
+        st.pos_dev = xp.asarray(st.positions)
+        st.rows_dev = xp.asarray(st.rows)
+        st.slabs_dev = xp.asarray(st.slabs)
+        if xp is not np:
+            for i, e in st.emb.items():
+                if isinstance(e, np.ndarray):
+                    st.emb[i] = self.ple[i]._upload(e)
+        return st
+
+    def prepare_step(self, pool, segs: list[Segment], mode: str, rec=None) -> "Step":
+        """Host side of a step (never captured in a CUDA graph): :meth:`prepare_host` then
+        :meth:`upload_step` (host->device copies only)."""
+        return self.upload_step(self.prepare_host(pool, segs, mode, rec))
 
     def forward(self, pool, segs: list[Segment], mode: str, last_only: bool = False):
         """Run one step and return logits (device array, float32).
@@ -384,16 +407,18 @@ class EngineModel:
             self._emit(rec, m + "out", r.out, positions)
         return r.out
 
-    def _ple_host(self, i, pool, segs, st):
+    def _ple_host(self, i, pool, segs, st, out=None):
         """Host half of the PLE layer: hash the n-grams of the new tokens from each sequence's carried
         context (advancing it; verify also records the context after every position), emit the
-        ``ngram_ids`` tap and gather the hashed rows of the table onto the device.
+        ``ngram_ids`` tap and gather the hashed rows of the table.
 
-        Returns: device float32 ``[T, ple_embed_dim]``. Source: ``Qwen4ExpTextNGramEmbedding.forward``."""
+        Returns: float32 ``[T, ple_embed_dim]``: a host array for host-resident tables (``numpy`` / ``pinned``
+        modes; written into ``out`` when given), else a device array. Source:
+        ``Qwen4ExpTextNGramEmbedding.forward``."""
         from engine.kernels import ple as K_ple
         q = f"layers.{i}.ple."
         B, Tn = len(segs), len(segs[0].ids)
-        ids = np.stack([s.ids for s in segs])  # [B, Tn] host
+        ids = np.stack([s.ids for s in segs]) if B > 1 else segs[0].ids.reshape(1, -1)  # [B, Tn] host
         ctx = pool.ple_ctx[i]  # host int64 [max_seqs, n-1]
         if st.mode == "verify":
             hist = np.concatenate([ctx[st.slabs], ids], axis=1)[0]
@@ -401,10 +426,13 @@ class EngineModel:
             n = ckx.shape[1]
             for j in range(Tn):
                 ckx[j + 1] = hist[j + 1:j + 1 + n]
-        rows = K_ple.ngram_hash(ids, ctx, st.slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
+        rows = K_ple.ngram_hash_host(ids, ctx, st.slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
         rows2 = rows.reshape(B * Tn, -1)
         self._emit(st.rec, q + "ple_embedding.ngram_ids", rows2, st.positions)
-        return self.ple[i].gather(rows2)  # [B*Tn, ple_embed_dim] on the device
+        tab = self.ple[i]
+        if tab.mode in ("numpy", "pinned"):
+            return tab.gather_host(rows2, out=out)
+        return tab.gather(rows2)  # [B*Tn, ple_embed_dim] on the device
 
     def _ple(self, i, h, segs, st):
         """PLE layer output (``Qwen4ExpTextPLELayer.forward``), added to the residual by the caller:
@@ -499,9 +527,14 @@ class DecodeGraphs:
 
     A graph is keyed by the batch's slab rows and the QSA score width rounded up to ``bucket`` blocks
     (``n_blocks`` only sets the width of the score row: blocks past a query's visible count score -inf,
-    so a wider row selects exactly the same blocks). Per step the host prepares the inputs
-    (:meth:`EngineModel.prepare_step`: token ids, positions, PLE rows), copies them into the graph's static
-    device buffers and launches the graph; the only device->host copy is the caller's logits copy.
+    so a wider row selects exactly the same blocks). The graph computes the logits and their row argmax
+    (the greedy next tokens) into static device buffers.
+
+    Steady-state step (a key's graph captured and verified): the host half
+    (:meth:`EngineModel.prepare_host`: token ids, positions, n-gram hashing, PLE row gather) writes into the
+    graph's own pinned staging buffers, two asynchronous host->device copies fill its static inputs
+    (ids + positions; PLE rows), then the graph is launched. No pageable copy, no synchronisation; the
+    caller's copy of the logits or tokens is the step's only device->host transfer.
 
     Safety: a key is run eagerly the first time (kernels compile); then captured (into a private memory
     pool, so no other allocation can reuse the graph's buffers) and its first ``verify_replays`` replays are
@@ -524,48 +557,86 @@ class DecodeGraphs:
         self.failed: dict = {}
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "verified": 0, "failed": 0}
 
-    def _key(self, st):
-        nb = -(-st.n_blocks // self.bucket) * self.bucket
-        return (tuple(int(x) for x in st.slabs), nb), nb
+    def _nb(self, n_blocks: int) -> int:
+        return -(-int(n_blocks) // self.bucket) * self.bucket
+
+    def _key_of(self, segs):
+        """The graph key of a decode batch, from the host only: (slab rows, bucketed score width)."""
+        r = self.model.config.indexer_compress_ratio or 1
+        nb = self._nb(max(1, (max(s.start for s in segs) + 1) // r))
+        return (tuple(int(s.seq.slab) for s in segs), nb), nb
 
     def decode(self, pool, segs):
-        """One decode step for ``segs`` (one token each): logits ``[B, V]`` on the device."""
+        """One decode step for ``segs`` (one token each).
+
+        Returns:
+            (logits ``[B, V]`` float32, tokens ``[B]`` int64 = the row argmax), both on the device; a
+            replayed graph's outputs are its static buffers, valid until the next step of the same key.
+        """
         m = self.model
-        st = m.prepare_step(pool, segs, "decode", None)
-        key, nb = self._key(st)
-        st.n_blocks = nb
+        key, nb = self._key_of(segs)
         e = self.entries.get(key)
+        if e is not None and e["checks"] >= self.verify_replays:
+            return self._fast_replay(pool, segs, e)
+        st = m.prepare_step(pool, segs, "decode", None)
+        st.n_blocks = nb
         if e is None:
             n = self.seen.get(key, 0)
             self.seen[key] = n + 1
             if key in self.failed or n < 1:
-                self.stats["eager"] += 1
-                return m.run_step(pool, st, segs)
+                return self._eager(pool, st, segs)
             e = self._capture(pool, st, segs, key)
             if e is None:
-                self.stats["eager"] += 1
-                return m.run_step(pool, st, segs)
-        if e["checks"] < self.verify_replays:
-            return self._verified_replay(pool, st, segs, key, e)
-        return self._replay(st, e)
+                return self._eager(pool, st, segs)
+        return self._verified_replay(pool, st, segs, key, e)
 
-    def _replay(self, st, e):
-        e["ids"][...] = st.ids_dev
-        e["pos"][...] = st.pos_dev
+    def _eager(self, pool, st, segs):
+        from engine.kernels.sampling import row_argmax
+        self.stats["eager"] += 1
+        lg = self.model.run_step(pool, st, segs)
+        return lg, row_argmax(lg)
+
+    def _fast_replay(self, pool, segs, e):
+        """Steady state: host half into the pinned staging, two async copies, launch."""
+        B = len(segs)
+        if e["staged"] is not None:
+            e["staged"].synchronize()  # the previous copies out of the staging buffers are done
+        st = self.model.prepare_host(pool, segs, "decode", None, ple_out=e["host_emb"])
+        hi = e["host_i64"]
+        hi[:B] = st.ids
+        hi[B:] = st.positions
+        s = self.stream
+        e["dev_i64"].set(hi, stream=s)
         for i, buf in e["emb"].items():
-            buf[...] = st.emb[i]
+            src = st.emb[i]
+            if isinstance(src, np.ndarray):
+                buf.set(src, stream=s)  # src is e["host_emb"][i] (pinned): asynchronous
+            else:
+                with s:
+                    buf[...] = src
+        e["staged"] = s.record()
+        e["graph"].launch(stream=s)
+        self.stats["replays"] += 1
+        return e["out"], e["tok"]
+
+    def _replay_from_device(self, st, e):
+        with self.stream:
+            e["ids"][...] = st.ids_dev
+            e["pos"][...] = st.pos_dev
+            for i, buf in e["emb"].items():
+                buf[...] = st.emb[i]
         e["graph"].launch(stream=self.stream)
         self.stats["replays"] += 1
-        return e["out"]
+        return e["out"], e["tok"]
 
     def _verified_replay(self, pool, st, segs, key, e):
-        from engine.state import StatePool  # noqa: F401  (pool is a StatePool)
+        from engine.kernels.sampling import row_argmax
         snaps = [pool.snapshot(s.seq) for s in segs]
         try:
             ref = self.model.run_step(pool, st, segs).copy()
             for s, sn in zip(segs, snaps):
                 pool.restore(s.seq, sn)
-            got = self._replay(st, e)
+            got, tok = self._replay_from_device(st, e)
             cp = self.cp
             err = float(cp.abs(got - ref).max() / cp.maximum(cp.abs(ref).max(), 1e-30))
             self.model.syncs.count += 1  # the check's scalar copy (first replays of a key only)
@@ -575,21 +646,33 @@ class DecodeGraphs:
                 del self.entries[key]
                 for s, sn in zip(segs, snaps):
                     pool.restore(s.seq, sn)
-                return self.model.run_step(pool, st, segs)
+                lg = self.model.run_step(pool, st, segs)
+                return lg, row_argmax(lg)
             e["checks"] += 1
             self.stats["verified"] += 1
-            return got
+            return got, tok
         finally:
             for sn in snaps:
                 sn.release()
 
     def _capture(self, pool, st, segs, key):
+        import cupyx
+
+        from engine.kernels.sampling import row_argmax
         cp = self.cp
         m = self.model
         if len(self.entries) >= self.max_graphs:
             self.entries.pop(next(iter(self.entries)))
-        e = {"ids": st.ids_dev.copy(), "pos": st.pos_dev.copy(), "emb": {i: a.copy() for i, a in st.emb.items()},
-             "mem": cp.cuda.MemoryPool(), "checks": 0}
+        B = len(segs)
+        dev_i64 = cp.empty((2 * B,), np.int64)
+        e = {"dev_i64": dev_i64, "ids": dev_i64[:B], "pos": dev_i64[B:],
+             "host_i64": cupyx.empty_pinned((2 * B,), np.int64),
+             "emb": {i: a.copy() for i, a in st.emb.items()},
+             "host_emb": {i: cupyx.empty_pinned(tuple(a.shape), np.float32) for i, a in st.emb.items()
+                          if m.ple[i].mode == "pinned"},
+             "staged": None, "mem": cp.cuda.MemoryPool(), "checks": 0}
+        e["ids"][...] = st.ids_dev
+        e["pos"][...] = st.pos_dev
         cst = Step()
         cst.mode, cst.rec, cst.positions, cst.slabs = "decode", None, st.positions, st.slabs
         cst.ids_dev, cst.pos_dev, cst.emb = e["ids"], e["pos"], e["emb"]
@@ -603,13 +686,14 @@ class DecodeGraphs:
                     self.stream.begin_capture()
                     try:
                         out = m.run_step(pool, cst, segs)
+                        tok = row_argmax(out)
                     finally:
                         g = self.stream.end_capture()
         except Exception as ex:  # an op that cannot be captured: run this key eagerly from now on
             self.failed[key] = f"{type(ex).__name__}: {ex}"[:200]
             self.stats["failed"] += 1
             return None
-        e["graph"], e["out"] = g, out
+        e["graph"], e["out"], e["tok"] = g, out, tok
         self.entries[key] = e
         self.stats["captures"] += 1
         return e

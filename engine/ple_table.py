@@ -203,16 +203,19 @@ def decode_twin(raw_bytes: np.ndarray, code: int) -> np.ndarray:
     raise InputError(f"decode_twin: code: expected one of {sorted(_ITEMSIZE)}, found {code}")
 
 
-def gather_twin(sh: TableShards, rows) -> np.ndarray:
+def gather_twin(sh: TableShards, rows, out: np.ndarray | None = None) -> np.ndarray:
     """NumPy twin of the ``ple_gather_rows`` kernel: same shard search (last shard whose start <= row),
-    decode and per-shard scale (float32 multiply), reading the shard views in place.
+    decode and per-shard scale (float32 multiply), reading the shard views in place. Also the engine's
+    host gather (modes ``numpy`` and ``pinned``): one fancy index per shard over the memory map, no
+    system call per row.
 
     Args:
         sh: :func:`table_shards` of the layer.
         rows: int ``[T, heads]`` global row ids (head offsets added), in ``[0, starts[-1])``.
-    Returns: float32 ``[T, heads * head_dim]``.
+        out: optional float32 ``[T, heads * head_dim]`` host array written in full (e.g. pinned staging).
+    Returns: float32 ``[T, heads * head_dim]`` (``out`` when given).
     Raises:
-        InputError: ids outside the table.
+        InputError: ids outside the table, or ``out`` of the wrong shape/dtype.
     """
     rows = np.asarray(rows, dtype=np.int64)
     T, H = rows.shape
@@ -220,14 +223,25 @@ def gather_twin(sh: TableShards, rows) -> np.ndarray:
     total = int(sh.starts[-1])
     if flat.size and (flat.min() < 0 or flat.max() >= total):
         raise InputError(f"gather_twin: rows: expected ids in [0, {total}), found [{flat.min()}, {flat.max()}]")
+    if out is None:
+        out = np.empty((T, H * sh.head_dim), np.float32)
+    elif out.shape != (T, H * sh.head_dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise InputError(f"gather_twin: out: expected C-contiguous float32 {(T, H * sh.head_dim)}, found "
+                         f"{out.dtype} {out.shape}")
+    o2 = out.reshape(flat.size, sh.head_dim)
     n = len(sh.arrays)
+    if n == 1:
+        raw = sh.arrays[0][flat]
+        o2[...] = decode_twin(raw, int(sh.codes[0]))
+        if sh.scales[0] != 1:
+            o2 *= sh.scales[0]
+        return out
     which = np.searchsorted(sh.starts[:n], flat, side="right") - 1
-    out = np.empty((flat.size, sh.head_dim), np.float32)
     for k in np.unique(which):
         sel = np.nonzero(which == k)[0]
         raw = sh.arrays[int(k)][flat[sel] - sh.starts[k]]
-        out[sel] = decode_twin(raw, int(sh.codes[k])) * sh.scales[k]
-    return out.reshape(T, H * sh.head_dim)
+        o2[sel] = decode_twin(raw, int(sh.codes[k])) * sh.scales[k]
+    return out
 
 
 # --------------------------------------------------------------------------- the table
@@ -257,6 +271,7 @@ class PLETable:
         self.rows_total = lay.padded_rows
         self.head_dim = lay.head_dim
         self._pinned = None
+        self._shards = None  # host views of the shards (numpy / pinned modes), mapped on first use
         self._table = None
         self._unified = None
         self.rows_moved = 0  # rows copied host->device (bench/perf accounting; 0 in unified/device modes)
@@ -324,11 +339,29 @@ class PLETable:
             return self._table[xp.asarray(rows.reshape(-1))].reshape(T, H * self.head_dim)
         if self._unified is not None:
             return self._gather_unified(rows)
-        host = self._host_rows(rows.reshape(-1)).reshape(T, H * self.head_dim)
-        self.rows_moved += rows.size
+        host = self.gather_host(rows)
         if xp is np:
             return host
         return self._upload(host)
+
+    def gather_host(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Host rows (modes ``numpy`` and ``pinned``): the hashed rows read from the memory-mapped shards
+        (:func:`gather_twin`), written into ``out`` when given (the decode graphs' pinned staging).
+
+        Args:
+            rows: host int64 ``[T, ngram_heads]``; out: optional float32 ``[T, ngram_heads * head_dim]``.
+        Returns: float32 ``[T, ngram_heads * head_dim]`` host array.
+        Raises:
+            InputError: ids outside the table; a mode whose rows are gathered on the device.
+        """
+        if self.mode not in ("numpy", "pinned"):
+            raise InputError(f"PLE layer {self.layer}: gather_host: expected mode 'numpy' or 'pinned', found "
+                             f"{self.mode!r} (rows are gathered on the device)")
+        if self._shards is None:
+            self._shards = table_shards(self.ck, self.layer)
+        rows = np.asarray(rows, dtype=np.int64)
+        self.rows_moved += rows.size
+        return gather_twin(self._shards, rows, out=out)
 
     def _gather_unified(self, rows: np.ndarray):
         """``ple_gather_rows`` over the in-place shard views: float32 ``[T, H * head_dim]`` on the device."""

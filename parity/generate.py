@@ -563,6 +563,11 @@ class EngineLM:
         """Decode ``token_ids[i]`` on ``handles[i]`` as one batch (``Engine.decode``); returns logits ``[B, V]``."""
         return np.asarray(self.eng.decode(list(handles), np.asarray(token_ids, dtype=np.int64)))
 
+    def step_greedy(self, handles, token_ids):
+        """Greedy :meth:`step`: the argmax of each row taken on the engine's device
+        (``Engine.decode_greedy``, first maximum as ``np.argmax``); returns int64 ``[B]`` next tokens."""
+        return np.asarray(self.eng.decode_greedy(list(handles), np.asarray(token_ids, dtype=np.int64)))
+
     def close(self, handle):
         """Free the engine sequence ``handle``."""
         self.eng.free(handle)
@@ -717,10 +722,16 @@ class Generator:
                 active = [i for i in range(B) if stop[i] is None]
                 if not active:
                     break
-                logits = self.lm.step([handles[i] for i in active], np.array([out[i][-1] for i in active]))
+                hs, last = [handles[i] for i in active], np.array([out[i][-1] for i in active])
+                step_greedy = getattr(self.lm, "step_greedy", None)
+                if params.greedy and step_greedy is not None:  # argmax on the model's device: no logits copy
+                    nxt = [int(t) for t in step_greedy(hs, last)]
+                else:
+                    logits = self.lm.step(hs, last)
+                    nxt = [samplers[i](logits[row]) for row, i in enumerate(active)]
                 for row, i in enumerate(active):
                     pos[i] += 1
-                    emit(i, samplers[i](logits[row]))
+                    emit(i, nxt[row])
                 if bar is not None:
                     bar.update(len(active))
             decode_s = time.perf_counter() - t0

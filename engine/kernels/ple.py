@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, kernel, same_device,
@@ -32,7 +33,7 @@ from reference.blocks import ple as _ref_ple
 from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
 
-__all__ = ["PLEHashTables", "ngram_hash", "ple_gate", "ple_conv", "ple_forward", "PLEGateOut"]
+__all__ = ["PLEHashTables", "ngram_hash", "ngram_hash_host", "ple_gate", "ple_conv", "ple_forward", "PLEGateOut"]
 
 
 @dataclass
@@ -120,6 +121,83 @@ def ngram_hash(ids, ctx_slab, slots, tables: PLEHashTables, *, update_context: b
     if update_context and B and T:
         kernel("dense_ple.cu", "ngram_ctx_update")(
             (-(-B // 128),), (128,), (ids64, ctx_slab, sl, np.int32(B), np.int32(T), np.int32(L)))
+    return rows
+
+
+@njit(cache=True)
+def _ngram_hash_host_kernel(ids, ctx_slab, slots, n, hpn, mult, vocab, offs, eos, update, rows):  # pragma: no cover
+    B, T = ids.shape
+    L = n - 1
+    heads = L * hpn
+    hist = np.empty(L + T, np.int64)
+    for b in range(B):
+        row = slots[b]
+        for p in range(L):
+            hist[p] = ctx_slab[row, p]
+        for t in range(T):
+            hist[L + t] = ids[b, t]
+        for t in range(T):
+            q = L + t
+            for hd in range(heads):
+                g = hd // hpn + 2
+                mixed = np.uint64(0)
+                eos_seen = False
+                for s in range(g):
+                    if s == 0:
+                        tok = hist[q]
+                    else:
+                        prev = hist[q - s]
+                        if prev == eos:
+                            eos_seen = True
+                        tok = eos if eos_seen else prev
+                    prod = np.uint64(tok) * np.uint64(mult[s])  # wraps mod 2^64 (= int64 wrap-around)
+                    mixed = prod if s == 0 else (mixed ^ prod)
+                m = np.int64(mixed)
+                v = vocab[hd]
+                r = m % v
+                if r < 0:
+                    r += v
+                rows[b, t, hd] = r + offs[hd]
+        if update:
+            for p in range(L):
+                ctx_slab[row, p] = hist[T + p]
+
+
+def ngram_hash_host(ids: np.ndarray, ctx_slab: np.ndarray, slots, tables: PLEHashTables, *,
+                    update_context: bool = True) -> np.ndarray:
+    """:func:`ngram_hash` on the host for the engine's decode path (Numba, one call for the whole batch):
+    the same formula and operation order as the CUDA kernel ``ngram_hash`` in dense_ple.cu (unsigned 64-bit
+    products = int64 wrap-around, floor modulo for the positive head vocabulary).
+
+    Args:
+        ids: int64 ``[B, T]``; ctx_slab: host int64 ``[n_slots, ngram_size - 1]`` (updated in place when
+            ``update_context``); slots: int ``[B]``; tables: NumPy :class:`PLEHashTables`.
+    Returns:
+        int64 ``[B, T, ngram_heads]`` absolute table rows.
+    Raises:
+        KernelInputError: shapes or dtypes inconsistent.
+    Source: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding.forward`` / ``_shift_right_ignore_eos``.
+    """
+    ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
+    if ids.ndim != 2:
+        raise KernelInputError(f"ids: expected [B, T] int64, found shape {tuple(ids.shape)}")
+    n, hpn = tables.ngram_size, tables.heads_per_ngram
+    L = n - 1
+    if (not isinstance(ctx_slab, np.ndarray) or ctx_slab.ndim != 2 or ctx_slab.shape[1] != L
+            or ctx_slab.dtype != np.int64 or not ctx_slab.flags.c_contiguous):
+        raise KernelInputError(f"ctx_slab: expected a host C-contiguous int64 [n_slots, ngram_size-1={L}], found "
+                               f"{type(ctx_slab).__name__} {getattr(ctx_slab, 'dtype', '?')} "
+                               f"{tuple(getattr(ctx_slab, 'shape', ()))}")
+    sl = np.ascontiguousarray(np.asarray(slots, dtype=np.int64).reshape(-1))
+    B, T = ids.shape
+    if sl.shape[0] != B:
+        raise KernelInputError(f"slots: expected [B={B}] slot indices, found shape {tuple(sl.shape)}")
+    if sl.size and (sl.min() < 0 or sl.max() >= ctx_slab.shape[0]):
+        raise KernelInputError(f"slots: expected rows in [0, {ctx_slab.shape[0]}), found [{sl.min()}, {sl.max()}]")
+    rows = np.empty((B, T, L * hpn), dtype=np.int64)
+    _ngram_hash_host_kernel(ids, ctx_slab, sl, n, hpn, np.asarray(tables.multipliers, np.int64),
+                            np.asarray(tables.vocab_sizes, np.int64), np.asarray(tables.offsets, np.int64),
+                            np.int64(tables.eos), bool(update_context), rows)
     return rows
 
 
