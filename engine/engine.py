@@ -277,6 +277,84 @@ class Engine:
         self.last_logits = logits
         return self.model.syncs.host(tok)
 
+    def decode_greedy_steps(self, seqs, ids, steps: int, step_times: list | None = None) -> np.ndarray:
+        """``steps`` greedy decode steps of ``seqs``, starting from the tokens ``ids``: the same tokens and
+        state as calling :meth:`decode_greedy` ``steps`` times and feeding each result back, but pipelined
+        on the GPU once the batch's CUDA graphs are in steady state: each step's token ids are the previous
+        step's device argmax, so its first layers run while the host reads the previous tokens and gathers
+        their PLE rows (:meth:`engine.model.DecodeGraphs.pipelined_step`).
+
+        Args:
+            seqs: the batch; ids: ``[B]`` tokens to feed first; steps: number of steps (>= 1).
+            step_times: optional list that receives each step's duration in seconds: CUDA events between
+                the ends of consecutive steps on the GPU (the first step excluded), wall clock on the CPU.
+        Returns:
+            numpy int64 ``[steps, B]``: row ``k`` holds the tokens produced by step ``k``.
+        Raises:
+            as :meth:`decode`; InputError for ``steps < 1``.
+        """
+        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
+            raise InputError(f"steps: expected a positive integer, found {steps!r}")
+        seqs = list(seqs)
+        cur = self._ids(ids, "decode ids")
+        out = []
+        g = self.graphs
+        if g is None or tap_recorder.current() is not None:
+            import time
+            for _ in range(int(steps)):
+                t0 = time.perf_counter()
+                cur = self.decode_greedy(seqs, cur)
+                if step_times is not None:
+                    step_times.append(time.perf_counter() - t0)
+                out.append(cur)
+            return np.stack(out)
+        cp = self.xp
+        pending = None  # (entry, event after its tail, tokens already on the host or None)
+        pairs = []  # (start, end) device events of each step
+        first = cur
+        while len(out) < steps:
+            nxt = g.steady([Segment(s, [0]) for s in seqs]) if pending is not None else None
+            if pending is not None and nxt is pending[0] and len(out) + (pending[2] is None) < steps:
+                e, ev_prev, have = pending
+                for s in seqs:
+                    self.pool._check(s)
+                    s.checkpoints = None
+                try:
+                    toks, ev = g.pipelined_step(self.pool, seqs, e, ev_prev, known=have)
+                except BaseException:
+                    for s in seqs:
+                        s.broken = True
+                    raise
+                for s in seqs:
+                    s.length += 1
+                if have is None:
+                    out.append(toks)
+                pairs.append((ev_prev, ev))  # timed once the loop has synchronised
+                pending = (e, ev, None)
+                continue
+            if pending is not None:  # the batch's graph changes (or the last step): fetch, then step plainly
+                e, ev_prev, have = pending
+                if have is None:
+                    ev_prev.synchronize()
+                    out.append(self.model.syncs.host(e["tok"]))
+                pending = None
+                continue
+            t0 = cp.cuda.Event()
+            t0.record(g.stream)
+            cur = self.decode_greedy(seqs, out[-1] if out else first)
+            t1 = cp.cuda.Event()
+            t1.record(g.stream)
+            out.append(cur)
+            pairs.append((t0, t1))
+            e = g.steady([Segment(s, [0]) for s in seqs])
+            if e is not None and self.last_logits is e["out"]:  # a replay of e: its argmax is in e['tok']
+                pending = (e, t1, cur)
+        if step_times is not None:
+            for a, b in pairs[:steps]:
+                b.synchronize()
+                step_times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        return np.stack(out[:steps])
+
     def _decode_segs(self, seqs, ids):
         seqs = list(seqs)
         ids = self._ids(ids, "decode ids")

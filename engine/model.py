@@ -99,6 +99,9 @@ class EngineModel:
         for name, kind in it:
             self.w[name] = self._load(name, kind)
         self._load_experts(progress)
+        self.fused: dict[str, list] = {}
+        if xp is not np:
+            self._fuse_weights()
         if self.kept_float32:
             import sys
             print(f"engine: precision bf16: {self.kept_float32} weight matrices are not exactly representable in "
@@ -145,6 +148,56 @@ class EngineModel:
                 out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
                         (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
         return out
+
+    def _fuse_weights(self) -> None:
+        """Stack the projections that read the same input into one device matrix each (one GEMV launch
+        instead of several in a decode step), and replace each weight by its row view of the stack (no
+        second copy): GDN ``in_proj_{qkv,z,b,a}``, QSA ``indexer.index_qk_proj`` + ``{q,k,v}_proj``,
+        hyper-connection ``input_mix_weight_down`` + ``block_inject_weight``, shared expert
+        ``gate_proj`` + ``up_proj``. A group whose matrices differ in dtype (a BF16 and a kept-float32
+        weight) stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
+        xp, c = self.xp, self.config
+        groups = []
+        for i, lt in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
+                groups.append((p + hcn + ".fused_down_inject",
+                               [p + hcn + ".input_mix_weight_down.weight", p + hcn + ".block_inject_weight.weight"]))
+            if lt == "linear_attention":
+                q = p + "linear_attn."
+                groups.append((q + "fused_in_proj", [q + "in_proj_qkv.weight", q + "in_proj_z.weight",
+                                                     q + "in_proj_b.weight", q + "in_proj_a.weight"]))
+            else:
+                q = p + "self_attn."
+                groups.append((q + "fused_in_proj", [q + "indexer.index_qk_proj.weight", q + "q_proj.weight",
+                                                     q + "k_proj.weight", q + "v_proj.weight"]))
+            m = p + "mlp."
+            groups.append((m + "fused_shared_gate_up", [m + "shared_expert.gate_proj.weight",
+                                                        m + "shared_expert.up_proj.weight"]))
+        for key, names in groups:
+            ws = [self.w.get(n) for n in names]
+            if any(w is None or w.ndim != 2 for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+                continue
+            fused = xp.concatenate(ws, axis=0)
+            spans, a = [], 0
+            for n, w in zip(names, ws):
+                b = a + w.shape[0]
+                self.w[n] = fused[a:b]
+                spans.append((n, a, b))
+                a = b
+            self.w[key] = fused
+            self.fused[key] = spans
+
+    def _fused_linear(self, x, key):
+        """``x @ W.T`` for every member of fused group ``key`` in one launch: a list of ``[T, rows_j]``
+        column blocks (contiguous copies when ``T > 1``), or None when the group was not fused."""
+        spans = self.fused.get(key)
+        if spans is None:
+            return None
+        y = K_lin.linear(x, self.w[key])
+        if y.shape[0] == 1:
+            return [y[:, a:b] for _, a, b in spans]  # one row: column blocks are contiguous views
+        return [self.xp.ascontiguousarray(y[:, a:b]) for _, a, b in spans]
 
     def _dev_mat(self, a: np.ndarray):
         """A host float32 matrix as a device weight of this precision (BF16 bits or float32).
@@ -218,8 +271,10 @@ class EngineModel:
             self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
 
     def weight_bytes(self) -> int:
-        """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``)."""
-        return int(sum(a.nbytes for a in self.w.values()))
+        """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
+        once, not again through its members' row views)."""
+        members = {n for spans in self.fused.values() for n, _, _ in spans}
+        return int(sum(a.nbytes for k, a in self.w.items() if k not in members))
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, rec, name, value, positions):
@@ -233,7 +288,7 @@ class EngineModel:
         c = self.config
         pre = K_norms.hc_pre(h, self.w[prefix + "hc_norm.weight"], self.w[prefix + "input_mix_weight_down.weight"],
                              self.w[prefix + "input_mix_weight_up.weight"], self.w[prefix + "block_inject_weight.weight"],
-                             hc_count=c.hc_count, eps=c.rms_norm_eps)
+                             hc_count=c.hc_count, eps=c.rms_norm_eps, down_inject=self.w.get(prefix + "fused_down_inject"))
         self._emit(rec, prefix + "out", pre.mixed, positions)
         self._emit(rec, prefix + "injection_weights", pre.injection_weights, positions)
         return pre
@@ -305,17 +360,38 @@ class EngineModel:
             st.last_rows = np.cumsum([len(s.ids) for s in segs]) - 1
         return self.run_step(pool, st, segs)
 
-    def run_step(self, pool, st: "Step", segs):
+    @property
+    def split_layer(self) -> int:
+        """First layer whose input needs host data (a host-resident PLE table's gathered rows); the layer
+        count when none does. A decode step's "head" (embedding + layers before it) depends only on token
+        ids and positions already on the device, so it can run while the host gathers the rows."""
+        host = [i for i, t in self.ple.items() if t.mode in ("numpy", "pinned")]
+        return min(host) if host else self.config.num_hidden_layers
+
+    def run_step(self, pool, st: "Step", segs, part: str = "all", h=None):
         """Device side of a step: embed, layers, mixer, lm_head. In decode mode it makes no host copy and no
-        host->device copy (all inputs are in ``st``), so it can be captured as a CUDA graph."""
+        host->device copy (all inputs are in ``st``), so it can be captured as a CUDA graph.
+
+        Args:
+            part: 'all'; 'head' (embedding + layers before :attr:`split_layer`: returns the residual ``h``
+                ``[T, hc_count * hidden_size]``); 'tail' (layers from :attr:`split_layer`, mixer, lm_head,
+                continuing from ``h``: returns the logits).
+        """
         xp, c = self.xp, self.config
         self._pool = pool
         rec, positions, mode = st.rec, st.positions, st.mode
-        x = self._embed(st.ids_dev)  # [T, H]
-        self._emit(rec, "embed_tokens.out", x, positions)
-        h = xp.tile(x, (1, c.hc_count))  # [T, hc*H]: streams are copies (official .repeat(1, 1, hc))
+        split = self.split_layer
+        if part in ("all", "head"):
+            x = self._embed(st.ids_dev)  # [T, H]
+            self._emit(rec, "embed_tokens.out", x, positions)
+            h = xp.tile(x, (1, c.hc_count))  # [T, hc*H]: streams are copies (official .repeat(1, 1, hc))
+            lo = 0
+        else:
+            lo = split
+        hi = split if part == "head" else c.num_hidden_layers
         eps = c.rms_norm_eps
-        for i, lt in enumerate(c.layer_types):
+        for i in range(lo, hi):
+            lt = c.layer_types[i]
             p = f"layers.{i}."
             if i in self.ple:
                 h = h + self._ple(i, h, segs, st)
@@ -331,6 +407,8 @@ class EngineModel:
             out = self._moe(i, pre.mixed, rec, positions)
             h = K_norms.hc_combine(h, out, pre.injection_weights)
             self._emit(rec, p + "mlp_hyper_connection.combine", h, positions)
+        if part == "head":
+            return h
         fin = K_norms.hc_pre(h, self.w["hyper_connection_mixer.hc_norm.weight"],
                              self.w["hyper_connection_mixer.input_mix_weight_down.weight"],
                              self.w["hyper_connection_mixer.input_mix_weight_up.weight"], None,
@@ -352,10 +430,14 @@ class EngineModel:
         q = f"layers.{i}.linear_attn."
         pool = self._pool
         T = x.shape[0]
-        qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
-        z = K_lin.linear(x, w[q + "in_proj_z.weight"])
-        b = K_lin.linear(x, w[q + "in_proj_b.weight"])
-        a = K_lin.linear(x, w[q + "in_proj_a.weight"])
+        parts = self._fused_linear(x, q + "fused_in_proj")
+        if parts is not None:
+            qkv, z, b, a = parts
+        else:
+            qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
+            z = K_lin.linear(x, w[q + "in_proj_z.weight"])
+            b = K_lin.linear(x, w[q + "in_proj_b.weight"])
+            a = K_lin.linear(x, w[q + "in_proj_a.weight"])
         conv_state = pool.gdn_conv[i]
         rec_state = pool.gdn_rec[i]
         if mode == "decode":
@@ -399,7 +481,8 @@ class EngineModel:
                             shared_gate_proj=w[m + "shared_expert.gate_proj.weight"],
                             shared_up_proj=w[m + "shared_expert.up_proj.weight"],
                             shared_down_proj=w[m + "shared_expert.down_proj.weight"],
-                            shared_expert_gate=w[m + "shared_expert_gate.weight"])
+                            shared_expert_gate=w[m + "shared_expert_gate.weight"],
+                            shared_gate_up=w.get(m + "fused_shared_gate_up"))
         if rec is not None:
             self._emit(rec, m + "gate.router_logits", r.router_logits, positions)
             self._emit(rec, m + "gate.topk_ids", r.topk_ids.astype(np.int64), positions)
@@ -489,7 +572,14 @@ class EngineModel:
         rec, positions, pos_dev, rows = st.rec, st.positions, st.pos_dev, st.rows_dev
         slots = K_qsa.token_slots(pool.block_tables, rows, pos_dev, ps)
         # --- indexer: queries, raw keys, block keys, scores, top-k
-        qk = K_lin.linear(x, w[q + "indexer.index_qk_proj.weight"])
+        parts = self._fused_linear(x, q + "fused_in_proj")
+        if parts is not None:
+            qk, qg, k_lin, v_lin = parts
+        else:
+            qk = K_lin.linear(x, w[q + "indexer.index_qk_proj.weight"])
+            qg = K_lin.linear(x, w[q + "q_proj.weight"])
+            k_lin = K_lin.linear(x, w[q + "k_proj.weight"])
+            v_lin = K_lin.linear(x, w[q + "v_proj.weight"])
         q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"], eps=eps)
         q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
         pool.idx_k[i][slots] = qk[:, ih * ihd:]
@@ -503,12 +593,11 @@ class EngineModel:
             self._emit(rec, q + "indexer.block_scores", scores, positions)
             self._emit(rec, q + "indexer.selected_blocks", sel.astype(np.int64), positions)
         # --- attention projections, K/V into the pages, sparse attention, sigmoid output gate
-        qg = K_lin.linear(x, w[q + "q_proj.weight"]).reshape(T, nh, 2 * hd)
+        qg = qg.reshape(T, nh, 2 * hd)
         gate = qg[:, :, hd:].reshape(T, nh * hd)
         qq = K_norms.rms_norm(xp.ascontiguousarray(qg[:, :, :hd]), w[q + "q_norm.weight"], eps=eps)
-        kk = K_norms.rms_norm(K_lin.linear(x, w[q + "k_proj.weight"]).reshape(T, nkv, hd), w[q + "k_norm.weight"],
-                              eps=eps)
-        vv = K_lin.linear(x, w[q + "v_proj.weight"]).reshape(T, nkv, hd)
+        kk = K_norms.rms_norm(k_lin.reshape(T, nkv, hd), w[q + "k_norm.weight"], eps=eps)
+        vv = v_lin.reshape(T, nkv, hd)
         qq = apply_rope(qq, pos_dev, self.inv_freq, rd)
         kk = apply_rope(kk, pos_dev, self.inv_freq, rd)
         pool.kv_k[i][slots] = kk
@@ -556,6 +645,7 @@ class DecodeGraphs:
         self.seen: dict = {}
         self.failed: dict = {}
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "verified": 0, "failed": 0}
+        self._side = None  # stream for the pipelined token copies
 
     def _nb(self, n_blocks: int) -> int:
         return -(-int(n_blocks) // self.bucket) * self.bucket
@@ -599,8 +689,9 @@ class DecodeGraphs:
     def _fast_replay(self, pool, segs, e):
         """Steady state: host half into the pinned staging, two async copies, launch."""
         B = len(segs)
-        if e["staged"] is not None:
-            e["staged"].synchronize()  # the previous copies out of the staging buffers are done
+        for k in ("pos_staged", "staged"):  # the previous copies out of the staging buffers are done
+            if e[k] is not None:
+                e[k].synchronize()
         st = self.model.prepare_host(pool, segs, "decode", None, ple_out=e["host_emb"])
         hi = e["host_i64"]
         hi[:B] = st.ids
@@ -615,7 +706,8 @@ class DecodeGraphs:
                 with s:
                     buf[...] = src
         e["staged"] = s.record()
-        e["graph"].launch(stream=s)
+        e["head"].launch(stream=s)
+        e["tail"].launch(stream=s)
         self.stats["replays"] += 1
         return e["out"], e["tok"]
 
@@ -625,7 +717,8 @@ class DecodeGraphs:
             e["pos"][...] = st.pos_dev
             for i, buf in e["emb"].items():
                 buf[...] = st.emb[i]
-        e["graph"].launch(stream=self.stream)
+        e["head"].launch(stream=self.stream)
+        e["tail"].launch(stream=self.stream)
         self.stats["replays"] += 1
         return e["out"], e["tok"]
 
@@ -670,7 +763,8 @@ class DecodeGraphs:
              "emb": {i: a.copy() for i, a in st.emb.items()},
              "host_emb": {i: cupyx.empty_pinned(tuple(a.shape), np.float32) for i, a in st.emb.items()
                           if m.ple[i].mode == "pinned"},
-             "staged": None, "mem": cp.cuda.MemoryPool(), "checks": 0}
+             "tok_host": cupyx.empty_pinned((B,), np.int64),
+             "staged": None, "pos_staged": None, "mem": cp.cuda.MemoryPool(), "checks": 0}
         e["ids"][...] = st.ids_dev
         e["pos"][...] = st.pos_dev
         cst = Step()
@@ -685,15 +779,83 @@ class DecodeGraphs:
                 with cp.cuda.using_allocator(e["mem"].malloc):
                     self.stream.begin_capture()
                     try:
-                        out = m.run_step(pool, cst, segs)
+                        h = m.run_step(pool, cst, segs, part="head")
+                    finally:
+                        ga = self.stream.end_capture()
+                    self.stream.begin_capture()
+                    try:
+                        out = m.run_step(pool, cst, segs, part="tail", h=h)
                         tok = row_argmax(out)
                     finally:
-                        g = self.stream.end_capture()
+                        gb = self.stream.end_capture()
         except Exception as ex:  # an op that cannot be captured: run this key eagerly from now on
             self.failed[key] = f"{type(ex).__name__}: {ex}"[:200]
             self.stats["failed"] += 1
             return None
-        e["graph"], e["out"], e["tok"] = g, out, tok
+        e["head"], e["tail"], e["h"], e["out"], e["tok"] = ga, gb, h, out, tok
         self.entries[key] = e
         self.stats["captures"] += 1
         return e
+
+    def steady(self, segs):
+        """The captured and verified entry for this decode batch, or None."""
+        e = self.entries.get(self._key_of(segs)[0])
+        return e if e is not None and e["checks"] >= self.verify_replays else None
+
+    def pipelined_step(self, pool, seqs, e, prev_done, known=None):
+        """One greedy step whose token ids are the previous step's device argmax (``e['tok']``), launched
+        before the host has read them: the head graph (embedding + layers before the first host-PLE layer)
+        runs while the host copies the previous tokens out, hashes their n-grams, gathers the PLE rows and
+        uploads them; then the tail graph. Sequence lengths must already count the previous step.
+
+        Args:
+            seqs: the batch (same slab rows as ``e``'s key; pages are reserved here).
+            e: the steady entry of this batch (:meth:`steady`), whose last replay produced ``e['tok']``.
+            prev_done: the event recorded after the previous step's tail.
+            known: the previous tokens when the host already has them (no copy is made then).
+        Returns:
+            (host int64 ``[B]`` previous tokens = this step's inputs, event after this step's tail).
+        """
+        cp, s, m = self.cp, self.stream, self.model
+        B = len(seqs)
+        for q in seqs:
+            pool.reserve(q, 1)
+        for k in ("pos_staged", "staged"):  # earlier copies out of the pinned staging are done
+            if e[k] is not None:
+                e[k].synchronize()
+        hi = e["host_i64"]
+        hi[B:] = [q.length for q in seqs]
+        e["pos"].set(hi[B:], stream=s)
+        with s:
+            e["ids"][...] = e["tok"]  # device feedback: this step's inputs are the previous argmax
+        e["pos_staged"] = s.record()
+        e["head"].launch(stream=s)
+        fetched = None
+        if known is not None:
+            toks = np.asarray(known, dtype=np.int64)
+        else:  # the previous tokens to the host on a side stream (ordered after the previous tail only)
+            if self._side is None:
+                self._side = cp.cuda.Stream(non_blocking=True)
+            side = self._side
+            side.wait_event(prev_done)
+            e["tok"].get(stream=side, out=e["tok_host"])
+            fetched = side.record()
+            fetched.synchronize()
+            m.syncs.count += 1
+            toks = np.array(e["tok_host"], copy=True)
+        segs = [Segment(q, toks[j:j + 1]) for j, q in enumerate(seqs)]
+        st = m.prepare_host(pool, segs, "decode", None, ple_out=e["host_emb"])
+        for i, buf in e["emb"].items():
+            src = st.emb[i]
+            if isinstance(src, np.ndarray):
+                buf.set(src, stream=s)
+            else:
+                with s:
+                    buf[...] = src
+        e["staged"] = s.record()
+        if fetched is not None:
+            s.wait_event(fetched)  # the tail rewrites e['tok'] only after the copy above read it
+        e["tail"].launch(stream=s)
+        self.stats["replays"] += 1
+        return toks, s.record()
+

@@ -283,6 +283,29 @@ class PLETable:
                 self._table[a:b] = xp.asarray(self._host_rows(np.arange(a, b, dtype=np.int64)))
         elif self.mode == "unified":
             self._setup_unified()
+        self.resident = False
+        if self.mode == "pinned":
+            self.resident = self.make_resident()
+
+    def make_resident(self, limit_bytes: int | None = None) -> bool:
+        """Copy a host-resident table into process memory when it is at most ``limit_bytes`` (default
+        ``$QWEN4EXP_PLE_RESIDENT_BYTES`` or 8 GiB), so a decode step's row gather reads RAM instead of
+        the memory-mapped file: a row read through the map costs a page-cache access (measured ~10 us per
+        row in the sandboxed H200 machine, where a batch of 16 reads 256 rows). Larger tables (the real
+        model's ~100 GB) stay memory-mapped. Returns whether the table was copied."""
+        import os
+        if self.mode not in ("numpy", "pinned"):
+            return False
+        if limit_bytes is None:
+            limit_bytes = int(os.environ.get("QWEN4EXP_PLE_RESIDENT_BYTES", 8 << 30))
+        if self._shards is None:
+            self._shards = table_shards(self.ck, self.layer)
+        sh = self._shards
+        if sum(int(a.nbytes) for a in sh.arrays) > limit_bytes:
+            return False
+        self._shards = TableShards(tuple(np.array(a, copy=True) for a in sh.arrays), sh.starts, sh.codes, sh.scales,
+                                   sh.head_dim)
+        return True
 
     def _setup_unified(self) -> None:
         """Wrap each shard's mapped host address as device memory (owner = the host view, which keeps the

@@ -174,3 +174,40 @@ def test_generation_greedy_uses_device_argmax_and_matches_logits_path():
     lm.step_greedy = second_best
     wrong = G.Generator(lm, tok).generate_batch(prompts, params)
     assert [r.token_ids for r in wrong] != [r.token_ids for r in slow]
+
+
+def test_decode_greedy_steps_equals_repeated_decode_greedy():
+    a, b = _engine(), _engine()
+    V = a.config.vocab_size
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, V, n) for n in (3, 8)]
+    sa = [a.add_sequence() for _ in prompts]
+    sb = [b.add_sequence() for _ in prompts]
+    for x, y, p in zip(sa, sb, prompts):
+        a.prefill(x, p)
+        b.prefill(y, p)
+    first = rng.integers(0, V, 2)
+    times = []
+    got = a.decode_greedy_steps(sa, first, 5, step_times=times)
+    want, t = [], first
+    for _ in range(5):
+        t = b.decode_greedy(sb, t)
+        want.append(t)
+    assert got.shape == (5, 2) and got.tolist() == np.stack(want).tolist()
+    assert len(times) == 5 and all(x > 0 for x in times)
+    assert [s.length for s in sa] == [s.length for s in sb]
+    with pytest.raises(InputError, match="steps"):
+        a.decode_greedy_steps(sa, first, 0)
+
+
+def test_make_resident_copies_small_tables_only_and_rows_are_unchanged():
+    from engine.ple_table import PLETable
+    ck = Checkpoint.open(FIXTURES / "tiny")
+    layer = ck.config.ple_layers[0]
+    t = PLETable(ck, layer, np)
+    rows = np.random.default_rng(12).integers(0, t.rows_total, (4, 3))
+    before = t.gather_host(rows)
+    assert t.make_resident(limit_bytes=0) is False  # over the limit: stays mapped
+    assert t.make_resident() is True
+    assert all(a.base is None or not isinstance(a.base, np.memmap) for a in t._shards.arrays)
+    np.testing.assert_array_equal(t.gather_host(rows), before)

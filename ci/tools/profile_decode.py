@@ -70,11 +70,18 @@ def main():
             ts.append(time.perf_counter() - t1)
         m.prepare_host = orig_ph
         med = {"decode_greedy_wall": float(np.median(ts)) * 1e6, "prepare_host": float(np.median(prep_t)) * 1e6}
+        pt = []
+        toks = eng.decode_greedy_steps(seqs, toks, args.steps, step_times=pt)[-1]
+        med["pipelined_step_events"] = float(np.median(pt[1:])) * 1e6
+        t1 = time.perf_counter()
+        toks = eng.decode_greedy_steps(seqs, toks, args.steps)[-1]
+        med["pipelined_wall_per_step"] = (time.perf_counter() - t1) / args.steps * 1e6
         e = next(x for x in g.entries.values() if len(x["host_i64"]) == 2 * B)
         tl = []
         for _ in range(args.steps):
             e0 = cp.cuda.Event(); e0.record(g.stream)
-            e["graph"].launch(stream=g.stream)
+            e["head"].launch(stream=g.stream)
+            e["tail"].launch(stream=g.stream)
             e1 = cp.cuda.Event(); e1.record(g.stream)
             e1.synchronize()
             tl.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
@@ -96,6 +103,11 @@ def main():
             toks = np.argmax(lg, -1).astype(np.int64)
             ts.append(time.perf_counter() - t1)
         med["eng.decode+host_argmax"] = float(np.median(ts)) * 1e6
+        # per-component device time: each component captured alone as a CUDA graph and replayed
+        try:
+            med["component_graph_us"] = component_graph_times(cp, eng, seqs, toks)
+        except Exception as ex:  # a dev tool: report and go on
+            med["component_graph_us"] = f"failed: {type(ex).__name__}: {ex}"
         # eager per-component split (device events around each; launch-bound parts show launch time)
         comp = {}
         orig = {}
@@ -167,8 +179,60 @@ def main():
         for q in seqs:
             eng.free(q)
         res[B] = med
-        print(f"B={B}: " + json.dumps(med, indent=1), flush=True)
+        print(f"B={B}: " + json.dumps(med), flush=True)
     print("stats", g.stats)
+
+
+def component_graph_times(cp, eng, seqs, toks, reps=20):
+    """Device microseconds of each decode component at this batch, each captured alone as a graph."""
+    from engine.kernels import linear as K_lin
+    from engine.kernels import norms as K_norms
+    from engine.model import Segment
+    m, pool, c = eng.model, eng.pool, eng.config
+    segs = [Segment(s, [int(t)]) for s, t in zip(seqs, toks)]
+    for s in segs:
+        pool.reserve(s.seq, 1)
+    st = m.prepare_step(pool, segs, "decode", None)
+    m._pool = pool
+    B, H = len(segs), c.hidden_size
+    h = cp.random.standard_normal((B, c.hc_count * H), dtype=cp.float32) * 0.1
+    x = cp.random.standard_normal((B, H), dtype=cp.float32) * 0.1
+    inj = cp.random.standard_normal((B, c.hc_count), dtype=cp.float32)
+    comps = {"embed": lambda: m._embed(st.ids_dev),
+             "lm_head": lambda: K_lin.linear(x, m.w["lm_head.weight"]),
+             "hc_combine": lambda: K_norms.hc_combine(h, x, inj)}
+    for i, lt in enumerate(c.layer_types):
+        p = f"layers.{i}."
+        comps[f"{i}.hc_pre"] = (lambda p=p: m._hc_pre(p + "attn_hyper_connection.", h, None, st.positions))
+        if lt == "linear_attention":
+            comps[f"{i}.gdn"] = (lambda i=i: m._gdn(i, x, segs, st))
+        else:
+            comps[f"{i}.qsa"] = (lambda i=i: m._qsa(i, x, st, pool))
+        comps[f"{i}.moe"] = (lambda i=i: m._moe(i, x, None, st.positions))
+        if i in m.ple:
+            comps[f"{i}.ple"] = (lambda i=i: m._ple(i, h, segs, st))
+    out = {}
+    s = cp.cuda.Stream()
+    for name, f in comps.items():
+        f()  # compile / warm
+        cp.cuda.Device().synchronize()
+        with s:
+            s.begin_capture()
+            try:
+                f()
+            finally:
+                g = s.end_capture()
+        g.launch(stream=s)
+        ts = []
+        for _ in range(reps):
+            a0 = cp.cuda.Event(); a0.record(s)
+            g.launch(stream=s)
+            a1 = cp.cuda.Event(); a1.record(s)
+            a1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
+        out[name] = round(float(np.median(ts)), 1)
+    out["sum"] = round(sum(v for v in out.values()), 1)
+    return out
 
 
 if __name__ == "__main__":

@@ -232,11 +232,12 @@ def moe_experts(x, ids, weights, gate_up, down, *, route: MoERoute | None = None
     return _combine(y, route, weights, shared, shared_gate, T=T, k=k, H=H)
 
 
-def shared_expert(x, gate_proj, up_proj, down_proj):
+def shared_expert(x, gate_proj, up_proj, down_proj, gate_up=None):
     """``down(silu(gate x) * up x)`` (``Qwen4ExpTextMLP.forward``).
 
     Args:
         x: ``[T, H]``; gate_proj, up_proj: ``[Is, H]``; down_proj: ``[H, Is]``.
+        gate_up: optional (cupy) ``[2 * Is, H]``: gate_proj and up_proj stacked (one GEMV launch).
     Returns:
         ``[T, H]`` float32.
     """
@@ -245,10 +246,11 @@ def shared_expert(x, gate_proj, up_proj, down_proj):
         dt = compute_dtype(x)
         return _ref_moe.swiglu(x.astype(dt, copy=False), weight_as_float(gate_proj, dt),
                                weight_as_float(up_proj, dt), weight_as_float(down_proj, dt))
-    g = linear(x, gate_proj)
-    u = linear(x, up_proj)
-    gu = xp.concatenate([g, u], axis=1)
-    h = _swiglu(gu, g.shape[1])
+    if gate_up is not None:
+        gu = linear(x, gate_up)  # [T, 2 Is]: gate columns then up columns, the layout _swiglu reads
+    else:
+        gu = xp.concatenate([linear(x, gate_proj), linear(x, up_proj)], axis=1)
+    h = _swiglu(gu, gate_proj.shape[0])
     return linear(h, down_proj)
 
 
@@ -264,7 +266,7 @@ class MoEOut:
 
 
 def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bool = True, shared_gate_proj=None,
-              shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None) -> MoEOut:
+              shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None, shared_gate_up=None) -> MoEOut:
     """The sparse MoE block (``Qwen4ExpTextSparseMoeBlock.forward``): router, routed experts, shared
     expert gated by ``sigmoid(shared_expert_gate x)``.
 
@@ -275,6 +277,7 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
         top_k, norm_topk_prob: the config's ``num_experts_per_tok`` / ``norm_topk_prob``.
         shared_gate_proj, shared_up_proj: ``[Is, H]``; shared_down_proj: ``[H, Is]``;
         shared_expert_gate: ``[1, H]``. All four or none.
+        shared_gate_up: optional stacked ``[2 * Is, H]`` (see :func:`shared_expert`).
     Returns:
         :class:`MoEOut`.
     Raises:
@@ -288,7 +291,7 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
     ids, w = router_topk(logits, top_k, norm_topk_prob)
     shared = sg = None
     if shared_gate_proj is not None:
-        shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj)
+        shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
         sg = linear(x, shared_expert_gate)
     out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

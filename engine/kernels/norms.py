@@ -162,7 +162,8 @@ class HCOut:
     injection_weights: object
 
 
-def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_count: int, eps: float) -> HCOut:
+def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_count: int, eps: float,
+           down_inject=None) -> HCOut:
     """Hyper-connection input side (``Qwen4ExpTextGatedResidual.forward``).
 
     ``n = rmsnorm_grouped(x, group=H)``; ``a = silu(n @ down.T / hc)``; ``m = sigmoid(a @ up.T)``;
@@ -175,6 +176,9 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
         up_weight: ``[hc_count * H, hc_lowrank]`` (``input_mix_weight_up.weight``).
         inject_weight: ``[hc_count, hc_count * H]`` (``block_inject_weight.weight``) or None.
         hc_count: streams; eps: ``rms_norm_eps``.
+        down_inject: optional (cupy) ``[hc_lowrank + hc_count, hc_count * H]``: ``down_weight`` and
+            ``inject_weight`` stacked in one matrix (the engine's fused layout; both read the same normed
+            input, so one GEMV launch serves both). The per-row products are those of the separate weights.
     Returns:
         :class:`HCOut` (arrays on the device of ``x``).
     Raises:
@@ -195,7 +199,13 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
             hc_count, H, eps)
         return HCOut(mixed=mixed, injection_weights=inj)
     normed = rms_norm(x, norm_weight, eps=eps, group_size=H)
-    a = act_div(linear(normed, down_weight), float(hc_count), "silu")
+    r = down_weight.shape[0]
+    di = None
+    if down_inject is not None and inject_weight is not None:
+        di = linear(normed, down_inject)  # [T, r + hc]
+        a = act_div(di[:, :r], float(hc_count), "silu")
+    else:
+        a = act_div(linear(normed, down_weight), float(hc_count), "silu")
     mpre = linear(a, up_weight)
     mixed = _empty(xp, (T, H), dtype=xp.float32)
     n = T * H
@@ -204,7 +214,7 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
             (-(-n // 256),), (256,), (mpre, normed, mixed, np.int64(T), np.int32(hc_count), np.int32(H)))
     inj = None
     if inject_weight is not None:
-        inj = act_div(linear(normed, inject_weight), float(hc_count), "inject")
+        inj = act_div(di[:, r:] if di is not None else linear(normed, inject_weight), float(hc_count), "inject")
     return HCOut(mixed=mixed, injection_weights=inj)
 
 

@@ -354,13 +354,13 @@ def run_engine(spec: dict) -> dict:
         graphs = getattr(eng, "graphs", None)
         warm_d = max(warm, 1 + int(getattr(graphs, "verify_replays", 0))) if graphs is not None else warm
         try:
-            for s in range(warm_d + D):
-                h0 = eng.host_syncs
-                with timer() as t:  # a greedy step: argmax on the device, B token ids copied back
-                    toks = eng.decode_greedy(seqs, toks)
-                syncs.append(eng.host_syncs - h0)
-                if s >= warm_d:
-                    steps.append(t.seconds)
+            # greedy steps, pipelined once the batch's graphs are steady (Engine.decode_greedy_steps); each
+            # step's duration is taken between device events at the ends of consecutive steps
+            if warm_d:
+                toks = eng.decode_greedy_steps(seqs, toks, warm_d)[-1]
+            h0 = eng.host_syncs
+            eng.decode_greedy_steps(seqs, toks, D, step_times=steps)
+            syncs = [0.0] * warm_d + [(eng.host_syncs - h0) / D] * D
         finally:
             for q in seqs:
                 eng.free(q)
