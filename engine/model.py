@@ -605,10 +605,24 @@ class EngineModel:
         core = K_qsa.qsa_sparse_attention(qq, pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, n_vis, sel, r, ps,
                                           hd ** -0.5).reshape(T, nh * hd)
         self._emit(rec, q + "core_out", core, positions)
-        gated = core * (1.0 / (1.0 + xp.exp(-gate)))
+        gated = _sigmoid_gate(xp)(core, gate)  # core * sigmoid(gate), one fused kernel
         out = K_lin.linear(gated, w[q + "o_proj.weight"])
         self._emit(rec, q + "out", out, positions)
         return out
+
+
+_SIGMOID_GATE = {}
+
+
+def _sigmoid_gate(xp):
+    """``core * (1 / (1 + exp(-gate)))`` elementwise: one cupy ElementwiseKernel (float32), or NumPy."""
+    if xp is np:
+        return lambda core, gate: core * (1.0 / (1.0 + np.exp(-gate)))
+    if "k" not in _SIGMOID_GATE:
+        _SIGMOID_GATE["k"] = xp.ElementwiseKernel("float32 core, float32 gate", "float32 out",
+                                                  "out = core * (1.0f / (1.0f + expf(-gate)));",
+                                                  "qwen4exp_sigmoid_gate")
+    return _SIGMOID_GATE["k"]
 
 
 class DecodeGraphs:
@@ -644,7 +658,7 @@ class DecodeGraphs:
         self.entries: dict = {}
         self.seen: dict = {}
         self.failed: dict = {}
-        self.stats = {"eager": 0, "captures": 0, "replays": 0, "verified": 0, "failed": 0}
+        self.stats = {"eager": 0, "captures": 0, "replays": 0, "verified": 0, "failed": 0, "pipelined": 0}
         self._side = None  # stream for the pipelined token copies
 
     def _nb(self, n_blocks: int) -> int:
@@ -857,5 +871,6 @@ class DecodeGraphs:
             s.wait_event(fetched)  # the tail rewrites e['tok'] only after the copy above read it
         e["tail"].launch(stream=s)
         self.stats["replays"] += 1
+        self.stats["pipelined"] += 1
         return toks, s.record()
 

@@ -303,8 +303,13 @@ class PLETable:
         sh = self._shards
         if sum(int(a.nbytes) for a in sh.arrays) > limit_bytes:
             return False
-        self._shards = TableShards(tuple(np.array(a, copy=True) for a in sh.arrays), sh.starts, sh.codes, sh.scales,
-                                   sh.head_dim)
+        if len(set(sh.codes.tolist())) == 1 and len(set(sh.scales.tolist())) == 1:
+            # one dtype and scale: one array in global row order (one fancy index per gather, no shard search)
+            self._shards = TableShards((np.concatenate(sh.arrays, axis=0),), np.array([0, sh.starts[-1]], np.int64),
+                                       sh.codes[:1].copy(), sh.scales[:1].copy(), sh.head_dim)
+        else:
+            self._shards = TableShards(tuple(np.array(a, copy=True) for a in sh.arrays), sh.starts, sh.codes,
+                                       sh.scales, sh.head_dim)
         return True
 
     def _setup_unified(self) -> None:

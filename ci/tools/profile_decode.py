@@ -232,6 +232,30 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
             ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
         out[name] = round(float(np.median(ts)), 1)
     out["sum"] = round(sum(v for v in out.values()), 1)
+    from engine.kernels import moe as K_moe
+    keep = K_moe.DECODE_ROWS_PER_TILE
+    i0 = 0
+    for rpt in (1, 4, 16):
+        K_moe.DECODE_ROWS_PER_TILE = rpt
+        f = (lambda: m._moe(i0, x, None, st.positions))
+        f()
+        cp.cuda.Device().synchronize()
+        with s:
+            s.begin_capture()
+            try:
+                f()
+            finally:
+                g = s.end_capture()
+        g.launch(stream=s)
+        ts = []
+        for _ in range(reps):
+            a0 = cp.cuda.Event(); a0.record(s)
+            g.launch(stream=s)
+            a1 = cp.cuda.Event(); a1.record(s)
+            a1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
+        out[f"moe_rpt{rpt}"] = round(float(np.median(ts)), 1)
+    K_moe.DECODE_ROWS_PER_TILE = keep
     return out
 
 

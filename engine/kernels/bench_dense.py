@@ -1,7 +1,9 @@
 """Benchmark of the dense CUDA kernels at the real model widths (hidden 2560, 512 experts top-10 of
 width 640, hc_count 4, hc_lowrank 320, PLE 16 heads x 160).
 
-Run on a GPU: ``python -m engine.kernels.bench_dense [--json OUT]``. Times are CUDA-event medians
+Run on a GPU: ``python -m engine.kernels.bench_dense [--json OUT]``. The ``gemv_bf16_mma_*`` /
+``gemv_bf16_fma_*`` rows time the BF16 GEMV at 4 and 16 rows with the tensor-core kernel
+(``dense_linear_mma.cu``) and with the float32-FMA kernel (``linear.MMA_GEMV_ENABLED`` off). Times are CUDA-event medians
 over repeated launches on fresh random (never zero) data; bandwidth figures count the bytes each
 kernel must move at least (weights + activations) and are compared with a device-to-device copy
 measured in the same run (read + write bytes / time).
@@ -98,6 +100,21 @@ def main(argv=None) -> int:
             res[f"{label}_M{m}_GBps"] = gbs
             res[f"{label}_M{m}_frac_of_copy"] = gbs / copy_gbs
         res[f"{label}_tokrate_M16_over_M1"] = 16 * res[f"{label}_M1_us"] / res[f"{label}_M16_us"]
+        # GEMV BF16 MMA (tensor-core kernel, dense_linear_mma.cu) vs the float32-FMA GEMV at 4/16 rows
+        for m in (4, 16):
+            x = rs.standard_normal((m, K), dtype=cp.float32)
+            y = cp.empty((m, Nn), cp.float32)
+            prev = L.MMA_GEMV_ENABLED
+            try:
+                for on, tag in ((True, "mma"), (False, "fma")):
+                    L.MMA_GEMV_ENABLED = on
+                    t = _timer(cp, lambda: L.linear(x, w, out=y))
+                    res[f"gemv_bf16_{tag}_{label[5:]}_M{m}_us"] = t * 1e6
+                    res[f"gemv_bf16_{tag}_{label[5:]}_M{m}_GBps"] = (w.nbytes + x.nbytes + y.nbytes) / t / 1e9
+            finally:
+                L.MMA_GEMV_ENABLED = prev
+            res[f"gemv_bf16_mma_{label[5:]}_M{m}_speedup"] = (res[f"gemv_bf16_fma_{label[5:]}_M{m}_us"]
+                                                               / res[f"gemv_bf16_mma_{label[5:]}_M{m}_us"])
         del w
     # fp32 weights GEMV
     w = rs.standard_normal((32768, H), dtype=cp.float32)

@@ -70,6 +70,9 @@ def gdn_gates(a, b, A_log, dt_bias):
     _shape("gdn_gates: A_log", A_log, (a.shape[1],))
     _shape("gdn_gates: dt_bias", dt_bias, (a.shape[1],))
     dt = np.float64 if a.dtype == np.float64 else np.float32
+    if xp is not np and dt == np.float32:  # one fused elementwise kernel (decode: ~13 separate cupy kernels)
+        return _gates_kernel(xp)(a.astype(dt, copy=False), b.astype(dt, copy=False), A_log.astype(dt, copy=False),
+                                 dt_bias.astype(dt, copy=False))
     x = a.astype(dt) + dt_bias.astype(dt)[None, :]
     if xp is np:  # NumPy twin: the reference's own nonlinearities
         return (-np.exp(A_log.astype(dt))[None, :] * softplus(x)).astype(dt), sigmoid(b.astype(dt))
@@ -77,6 +80,23 @@ def gdn_gates(a, b, A_log, dt_bias):
     g = (-xp.exp(A_log.astype(dt))[None, :] * sp).astype(dt)
     beta = (1 / (1 + xp.exp(-b.astype(dt)))).astype(dt)
     return g, beta
+
+
+_GATES = {}
+
+
+def _gates_kernel(cp):
+    """The float32 ``gdn_gates`` as one cupy ElementwiseKernel (same operations, same order, float32)."""
+    if "k" not in _GATES:
+        _GATES["k"] = cp.ElementwiseKernel(
+            "float32 a, float32 b, float32 A_log, float32 dt_bias", "float32 g, float32 beta",
+            """
+            const float x = a + dt_bias;
+            const float sp = x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f)));
+            g = -expf(A_log) * sp;
+            beta = 1.0f / (1.0f + expf(-b));
+            """, "qwen4exp_gdn_gates")
+    return _GATES["k"]
 
 
 # --------------------------------------------------------------------------------------------- causal conv

@@ -15,6 +15,8 @@ modeling_qwen4_exp.py (e.g. ``Qwen4ExpTextMLP.forward``, ``Qwen4ExpTextExperts.f
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
@@ -22,7 +24,8 @@ from engine.kernels.dense_common import NULL_PTR, kernel, ptr_or_null, sm_count
 from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
                                          same_device, weight_as_float, weight_kind)
 
-__all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows"]
+__all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows",
+           "MMA_GEMV_ENABLED", "dense_kernel_choice"]
 
 #: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
 GEMV_MAX_ROWS = 16
@@ -30,6 +33,10 @@ GEMV_MAX_ROWS = 16
 GEMM_TILE_ROWS = 64
 _GEMV_WARPS = 8  # rows of W per GEMV block (one warp each)
 _GEMM_BN = 64
+#: The tensor-core GEMV (``cuda/dense_linear_mma.cu``) for BF16 weights and 2..16 rows per weight pass;
+#: ``QWEN4EXP_MMA_GEMV=0`` in the environment (read once, at import) turns it off (the float32-FMA GEMV
+#: of ``dense_linear.cu`` is used instead). Tests may monkeypatch this flag.
+MMA_GEMV_ENABLED = os.environ.get("QWEN4EXP_MMA_GEMV", "1").strip() != "0"
 
 
 def gemv_tile_rows(m: int) -> int:
@@ -171,14 +178,10 @@ def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M
     if rpt <= GEMV_MAX_ROWS:
         if rpt not in (1, 4, 16):
             raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
-        vec = (K % 8 == 0) and (w.data.ptr % 16 == 0) and (x.data.ptr % 16 == 0)
-        r = 1 if rpt == 1 else 4
-        # short/wide matrices (few row blocks for the SMs): 8 warps split K of one row instead
-        ks = 8 if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sm_count() else 1
-        if ks == 8:
-            r = 1
-        fn = kernel("dense_linear.cu", f"gemv_{wname}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}")
-        grid = (-(-N // ((_GEMV_WARPS // ks) * r)), grid_y, 1)
+        aligned = (w.data.ptr % 16 == 0) and (x.data.ptr % 16 == 0)
+        fname, kname, grid_x = dense_kernel_choice(kind, rpt, N, K, grid_y, aligned=aligned)
+        fn = kernel(fname, kname)
+        grid = (grid_x, grid_y, 1)
     else:
         if rpt != GEMM_TILE_ROWS:
             raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
@@ -188,3 +191,45 @@ def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M
         raise KernelInputError(f"rows: {M} rows need {grid[1]} tiles, above the grid limit 65535; use smaller chunks")
     fn(grid, (256, 1, 1), (x, ptr_or_null(row_index), w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2], tbl[3],
                            np.int32(M), np.int32(N), np.int32(K)))
+
+
+def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, aligned: bool = True,
+                        sms: int | None = None, mma: bool | None = None) -> tuple[str, str, int]:
+    """Which GEMV kernel a launch uses (pure host logic; the bench and the tests query it).
+
+    Args:
+        kind: weight kind, ``'bf16'`` or ``'f32'`` (:func:`engine.kernels.dense_common.weight_kind`).
+        rpt: activation rows per weight pass (``gemv_tile_rows(M)`` or ``GroupTiles.rows_per_tile``): 1, 4, 16.
+        N, K: weight shape ``[N, K]``.
+        grid_y: number of row tiles launched (``ceil(M / rpt)``, or ``GroupTiles.max_tiles``).
+        aligned: the weight and activation device pointers are 16-byte aligned.
+        sms: streaming multiprocessors (default: the current GPU's, 1 without one).
+        mma: use the tensor-core GEMV when eligible (default :data:`MMA_GEMV_ENABLED`).
+    Returns:
+        ``(cuda file, kernel name, grid x)``. The tensor-core kernel (``dense_linear_mma.cu``) is chosen
+        for BF16 weights, ``rpt`` 4 or 16 (2..16 rows), ``K % 32 == 0`` and aligned pointers; otherwise
+        the float32-FMA GEMV of ``dense_linear.cu``. Short, wide matrices (few row blocks for the SMs)
+        get the split-K (``ks8``) variants; the tensor-core kernel's own rule is in the code below.
+    Raises:
+        KernelInputError: ``rpt`` not 1, 4 or 16.
+    """
+    if rpt not in (1, 4, 16):
+        raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
+    sms = sm_count() if sms is None else int(sms)
+    use_mma = MMA_GEMV_ENABLED if mma is None else bool(mma)
+    if use_mma and kind == "bf16" and rpt in (4, 16) and K % 32 == 0 and aligned:
+        # one warp = 16 weight rows; a block of 8 warps covers 128 rows and shares the activation split
+        # (_sx); with fewer such blocks than half the SMs (measured faster there) 8 warps split K (ks8)
+        nt = 8 if rpt == 4 else 16
+        if -(-N // (_GEMV_WARPS * 16)) * grid_y < sms / 2:
+            return ("dense_linear_mma.cu", f"gemv_bf16_mma_nt{nt}_ks8_mt1", -(-N // 16))
+        return ("dense_linear_mma.cu", f"gemv_bf16_mma_nt{nt}_ks1_mt1_sx", -(-N // (_GEMV_WARPS * 16)))
+    wname = "bf16" if kind == "bf16" else "f32"
+    vec = (K % 8 == 0) and aligned
+    r = 1 if rpt == 1 else 4
+    # short/wide matrices (few row blocks for the SMs): 8 warps split K of one row instead
+    ks = 8 if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sms else 1
+    if ks == 8:
+        r = 1
+    return ("dense_linear.cu", f"gemv_{wname}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}",
+            -(-N // ((_GEMV_WARPS // ks) * r)))

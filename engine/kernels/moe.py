@@ -95,11 +95,19 @@ class MoERoute:
     rows_per_tile: int
 
 
+#: slots per tile for batched decode (2..16 tokens): 1 reads an expert once per token routed to it; 4 (default) or 16
+#: read it once per tile of tokens (tensor-core GEMV). ``$QWEN4EXP_MOE_DECODE_RPT`` (1, 4 or 16).
+DECODE_ROWS_PER_TILE = int(__import__("os").environ.get("QWEN4EXP_MOE_DECODE_RPT", "4"))
+
+
 def _rows_per_tile(T: int, k: int, E: int) -> int:
-    """Decode (T <= 16): one slot per tile (GEMV). Prefill: 16-row GEMV tiles while experts average
-    <= 32 rows (weights read once per 16 rows, little padding), 64-row GEMM tiles above."""
-    if T <= GEMV_MAX_ROWS:
+    """Decode: one token: one slot per tile (GEMV); 2..16 tokens: :data:`DECODE_ROWS_PER_TILE`. Prefill:
+    16-row GEMV tiles while experts average <= 32 rows (weights read once per 16 rows, little padding),
+    64-row GEMM tiles above."""
+    if T <= 1:
         return 1
+    if T <= GEMV_MAX_ROWS:
+        return DECODE_ROWS_PER_TILE if DECODE_ROWS_PER_TILE in (1, 4, 16) else 1
     return GEMV_MAX_ROWS if T * k <= 32 * E else GEMM_TILE_ROWS
 
 

@@ -42,6 +42,20 @@ def row_argmax(logits, out=None):
         return r
     x = logits if logits.flags.c_contiguous else xp.ascontiguousarray(logits)
     y = out if out is not None else xp.empty((B,), dtype=xp.int64)
-    if B:
+    if not B:
+        return y
+    P = min(_MAX_PARTS, max(1, -(-V // _PART_MIN)))
+    if P == 1:
         kernel("sampling.cu", "row_argmax")((B,), (1024,), (x, np.int64(V), y))
+        return y
+    chunk = -(-V // P)
+    pv = xp.empty((B, P), dtype=xp.float32)
+    pi = xp.empty((B, P), dtype=xp.int64)
+    kernel("sampling.cu", "row_argmax_partial")((P, B), (256,), (x, np.int64(V), np.int64(chunk), pv, pi))
+    threads = 1 << max(5, (P - 1).bit_length())
+    kernel("sampling.cu", "row_argmax_final")((B,), (threads,), (pv, pi, np.int32(P), np.int64(V), y))
     return y
+
+
+_PART_MIN = 4096  # entries per partial block at least (below that one block per row is as fast)
+_MAX_PARTS = 128  # partial blocks per row at most (<= 1024, the final kernel's block)

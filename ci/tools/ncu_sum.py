@@ -1,0 +1,22 @@
+"""Summarise an ncu --csv gpu__time_duration report by kernel name (dev tool)."""
+import csv
+import sys
+from collections import defaultdict
+
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+hdr = rows[0]
+ki, vi = hdr.index("Kernel Name"), hdr.index("Metric Value")
+tot, cnt = defaultdict(float), defaultdict(int)
+for r in rows[1:]:
+    try:
+        v = float(r[vi].replace(",", ""))
+    except ValueError:
+        continue
+    name = r[ki].split("(")[0][:60]
+    tot[name] += v
+    cnt[name] += 1
+unit = hdr and rows[1][hdr.index("Metric Unit")] if len(rows) > 1 else "?"
+s = sum(tot.values())
+print(f"kernels {sum(cnt.values())}, total {s:.0f} {unit}")
+for k, v in sorted(tot.items(), key=lambda x: -x[1])[:40]:
+    print(f"{v:10.0f} {cnt[k]:4d}  {k}")
