@@ -633,6 +633,11 @@ class DecodeGraphs:
     so a wider row selects exactly the same blocks). The graph computes the logits and their row argmax
     (the greedy next tokens) into static device buffers.
 
+    Memory: both graphs allocate from the entry's private pool, in which the tail's temporaries may reuse
+    the head's addresses (they run in order); what must outlive a step while the next head runs (the
+    argmax tokens) is allocated outside that pool. The logits of a pipelined step may be overwritten by
+    the next step's head: only :meth:`Engine.decode_greedy` (not pipelined) exposes them.
+
     Steady-state step (a key's graph captured and verified): the host half
     (:meth:`EngineModel.prepare_host`: token ids, positions, n-gram hashing, PLE row gather) writes into the
     graph's own pinned staging buffers, two asynchronous host->device copies fill its static inputs
@@ -781,6 +786,9 @@ class DecodeGraphs:
              "staged": None, "pos_staged": None, "mem": cp.cuda.MemoryPool(), "checks": 0}
         e["ids"][...] = st.ids_dev
         e["pos"][...] = st.pos_dev
+        # the tokens outlive the step (the pipelined loop copies them out while the next head runs), so they
+        # must not live in the graphs' pool, where the head's temporaries may take the same addresses
+        e["tok"] = cp.empty((B,), np.int64)
         cst = Step()
         cst.mode, cst.rec, cst.positions, cst.slabs = "decode", None, st.positions, st.slabs
         cst.ids_dev, cst.pos_dev, cst.emb = e["ids"], e["pos"], e["emb"]
@@ -799,7 +807,7 @@ class DecodeGraphs:
                     self.stream.begin_capture()
                     try:
                         out = m.run_step(pool, cst, segs, part="tail", h=h)
-                        tok = row_argmax(out)
+                        tok = row_argmax(out, out=e["tok"])
                     finally:
                         gb = self.stream.end_capture()
         except Exception as ex:  # an op that cannot be captured: run this key eagerly from now on
