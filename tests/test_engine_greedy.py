@@ -49,16 +49,22 @@ def _engine(name="tiny", **kw):
     return Engine(Checkpoint.open(FIXTURES / name), precision="float32", device="cpu", max_seqs=4, **kw)
 
 
-def test_decode_greedy_is_argmax_of_decode():
+def _twin_engines(seed, lengths):
+    """Two identical CPU engines with the same prompts prefilled: ``(a, seqs_a, b, seqs_b, rng, V)``."""
     a, b = _engine(), _engine()
     V = a.config.vocab_size
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, V, n) for n in (4, 9)]
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, V, n) for n in lengths]
     sa = [a.add_sequence() for _ in prompts]
     sb = [b.add_sequence() for _ in prompts]
     for x, y, p in zip(sa, sb, prompts):
         a.prefill(x, p)
         b.prefill(y, p)
+    return a, sa, b, sb, rng, V
+
+
+def test_decode_greedy_is_argmax_of_decode():
+    a, sa, b, sb, rng, V = _twin_engines(2, (4, 9))
     tok = rng.integers(0, V, 2)
     tb = tok.copy()
     for _ in range(6):
@@ -177,15 +183,7 @@ def test_generation_greedy_uses_device_argmax_and_matches_logits_path():
 
 
 def test_decode_greedy_steps_equals_repeated_decode_greedy():
-    a, b = _engine(), _engine()
-    V = a.config.vocab_size
-    rng = np.random.default_rng(6)
-    prompts = [rng.integers(0, V, n) for n in (3, 8)]
-    sa = [a.add_sequence() for _ in prompts]
-    sb = [b.add_sequence() for _ in prompts]
-    for x, y, p in zip(sa, sb, prompts):
-        a.prefill(x, p)
-        b.prefill(y, p)
+    a, sa, b, sb, rng, V = _twin_engines(6, (3, 8))
     first = rng.integers(0, V, 2)
     times = []
     got = a.decode_greedy_steps(sa, first, 5, step_times=times)
