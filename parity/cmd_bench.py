@@ -93,7 +93,22 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     if getattr(args, "out", None):
         from reference.atomic import check_output_path
         check_output_path(args.out, "file", overwrite=True)
+    if args.precision is not None and args.precision not in ("bf16", "float32"):
+        raise InputError(f"--precision: expected 'bf16' or 'float32' (the engine's precisions), found "
+                         f"{args.precision!r}")
+    if args.synthetic and args.layers is not None and args.layers > S.MAX_LAYERS:
+        raise InputError(f"--layers: expected at most {S.MAX_LAYERS} (the real model's num_hidden_layers), found "
+                         f"{args.layers}")
+    if args.device == "cuda" and not gpu_available():
+        from parity.generate import DeviceUnavailableError
+        raise DeviceUnavailableError("--device cuda: a GPU was asked for, expected cupy and a CUDA device, found "
+                                     "none (use --device cpu)")
     backend = args.backend or ("both" if gpu_available() else "reference")
+    if backend == "reference":
+        for name, default in (("precision", None), ("device", "auto")):
+            if getattr(args, name) != default:
+                raise InputError(f"--{name}: applies to the engine, found it with backend 'reference' (use --backend "
+                                 f"engine or both)")
     dev = args.device
     if dev == "auto":
         dev = "cuda" if gpu_available() else "cpu"

@@ -85,8 +85,15 @@ def _cmd_list(args) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    import io
     tty = sys.stdout.isatty()
-    con = Console(color_system="auto" if tty else None, width=None if tty else 250, highlight=False)
+    # rendered into a buffer, then written: rich's own stdout writer turns a closed pipe (`| head`) into
+    # exit status 1; a plain write raises BrokenPipeError, which the CLI treats as the reader going away
+    buf = io.StringIO()
+    import shutil
+    con = Console(file=buf, color_system="auto" if tty else None,
+                  width=shutil.get_terminal_size().columns if tty else 250, highlight=False,
+                  force_terminal=tty)
     con.print(f"tap registry version {registry.REGISTRY_VERSION} (shapes are positions first: [T, ...])")
     t = Table(box=None, pad_edge=False, show_edge=False)
     for c in ("pattern", "module", "shape", "dtype", "kind", "layers", "meaning"):
@@ -99,6 +106,7 @@ def _cmd_list(args) -> int:
         con.print(f"\n{len(concrete)} concrete taps for {args.model}:")
         for n in concrete:
             con.print("  " + n)
+    sys.stdout.write(buf.getvalue())
     return 0
 
 

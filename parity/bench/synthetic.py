@@ -186,6 +186,10 @@ def _write_shard(path: Path, specs, pool: _Pool, bar) -> None:
                     bar.update(piece.nbytes)
 
 
+#: the real model's decoder layers (model-facts: num_hidden_layers 48); synthetic checkpoints stop there
+MAX_LAYERS = 48
+
+
 def checkpoint_bytes(cfg_dict: dict) -> int:
     """Bytes of weights the synthetic checkpoint for ``cfg_dict`` holds (BF16)."""
     from reference.config import ModelConfig
@@ -199,6 +203,7 @@ def write_synthetic(out_dir: str | os.PathLike, cfg_dict: dict, *, seed: int = 0
     Returns the directory. An existing complete ``out_dir`` is replaced.
     Raises:
         ConfigError: ``cfg_dict`` is not a valid qwen4exp text config.
+        InputError: the checkpoint would not fit the free space of ``out_dir``'s filesystem (checked first).
     """
     from tqdm import tqdm
 
@@ -209,10 +214,15 @@ def write_synthetic(out_dir: str | os.PathLike, cfg_dict: dict, *, seed: int = 0
     for stale in out.parent.glob(f".{out.name}.tmp*"):
         shutil.rmtree(stale, ignore_errors=True)
     from reference.atomic import atomic_dir
+    specs = _tensor_specs(cfg)
+    total = sum(_nbytes(s, k) for _, s, k, _ in specs)
+    free = shutil.disk_usage(out.parent).free
+    if total + (1 << 30) > free:  # 1 GiB of headroom for the filesystem and the index
+        from reference.errors import InputError
+        raise InputError(f"synthetic checkpoint {out.name}: needs {total / 2**30:.1f} GiB on {out.parent}, found "
+                         f"{free / 2**30:.1f} GiB free (set QWEN4EXP_CACHE to a larger disk, or use fewer --layers)")
     with atomic_dir(out, prefix=f".{out.name}.tmp") as tmp:
-        specs = _tensor_specs(cfg)
         shards = sorted({s for *_, s in specs})
-        total = sum(_nbytes(s, k) for _, s, k, _ in specs)
         pool = _Pool(seed)
         wmap = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"synthetic {out.name}", disable=not progress,

@@ -1,0 +1,66 @@
+"""Bad bench arguments get one clear error before anything runs or is written; `taps list | head` is not an
+error; a synthetic checkpoint that cannot fit the disk is refused before writing (fresh-eyes findings)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_line_error(capsys, *needles):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["bench", "--precision", "fp4", "--backend", "engine", "--device", "cpu"], ["--precision", "fp4", "bf16"]),
+    (["bench", "--backend", "reference", "--precision", "bf16"], ["--precision", "engine"]),
+    (["bench", "--synthetic", "real-widths", "--layers", "999", "--backend", "reference"], ["--layers", "48", "999"]),
+])
+def test_bench_bad_arguments_exit_2_and_write_nothing(argv, needles, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "r.json"
+    assert main(argv + ["--out", str(out), "--no-peer", "--no-extras"]) == 2
+    _one_line_error(capsys, *needles)
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_bench_device_cuda_without_gpu(capsys, monkeypatch):
+    import engine.backend as B
+    monkeypatch.setattr(B, "gpu_available", lambda: False)
+    assert main(["bench", "--device", "cuda", "--no-peer", "--no-extras"]) == 2
+    _one_line_error(capsys, "--device cuda", "GPU")
+
+
+def test_synthetic_refused_when_the_disk_is_too_small(tmp_path, monkeypatch):
+    import shutil
+
+    from parity.bench import synthetic as S
+    from reference.errors import InputError
+    cfg = S.real_width_config(1, vocab_size=1024)
+    need = S.checkpoint_bytes(cfg)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=need // 2))
+    with pytest.raises(InputError, match="GiB free"):
+        S.write_synthetic(tmp_path / "ck", cfg, progress=False)
+    assert not (tmp_path / "ck").exists() and not list(tmp_path.glob(".ck.tmp*"))
+
+
+def test_taps_list_into_a_closed_pipe_exits_0():
+    """`qwen4exp taps list | head -1`: rich's writer used to turn the broken pipe into exit status 1."""
+    code = "import sys; from parity.cli import main; sys.exit(main(['taps', 'list']))"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    p.stdout.close()  # the reader is gone before the table is written
+    err = p.stderr.read().decode()
+    assert p.wait() == 0 and "Traceback" not in err, err
