@@ -511,6 +511,8 @@ class ArchiveWriter:
             tmpm = self.tmp / (MANIFEST + ".part")
             tmpm.write_text(json.dumps(manifest, indent=1))
             os.replace(tmpm, self.tmp / MANIFEST)
+            from reference.atomic import apply_umask_modes
+            apply_umask_modes(self.tmp)  # mkdtemp's 0700 and the chunk temp files' 0600 -> the umask's modes
             if self.out.exists() or self.out.is_symlink():
                 if not self.out.is_dir() or self.out.is_symlink():
                     raise ArchiveError(f"archive output {str(self.out)!r}: expected a directory path, found "

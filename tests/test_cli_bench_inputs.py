@@ -64,3 +64,22 @@ def test_taps_list_into_a_closed_pipe_exits_0():
     p.stdout.close()  # the reader is gone before the table is written
     err = p.stderr.read().decode()
     assert p.wait() == 0 and "Traceback" not in err, err
+
+
+def test_tap_archive_honours_the_umask(tmp_path):
+    """Archives from `taps record` had mkdtemp's 0700 / mkstemp's 0600 modes, unlike every other output."""
+    import stat
+
+    import numpy as np
+
+    from taps.archive import ArchiveWriter
+    old = os.umask(0o022)
+    try:
+        w = ArchiveWriter(tmp_path / "a.taps")
+        w.add("embed_tokens.out", np.zeros((2, 3), np.float32), np.arange(2))
+        out = w.close({})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o755
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(os.stat(p).st_mode) == 0o644 for p in files)
