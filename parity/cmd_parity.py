@@ -12,6 +12,8 @@ arguments, model or prompts, an --out that cannot be written, a backend that can
 """
 from __future__ import annotations
 
+import contextlib
+
 import sys
 import time
 
@@ -237,6 +239,7 @@ def run(args) -> int:
 
     model = resolve_model(args.model)
     scen = _parse_scenarios(args.scenario)
+    existed = bool(args.out) and Path(args.out).exists()
     if args.out:
         prepare_out_dir(args.out, overwrite=args.overwrite)
     pages = None
@@ -249,8 +252,17 @@ def run(args) -> int:
         except ValueError:
             raise InputError(f"--page-sizes: expected comma-separated positive integers, found {args.page_sizes!r}")
     progress = not args.no_progress and sys.stderr.isatty()
-    report = run_parity(model, args.backend, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
-                        out_dir=args.out, progress=progress)
+    try:
+        report = run_parity(model, args.backend, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
+                            out_dir=args.out, progress=progress)
+    except BaseException:
+        if args.out:  # interrupted or failed: no taps/ without its report.json (prepare_out_dir left none)
+            import shutil
+            shutil.rmtree(Path(args.out) / "taps", ignore_errors=True)
+            if not existed:
+                with contextlib.suppress(OSError):
+                    Path(args.out).rmdir()  # only if empty
+        raise
     doc = report.to_json()
     if args.out:
         path = write_json_atomic(Path(args.out) / "report.json", doc)

@@ -83,3 +83,21 @@ def test_tap_archive_honours_the_umask(tmp_path):
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o755
     files = [p for p in out.rglob("*") if p.is_file()]
     assert files and all(stat.S_IMODE(os.stat(p).st_mode) == 0o644 for p in files)
+
+
+@pytest.mark.parametrize("pre_existing", [False, True])
+def test_parity_interrupted_leaves_no_taps_without_report(tmp_path, monkeypatch, pre_existing):
+    """Ctrl-C after failing cases wrote their archives used to leave --out/taps/ without report.json (and a
+    rerun then needed --overwrite)."""
+    import parity.cmd_parity as CP
+    out = tmp_path / "out"
+    if pre_existing:
+        out.mkdir()
+
+    def interrupted(*a, out_dir=None, **k):
+        (Path(out_dir) / "taps" / "case0.taps").mkdir(parents=True)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(CP, "run_parity", interrupted)
+    assert main(["parity", "--out", str(out), "--no-progress"]) == 130
+    assert not (out / "taps").exists() and not (out / "report.json").exists()
+    assert out.exists() == pre_existing  # a directory the run created is gone; the user's own stays
