@@ -569,8 +569,8 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise BackendError(f"{flag} {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"
                            f"{': ' + msg if msg else ''}") from e
-    if ":" in spec and getattr(be, "name", None) in (None, "backend"):
-        be.name = spec
+    if ":" in spec and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):
+        be.name = spec  # an outside backend (also one subclassing ours) is reported under its own spec
     for attr in ("new_sequence", "prefill", "decode", "forward_tokens", "rollback", "snapshot", "restore",
                  "position", "free", "config"):
         if not hasattr(be, attr):

@@ -101,3 +101,13 @@ def test_parity_interrupted_leaves_no_taps_without_report(tmp_path, monkeypatch,
     assert main(["parity", "--out", str(out), "--no-progress"]) == 130
     assert not (out / "taps").exists() and not (out / "report.json").exists()
     assert out.exists() == pre_existing  # a directory the run created is gone; the user's own stays
+
+
+def test_outside_backend_subclassing_ours_is_named_by_its_spec(tmp_path, monkeypatch):
+    from parity.backend import open_backend
+    from reference.paths import FIXTURES
+    (tmp_path / "my_engine_be.py").write_text(
+        "from parity.backend import EngineBackend\n\nclass Mine(EngineBackend):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    be = open_backend("my_engine_be:Mine", FIXTURES / "tiny", device="cpu")
+    assert be.name == "my_engine_be:Mine"
