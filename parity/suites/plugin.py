@@ -33,6 +33,28 @@ def pytest_addoption(parser):
             pass
 
 
+def pytest_configure(config):
+    """Refuse an unknown ``--backend`` or bad ``--page-sizes`` once, as a usage error (not one failure per
+    case)."""
+    from reference.errors import UserError
+    try:
+        spec = config.getoption("--backend")
+    except ValueError:  # options not registered (plugin loaded some other way)
+        return
+    try:
+        from parity.backend import backend_class
+        backend_class(spec)
+    except UserError as e:
+        raise pytest.UsageError(str(e)) from None
+    ps = config.getoption("--page-sizes")
+    if ps:
+        try:
+            if any(int(x) <= 0 for x in ps.split(",")):
+                raise ValueError
+        except ValueError:
+            raise pytest.UsageError(f"--page-sizes: expected comma-separated positive integers, found {ps!r}") from None
+
+
 def _settings(config):
     from reference.paths import resolve_model
     model = resolve_model(config.getoption("--model"))
