@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The command's exit code; 2 for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``),
-        0 when stdout's reader went away (BrokenPipeError), 128 + signal number (130 for Ctrl-C) when interrupted.
+        0 when stdout's reader went away (BrokenPipeError), 128 + signal number (130 for Ctrl-C) when interrupted,
+        1 with one line when output cannot be written (full or read-only disk, no permission).
         Other exceptions propagate.
     """
     parser = build_parser()
@@ -87,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         what = "interrupted" if signum is None else f"terminated (signal {signum})"
         print(f"qwen4exp {args.command}: {what}", file=sys.stderr)
         return 128 + signum if signum else 130
+    except OSError as e:
+        import errno
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO):
+            raise
+        # the environment, not a bug: a full or read-only disk, no permission (e.g. `> /dev/full`)
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"qwen4exp {args.command}: error: could not write output{where}: {e.strerror or e}", file=sys.stderr)
+        _silence_stdout()
+        return 1
     except Exception as e:  # bad input from library layers (ConfigError, CheckpointError, ...)
         from reference.errors import UserError
         if isinstance(e, UserError):
@@ -97,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
+    except OSError as e:  # e.g. stdout is /dev/full: the output did not reach its destination
+        print(f"qwen4exp {args.command}: error: could not write output: {e.strerror or e}", file=sys.stderr)
+        _silence_stdout()
+        return 1
     return int(rc or 0)
 
 

@@ -55,7 +55,8 @@ def register(subparsers) -> None:
                    help="hard limit per measurement process, load included (default: 3 x budget + 240 s, or none); "
                         "what was measured before it is kept")
     p.add_argument("--json", action="store_true", help="print the result JSON (instead of the table)")
-    p.add_argument("--out", default=None, help="write the result JSON to this file (atomic)")
+    p.add_argument("--out", default=None,
+                   help="write the result JSON to this file (atomic; parent folders created, an existing file replaced)")
     p.set_defaults(func=run)
 
 
