@@ -36,10 +36,20 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _json_kind(v) -> str:
+    """A JSON value's type as a user reads it, with a short excerpt: ``a number (42)``."""
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    return kind if v is None else f"{kind} ({json.dumps(v, ensure_ascii=False)[:40]})"
+
+
 def _read_prompts(path: str) -> list:
     from reference.errors import InputError
     try:
         lines = open(path, encoding="utf-8").read().splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"--prompts {path}: expected a UTF-8 text file, found bytes that are not UTF-8 "
+                         f"({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise InputError(f"--prompts {path}: expected a readable text file, found {e.strerror or e}") from None
     out = []
@@ -56,9 +66,15 @@ def _read_prompts(path: str) -> list:
                 out.append(obj["messages"])
             elif isinstance(obj.get("prompt"), str):
                 out.append(obj["prompt"])
+            elif "messages" in obj:
+                raise InputError(f"--prompts {path}:{n}: 'messages': expected a list of messages, found "
+                                 f"{_json_kind(obj['messages'])}")
+            elif "prompt" in obj:
+                raise InputError(f"--prompts {path}:{n}: 'prompt': expected a string, found "
+                                 f"{_json_kind(obj['prompt'])}")
             else:
                 raise InputError(f"--prompts {path}:{n}: expected a 'prompt' string or a 'messages' list, found "
-                                 f"keys {sorted(obj)}")
+                                 f"neither (keys {sorted(obj)})")
         else:
             out.append(line)
     if not out:

@@ -72,6 +72,9 @@ def load_tokenizer(model_dir: str | Path):
 def _read_json(path: Path, what: str) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what}: expected a UTF-8 JSON object in {path}, found bytes that are not UTF-8 "
+                         f"({e.reason} at byte {e.start})") from None
     except (OSError, ValueError) as e:
         raise InputError(f"{what}: expected a JSON object in {path}, found unreadable content ({e})") from None
     if not isinstance(data, dict):
@@ -92,11 +95,21 @@ def load_chat_template(model_dir: str | Path) -> str | None:
     Looks in ``chat_template.jinja`` first, then ``tokenizer_config.json["chat_template"]`` (a string,
     or a list of ``{"name", "template"}`` entries of which ``default`` is taken) - the places
     transformers reads it from.
+
+    Raises:
+        InputError: chat_template.jinja or tokenizer_config.json unreadable or not UTF-8.
     """
     d = Path(model_dir)
     jf = d / "chat_template.jinja"
     if jf.is_file():
-        return jf.read_text(encoding="utf-8")
+        try:
+            return jf.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"chat template: expected a UTF-8 jinja file at {jf}, found bytes that are not UTF-8 "
+                             f"({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise InputError(f"chat template: expected a readable jinja file at {jf}, found it unreadable "
+                             f"({e.strerror or e})") from None
     tc = load_tokenizer_config(d)
     t = tc.get("chat_template")
     if isinstance(t, str) and t.strip():

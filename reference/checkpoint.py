@@ -183,6 +183,22 @@ def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
     return difflib.get_close_matches(name, pool, n=k, cutoff=0.5)
 
 
+def _defaulted_note(cfg: ModelConfig, keys: Iterable[str]) -> str:
+    """`` (config.json sets no vocab_size: the official default 248320 applies)`` for those of ``keys``
+    that the checkpoint's config.json leaves out; `` (from config.json)`` when it sets them all or the
+    config was not read from a file."""
+    src = cfg.source or {}
+    if not src:
+        return " (from config.json)"
+    text = src.get("text_config") if isinstance(src.get("text_config"), dict) else src
+    missing = [k for k in keys if k not in text]
+    if not missing:
+        return " (from config.json)"
+    return (" (config.json sets no " + ", no ".join(missing) + ": the official default"
+            + ("s " if len(missing) > 1 else " ") + ", ".join(str(getattr(cfg, k)) for k in missing) + " appl"
+            + ("y" if len(missing) > 1 else "ies") + ")")
+
+
 # --------------------------------------------------------------------------- shared logic
 @dataclass(frozen=True)
 class _NgramTable:
@@ -282,8 +298,14 @@ class _WeightsBase:
         exp = self._expected.get(name)
         m = _NGRAM_SHARD_RE.match(name)
         if exp is not None and tuple(shape) != exp:
-            raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected {list(exp)} "
-                                  f"(from config.json), found {list(shape)}")
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                cfg = self.config
+                what = (f"[vocab_size, hidden_size] = {list(exp)}"
+                        + _defaulted_note(cfg, ("vocab_size", "hidden_size")))
+            else:
+                what = f"{list(exp)} (from config.json)"
+            raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected {what}, "
+                                  f"found {list(shape)}")
         if m is not None:
             i = int(m.group(2))
             if i in self.config.ple_layers:
@@ -736,12 +758,14 @@ class Checkpoint(_WeightsBase):
 
         Raises:
             ConfigError: config.json missing or invalid.
-            CheckpointError: no weights, an index naming a missing shard or tensor, a truncated or
-                corrupt file, or a tensor name present twice.
+            CheckpointError: ``path`` is a file (not its directory) or nothing; no weights, an index
+                naming a missing shard or tensor, a non-UTF-8 or invalid index, a truncated or corrupt
+                file, or a tensor name present twice.
         """
         root = Path(path)
-        if root.is_file():
-            root = root.parent
+        if root.is_file():  # never silently the parent: the same rule as reference.paths.check_checkpoint_dir
+            raise CheckpointError(f"{root}: expected a checkpoint directory (config.json + *.safetensors), "
+                                  f"found a file (pass its directory {str(root.parent)!r})")
         if not root.is_dir():
             raise CheckpointError(f"{root}: expected a checkpoint directory, found nothing there")
         config = load_config(root)
@@ -750,11 +774,17 @@ class Checkpoint(_WeightsBase):
         wanted: dict[str, str] | None = None
         if index.exists():
             try:
-                idx = json.loads(index.read_text())
+                idx = json.loads(index.read_bytes().decode("utf-8"))
                 wanted = dict(idx["weight_map"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{index}: expected UTF-8 JSON with a 'weight_map' object, found bytes that "
+                                      f"are not UTF-8 ({e.reason} at byte {e.start})") from None
+            except OSError as e:
+                raise CheckpointError(f"{index}: expected a readable JSON file, found it unreadable "
+                                      f"({e.strerror or e})") from None
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object, found unreadable content "
-                                      f"({e})") from None
+                                      f"({type(e).__name__}: {e})") from None
             files = sorted({root / f for f in wanted.values()})
             missing = [f.name for f in files if not f.exists()]
             if missing:

@@ -534,8 +534,14 @@ def _ple_layout_cached(ple_embed_dim, ngram_size, heads_per_ngram, vocab, base, 
 def load_config(path: str | Path) -> ModelConfig:
     """Read and validate ``config.json`` from a checkpoint directory (or the file itself).
 
+    A config.json must state its ``model_type`` (``qwen4_exp`` or ``qwen4_exp_text``): transformers'
+    AutoConfig needs it to pick the configuration class. Every other key may be absent and takes the
+    official ``Qwen4ExpTextConfig`` default (e.g. ``vocab_size`` 248320; a checkpoint whose tensors
+    disagree is caught when they are checked, naming the key).
+
     Raises:
-        ConfigError: missing file, invalid JSON, or an invalid configuration.
+        ConfigError: missing or unreadable file, bytes that are not UTF-8, invalid JSON, no
+            ``model_type``, or an invalid configuration.
     """
     p = Path(path)
     if p.is_dir():
@@ -543,7 +549,14 @@ def load_config(path: str | Path) -> ModelConfig:
     if not p.exists():
         raise ConfigError(f"{p}: config.json not found (expected a checkpoint directory holding config.json)")
     try:
-        raw = json.loads(p.read_text())
+        raw = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: expected a UTF-8 JSON file, found bytes that are not UTF-8 "
+                          f"({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: expected a readable JSON file, found it unreadable ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    if isinstance(raw, dict) and "model_type" not in raw:
+        raise ConfigError(f"{p}: model_type: expected 'qwen4_exp' or 'qwen4_exp_text', found no model_type key")
     return ModelConfig.from_dict(raw, where=str(p))

@@ -1,6 +1,7 @@
-"""Where the bundled fixtures live."""
+"""Where the bundled fixtures live, and the one place a MODEL argument is turned into a checkpoint directory."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -12,15 +13,48 @@ def bundled_model(name: str = "tiny") -> Path:
     return FIXTURES / name
 
 
+def check_checkpoint_dir(path: str | os.PathLike, what: str = "MODEL") -> Path:
+    """``path`` as a checkpoint directory, checked: it must be a directory holding ``config.json``.
+
+    A file (``.../tiny/config.json``, ``.../tiny/model.safetensors``) is refused rather than silently
+    replaced by its parent, and a directory without ``config.json`` is reported as such before any
+    later complaint (tokenizer, weights). ``what`` names the argument in the message.
+
+    Raises:
+        InputError: ``path`` is a file, or does not exist.
+        ConfigError: ``path`` is a directory without ``config.json``.
+    """
+    from reference.errors import InputError
+    p = Path(path)
+    if p.is_file():
+        raise InputError(f"{what} {str(p)!r}: expected a checkpoint directory (config.json + *.safetensors), "
+                         f"found a file (pass its directory {str(p.parent)!r})")
+    if not p.is_dir():
+        raise InputError(f"{what} {str(p)!r}: expected a checkpoint directory (config.json + *.safetensors), "
+                         f"found {'something that is not a directory' if p.exists() else 'nothing there'}")
+    if not (p / "config.json").is_file():
+        from reference.config import ConfigError
+        raise ConfigError(f"{what} {str(p)!r}: expected a checkpoint directory holding config.json, found a "
+                          f"directory without config.json")
+    return p
+
+
 def resolve_model(model: str | None) -> Path:
-    """A MODEL argument: a checkpoint directory, a bundled fixture name, or None for ``tiny``."""
+    """A MODEL argument -> checkpoint directory: an existing path (checked by
+    :func:`check_checkpoint_dir`), a bundled fixture name, or None for ``tiny``. Every command resolves
+    its MODEL through here.
+
+    Raises:
+        InputError: neither an existing path nor a bundled fixture name; or a file given as the model.
+        ConfigError: a directory without config.json.
+    """
     if model is None:
-        return bundled_model("tiny")
+        return check_checkpoint_dir(bundled_model("tiny"))
     p = Path(model)
     if p.exists():
-        return p
+        return check_checkpoint_dir(p)
     if (FIXTURES / model).is_dir():
-        return FIXTURES / model
+        return check_checkpoint_dir(FIXTURES / model)
     from reference.errors import InputError
     raise InputError(f"model {model!r}: expected a checkpoint directory or a bundled fixture name "
                      f"({', '.join(sorted(d.name for d in FIXTURES.iterdir() if (d / 'config.json').exists())) or 'none built'}), found neither")

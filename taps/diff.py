@@ -90,7 +90,7 @@ def load_profile(spec: str | Path = "fp32") -> Profile:
         raise ProfileError(f"profile {str(spec)!r}: expected a TOML file, found no file")
     try:
         raw = tomllib.loads(p.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # non-UTF-8 bytes: one clear error too
         raise ProfileError(f"profile {str(p)!r}: not valid TOML ({e})") from None
 
     def section(key, keys):
