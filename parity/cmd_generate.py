@@ -45,13 +45,8 @@ def _json_kind(v) -> str:
 
 def _read_prompts(path: str) -> list:
     from reference.errors import InputError
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except UnicodeDecodeError as e:
-        raise InputError(f"--prompts {path}: expected a UTF-8 text file, found bytes that are not UTF-8 "
-                         f"({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise InputError(f"--prompts {path}: expected a readable text file, found {e.strerror or e}") from None
+    from reference.textio import read_utf8
+    lines = read_utf8(path, f"--prompts {path}").splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -70,12 +70,11 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def _read_json(path: Path, what: str) -> dict:
+    from reference.textio import read_utf8
+    text = read_utf8(path, what, "JSON file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise InputError(f"{what}: expected a UTF-8 JSON object in {path}, found bytes that are not UTF-8 "
-                         f"({e.reason} at byte {e.start})") from None
-    except (OSError, ValueError) as e:
+        data = json.loads(text)
+    except ValueError as e:
         raise InputError(f"{what}: expected a JSON object in {path}, found unreadable content ({e})") from None
     if not isinstance(data, dict):
         raise InputError(f"{what}: expected a JSON object in {path}, found {type(data).__name__}")
@@ -102,14 +101,8 @@ def load_chat_template(model_dir: str | Path) -> str | None:
     d = Path(model_dir)
     jf = d / "chat_template.jinja"
     if jf.is_file():
-        try:
-            return jf.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"chat template: expected a UTF-8 jinja file at {jf}, found bytes that are not UTF-8 "
-                             f"({e.reason} at byte {e.start})") from None
-        except OSError as e:
-            raise InputError(f"chat template: expected a readable jinja file at {jf}, found it unreadable "
-                             f"({e.strerror or e})") from None
+        from reference.textio import read_utf8
+        return read_utf8(jf, "chat template", "jinja file")
     tc = load_tokenizer_config(d)
     t = tc.get("chat_template")
     if isinstance(t, str) and t.strip():

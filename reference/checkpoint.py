@@ -773,15 +773,11 @@ class Checkpoint(_WeightsBase):
         files: list[Path]
         wanted: dict[str, str] | None = None
         if index.exists():
+            from reference.textio import read_utf8
+            text = read_utf8(index, str(index), "JSON file", CheckpointError)
             try:
-                idx = json.loads(index.read_bytes().decode("utf-8"))
+                idx = json.loads(text)
                 wanted = dict(idx["weight_map"])
-            except UnicodeDecodeError as e:
-                raise CheckpointError(f"{index}: expected UTF-8 JSON with a 'weight_map' object, found bytes that "
-                                      f"are not UTF-8 ({e.reason} at byte {e.start})") from None
-            except OSError as e:
-                raise CheckpointError(f"{index}: expected a readable JSON file, found it unreadable "
-                                      f"({e.strerror or e})") from None
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object, found unreadable content "
                                       f"({type(e).__name__}: {e})") from None

@@ -548,13 +548,10 @@ def load_config(path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if not p.exists():
         raise ConfigError(f"{p}: config.json not found (expected a checkpoint directory holding config.json)")
+    from reference.textio import read_utf8
+    text = read_utf8(p, str(p), "JSON file", ConfigError)
     try:
-        raw = json.loads(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: expected a UTF-8 JSON file, found bytes that are not UTF-8 "
-                          f"({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: expected a readable JSON file, found it unreadable ({e.strerror or e})") from None
+        raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
     if isinstance(raw, dict) and "model_type" not in raw:

@@ -20,3 +20,13 @@ from fixture_helpers import FIXTURE_NAMES  # noqa: E402
 def fixture_name(request) -> str:
     """Parametrises a test over every bundled fixture."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    """The bundled ``tiny`` checkpoint directory (skips when the fixtures are not built)."""
+    from reference.paths import bundled_model
+    p = bundled_model("tiny")
+    if not (p / "config.json").exists():
+        pytest.skip("fixture tiny not built (run fixtures/build.py)")
+    return p

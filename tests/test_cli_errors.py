@@ -23,14 +23,6 @@ from parity.cli import main
 from reference.paths import REPO_ROOT, bundled_model
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    p = bundled_model("tiny")
-    if not (p / "config.json").exists():
-        pytest.skip("fixture tiny not built (run fixtures/build.py)")
-    return p
-
-
 def one_line_error(capsys, *needles):
     """The captured stderr is exactly one line, names every needle and holds no traceback."""
     err = capsys.readouterr().err

@@ -13,18 +13,10 @@ import shutil
 import pytest
 
 from parity.cli import main
-from reference.paths import bundled_model, check_checkpoint_dir, resolve_model
+from reference.paths import check_checkpoint_dir, resolve_model
 
 # bytes that are not UTF-8 at offset 0 (0xff never occurs in UTF-8), then more invalid sequences
 NOT_UTF8 = b"\xff\xfe\xc3\x28 random \xa0\xa1 bytes \xe2\x28\xa1"
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    p = bundled_model("tiny")
-    if not (p / "config.json").exists():
-        pytest.skip("fixture tiny not built (run fixtures/build.py)")
-    return p
 
 
 def _copy(tiny, dst):

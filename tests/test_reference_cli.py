@@ -10,15 +10,6 @@ import pytest
 from parity.cli import main
 from reference.checkpoint import Checkpoint
 from reference.model import ReferenceModel
-from reference.paths import bundled_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    p = bundled_model("tiny")
-    if not (p / "config.json").exists():
-        pytest.skip("fixture tiny not built (run fixtures/build.py)")
-    return p
 
 
 def test_logits_matches_reference(tiny, tmp_path, capsys):
