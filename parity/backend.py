@@ -569,15 +569,26 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise BackendError(f"{flag} {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"
                            f"{': ' + msg if msg else ''}") from e
+    if be is None or isinstance(be, (bool, int, float, str, bytes, list, tuple, dict)):
+        found = "None" if be is None else f"a {type(be).__name__} ({str(be)[:40]!r})"
+        raise BackendError(f"{flag} {spec!r}: expected {getattr(cls, '__name__', 'the class')}.open() to return a "
+                           f"backend object (the parity Backend protocol, parity/backend.py), found {found}")
     if ":" in spec and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):
-        be.name = spec  # an outside backend (also one subclassing ours) is reported under its own spec
+        try:
+            be.name = spec
+        except (AttributeError, TypeError):  # a read-only name: keep the backend's own
+            pass  # an outside backend (also one subclassing ours) is reported under its own spec
     for attr in ("new_sequence", "prefill", "decode", "forward_tokens", "rollback", "snapshot", "restore",
                  "position", "free", "config"):
         if not hasattr(be, attr):
             raise BackendError(f"{flag} {spec!r}: expected the parity Backend protocol (parity/backend.py), "
                                f"found no {attr!r} on {type(be).__name__}")
     if not hasattr(be, "precision"):
-        be.precision = "float32"
+        try:
+            be.precision = "float32"
+        except (AttributeError, TypeError):
+            raise BackendError(f"{flag} {spec!r}: expected a 'precision' attribute on {type(be).__name__}, "
+                               f"found none (and it cannot be set)") from None
     return be
 
 

@@ -64,11 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_empty_model(args) -> None:
+    """An empty MODEL ('') would resolve to the current directory and be reported as '.'; refuse it as typed.
+
+    Raises:
+        InputError: a MODEL / --model argument that is the empty string.
+    """
+    from reference.errors import InputError
+    for dest, name in (("model", "MODEL"), ("model_pos", "MODEL")):
+        if getattr(args, dest, None) == "":
+            raise InputError(f"{name} '': expected a checkpoint directory or a bundled fixture name, found an "
+                             f"empty string")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``qwen4exp`` command line.
 
     Returns:
-        The command's exit code; 2 for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``),
+        The command's exit code; 2 for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``)
+        except an OutputWriteError (reference.atomic: output that could not be written), which exits 1,
         0 when stdout's reader went away (BrokenPipeError), 128 + signal number (130 for Ctrl-C) when interrupted,
         1 with one line when output cannot be written (full or read-only disk, no permission).
         Other exceptions propagate.
@@ -76,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_empty_model(args)
         rc = args.func(args)
     except CLIError as e:
         print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
@@ -90,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum if signum else 130
     except OSError as e:
         import errno
+
+        from reference.errors import UserError
+        if isinstance(e, UserError):  # reference.atomic.OutputWriteError: already one line naming the output
+            print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
+            return getattr(e, "exit_code", 1)
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO):
             raise
         # the environment, not a bug: a full or read-only disk, no permission (e.g. `> /dev/full`)
@@ -101,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         from reference.errors import UserError
         if isinstance(e, UserError):
             print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
-            return 2
+            return getattr(e, "exit_code", 2)  # 1 for output that could not be written (OutputWriteError)
         raise
     try:
         sys.stdout.flush()

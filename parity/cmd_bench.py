@@ -8,9 +8,19 @@ import sys
 
 
 def _ints(s: str) -> list[int]:
+    """A comma-separated list of positive integers (``1,4,16``); an empty item (``1,,2``) is refused.
+
+    Raises:
+        InputError: an empty or non-integer item, or an integer < 1.
+    """
     from reference.errors import InputError
+    items = s.split(",")
+    for n, x in enumerate(items):
+        if not x.strip():
+            raise InputError(f"expected a comma-separated list of integers, found an empty item at item {n} "
+                             f"of {s!r}")
     try:
-        out = [int(x) for x in s.split(",") if x.strip()]
+        out = [int(x) for x in items]
     except ValueError:
         raise InputError(f"expected a comma-separated list of integers, found {s!r}") from None
     if not out or any(x < 1 for x in out):
@@ -166,6 +176,7 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
         bs = args.batches or ([1, 4, 16] if gpu else [1, 4])
         cs = args.contexts or ([max(8, bound // 2), 2 * bound] if gpu else [max(4, bound // 2), bound + 8])
         D = args.decode_tokens or (8 if gpu else 4)
+        _check_positions(cfg.max_position_embeddings, pl, cs, args.warmup, D)
         dec = [[b, c] for c in cs for b in bs]
         base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
                 "decode_tokens": D}
@@ -179,6 +190,29 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     if not args.no_extras:
         jobs.append(("extras", {"kind": "extras"}))
     return jobs, settings, checkpoints
+
+
+# decode warm-up steps the engine takes at least (1 CUDA-graph capture + 2 verified replays, engine/model.py)
+_MIN_DECODE_WARMUP = 3
+
+
+def _check_positions(max_pos: int, prompt_lens: list[int], contexts: list[int], warmup: int, decode: int) -> None:
+    """Every prefill length must fit ``max_position_embeddings``; a decode context ``C`` grows to
+    ``C + warm-up steps + decode steps`` positions, which must fit too.
+
+    Raises:
+        InputError: naming --prompt-lens / --contexts, the limit and the first value beyond it.
+    """
+    from reference.errors import InputError
+    for P in prompt_lens:
+        if P > max_pos:
+            raise InputError(f"--prompt-lens: expected lengths <= the model's max_position_embeddings={max_pos}, "
+                             f"found {P}")
+    steps = max(warmup, _MIN_DECODE_WARMUP) + decode
+    for C in contexts:
+        if C + steps > max_pos:
+            raise InputError(f"--contexts: expected contexts <= {max_pos - steps} (max_position_embeddings="
+                             f"{max_pos} minus {steps} decode steps), found {C}")
 
 
 def run(args: argparse.Namespace) -> int:

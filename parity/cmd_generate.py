@@ -43,11 +43,69 @@ def _json_kind(v) -> str:
     return kind if v is None else f"{kind} ({json.dumps(v, ensure_ascii=False)[:40]})"
 
 
-def _read_prompts(path: str) -> list:
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_messages(msgs: list, where: str) -> None:
+    """Validate a chat ``messages`` list before any template sees it: a non-empty list of objects, each
+    with a ``role`` string (system, developer, user, assistant, tool) and a ``content`` that is a string or
+    a list of parts (strings, or objects whose ``type`` is text - with a ``text`` string -, image,
+    image_url or video). An assistant message carrying ``tool_calls`` may have no/null content; a tool
+    message's content may be any JSON value but a boolean or null.
+
+    Raises:
+        InputError: naming ``where`` (``--prompts FILE:LINE``), the message index and the field.
+    """
+    from reference.errors import InputError
+    if not msgs:
+        raise InputError(f"{where}: 'messages': expected a non-empty list of messages, found an empty list")
+    for i, m in enumerate(msgs):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise InputError(f"{at}: expected an object with 'role' and 'content', found {_json_kind(m)}")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise InputError(f"{at}.role: expected a string ({', '.join(_ROLES)}), found "
+                             f"{'no role' if 'role' not in m else _json_kind(role)}")
+        if role not in _ROLES:
+            raise InputError(f"{at}.role: expected one of {', '.join(_ROLES)}, found {_json_kind(role)}")
+        if "content" not in m or m["content"] is None:
+            if role == "assistant" and m.get("tool_calls"):
+                continue
+            raise InputError(f"{at}.content: expected a string or a list of parts, found "
+                             f"{'no content' if 'content' not in m else 'null'}")
+        c = m["content"]
+        if isinstance(c, str) or (role == "tool" and not isinstance(c, bool)):
+            continue  # a tool result may be any JSON value (the built-in rendering writes it as JSON)
+        if not isinstance(c, list):
+            raise InputError(f"{at}.content: expected a string or a list of parts, found {_json_kind(c)}")
+        for j, part in enumerate(c):
+            if isinstance(part, str):
+                continue
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind == "text":
+                raise InputError(f"{at}.content[{j}].text: expected a string, found "
+                                 f"{'no text' if 'text' not in part else _json_kind(part['text'])}")
+            if kind in ("image", "image_url", "video"):
+                continue
+            raise InputError(f"{at}.content[{j}]: expected a string or an object of type text/image/video, "
+                             f"found {_json_kind(part)}")
+
+
+def _read_prompts(path: str, with_lines: bool = False):
+    """The prompts of a ``--prompts`` file: plain-text lines (strings) or JSON lines with a ``prompt``
+    string or a ``messages`` list (validated, :func:`_check_messages`). With ``with_lines`` returns
+    ``(prompts, line_numbers)``.
+
+    Raises:
+        InputError: naming ``FILE:LINE`` and the field.
+    """
     from reference.errors import InputError
     from reference.textio import read_utf8
     lines = read_utf8(path, f"--prompts {path}").splitlines()
-    out = []
+    out, nums = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -57,7 +115,11 @@ def _read_prompts(path: str) -> list:
             except ValueError as e:
                 raise InputError(f"--prompts {path}:{n}: expected a JSON object or plain text, found invalid "
                                  f"JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"--prompts {path}:{n}: expected a JSON object with 'prompt' or 'messages', found "
+                                 f"{_json_kind(obj)}")
             if isinstance(obj.get("messages"), list):
+                _check_messages(obj["messages"], f"--prompts {path}:{n}")
                 out.append(obj["messages"])
             elif isinstance(obj.get("prompt"), str):
                 out.append(obj["prompt"])
@@ -72,9 +134,10 @@ def _read_prompts(path: str) -> list:
                                  f"neither (keys {sorted(obj)})")
         else:
             out.append(line)
+        nums.append(n)
     if not out:
         raise InputError(f"--prompts {path}: expected at least one prompt, found none")
-    return out
+    return (out, nums) if with_lines else out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,16 +178,36 @@ def run(args: argparse.Namespace) -> int:
                 kw["do_sample"] = True
     if args.greedy:
         kw["do_sample"] = False
-    params = G.SamplingParams(seed=args.seed, **kw).validate()
+    try:
+        params = G.SamplingParams(seed=args.seed, **kw).validate()
+    except UserError as e:  # name the flag the user typed, not the field
+        msg = str(e)
+        for field, flag in (("max_new_tokens", "--max-new-tokens"), ("temperature", "--temperature"),
+                            ("top_p", "--top-p"), ("top_k", "--top-k"), ("seed", "--seed")):
+            if msg.startswith(field + ":"):
+                msg = flag + msg[len(field):]
+                break
+        raise InputError(msg) from None
 
-    raw = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    if args.prompt is not None:
+        raw, where = [args.prompt], ["--prompt"]
+    else:
+        raw, where = _read_prompts(args.prompts, with_lines=True)
+        where = [f"--prompts {args.prompts}:{n}" for n in where]
     texts, template_source = [], None
-    for item in raw:
+    for item, at in zip(raw, where):
         if args.chat or isinstance(item, list):
             msgs = item if isinstance(item, list) else (
                 ([{"role": "system", "content": args.system}] if args.system else []) +
                 [{"role": "user", "content": item}])
-            text, template_source = G.render_chat(msgs, model_dir=model_dir, enable_thinking=not args.no_thinking)
+            try:
+                text, template_source = G.render_chat(msgs, model_dir=model_dir,
+                                                      enable_thinking=not args.no_thinking)
+            except UserError as e:
+                raise InputError(f"{at}: {e}") from None
+            except (TypeError, ValueError, KeyError, AttributeError) as e:  # a template tripping on a value
+                raise InputError(f"{at}: the chat template could not render these messages ({type(e).__name__}: "
+                                 f"{e})") from None
             texts.append(text)
         else:
             texts.append(item)

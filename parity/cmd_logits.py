@@ -25,13 +25,16 @@ def register(subparsers) -> None:
                         "needs --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--backend", choices=["reference", "engine"], default="reference")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                   help="reference compute dtype (the file is float32 either way)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default=None,
+                   help="reference compute dtype (default float32; the file is float32 either way); the engine's "
+                        "is --precision")
     p.add_argument("--precision", choices=["float32", "bf16"], default=None,
                    help="engine precision (default float32): bf16 rounds weights to BF16 and accumulates in "
                         "float32, so on a checkpoint stored in BF16 it equals float32; the reference backend "
                         "uses --dtype instead")
-    p.add_argument("--device", default="auto", help="engine device: cuda, cpu or auto (cuda when a GPU is present)")
+    p.add_argument("--device", default="auto",
+                   help="engine device: cuda, cpu or auto (cuda when a GPU is present); the reference runs on the "
+                        "CPU (auto or cpu)")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one chunk)")
     p.add_argument("--last-only", action="store_true", help="only the last position's logits ([1, vocab_size])")
     p.set_defaults(func=run)
@@ -83,6 +86,40 @@ def check_precision(backend: str, precision: str | None, ck=None, *, flag: str =
         print(BF16_NOTE, file=sys.stderr)
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_backend_options(backend: str, *, device: str | None = "auto", dtype: str | None = None) -> None:
+    """``--device`` / ``--dtype`` against the backend: the reference runs on the CPU (``--device`` auto or
+    cpu) and takes ``--dtype``; the engine takes ``--device`` auto/cpu/cuda and ``--precision``, not ``--dtype``.
+
+    Raises:
+        InputError: an unknown device, a device the backend cannot use, or ``--dtype`` with the engine.
+    """
+    from reference.errors import InputError
+    if device is not None and device not in DEVICES:
+        raise InputError(f"--device {device!r}: expected one of {', '.join(DEVICES)}, found {device!r}")
+    if backend == "reference" and device not in (None, "auto", "cpu"):
+        raise InputError(f"--device {device}: the reference backend runs on the CPU (expected auto or cpu), found "
+                         f"{device!r} (use --backend engine for the GPU)")
+    if backend == "engine" and dtype is not None:
+        raise InputError(f"--dtype {dtype}: applies to the reference backend only, found it with --backend engine "
+                         f"(the engine's is --precision float32|bf16)")
+
+
+def check_length(n_ids: int, max_positions: int, flag: str = "--ids") -> None:
+    """Refuse more token ids than the model has positions (every backend; the reference would otherwise
+    run for minutes before failing or silently go past the trained range).
+
+    Raises:
+        InputError: ``n_ids > max_positions``.
+    """
+    from reference.errors import InputError
+    if n_ids > max_positions:
+        raise InputError(f"{flag}: expected at most max_position_embeddings={max_positions} token ids, found "
+                         f"{n_ids}")
+
+
 def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "float32", chunk_size=None,
                    last_only: bool = False, precision: str = "float32", device: str = "auto") -> np.ndarray:
     """Logits ``[T, V]`` (or ``[1, V]`` with ``last_only``) as float32 for ``ids`` on ``backend``.
@@ -96,6 +133,7 @@ def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "fl
     from reference.session import check_ids
     ck = Checkpoint.open(resolve_model(model_path))
     ids = check_ids(ids, ck.config.vocab_size)
+    check_length(len(ids), ck.config.max_position_embeddings, flag="ids")
     if chunk_size is not None and chunk_size < 1:
         raise InputError(f"--chunk-size: expected a positive integer, found {chunk_size}")
     if backend == "reference":
@@ -140,14 +178,17 @@ def run(args) -> int:
     if not parent.is_dir():
         found = "a file" if parent.exists() else "nothing"
         raise InputError(f"--out {args.out!r}: expected an existing parent directory {str(parent)!r}, found {found}")
+    check_backend_options(args.backend, device=args.device, dtype=args.dtype)
     if args.backend == "reference":
         check_precision("reference", args.precision)
+    dtype = args.dtype or "float32"
     ck = Checkpoint.open(resolve_model(args.model))
     ids = read_ids_file(args.ids, vocab_size=ck.config.vocab_size)
+    check_length(len(ids), ck.config.max_position_embeddings)
     check_precision(args.backend, args.precision, ck)
-    logits = compute_logits(args.model, ids, backend=args.backend, dtype=args.dtype, chunk_size=args.chunk_size,
+    logits = compute_logits(args.model, ids, backend=args.backend, dtype=dtype, chunk_size=args.chunk_size,
                             last_only=args.last_only, precision=args.precision or "float32", device=args.device)
     atomic_save_npy(args.out, logits)
     print(f"wrote {args.out}: float32 {list(logits.shape)} ({args.backend}"
-          f"{', ' + args.dtype if args.backend == 'reference' else ''})")
+          f"{', ' + dtype if args.backend == 'reference' else ''})")
     return 0

@@ -67,6 +67,54 @@ def _parse_scenarios(names):
     return list(dict.fromkeys(out))
 
 
+MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost
+# the KV a page size implies: the scenarios keep up to PLAN_LIVE_SEQS sequences live (the engine backend's
+# max_seqs, parity/backend.py), each holding at least one page, in the PLAN_KV_TOKENS-token pool the engine
+# allocates by default on the CPU (engine/engine.py); a larger page starves the pool and every batched case
+# "fails" for want of pages (measured: 4096 passes every scenario on engine-cpu, 8192 and up do not)
+PLAN_LIVE_SEQS = 16
+PLAN_KV_TOKENS = 65536
+
+
+def parse_page_sizes(text: str, max_positions: int | None = None, flag: str = "--page-sizes") -> list[int]:
+    """``--page-sizes N,N,...`` -> the page sizes, checked before anything runs: positive integers, no
+    empty item, no repeat, at most :data:`MAX_PAGE_SIZES` of them, each <= ``max_positions`` (the model's
+    max_position_embeddings: a page is never larger than one sequence can be) and each small enough that
+    :data:`PLAN_LIVE_SEQS` pages fit :data:`PLAN_KV_TOKENS` tokens (the KV the plan implies is bounded).
+
+    Raises:
+        InputError: naming ``flag``, what was expected and the first bad item.
+    """
+    from reference.errors import InputError
+    items = str(text).split(",")
+    out = []
+    for n, x in enumerate(items):
+        x = x.strip()
+        if not x:
+            raise InputError(f"{flag}: expected comma-separated positive integers, found an empty item at item {n} "
+                             f"of {text!r}")
+        try:
+            v = int(x)
+        except ValueError:
+            raise InputError(f"{flag}: expected comma-separated positive integers, found {x[:40]!r} in "
+                             f"{text!r}") from None
+        if v <= 0:
+            raise InputError(f"{flag}: expected comma-separated positive integers, found {v} in {text!r}")
+        if max_positions is not None and v > max_positions:
+            raise InputError(f"{flag}: expected page sizes <= the model's max_position_embeddings={max_positions}, "
+                             f"found {v}")
+        if v * PLAN_LIVE_SEQS > PLAN_KV_TOKENS:
+            raise InputError(f"{flag}: expected page sizes <= {PLAN_KV_TOKENS // PLAN_LIVE_SEQS} (the scenarios' "
+                             f"{PLAN_LIVE_SEQS} live sequences x one page each must fit a {PLAN_KV_TOKENS}-token KV "
+                             f"pool), found {v}")
+        if v in out:
+            raise InputError(f"{flag}: expected distinct page sizes, found {v} twice in {text!r}")
+        out.append(v)
+    if len(out) > MAX_PAGE_SIZES:
+        raise InputError(f"{flag}: expected at most {MAX_PAGE_SIZES} page sizes, found {len(out)}")
+    return out
+
+
 def prepare_out_dir(out, overwrite: bool = False):
     """Validate ``--out DIR`` before anything runs. A non-empty DIR needs ``overwrite``; then its old
     ``report.json`` and ``taps/`` (failing-case archives of an earlier run) are removed, so a new
@@ -243,14 +291,9 @@ def run(args) -> int:
     if args.out:
         prepare_out_dir(args.out, overwrite=args.overwrite)
     pages = None
-    if args.page_sizes:
-        from reference.errors import InputError
-        try:
-            pages = [int(x) for x in args.page_sizes.split(",")]
-            if any(p <= 0 for p in pages):
-                raise ValueError
-        except ValueError:
-            raise InputError(f"--page-sizes: expected comma-separated positive integers, found {args.page_sizes!r}")
+    if args.page_sizes is not None:
+        from reference.config import load_config
+        pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
     progress = not args.no_progress and sys.stderr.isatty()
     try:
         report = run_parity(model, args.backend, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
@@ -264,7 +307,9 @@ def run(args) -> int:
                     Path(args.out).rmdir()  # only if empty
         raise
     doc = report.to_json()
+    unwritten = _unwritten_archives(doc) if args.out else []
     if args.out:
+        _remove_empty_dirs(Path(args.out) / "taps")
         path = write_json_atomic(Path(args.out) / "report.json", doc)
         print(f"report: {path}", file=sys.stderr)
     if args.json:
@@ -282,4 +327,45 @@ def run(args) -> int:
         text = render_table(dataclasses.replace(report, model=display_path(model)), console)
         if console is None:
             print(text)
+    if unwritten:  # the verdict stands, but the archives it points to are missing: say so, never silently
+        print(f"qwen4exp parity: error: {len(unwritten)} failing case(s)' tap archives could not be written under "
+              f"{str(Path(args.out) / 'taps')!r}: {unwritten[0]}", file=sys.stderr)
+        return max(1, report.exit_code)
     return report.exit_code
+
+
+_NOT_WRITTEN = "(archives not written"
+
+
+def _unwritten_archives(doc) -> list[str]:
+    """The reasons recorded in a report document where failing cases' tap archives could not be written
+    (``archives`` entries of the form ``"(archives not written: ...)"``, set by parity.scenarios.locate)."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "archives" and isinstance(v, list):
+                    out.extend(a[len(_NOT_WRITTEN):].lstrip(": ").rstrip(")") for a in v
+                               if isinstance(a, str) and a.startswith(_NOT_WRITTEN))
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(doc)
+    return out
+
+
+def _remove_empty_dirs(root) -> None:
+    """Remove the empty folders under ``root`` (and ``root`` itself when it ends up empty): a case whose
+    archives could not be written leaves no empty folder behind."""
+    import os
+    from pathlib import Path
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for d, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
+        with contextlib.suppress(OSError):
+            if not any(Path(d).iterdir()):
+                Path(d).rmdir()

@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     pr.add_argument("--positions", default=None, metavar="SPEC", help="positions to keep, e.g. '0:64,100'")
     pr.add_argument("--dtype", choices=["float32", "float64"], default=None,
                     help="reference compute dtype (default float32; reference-f64: float64)")
-    pr.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="engine precision")
+    pr.add_argument("--precision", choices=["float32", "bf16"], default=None,
+                    help="engine precision (default float32); the reference's is --dtype")
     pr.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                     help="engine device for --backend engine (engine-cpu / engine-cuda name it)")
     pr.add_argument("--chunk-size", type=int, default=None, metavar="N",
@@ -235,6 +236,8 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
     cfg = ck.config
     if any(i >= cfg.vocab_size for i in ids):
         raise InputError(f"token ids: expected ids < vocab_size {cfg.vocab_size}, found {max(ids)}")
+    from parity.cmd_logits import check_length
+    check_length(len(ids), cfg.max_position_embeddings)
     if lay is not None:
         bad = sorted(x for x in lay if x >= cfg.num_hidden_layers)
         if bad:
@@ -320,9 +323,14 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
 
 
 def _cmd_record(args) -> int:
+    from parity.cmd_logits import check_precision
+    spec = resolve_backend(args.backend, args.dtype, args.device)
+    if spec.startswith("reference"):  # bf16 is refused as by logits/generate (the reference computes in f32/f64)
+        check_precision("reference", args.precision)
     ids = read_ids(args.ids)
     arc = record(args.model, ids, args.out, backend=args.backend, include=args.taps, layers=args.layers,
-                 positions=args.positions, dtype=args.dtype, precision=args.precision, chunk_size=args.chunk_size,
+                 positions=args.positions, dtype=args.dtype, precision=args.precision or "float32",
+                 chunk_size=args.chunk_size,
                  cap_bytes=args.cap, scenario=args.scenario, overwrite=args.overwrite, device=args.device)
     n = len(arc.names())
     n_pos = sum(int(b) - int(a) for a, b in (arc.manifest.get("positions") or []))

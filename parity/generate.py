@@ -390,15 +390,56 @@ class SamplingParams:
 
 
 def load_generation_config(model_dir: str | Path) -> dict:
-    """``generation_config.json`` as a dict ({} when absent)."""
+    """``generation_config.json`` as a dict ({} when absent), with the keys this package reads checked.
+
+    ``eos_token_id`` must be an integer id or a list of them, each in ``[0, vocab_size)`` (``vocab_size`` from
+    the checkpoint's config.json, read only when ``eos_token_id`` is set); ``do_sample`` a JSON boolean.
+    (temperature / top_p / top_k / max_new_tokens are range-checked by :meth:`SamplingParams.validate`.)
+
+    Raises:
+        InputError: unreadable / non-UTF-8 / non-object file, or a bad ``eos_token_id`` / ``do_sample``, naming
+            the file, the key, what was expected and what was found.
+        ConfigError: config.json invalid (only read to bound ``eos_token_id``).
+    """
     p = Path(model_dir) / "generation_config.json"
-    return _read_json(p, "generation_config.json") if p.is_file() else {}
+    if not p.is_file():
+        return {}
+    gc = _read_json(p, "generation_config.json")
+    ds = gc.get("do_sample")
+    if ds is not None and not isinstance(ds, bool):
+        raise InputError(f"{p}: do_sample: expected a JSON boolean (true or false), found {ds!r}")
+    if gc.get("eos_token_id") is not None:
+        _check_eos(gc["eos_token_id"], str(p))
+        from reference.config import load_config
+        _check_eos(gc["eos_token_id"], str(p), load_config(Path(model_dir)).vocab_size)
+    return gc
+
+
+def _check_eos(e, where: str, vocab_size: int | None = None) -> list[int]:
+    """``eos_token_id`` (int or list of ints, each >= 0 and < ``vocab_size`` when given) as a list; else InputError."""
+    items = e if isinstance(e, list) else [e]
+    ok = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0 for x in items)
+    if ok and vocab_size is not None:
+        ok = all(x < vocab_size for x in items)
+    if not ok:
+        rng = f"in [0, vocab_size={vocab_size})" if vocab_size is not None else ">= 0"
+        raise InputError(f"{where}: eos_token_id: expected a token id {rng} or a list of them, found {e!r}")
+    return [int(x) for x in items]
 
 
 def sampling_defaults(gen_config: dict) -> dict:
     """SamplingParams keyword defaults from a generation config (only the keys it sets).
-    Without ``do_sample: true`` transformers decodes greedily, and so do we."""
-    out = {"do_sample": bool(gen_config.get("do_sample", False))}
+    Without ``do_sample: true`` transformers decodes greedily, and so do we.
+
+    Raises:
+        InputError: ``do_sample`` set and not a JSON boolean.
+    """
+    ds = gen_config.get("do_sample", False)
+    if ds is None:
+        ds = False
+    if not isinstance(ds, bool):
+        raise InputError(f"generation_config.json: do_sample: expected a JSON boolean (true or false), found {ds!r}")
+    out = {"do_sample": ds}
     for k in ("temperature", "top_p", "top_k"):
         if gen_config.get(k) is not None:
             out[k] = gen_config[k]
@@ -407,14 +448,18 @@ def sampling_defaults(gen_config: dict) -> dict:
     return out
 
 
-def eos_ids_from(gen_config: dict, model_eos: Iterable[int] = ()) -> tuple[int, ...]:
-    """Every stop id: ``generation_config.eos_token_id`` (int or list) plus the model config's EOS ids."""
+def eos_ids_from(gen_config: dict, model_eos: Iterable[int] = (), *, vocab_size: int | None = None) -> tuple[int, ...]:
+    """Every stop id: ``generation_config.eos_token_id`` (int or list) plus the model config's EOS ids,
+    de-duplicated in order.
+
+    Raises:
+        InputError: ``eos_token_id`` not an id >= 0 (or < ``vocab_size`` when given) nor a list of them,
+            naming generation_config.json and eos_token_id.
+    """
     ids = list(model_eos)
     e = gen_config.get("eos_token_id")
-    if isinstance(e, int):
-        ids.append(e)
-    elif isinstance(e, list):
-        ids.extend(int(x) for x in e)
+    if e is not None:
+        ids.extend(_check_eos(e, "generation_config.json", vocab_size))
     return tuple(dict.fromkeys(int(x) for x in ids))
 
 

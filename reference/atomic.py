@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -17,10 +18,30 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from reference.errors import InputError
+from reference.errors import InputError, UserError
 
-__all__ = ["check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
+__all__ = ["OutputWriteError", "check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
            "atomic_dir", "apply_umask_modes", "atomic_open"]
+
+
+# errno values of a write that failed for the environment's sake (None: numpy's errno-less short-write OSError)
+_WRITE_ERRNOS = (None, errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG)
+
+
+class OutputWriteError(UserError, OSError):
+    """An output that could not be written (a full or read-only disk, an I/O error) -- the environment, not
+    the input: the CLI prints it as one line and exits 1 (``exit_code``), and nothing half-written is left.
+    An OSError too, so callers catching OSError around a write still catch it."""
+
+    exit_code = 1
+
+
+def write_failed(path, e: BaseException) -> OutputWriteError:
+    """The :class:`OutputWriteError` for a failed write of ``path``: ``'<path>' could not be written: <why>``."""
+    why = getattr(e, "strerror", None)
+    if not why:  # numpy / safetensors short writes carry no errno: say what it most likely is
+        why = f"{str(e) or type(e).__name__} (is the disk full?)"
+    return OutputWriteError(f"output {str(path)!r} could not be written: {why}")
 
 
 def current_umask() -> int:
@@ -49,7 +70,9 @@ def check_output_path(path, kind: str = "file", overwrite: bool = True, flag: st
         flag: the option name used in the message.
     Raises:
         InputError: ``path`` is a directory (kind 'file') or a file (kind 'dir'), exists and
-            ``overwrite`` is false, or its parent is not a writable directory (nor creatable).
+            ``overwrite`` is false, or its parent is not a writable directory (nor creatable). For kind
+            ``'dir'`` the parent directory must already exist (only the output directory itself is
+            created), so a typo never creates a tree of folders (``--out /nonexist/deep/dir``).
     """
     if kind not in ("file", "dir"):
         raise ValueError(f"check_output_path: kind must be 'file' or 'dir', found {kind!r}")
@@ -69,6 +92,13 @@ def check_output_path(path, kind: str = "file", overwrite: bool = True, flag: st
         if p.is_dir() and not overwrite and any(p.iterdir()):
             raise InputError(f"{flag} {str(path)!r}: expected a new or empty directory, found a non-empty one "
                              f"(pass --overwrite)")
+        parent = Path(os.path.abspath(p)).parent
+        if not p.exists() and not parent.is_dir():
+            if parent.exists():
+                raise InputError(f"{flag} {str(path)!r}: expected a path under a directory, found {str(parent)!r} "
+                                 f"is a file")
+            raise InputError(f"{flag} {str(path)!r}: expected an existing parent directory, found no directory "
+                             f"{str(parent)!r} (create it first)")
     # the nearest existing ancestor must be a writable directory (parents are created on write)
     anc = p.parent if kind == "file" or not p.exists() else p
     anc = Path(os.path.abspath(anc))
@@ -87,16 +117,21 @@ def check_output_path(path, kind: str = "file", overwrite: bool = True, flag: st
 def atomic_open(path, mode: str = "wb") -> Iterator:
     """Yield an open temp file next to ``path``; on success chmod it to the umask mode and rename it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise write_failed(path, e) from None
     try:
         with os.fdopen(fd, mode) as f:
             yield f
         os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # full disk (numpy raises errno-less OSErrors), I/O error, ...
+            raise write_failed(path, e) from None
         raise
 
 
@@ -136,20 +171,43 @@ def atomic_dir(final, *, prefix: str | None = None) -> Iterator[Path]:
     """Yield a fresh temp directory next to ``final``; on success give it umask modes and swap it in
     place of ``final`` (an existing ``final`` is replaced). On failure the temp directory is removed."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix or f".{final.name}.", suffix=".tmp"))
     try:
-        yield tmp
-        apply_umask_modes(tmp)
-        old = None
-        if final.exists():
-            old = final.parent / f".{final.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix or f".{final.name}.", suffix=".tmp"))
+    except OSError as e:
+        raise write_failed(final, e) from None
+    try:
+        try:
+            yield tmp
+        except OSError as e:  # a write into the temp directory failed for want of space / I/O
+            if getattr(e, "errno", None) in _WRITE_ERRNOS:
+                raise write_failed(final, e) from None
+            raise
+        try:
+            _swap_in(tmp, final)
+        except OSError as e:
+            raise write_failed(final, e) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Give ``tmp`` the umask modes and rename it to ``final``; an existing ``final`` is replaced (and put
+    back when the rename fails)."""
+    apply_umask_modes(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None and not final.exists():
+            with contextlib.suppress(OSError):
+                os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

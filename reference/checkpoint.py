@@ -42,7 +42,7 @@ import numpy as np
 from reference.config import ModelConfig, load_config
 from reference.errors import CheckpointError, InputError
 
-__all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes",
+__all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes", "expected_shape",
            "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES"]
 
 # safetensors dtype name -> numpy dtype (little-endian, as the format stores)
@@ -53,6 +53,9 @@ DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
+# valid safetensors dtypes this reader does not decode: accepted when a file opens (a checkpoint may carry
+# them in tensors we never read, e.g. quantisation metadata), refused with a clear error when read
+_OTHER_ST_BITS = {"U16": 16, "U32": 32, "U64": 64, "F8_E8M0": 8, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _FP8 = ("F8_E4M3", "F8_E5M2")
 _INT = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _NP_TO_ST = {v: k for k, v in DTYPES.items()}
@@ -84,8 +87,11 @@ def _st_dtype_name(a: np.ndarray) -> str:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> expected shape of every tensor the text model can hold.
 
-    Both expert layouts and both n-gram-table forms are listed (a checkpoint holds one of each);
-    MTP, vision and quantisation scales are not. Source: the ``__init__`` of each module in
+    The fused expert layout (``mlp.experts.gate_up_proj`` / ``down_proj``) and both n-gram-table forms are
+    listed (a checkpoint holds one of each); the per-expert names
+    (``layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``) are not enumerated - that would cost
+    O(layers x num_experts) at every open - and :func:`expected_shape` answers for any one name of either
+    layout. MTP, vision and quantisation scales are not listed. Source: the ``__init__`` of each module in
     modeling_qwen4_exp.py (``Qwen4ExpTextGatedResidual``, ``Qwen4ExpTextGatedDeltaNet``,
     ``Qwen4ExpTextAttention``, ``Qwen4ExpTextQSAIndexer``, ``Qwen4ExpTextSparseMoeBlock``,
     ``Qwen4ExpTextExperts``, ``Qwen4ExpTextPLELayer``, ``Qwen4ExpTextNGramEmbedding``).
@@ -129,9 +135,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     m + "experts.down_proj": (E, H, I), m + "shared_expert.gate_proj.weight": (S, H),
                     m + "shared_expert.up_proj.weight": (S, H), m + "shared_expert.down_proj.weight": (H, S),
                     m + "shared_expert_gate.weight": (1, H)})
-        for e in range(E):
-            out.update({f"{m}experts.{e}.gate_proj.weight": (I, H), f"{m}experts.{e}.up_proj.weight": (I, H),
-                        f"{m}experts.{e}.down_proj.weight": (H, I)})
         if i in cfg.ple_layers:
             lay = cfg.ple_layout(i)
             q, P = p + "ple.", cfg.ple_embed_dim
@@ -145,13 +148,36 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_PER_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def expected_shape(cfg: ModelConfig, name: str, shapes: dict | None = None) -> tuple[int, ...] | None:
+    """Expected shape of one canonical tensor ``name`` (either expert layout), or None when the text model
+    has no such tensor. ``shapes``: a precomputed :func:`expected_shapes` of ``cfg`` (saves recomputing)."""
+    if shapes is None:
+        shapes = expected_shapes(cfg)
+    exp = shapes.get(name)
+    if exp is not None:
+        return exp
+    m = _PER_EXPERT_RE.match(name)
+    if m and int(m.group(1)) < cfg.num_hidden_layers and int(m.group(2)) < cfg.num_experts:
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        return (H, I) if m.group(3) == "down" else (I, H)
+    return None
+
+
 def required_names(cfg: ModelConfig, names: Iterable[str] = ()) -> list[str]:
     """Canonical names a complete text checkpoint must hold. Experts count in either layout and the
     n-gram table in either form (sharded or whole), judged from ``names`` (the stored canonical names).
     ``lm_head.weight`` is not required when ``tie_word_embeddings`` is set. The PLE buffers
     (``layer_multipliers`` ...) are derived from the config and not required."""
+    return list(_iter_required(cfg, names))
+
+
+def _iter_required(cfg: ModelConfig, names: Iterable[str] = ()):
+    """:func:`required_names` as a generator (a check can stop at the first missing name without listing
+    layers x num_experts per-expert names first)."""
     names = set(names)
-    req = []
     for n in expected_shapes(cfg):
         if n == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -159,15 +185,17 @@ def required_names(cfg: ModelConfig, names: Iterable[str] = ()) -> list[str]:
             continue
         if ".mlp.experts." in n:
             continue
-        req.append(n)
+        yield n
     for i in range(cfg.num_hidden_layers):
         m = f"layers.{i}.mlp.experts."
         if (m + "gate_up_proj") in names or (m + "down_proj") in names:
-            req += [m + "gate_up_proj", m + "down_proj"]
+            yield m + "gate_up_proj"
+            yield m + "down_proj"
         else:
             for e in range(cfg.num_experts):
-                req += [f"{m}{e}.gate_proj.weight", f"{m}{e}.up_proj.weight", f"{m}{e}.down_proj.weight"]
-    return req
+                yield f"{m}{e}.gate_proj.weight"
+                yield f"{m}{e}.up_proj.weight"
+                yield f"{m}{e}.down_proj.weight"
 
 
 def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
@@ -235,7 +263,7 @@ class _WeightsBase:
         # quantization_config sits in the text config or, in the multimodal wrapper, at the root
         q = self.config.extra.get("quantization_config") or (self.config.source or {}).get("quantization_config") or {}
         bs = q.get("weight_block_size") or [128, 128]
-        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
+        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)):
             raise CheckpointError(f"{self._source()}: quantization_config.weight_block_size: expected two positive "
                                   f"integers, found {bs!r}")
         self._block = (int(bs[0]), int(bs[1]))
@@ -295,7 +323,7 @@ class _WeightsBase:
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if name in self._checked:
             return
-        exp = self._expected.get(name)
+        exp = expected_shape(self.config, name, self._expected)
         m = _NGRAM_SHARD_RE.match(name)
         if exp is not None and tuple(shape) != exp:
             if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -549,12 +577,12 @@ class _WeightsBase:
         st = self._stored()
         unknown = []
         for n, (_dt, shp) in st.items():
-            if n in self._expected or _NGRAM_SHARD_RE.match(n):
+            if expected_shape(self.config, n, self._expected) is not None or _NGRAM_SHARD_RE.match(n):
                 self._check_shape(n, shp)
             elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale"))):
                 unknown.append(n)
         if require_complete:
-            for n in required_names(self.config, st):
+            for n in _iter_required(self.config, st):
                 if n not in st:
                     raise self._missing(n)
             for layer in self.config.ple_layers:
@@ -581,9 +609,9 @@ class _OverrideView(_WeightsBase):
         if isinstance(base, _OverrideView):
             self._base = base._base
         for n, a in overrides.items():
-            if not self._base.has(n) and n not in self._expected:
+            exp = expected_shape(self.config, n, self._expected)
+            if not self._base.has(n) and exp is None:
                 raise self._base._missing(n)
-            exp = self._expected.get(n)
             if exp is None and self._base.has(n):
                 exp = self._base.shape(n)
             if exp is not None and tuple(a.shape) != tuple(exp):
@@ -712,22 +740,38 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
 def _parse_file(path: Path) -> tuple[list[_Entry], dict]:
     hdr, data0, size = _read_header(path)
     meta = hdr.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__: expected a JSON object, "
+                              f"found {type(meta).__name__}")
     out = []
+    def is_uint(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
     for name, info in hdr.items():
         try:
-            dt, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
-            b, e = int(b), int(e)
+            dt, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}: expected dtype, shape and "
                                   f"data_offsets, found {info!r}") from None
-        if not 0 <= b <= e or data0 + e > size:
+        if not (isinstance(shape, list) and all(is_uint(x) for x in shape)):
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: shape: expected a list of "
+                                  f"integers >= 0, found {shape!r}")
+        if not (is_uint(b) and is_uint(e)):
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets: expected two "
+                                  f"integers >= 0, found {[b, e]!r}")
+        if not isinstance(dt, str) or (dt not in DTYPES and dt not in _OTHER_ST_BITS):
+            raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype: expected a safetensors dtype (one of "
+                                  f"{sorted(set(DTYPES) | set(_OTHER_ST_BITS))}), found {dt!r}")
+        shape = tuple(shape)
+        if not b <= e or data0 + e > size:
             raise CheckpointError(f"{path}: truncated or corrupt file: tensor {name!r} data_offsets [{b}, {e}] run "
                                   f"beyond the data section ({size - data0} bytes)")
-        if dt in DTYPES:
-            want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dt].itemsize
-            if want != e - b:
-                raise CheckpointError(f"{path}: corrupt header: tensor {name!r} {dt}{list(shape)} needs {want} bytes, "
-                                      f"data_offsets give {e - b}")
+        # Python ints: no overflow on absurd shapes; sub-byte dtypes pack (rounded up to whole bytes)
+        bits = DTYPES[dt].itemsize * 8 if dt in DTYPES else _OTHER_ST_BITS[dt]
+        want = -(-math.prod(shape) * bits // 8)
+        if want != e - b:
+            raise CheckpointError(f"{path}: corrupt header: tensor {name!r} {dt}{list(shape)} needs {want} bytes, "
+                                  f"data_offsets give {e - b}")
         out.append(_Entry(path, name, dt, shape, data0 + b, e - b))
     return out, meta
 
@@ -781,6 +825,10 @@ class Checkpoint(_WeightsBase):
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object, found unreadable content "
                                       f"({type(e).__name__}: {e})") from None
+            for n, fn in wanted.items():
+                if not (isinstance(fn, str) and fn and Path(fn).name == fn):
+                    raise CheckpointError(f"{index}: weight_map[{n!r}]: expected a shard file name (a string such as "
+                                          f"'model-00001-of-00002.safetensors'), found {fn!r} ({type(fn).__name__})")
             files = sorted({root / f for f in wanted.values()})
             missing = [f.name for f in files if not f.exists()]
             if missing:

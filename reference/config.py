@@ -62,13 +62,33 @@ def build_layer_multipliers(unigram_vocab_size: int, ngram_size: int, ple_layer_
     return out
 
 
+_SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
 def _is_prime(value: int) -> bool:
+    """Exact primality: trial division by the first primes, then the deterministic Miller-Rabin test with
+    the first 12 prime bases, which has no pseudoprime below 3.3e24 (every value a valid config can
+    produce: bases are < 2**31). Cheap for any size, unlike plain trial division (sqrt(n) steps)."""
     if value < 2:
         return False
-    if value % 2 == 0:
-        return value == 2
-    for divisor in range(3, math.isqrt(value) + 1, 2):
-        if value % divisor == 0:
+    for p in _SMALL_PRIMES:
+        if value % p == 0:
+            return value == p
+    if value < 41 * 41:
+        return True
+    d, r = value - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in _SMALL_PRIMES:
+        x = pow(a, d, value)
+        if x in (1, value - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % value
+            if x == value - 1:
+                break
+        else:
             return False
     return True
 
@@ -131,6 +151,92 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "hc_count", "hc_lowrank",
                "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
                "make_ngram_vocab_size_divisible_by", "seed", "split_ngram_parts")
+
+
+# Field type table of every key ModelConfig reads (the official class's annotations); checked in from_dict
+# before any rule, so a wrong JSON type is one ConfigError naming the key, never a TypeError later.
+_FLOAT_FIELDS = ("initializer_range", "rms_norm_eps", "attention_dropout", "router_aux_loss_coef")
+_BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "attention_bias", "output_router_logits", "norm_topk_prob")
+_STR_FIELDS = ("hidden_act",)
+_OPT_STR_FIELDS = ("output_gate_type",)
+_OPT_INT_FIELDS = ("pad_token_id", "bos_token_id", "ple_embed_dim", "indexer_n_heads", "indexer_kv_heads",
+                   "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+# Upper bounds (sanity, far above the real model; see /work/shared/model-facts.md for its values):
+# * every size / count / id field: <= 2**31 - 1. The engine indexes tokens, experts, heads and rows with
+#   int32 (engine/kernels/moe.py routing tables, token-id buffers), so a larger value cannot run anyway.
+# * num_hidden_layers <= 4096 (real: 48): config load and checkpoint checks enumerate ~40 tensor names
+#   per layer, which must stay cheap (< 1 s) so a typo fails fast instead of hanging.
+# * PLE n-gram heads over all PLE layers, len(ple_layer_ids) * (ngram_size - 1) * heads_per_ngram <= 4096
+#   (real: 1 * 16): each head is one prime search when the table layout is derived at load.
+_MAX_INT32 = 2**31 - 1
+_MAX_LAYERS = 4096
+_MAX_PLE_HEADS = 4096
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_types(vals: dict, where: str) -> None:
+    """The JSON type of every field ModelConfig reads (table above); raises ConfigError naming the first bad key."""
+    def bad(k, expected, v):
+        raise ConfigError(f"{where}: {k}: expected {expected}, found {v!r} ({type(v).__name__})")
+
+    for k in _INT_FIELDS:
+        v = vals[k]
+        if not _is_int(v):
+            bad(k, "an integer", v)
+        if k != "seed" and v > _MAX_INT32:
+            raise ConfigError(f"{where}: {k}: expected at most {_MAX_INT32} (sizes and ids are int32 in the "
+                              f"engine), found {v}")
+    if vals["num_hidden_layers"] > _MAX_LAYERS:
+        raise ConfigError(f"{where}: num_hidden_layers: expected at most {_MAX_LAYERS} (the real model has 48), "
+                          f"found {vals['num_hidden_layers']}")
+    for k in _OPT_INT_FIELDS:
+        v = vals[k]
+        if v is not None and not _is_int(v):
+            bad(k, "an integer or null", v)
+        if v is not None and v > _MAX_INT32:
+            raise ConfigError(f"{where}: {k}: expected at most {_MAX_INT32} (int32 in the engine), found {v}")
+    for k in _FLOAT_FIELDS:
+        if not _is_number(vals[k]):
+            bad(k, "a finite number", vals[k])
+    for k in _BOOL_FIELDS:
+        if not isinstance(vals[k], bool):
+            bad(k, "a JSON boolean (true or false)", vals[k])
+    for k in _STR_FIELDS:
+        if not isinstance(vals[k], str):
+            bad(k, "a string", vals[k])
+    for k in _OPT_STR_FIELDS:
+        if vals[k] is not None and not isinstance(vals[k], str):
+            bad(k, "a string or null", vals[k])
+    eos = vals["eos_token_id"]
+    if eos is not None:
+        items = eos if isinstance(eos, list) else [eos]
+        if not all(_is_int(e) and e >= 0 for e in items):
+            bad("eos_token_id", "an integer id >= 0 or a list of them", eos)
+    lt = vals["layer_types"]
+    if lt is not None and not (isinstance(lt, list) and all(isinstance(t, str) for t in lt)):
+        bad("layer_types", "a list of strings", lt)
+
+
+def _check_rope(rp: dict, where: str) -> None:
+    """Types of the rope_parameters keys ModelConfig reads (rope_theta, partial_rotary_factor, rope_type)."""
+    if "rope_theta" in rp and not (_is_number(rp["rope_theta"]) and rp["rope_theta"] > 0):
+        v = rp["rope_theta"]
+        raise ConfigError(f"{where}: rope_parameters.rope_theta: expected a positive number, found {v!r} "
+                          f"({type(v).__name__})")
+    if "partial_rotary_factor" in rp and not _is_number(rp["partial_rotary_factor"]):
+        v = rp["partial_rotary_factor"]
+        raise ConfigError(f"{where}: rope_parameters.partial_rotary_factor: expected a number in (0, 1], found "
+                          f"{v!r} ({type(v).__name__})")
+    if "rope_type" in rp and not isinstance(rp["rope_type"], str):
+        raise ConfigError(f"{where}: rope_parameters.rope_type: expected 'default', found {rp['rope_type']!r}")
 
 
 @dataclass(frozen=True)
@@ -224,10 +330,7 @@ class ModelConfig:
                 vals[k] = v
             else:
                 extra[k] = v
-        for k in _INT_FIELDS:
-            v = vals[k]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{where}: {k}: expected an integer, found {v!r}")
+        _check_types(vals, where)
         if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
             raise ConfigError(f"{where}: full_attention_interval: expected a positive integer, found {interval!r}")
         # __post_init__ of the official config
@@ -259,6 +362,7 @@ class ModelConfig:
                 rp["partial_rotary_factor"] = extra["partial_rotary_factor"]
         if not isinstance(rp, dict):
             raise ConfigError(f"{where}: rope_parameters: expected an object, found {rp!r}")
+        _check_rope(rp, where)
         vals["rope_parameters"] = dict(rp)
         cfg = cls(**vals, extra=extra, source=source)
         cfg.validate(where)
@@ -364,6 +468,10 @@ class ModelConfig:
             heads = (self.ngram_size - 1) * self.heads_per_ngram
             if self.ngram_size < 2:
                 bad(f"ngram_size: expected >= 2 when PLE is on, found {self.ngram_size}")
+            if len(self.ple_layer_ids) * heads > _MAX_PLE_HEADS:
+                bad(f"ple_layer_ids, ngram_size, heads_per_ngram: expected at most {_MAX_PLE_HEADS} n-gram heads "
+                    f"over all PLE layers (len(ple_layer_ids) * (ngram_size-1) * heads_per_ngram; the real model "
+                    f"has 16), found {len(self.ple_layer_ids)} * {heads}")
             if heads <= 0 or self.ple_embed_dim <= 0 or self.ple_embed_dim % heads:
                 bad(f"ple_embed_dim: expected a positive multiple of the n-gram head count "
                     f"(ngram_size-1)*heads_per_ngram={heads}, found {self.ple_embed_dim}")

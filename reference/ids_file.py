@@ -1,6 +1,6 @@
 """One parser for token-id files (``--ids FILE`` of ``qwen4exp logits``, ``taps record``, ...).
 
-Accepted forms: a ``.npy`` array of integers (any shape, flattened), a JSON list of integers (or an
+Accepted forms: a 1-D ``.npy`` array of integers (a 0-d or 2-D array is refused, never flattened), a JSON list of integers (or an
 object ``{"ids": [...]}`` / ``{"token_ids": [...]}``), or integers separated by whitespace and/or
 commas (``1 2 3``, ``1,2,3``). An empty item (``1,,2``) is an error naming its position.
 """
@@ -36,8 +36,8 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
     Returns:
         ``[T]`` int64, T >= 1.
     Raises:
-        InputError: missing/unreadable file, non-integer content, an empty item, no ids, or an id out
-            of range (naming the first bad value and its index).
+        InputError: missing/unreadable file, non-integer content, a .npy array that is not 1-D, an empty
+            item, no ids, or an id out of range (naming the first bad value and its index).
     """
     p = Path(path)
     if not p.is_file():
@@ -50,7 +50,10 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
             raise InputError(f"{flag} {str(path)!r}: expected a readable .npy array, found {e}") from None
         if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
             raise InputError(f"{flag} {str(path)!r}: expected an integer .npy array, found dtype {arr.dtype}")
-        ids = [int(x) for x in arr.reshape(-1)]
+        if arr.ndim != 1:
+            raise InputError(f"{flag} {str(path)!r}: expected a 1-D .npy array of token ids [T], found a "
+                             f"{arr.ndim}-D array of shape {list(arr.shape)}")
+        ids = [int(x) for x in arr]
     else:
         try:
             text = p.read_text()

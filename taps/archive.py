@@ -43,12 +43,24 @@ FORMAT_VERSION = 1
 PRODUCER = "qwen4exp-parity"
 MANIFEST = "manifest.json"
 
-__all__ = ["ArchiveError", "FORMAT_VERSION", "TapInfo", "TapSource", "Archive", "MemoryArchive", "ArchiveWriter",
+__all__ = ["ArchiveError", "ArchiveWriteError", "FORMAT_VERSION", "TapInfo", "TapSource", "Archive", "MemoryArchive", "ArchiveWriter",
            "producer_version", "storable"]
 
 
 class ArchiveError(UserError, ValueError):
     """A tap archive that is missing, unreadable, corrupt, from a newer format version, or lacks a tap."""
+
+
+class ArchiveWriteError(ArchiveError):
+    """A tap archive that could not be written (full or read-only disk, I/O error); the CLI exits 1
+    (``exit_code``, as :class:`reference.atomic.OutputWriteError`) and nothing is left at the output."""
+
+    exit_code = 1
+
+
+def _write_failed(out, e: BaseException) -> ArchiveWriteError:
+    why = getattr(e, "strerror", None) or f"{str(e).strip() or type(e).__name__} (is the disk full?)"
+    return ArchiveWriteError(f"archive output {str(out)!r}: could not be written: {why}")
 
 
 def file_sha256(path) -> tuple[str, int]:
@@ -266,6 +278,98 @@ class MemoryArchive(TapSource):
         return "in-memory archive"
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind(v) -> str:
+    """A JSON value's type as a user reads it, with a short excerpt: ``a string ("1")``."""
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    return kind if v is None else f"{kind} ({json.dumps(v)[:40]})"
+
+
+def check_manifest_schema(m: dict) -> str | None:
+    """Check the types of a manifest's fields (format version 1). Returns None when well-formed, else
+    one phrase naming the field, what was expected and what was found.
+
+    Checked: ``taps`` (object of tap name -> {dtype str, tail list of ints >= 0, rows int >= 0, kind str,
+    ragged bool, segments list of {file: plain file name, key str, rows int >= 0}}, segment rows summing to
+    ``rows``), ``order`` (list of recorded tap names), ``chunks`` (absent or an object of file name ->
+    {sha256 str, bytes int}), ``token_ids`` (absent, null = not recorded, or a list of ints >= 0),
+    ``model`` (absent, null or an object), ``backend``/``dtype`` (absent, null or a string).
+    """
+    taps = m.get("taps")
+    if not isinstance(taps, dict):
+        return f"'taps': expected an object of tap name -> entry, found {_kind(taps)}"
+    for name, t in taps.items():
+        at = f"'taps'[{name!r}]"
+        if not isinstance(t, dict):
+            return f"{at}: expected an object, found {_kind(t)}"
+        if not isinstance(t.get("dtype"), str):
+            return f"{at}.dtype: expected a string, found {_kind(t.get('dtype'))}"
+        try:
+            np.dtype(t["dtype"])
+        except TypeError:
+            return f"{at}.dtype: expected a numpy dtype name, found {_kind(t['dtype'])}"
+        tail = t.get("tail")
+        if not isinstance(tail, list) or not all(_is_int(x) and x >= 0 for x in tail):
+            return f"{at}.tail: expected a list of integers >= 0, found {_kind(tail)}"
+        if not _is_int(t.get("rows")) or t["rows"] < 0:
+            return f"{at}.rows: expected an integer >= 0, found {_kind(t.get('rows'))}"
+        if "kind" in t and not isinstance(t["kind"], str):
+            return f"{at}.kind: expected a string, found {_kind(t['kind'])}"
+        if "ragged" in t and not isinstance(t["ragged"], bool):
+            return f"{at}.ragged: expected true or false, found {_kind(t['ragged'])}"
+        segs = t.get("segments")
+        if not isinstance(segs, list):
+            return f"{at}.segments: expected a list, found {_kind(segs)}"
+        total = 0
+        for i, sg in enumerate(segs):
+            if not isinstance(sg, dict):
+                return f"{at}.segments[{i}]: expected an object, found {_kind(sg)}"
+            f = sg.get("file")
+            if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", ".."):
+                return f"{at}.segments[{i}].file: expected a file name inside the archive, found {_kind(f)}"
+            if not isinstance(sg.get("key"), str):
+                return f"{at}.segments[{i}].key: expected a string, found {_kind(sg.get('key'))}"
+            if not _is_int(sg.get("rows")) or sg["rows"] < 0:
+                return f"{at}.segments[{i}].rows: expected an integer >= 0, found {_kind(sg.get('rows'))}"
+            total += sg["rows"]
+        if total != t["rows"]:
+            return f"{at}: expected segment rows summing to rows={t['rows']}, found {total}"
+    order = m.get("order")
+    if not isinstance(order, list) or not all(isinstance(x, str) for x in order):
+        return f"'order': expected a list of tap names, found {_kind(order)}"
+    missing = [x for x in order if x not in taps]
+    if missing:
+        return f"'order': expected names of recorded taps, found {missing[0]!r} not in 'taps'"
+    if "chunks" in m:
+        ch = m["chunks"]
+        if not isinstance(ch, dict):
+            return f"'chunks': expected an object of file name -> {{sha256, bytes}}, found {_kind(ch)}"
+        for fname, e in ch.items():
+            if not isinstance(e, dict):
+                return f"'chunks'[{fname!r}]: expected an object with sha256 and bytes, found {_kind(e)}"
+            if "sha256" in e and not isinstance(e["sha256"], str):
+                return f"'chunks'[{fname!r}].sha256: expected a string, found {_kind(e['sha256'])}"
+            if "bytes" in e and (not _is_int(e["bytes"]) or e["bytes"] < 0):
+                return f"'chunks'[{fname!r}].bytes: expected an integer >= 0, found {_kind(e['bytes'])}"
+    if m.get("token_ids") is not None:
+        ids = m["token_ids"]
+        if not isinstance(ids, list):
+            return f"'token_ids': expected a list of integers (or null: not recorded), found {_kind(ids)}"
+        bad = next((i for i, x in enumerate(ids) if not _is_int(x) or x < 0), None)
+        if bad is not None:
+            return f"'token_ids': expected integers >= 0, found {_kind(ids[bad])} at index {bad}"
+    if m.get("model") is not None and not isinstance(m["model"], dict):
+        return f"'model': expected an object (or null), found {_kind(m['model'])}"
+    for k in ("backend", "dtype"):
+        if m.get(k) is not None and not isinstance(m[k], str):
+            return f"'{k}': expected a string (or null), found {_kind(m[k])}"
+    return None
+
+
 class Archive(TapSource):
     """A tap archive on disk, read lazily (manifest at open; data per segment slice on demand)."""
 
@@ -300,13 +404,19 @@ class Archive(TapSource):
             raise ArchiveError(f"tap archive {str(p)!r}: expected format {FORMAT_NAME!r}, found "
                                f"{manifest.get('format') if isinstance(manifest, dict) else type(manifest).__name__!r}")
         ver = manifest.get("format_version")
-        if not isinstance(ver, int) or ver > FORMAT_VERSION or ver < 1:
+        if not _is_int(ver) or ver < 1:
+            raise ArchiveError(f"tap archive {str(p)!r}: {MANIFEST} 'format_version': expected an integer >= 1, "
+                               f"found {_kind(ver) if 'format_version' in manifest else 'none'}")
+        if ver > FORMAT_VERSION:
             raise ArchiveError(f"tap archive {str(p)!r}: format version {ver!r} is newer than this reader supports "
                                f"(up to {FORMAT_VERSION}); upgrade qwen4exp-parity (producer was "
                                f"{manifest.get('producer')})")
         for k in ("taps", "order"):
             if k not in manifest:
                 raise ArchiveError(f"tap archive {str(p)!r}: {MANIFEST} lacks {k!r}")
+        problem = check_manifest_schema(manifest)
+        if problem:
+            raise ArchiveError(f"tap archive {str(p)!r}: {MANIFEST} {problem}")
         return cls(p, manifest)
 
     @property
@@ -468,7 +578,11 @@ class ArchiveWriter:
         self._pending.setdefault(name, []).append((positions, rows))
         self._pending_bytes += rows.nbytes + positions.nbytes
         if self._pending_bytes >= self.flush_bytes:
-            self.flush()
+            try:
+                self.flush()
+            except ArchiveWriteError:
+                self.abort()
+                raise
 
     def flush(self) -> None:
         """Write everything pending to the next chunk file (written to a temp name, then renamed)."""
@@ -488,17 +602,31 @@ class ArchiveWriter:
                                   "pos_min": int(pos.min()) if len(pos) else 0,
                                   "pos_max": int(pos.max()) if len(pos) else -1})
         part = self.tmp / (fname + ".part")
-        save_file(tensors, str(part))
-        digest, size = file_sha256(part)
+        try:
+            save_file(tensors, str(part))
+            digest, size = file_sha256(part)
+            os.replace(part, self.tmp / fname)
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (no errno) on a full disk, OSError
+            with contextlib.suppress(OSError):
+                part.unlink()
+            raise _write_failed(self.out, e) from None
         self._chunks[fname] = {"sha256": digest, "bytes": size}
-        os.replace(part, self.tmp / fname)
         self._pending.clear()
         self._pending_bytes = 0
         self._chunk += 1
 
     def close(self, fields: dict) -> Path:
-        """Flush, write the manifest (``fields`` merged into it) and publish ``DIR``. Returns ``DIR``."""
-        self.flush()
+        """Flush, write the manifest (``fields`` merged into it) and publish ``DIR``. Returns ``DIR``.
+
+        Raises:
+            ArchiveWriteError: a chunk or the manifest could not be written (the temporary directory is
+                removed: nothing is left at or beside ``DIR``).
+        """
+        try:
+            self.flush()
+        except BaseException:
+            self.abort()
+            raise
         manifest = {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
             "producer": {"name": PRODUCER, "version": producer_version()},
@@ -529,8 +657,7 @@ class ArchiveWriter:
                 with contextlib.suppress(OSError):
                     os.replace(old, self.out)
             if isinstance(e, OSError):
-                raise ArchiveError(f"archive output {str(self.out)!r}: could not be written: "
-                                   f"{e.strerror or e}") from None
+                raise _write_failed(self.out, e) from None
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

@@ -244,7 +244,7 @@ def test_bench_truncated_checkpoint_is_one_line(tiny, tmp_path, capsys, monkeypa
 def test_generate_notes_and_errors(tiny, tmp_path, capsys):
     # an argument error is one line: the 'random weights' note is not printed before it
     assert main(["generate", "--prompt", "hi", "--backend", "reference", "--top-p", "5"]) == 2
-    one_line_error(capsys, "top_p")
+    one_line_error(capsys, "--top-p")
     # a bad generation_config.json is named
     m = tmp_path / "m"
     shutil.copytree(tiny, m)

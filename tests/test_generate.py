@@ -419,7 +419,7 @@ def test_cli_errors(tmp_path, capsys):
     rc, out, err = _cli(["generate", str(tmp_path), "--prompt", "x", "--backend", "reference"], capsys)
     assert rc == 2 and "tokenizer" in err and "tokenizer.json" in err
     rc, out, err = _cli(["generate", "--prompt", "x", "--backend", "reference", "--top-p", "1.5"], capsys)
-    assert rc == 2 and "top_p" in err
+    assert rc == 2 and "--top-p" in err
     rc, out, err = _cli(["generate", "--prompt", "x", "--backend", "reference", "--temperature", "-1"], capsys)
     assert rc == 2 and "temperature" in err
     from engine.backend import gpu_available

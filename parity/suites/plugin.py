@@ -47,19 +47,23 @@ def pytest_configure(config):
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
     ps = config.getoption("--page-sizes")
-    if ps:
+    if ps is not None:
+        from parity.cmd_parity import parse_page_sizes
         try:
-            if any(int(x) <= 0 for x in ps.split(",")):
-                raise ValueError
-        except ValueError:
-            raise pytest.UsageError(f"--page-sizes: expected comma-separated positive integers, found {ps!r}") from None
+            from reference.config import load_config
+            from reference.paths import resolve_model
+            max_pos = load_config(resolve_model(config.getoption("--model"))).max_position_embeddings
+            parse_page_sizes(ps, max_pos)
+        except UserError as e:
+            raise pytest.UsageError(str(e)) from None
 
 
 def _settings(config):
     from reference.paths import resolve_model
     model = resolve_model(config.getoption("--model"))
     ps = config.getoption("--page-sizes")
-    pages = [int(x) for x in ps.split(",")] if ps else None
+    from parity.cmd_parity import parse_page_sizes
+    pages = parse_page_sizes(ps) if ps is not None else None
     return config.getoption("--backend"), model, config.getoption("--parity-level"), pages
 
 
