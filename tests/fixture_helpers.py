@@ -36,3 +36,17 @@ def load_golden(name: str = "tiny") -> tuple[dict[str, np.ndarray], dict]:
 def golden_prompts(name: str = "tiny") -> list[str]:
     """Prompt names of a fixture's goldens (``short``, ``qsa``, ``eos``, ``maxid``, ``chat``)."""
     return list(load_golden(name)[1]["prompts"])
+
+
+def one_line_error(capsys, *needles, absent=()):
+    """The captured stderr holds exactly one line, without a traceback, naming every needle (and none of
+    ``absent``). Returns that line."""
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    for n in absent:
+        assert n not in lines[0], (n, lines[0])
+    return lines[0]

@@ -425,16 +425,21 @@ def test_wrong_shape_reported_on_access(tmp_path):
     assert ck.get("layers.0.linear_attn.in_proj_a.weight").shape == (4, 64)
 
 
-def test_unknown_dtype(tmp_path):
-    t = _tensors("tiny-hc2")
-    d = _write_ck(tmp_path, _config("tiny-hc2"), t)
+def _ck_with_a_log_dtype(tmp_path, dtype: bytes):
+    """A tiny-hc2 checkpoint whose header gives ``layers.0.linear_attn.A_log`` (F32) another dtype name."""
+    d = _write_ck(tmp_path, _config("tiny-hc2"), _tensors("tiny-hc2"))
     f = d / "model.safetensors"
     data = f.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     hdr = data[8:8 + n].replace(b'"model.layers.0.linear_attn.A_log":{"dtype":"F32"',
-                                b'"model.layers.0.linear_attn.A_log":{"dtype":"Q4X"')
+                                b'"model.layers.0.linear_attn.A_log":{"dtype":"' + dtype + b'"')
     assert hdr != data[8:8 + n]
     f.write_bytes(data[:8] + hdr + data[8 + n:])
+    return d
+
+
+def test_unknown_dtype(tmp_path):
+    d = _ck_with_a_log_dtype(tmp_path, b"Q4X")
     # rejected when the header is read (not only when the tensor is), naming the tensor and the file
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor '.*A_log'.*unknown dtype.*found 'Q4X'"):
         Checkpoint.open(d)
@@ -606,15 +611,6 @@ def test_valid_but_undecoded_dtype_opens_and_fails_only_when_read(tmp_path):
     """A safetensors dtype this reader does not decode (U32 here; same byte size as the F32 it replaces) must
     not stop the checkpoint from opening (real checkpoints may carry such tensors we never read); reading that
     tensor is one clear error naming it."""
-    t = _tensors("tiny-hc2")
-    d = _write_ck(tmp_path, _config("tiny-hc2"), t)
-    f = d / "model.safetensors"
-    data = f.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    hdr = data[8:8 + n].replace(b'"model.layers.0.linear_attn.A_log":{"dtype":"F32"',
-                                b'"model.layers.0.linear_attn.A_log":{"dtype":"U32"')
-    assert hdr != data[8:8 + n]
-    f.write_bytes(data[:8] + hdr + data[8 + n:])
-    ck = Checkpoint.open(d)
+    ck = Checkpoint.open(_ck_with_a_log_dtype(tmp_path, b"U32"))
     with pytest.raises(CheckpointError, match=r"A_log.*unknown dtype.*found 'U32'"):
         ck.get("layers.0.linear_attn.A_log")

@@ -10,16 +10,11 @@ from pathlib import Path
 import pytest
 
 from parity.cli import main
+from fixture_helpers import one_line_error as _one_line_error
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _one_line_error(capsys, *needles):
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
 
 
 @pytest.mark.parametrize("argv, needles", [

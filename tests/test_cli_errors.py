@@ -21,17 +21,9 @@ import pytest
 
 from parity.cli import main
 from reference.paths import REPO_ROOT, bundled_model
+from fixture_helpers import one_line_error
 
 
-def one_line_error(capsys, *needles):
-    """The captured stderr is exactly one line, names every needle and holds no traceback."""
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def ids_file(tmp_path, content="1 2 3 4 5 6", name="ids.txt"):

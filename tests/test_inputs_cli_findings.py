@@ -13,19 +13,9 @@ import numpy as np
 import pytest
 
 from parity.cli import main
+from fixture_helpers import one_line_error
 
 
-def one_line_error(capsys, *needles, absent=()):
-    """The captured stderr holds exactly one line, without a traceback, naming every needle."""
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    for n in absent:
-        assert n not in lines[0], (n, lines[0])
-    return lines[0]
 
 
 # --------------------------------------------------------------------------- 1. --prompts messages

@@ -14,6 +14,7 @@ import pytest
 
 from parity.cli import main
 from reference.paths import check_checkpoint_dir, resolve_model
+from fixture_helpers import one_line_error
 
 # bytes that are not UTF-8 at offset 0 (0xff never occurs in UTF-8), then more invalid sequences
 NOT_UTF8 = b"\xff\xfe\xc3\x28 random \xa0\xa1 bytes \xe2\x28\xa1"
@@ -25,16 +26,6 @@ def _copy(tiny, dst):
     return dst
 
 
-def one_line_error(capsys, *needles, absent=()):
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err and "UnicodeDecodeError" not in err, err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    for n in absent:
-        assert n not in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def _edit_config(d, **changes):
