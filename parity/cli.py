@@ -71,20 +71,18 @@ def _check_empty_model(args) -> None:
         InputError: a MODEL / --model argument that is the empty string.
     """
     from reference.errors import InputError
-    for dest, name in (("model", "MODEL"), ("model_pos", "MODEL")):
-        if getattr(args, dest, None) == "":
-            raise InputError(f"{name} '': expected a checkpoint directory or a bundled fixture name, found an "
-                             f"empty string")
+    if "" in (getattr(args, "model", None), getattr(args, "model_pos", None)):
+        raise InputError("MODEL '': expected a checkpoint directory or a bundled fixture name, found an empty string")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``qwen4exp`` command line.
 
     Returns:
-        The command's exit code; 2 for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``)
-        except an OutputWriteError (reference.atomic: output that could not be written), which exits 1,
-        0 when stdout's reader went away (BrokenPipeError), 128 + signal number (130 for Ctrl-C) when interrupted,
-        1 with one line when output cannot be written (full or read-only disk, no permission).
+        The command's exit code; for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``)
+        2, or the error's ``exit_code`` (1 for output that could not be written, e.g. OutputWriteError);
+        1 with one line for any other write that failed for a full, read-only or failing disk;
+        0 when stdout's reader went away (BrokenPipeError); 128 + signal number (130 for Ctrl-C) when interrupted.
         Other exceptions propagate.
     """
     parser = build_parser()
@@ -103,25 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         what = "interrupted" if signum is None else f"terminated (signal {signum})"
         print(f"qwen4exp {args.command}: {what}", file=sys.stderr)
         return 128 + signum if signum else 130
-    except OSError as e:
-        import errno
-
+    except Exception as e:
+        from reference.atomic import WRITE_ERRNOS
         from reference.errors import UserError
-        if isinstance(e, UserError):  # reference.atomic.OutputWriteError: already one line naming the output
+        if isinstance(e, UserError):  # bad input (exit 2), or output that could not be written (exit 1)
             print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
-            return getattr(e, "exit_code", 1)
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO):
-            raise
-        # the environment, not a bug: a full or read-only disk, no permission (e.g. `> /dev/full`)
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"qwen4exp {args.command}: error: could not write output{where}: {e.strerror or e}", file=sys.stderr)
-        _silence_stdout()
-        return 1
-    except Exception as e:  # bad input from library layers (ConfigError, CheckpointError, ...)
-        from reference.errors import UserError
-        if isinstance(e, UserError):
-            print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
-            return getattr(e, "exit_code", 2)  # 1 for output that could not be written (OutputWriteError)
+            return e.exit_code
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:  # the environment, not a bug (`> /dev/full`)
+            where = f" ({e.filename})" if e.filename else ""
+            print(f"qwen4exp {args.command}: error: could not write output{where}: {e.strerror or e}",
+                  file=sys.stderr)
+            _silence_stdout()
+            return 1
         raise
     try:
         sys.stdout.flush()

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         check_precision("engine", "bf16", Checkpoint.open(model_dir))
     if model_dir.resolve() == bundled_model("tiny").resolve():
         print(G.NOISE_NOTE, file=sys.stderr)
-    eos = G.eos_ids_from(gen_cfg, lm.config.eos_token_ids)
+    eos = G.eos_ids_from(gen_cfg, lm.config.eos_token_ids, vocab_size=lm.config.vocab_size)
     gen = G.Generator(lm, tok, eos)
     single = len(prompts) == 1
     stream = single and not args.json

@@ -13,7 +13,6 @@ arguments, model or prompts, an --out that cannot be written, a backend that can
 from __future__ import annotations
 
 import contextlib
-
 import sys
 import time
 
@@ -168,7 +167,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
 
     from tqdm.auto import tqdm
 
-    from parity.backend import open_backend, opener, truth_model
+    from parity.backend import opener, truth_model
     from parity.report import ParityReport, ScenarioRow
     from parity.scenarios import count_cases, run_scenario, summarize_results
     from parity.scenarios.common import TruthCache
@@ -334,20 +333,18 @@ def run(args) -> int:
     return report.exit_code
 
 
-_NOT_WRITTEN = "(archives not written"
-
-
 def _unwritten_archives(doc) -> list[str]:
     """The reasons recorded in a report document where failing cases' tap archives could not be written
-    (``archives`` entries of the form ``"(archives not written: ...)"``, set by parity.scenarios.locate)."""
+    (``archives`` entries made by :func:`parity.scenarios.locate.not_written`)."""
+    from parity.scenarios.locate import NOT_WRITTEN
     out = []
 
     def walk(x):
         if isinstance(x, dict):
             for k, v in x.items():
                 if k == "archives" and isinstance(v, list):
-                    out.extend(a[len(_NOT_WRITTEN):].lstrip(": ").rstrip(")") for a in v
-                               if isinstance(a, str) and a.startswith(_NOT_WRITTEN))
+                    out.extend(a[len(NOT_WRITTEN):].rstrip(")") for a in v
+                               if isinstance(a, str) and a.startswith(NOT_WRITTEN))
                 else:
                     walk(v)
         elif isinstance(x, list):

@@ -390,29 +390,15 @@ class SamplingParams:
 
 
 def load_generation_config(model_dir: str | Path) -> dict:
-    """``generation_config.json`` as a dict ({} when absent), with the keys this package reads checked.
-
-    ``eos_token_id`` must be an integer id or a list of them, each in ``[0, vocab_size)`` (``vocab_size`` from
-    the checkpoint's config.json, read only when ``eos_token_id`` is set); ``do_sample`` a JSON boolean.
-    (temperature / top_p / top_k / max_new_tokens are range-checked by :meth:`SamplingParams.validate`.)
+    """``generation_config.json`` as a dict ({} when absent). Its keys are checked where they are used:
+    ``do_sample`` by :func:`sampling_defaults`, ``eos_token_id`` by :func:`eos_ids_from`, temperature /
+    top_p / top_k / max_new_tokens by :meth:`SamplingParams.validate`.
 
     Raises:
-        InputError: unreadable / non-UTF-8 / non-object file, or a bad ``eos_token_id`` / ``do_sample``, naming
-            the file, the key, what was expected and what was found.
-        ConfigError: config.json invalid (only read to bound ``eos_token_id``).
+        InputError: unreadable / non-UTF-8 / non-object file.
     """
     p = Path(model_dir) / "generation_config.json"
-    if not p.is_file():
-        return {}
-    gc = _read_json(p, "generation_config.json")
-    ds = gc.get("do_sample")
-    if ds is not None and not isinstance(ds, bool):
-        raise InputError(f"{p}: do_sample: expected a JSON boolean (true or false), found {ds!r}")
-    if gc.get("eos_token_id") is not None:
-        _check_eos(gc["eos_token_id"], str(p))
-        from reference.config import load_config
-        _check_eos(gc["eos_token_id"], str(p), load_config(Path(model_dir)).vocab_size)
-    return gc
+    return _read_json(p, "generation_config.json") if p.is_file() else {}
 
 
 def _check_eos(e, where: str, vocab_size: int | None = None) -> list[int]:

@@ -20,12 +20,14 @@ from typing import Iterator
 
 from reference.errors import InputError, UserError
 
-__all__ = ["OutputWriteError", "check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
+__all__ = ["OutputWriteError", "WRITE_ERRNOS", "write_failed", "write_failure_reason", "check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
            "atomic_dir", "apply_umask_modes", "atomic_open"]
 
 
-# errno values of a write that failed for the environment's sake (None: numpy's errno-less short-write OSError)
-_WRITE_ERRNOS = (None, errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG)
+#: errno values of a write that failed for the environment's sake (full, read-only or failing disk)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG)
+# inside our own writers, numpy's errno-less short-write OSError (None) is one of them too
+_WRITE_ERRNOS = (None, *WRITE_ERRNOS)
 
 
 class OutputWriteError(UserError, OSError):
@@ -36,12 +38,15 @@ class OutputWriteError(UserError, OSError):
     exit_code = 1
 
 
+def write_failure_reason(e: BaseException) -> str:
+    """Why a write failed, for a message: the OS reason, or (numpy / safetensors short writes carry no
+    errno) the error's text with what it most likely is."""
+    return getattr(e, "strerror", None) or f"{str(e).strip() or type(e).__name__} (is the disk full?)"
+
+
 def write_failed(path, e: BaseException) -> OutputWriteError:
     """The :class:`OutputWriteError` for a failed write of ``path``: ``'<path>' could not be written: <why>``."""
-    why = getattr(e, "strerror", None)
-    if not why:  # numpy / safetensors short writes carry no errno: say what it most likely is
-        why = f"{str(e) or type(e).__name__} (is the disk full?)"
-    return OutputWriteError(f"output {str(path)!r} could not be written: {why}")
+    return OutputWriteError(f"output {str(path)!r} could not be written: {write_failure_reason(e)}")
 
 
 def current_umask() -> int:

@@ -212,19 +212,14 @@ def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
 
 
 def _defaulted_note(cfg: ModelConfig, keys: Iterable[str]) -> str:
-    """`` (config.json sets no vocab_size: the official default 248320 applies)`` for those of ``keys``
-    that the checkpoint's config.json leaves out; `` (from config.json)`` when it sets them all or the
-    config was not read from a file."""
+    """`` (official default, not in config.json: vocab_size=248320)`` for those of ``keys`` the checkpoint's
+    config.json leaves out; `` (from config.json)`` when it sets them all or was not read from a file."""
     src = cfg.source or {}
-    if not src:
-        return " (from config.json)"
     text = src.get("text_config") if isinstance(src.get("text_config"), dict) else src
-    missing = [k for k in keys if k not in text]
+    missing = [k for k in keys if src and k not in text]
     if not missing:
         return " (from config.json)"
-    return (" (config.json sets no " + ", no ".join(missing) + ": the official default"
-            + ("s " if len(missing) > 1 else " ") + ", ".join(str(getattr(cfg, k)) for k in missing) + " appl"
-            + ("y" if len(missing) > 1 else "ies") + ")")
+    return " (official default, not in config.json: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in missing) + ")"
 
 
 # --------------------------------------------------------------------------- shared logic
@@ -806,12 +801,8 @@ class Checkpoint(_WeightsBase):
                 naming a missing shard or tensor, a non-UTF-8 or invalid index, a truncated or corrupt
                 file, or a tensor name present twice.
         """
-        root = Path(path)
-        if root.is_file():  # never silently the parent: the same rule as reference.paths.check_checkpoint_dir
-            raise CheckpointError(f"{root}: expected a checkpoint directory (config.json + *.safetensors), "
-                                  f"found a file (pass its directory {str(root.parent)!r})")
-        if not root.is_dir():
-            raise CheckpointError(f"{root}: expected a checkpoint directory, found nothing there")
+        from reference.paths import check_checkpoint_dir
+        root = check_checkpoint_dir(path, "checkpoint", CheckpointError)  # a file is never silently its parent
         config = load_config(root)
         index = root / "model.safetensors.index.json"
         files: list[Path]

@@ -3,7 +3,10 @@ expected and what was found)."""
 
 
 class UserError(Exception):
-    """Base of every error caused by bad input rather than a bug."""
+    """Base of every error caused by bad input rather than a bug. ``exit_code``: what the CLI exits with
+    after printing it as one line (2: bad input; 1 for output that could not be written)."""
+
+    exit_code = 2
 
 
 class CheckpointError(UserError, ValueError):

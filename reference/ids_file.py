@@ -55,11 +55,8 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
                              f"{arr.ndim}-D array of shape {list(arr.shape)}")
         ids = [int(x) for x in arr]
     else:
-        try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"{flag} {str(path)!r}: expected a text file of token ids, found unreadable "
-                             f"content ({e})") from None
+        from reference.textio import read_utf8
+        text = read_utf8(p, f"{flag} {str(path)!r}", "text file of token ids")
         s = text.strip()
         if not s:
             raise InputError(f"{flag} {str(path)!r}: expected at least one token id, found an empty file")

@@ -13,29 +13,31 @@ def bundled_model(name: str = "tiny") -> Path:
     return FIXTURES / name
 
 
-def check_checkpoint_dir(path: str | os.PathLike, what: str = "MODEL") -> Path:
+def check_checkpoint_dir(path: str | os.PathLike, what: str = "MODEL", error: type | None = None) -> Path:
     """``path`` as a checkpoint directory, checked: it must be a directory holding ``config.json``.
 
     A file (``.../tiny/config.json``, ``.../tiny/model.safetensors``) is refused rather than silently
     replaced by its parent, and a directory without ``config.json`` is reported as such before any
-    later complaint (tokenizer, weights). ``what`` names the argument in the message.
+    later complaint (tokenizer, weights). ``what`` names the argument in the message; ``error`` is the
+    class raised for a file or a missing path (default InputError; the checkpoint reader passes its own).
 
     Raises:
-        InputError: ``path`` is a file, or does not exist.
+        InputError (or ``error``): ``path`` is a file, or does not exist.
         ConfigError: ``path`` is a directory without ``config.json``.
     """
     from reference.errors import InputError
+    error = error or InputError
     p = Path(path)
     if p.is_file():
-        raise InputError(f"{what} {str(p)!r}: expected a checkpoint directory (config.json + *.safetensors), "
+        raise error(f"{what} {str(p)!r}: expected a checkpoint directory (config.json + *.safetensors), "
                          f"found a file (pass its directory {str(p.parent)!r})")
     if not p.is_dir():
-        raise InputError(f"{what} {str(p)!r}: expected a checkpoint directory (config.json + *.safetensors), "
+        raise error(f"{what} {str(p)!r}: expected a checkpoint directory (config.json + *.safetensors), "
                          f"found {'something that is not a directory' if p.exists() else 'nothing there'}")
     if not (p / "config.json").is_file():
         from reference.config import ConfigError
-        raise ConfigError(f"{what} {str(p)!r}: expected a checkpoint directory holding config.json, found a "
-                          f"directory without config.json")
+        raise ConfigError(f"{what} {str(p)!r}: config.json not found (expected a checkpoint directory holding "
+                          f"config.json, found a directory without it)")
     return p
 
 

@@ -59,8 +59,8 @@ class ArchiveWriteError(ArchiveError):
 
 
 def _write_failed(out, e: BaseException) -> ArchiveWriteError:
-    why = getattr(e, "strerror", None) or f"{str(e).strip() or type(e).__name__} (is the disk full?)"
-    return ArchiveWriteError(f"archive output {str(out)!r}: could not be written: {why}")
+    from reference.atomic import write_failure_reason
+    return ArchiveWriteError(f"archive output {str(out)!r}: could not be written: {write_failure_reason(e)}")
 
 
 def file_sha256(path) -> tuple[str, int]:

@@ -31,9 +31,11 @@ def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
             empty prompt, an out-of-range id, or text items without a tokenizer.
     """
     p = Path(path) if path is not None else DEFAULT_PROMPTS
+    from reference.textio import read_utf8
+    text = read_utf8(p, f"--prompts {p}", "JSON file")
     try:
-        items = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        items = json.loads(text)
+    except ValueError as e:
         raise InputError(f"--prompts {p}: expected a JSON list of texts or token-id lists, found unreadable "
                          f"content ({e})") from None
     if not isinstance(items, list) or not items:

@@ -20,6 +20,17 @@ from parity.scenarios.common import CaseFailure, Run
 __all__ = ["locate", "diff_archives", "locate_one_shot"]
 
 
+
+#: how a failing case's ``archives`` entry reads when its tap archives could not be written (the verdict
+#: stands without them); ``qwen4exp parity`` reports these (parity/cmd_parity.py)
+NOT_WRITTEN = "(archives not written: "
+
+
+def not_written(e: BaseException) -> str:
+    """The ``archives`` entry recording that a case's archives could not be written, and why."""
+    return f"{NOT_WRITTEN}{type(e).__name__}: {e})"
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
@@ -173,7 +184,7 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
             meta = {"token_ids": [int(t) for t in hist[:max(positions) + 1]], "model": _model_meta(backend, truth)}
             archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc, meta=meta)
         except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
-            archives = [f"(archives not written: {type(e).__name__}: {e})"]
+            archives = [not_written(e)]
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
@@ -253,7 +264,7 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") 
             archives = _save(archive_dir, label, "worst_prompt", None, truth_arc, be_arc,
                              meta={"token_ids": ids, "model": _model_meta(backend, truth_model)})
         except Exception as e:  # noqa: BLE001
-            archives = [f"(archives not written: {type(e).__name__}: {e})"]
+            archives = [not_written(e)]
     from parity.kl import thresholds_for
     prec = getattr(backend, "precision", "float32")
     return diff_archives(truth_arc, be_arc, prec, returned=returned, positions=list(range(len(ids))),
