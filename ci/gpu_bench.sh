@@ -50,7 +50,7 @@ fi
 echo "gpu_bench: synthetic cache $QWEN4EXP_CACHE"
 
 # 1. generation tests (GPU ones included; they skip cleanly elsewhere)
-"$PY" -m pytest -q -p no:cacheprovider tests/test_generate.py 2>&1 | tee "$OUT/generate_tests.log" || status=1
+"$PY" -m pytest -q -p no:cacheprovider tests/parity/test_generate.py 2>&1 | tee "$OUT/generate_tests.log" || status=1
 
 # 2. the benchmark: engine (GPU) + official eager GPU forward on the same weights
 t0=$(date +%s)

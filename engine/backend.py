@@ -3,7 +3,7 @@
 Every custom kernel has a NumPy twin; ops dispatch on the array module of their inputs
 (:func:`xp_of`). CUDA sources live in ``engine/kernels/cuda/*.cu``; they are compiled by NVRTC for
 the GPU present (through ``cupy.RawModule``) and, in CI, by nvcc for sm_90 and sm_121
-(tests/test_engine_nvcc.py). Sources must be self-contained (no host headers) with ``extern "C"``
+(tests/engine/test_engine_nvcc.py). Sources must be self-contained (no host headers) with ``extern "C"``
 kernels so both compilers accept them.
 """
 from __future__ import annotations

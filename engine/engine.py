@@ -26,7 +26,7 @@ from engine.kernels.seq_limits import seq_kernel_limits
 from engine.model import EngineModel, Segment
 from engine.state import CapacityError, Snapshot, StateError, StatePool
 from reference.errors import InputError
-from taps import recorder as tap_recorder
+from reference import taphook as tap_recorder
 
 __all__ = ["Engine", "EngineSnapshot", "CapacityError", "StateError"]
 

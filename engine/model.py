@@ -26,7 +26,7 @@ from engine.kernels import linear as K_lin
 from engine.kernels import norms as K_norms
 from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
 from engine.ple_table import PLETable
-from taps import recorder as tap_recorder
+from reference import taphook as tap_recorder
 
 __all__ = ["EngineModel", "Segment"]
 

@@ -16,10 +16,10 @@ shards and only the hashed rows of a step are read. Modes (``PLETable.mode``):
 - ``device``: placement ``device`` uploads the whole table (float32) once and gathers rows on the device.
 
 **The unified path has NOT been run on GB10 (or any ATS) hardware.** What is checked: the kernel compiles
-with nvcc for sm_90 and sm_121 (tests/test_engine_nvcc.py), its selection logic (attribute mocked), and a
+with nvcc for sm_90 and sm_121 (tests/engine/test_engine_nvcc.py), its selection logic (attribute mocked), and a
 NumPy twin of the kernel (:func:`gather_twin`: same shard search, dtype decode by bit manipulation and
 scale) against :meth:`Checkpoint.ngram_rows` on the fixtures. GPU tests comparing the CUDA kernel with the
-twin exist (tests/test_engine_ple_table.py, ``@pytest.mark.gpu``) but need a device that reports
+twin exist (tests/engine/test_engine_ple_table.py, ``@pytest.mark.gpu``) but need a device that reports
 pageable-memory access.
 
 Source of the table layout: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding.__init__`` / ``forward``

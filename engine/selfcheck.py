@@ -1,4 +1,4 @@
-"""Engine parity figures on the bundled fixtures (what ``ci/gpu`` prints and tests/test_engine_gpu.py asserts).
+"""Engine parity figures on the bundled fixtures (what ``ci/gpu`` prints and tests/engine/test_engine_gpu.py asserts).
 
     python3 -m engine.selfcheck [--device cuda|cpu] [--json OUT]
 

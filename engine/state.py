@@ -67,7 +67,7 @@ SLAB_FIELDS = ("gdn_conv", "gdn_rec", "ple_conv", "ple_ctx")
 EXPORT_FORMAT = "qwen4exp-engine-state"
 EXPORT_VERSION = 1
 # (family, field) of every exported array -> (pool attribute, state kind); names follow the reference's
-# SessionState (``qsa.{i}.k``, ``gdn.{i}.conv``, ``ple.{i}.context`` ...) so parity.snapshot_file.kind_of reads them
+# SessionState (``qsa.{i}.k``, ``gdn.{i}.conv``, ``ple.{i}.context`` ...) so parity.backends.snapshot_file.kind_of reads them
 _EXPORT_FIELDS = {("qsa", "k"): ("kv_k", "qsa.kv"), ("qsa", "v"): ("kv_v", "qsa.kv"),
                   ("qsa", "index_keys"): ("idx_k", "qsa.indexer_keys"),
                   ("qsa", "block_keys"): ("blk_k", "qsa.indexer_keys"),
@@ -112,7 +112,7 @@ class Snapshot:
         self._finalizer()
 
     def to_portable(self) -> dict:
-        """This snapshot as host arrays (:meth:`StatePool.export_snapshot`); used by ``parity.snapshot_file``.
+        """This snapshot as host arrays (:meth:`StatePool.export_snapshot`); used by ``parity.backends.snapshot_file``.
 
         Raises:
             StateError: the engine that took it is gone.

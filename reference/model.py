@@ -13,7 +13,7 @@ Every computation runs in ``dtype`` (float32 default, float64 on request) throug
 In float32, stored BF16 matrices (routed experts, every projection, the lm_head) are multiplied from their stored bits (``reference.blocks.linear``): a product of a few rows
 reads the 2-byte weight through the checkpoint's memory map instead of a 4-byte upcast copy; only the
 float32 summation order differs from multiplying the upcast weight.
-Taps are emitted at every block boundary through ``taps.recorder.current()`` (nothing is built when no
+Taps are emitted at every block boundary through ``reference.taphook.current()`` (nothing is built when no
 recorder is active).
 """
 from __future__ import annotations
@@ -29,10 +29,11 @@ from reference.blocks.qsa import (attention_project, indexer_project, indexer_se
                                   selection_mask, sparse_attention)
 from reference.blocks.norms import sigmoid
 from reference.blocks.rope import inv_freq, rope_cos_sin
+from reference.taphook import layer_of
 from reference.errors import InputError
 from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows
 from reference.session import Session, SessionState, check_ids
-from taps import recorder as _recorder
+from reference import taphook as _taphook
 
 __all__ = ["ReferenceModel"]
 
@@ -350,7 +351,7 @@ class ReferenceModel:
             logits: ``'all'`` -> ``[T, V]``, ``'last'`` -> ``[1, V]``, ``'none'`` -> None.
         """
         cfg = self.config
-        rec = _recorder.current()
+        rec = _taphook.current()
         T = len(ids)
         p0 = state.position
         pos = np.arange(p0, p0 + T, dtype=np.int64)
@@ -428,11 +429,11 @@ class ReferenceModel:
         names = {"embed_tokens.out", "hyper_connection_mixer.out", "logits"} | {
             f"layers.{i}.mlp_hyper_connection.combine" for i in range(cfg.num_hidden_layers)}
         cap = _Capture(names)
-        tok = _recorder._CURRENT.set(cap)
+        tok = _taphook.set_current(cap)
         try:
             self.forward(ids)
         finally:
-            _recorder._CURRENT.reset(tok)
+            _taphook.reset_current(tok)
         r = cap.result()
         return {"embed": r["embed_tokens.out"], "final": r["hyper_connection_mixer.out"], "logits": r["logits"],
                 "layers": [r[f"layers.{i}.mlp_hyper_connection.combine"] for i in range(cfg.num_hidden_layers)]}
@@ -447,11 +448,7 @@ class ReferenceModel:
         Raises:
             InputError: unknown tap name or layer.
         """
-        from taps.registry import layer_of, spec_for
         cfg = self.config
-        spec = spec_for(tap_name)
-        if spec is None:
-            raise InputError(f"replay: unknown tap {tap_name!r} (see taps/registry.py)")
         if tap_name == "embed_tokens.out":
             return []
         if tap_name == "hyper_connection_mixer.out":
@@ -459,14 +456,20 @@ class ReferenceModel:
         if tap_name == "logits":
             return ["hyper_connection_mixer.out"]
         i = layer_of(tap_name)
-        if i is None or not 0 <= i < cfg.num_hidden_layers:
+        if i is None:
+            raise InputError(f"replay: unknown tap {tap_name!r} (see taps/registry.py)")
+        if not 0 <= i < cfg.num_hidden_layers:
             raise InputError(f"replay: tap {tap_name!r}: layer out of range [0, {cfg.num_hidden_layers})")
         lt = cfg.layer_types[i]
-        if spec.layer_type == "ple" and i not in cfg.ple_layers:
-            raise InputError(f"replay: tap {tap_name!r}: layer {i} has no PLE")
-        if spec.layer_type in ("linear_attention", "indexed_attention") and spec.layer_type != lt:
-            raise InputError(f"replay: tap {tap_name!r}: layer {i} is {lt}")
         rest = tap_name[len(f"layers.{i}."):]
+        # the name's block decides the layer kind it needs (names themselves are checked against
+        # taps.registry by the callers; an unknown suffix falls through to "no replay rule")
+        if rest.startswith("ple.") and i not in cfg.ple_layers:
+            raise InputError(f"replay: tap {tap_name!r}: layer {i} has no PLE")
+        need_lt = ("linear_attention" if rest.startswith("linear_attn.") else
+                   "indexed_attention" if rest.startswith("self_attn.") else None)
+        if need_lt is not None and need_lt != lt:
+            raise InputError(f"replay: tap {tap_name!r}: layer {i} is {lt}")
         mixer = "linear_attn" if lt == "linear_attention" else "self_attn"
         if rest.startswith("ple.") or rest == "attn_hyper_connection.in":
             return [self._prev_residual(i)]
@@ -482,7 +485,7 @@ class ReferenceModel:
             return [f"layers.{i}.mlp_hyper_connection.out"]
         if rest == "mlp_hyper_connection.combine":
             return [f"layers.{i}.attn_hyper_connection.combine", f"layers.{i}.mlp.out"]
-        raise InputError(f"replay: tap {tap_name!r} has no replay rule")
+        raise InputError(f"replay: unknown tap {tap_name!r} (no replay rule; see taps/registry.py)")
 
     def replay(self, tap_name: str, inputs: dict, token_ids) -> dict:
         """Re-run only the module producing ``tap_name`` over positions ``0..T-1`` from an empty state.
@@ -512,7 +515,7 @@ class ReferenceModel:
         cos, sin = self.cos_sin(pos)
         state = SessionState.empty(cfg, self.dtype)
         cap = _Capture()
-        tok = _recorder._CURRENT.set(cap)
+        tok = _taphook.set_current(cap)
         try:
             if tap_name == "embed_tokens.out":
                 cap.emit("embed_tokens.out", self._embed(ids))
@@ -521,7 +524,6 @@ class ReferenceModel:
             elif tap_name == "logits":
                 cap.emit("logits", self._lm_head(arrs[need[0]]))
             else:
-                from taps.registry import layer_of
                 i = layer_of(tap_name)
                 rest = tap_name[len(f"layers.{i}."):]
                 pre = f"layers.{i}."
@@ -548,5 +550,5 @@ class ReferenceModel:
                     _, inj = self._hc_step(pre + f"{half}_hyper_connection", x, pos, _Capture(set()))
                     cap.emit(pre + f"{half}_hyper_connection.combine", hc_combine(x, arrs[need[1]], inj))
         finally:
-            _recorder._CURRENT.reset(tok)
+            _taphook.reset_current(tok)
         return cap.result()

@@ -199,7 +199,7 @@ def _content_problem(config, snapshot) -> str | None:
 
     Checks that every layer the model has carries its state objects with real arrays: GDN ``conv``/``recurrent``,
     PLE ``conv``/``context``, QSA ``k``/``v``/``index_keys`` filled to the snapshot position and ``block_keys`` to
-    ``position // indexer_compress_ratio`` (a stripped array, e.g. by ``parity.snapshot_file.strip_kind``, is None).
+    ``position // indexer_compress_ratio`` (a stripped array, e.g. by ``parity.backends.snapshot_file.strip_kind``, is None).
     """
     st, pos = getattr(snapshot, "state", None), snapshot.position
     if not isinstance(st, SessionState):

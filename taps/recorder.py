@@ -2,8 +2,8 @@
 
 Producers do::
 
-    from taps import recorder
-    rec = recorder.current()
+    from reference import taphook
+    rec = taphook.current()
     if rec is not None:
         rec.emit("layers.3.self_attn.indexer.selected_blocks", ids, positions=pos, scores=block_scores)
 
@@ -23,7 +23,6 @@ an exception. Without one, everything is kept in memory (tests, the harness).
 """
 from __future__ import annotations
 
-import contextvars
 import math
 import re
 from pathlib import Path
@@ -35,15 +34,10 @@ from taps import registry
 from taps.archive import _same_shape, ArchiveWriter, MemoryArchive, TapSource, storable, FORMAT_NAME, FORMAT_VERSION, \
     PRODUCER, producer_version
 
-_CURRENT: contextvars.ContextVar = contextvars.ContextVar("qwen4exp_tap_recorder", default=None)
+from reference.taphook import current, reset_current, set_current  # noqa: E402  (the one hook; re-exported)
 
 __all__ = ["current", "Recorder", "TapError", "TapCapError", "parse_positions", "parse_layers", "tap_row_shape",
            "format_ranges", "position_ranges"]
-
-
-def current():
-    """The active recorder, or None (the zero-cost check producers make before building a tap)."""
-    return _CURRENT.get()
 
 
 class TapError(UserError, ValueError):
@@ -227,11 +221,11 @@ class Recorder:
             raise TapError("Recorder: expected a fresh recorder, found one already entered or closed")
         if self.out_dir is not None:
             self._writer = ArchiveWriter(self.out_dir, flush_bytes=self.flush_bytes, overwrite=self.overwrite)
-        self._token = _CURRENT.set(self)
+        self._token = set_current(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _CURRENT.reset(self._token)
+        reset_current(self._token)
         self._token = None
         self._closed = True
         if self._writer is not None:

@@ -111,7 +111,7 @@ def specs() -> list[TapSpec]:
     return list(_SPECS)
 
 
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.*)$")
+from reference.taphook import _LAYER_RE, layer_of  # noqa: E402,F401  (one layer-name rule)
 
 
 def spec_for(name: str) -> TapSpec | None:
@@ -124,10 +124,6 @@ def spec_for(name: str) -> TapSpec | None:
     return None
 
 
-def layer_of(name: str) -> int | None:
-    """The 0-based layer index of a ``layers.<i>.*`` tap name, None for other names."""
-    m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def tap_names(config) -> list[str]:

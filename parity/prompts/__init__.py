@@ -46,7 +46,7 @@ def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
     for n, it in enumerate(items):
         if isinstance(it, str):
             if tok is None:
-                from parity.generate import load_tokenizer
+                from reference.tokenizer import load_tokenizer
                 tok = load_tokenizer(model_dir)
             ids = tok.encode(it).ids
         elif isinstance(it, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in it):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.backend import ReferenceBackend
+from parity.backends import ReferenceBackend
 
 __all__ = ["RollbackForgetsPLEConv", "RestoreSkipsIndexerKeys", "ChunkDropsNgramContext", "BudgetOffByOne",
            "FAULTS"]

@@ -42,13 +42,13 @@ def pytest_configure(config):
     except ValueError:  # options not registered (plugin loaded some other way)
         return
     try:
-        from parity.backend import backend_class
+        from parity.backends import backend_class
         backend_class(spec)
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
     ps = config.getoption("--page-sizes")
     if ps is not None:
-        from parity.cmd_parity import parse_page_sizes
+        from parity.harness.scenarios import parse_page_sizes
         try:
             from reference.config import load_config
             from reference.paths import resolve_model
@@ -62,7 +62,7 @@ def _settings(config):
     from reference.paths import resolve_model
     model = resolve_model(config.getoption("--model"))
     ps = config.getoption("--page-sizes")
-    from parity.cmd_parity import parse_page_sizes
+    from parity.harness.scenarios import parse_page_sizes
     pages = parse_page_sizes(ps) if ps is not None else None
     return config.getoption("--backend"), model, config.getoption("--parity-level"), pages
 
@@ -73,8 +73,8 @@ def pytest_generate_tests(metafunc):
     one run without a page size)."""
     if "parity_case" not in metafunc.fixturenames:
         return
-    from parity.scenarios import SCENARIOS, cases_for, _page_plan
-    from parity.backend import Backend, backend_class
+    from parity.harness.scenarios import SCENARIOS, cases_for, _page_plan
+    from parity.backends import Backend, backend_class
     from reference.config import load_config
     spec, model, level, pages = _settings(metafunc.config)
     cfg = load_config(model)
@@ -101,15 +101,15 @@ def parity_settings(request):
 @pytest.fixture(scope="session")
 def parity_truth(parity_settings):
     """Session fixture: a TruthCache over the reference truth model of the chosen model."""
-    from parity.backend import truth_model
-    from parity.scenarios.common import TruthCache
+    from parity.backends import truth_model
+    from parity.harness.scenarios.common import TruthCache
     return TruthCache(truth_model(parity_settings[1]))
 
 
 @pytest.fixture(scope="session")
 def parity_backends(parity_settings):
     """A cache page_size -> open backend (opened on first use, closed at session end)."""
-    from parity.backend import opener
+    from parity.backends import opener
     spec, model, _level, _pages = parity_settings
     op = opener(spec, model)
     cache: dict = {}

@@ -6,9 +6,9 @@ import pytest
 
 def test_scenario_case(parity_case, parity_settings, parity_backends, parity_truth):
     """Run one scenario case on the chosen backend; it must pass (skipped when the case is skipped)."""
-    from parity.backend import BackendError
-    from parity.scenarios import cases_for
-    from parity.scenarios.common import run_case
+    from parity.backends import BackendError
+    from parity.harness.scenarios import cases_for
+    from parity.harness.scenarios.runner import run_case
     name, case_name, ps = parity_case
     try:
         be = parity_backends(ps)

@@ -1,0 +1,175 @@
+"""The four scenario suites: budget, chunk_boundary, snapshot_restore, speculative_rollback.
+
+``run_scenario(name, open_backend, truth)`` runs every case of one scenario against a backend, at
+each paged-cache page size the backend supports (sizes that do and do not divide the compress
+ratio; the reference has no pages and runs once), and returns the per-case results.
+``SCENARIOS`` maps scenario names (also accepted with dashes) to their modules.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from reference.errors import InputError
+
+__all__ = ["SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results", "normalize_name"]
+
+SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback")
+
+
+def normalize_name(name: str) -> str:
+    """'chunk-boundary' / 'chunk_boundary' -> 'chunk_boundary'. Raises InputError for unknown names."""
+    n = name.strip().replace("-", "_")
+    if n not in SCENARIOS:
+        raise InputError(f"scenario {name!r}: expected one of {', '.join(s.replace('_', '-') for s in SCENARIOS)}, "
+                         f"found {name!r}")
+    return n
+
+
+def scenario_names() -> list[str]:
+    """The scenario names, in run order."""
+    return list(SCENARIOS)
+
+
+LEVELS = ("full", "ci")
+
+
+def cases_for(name: str, config, level: str = "full"):
+    """The :class:`parity.harness.scenarios.common.Case` list of scenario ``name`` for a model config.
+
+    ``level``: 'full' (every combination) or 'ci' (the same situations with fewer redundant combinations).
+    """
+    if level not in LEVELS:
+        raise InputError(f"level: expected one of {LEVELS}, found {level!r}")
+    mod = importlib.import_module(f"parity.harness.scenarios.{normalize_name(name)}")
+    return mod.cases(config, level=level)
+
+
+def _page_plan(backend_caps, config, page_sizes):
+    from parity.harness.scenarios.common import page_sizes_for
+    if page_sizes is not None:
+        return list(page_sizes)
+    if backend_caps.get("page_sizes") is None:
+        return [None]
+    return page_sizes_for(config)
+
+
+def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, only: list[str] | None = None,
+                 archive_dir=None, progress=None, locate_on_fail=True, level: str = "full"):
+    """Run scenario ``name``.
+
+    Args:
+        open_backend: ``f(**opts) -> Backend`` (called with ``page_size=`` per page size).
+        truth: :class:`parity.harness.scenarios.common.TruthCache` of the reference model.
+        page_sizes: override the page-size plan (None: from the backend's capabilities and the config).
+        only: case names to run (None: all).
+        level: 'full' or 'ci' (see :func:`cases_for`).
+        archive_dir: where failing cases' tap archives go (None: not written).
+        progress: a tqdm-like object with ``update()`` / ``set_postfix_str()`` (optional).
+    Returns:
+        list of :class:`parity.harness.scenarios.common.CaseResult`.
+    """
+    from parity.harness.scenarios.runner import run_case
+
+    name = normalize_name(name)
+    from parity.backends import capabilities_of
+    probe = open_backend()
+    caps = capabilities_of(probe)
+    config = probe.config
+    cases = cases_for(name, config, level)
+    if only:
+        cases = [c for c in cases if c.name in only]
+    results = []
+    plan = _page_plan(caps, config, page_sizes)
+    for ps in plan:
+        be = probe if ps is None else open_backend(page_size=ps)
+        try:
+            for case in cases:
+                if progress is not None:
+                    progress.set_postfix_str(f"{name}/{case.name}" + (f" page {ps}" if ps else ""))
+                results.append(run_case(name, case, be, truth, page_size=ps, locate_on_fail=locate_on_fail,
+                                        archive_dir=archive_dir))
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if be is not probe and hasattr(be, "close"):
+                be.close()
+    close = getattr(probe, "close", None)
+    if close:
+        close()
+    return results
+
+
+def count_cases(name: str, config, caps: dict, page_sizes=None, level: str = "full") -> int:
+    """Number of case runs :func:`run_scenario` will make (for progress bars)."""
+    return len(cases_for(name, config, level)) * len(_page_plan(caps, config, page_sizes))
+
+
+def summarize_results(name: str, results, seconds: float):
+    """One :class:`parity.harness.report.ScenarioRow` from a scenario's case results."""
+    from parity.harness.report import ScenarioRow
+
+    ran = [r for r in results if r.status != "skip"]
+    failed = [r for r in ran if r.status in ("fail", "error")]
+    status = "error" if any(r.status == "error" for r in ran) else ("fail" if failed else "pass")
+    wk = max((r.worst_kl for r in ran), default=0.0)
+    we = max((r.worst_logit_err for r in ran), default=0.0)
+    first = next((r for r in failed), None)
+    skipped = [r for r in results if r.status == "skip"]
+    detail = "" if not first else f"{first.label}: {first.failure}"
+    where = None if not first else (f"{first.case}" + (f" [page {first.page_size}]" if first.page_size else "")
+                                    + f": {first.divergence}")
+    if skipped:
+        detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
+    return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
+                       worst_logit_err=we, first_divergence=where, seconds=seconds,
+                       status=status, detail=detail, failures=[r.to_json() for r in failed],
+                       skipped=len(skipped))
+
+
+MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost
+# the KV a page size implies: the scenarios keep up to PLAN_LIVE_SEQS sequences live (the engine backend's
+# max_seqs, parity/backends), each holding at least one page, in the PLAN_KV_TOKENS-token pool the engine
+# allocates by default on the CPU (engine/engine.py); a larger page starves the pool and every batched case
+# "fails" for want of pages (measured: 4096 passes every scenario on engine-cpu, 8192 and up do not)
+PLAN_LIVE_SEQS = 16
+PLAN_KV_TOKENS = 65536
+
+
+def parse_page_sizes(text: str, max_positions: int | None = None, flag: str = "--page-sizes") -> list[int]:
+    """``--page-sizes N,N,...`` -> the page sizes, checked before anything runs: positive integers, no
+    empty item, no repeat, at most :data:`MAX_PAGE_SIZES` of them, each <= ``max_positions`` (the model's
+    max_position_embeddings: a page is never larger than one sequence can be) and each small enough that
+    :data:`PLAN_LIVE_SEQS` pages fit :data:`PLAN_KV_TOKENS` tokens (the KV the plan implies is bounded).
+
+    Raises:
+        InputError: naming ``flag``, what was expected and the first bad item.
+    """
+    from reference.errors import InputError
+    items = str(text).split(",")
+    out = []
+    for n, x in enumerate(items):
+        x = x.strip()
+        if not x:
+            raise InputError(f"{flag}: expected comma-separated positive integers, found an empty item at item {n} "
+                             f"of {text!r}")
+        try:
+            v = int(x)
+        except ValueError:
+            raise InputError(f"{flag}: expected comma-separated positive integers, found {x[:40]!r} in "
+                             f"{text!r}") from None
+        if v <= 0:
+            raise InputError(f"{flag}: expected comma-separated positive integers, found {v} in {text!r}")
+        if max_positions is not None and v > max_positions:
+            raise InputError(f"{flag}: expected page sizes <= the model's max_position_embeddings={max_positions}, "
+                             f"found {v}")
+        if v * PLAN_LIVE_SEQS > PLAN_KV_TOKENS:
+            raise InputError(f"{flag}: expected page sizes <= {PLAN_KV_TOKENS // PLAN_LIVE_SEQS} (the scenarios' "
+                             f"{PLAN_LIVE_SEQS} live sequences x one page each must fit a {PLAN_KV_TOKENS}-token KV "
+                             f"pool), found {v}")
+        if v in out:
+            raise InputError(f"{flag}: expected distinct page sizes, found {v} twice in {text!r}")
+        out.append(v)
+    if len(out) > MAX_PAGE_SIZES:
+        raise InputError(f"{flag}: expected at most {MAX_PAGE_SIZES} page sizes, found {len(out)}")
+    return out

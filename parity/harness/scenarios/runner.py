@@ -1,0 +1,57 @@
+"""Runs one scenario case against a backend and, on failure, locates its first divergence
+(:mod:`parity.harness.scenarios.locate`)."""
+from __future__ import annotations
+
+import time
+import traceback
+
+from parity.backends import capabilities_of
+from parity.harness.kl import thresholds_for
+from parity.harness.scenarios.common import Case, CaseFailure, CaseResult, Run, TruthCache
+from parity.harness.scenarios.locate import locate
+from reference.errors import UserError
+
+
+# ----------------------------------------------------------------------------------------------- runner
+def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size=None, locate_on_fail=True,
+             archive_dir=None) -> CaseResult:
+    """Run one case; on failure replay it with taps to name the first divergence.
+
+    Returns a :class:`CaseResult`; never raises for a backend fault (errors become status 'error').
+    """
+    t0 = time.perf_counter()
+    th = thresholds_for(getattr(backend, "precision", "float32"))
+    res = CaseResult(scenario, case.name, page_size, "pass")
+    missing = [c for c in case.needs if not capabilities_of(backend).get(c)]
+    if missing:
+        res.status = "skip"
+        res.failure = f"backend lacks {missing}"
+        return res
+    run = Run(backend, truth, th)
+    try:
+        case.fn(run)
+        run.finish()
+    except CaseFailure as f:
+        res.status = "fail"
+        res.failure = f.what
+        res.failed_op = f.op
+        res.failed_seq = f.seq
+        res.divergence = f.divergence
+    except UserError as e:
+        res.status = "fail"
+        res.failure = f"backend refused an operation the model allows: {type(e).__name__}: {e}"
+        res.failed_op = run.ops - 1
+        res.divergence = f"refused: {e}"
+    except Exception as e:
+        res.status = "error"
+        res.failure = f"{type(e).__name__}: {e}"
+        res.divergence = "".join(traceback.format_exception_only(type(e), e)).strip()
+        res.failed_op = run.ops - 1
+    finally:
+        run.close()
+    res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
+    if res.status == "fail" and res.divergence is None and locate_on_fail:
+        res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
+                                              archive_dir=archive_dir, page_size=page_size)
+    res.seconds = time.perf_counter() - t0
+    return res

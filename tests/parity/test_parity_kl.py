@@ -1,0 +1,180 @@
+"""Logit-KL metrics (properties on synthetic logits, checked against scipy as an independent oracle)
+and the KL harness with its three controls, including faults that each control must catch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
+
+from parity.harness.kl import (LogitComparison, compare_logits, greedy_agreement, kl_per_position, log_softmax, run_kl,
+                       summarize, thresholds_for, verdict)
+from reference.errors import InputError
+
+FIX = "fixtures/tiny"
+
+logits_2d = st.integers(1, 6).flatmap(lambda t: st.integers(2, 40).flatmap(
+    lambda v: arrays(np.float64, (t, v), elements=st.floats(-30, 30, allow_nan=False, width=64))))
+
+
+@settings(max_examples=60, deadline=None)
+@given(logits_2d, st.floats(-50, 50))
+def test_kl_nonnegative_zero_on_self_and_shift_invariant(x, c):
+    kl = kl_per_position(x, x)
+    # KL(P||P) is exactly 0 up to float64 rounding of the log-softmax (~1e-15 per term, V <= 40 terms)
+    assert np.all(kl <= 1e-12)
+    y = x[::-1].copy() if x.shape[0] > 1 else x * 0.5
+    assert np.all(kl_per_position(x, y) >= 0)
+    # softmax is invariant to adding a constant per row: the metric must be too (same 1e-12 rounding bound,
+    # scaled by the logit magnitude |c| + 30)
+    assert np.allclose(kl_per_position(x + c, y), kl_per_position(x, y), atol=1e-10 * (abs(c) + 30))
+
+
+@settings(max_examples=40, deadline=None)
+@given(logits_2d)
+def test_kl_matches_scipy_rel_entr(x):
+    from scipy.special import rel_entr, softmax
+    rng = np.random.default_rng(0)
+    y = x + rng.normal(0, 1, x.shape)
+    p, q = softmax(x, axis=-1), softmax(y, axis=-1)
+    want = rel_entr(p, q).sum(-1)
+    # two float64 evaluations of the same sum: agree to ~1e-12 relative (allow 1e-9 for exp underflow paths)
+    assert np.allclose(kl_per_position(x, y), want, rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(logits_2d)
+def test_log_softmax_normalised(x):
+    # probabilities sum to 1 within float64 rounding over <= 40 terms
+    assert np.allclose(np.exp(log_softmax(x)).sum(-1), 1.0, atol=1e-12)
+
+
+def test_top1_top5_probdiff_on_constructed_case():
+    a = np.array([[5.0, 4, 3, 2, 1, 0, -1], [0, 1, 2, 3, 4, 5, 6]])
+    b = a.copy()
+    b[0, [0, 1]] = b[0, [1, 0]]          # row 0: top-1 swapped, same top-5 set
+    b[1, 0] = 100.0                        # row 1: new top-1 from outside a's top-5
+    c = compare_logits(a, b)
+    assert c.top1.tolist() == [False, False]
+    assert c.top5_overlap.tolist() == [1.0, 0.8]
+    # row 0: b gives a's top token (0) the probability a gave token 1
+    pa = np.exp(log_softmax(a))
+    assert c.top_prob_diff[0] == pytest.approx(pa[0, 1] - pa[0, 0])
+    assert c.max_abs_err.tolist() == [1.0, 100.0]
+
+
+def test_summary_percentiles_and_nan_propagation():
+    v = np.arange(1001, dtype=np.float64)
+    s = summarize(v)
+    assert s["median"] == 500 and s["max"] == 1000 and s["p90"] == pytest.approx(900)
+    assert s["p99.9"] == pytest.approx(999)
+    v[3] = np.nan
+    assert all(np.isnan(x) for x in summarize(v).values())  # a nan is a fault, never averaged away
+
+
+def test_verdict_flags_and_passes():
+    rng = np.random.default_rng(1)
+    a = rng.normal(0, 3, (8, 64))
+    th = thresholds_for("float32")
+    ok, _ = verdict(compare_logits(a, a + rng.normal(0, 1e-6, a.shape)), th)   # float32-level noise
+    bad, why = verdict(compare_logits(a, a + rng.normal(0, 0.3, a.shape)), th)  # a real fault
+    nan, why_nan = verdict(compare_logits(a, np.where(np.arange(64) == 3, np.nan, a)), th)
+    assert ok and not bad and "max KL" in why
+    assert not nan and "non-finite" in why_nan
+
+
+def test_greedy_agreement():
+    assert greedy_agreement([1, 2, 3], [1, 2, 4]) == 2
+    assert greedy_agreement([], [1]) == 0
+    assert greedy_agreement([7, 8], [7, 8]) == 2
+
+
+def test_bad_shapes_are_one_clear_error():
+    with pytest.raises(InputError, match=r"equal shapes"):
+        compare_logits(np.zeros((2, 5)), np.zeros((3, 5)))
+    with pytest.raises(InputError, match=r"\[T, V\]"):
+        kl_per_position(np.zeros((2, 2, 2)), np.zeros((2, 2, 2)))
+    with pytest.raises(InputError, match="float"):
+        compare_logits(np.zeros((2, 5), dtype=np.int64), np.zeros((2, 5), dtype=np.int64))
+    with pytest.raises(InputError, match="precision"):
+        thresholds_for("int4")
+
+
+# ----------------------------------------------------------------------------------------- harness
+@pytest.fixture(scope="module")
+def refs():
+    from parity.backends import open_backend
+    return open_backend("reference", FIX), open_backend("reference-f64", FIX)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [440, 5, 9, 77, 440, 3, 2, 100, 200, 300, 17, 18]]
+
+
+def _perturbed():
+    from parity.backends import open_backend
+    from parity.cli.kl import perturbation
+    return open_backend("reference", FIX, perturb=("layers.0.linear_attn.out_proj.weight", perturbation()))
+
+
+def test_harness_reference_vs_itself_passes_with_controls(refs):
+    r32, r64 = refs
+    rep = run_kl(r32, r32, PROMPTS, greedy_tokens=3, floor_pair=(r32, r64), perturbed_b=_perturbed, progress=False)
+    assert rep.passed and rep.controls_ok and rep.exit_code == 0
+    assert rep.comparison.worst_kl() == 0.0 and all(g["agree"] == 3 for g in rep.greedy)
+    assert rep.controls["negative_control"]["max_kl"] > 1e-3
+
+
+def test_harness_flags_a_perturbed_b(refs):
+    r32, r64 = refs
+    rep = run_kl(r32, _perturbed(), PROMPTS, greedy_tokens=0, floor_pair=(r32, r64), perturbed_b=_perturbed,
+                 progress=False)
+    assert not rep.passed and rep.exit_code == 1
+
+
+def test_determinism_control_catches_a_nondeterministic_b(refs):
+    from parity.backends import ReferenceBackend
+    r32, r64 = refs
+
+    class Noisy(ReferenceBackend):
+        calls = 0
+
+        def logits(self, ids):
+            Noisy.calls += 1
+            out = super().logits(ids)
+            out[0, 0] += np.float32(1e-6) * Noisy.calls   # below any KL threshold, but not bitwise
+            return out
+    noisy = Noisy(r32.model, "noisy", FIX)
+    rep = run_kl(r32, noisy, PROMPTS, greedy_tokens=0, floor_pair=(r32, r64), perturbed_b=_perturbed,
+                 progress=False)
+    assert rep.passed  # the comparison itself is fine ...
+    assert not rep.controls["determinism"]["ok"] and rep.exit_code == 1  # ... the control is not
+
+
+def test_negative_control_fails_when_perturbation_is_not_flagged(refs):
+    """A 'perturbed' backend that is in fact unperturbed must make the control (and the report) fail."""
+    from parity.backends import open_backend
+    r32, r64 = refs
+    rep = run_kl(r32, r32, PROMPTS, greedy_tokens=0, floor_pair=(r32, r64),
+                 perturbed_b=lambda: open_backend("reference", FIX), progress=False)
+    assert not rep.controls["negative_control"]["ok"] and "NOT flagged" in rep.controls["negative_control"]["detail"]
+    assert rep.exit_code == 1
+
+
+def test_precision_floor_control_fails_on_unstable_reference(refs):
+    from parity.backends import open_backend
+    from parity.cli.kl import perturbation
+    r32, _ = refs
+    fake64 = open_backend("reference-f64", FIX, perturb=("lm_head.weight", perturbation()))
+    rep = run_kl(r32, r32, PROMPTS[:1], greedy_tokens=0, floor_pair=(r32, fake64), perturbed_b=_perturbed,
+                 progress=False)
+    assert not rep.controls["precision_floor"]["ok"] and rep.exit_code == 1
+
+
+def test_missing_controls_are_failures(refs):
+    r32, _ = refs
+    rep = run_kl(r32, r32, PROMPTS[:1], greedy_tokens=0, progress=False)
+    assert rep.passed and not rep.controls_ok and rep.exit_code == 1
+
+
+def test_concat_empty():
+    assert LogitComparison.concat([]).n == 0

@@ -1,0 +1,344 @@
+"""``qwen4exp parity`` / ``kl`` / ``logits`` against a second new user's findings (faulty plug-in backends
+wrapping the reference). Each test reproduces one finding and fails without its fix:
+
+1/3  a backend raising inside the KL harness or a case: an ERROR row, table + report.json, verdict FAIL, exit 1
+2    a fault after the last tap (in the returned logits) is named as such, with its FIRST bad position
+4    every scenario case checks top-1 agreement (bf16: >= 99%; float: every flip a near-tie); the KL row's
+     case count reflects the failing prompts
+6    the table's "first divergence" column uses the terminal width and wraps instead of cutting
+8    ``--out DIR`` whose report.json is a directory: refused before anything runs
+12   ``logits --out``: the parent must exist, an existing file needs --overwrite
+13   ``kl --b bogus`` names --b
+15   docs: the README table shows the separator row; module:Class needs to be importable (PYTHONPATH)
+"""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from parity.backends import Backend, ReferenceBackend
+from parity.cli import main
+from reference.paths import REPO_ROOT
+
+
+# ----------------------------------------------------------------------------------------------- faulty backends
+class _Wrap(Backend):
+    """The reference behind the protocol, with a hook ``_fix(logits, first_position)`` on every returned row."""
+
+    precision = "float32"
+    capabilities = {"page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
+                    "snapshot_file": False}
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        self = cls()
+        opts.pop("page_size", None)
+        self.ref = ReferenceBackend.open(model_path, **opts)
+        self.config = self.ref.config
+        self.model_path = model_path
+        self.name = "t:" + cls.__name__
+        return self
+
+    def new_sequence(self):
+        return self.ref.new_sequence()
+
+    def free(self, h):
+        self.ref.free(h)
+
+    def prefill(self, h, ids, chunk_size=None):
+        p0 = self.ref.position(h)
+        return self._fix(self.ref.prefill(h, ids, chunk_size=chunk_size), p0)
+
+    def decode(self, hs, ids):
+        p = [self.ref.position(h) for h in hs]
+        out = self.ref.decode(hs, ids)
+        return np.stack([self._fix(out[i:i + 1], p[i])[0] for i in range(len(hs))])
+
+    def forward_tokens(self, h, ids):
+        p0 = self.ref.position(h)
+        return self._fix(self.ref.forward_tokens(h, ids), p0)
+
+    def rollback(self, h, n):
+        self.ref.rollback(h, n)
+
+    def snapshot(self, h):
+        return self.ref.snapshot(h)
+
+    def restore(self, h, s):
+        self.ref.restore(h, s)
+
+    def position(self, h):
+        return self.ref.position(h)
+
+    def _fix(self, lg, p0):
+        return lg
+
+
+class CrashInDecode(_Wrap):
+    def decode(self, hs, ids):
+        raise RuntimeError("CUDA error: illegal memory access")
+
+
+class PerturbAfter10(_Wrap):
+    """+0.5 on every 7th vocab entry of the RETURNED logits from position 10 (taps untouched)."""
+
+    def _fix(self, lg, p0):
+        lg = np.array(lg, dtype=np.float32, copy=True)
+        for r in range(lg.shape[0]):
+            if p0 + r >= 10:
+                lg[r, ::7] += 0.5
+        return lg
+
+
+class PerturbAfter10Bf16(PerturbAfter10):
+    precision = "bf16"
+
+
+@pytest.fixture
+def be_module(monkeypatch):
+    """The faulty backends as the importable module ``q4x_findings_be`` (``--backend q4x_findings_be:Class``)."""
+    mod = types.ModuleType("q4x_findings_be")
+    for c in (CrashInDecode, PerturbAfter10, PerturbAfter10Bf16):
+        setattr(mod, c.__name__, c)
+    monkeypatch.setitem(sys.modules, "q4x_findings_be", mod)
+    return "q4x_findings_be"
+
+
+def _parity(capsys, *args):
+    rc = main(["parity", *args, "--level", "ci", "--json", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return rc, json.loads(out)
+
+
+# ----------------------------------------------------------------------------------------------- 1 / 3
+def test_backend_crash_in_kl_and_in_a_case_is_an_error_row_and_exit_1(be_module, tmp_path, capsys):
+    rc, doc = _parity(capsys, "--backend", f"{be_module}:CrashInDecode", "--scenario", "kl", "budget",
+                      "--out", str(tmp_path))
+    assert rc == 1 and doc["verdict"] == "fail" and doc["exit_code"] == 1  # a failed case, not a usage error
+    kl, budget = doc["scenarios"]
+    assert kl["status"] == "error" and "illegal memory access" in kl["first_divergence"]
+    assert kl["failed_cases"] == kl["cases"] > 0
+    assert budget["status"] == "error" and budget["failed_cases"] > 0
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "fail"
+
+
+def test_error_rows_are_failures_exit_1_and_shown_as_error():
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    rep = ParityReport("b", "m", [ScenarioRow("budget", 3, 1, 0.0, 0.0, "x: RuntimeError: boom", 0.1, "error")])
+    assert rep.exit_code == 1 and rep.to_json()["verdict"] == "fail"
+    text = render_table(rep, columns=120)
+    assert "ERROR" in text and "verdict: FAIL" in text and "2/3" in text
+
+
+def test_usage_errors_stay_exit_2(capsys):
+    assert main(["parity", "--backend", "nosuchmod_q4x:Nope", "--scenario", "budget", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "PYTHONPATH" in err  # finding 15: a module:Class plugin must be importable
+
+
+# ----------------------------------------------------------------------------------------------- 2
+def test_fault_after_the_last_tap_is_named_with_its_first_position(be_module, capsys):
+    rc, doc = _parity(capsys, "--backend", f"{be_module}:PerturbAfter10", "--scenario", "kl", "budget")
+    assert rc == 1
+    for row in doc["scenarios"]:
+        assert row["status"] == "fail", row
+        assert "returned logits differ from the backend's own logits tap" in row["first_divergence"], row
+        assert "first at position 10" in row["first_divergence"], row
+    # the failing check names the first bad position too, not only the worst
+    fails = [f["failure"] for f in doc["scenarios"][1]["failures"] if "max KL" in (f["failure"] or "")]
+    assert fails and all("first at position" in f for f in fails)
+
+
+def test_all_taps_agree_without_a_logits_tap_names_the_returned_logits():
+    """No ``logits`` tap in the backend's archive: the truth comparison names the first bad position."""
+    from parity.harness.kl import thresholds_for
+    from parity.harness.scenarios.locate import diff_archives
+    from parity.backends import truth_model
+    from taps.recorder import Recorder
+    model = truth_model(REPO_ROOT / "fixtures" / "tiny")
+    ids = list(range(3, 17))
+    with Recorder(None, meta={"backend": "truth"}) as rt:
+        truth = np.asarray(model.forward(ids))
+    with Recorder(None, meta={"backend": "b"}, include=["layers.*"]) as rb:
+        model.forward(ids)
+    arc_b = rb.archive()
+    assert "logits" not in arc_b.names() and arc_b.names()
+    ret = truth.copy()
+    ret[12:, ::7] += 0.5
+    msg = diff_archives(rt.archive(), arc_b, "float32", returned=ret, positions=list(range(len(ids))),
+                        truth_logits=truth, thresholds=thresholds_for("float32"))
+    assert "divergence is in the returned logits, after the last tap, first at position 12" in msg, msg
+    # control: the untouched logits are not blamed
+    ok = diff_archives(rt.archive(), arc_b, "float32", returned=truth, positions=list(range(len(ids))),
+                       truth_logits=truth, thresholds=thresholds_for("float32"))
+    assert "returned logits" not in ok, ok
+
+
+# ----------------------------------------------------------------------------------------------- 4
+def test_bf16_backend_is_judged_on_top1_in_every_scenario(be_module, capsys):
+    rc, doc = _parity(capsys, "--backend", f"{be_module}:PerturbAfter10Bf16", "--scenario", "kl", "budget")
+    assert rc == 1
+    kl, budget = doc["scenarios"]
+    # KL 0.02 is inside bf16's 5e-2; the argmax flips (~28% of positions from 10 on) are what fails
+    assert budget["status"] == "fail" and budget["failed_cases"] > 0
+    assert any("top-1 agreement" in (f["failure"] or "") for f in budget["failures"])
+    assert kl["status"] == "fail" and kl["failed_cases"] > 0  # the case count shows the failing prompts
+
+
+class _FakeModel:
+    """A truth whose logits are given: ``forward(ids) -> table[:len(ids)]``."""
+
+    def __init__(self, table, config):
+        self.table = table
+        self.config = config
+
+    def forward(self, ids):
+        return self.table[:len(ids)]
+
+
+class _FakeBackend:
+    """Returns given logits rows from prefill (position bookkeeping only)."""
+
+    def __init__(self, table, config, precision):
+        self.table, self.config, self.precision = table, config, precision
+        self.capabilities = {"page_sizes": None, "state_arrays": False}
+        self.pos = {}
+
+    def new_sequence(self):
+        h = len(self.pos)
+        self.pos[h] = 0
+        return h
+
+    def prefill(self, h, ids, chunk_size=None):
+        p = self.pos[h]
+        self.pos[h] += len(ids)
+        return self.table[p:p + len(ids)]
+
+    def position(self, h):
+        return self.pos[h]
+
+    def free(self, h):
+        pass
+
+
+def _run_top1(config, truth_rows, be_rows, precision):
+    from parity.harness.kl import thresholds_for
+    from parity.harness.scenarios.common import Case, TruthCache
+    from parity.harness.scenarios.runner import run_case
+    be = _FakeBackend(be_rows, config, precision)
+
+    def fn(run):
+        s = run.new("s")
+        run.prefill(s, [1] * len(truth_rows))
+    return run_case("t", Case("top1", fn), be, TruthCache(_FakeModel(truth_rows, config)), locate_on_fail=False)
+
+
+def _flat_rows(config, n, seed=0):
+    """Near-uniform logits (spread 0.1) with a clear top token per row: a swap of the top two changes KL
+    only by ~p * gap^2-order amounts (p ~ 1/V), far below the float32 KL bound 1e-5 for gaps <= 1e-2."""
+    rng = np.random.default_rng(seed)
+    t = (0.1 * rng.random((n, config.vocab_size))).astype(np.float32)
+    t[:, 5] = 0.5
+    return t
+
+
+def test_float_top1_flip_fails_unless_a_near_tie():
+    from parity.harness.scenarios.common import NEAR_TIE_LOGIT_GAP
+    from reference.config import load_config
+    cfg = load_config(REPO_ROOT / "fixtures" / "tiny")
+    truth = _flat_rows(cfg, 6)
+    for gap, want in ((NEAR_TIE_LOGIT_GAP / 4, "pass"), (10 * NEAR_TIE_LOGIT_GAP, "fail")):
+        tr = truth.copy()
+        tr[3, 9] = tr[3, 5] - gap           # truth: 5 beats 9 by `gap`
+        be = tr.copy()
+        be[3, 5], be[3, 9] = tr[3, 9], tr[3, 5]   # the backend swaps them: argmax flips at position 3
+        res = _run_top1(cfg, tr, be, "float32")
+        assert res.status == want, (gap, res.failure)
+        if want == "fail":
+            assert "top-1 differs at position 3" in res.failure and "KL" not in res.failure
+
+
+def test_bf16_top1_bound_is_99_percent_of_the_case():
+    from reference.config import load_config
+    cfg = load_config(REPO_ROOT / "fixtures" / "tiny")
+    truth = _flat_rows(cfg, 200)
+    for flips, want in ((2, "pass"), (3, "fail")):   # 198/200 = 99.0% passes, 197/200 = 98.5% fails
+        be = truth.copy()
+        for r in range(50, 50 + flips):
+            be[r, 6] = 0.6  # a clear flip (gap 0.1: bf16 must not excuse it as a tie)
+        res = _run_top1(cfg, truth, be, "bf16")
+        assert res.status == want, (flips, res.failure)
+        if want == "fail":
+            assert "top-1 agreement 0.985 < 0.99" in res.failure and "first at position 50" in res.failure
+
+
+# ----------------------------------------------------------------------------------------------- 6
+def test_table_uses_the_terminal_width_and_wraps_never_cuts(monkeypatch):
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    long = ("chunk_inside-compress-block_5: op 0, seq chunk5, positions 0..79: first divergence "
+            "layers.1.ple.ple_embedding.ngram_ids at position 5 (last agreeing layers.0.mlp_hyper_connection.combine)")
+    rep = ParityReport("b", "m", [ScenarioRow("chunk-boundary", 8, 7, 0.58, 4.2, long, 1.0, "fail")])
+    monkeypatch.setenv("COLUMNS", "300")
+    wide = render_table(rep)
+    assert long in wide and "..." not in wide
+    monkeypatch.setenv("COLUMNS", "110")
+    narrow = render_table(rep)
+    assert all(len(ln) <= 110 for ln in narrow.splitlines()[:-1]), narrow
+    body = narrow.splitlines()[2:-1]
+    assert len(body) > 1  # wrapped onto continuation lines, indented to the column
+    pad = len(body[1]) - len(body[1].lstrip())
+    first = body[0][pad:].rsplit(None, 2)[0]  # without the time and verdict cells
+    assert " ".join([first.strip()] + [ln.strip() for ln in body[1:]]) == long
+
+
+# ----------------------------------------------------------------------------------------------- 8
+def test_out_dir_with_report_json_directory_is_refused_up_front(tmp_path, capsys):
+    (tmp_path / "report.json").mkdir()
+    assert main(["parity", "--backend", "reference", "--scenario", "kl", "--out", str(tmp_path), "--overwrite",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "report.json" in err and "Traceback" not in err and "kl " not in err
+    (tmp_path / "report.json").rmdir()
+    (tmp_path / "taps").write_text("x")
+    assert main(["parity", "--backend", "reference", "--scenario", "kl", "--out", str(tmp_path), "--overwrite",
+                 "--no-progress"]) == 2
+    assert "taps" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- 12
+def test_logits_out_parent_must_exist_and_existing_needs_overwrite(tmp_path, capsys):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 5 9 2")
+    missing = tmp_path / "nonexist" / "l.npy"
+    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(missing)]) == 2
+    assert "parent directory" in capsys.readouterr().err and not missing.parent.exists()
+    out = tmp_path / "l.npy"
+    out.write_bytes(b"old")
+    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and out.read_bytes() == b"old"
+    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out), "--overwrite"]) == 0
+    assert np.load(out).shape[0] == 4
+
+
+# ----------------------------------------------------------------------------------------------- 13
+@pytest.mark.parametrize("flag", ["--a", "--b"])
+def test_kl_bad_backend_names_its_option(flag, capsys):
+    assert main(["kl", flag, "bogus", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}:" in err and "--backend" not in err
+
+
+# ----------------------------------------------------------------------------------------------- 15
+def test_docs_show_the_separator_row_and_the_plugin_import_rule():
+    readme = (REPO_ROOT / "README.md").read_text()
+    lines = readme.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.strip().startswith("scenario ") and "verdict" in ln)
+    assert set(lines[i + 1].split()) == {"-" * len(w) for w in lines[i + 1].split()} and lines[i + 1].strip()
+    assert lines[i + 1].strip().startswith("-" * len("scenario"))
+    doc = (REPO_ROOT / "docs" / "parity.md").read_text()
+    assert "PYTHONPATH" in doc and "exit 1" in doc.lower()
