@@ -1,0 +1,223 @@
+"""The parity Backend protocol: the base class, its defaults, and the shared helpers.
+
+A *backend* is anything that can run the qwen4exp model incrementally for several concurrent
+sequences. The parity harness (KL harness, scenario suites, ``qwen4exp parity``) drives backends only
+through this protocol, so the reference session, the engine (CPU and CUDA paths) and any outside
+engine (``--backend my_pkg.my_mod:MyBackend``) are judged the same way.
+
+The protocol (duck-typed; subclass :class:`Backend` for the defaults and the docs)::
+
+    be = Cls.open(model_path, **opts)       # opts: page_size=int, perturb=(tensor_name, fn) (optional)
+    be.name -> str ; be.precision -> 'float64'|'float32'|'bf16'|'fp8' ; be.config -> ModelConfig
+    be.capabilities -> dict                 # see Backend.capabilities
+    h = be.new_sequence()                   # opaque handle; several may be live at once
+    be.prefill(h, ids, chunk_size=None) -> np.ndarray [T, V]   # logits of every prompt position
+    be.decode([h1, h2, ...], [t1, t2, ...]) -> [B, V]           # one token for each sequence, batched
+    be.forward_tokens(h, ids) -> [k, V]     # verify k drafted tokens (keeps what rollback needs)
+    be.rollback(h, n)                       # forget the last n tokens
+    be.snapshot(h) -> obj ; be.restore(h, obj)   # restore into any live handle (empty or not)
+    be.position(h) -> int                   # tokens in the sequence's state (the KV length)
+    be.free(h)
+    be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
+    with be.taps(out_dir=None, include=...) as rec: ...   # record taps (taps.recorder.Recorder)
+    be.close()
+
+Logits are host NumPy arrays (float32, or float64 for ``reference-f64``), rows in token order.
+Handles from one backend must never be passed to another. Errors from bad input are
+:class:`reference.errors.UserError` subclasses.
+
+The TRUTH for every comparison is :func:`truth_model` 's ``forward`` -- the reference's single full
+forward over the same tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from reference.errors import InputError, UserError
+
+
+BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda")
+
+
+class BackendError(UserError, RuntimeError):
+    """A backend that cannot be opened or used as asked (missing dependency, bad handle, refused op)."""
+
+
+def load_weights(model_path, perturb=None):
+    """Open a checkpoint (``reference.checkpoint.Checkpoint``), optionally with one tensor replaced.
+
+    Args:
+        model_path: checkpoint directory.
+        perturb: None, or ``(tensor_name, fn)`` where ``fn(array float32) -> array`` gives the patched
+            tensor (applied through ``with_override``).
+    Raises:
+        BackendError: reference.checkpoint is not importable yet.
+        CheckpointError: unreadable checkpoint or unknown tensor name.
+    """
+    try:
+        from reference.checkpoint import Checkpoint
+    except ImportError as e:
+        raise BackendError(f"reference.checkpoint: expected an importable checkpoint reader, found {e}") from e
+    ck = Checkpoint.open(str(model_path))
+    if perturb is not None:
+        name, fn = perturb
+        if not ck.has(name):
+            from reference.errors import CheckpointError
+            raise CheckpointError(f"perturb: expected a tensor name of the checkpoint, found {name!r}")
+        ck = ck.with_override(name, np.asarray(fn(ck.get(name, dtype=np.float32)), dtype=np.float32))
+    return ck
+
+
+def truth_model(model_path, dtype=np.float32, weights=None):
+    """The reference model whose ``forward(ids) -> [T, V]`` is the truth of every comparison.
+
+    Raises:
+        BackendError: reference.model is not importable yet.
+    """
+    try:
+        from reference.model import ReferenceModel
+    except ImportError as e:
+        raise BackendError(f"reference.model: expected the reference model, found {e}") from e
+    ck = weights if weights is not None else load_weights(model_path)
+    return ReferenceModel(ck, dtype=dtype)
+
+
+def capabilities_of(be) -> dict:
+    """A backend's capabilities with the protocol defaults filled in (duck-typed backends may omit some)."""
+    return {**Backend.capabilities, **(getattr(be, "capabilities", None) or {})}
+
+
+def one_shot_logits(be, ids) -> np.ndarray:
+    """``be.logits(ids)`` when the backend has it, else a fresh sequence prefilled with ``ids`` and freed."""
+    fn = getattr(be, "logits", None)
+    if fn is not None:
+        return np.asarray(fn(ids))
+    return Backend.logits(be, ids)
+
+
+def _check_ids(ids, vocab: int, what: str = "ids") -> list[int]:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise InputError(f"{what}: expected a non-empty 1-D list of token ids, found shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"{what}: expected integer token ids, found dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= vocab:
+        raise InputError(f"{what}: expected token ids in [0, {vocab}), found range [{arr.min()}, {arr.max()}]")
+    return [int(x) for x in arr]
+
+
+class Backend:
+    """Base class of the backend protocol (see the module docstring). Subclasses implement the
+    sequence operations; :meth:`logits` and :meth:`taps` have generic defaults.
+
+    Attributes:
+        name: shown in reports ('reference', 'engine-cpu', 'my_mod:MyBackend', ...).
+        precision: 'float64' | 'float32' | 'bf16' | 'fp8' -- picks the pass thresholds.
+        config: the model's :class:`reference.config.ModelConfig`.
+        model_path: the checkpoint directory.
+    """
+
+    name = "backend"
+    precision = "float32"
+
+    #: capabilities every backend declares; override in subclasses
+    capabilities: dict = {
+        "page_sizes": None,        # None: paging is not a concept of this backend (page_size is a no-op)
+        "batched_decode": True,
+        "perturb": False,          # open(..., perturb=(name, fn)) supported
+        "state_arrays": False,     # state_arrays(h) supported
+        "snapshot_file": False,    # parity.backends.snapshot_file can serialise its snapshots
+    }
+
+    @classmethod
+    def open(cls, model_path, **opts) -> "Backend":
+        """Open the backend on a checkpoint directory. ``opts``: ``page_size`` (int), ``perturb``."""
+        raise NotImplementedError
+
+    # --- sequences
+    def new_sequence(self):
+        """Start an empty sequence; returns its opaque handle (several may be live at once)."""
+        raise NotImplementedError
+
+    def free(self, h) -> None:
+        """Release the sequence ``h``; the handle is dead afterwards."""
+        raise NotImplementedError
+
+    def prefill(self, h, ids: Sequence[int], chunk_size: int | None = None) -> np.ndarray:
+        """Feed ``ids`` (optionally in chunks of ``chunk_size``) to sequence ``h``; returns the logits
+        ``[T, V]`` of every fed position (host float32, float64 for 'reference-f64')."""
+        raise NotImplementedError
+
+    def decode(self, hs: Sequence, ids: Sequence[int]) -> np.ndarray:
+        """One token per sequence (``ids[i]`` for ``hs[i]``), decoded as a batch; returns logits ``[B, V]``."""
+        raise NotImplementedError
+
+    def forward_tokens(self, h, ids: Sequence[int]) -> np.ndarray:
+        """Verify ``k`` drafted tokens on ``h`` (keeping what :meth:`rollback` needs); returns logits
+        ``[k, V]``."""
+        raise NotImplementedError
+
+    def rollback(self, h, n: int) -> None:
+        """Forget the last ``n`` tokens of sequence ``h``."""
+        raise NotImplementedError
+
+    def snapshot(self, h):
+        """Capture sequence ``h``'s whole state; returns an opaque snapshot for :meth:`restore`."""
+        raise NotImplementedError
+
+    def restore(self, h, snap) -> None:
+        """Put ``snap`` into the live handle ``h`` (empty or not)."""
+        raise NotImplementedError
+
+    def position(self, h) -> int:
+        """Tokens in sequence ``h``'s state (the KV length)."""
+        raise NotImplementedError
+
+    def state_arrays(self, h) -> dict[str, np.ndarray]:
+        """Named copies of the sequence's state (``layers.{i}.<kind>`` -> array), when supported.
+
+        Raises:
+            BackendError: the backend does not expose its state.
+        """
+        raise BackendError(f"backend {self.name}: state_arrays: not supported by this backend")
+
+    # --- generic helpers
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """One-shot logits ``[T, V]`` of ``ids``: a fresh sequence, a single prefill, freed."""
+        h = self.new_sequence()
+        try:
+            return np.asarray(self.prefill(h, ids))
+        finally:
+            self.free(h)
+
+    @contextlib.contextmanager
+    def taps(self, out_dir=None, **recorder_kw):
+        """Record the taps produced by the calls inside the ``with`` block; yields the Recorder.
+
+        Args:
+            out_dir: archive directory, or None to record in memory (``rec.archive()`` after the block).
+            recorder_kw: ``taps.recorder.Recorder`` options (include, layers, positions, meta, ...).
+        Uses the producer-side hook, so it works for any backend whose code emits taps in this process.
+        Raises:
+            BackendError: the taps recorder is not available.
+        """
+        try:
+            from taps.recorder import Recorder
+        except ImportError as e:
+            raise BackendError(f"taps.recorder.Recorder: expected the taps recorder, found {e}") from e
+        meta = dict(recorder_kw.pop("meta", None) or {})
+        meta.setdefault("backend", self.name)
+        meta.setdefault("dtype", self.precision)
+        with Recorder(out_dir, meta=meta, **recorder_kw) as rec:
+            yield rec
+
+    def close(self) -> None:
+        """Release resources (default: nothing)."""
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name}>"

@@ -1,0 +1,173 @@
+"""The engine backend: :class:`engine.Engine` (CPU NumPy path or CUDA) behind the parity protocol."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from reference.errors import InputError, UserError
+
+from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+
+
+class EngineBackend(Backend):
+    """The engine (``engine.Engine``) as a backend: ``device`` 'cpu' or 'cuda'.
+
+    Options: ``page_size`` (int, default the engine's), ``precision`` (engine precision, default
+    'float32' on cpu and 'bf16' on cuda), ``perturb``, ``weights``; others are passed to ``engine.Engine``.
+    """
+
+    capabilities = {"page_sizes": "any", "batched_decode": True, "perturb": True, "state_arrays": True,
+                    "snapshot_file": True}
+
+    def __init__(self, eng, name, model_path, precision):
+        self.eng = eng
+        self.name = name
+        self.model_path = model_path
+        self.precision = precision
+        self.config = getattr(eng, "config", None)
+        self._live: set = set()
+        pool = getattr(eng, "pool", None)
+        if not all(hasattr(pool, a) for a in ("slab_arrays", "page_arrays", "slots")):
+            self.capabilities = {**type(self).capabilities, "state_arrays": False}
+        if not all(hasattr(eng, a) for a in ("export_snapshot", "import_snapshot")):
+            self.capabilities = {**self.capabilities, "snapshot_file": False}
+
+    @classmethod
+    def open(cls, model_path, *, device="cpu", page_size=None, precision=None, perturb=None, weights=None,
+             name=None, **opts) -> "EngineBackend":
+        """Open ``engine.Engine`` on ``model_path`` (see the class docstring for the options; ``max_seqs``
+        defaults to 16); ``name`` defaults to ``engine-<device>``.
+
+        Raises:
+            BackendError: ``engine.Engine`` cannot be imported.
+        """
+        try:
+            import engine as engine_pkg
+            Engine = engine_pkg.Engine
+        except (ImportError, AttributeError) as e:
+            raise BackendError(f"backend engine-{device}: expected engine.Engine to be importable, found {e!r}; "
+                               f"the engine is not available -- use --backend reference to check the harness") from e
+        ck = weights if weights is not None else load_weights(model_path, perturb)
+        if weights is not None and perturb is not None:
+            name_, fn = perturb
+            ck = ck.with_override(name_, np.asarray(fn(ck.get(name_, dtype=np.float32)), dtype=np.float32))
+        prec = precision or ("float32" if device == "cpu" else "bf16")
+        kw = dict(opts)
+        kw.setdefault("max_seqs", 16)  # the scenarios keep up to ~10 sequences live (batches + straight runs)
+        if page_size is not None:
+            kw["page_size"] = int(page_size)
+        eng = Engine(ck, precision=prec, device=device, **kw)
+        be = cls(eng, name or f"engine-{device}", model_path, "float32" if prec == "float32" else prec)
+        if be.config is None:
+            be.config = ck.config
+        return be
+
+    def new_sequence(self):
+        """A new engine sequence (``Engine.add_sequence``); the sequence object is the handle."""
+        s = self.eng.add_sequence()
+        self._live.add(id(s))
+        return s
+
+    def free(self, h):
+        """Release engine sequence ``h`` (``Engine.free``)."""
+        self.eng.free(h)
+        self._live.discard(id(h))
+
+    def prefill(self, h, ids, chunk_size=None):
+        """Logits ``[T, V]`` of ``ids`` fed to sequence ``h`` (``Engine.prefill``).
+
+        Raises:
+            InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
+        """
+        ids = _check_ids(ids, self.config.vocab_size)
+        return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
+
+    def decode(self, hs, ids):
+        """Logits ``[B, V]``: ``ids[i]`` for sequence ``hs[i]``, batched (``Engine.decode``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        return np.asarray(self.eng.decode(list(hs), ids))
+
+    def forward_tokens(self, h, ids):
+        """Logits ``[k, V]`` of the ``k`` drafted ``ids`` on sequence ``h`` (``Engine.verify``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        return np.asarray(self.eng.verify(h, ids))
+
+    def rollback(self, h, n):
+        """Forget the last ``n`` tokens of sequence ``h`` (``Engine.rollback``)."""
+        self.eng.rollback(h, int(n))
+
+    def snapshot(self, h):
+        """Sequence ``h``'s snapshot (``Engine.snapshot``)."""
+        return self.eng.snapshot(h)
+
+    def restore(self, h, snap):
+        """Restore a live engine snapshot (pages shared again), or a host-array export of one (from
+        ``parity.backends.snapshot_file.load_snapshot`` / ``Engine.export_snapshot``: pages allocated, contents checked).
+
+        Raises:
+            StateError (a UserError): a foreign snapshot, or an export of another model or lacking any state.
+        """
+        if isinstance(snap, dict):
+            self.eng.import_snapshot(h, snap)
+        else:
+            self.eng.restore(h, snap)
+
+    _STATE_NAMES = {"gdn_conv": "gdn.{i}.conv", "gdn_rec": "gdn.{i}.recurrent", "ple_conv": "ple.{i}.conv",
+                    "ple_ctx": "ple.{i}.context", "kv_k": "qsa.{i}.k", "kv_v": "qsa.{i}.v",
+                    "idx_k": "qsa.{i}.index_keys", "blk_k": "qsa.{i}.block_keys"}
+
+    def state_arrays(self, h):
+        """The sequence's logical state, named like the reference's (``gdn.{i}.conv``, ``qsa.{i}.k`` ...):
+        slab rows as they are, KV / indexer keys gathered from the sequence's pages for positions
+        ``0..L-1``, block keys from the slot of each complete block's last token (engine/state.py layout).
+
+        Raises:
+            BackendError: the engine's state layout is not the one this adapter reads.
+        """
+        from engine.backend import to_numpy
+        pool = self.eng.pool
+        L = self.position(h)
+        out = {}
+        try:
+            for key, arr in pool.slab_arrays():
+                f, i = key.rsplit(".", 1)
+                out[self._STATE_NAMES[f].format(i=i)] = np.array(to_numpy(arr[h.slab]), copy=True)
+            slots = pool.slots(h, 0, L) if L else np.zeros(0, np.int64)
+            r = self.config.indexer_compress_ratio or 1
+            blk = slots[r - 1::r][:L // r] if L else slots
+            for key, arr in pool.page_arrays():
+                f, i = key.rsplit(".", 1)
+                idx = blk if f == "blk_k" else slots
+                out[self._STATE_NAMES[f].format(i=i)] = np.array(to_numpy(arr[idx]), copy=True)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BackendError(f"backend {self.name}: state_arrays: expected the engine/state.py layout, found "
+                               f"{type(e).__name__}: {e}") from e
+        return out
+
+    def position(self, h):
+        """Tokens in sequence ``h``'s state: ``Engine.position(h)``, else the handle's ``position``,
+        ``length`` or ``seq_len``.
+
+        Raises:
+            BackendError: none of these exists.
+        """
+        pos = getattr(self.eng, "position", None)
+        if pos is not None:
+            return int(pos(h))
+        for attr in ("position", "length", "seq_len"):
+            v = getattr(h, attr, None)
+            if v is not None:
+                return int(v() if callable(v) else v)
+        raise BackendError(f"backend {self.name}: position: the engine exposes no sequence length")

@@ -1,0 +1,134 @@
+"""The reference backend: :class:`reference.session.Session` behind the parity protocol."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from reference.errors import InputError, UserError
+
+from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+
+
+class ReferenceBackend(Backend):
+    """The reference (``reference.model.ReferenceModel`` sessions) as a backend.
+
+    Options: ``dtype`` (np.float32 default, np.float64 for 'reference-f64'), ``page_size`` (accepted and
+    ignored: the reference has no pages), ``perturb`` (see :func:`load_weights`), ``weights`` (an open
+    Checkpoint/DictWeights to use instead of ``model_path``).
+    """
+
+    capabilities = {"page_sizes": None, "batched_decode": True, "perturb": True, "state_arrays": True,
+                    "snapshot_file": True}
+
+    def __init__(self, model, name: str = "reference", model_path=None):
+        self.model = model
+        self.config = model.config if hasattr(model, "config") else model.ck.config
+        self.name = name
+        self.model_path = model_path
+        self.precision = "float64" if np.dtype(getattr(model, "dtype", np.float32)) == np.float64 else "float32"
+        self._sessions: dict[int, Any] = {}
+        self._next = 0
+
+    @classmethod
+    def open(cls, model_path, *, dtype=np.float32, page_size=None, perturb=None, weights=None, name=None,
+             **opts) -> "ReferenceBackend":
+        """Open the reference on ``model_path`` (see the class docstring for the options); ``name``
+        defaults to 'reference' or 'reference-f64'.
+
+        Raises:
+            InputError: an unknown option. Checkpoint/config errors propagate from loading.
+        """
+        if opts:
+            raise InputError(f"reference backend options: expected dtype/page_size/perturb/weights, "
+                             f"found {sorted(opts)}")
+        ck = weights if weights is not None else load_weights(model_path, perturb)
+        if weights is not None and perturb is not None:
+            name_, fn = perturb
+            ck = ck.with_override(name_, np.asarray(fn(ck.get(name_, dtype=np.float32)), dtype=np.float32))
+        model = truth_model(model_path, dtype=dtype, weights=ck)
+        nm = name or ("reference-f64" if np.dtype(dtype) == np.float64 else "reference")
+        return cls(model, nm, model_path)
+
+    def _sess(self, h):
+        try:
+            return self._sessions[h]
+        except (KeyError, TypeError):
+            raise BackendError(f"backend {self.name}: sequence handle {h!r}: expected a live handle of this "
+                               f"backend, found none (freed or foreign)") from None
+
+    def new_sequence(self):
+        """A new reference session; returns its int handle."""
+        h = self._next
+        self._next += 1
+        self._sessions[h] = self.model.new_session()
+        return h
+
+    def free(self, h) -> None:
+        """Drop the session of ``h`` (an unknown handle is ignored)."""
+        self._sessions.pop(h, None)
+
+    def prefill(self, h, ids, chunk_size=None):
+        """Logits ``[T, V]`` of ``ids`` fed to session ``h`` (``chunk_size``: chunked prefill).
+
+        Raises:
+            InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
+            BackendError: ``h`` is not a live handle of this backend.
+        """
+        ids = _check_ids(ids, self.config.vocab_size)
+        return np.asarray(self._sess(h).prefill(ids, chunk_size=chunk_size))
+
+    def decode(self, hs, ids):
+        """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
+
+        Raises:
+            InputError: ``len(hs) != len(ids)`` or bad ids.
+            BackendError: a handle that is not live.
+        """
+        if len(hs) != len(ids):
+            raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
+                             f"{len(ids)} tokens")
+        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        return np.stack([np.asarray(self._sess(h).decode(t)) for h, t in zip(hs, ids)])
+
+    def forward_tokens(self, h, ids):
+        """Logits ``[k, V]`` of the ``k`` drafted ``ids`` on session ``h`` (``Session.forward_tokens``).
+
+        Raises:
+            InputError: bad ids.
+            BackendError: ``h`` is not a live handle of this backend.
+        """
+        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        return np.asarray(self._sess(h).forward_tokens(ids))
+
+    def rollback(self, h, n):
+        """Forget the last ``n`` tokens of session ``h`` (``Session.rollback``). Raises BackendError when ``h`` is not
+        a live handle."""
+        self._sess(h).rollback(int(n))
+
+    def snapshot(self, h):
+        """Session ``h``'s snapshot (``Session.snapshot``). Raises BackendError when ``h`` is not a live handle."""
+        return self._sess(h).snapshot()
+
+    def restore(self, h, snap):
+        """Restore ``snap`` into session ``h`` (``Session.restore``). Raises BackendError when ``h`` is not a live
+        handle."""
+        self._sess(h).restore(snap)
+
+    def position(self, h):
+        """Tokens in session ``h``'s state. Raises BackendError when ``h`` is not a live handle."""
+        return int(self._sess(h).position)
+
+    def state_arrays(self, h):
+        """Session ``h``'s state as named arrays (``parity.backends.snapshot_file.flatten_state``). Raises BackendError when
+        ``h`` is not a live handle."""
+        from parity.backends.snapshot_file import flatten_state
+        return flatten_state(self._sess(h).state)
+
+    def logits(self, ids):
+        """The one-shot logits: the model's single full forward (the truth path)."""
+        ids = _check_ids(ids, self.config.vocab_size)
+        return np.asarray(self.model.forward(ids))
