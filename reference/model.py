@@ -95,6 +95,15 @@ class ReferenceModel:
         #: diagnostic hook ``(layer, positions [T], block_scores [T, NB], selected [T, block_topk]) -> selected``:
         #: replaces the QSA block selection (e.g. with another implementation's, to compare past a tie).
         self.selection_hook = None
+        #: diagnostic hook ``(layer, positions [T], router_probs [T, E], topk_ids [T, k]) -> topk_ids``: replaces
+        #: the MoE expert selection (e.g. to force another implementation's pick inside a tie set).
+        self.expert_hook = None
+        #: storage-rounding hook ``(kind, array) -> array`` applied where an engine stores activations:
+        #: ``'residual'`` (the hc_count-stream residual after the embedding, each PLE add and each combine),
+        #: ``'block_io'`` (each block's input from its hyper-connection and its output), ``'kv'`` (attention keys and
+        #: values and the raw indexer keys as they enter the caches). None (default): nothing is rounded. Used by
+        #: ``parity.harness.floor`` to measure the noise of a correct reduced-precision engine.
+        self.store_round = None
 
     # ------------------------------------------------------------------ weights
     def _estimate_bytes(self) -> int:
@@ -265,6 +274,11 @@ class ReferenceModel:
         return rope_cos_sin(np.asarray(positions, dtype=np.int64), self._inv_freq, self.config.mrope_section)
 
     # ------------------------------------------------------------------ module steps (also used by replay)
+    def _st(self, kind: str, a: np.ndarray) -> np.ndarray:
+        """``a`` rounded as an engine would store it (:attr:`store_round`), else ``a`` itself."""
+        f = self.store_round
+        return a if f is None else np.asarray(f(kind, a), dtype=a.dtype)
+
     def _ple_step(self, i, st, x, ids, pos, rec):
         cfg = self.config
         lay = cfg.ple_layout(i)
@@ -273,6 +287,7 @@ class ReferenceModel:
         emb = np.asarray(self.weights.ngram_rows(i, rows), dtype=self.dtype).reshape(len(ids), -1)
         out, gate, new_conv = ple_block(x, emb, self._ple_w(i), st.conv, cfg.hc_count, cfg.hidden_size,
                                         cfg.ngram_size, cfg.rms_norm_eps)
+        out = self._st("block_io", out)
         ctx = np.concatenate([st.context, ids])[-(cfg.ngram_size - 1):]
         if rec is not None:
             p = f"layers.{i}.ple."
@@ -280,12 +295,13 @@ class ReferenceModel:
             rec.emit(p + "ple_embedding.out", emb, positions=pos)
             rec.emit(p + "gate", gate, positions=pos)
             rec.emit(p + "out", out, positions=pos)
-        return x + out, (new_conv, ctx)
+        return self._st("residual", x + out), (new_conv, ctx)
 
     def _hc_step(self, prefix, x, pos, rec, combine=True):
         cfg = self.config
         mixed, inj = hyper_connection(x, *self._hc_w(prefix, combine), cfg.hc_count, cfg.hidden_size,
                                       cfg.rms_norm_eps)
+        mixed = self._st("block_io", mixed)
         if rec is not None:
             rec.emit(prefix + ".out", mixed, positions=pos)
             if inj is not None:
@@ -294,6 +310,7 @@ class ReferenceModel:
 
     def _gdn_step(self, i, st, x, pos, rec, mode="auto"):
         out, taps, conv, recur = gdn_block(x, self._gdn_w(i), st.conv, st.recurrent, self.config, mode)
+        out = self._st("block_io", out)
         if rec is not None:
             p = f"layers.{i}.linear_attn."
             rec.emit(p + "conv_out", taps["conv_out"], positions=pos)
@@ -307,7 +324,7 @@ class ReferenceModel:
         w = self._attn_w(i)
         r = cfg.indexer_compress_ratio
         q_idx, raw = indexer_project(x, w, cos, sin, cfg)
-        keys = st.index_keys.append(raw)
+        keys = st.index_keys.append(self._st("kv", raw))
         L = keys.shape[0]
         nb_old, nb_new = st.block_keys.n, L // r
         if nb_new > nb_old:
@@ -317,12 +334,13 @@ class ReferenceModel:
             sel = np.asarray(self.selection_hook(i, pos, scores, sel), dtype=np.int64)
         mask = selection_mask(sel, pos, n_complete, L, r)
         q, gate, k, v = attention_project(x, w, cos, sin, cfg)
-        K = st.k.append(k)
-        V = st.v.append(v)
+        K = st.k.append(self._st("kv", k))
+        V = st.v.append(self._st("kv", v))
         core = sparse_attention(q, K, V, mask, cfg.head_dim ** -0.5)
         out = linear(core * sigmoid(gate), w["o_proj.weight"])
         if "o_proj.bias" in w:
             out = out + w["o_proj.bias"]
+        out = self._st("block_io", out)
         if rec is not None:
             p = f"layers.{i}.self_attn."
             if scores.shape[1] == 0:  # no complete block yet: one -inf column (the engine's width rule)
@@ -334,7 +352,10 @@ class ReferenceModel:
         return out
 
     def _moe_step(self, i, x, pos, rec):
-        out, logits, ids, wts = moe_block(x, self._moe_w(i), lambda e: self._expert(i, e), self.config)
+        hook = None if self.expert_hook is None else (lambda probs, ids: self.expert_hook(i, pos, probs, ids))
+        out, logits, ids, wts = moe_block(x, self._moe_w(i), lambda e: self._expert(i, e), self.config,
+                                          select_hook=hook)
+        out = self._st("block_io", out)
         if rec is not None:
             p = f"layers.{i}.mlp."
             rec.emit(p + "gate.router_logits", logits, positions=pos)
@@ -362,7 +383,7 @@ class ReferenceModel:
             e = self._embed(ids)
             if rec is not None:
                 rec.emit("embed_tokens.out", e, positions=pos)
-            x = np.tile(e, (1, cfg.hc_count))
+            x = self._st("residual", np.tile(e, (1, cfg.hc_count)))
             show = self.progress if self.progress is not None else (cfg.hidden_size >= 1024 and T >= 64)
             from tqdm.auto import tqdm
             for i, lt in tqdm(list(enumerate(cfg.layer_types)), desc=f"reference step ({T} tokens)", unit="layer",
@@ -377,12 +398,12 @@ class ReferenceModel:
                     out, pending[("gdn", i)] = self._gdn_step(i, state.gdn[i], mixed, pos, rec)
                 else:
                     out = self._qsa_step(i, state.qsa[i], mixed, pos, cos, sin, rec)
-                x = hc_combine(x, out, inj)
+                x = self._st("residual", hc_combine(x, out, inj))
                 if rec is not None:
                     rec.emit(pre + "attn_hyper_connection.combine", x, positions=pos)
                 mixed, inj = self._hc_step(pre + "mlp_hyper_connection", x, pos, rec)
                 out = self._moe_step(i, mixed, pos, rec)
-                x = hc_combine(x, out, inj)
+                x = self._st("residual", hc_combine(x, out, inj))
                 if rec is not None:
                     rec.emit(pre + "mlp_hyper_connection.combine", x, positions=pos)
             h, _ = self._hc_step("hyper_connection_mixer", x, pos, rec, combine=False)

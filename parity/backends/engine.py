@@ -20,8 +20,10 @@ class EngineBackend(Backend):
     'float32' on cpu and 'bf16' on cuda), ``perturb``, ``weights``; others are passed to ``engine.Engine``.
     """
 
+    # stores: the engine keeps activations, accumulation and all state in float32 at either precision (bf16 =
+    # BF16 weights only, engine/model.py), so it is judged against the float32 floor (parity.harness.floor)
     capabilities = {"page_sizes": "any", "batched_decode": True, "perturb": True, "state_arrays": True,
-                    "snapshot_file": True}
+                    "snapshot_file": True, "stores": {}}
 
     def __init__(self, eng, name, model_path, precision):
         self.eng = eng

@@ -42,14 +42,15 @@ def default_perturb_target(config) -> str:
             else "layers.0.self_attn.o_proj.weight")
 
 
-def perturbation(seed: int = 0):
-    """``w -> w + rms(w) * N(0, 1)`` (seeded): a clearly wrong tensor of the right shape and scale."""
+def perturbation(seed: int = 0, scale: float = 1.0):
+    """``w -> w + scale * rms(w) * N(0, 1)`` (seeded): a wrong tensor of the right shape; ``scale`` sizes it
+    (the harness sizes the negative control from the floor, parity.harness.kl.negative_control)."""
     import numpy as np
 
     def fn(w):
         rng = np.random.default_rng(seed)
         rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64)))) or 1.0
-        return (w + rms * rng.standard_normal(w.shape)).astype(np.float32)
+        return (w + scale * rms * rng.standard_normal(w.shape)).astype(np.float32)
     return fn
 
 
@@ -72,8 +73,8 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     target = b_spec if capabilities_of(b).get("perturb") else "reference"
     note = f"{target} with {name} perturbed (+ rms * N(0,1))"
 
-    def perturbed():
-        return open_backend(target, model_path, perturb=(name, perturbation()))
+    def perturbed(scale=1.0):
+        return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
     return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
                   perturbed_b=perturbed, perturbed_note=note, progress=progress)
 

@@ -14,20 +14,23 @@ from reference.blocks.qsa import canonical_topk
 __all__ = ["route", "swiglu", "moe_block"]
 
 
-def route(x: np.ndarray, gate_w: np.ndarray, top_k: int, norm_topk_prob: bool):
+def route(x: np.ndarray, gate_w: np.ndarray, top_k: int, norm_topk_prob: bool, select_hook=None):
     """Router: ``softmax(x W^T)`` then the canonical top-k (probability descending, lower expert id first).
 
     Args:
         x: ``[T, H]``; gate_w: ``[E, H]``.
     Returns:
         ``(router_logits [T, E], topk_ids [T, k] int64, topk_weights [T, k])``; weights renormalised to sum
-        1 when ``norm_topk_prob``.
+        1 when ``norm_topk_prob``. ``select_hook(probs [T, E], ids [T, k]) -> ids`` (optional) replaces the
+        canonical selection (diagnostics: another implementation's pick inside a tie set).
     Source: ``Qwen4ExpTextTopKRouter.forward`` (softmax in float32 there; in the compute dtype here).
     """
     logits = linear(x, gate_w)
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)
     ids = canonical_topk(probs, top_k)
+    if select_hook is not None:
+        ids = np.asarray(select_hook(probs, ids), dtype=np.int64)
     wts = np.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         wts = wts / wts.sum(axis=-1, keepdims=True)
@@ -44,7 +47,7 @@ def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) ->
     return linear(silu(linear(x, gate)) * linear(x, up), down)
 
 
-def moe_block(x: np.ndarray, w: dict, expert_fn, cfg):
+def moe_block(x: np.ndarray, w: dict, expert_fn, cfg, select_hook=None):
     """Routed experts + sigmoid-gated shared expert.
 
     Args:
@@ -53,11 +56,12 @@ def moe_block(x: np.ndarray, w: dict, expert_fn, cfg):
         expert_fn: ``e -> (gate [I, H], up [I, H], down [H, I])`` in the compute dtype (or as
             ``BF16Matrix`` stored bits); called once per call and only for experts some token uses (so only
             those are read), with all the rows routed to that expert at once.
+        select_hook: see :func:`route`.
     Returns:
         ``(out [T, H], router_logits [T, E], topk_ids [T, k], topk_weights [T, k])``.
     Source: ``Qwen4ExpTextSparseMoeBlock.forward``.
     """
-    logits, ids, wts = route(x, w["gate"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    logits, ids, wts = route(x, w["gate"], cfg.num_experts_per_tok, cfg.norm_topk_prob, select_hook)
     out = np.zeros_like(x)
     for e in np.unique(ids):
         tok, slot = np.nonzero(ids == e)

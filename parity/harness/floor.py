@@ -1,0 +1,356 @@
+"""Measured precision floors and selection ties: what a CORRECT engine's logits may differ by, on this model.
+
+Every verdict threshold of the harness is a multiple of a floor measured here, on the model under test
+and the prompts of the run (docs/parity.md, "Thresholds"):
+
+* the **float32 floor**: the reference in float32 against the reference in float64. Any correct float32
+  engine computes the same function with the same unit roundoff, so its error against float64 is of the
+  same order (only the summation order, hence the constant, differs);
+* a **reduced-precision floor** (``bf16``, ``fp16``, ``fp8``): the float32 reference with its activations
+  rounded to that format at the points an engine stores them (:data:`STORE_KINDS`: the residual stream,
+  each block's input and output, the attention KV and indexer keys; GDN/PLE state stays float32 as
+  engines keep it), against float64. It is the noise of a correct engine at that precision on this model.
+
+Both floors are measured with every discrete selection (QSA block top-k, MoE expert top-k) FORCED to the
+float64 run's, so a floor is continuous rounding noise and never the jump of a selection flip. Selections
+are judged separately, with ties (:func:`tie_report`): a backend may pick differently only inside a tie
+set at the cut (exact ties, or scores within the floor of the cut value).
+
+Logit errors are measured relative to the model's logit scale, :func:`parity.harness.kl.logit_scale`
+(the per-position standard deviation of the truth's logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
+           "TieReport", "forced_logits", "UNIT_ROUNDOFF"]
+
+#: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
+STORE_KINDS = ("residual", "block_io", "kv")
+#: the formats a reduced-precision floor can round to
+ROUNDINGS = ("bf16", "fp16", "fp8")
+#: unit roundoff 2^-(p) of each format (p = mantissa bits + 1 -> u = 2^-p): the smallest meaningful relative
+#: floor (a measured floor below it means the logits happened to be exact, not that an engine can do better)
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11,
+                 "fp8": 2.0 ** -4}
+_E4M3_MAX = 448.0
+
+
+def stores_of(backend) -> dict:
+    """The activation stores a backend rounds: ``{kind: format}`` over :data:`STORE_KINDS`.
+
+    A backend declares them as ``capabilities["stores"]`` (e.g. ``{}`` for an engine whose activations,
+    accumulation and state are float32 whatever its weight precision, as ``engine-cpu``/``engine-cuda``). Without
+    a declaration: none for 'float32'/'float64', and every store kind in the declared format otherwise (the
+    conservative reading of "a bf16 engine": it may round everything it stores).
+    """
+    caps = getattr(backend, "capabilities", None) or {}
+    if caps.get("stores") is not None:
+        return dict(caps["stores"])
+    prec = getattr(backend, "precision", "float32")
+    return {} if prec in ("float32", "float64") else {k: prec for k in STORE_KINDS}
+
+
+def stores_label(stores: dict) -> str:
+    """'float32' for no stores, else e.g. 'bf16[residual,block_io,kv]' (kinds grouped per format)."""
+    if not stores:
+        return "float32"
+    by = {}
+    for k, f in stores.items():
+        by.setdefault(f, []).append(k)
+    return "+".join(f"{f}[{','.join(ks)}]" for f, ks in sorted(by.items()))
+
+
+def rounder(fmt, kinds: Sequence[str] = STORE_KINDS):
+    """A ``store_round`` hook ``(kind, array) -> array`` rounding ``kinds`` to ``fmt`` (round-to-nearest-even
+    via ml_dtypes) and back to the array's dtype; other kinds pass unchanged.
+
+    ``fp8`` is E4M3 with a dynamic per-row scale ``amax / 448`` (the ``activation_scheme: dynamic`` of FP8
+    checkpoints: each token's activations are scaled into range before the cast).
+
+    ``fmt`` may also be a ``{kind: format}`` dict (each kind its own format; ``kinds`` is then ignored).
+
+    Raises:
+        InputError: unknown format or kind.
+    """
+    import ml_dtypes
+
+    from reference.errors import InputError
+    per = dict(fmt) if isinstance(fmt, dict) else {k: fmt for k in kinds}
+    for k, f in per.items():
+        if f not in ROUNDINGS:
+            raise InputError(f"rounding format: expected one of {ROUNDINGS}, found {f!r}")
+        if k not in STORE_KINDS:
+            raise InputError(f"store kind: expected one of {STORE_KINDS}, found {k!r}")
+    dts = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp8": ml_dtypes.float8_e4m3fn}
+
+    def fn(kind, a):
+        fmt = per.get(kind)
+        if fmt is None:
+            return a
+        dt = dts[fmt]
+        a = np.asarray(a)
+        if fmt != "fp8":
+            with np.errstate(over="ignore"):
+                return a.astype(dt).astype(a.dtype)
+        flat = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
+        amax = np.max(np.abs(flat), axis=1, keepdims=True)
+        s = np.where(amax > 0, amax / _E4M3_MAX, 1.0).astype(a.dtype)
+        return ((flat / s).astype(dt).astype(a.dtype) * s).reshape(a.shape)
+    fn.stores = per
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------- selections
+@dataclass
+class SelectionLog:
+    """Every discrete selection of one full forward: per QSA layer the block scores ``[T, NB]`` and the
+    selected blocks ``[T, k]`` (-1 padded); per MoE layer the router probabilities ``[T, E]`` and the expert
+    ids ``[T, k]``. Filled by :meth:`record` hooks; replayed by :meth:`force` hooks."""
+
+    qsa_scores: dict = field(default_factory=dict)
+    qsa_sel: dict = field(default_factory=dict)
+    moe_probs: dict = field(default_factory=dict)
+    moe_ids: dict = field(default_factory=dict)
+
+    def install_record(self, model):
+        """Make ``model`` log its selections here (its own picks unchanged)."""
+        def q(layer, pos, scores, sel):
+            self.qsa_scores[layer] = np.array(scores, dtype=np.float64)
+            self.qsa_sel[layer] = np.array(sel)
+            return sel
+
+        def m(layer, pos, probs, ids):
+            self.moe_probs[layer] = np.array(probs, dtype=np.float64)
+            self.moe_ids[layer] = np.array(ids)
+            return ids
+        model.selection_hook, model.expert_hook = q, m
+
+    def install_force(self, model, log_into: "SelectionLog | None" = None):
+        """Make ``model`` take this log's selections (same token ids and positions 0..T-1); its own scores
+        are logged into ``log_into`` when given."""
+        def q(layer, pos, scores, sel):
+            if log_into is not None:
+                log_into.qsa_scores[layer] = np.array(scores, dtype=np.float64)
+                log_into.qsa_sel[layer] = np.array(sel)
+            return self.qsa_sel[layer][np.asarray(pos)] if layer in self.qsa_sel else sel
+
+        def m(layer, pos, probs, ids):
+            if log_into is not None:
+                log_into.moe_probs[layer] = np.array(probs, dtype=np.float64)
+                log_into.moe_ids[layer] = np.array(ids)
+            return self.moe_ids[layer][np.asarray(pos)] if layer in self.moe_ids else ids
+        model.selection_hook, model.expert_hook = q, m
+
+
+def _uninstall(model):
+    model.selection_hook = model.expert_hook = None
+
+
+def forced_logits(model, ids, log: SelectionLog, log_into: SelectionLog | None = None) -> np.ndarray:
+    """``model.forward(ids)`` with every selection forced to ``log``'s (hooks removed afterwards)."""
+    log.install_force(model, log_into)
+    try:
+        return np.asarray(model.forward(list(ids)))
+    finally:
+        _uninstall(model)
+
+
+def logged_logits(model, ids) -> tuple[np.ndarray, SelectionLog]:
+    """``(model.forward(ids), its SelectionLog)``."""
+    log = SelectionLog()
+    log.install_record(model)
+    try:
+        return np.asarray(model.forward(list(ids))), log
+    finally:
+        _uninstall(model)
+
+
+def _score_rel(a: dict, b: dict) -> float:
+    """max over layers/rows of max |a - b| / max |b| over the finite (visible) entries of each row."""
+    worst = 0.0
+    for k, y in b.items():
+        x = a.get(k)
+        if x is None or x.shape != y.shape:
+            continue
+        fin = np.isfinite(y)
+        if not fin.any():
+            continue
+        d = np.where(fin, np.abs(np.where(fin, x, 0) - np.where(fin, y, 0)), 0.0)
+        sc = np.max(np.where(fin, np.abs(y), 0.0), axis=-1)
+        ok = sc > 0
+        if ok.any():
+            worst = max(worst, float(np.max(np.max(d, axis=-1)[ok] / sc[ok])))
+    return worst
+
+
+@dataclass
+class TieReport:
+    """Ties at every selection cut of one truth forward.
+
+    ``cuts``: one entry per (kind, layer, position) where the cut has a tie set larger than the slots it
+    decides: ``{"kind": "qsa"|"moe", "layer", "position", "exact": bool, "gap": kth - next (>= 0),
+    "tie_set": [ids whose score is within tol of the k-th], "inside": [those the truth keeps]}``.
+    """
+
+    cuts: list = field(default_factory=list)
+
+    @property
+    def exact(self) -> int:
+        """Number of cuts with an exact tie (equal scores straddling the cut)."""
+        return sum(1 for c in self.cuts if c["exact"])
+
+    @property
+    def near(self) -> int:
+        """Number of cuts with a floor-level near tie (not exact)."""
+        return sum(1 for c in self.cuts if not c["exact"])
+
+    def at(self, kind: str, layer: int, position: int):
+        """The cut entry of (kind, layer, position), or None when that cut is not tied."""
+        for c in self.cuts:
+            if c["kind"] == kind and c["layer"] == layer and c["position"] == position:
+                return c
+        return None
+
+    def summary(self) -> dict:
+        """JSON-ready counts per kind and the first few cuts."""
+        out = {"exact": self.exact, "near": self.near}
+        for kind in ("qsa", "moe"):
+            out[kind] = sum(1 for c in self.cuts if c["kind"] == kind)
+        out["first"] = self.cuts[:5]
+        return out
+
+
+def _cut_ties(kind, layer, scores, sel, k, tol_rel, positions, out):
+    """Append the tied cuts of one layer's selection (scores ``[T, N]``, canonical sel ``[T, k]``)."""
+    for t in range(scores.shape[0]):
+        row = scores[t]
+        fin = np.isfinite(row)
+        n = int(fin.sum())
+        if n <= k:
+            continue  # every candidate is selected: no cut
+        vals = np.where(fin, row, -np.inf)
+        order = np.argsort(-vals, kind="stable")
+        kth, nxt = vals[order[k - 1]], vals[order[k]]
+        scale = float(np.max(np.abs(vals[fin])))
+        tol = tol_rel * scale
+        if kth - nxt > tol:
+            continue
+        tie = np.nonzero(fin & (np.abs(vals - kth) <= tol))[0]
+        keep = set(int(x) for x in sel[t] if x >= 0)
+        out.append({"kind": kind, "layer": int(layer), "position": int(positions[t]), "exact": bool(kth == nxt),
+                    "gap": float(kth - nxt), "tie_set": [int(x) for x in tie],
+                    "inside": sorted(int(x) for x in tie if int(x) in keep)})
+
+
+def tie_report(log: SelectionLog, config, score_tol_rel: float = 0.0) -> TieReport:
+    """Exact ties (equal scores at the k-th / (k+1)-th place) and near ties (within ``score_tol_rel`` of the
+    row's largest |score|) at every QSA block top-k and MoE expert top-k cut of a logged forward."""
+    rep = TieReport()
+    for layer, sc in sorted(log.qsa_scores.items()):
+        _cut_ties("qsa", layer, sc, log.qsa_sel[layer], config.block_topk, score_tol_rel, np.arange(sc.shape[0]),
+                  rep.cuts)
+    for layer, pr in sorted(log.moe_probs.items()):
+        _cut_ties("moe", layer, pr, log.moe_ids[layer], config.num_experts_per_tok, score_tol_rel,
+                  np.arange(pr.shape[0]), rep.cuts)
+    rep.cuts.sort(key=lambda c: (c["position"], c["kind"] != "qsa", c["layer"]))
+    return rep
+
+
+# ----------------------------------------------------------------------------------------------- floors
+@dataclass
+class Floor:
+    """A measured floor (see the module docstring). Relative errors are max over positions of
+    ``max_v |logit - logit_f64| / logit_scale``.
+
+    ``precision``: 'float32' or a rounding format; ``logit_rel``, ``kl``: that floor's worst relative logit
+    error and KL; ``score_rel``: its worst relative selection-score error (QSA block scores, MoE router
+    probabilities); ``f32_logit_rel``/``f32_score_rel``: the float32 floor (always measured); ``positions``;
+    ``ties``: the float64 truth's :class:`TieReport` (near ties at the float32 score floor).
+    """
+
+    precision: str
+    logit_rel: float
+    kl: float
+    score_rel: float
+    f32_logit_rel: float
+    f32_score_rel: float
+    positions: int
+    ties: TieReport = field(default_factory=TieReport)
+    stores: tuple = ()
+
+    def to_json(self) -> dict:
+        """JSON-ready fields (tie cuts summarised)."""
+        return {"precision": self.precision, "logit_rel": self.logit_rel, "kl": self.kl, "score_rel": self.score_rel,
+                "f32_logit_rel": self.f32_logit_rel, "f32_score_rel": self.f32_score_rel,
+                "positions": self.positions, "stores": list(self.stores),
+                "ties": self.ties.summary()}
+
+
+def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    from parity.harness.kl import compare_logits
+    c = compare_logits(ref, x)
+    rel = c.rel_err()
+    return (float(np.max(rel)) if rel.size else 0.0), c.worst_kl()
+
+
+def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32") -> Floor:
+    """Measure a floor on ``weights`` (a Checkpoint/DictWeights) over ``prompts`` (token-id lists).
+
+    Args:
+        precision: 'float32'/'float64' (the float32 floor), a format of :data:`ROUNDINGS` (every store kind
+            rounded to it), or a ``{kind: format}`` dict (:func:`stores_of`; ``{}`` = the float32 floor).
+    Cost: per prompt one float64, one float32 and (reduced precision) one rounded float32 forward.
+    Returns:
+        :class:`Floor` (``precision`` = :func:`stores_label` of the stores rounded).
+    """
+    from reference.model import ReferenceModel
+    if isinstance(precision, dict):
+        stores = dict(precision)
+    elif precision in ("float32", "float64"):
+        stores = {}
+    elif precision in ROUNDINGS:
+        stores = {k: precision for k in STORE_KINDS}
+    else:
+        from reference.errors import InputError
+        raise InputError(f"floor precision: expected float32/float64 or one of {ROUNDINGS}, found {precision!r}")
+    m64 = ReferenceModel(weights, dtype=np.float64)
+    m32 = ReferenceModel(weights, dtype=np.float32)
+    mr = None
+    if stores:
+        mr = ReferenceModel(weights, dtype=np.float32)
+        mr.store_round = rounder(stores)
+    f32_rel = f32_kl = f32_srel = 0.0
+    r_rel = r_kl = r_srel = 0.0
+    n = 0
+    logs = []
+    for ids in prompts:
+        l64, log = logged_logits(m64, ids)
+        logs.append(log)
+        s32 = SelectionLog()
+        l32 = forced_logits(m32, ids, log, s32)
+        e, k = _rel_err(l32, l64)
+        f32_rel, f32_kl = max(f32_rel, e), max(f32_kl, k)
+        f32_srel = max(f32_srel, _score_rel(s32.qsa_scores, log.qsa_scores), _score_rel(s32.moe_probs, log.moe_probs))
+        if mr is not None:
+            sr = SelectionLog()
+            lr = forced_logits(mr, ids, log, sr)
+            e, k = _rel_err(lr, l64)
+            r_rel, r_kl = max(r_rel, e), max(r_kl, k)
+            r_srel = max(r_srel, _score_rel(sr.qsa_scores, log.qsa_scores), _score_rel(sr.moe_probs, log.moe_probs))
+        n += len(ids)
+    cfg = weights.config
+    ties = TieReport()
+    tie_tol = max(f32_srel, UNIT_ROUNDOFF["float32"])
+    for i, log in enumerate(logs):
+        rep = tie_report(log, cfg, tie_tol)
+        for c in rep.cuts:
+            c["prompt"] = i
+        ties.cuts.extend(rep.cuts)
+    if mr is None:
+        return Floor("float32", f32_rel, f32_kl, f32_srel, f32_rel, f32_srel, n, ties, ())
+    return Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, ties, tuple(sorted(stores)))
