@@ -55,12 +55,13 @@ def perturbation(seed: int = 0, scale: float = 1.0):
 
 
 def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=8, perturb_name=None,
-                   progress=True, flags=("--a", "--b")):
+                   progress=True, flags=("--a", "--b"), floor=None):
     """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
 
     The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
     the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight).
-    ``flags``: the options of a and b named in error messages.
+    ``flags``: the options of a and b named in error messages; ``floor``: a measured floor to use (None:
+    measured by the harness on the prompts).
     """
     from parity.backends import capabilities_of, open_backend
     from parity.harness.kl import run_kl
@@ -76,7 +77,7 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     def perturbed(scale=1.0):
         return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
     return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
+                  perturbed_b=perturbed, perturbed_note=note, progress=progress, floor=floor)
 
 
 def render_kl(rep) -> str:

@@ -143,6 +143,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         from parity.prompts import load_prompts
         kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
     truth = TruthCache(truth_model(model))
+    from parity.harness.floor import thresholds_for_run   # thresholds from the floor measured on this model
+    th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
+    report.meta.update(thresholds=th.to_json(), floor=floor.to_json())
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
     bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
@@ -152,7 +155,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
             if name == "kl":
                 try:
                     report.rows.append(_kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
-                                               archive_dir=archive_dir))
+                                               archive_dir=archive_dir, floor=floor))
                 except KeyboardInterrupt:
                     raise
                 except Exception as e:  # the backend raised in the KL harness: a failed (ERROR) row, as in a case
@@ -164,8 +167,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 continue
             try:
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
-                                   level=level)
-                report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
+                                   level=level, thresholds=th)
+                report.rows.append(summarize_results(name, res, time.perf_counter() - t0, inconclusive=coarse))
             except (KeyboardInterrupt, UserError):
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
             except Exception as e:  # a scenario that cannot run at all is an error row (a failure), not a crash
@@ -176,7 +179,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     return report
 
 
-def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None):
+def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None, floor=None):
     """The KL harness as one verdict-table row; a failing comparison is located by tap-diff on its worst
     prompt (the backend's one-shot logits against the truth's forward).
 
@@ -196,9 +199,10 @@ def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=
         from parity.prompts import load_prompts
         from reference.config import load_config
         prompts = load_prompts(prompts, model, load_config(model).vocab_size)
-    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False, flags=("reference", "--backend"))
+    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False, flags=("reference", "--backend"),
+                         floor=floor)
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
-    status = "pass" if rep.exit_code == 0 else "fail"
+    status = rep.status.lower()
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
     both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
     bounds = np.cumsum([0] + rep.per_prompt_positions)

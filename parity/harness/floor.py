@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
-           "TieReport", "forced_logits", "UNIT_ROUNDOFF"]
+           "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run"]
 
 #: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
 STORE_KINDS = ("residual", "block_io", "kv")
@@ -354,3 +354,35 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     if mr is None:
         return Floor("float32", f32_rel, f32_kl, f32_srel, f32_rel, f32_srel, n, ties, ())
     return Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, ties, tuple(sorted(stores)))
+
+
+def floor_prompts(config, prompts: Sequence[Sequence[int]] | None = None, seed: int = 1234) -> list[list[int]]:
+    """The prompts a run's floor is measured on: ``prompts`` (the KL set) plus one deterministic token stream
+    reaching two compress blocks past the QSA bound (the scenarios' sparse regime, where the selection cuts
+    are), with EOS ids inside (the PLE reset)."""
+    from parity.harness.scenarios.common import sizes, token_stream
+    s = sizes(config)
+    n = min(s.bound + 2 * s.ratio + 1, int(getattr(config, "max_position_embeddings", 1 << 30)))
+    out = [list(map(int, p)) for p in (prompts or [])]
+    out.append(token_stream(config, n, seed, eos_every=max(2, s.ratio + 1)))
+    return out
+
+
+def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None = None):
+    """Measure the floor of ``backend``'s stores (:func:`stores_of`) on ``weights`` over :func:`floor_prompts`
+    and derive the run's thresholds.
+
+    Returns:
+        ``(KLThresholds, Floor, inconclusive)``: ``inconclusive`` is None, or the reason the tolerance cannot
+        resolve a fault of useful size (:data:`parity.harness.kl.USEFUL_FAULT_REL`) -- then a passing row
+        is INCONCLUSIVE, never PASS.
+    """
+    from parity.harness.kl import USEFUL_FAULT_REL, thresholds_for
+    fl = measure_floor(weights, floor_prompts(weights.config, prompts), stores_of(backend))
+    th = thresholds_for(getattr(backend, "precision", "float32"), fl)
+    why = None
+    if not (np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL):
+        why = (f"tolerance {th.tol_rel:.3g} of the logit scale ({th.multiple:g}x the {fl.precision} floor "
+               f"{th.floor_rel:.3g}) >= {USEFUL_FAULT_REL:g}: this model at this precision cannot resolve a fault "
+               f"of useful size")
+    return th, fl, why

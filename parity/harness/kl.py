@@ -334,7 +334,7 @@ def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
     return bad
 
 
-def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True) -> tuple[bool, str]:
+def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True, offset: int = 0) -> tuple[bool, str]:
     """(passed, reason) of a comparison against thresholds. Per position t, with ``tol_t = tol_rel * scale_t``:
 
     * logits finite;
@@ -344,6 +344,8 @@ def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True) -> tuple[
       a check where the second-order picture breaks down;
     * a top-1 flip only where the truth's gap between the two tokens is ``<= 2 * tol_t`` (a near tie: an
       error of at most tol_t on each logit can flip exactly those). ``top1=False`` skips this rule.
+
+    ``offset`` is added to the positions the reason names (a comparison of rows starting at that position).
     """
     tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
     both = np.maximum(cmp.kl_ab, cmp.kl_ba)
@@ -355,16 +357,16 @@ def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True) -> tuple[
     w = int(np.argmax(rel))
     if rel[w] > th.tol_rel:
         return False, (f"logit error {rel[w]:.3g} of the logit scale > {th.tol_rel:.3g} ({th.multiple:g}x floor "
-                       f"{th.floor_rel:.3g}) at position {w}")
+                       f"{th.floor_rel:.3g}) at position {offset + w}")
     klr = both / np.maximum(tol ** 2, np.finfo(np.float64).tiny)
     if (klr > 1).any():
         w = int(np.argmax(klr))
-        return False, f"KL {both[w]:.3g} > (tol x scale)^2 = {tol[w] ** 2:.3g} at position {w}"
+        return False, f"KL {both[w]:.3g} > (tol x scale)^2 = {tol[w] ** 2:.3g} at position {offset + w}"
     if top1:
         flips = ~np.asarray(cmp.top1, dtype=bool) & (np.asarray(cmp.top1_gap) > 2.0 * tol)
         if flips.any():
             w = int(np.argmax(flips))
-            return False, (f"top-1 differs at position {w} with truth gap {cmp.top1_gap[w]:.3g} > near-tie "
+            return False, (f"top-1 differs at position {offset + w} with truth gap {cmp.top1_gap[w]:.3g} > near-tie "
                            f"2 x tol x scale = {2 * tol[w]:.3g}")
     return True, f"logit error {float(np.max(rel)):.3g} <= {th.tol_rel:.3g} of the logit scale; max KL {float(np.max(both)):.3g}"
 

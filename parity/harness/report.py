@@ -44,7 +44,8 @@ def write_json_atomic(path, obj) -> Path:
 
 @dataclass
 class ScenarioRow:
-    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error'."""
+    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error' | 'inconclusive' (the run cannot resolve a
+    fault of useful size on this model, or a control could not vouch for the thresholds)."""
 
     scenario: str
     cases: int
@@ -80,15 +81,17 @@ class ParityReport:
 
     @property
     def exit_code(self) -> int:
-        """1 when any row's status is 'fail' or 'error', else 0."""
+        """1 when any row's status is 'fail' or 'error', else 3 when any is 'inconclusive', else 0."""
         if any(r.status in ("fail", "error") for r in self.rows):
             return 1
+        if any(r.status == "inconclusive" for r in self.rows):
+            return 3
         return 0
 
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
-                         "verdict": {0: "pass", 1: "fail", 2: "error"}[self.exit_code],
+                         "verdict": {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code],
                          "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
 
 
@@ -144,7 +147,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:4], cell[0], *row[5:]], widths)).rstrip())
         pad = sum(widths[:4]) + 2 * 4
         lines += [" " * pad + more for more in cell[1:]]
-    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[report.exit_code]
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE"}[report.exit_code]
     lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
     text = "\n".join(lines)
     if console is not None:
@@ -153,7 +156,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
             for h in header:
                 t.add_column(h, overflow="fold")
-            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow"}
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "INCONCLUSIVE": "magenta"}
             for row in rows:
                 t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
             console.print(t)

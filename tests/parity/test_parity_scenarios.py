@@ -85,7 +85,7 @@ def test_fault_is_caught_and_named(fault, tmp_path):
     assert cases, f"no case starting with {FAULT_CASES[fault]!r} in {scenario}"
     r = run_case(scenario, cases[0], be, truth_for("tiny"), archive_dir=tmp_path)
     assert r.status == "fail", f"{fault.__name__} not caught by {r.label}: {r.status} {r.failure}"
-    assert "max KL" in r.failure and r.failed_op is not None and r.failed_seq
+    assert "logit error" in r.failure and r.failed_op is not None and r.failed_seq
     # located: tap-diff names the first divergent tap, and it is in the faulty module
     assert "first divergence layers." in (r.divergence or ""), r.divergence
     tap = r.divergence.split("first divergence ")[1].split()[0]

@@ -55,7 +55,7 @@ def _page_plan(backend_caps, config, page_sizes):
 
 
 def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, only: list[str] | None = None,
-                 archive_dir=None, progress=None, locate_on_fail=True, level: str = "full"):
+                 archive_dir=None, progress=None, locate_on_fail=True, level: str = "full", thresholds=None):
     """Run scenario ``name``.
 
     Args:
@@ -66,6 +66,7 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
         level: 'full' or 'ci' (see :func:`cases_for`).
         archive_dir: where failing cases' tap archives go (None: not written).
         progress: a tqdm-like object with ``update()`` / ``set_postfix_str()`` (optional).
+        thresholds: the run's :class:`parity.harness.kl.KLThresholds` (None: nominal, see ``run_case``).
     Returns:
         list of :class:`parity.harness.scenarios.common.CaseResult`.
     """
@@ -88,7 +89,7 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
                 if progress is not None:
                     progress.set_postfix_str(f"{name}/{case.name}" + (f" page {ps}" if ps else ""))
                 results.append(run_case(name, case, be, truth, page_size=ps, locate_on_fail=locate_on_fail,
-                                        archive_dir=archive_dir))
+                                        archive_dir=archive_dir, thresholds=thresholds))
                 if progress is not None:
                     progress.update(1)
         finally:
@@ -105,8 +106,9 @@ def count_cases(name: str, config, caps: dict, page_sizes=None, level: str = "fu
     return len(cases_for(name, config, level)) * len(_page_plan(caps, config, page_sizes))
 
 
-def summarize_results(name: str, results, seconds: float):
-    """One :class:`parity.harness.report.ScenarioRow` from a scenario's case results."""
+def summarize_results(name: str, results, seconds: float, inconclusive: str | None = None):
+    """One :class:`parity.harness.report.ScenarioRow` from a scenario's case results. ``inconclusive``: the
+    reason the run's tolerance cannot resolve a useful fault (then a row that would pass is 'inconclusive')."""
     from parity.harness.report import ScenarioRow
 
     ran = [r for r in results if r.status != "skip"]
@@ -121,6 +123,8 @@ def summarize_results(name: str, results, seconds: float):
                                     + f": {first.divergence}")
     if skipped:
         detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
+    if status == "pass" and inconclusive:
+        status, detail = "inconclusive", inconclusive + ("; " + detail if detail else "")
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[r.to_json() for r in failed],

@@ -141,14 +141,13 @@ def _first_bad_vs_truth(returned, positions, truth_logits, thresholds) -> int | 
     import numpy as np
     if returned is None or truth_logits is None or thresholds is None or not positions:
         return None
-    from parity.harness.kl import compare_logits
+    from parity.harness.kl import compare_logits, position_faults
     ret, tl = np.asarray(returned), np.asarray(truth_logits)
     k = min(len(ret), len(tl), len(positions))
     if not k:
         return None
     cmp = compare_logits(tl[:k], ret[:k])
-    both = np.maximum(cmp.kl_ab, cmp.kl_ba)
-    bad = np.isnan(both) | (both > thresholds.max_kl) | ~np.asarray(cmp.top1, dtype=bool)
+    bad = position_faults(cmp, thresholds)
     return int(list(positions)[int(np.argmax(bad))]) if bad.any() else None
 
 
@@ -242,7 +241,7 @@ def _manifest_fields(arc) -> dict:
     return keep
 
 
-def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") -> tuple[str, list[str]]:
+def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", thresholds=None) -> tuple[str, list[str]]:
     """tap-diff of one prompt's one-shot logits: the backend's ``logits(ids)`` against the truth's full
     forward, all positions recorded. Returns (divergence line, archive paths)."""
     from taps.recorder import Recorder
@@ -268,4 +267,4 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") 
     from parity.harness.kl import thresholds_for
     prec = getattr(backend, "precision", "float32")
     return diff_archives(truth_arc, be_arc, prec, returned=returned, positions=list(range(len(ids))),
-                         truth_logits=truth_logits, thresholds=thresholds_for(prec)), archives
+                         truth_logits=truth_logits, thresholds=thresholds or thresholds_for(prec)), archives

@@ -14,13 +14,15 @@ from reference.errors import UserError
 
 # ----------------------------------------------------------------------------------------------- runner
 def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size=None, locate_on_fail=True,
-             archive_dir=None) -> CaseResult:
+             archive_dir=None, thresholds=None) -> CaseResult:
     """Run one case; on failure replay it with taps to name the first divergence.
 
+    ``thresholds``: the run's :class:`parity.harness.kl.KLThresholds` (from the floor measured on this model,
+    :func:`parity.harness.floor.thresholds_for_run`); None: the nominal thresholds of the backend's precision.
     Returns a :class:`CaseResult`; never raises for a backend fault (errors become status 'error').
     """
     t0 = time.perf_counter()
-    th = thresholds_for(getattr(backend, "precision", "float32"))
+    th = thresholds if thresholds is not None else thresholds_for(getattr(backend, "precision", "float32"))
     res = CaseResult(scenario, case.name, page_size, "pass")
     missing = [c for c in case.needs if not capabilities_of(backend).get(c)]
     if missing:
@@ -50,6 +52,7 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     finally:
         run.close()
     res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
+    res.worst_logit_err_rel, res.tie_flips = run.worst_rel, run.tie_flips
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
                                               archive_dir=archive_dir, page_size=page_size)
