@@ -563,7 +563,10 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
     la_all = []
+    tie_rows, outside = [], []
+    truth_model = getattr(a, "model", None) if floor is not None else None
     for i, ids in enumerate(tqdm(prompts, desc=f"kl {name_b} vs {name_a}", disable=not progress, leave=False)):
+        ids = [int(t) for t in ids]
         la = one_shot_logits(a, ids)
         lb = one_shot_logits(b, ids)
         lb2 = one_shot_logits(b, ids)
@@ -571,19 +574,37 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             det_ok = False
             det_bad.append(i)
         la_all.append(la)
-        cmps.append(compare_logits(la, lb))
+        path, truth, be = ids, la, lb
+        g = None
         if greedy_tokens:
             ga = _greedy(a, ids, greedy_tokens)[0]
             gb, rows = _greedy(b, ids, greedy_tokens)
             g = {"prompt": i, "a": ga, "b": gb, "agree": greedy_agreement(ga, gb)}
-            if rows is not None and len(rows):
-                path = list(ids) + gb[:-1]
-                truth = one_shot_logits(a, path)[len(ids):]
-                dc = compare_logits(truth, rows)
-                dcmps.append(dc)
-                bad = position_faults(dc, th)
-                g["decode_faults"] = [int(x) for x in np.nonzero(bad)[0]]
-                g["decode_max_logit_err_rel"] = float(np.max(dc.rel_err()))
+            if rows is not None and len(rows) and lb.ndim == 2 and rows.shape[-1] == lb.shape[-1]:
+                # b's decode() rows along b's own continuation, judged against a's forward over the same tokens
+                path = ids + gb[:-1]
+                truth = one_shot_logits(a, path)
+                be = np.concatenate([lb, rows], axis=0)
+        c = compare_logits(truth, be)
+        bad = position_faults(c, th)
+        if bad.any() and truth_model is not None and hasattr(truth_model, "selection_hook"):
+            from parity.harness.ties import judge_ties
+            tj = judge_ties(truth_model, path, be, bad, th, floor, backend=b)
+            if tj.outside:
+                outside.append(f"prompt {i}: {tj.outside}")
+            elif tj.logits is not None:
+                c2 = compare_logits(tj.logits, be)
+                if verdict(c2, th)[0]:   # equivalent under the backend's tie resolution: judged against it
+                    eq = [int(p) for p in np.nonzero(bad & ~position_faults(c2, th))[0]]
+                    tie_rows.append({"prompt": i, "how": tj.how, "positions": eq, "selection_positions": tj.positions})
+                    c = c2
+        cmps.append(c.select(slice(0, len(ids))))
+        if len(path) > len(ids):
+            dc = c.select(slice(len(ids), len(path)))
+            dcmps.append(dc)
+            g["decode_faults"] = [int(x) for x in np.nonzero(position_faults(dc, th))[0]]
+            g["decode_max_logit_err_rel"] = float(np.max(dc.rel_err()))
+        if g is not None:
             greedy.append(g)
     pre = LogitComparison.concat(cmps)
     dec = LogitComparison.concat(dcmps) if dcmps else None
@@ -591,6 +612,13 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     passed, reason = verdict(cmp, th)
     if passed is False and dec is not None and verdict(pre, th)[0]:
         reason = "decode: " + verdict(dec, th)[1] + " (prefill rows agree: the fault is in decode())"
+    if outside:
+        passed = False
+        reason = outside[0] + ("" if len(outside) == 1 else f" (+{len(outside) - 1} more prompts)") + "; " + reason
+    ties_doc = {"tie_equivalent": tie_rows, "tie_equivalent_positions": sum(len(r["positions"]) for r in tie_rows),
+                "outside_tie_set": outside}
+    if floor is not None:
+        ties_doc["truth"] = floor.ties.summary()
     controls["determinism"] = {"ok": det_ok, "detail": "b run twice: bitwise equal" if det_ok
                                else f"b run twice differs on prompts {det_bad}"}
     inconclusive = []
@@ -627,7 +655,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                     per_prompt_positions=[c.n for c in cmps] + [c.n for c in dcmps], greedy=greedy, thresholds=th,
                     passed=passed, reason=reason, controls=controls, seconds=time.perf_counter() - t0,
                     status=status, decode=dec, floor=floor.to_json() if floor is not None else None,
-                    ties=floor.ties.summary() if floor is not None else None)
+                    ties=ties_doc)
 
 
 def dumps(report: KLReport) -> str:

@@ -1,0 +1,199 @@
+"""Tie-aware truth: a backend whose selections differ from the reference's only inside a tie set is
+*tie-equivalent* (docs/parity.md, "Ties").
+
+QSA keeps the ``block_topk`` best blocks by relu-summed dot products and the MoE router the
+``num_experts_per_tok`` best experts; at a cut where the k-th and the (k+1)-th candidates tie (exactly, or
+within the score floor), which one is kept is arbitrary: the official implementation itself keeps different
+blocks on CPU and CUDA. The reference's canonical rule (higher score, then the lower index) is one valid
+resolution. A backend is judged against the reference under the resolution it took:
+
+* **with selection taps** (``indexer.selected_blocks`` / ``gate.topk_ids``): every differing selection must
+  lie inside the truth's tie set at that cut (else FAIL: "pick outside the tie set"); the reference is re-run
+  with the backend's selections forced and the backend's logits are judged against that;
+* **without**: the reference is re-run under each resolution of the tied cuts, position by position (the
+  resolution whose row matches the backend's best is kept), and the backend is judged against the result.
+
+The tie band at a cut is ``2 x multiple x score floor`` of the row's largest |score| (the float32 score floor,
+measured: two correct engines each within the multiple of it may order candidates that close either way);
+exact ties are always inside.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from parity.harness.floor import SelectionLog, TieReport, forced_logits, logged_logits, tie_report
+
+__all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections"]
+
+SELECTION_TAPS = ("layers.*.self_attn.indexer.selected_blocks", "layers.*.mlp.gate.topk_ids")
+MAX_RESOLUTIONS = 64  # resolutions tried per tied position (a bound on the search's cost; C(n, m) is small here)
+
+
+def tie_band(floor, multiple: float) -> float:
+    """The near-tie band, relative to a selection row's largest |score|: ``2 * multiple * score floor`` (a
+    backend whose scores are within ``multiple`` floors of the truth's may order two candidates this close
+    either way). ``floor``: a :class:`parity.harness.floor.Floor` (its float32 score floor)."""
+    from parity.harness.floor import UNIT_ROUNDOFF
+    return 2.0 * multiple * max(float(floor.f32_score_rel), UNIT_ROUNDOFF["float32"])
+
+
+@dataclass
+class TieJudgement:
+    """Outcome of :func:`judge_ties` for one prompt.
+
+    ``logits``: the truth under the backend's resolution (``[T, V]``, or None when no resolution was
+    needed or found); ``positions``: the positions whose selection differs from the canonical one inside a
+    tie set; ``outside``: a description of a pick outside the tie set (FAIL), or None; ``how``: 'taps' or
+    'search'; ``cuts``: the truth's tied cuts."""
+
+    logits: np.ndarray | None = None
+    positions: list = field(default_factory=list)
+    outside: str | None = None
+    how: str = ""
+    cuts: TieReport = field(default_factory=TieReport)
+
+
+def backend_selections(backend, ids) -> SelectionLog | None:
+    """The backend's QSA / MoE selections over one full prefill of ``ids`` from its taps, or None when it
+    emits none (then only the resolution search applies)."""
+    from parity.backends import one_shot_logits
+    try:
+        with backend.taps(None, include=list(SELECTION_TAPS)) as rec:
+            one_shot_logits(backend, ids)
+        arc = rec.archive()
+    except Exception:  # noqa: BLE001 - a backend without taps is judged by the search
+        return None
+    from reference.taphook import layer_of
+    log = SelectionLog()
+    for name in arc.names():
+        i = layer_of(name)
+        if i is None or not name.endswith(("indexer.selected_blocks", "gate.topk_ids")):
+            continue  # the companion score taps ride along; only the selections are read
+        a = np.asarray(arc.get(name)).astype(np.int64)
+        if name.endswith("indexer.selected_blocks"):
+            log.qsa_sel[i] = a.reshape(a.shape[0], -1)
+        elif name.endswith("gate.topk_ids"):
+            log.moe_ids[i] = a.reshape(a.shape[0], -1)
+    return log if (log.qsa_sel or log.moe_ids) else None
+
+
+def _diff_in_ties(kind, truth_sel: dict, be_sel: dict, ties: TieReport, scores: dict):
+    """(positions differing inside tie sets, description of the first pick outside one or None)."""
+    inside, outside = [], None
+    for layer, ts in sorted(truth_sel.items()):
+        bs = be_sel.get(layer)
+        if bs is None or bs.shape[0] != ts.shape[0]:
+            continue
+        for t in range(ts.shape[0]):
+            a = set(int(x) for x in ts[t] if x >= 0)
+            b = set(int(x) for x in bs[t] if x >= 0)
+            if a == b:
+                continue
+            cut = ties.at(kind, layer, t)
+            tie = set(cut["tie_set"]) if cut else set()
+            if (a ^ b) <= tie and len(a) == len(b):
+                inside.append(t)
+                continue
+            if outside is None:
+                sc = scores.get(layer)
+                extra = sorted(b - a - tie)
+                gap = ""
+                if sc is not None and extra:
+                    row = sc[t]
+                    kth = np.sort(row[np.isfinite(row)])[::-1][len(a) - 1] if len(a) else float("nan")
+                    gap = f" (score {row[extra[0]]:.6g} vs the cut {kth:.6g})"
+                what = "QSA blocks" if kind == "qsa" else "MoE experts"
+                outside = (f"{what} of layer {layer} at position {t}: backend keeps {sorted(b)}, truth {sorted(a)}, "
+                           f"tie set {sorted(tie) or '[]'}: a pick outside the tie set{gap}")
+    return inside, outside
+
+
+def _resolutions(cut):
+    """Every way to fill the cut's tied slots from its tie set (the canonical one first)."""
+    tie, inside = cut["tie_set"], cut["inside"]
+    m = len(inside)
+    combos = [tuple(inside)] + [c for c in itertools.combinations(tie, m) if tuple(sorted(c)) != tuple(inside)]
+    return combos[:MAX_RESOLUTIONS]
+
+
+def _apply(log: SelectionLog, cut, chosen):
+    """Replace the tied slots of one cut in ``log`` (a copy per layer is kept by the caller)."""
+    sel = log.qsa_sel if cut["kind"] == "qsa" else log.moe_ids
+    row = sel[cut["layer"]][cut["position"]]
+    keep = [int(x) for x in row if x >= 0 and int(x) not in cut["tie_set"]]
+    new = keep + list(chosen)
+    if cut["kind"] == "qsa":
+        new = sorted(new)
+    out = np.full(row.shape, -1, dtype=row.dtype)
+    out[:len(new)] = new
+    sel[cut["layer"]][cut["position"]] = out
+
+
+def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor, backend=None
+               ) -> TieJudgement:
+    """Find the tie resolution the backend took on one prompt and the truth under it.
+
+    Args:
+        truth_model: the float32 :class:`reference.model.ReferenceModel`.
+        be_logits: the backend's ``[T, V]`` logits of ``ids``; bad: ``[T]`` positions failing the canonical truth.
+        th: the run's thresholds; floor: the run's :class:`parity.harness.floor.Floor`.
+        backend: the backend (for its selection taps), or None.
+    Returns:
+        :class:`TieJudgement`; ``logits`` is None when the prompt has no tied cut at or before a failing position.
+    """
+    from parity.harness.kl import compare_logits, position_faults
+    canon, log = logged_logits(truth_model, ids)
+    ties = tie_report(log, truth_model.config, tie_band(floor, th.multiple))
+    out = TieJudgement(cuts=ties)
+    bad_pos = np.nonzero(bad)[0]
+    if not len(bad_pos) or not ties.cuts or min(c["position"] for c in ties.cuts) > int(bad_pos[-1]):
+        return out
+    be_sel = backend_selections(backend, ids) if backend is not None else None
+    if be_sel is not None:
+        out.how = "taps"
+        q_in, q_out = _diff_in_ties("qsa", log.qsa_sel, be_sel.qsa_sel, ties, log.qsa_scores)
+        m_in, m_out = _diff_in_ties("moe", log.moe_ids, be_sel.moe_ids, ties, log.moe_probs)
+        out.outside = q_out or m_out
+        out.positions = sorted(set(q_in) | set(m_in))
+        if out.outside is None and out.positions:
+            forced = SelectionLog(qsa_sel={k: be_sel.qsa_sel.get(k, v) for k, v in log.qsa_sel.items()},
+                                  moe_ids={k: be_sel.moe_ids.get(k, v) for k, v in log.moe_ids.items()})
+            out.logits = forced_logits(truth_model, ids, forced)
+        return out
+    # search: walk the tied positions in order; at each, keep the resolution whose row matches the backend best
+    out.how = "search"
+    cur = SelectionLog(qsa_sel={k: v.copy() for k, v in log.qsa_sel.items()},
+                       moe_ids={k: v.copy() for k, v in log.moe_ids.items()})
+    cur_logits = canon
+    by_pos = {}
+    for c in ties.cuts:
+        by_pos.setdefault(c["position"], []).append(c)
+    changed = []
+    for p in sorted(by_pos):
+        if p > int(bad_pos[-1]):
+            break
+        row_ok = not position_faults(compare_logits(cur_logits[p:p + 1], be_logits[p:p + 1]), th)[0]
+        if row_ok:
+            continue
+        cuts = by_pos[p]
+        best, best_err, best_logits = None, None, None
+        for combo in itertools.islice(itertools.product(*[_resolutions(c) for c in cuts]), MAX_RESOLUTIONS):
+            trial = SelectionLog(qsa_sel={k: v.copy() for k, v in cur.qsa_sel.items()},
+                                 moe_ids={k: v.copy() for k, v in cur.moe_ids.items()})
+            for c, ch in zip(cuts, combo):
+                _apply(trial, c, ch)
+            lg = forced_logits(truth_model, ids, trial)
+            err = float(compare_logits(lg[p:p + 1], be_logits[p:p + 1]).rel_err()[0])
+            if best_err is None or err < best_err:
+                best, best_err, best_logits = (trial, combo), err, lg
+        trial, combo = best
+        if any(tuple(sorted(ch)) != tuple(c["inside"]) for c, ch in zip(cuts, combo)):
+            cur, cur_logits = trial, best_logits
+            changed.append(p)
+    if changed:
+        out.positions, out.logits = changed, cur_logits
+    return out
