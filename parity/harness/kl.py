@@ -248,7 +248,7 @@ def greedy_agreement(tokens_a: Sequence[int], tokens_b: Sequence[int]) -> int:
 #: Reduced precision: the floor rounds at every store point of a correct engine (floor.STORE_KINDS), so a correct
 #: engine rounding at those points or fewer is at most about the floor; the max over positions of a sum of
 #: many independent roundings fluctuates by < 2x between two such engines; 4x covers that with a factor 2.
-FLOOR_MULTIPLE = {"float64": 32.0, "float32": 32.0, "bf16": 4.0, "fp16": 4.0, "fp8": 4.0}
+FLOOR_MULTIPLE = {"float64": 8.0, "float32": 8.0, "bf16": 4.0, "fp16": 4.0, "fp8": 4.0}
 #: the nominal floor's format per declared precision (only without a measured floor)
 FLOOR_OF = {"float64": "float32", "float32": "float32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
 #: used ONLY when no floor was measured (a direct call of :func:`thresholds_for` without one): the floor is

@@ -13,9 +13,9 @@ resolution. A backend is judged against the reference under the resolution it to
 * **without**: the reference is re-run under each resolution of the tied cuts, position by position (the
   resolution whose row matches the backend's best is kept), and the backend is judged against the result.
 
-The tie band at a cut is ``2 x multiple x score floor`` of the row's largest |score| (the float32 score floor,
-measured: two correct engines each within the multiple of it may order candidates that close either way);
-exact ties are always inside.
+The tie band at a cut is ``2 x multiple x score floor`` of the row's largest |score| (the score floor of the
+backend's stores, measured: two correct engines each within the multiple of it may order candidates that close
+either way); exact ties are always inside.
 """
 from __future__ import annotations
 
@@ -36,9 +36,10 @@ MAX_RESOLUTIONS = 64  # resolutions tried per tied position (a bound on the sear
 def tie_band(floor, multiple: float) -> float:
     """The near-tie band, relative to a selection row's largest |score|: ``2 * multiple * score floor`` (a
     backend whose scores are within ``multiple`` floors of the truth's may order two candidates this close
-    either way). ``floor``: a :class:`parity.harness.floor.Floor` (its float32 score floor)."""
+    either way). ``floor``: the run's :class:`parity.harness.floor.Floor` (its score floor: float32, or the
+    store-rounding one of the backend's stores)."""
     from parity.harness.floor import UNIT_ROUNDOFF
-    return 2.0 * multiple * max(float(floor.f32_score_rel), UNIT_ROUNDOFF["float32"])
+    return 2.0 * multiple * max(float(floor.score_rel), UNIT_ROUNDOFF["float32"])
 
 
 @dataclass
@@ -120,17 +121,45 @@ def _resolutions(cut):
     return combos[:MAX_RESOLUTIONS]
 
 
-def _apply(log: SelectionLog, cut, chosen):
-    """Replace the tied slots of one cut in ``log`` (a copy per layer is kept by the caller)."""
-    sel = log.qsa_sel if cut["kind"] == "qsa" else log.moe_ids
-    row = sel[cut["layer"]][cut["position"]]
+def _resolved_row(row, cut, chosen):
+    """The selection row of a tied cut with its tied slots filled by ``chosen`` (the rest kept)."""
     keep = [int(x) for x in row if x >= 0 and int(x) not in cut["tie_set"]]
-    new = keep + list(chosen)
+    new = keep + [int(x) for x in chosen]
     if cut["kind"] == "qsa":
         new = sorted(new)
-    out = np.full(row.shape, -1, dtype=row.dtype)
+    out = np.full(np.asarray(row).shape, -1, dtype=np.int64)
     out[:len(new)] = new
-    sel[cut["layer"]][cut["position"]] = out
+    return out
+
+
+def _with_overrides(model, ids, overrides: dict):
+    """``(logits, SelectionLog)`` of ``model.forward(ids)`` where the selections at ``overrides``
+    (``{(kind, layer, position): row}``) are replaced and every other selection is the model's own (computed
+    live, so a changed block choice also changes what the later selections see)."""
+    log = SelectionLog()
+
+    def q(layer, pos, scores, sel):
+        sel = np.array(sel)
+        for t, p in enumerate(np.asarray(pos)):
+            r = overrides.get(("qsa", layer, int(p)))
+            if r is not None:
+                sel[t] = r
+        log.qsa_scores[layer], log.qsa_sel[layer] = np.array(scores, dtype=np.float64), sel
+        return sel
+
+    def m(layer, pos, probs, ids_):
+        ids_ = np.array(ids_)
+        for t, p in enumerate(np.asarray(pos)):
+            r = overrides.get(("moe", layer, int(p)))
+            if r is not None:
+                ids_[t] = r
+        log.moe_probs[layer], log.moe_ids[layer] = np.array(probs, dtype=np.float64), ids_
+        return ids_
+    model.selection_hook, model.expert_hook = q, m
+    try:
+        return np.asarray(model.forward(list(ids))), log
+    finally:
+        model.selection_hook = model.expert_hook = None
 
 
 def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor, backend=None
@@ -164,35 +193,36 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
                                   moe_ids={k: be_sel.moe_ids.get(k, v) for k, v in log.moe_ids.items()})
             out.logits = forced_logits(truth_model, ids, forced)
         return out
-    # search: walk the tied positions in order; at each, keep the resolution whose row matches the backend best
+    # search: walk the tied positions in order; at each, keep the resolution whose row matches the backend best.
+    # Only the tied cuts are overridden: every other selection is recomputed under the resolution so far.
     out.how = "search"
-    cur = SelectionLog(qsa_sel={k: v.copy() for k, v in log.qsa_sel.items()},
-                       moe_ids={k: v.copy() for k, v in log.moe_ids.items()})
-    cur_logits = canon
-    by_pos = {}
-    for c in ties.cuts:
-        by_pos.setdefault(c["position"], []).append(c)
-    changed = []
-    for p in sorted(by_pos):
-        if p > int(bad_pos[-1]):
+    band = tie_band(floor, th.multiple)
+    overrides, cur_logits, cur_log = {}, canon, log
+    changed, done = [], set()
+    last = int(bad_pos[-1])
+    while True:
+        cuts_now = [c for c in tie_report(cur_log, truth_model.config, band).cuts
+                    if c["position"] <= last and c["position"] not in done]
+        if not cuts_now:
             break
-        row_ok = not position_faults(compare_logits(cur_logits[p:p + 1], be_logits[p:p + 1]), th)[0]
-        if row_ok:
+        p = min(c["position"] for c in cuts_now)
+        done.add(p)
+        if not position_faults(compare_logits(cur_logits[p:p + 1], be_logits[p:p + 1]), th)[0]:
             continue
-        cuts = by_pos[p]
-        best, best_err, best_logits = None, None, None
+        cuts = [c for c in cuts_now if c["position"] == p]
+        best = None
         for combo in itertools.islice(itertools.product(*[_resolutions(c) for c in cuts]), MAX_RESOLUTIONS):
-            trial = SelectionLog(qsa_sel={k: v.copy() for k, v in cur.qsa_sel.items()},
-                                 moe_ids={k: v.copy() for k, v in cur.moe_ids.items()})
+            trial = dict(overrides)
             for c, ch in zip(cuts, combo):
-                _apply(trial, c, ch)
-            lg = forced_logits(truth_model, ids, trial)
+                sel = (cur_log.qsa_sel if c["kind"] == "qsa" else cur_log.moe_ids)[c["layer"]][p]
+                trial[(c["kind"], c["layer"], p)] = _resolved_row(sel, c, ch)
+            lg, lgl = _with_overrides(truth_model, ids, trial)
             err = float(compare_logits(lg[p:p + 1], be_logits[p:p + 1]).rel_err()[0])
-            if best_err is None or err < best_err:
-                best, best_err, best_logits = (trial, combo), err, lg
-        trial, combo = best
+            if best is None or err < best[0]:
+                best = (err, trial, lg, lgl, combo)
+        err, trial, lg, lgl, combo = best
         if any(tuple(sorted(ch)) != tuple(c["inside"]) for c, ch in zip(cuts, combo)):
-            cur, cur_logits = trial, best_logits
+            overrides, cur_logits, cur_log = trial, lg, lgl
             changed.append(p)
     if changed:
         out.positions, out.logits = changed, cur_logits

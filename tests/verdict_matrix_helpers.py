@@ -1,0 +1,384 @@
+"""The verdict matrix (tests/parity/test_verdict_matrix.py, docs/parity.md "Verdict matrix"): models unlike
+``tiny`` x backends (correct and faulty), each cell judged by the harness end to end.
+
+Models are built at test time from seeded random weights (rounded to BF16, so the engine's bf16 mode stores
+exactly these weights), with chosen configs: small and large logit scales, one indexer head (many exact
+zero ties at the QSA cut), hc_count 2 and 3, PLE on every layer, a list of EOS ids. Backends: the engine's
+CPU path in float32 and bf16 (correct), a store-rounding bf16 engine (the reference rounding every
+activation store to BF16: correct by construction), the official implementation (transformers, CPU), and
+faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
+state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
+stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
+mixer, LM head) sized to move the logits by ~3e-3 of max |logit|.
+
+A cell's verdict: the KL harness (prefill + greedy decode, controls) plus two scenario cases (verify 4
+drafts then decode; a batched decode of 3 sequences) under the same measured thresholds.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from reference.checkpoint import DictWeights
+from reference.config import ModelConfig
+from reference_helpers import random_weights, tiny_config_dict
+
+#: model name -> (config overrides, lm_head scale). Sizes stay tiny (hidden 32): each cell runs in ~1 s.
+MODELS = {
+    # max |logit| ~0.2, near-uniform over 1024 tokens (the issue's false PASS), hc_count 3, EOS list
+    "small-scale": (dict(vocab_size=1024, hc_count=3, eos_token_id=[7, 9]), 0.1),
+    # max |logit| ~30
+    "large-scale": (dict(hc_count=2), 12.0),
+    # one indexer head: relu-summed scores are exactly 0 for most blocks -> exact ties at the cut
+    "one-head": (dict(indexer_n_heads=1), 1.0),
+    # PLE on every layer (1-based ids), hc_count 3
+    "ple-all-hc3": (dict(ple_layer_ids=[1, 2, 3, 4], hc_count=3), 1.0),
+}
+PROMPT_LENGTHS = (64, 23)   # bound = 8 + 4 - 1 = 11: most positions are past it (sparse selection, cuts)
+GREEDY = 4
+FAULT_REL = 3e-3            # weight faults move the logits by ~this fraction of max |logit| (1e-3..1e-2)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def model(name: str):
+    """``(config dict, DictWeights)`` of matrix model ``name`` (BF16-exact weights; lm_head scaled)."""
+    over, lm = MODELS[name]
+    d = tiny_config_dict(**over)
+    cfg = ModelConfig.from_dict(d)
+    w = random_weights(cfg, seed=sorted(MODELS).index(name) + 11)
+    arrays = {n: _bf16(w.get(n, dtype=np.float32) * (lm if n == "lm_head.weight" else 1.0)) for n in w.names()}
+    return d, DictWeights(cfg, arrays)
+
+
+def prompts(name: str) -> list[list[int]]:
+    """The cell's KL prompts (seeded; EOS ids avoided except where the stream puts them)."""
+    from parity.harness.scenarios.common import token_stream
+    _, w = model(name)
+    return [token_stream(w.config, n, seed=100 + n, eos_every=9) for n in PROMPT_LENGTHS]
+
+
+# ----------------------------------------------------------------------------------------------- backends
+def _ref(w, **kw):
+    from parity.backends.reference import ReferenceBackend
+    return ReferenceBackend.open(None, weights=w, **kw)
+
+
+class _Hooked:
+    """A reference backend whose model is altered by ``setup(model)``; float32 stores unless declared."""
+
+    def __new__(cls, w, setup, name, precision="float32", stores=None, **kw):
+        be = _ref(w, **kw)
+        setup(be.model)
+        be.name, be.precision = name, precision
+        be.capabilities = {**be.capabilities, "stores": {} if stores is None else stores}
+        return be
+
+
+def _topk_rows(scores, n_complete, k):
+    from reference.numba_kernels import block_topk_select
+    return block_topk_select(np.ascontiguousarray(scores), np.asarray(n_complete, np.int64), k)
+
+
+def _tie_outside(model):
+    """At the first position past the bound whose cut is not tied, keep the WORST visible block instead of
+    the k-th best: a pick outside every tie set (one position, one layer: a small, local fault)."""
+    cfg = model.config
+    done = {"pos": None}
+
+    def hook(layer, pos, scores, sel):
+        sel = np.array(sel)
+        n = (np.asarray(pos) + 1) // cfg.indexer_compress_ratio
+        for t in range(sel.shape[0]):
+            if n[t] <= cfg.block_topk + 1:
+                continue
+            row = scores[t, :n[t]]
+            order = np.argsort(-row, kind="stable")
+            kth, nxt, worst = row[order[cfg.block_topk - 1]], row[order[cfg.block_topk]], order[-1]
+            if kth - nxt <= 1e-3 * np.max(np.abs(row)) or row[worst] == kth:
+                continue
+            if done["pos"] in (None, int(pos[t])):
+                done["pos"] = int(pos[t])
+                sel[t, cfg.block_topk - 1] = worst
+                sel[t] = np.sort(sel[t])
+        return sel
+    model.selection_hook = hook
+
+
+def _bf16_scores(model):
+    """Indexer block scores rounded to BF16 before the top-k (bug R06): flips near (not at) ties."""
+    cfg = model.config
+
+    def hook(layer, pos, scores, sel):
+        n = (np.asarray(pos) + 1) // cfg.indexer_compress_ratio
+        return _topk_rows(_bf16(scores), n, cfg.block_topk)
+    model.selection_hook = hook
+
+
+def _hc_mean_bf16(model):
+    """The hyper-connection stream mean in BF16 (bug R13): the block input rounded and scaled by bf16(1/hc)."""
+    import types
+    hc = model.config.hc_count
+    inv = float(_bf16(np.float32(1.0 / hc)))
+    orig = model._hc_step
+
+    def step(self, prefix, x, pos, rec, combine=True):
+        mixed, inj = orig(prefix, x, pos, rec, combine)
+        return _bf16(mixed * np.float32(inv * hc)).astype(mixed.dtype), inj
+    model._hc_step = types.MethodType(step, model)
+
+
+def _verify_fp16(be):
+    """forward_tokens (verify) with every activation store rounded to FP16; other paths float32."""
+    from parity.harness.floor import rounder
+    orig = be.forward_tokens
+
+    def fwd(h, ids):
+        be.model.store_round = rounder("fp16")
+        try:
+            return orig(h, ids)
+        finally:
+            be.model.store_round = None
+    be.forward_tokens = fwd
+    return be
+
+
+def _batched_bf16(be):
+    """A batched decode (B > 1) rounds the residual stream (every layer's input) to BF16."""
+    from parity.harness.floor import rounder
+    orig = be.decode
+
+    def dec(hs, ids):
+        if len(hs) > 1:
+            be.model.store_round = rounder({"residual": "bf16"})
+        try:
+            return orig(hs, ids)
+        finally:
+            be.model.store_round = None
+    be.decode = dec
+    return be
+
+
+def _stale_state(be, layer: int = 0, at_step: int = 2):
+    """Decode step ``at_step`` of each sequence loses its layer-``layer`` GDN recurrent-state update (the state
+    stays one token stale); the error enters there and surfaces in later positions."""
+    orig = be.decode
+    steps = {}
+
+    def dec(hs, ids):
+        saved = {}
+        for h in hs:
+            steps[h] = steps.get(h, 0) + 1
+            if steps[h] == at_step:
+                saved[h] = be._sess(h).state.gdn[layer].recurrent.copy()
+        out = orig(hs, ids)
+        for h, r in saved.items():
+            be._sess(h).state.gdn[layer].recurrent = r
+        return out
+    be.decode = dec
+    return be
+
+
+#: one weight per block (the fault of that block): tensor name per block kind on the tiny layout
+BLOCK_FAULTS = {
+    "embed": "embed_tokens.weight",
+    "ple": "layers.0.ple.value_proj.weight",
+    "hc": "layers.1.attn_hyper_connection.block_inject_weight.weight",
+    "gdn": "layers.0.linear_attn.out_proj.weight",
+    "qsa": "layers.3.self_attn.o_proj.weight",
+    "moe": "layers.2.mlp.shared_expert.down_proj.weight",
+    "mixer": "hyper_connection_mixer.input_mix_weight_up.weight",
+    "lm_head": "lm_head.weight",
+}
+
+
+def _weight_fault(w, tensor: str, rel: float = FAULT_REL, seed: int = 5):
+    """``w`` with ``tensor`` perturbed by eps * rms * N(0,1), eps sized (linear response, measured on the first
+    prompt) so that the logits move by ``rel`` of max |logit|."""
+    from reference.model import ReferenceModel
+    from parity.harness.floor import forced_logits, logged_logits
+    name = next(n for n, (o, s) in MODELS.items() if model(n)[1] is w)
+    ids = prompts(name)[0]
+    base, log = logged_logits(ReferenceModel(w), ids)
+    x = w.get(tensor, dtype=np.float32)
+    noise = np.random.default_rng(seed).standard_normal(x.shape).astype(np.float32) * float(np.sqrt(np.mean(x * x)))
+    # the continuous response (selections held): a probe that flips a selection would mis-size the fault
+    probe = forced_logits(ReferenceModel(w.with_override(tensor, x + 1e-3 * noise)), ids, log)
+    eff = float(np.max(np.abs(probe - base))) / 1e-3
+    eps = rel * float(np.max(np.abs(base))) / max(eff, 1e-30)
+    return w.with_override(tensor, (x + eps * noise).astype(np.float32))
+
+
+def _official(d, w):
+    """The official Qwen4ExpForCausalLM (transformers, CPU, float32, eager) on ``w`` as a recompute backend."""
+    import torch
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
+
+    from parity.backends.base import Backend
+    tcfg = Qwen4ExpTextConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    tcfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = Qwen4ExpForCausalLM(tcfg).eval()
+    sd = dict(m.named_parameters())   # buffers (n-gram multipliers ...) are derived from the config
+    from reference.checkpoint import canonical_name
+    with torch.no_grad():
+        for k, v in sd.items():
+            src = canonical_name(k)
+            if not w.has(src):
+                raise KeyError(f"official: no weight for {k}")
+            v.copy_(torch.from_numpy(np.asarray(w.get(src, dtype=np.float32)).reshape(v.shape)))
+
+    class Official(Backend):
+        name = "official-cpu"
+        precision = "float32"
+        capabilities = {"page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
+                        "snapshot_file": False, "stores": {}}
+
+        def __init__(self):
+            self.config = w.config
+            self.hist = {}
+            self.n = 0
+
+        def _fwd(self, ids):
+            with torch.no_grad():
+                return m(torch.as_tensor(np.asarray(ids, np.int64))[None], use_cache=False).logits[0].numpy()
+
+        def new_sequence(self):
+            self.n += 1
+            self.hist[self.n] = []
+            return self.n
+
+        def free(self, h):
+            self.hist.pop(h, None)
+
+        def prefill(self, h, ids, chunk_size=None):
+            self.hist[h] += [int(t) for t in ids]
+            return self._fwd(self.hist[h])[-len(ids):]
+
+        def decode(self, hs, ids):
+            return np.stack([self.prefill(h, [t])[0] for h, t in zip(hs, ids)])
+
+        def forward_tokens(self, h, ids):
+            return self.prefill(h, ids)
+
+        def rollback(self, h, n):
+            if n:
+                del self.hist[h][-n:]
+
+        def position(self, h):
+            return len(self.hist[h])
+
+        def snapshot(self, h):
+            return list(self.hist[h])
+
+        def restore(self, h, snap):
+            self.hist[h] = list(snap)
+    return Official()
+
+
+def backend(kind: str, name: str):
+    """Open backend ``kind`` (see :data:`BACKENDS`) on matrix model ``name``."""
+    from parity.backends.engine import EngineBackend
+    from parity.harness.floor import STORE_KINDS, rounder
+    d, w = model(name)
+    if kind == "float32":
+        return EngineBackend.open(None, weights=w, device="cpu", precision="float32")
+    if kind == "bf16":
+        return EngineBackend.open(None, weights=w, device="cpu", precision="bf16")
+    if kind == "bf16-stores":
+        def setup(m):
+            m.store_round = rounder("bf16")
+        return _Hooked(w, setup, "bf16-stores", "bf16", {k: "bf16" for k in STORE_KINDS})
+    if kind == "official":
+        return _official(d, w)
+    if kind == "tie-outside":
+        return _Hooked(w, _tie_outside, kind)
+    if kind == "bf16-scores":
+        return _Hooked(w, _bf16_scores, kind, "bf16")
+    if kind == "hc-mean-bf16":
+        return _Hooked(w, _hc_mean_bf16, kind, "bf16")
+    if kind == "verify-fp16":
+        return _verify_fp16(_Hooked(w, lambda m: None, kind, "bf16"))
+    if kind == "batched-bf16":
+        return _batched_bf16(_Hooked(w, lambda m: None, kind, "bf16"))
+    if kind == "stale-state":
+        return _stale_state(_Hooked(w, lambda m: None, kind))
+    if kind.startswith("fault-"):
+        be = _ref(_weight_fault(w, BLOCK_FAULTS[kind[len("fault-"):]]))
+        be.name = kind
+        be.capabilities = {**be.capabilities, "stores": {}}
+        return be
+    raise KeyError(kind)
+
+
+BACKENDS = ("float32", "bf16", "bf16-stores", "official", "tie-outside", "bf16-scores", "hc-mean-bf16",
+            "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
+
+
+# ----------------------------------------------------------------------------------------------- judging
+def _cases():
+    from parity.harness.scenarios.common import Case, token_stream
+
+    def verify_then_decode(run):
+        cfg = run.config
+        ids = token_stream(cfg, 20, seed=7)
+        s = run.new("v")
+        run.prefill(s, ids[:14])
+        run.verify(s, ids[14:18])
+        run.rollback(s, 2)
+        run.decode([s], [ids[16]])
+        run.decode([s], [ids[17]])
+
+    def batched_decode(run):
+        cfg = run.config
+        seqs = [run.new(f"b{i}") for i in range(3)]
+        streams = [token_stream(cfg, 16, seed=30 + i) for i in range(3)]
+        for s, st in zip(seqs, streams):
+            run.plan(st)
+            run.prefill(s, st[:12 + seqs.index(s)])
+        for step in range(2):
+            run.decode(seqs, [st[12 + i + step] for i, st in enumerate(streams)])
+    return [Case("verify_then_decode", verify_then_decode), Case("batched_decode", batched_decode, batch=True)]
+
+
+@functools.lru_cache(maxsize=None)
+def floor_of(name: str, stores_key: tuple):
+    """The floor of matrix model ``name`` for the stores ``stores_key`` (cached: shared by every backend)."""
+    from parity.harness.floor import floor_prompts, measure_floor
+    _, w = model(name)
+    return measure_floor(w, floor_prompts(w.config, prompts(name)), dict(stores_key))
+
+
+def judge(kind: str, name: str) -> dict:
+    """Judge backend ``kind`` on model ``name``: ``{"verdict", "kl": KLReport, "cases": [CaseResult], ...}``."""
+    from parity.harness.floor import stores_of
+    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, USEFUL_FAULT_REL, run_kl, thresholds_for
+    from parity.harness.scenarios.common import TruthCache
+    from parity.harness.scenarios.runner import run_case
+    _, w = model(name)
+    b = backend(kind, name)
+    a = _ref(w)
+    fl = floor_of(name, tuple(sorted(stores_of(b).items())))
+    th = thresholds_for(b.precision, fl)
+
+    def perturbed(scale=1.0):
+        from parity.cli.kl import perturbation
+        return _ref(w, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=scale)))
+    rep = run_kl(a, b, prompts(name), greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False)
+    truth = TruthCache(a.model)
+    cases = [run_case("matrix", c, b, truth, thresholds=th, locate_on_fail=False) for c in _cases()]
+    statuses = [rep.status] + [{"pass": PASS, "fail": FAIL, "error": FAIL}.get(c.status, PASS) for c in cases]
+    coarse = not th.tol_rel < USEFUL_FAULT_REL
+    if FAIL in statuses:
+        v = FAIL
+    elif INCONCLUSIVE in statuses or coarse:
+        v = INCONCLUSIVE
+    else:
+        v = PASS
+    return {"verdict": v, "kl": rep, "cases": cases, "thresholds": th, "floor": fl}
