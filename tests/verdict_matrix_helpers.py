@@ -34,8 +34,11 @@ MODELS = {
     "one-head": (dict(indexer_n_heads=1), 1.0),
     # PLE on every layer (1-based ids), hc_count 3
     "ple-all-hc3": (dict(ple_layer_ids=[1, 2, 3, 4], hc_count=3), 1.0),
+    # a wide QSA budget (16 of up to 45 blocks): candidates crowd the cut, so BF16-rounded scores flip picks
+    "wide-budget": (dict(indexer_budget=64), 1.0),
 }
 PROMPT_LENGTHS = (64, 23)   # bound = 8 + 4 - 1 = 11: most positions are past it (sparse selection, cuts)
+LONG_PROMPTS = {"wide-budget": (180, 23)}   # bound 67: the sparse regime needs longer prompts
 GREEDY = 4
 FAULT_REL = 3e-3            # weight faults move the logits by ~this fraction of max |logit| (1e-3..1e-2)
 
@@ -60,7 +63,7 @@ def prompts(name: str) -> list[list[int]]:
     """The cell's KL prompts (seeded; EOS ids avoided except where the stream puts them)."""
     from parity.harness.scenarios.common import token_stream
     _, w = model(name)
-    return [token_stream(w.config, n, seed=100 + n, eos_every=9) for n in PROMPT_LENGTHS]
+    return [token_stream(w.config, n, seed=100 + n, eos_every=9) for n in LONG_PROMPTS.get(name, PROMPT_LENGTHS)]
 
 
 # ----------------------------------------------------------------------------------------------- backends
@@ -110,14 +113,28 @@ def _tie_outside(model):
     model.selection_hook = hook
 
 
-def _bf16_scores(model):
-    """Indexer block scores rounded to BF16 before the top-k (bug R06): flips near (not at) ties."""
-    cfg = model.config
+def _bf16_scores(be):
+    """Indexer block scores computed in BF16 (bug R06): queries and block keys rounded to BF16 and the score
+    rounded to BF16 before the top-k; flips picks near (not at) ties."""
+    import reference.model as rm
+    from reference.blocks import qsa
 
-    def hook(layer, pos, scores, sel):
-        n = (np.asarray(pos) + 1) // cfg.indexer_compress_ratio
-        return _topk_rows(_bf16(scores), n, cfg.block_topk)
-    model.selection_hook = hook
+    def select(q, block_keys, positions, cfg):
+        scores, _, n = qsa.indexer_select(_bf16(q), _bf16(block_keys), positions, cfg)
+        scores = _bf16(scores).astype(q.dtype)
+        return scores, _topk_rows(scores, n, cfg.block_topk), n
+
+    def wrap(fn):
+        def call(*a, **k):
+            rm.indexer_select = select
+            try:
+                return fn(*a, **k)
+            finally:
+                rm.indexer_select = qsa.indexer_select
+        return call
+    for op in ("prefill", "decode", "forward_tokens", "logits"):
+        setattr(be, op, wrap(getattr(be, op)))
+    return be
 
 
 def _hc_mean_bf16(model):
@@ -300,7 +317,7 @@ def backend(kind: str, name: str):
     if kind == "tie-outside":
         return _Hooked(w, _tie_outside, kind)
     if kind == "bf16-scores":
-        return _Hooked(w, _bf16_scores, kind, "bf16")
+        return _bf16_scores(_Hooked(w, lambda m: None, kind, "bf16"))
     if kind == "hc-mean-bf16":
         return _Hooked(w, _hc_mean_bf16, kind, "bf16")
     if kind == "verify-fp16":

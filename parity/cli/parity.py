@@ -44,6 +44,12 @@ def register(subparsers) -> None:
                    help="write report.json and failing cases' tap archives (truth.taps / backend.taps) here")
     p.add_argument("--overwrite", action="store_true",
                    help="reuse a non-empty --out DIR: its old report.json and taps/ are removed first")
+    p.add_argument("--known", metavar="FILE", default=None,
+                   help="baseline of known root causes (from --write-known): cases failing only through one are "
+                        "reported as known, not failed, so the other scenarios still judge")
+    p.add_argument("--write-known", metavar="FILE", default=None, help="write this run's root causes as a baseline")
+    p.add_argument("--below-bound", action="store_true",
+                   help="confine the scenarios below the QSA bound (cases reaching past it are skipped)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -109,7 +115,7 @@ def display_path(path) -> str:
 
 
 def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
-               out_dir=None, progress=True):
+               out_dir=None, progress=True, known=None, below_bound=False):
     """Run the KL harness and the scenarios; returns a :class:`parity.harness.report.ParityReport`.
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
@@ -155,7 +161,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
             if name == "kl":
                 try:
                     report.rows.append(_kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
-                                               archive_dir=archive_dir, floor=floor))
+                                               archive_dir=archive_dir, floor=floor, known=known))
                 except KeyboardInterrupt:
                     raise
                 except Exception as e:  # the backend raised in the KL harness: a failed (ERROR) row, as in a case
@@ -167,7 +173,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 continue
             try:
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
-                                   level=level, thresholds=th)
+                                   level=level, thresholds=th, below_bound=below_bound, known=known)
                 report.rows.append(summarize_results(name, res, time.perf_counter() - t0, inconclusive=coarse))
             except (KeyboardInterrupt, UserError):
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
@@ -179,7 +185,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     return report
 
 
-def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None, floor=None):
+def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None, floor=None, known=None):
     """The KL harness as one verdict-table row; a failing comparison is located by tap-diff on its worst
     prompt (the backend's one-shot logits against the truth's forward).
 
@@ -219,7 +225,8 @@ def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=
         if truth is not None:
             from parity.harness.scenarios.locate import locate_one_shot
             be = open_backend(backend_spec, model)
-            where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
+            where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir,
+                                              thresholds=rep.thresholds)
             first = f"prompt {worst}: {where}"
         else:
             first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
@@ -227,8 +234,22 @@ def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=
         first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
     doc = rep.to_json()
     doc["archives"] = archives
+    from parity.harness.causes import root_cause
+    doc["root_cause"] = root_cause(rep.reason, first, rep_config(truth))
+    doc["label"] = "kl"
+    if status == "fail" and known and doc["root_cause"]["id"] in known:
+        doc["known"], status = True, "pass"
+        detail = f"failing only through a known root cause ({doc['root_cause']['id']}); " + detail
+    tie_eq = (rep.ties or {}).get("tie_equivalent_positions", 0)
     return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
-                       first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [])
+                       first, time.perf_counter() - t0, status, detail,
+                       failures=[doc] if (status != "pass" or doc.get("known")) else [],
+                       known=int(bool(doc.get("known"))), tie_equivalent=tie_eq)
+
+
+def rep_config(truth):
+    """The truth model's config (None without a truth)."""
+    return getattr(getattr(truth, "model", None), "config", None)
 
 
 def run(args) -> int:
@@ -254,8 +275,12 @@ def run(args) -> int:
         pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
     progress = not args.no_progress and sys.stderr.isatty()
     try:
+        known = None
+        if args.known:
+            from parity.harness.causes import read_known
+            known = read_known(args.known)
         report = run_parity(model, args.backend, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
-                            out_dir=args.out, progress=progress)
+                            out_dir=args.out, progress=progress, known=known, below_bound=args.below_bound)
     except BaseException:
         if args.out:  # interrupted or failed: no taps/ without its report.json (prepare_out_dir left none)
             import shutil
@@ -265,6 +290,9 @@ def run(args) -> int:
                     Path(args.out).rmdir()  # only if empty
         raise
     doc = report.to_json()
+    if args.write_known:
+        from parity.harness.causes import write_known
+        write_known(args.write_known, doc["root_causes"], {"backend": report.backend, "model": str(model)})
     unwritten = _unwritten_archives(doc) if args.out else []
     if args.out:
         _remove_empty_dirs(Path(args.out) / "taps")

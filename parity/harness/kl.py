@@ -274,6 +274,7 @@ class KLThresholds:
     multiple: float = float("nan")
     precision: str = "float32"
     source: str = "nominal"
+    score_rel: float = float("nan")   # the floor's selection-score floor (sets the tie band, parity.harness.ties)
 
     @property
     def max_kl(self) -> float:
@@ -288,7 +289,8 @@ class KLThresholds:
     def to_json(self) -> dict:
         """JSON-ready fields."""
         return {"tol_rel": self.tol_rel, "floor_rel": self.floor_rel, "multiple": self.multiple,
-                "precision": self.precision, "source": self.source, "max_kl_at_unit_scale": self.max_kl,
+                "precision": self.precision, "source": self.source, "score_rel": self.score_rel,
+                "max_kl_at_unit_scale": self.max_kl,
                 "near_tie_rel": self.near_tie_rel}
 
 
@@ -310,7 +312,7 @@ def thresholds_for(precision: str, floor=None) -> KLThresholds:
         mult = FLOOR_MULTIPLE[kind]
         fr = UNIT_ROUNDOFF[kind] * NOMINAL_GROWTH
         return KLThresholds(mult * fr, fr, mult, precision, f"nominal (no floor measured: {kind} unit roundoff "
-                                                            f"x {NOMINAL_GROWTH:g})")
+                                                            f"x {NOMINAL_GROWTH:g})", fr)
     # the floor's own kind decides the multiple: a float32 floor (the backend rounds no activation store) gets
     # the float32 multiple whatever the weight precision, a rounding floor the reduced-precision one
     rounded = bool(floor.stores)
@@ -319,7 +321,7 @@ def thresholds_for(precision: str, floor=None) -> KLThresholds:
     fr = max(float(floor.logit_rel), UNIT_ROUNDOFF["float32"])
     return KLThresholds(mult * fr, fr, mult, precision,
                         f"measured ({floor.precision} floor {fr:.3g} of the logit scale over {floor.positions} "
-                        f"positions)")
+                        f"positions)", max(float(floor.score_rel), UNIT_ROUNDOFF["float32"]))
 
 
 def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
@@ -563,7 +565,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
     la_all = []
-    tie_rows, outside = [], []
+    tie_rows, outside, per_prompt = [], [], []
     truth_model = getattr(a, "model", None) if floor is not None else None
     for i, ids in enumerate(tqdm(prompts, desc=f"kl {name_b} vs {name_a}", disable=not progress, leave=False)):
         ids = [int(t) for t in ids]
@@ -599,6 +601,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                     tie_rows.append({"prompt": i, "how": tj.how, "positions": eq, "selection_positions": tj.positions})
                     c = c2
         cmps.append(c.select(slice(0, len(ids))))
+        dc = None
         if len(path) > len(ids):
             dc = c.select(slice(len(ids), len(path)))
             dcmps.append(dc)
@@ -606,12 +609,22 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             g["decode_max_logit_err_rel"] = float(np.max(dc.rel_err()))
         if g is not None:
             greedy.append(g)
+        per_prompt.append((cmps[-1], dc))
     pre = LogitComparison.concat(cmps)
     dec = LogitComparison.concat(dcmps) if dcmps else None
     cmp = LogitComparison.concat([pre] + ([dec] if dec is not None else []))
     passed, reason = verdict(cmp, th)
-    if passed is False and dec is not None and verdict(pre, th)[0]:
-        reason = "decode: " + verdict(dec, th)[1] + " (prefill rows agree: the fault is in decode())"
+    if not passed:   # name the first failing prompt and its own position (prefill rows, then decode rows)
+        for i, (c_pre, c_dec) in enumerate(per_prompt):
+            ok_pre, why_pre = verdict(c_pre, th)
+            ok_dec, why_dec = verdict(c_dec, th, offset=c_pre.n) if c_dec is not None else (True, "")
+            if not ok_pre:
+                reason = f"prompt {i}: {why_pre}"
+                break
+            if not ok_dec:
+                reason = (f"prompt {i}: decode: {why_dec} (its prefill rows agree: the fault is in decode() or the "
+                          f"state it carries)")
+                break
     if outside:
         passed = False
         reason = outside[0] + ("" if len(outside) == 1 else f" (+{len(outside) - 1} more prompts)") + "; " + reason

@@ -58,6 +58,8 @@ class ScenarioRow:
     detail: str = ""
     failures: list = field(default_factory=list)
     skipped: int = 0
+    known: int = 0           # cases failing only through a --known root cause (not counted as failed)
+    tie_equivalent: int = 0  # positions passing only under the backend's tie resolution (parity.harness.ties)
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""
@@ -90,9 +92,12 @@ class ParityReport:
 
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
+        from parity.harness.causes import group_causes
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
                          "verdict": {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code],
-                         "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
+                         "meta": self.meta, "root_causes": group_causes(self.rows),
+                         "tie_equivalent_positions": sum(r.tie_equivalent for r in self.rows),
+                         "scenarios": [r.to_json() for r in self.rows]})
 
 
 def _fmt(x: float) -> str:
@@ -132,7 +137,9 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
     header = ["scenario", "cases", "worst KL", "worst logit err", "first divergence", "time", "verdict"]
     rows = []
     for r in report.rows:
-        cases = f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
+        cases = (f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
+                 + (f" ({r.known} known)" if r.known else "")
+                 + (f" ({r.tie_equivalent} tie-eq pos)" if r.tie_equivalent else ""))
         div = " ".join(str(r.first_divergence or ("-" if r.status == "pass" else r.detail)).split())
         rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
                      r.status.upper()])
@@ -148,6 +155,15 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
         pad = sum(widths[:4]) + 2 * 4
         lines += [" " * pad + more for more in cell[1:]]
     verdict = {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE"}[report.exit_code]
+    from parity.harness.causes import group_causes
+    causes = group_causes(report.rows)
+    cause_lines = []
+    if causes:   # one root cause at a time: each listed once with the cases it explains
+        cause_lines.append(f"root causes ({len(causes)}):")
+        for k, c in enumerate(causes, 1):
+            cause_lines.append(f"  [{k}] {c['id']}{' (known)' if c['known'] else ''}: {len(c['cases'])} case(s), "
+                               f"e.g. {c['cases'][0]}")
+    lines += cause_lines
     lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
     text = "\n".join(lines)
     if console is not None:
@@ -160,6 +176,8 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
             for row in rows:
                 t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
             console.print(t)
+            for line in cause_lines:
+                console.print(line, markup=False)
             console.print(f"verdict: [{style[verdict]}]{verdict}[/]")
         except ImportError:
             console.print(text)

@@ -30,16 +30,17 @@ from parity.harness.floor import SelectionLog, TieReport, forced_logits, logged_
 __all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections"]
 
 SELECTION_TAPS = ("layers.*.self_attn.indexer.selected_blocks", "layers.*.mlp.gate.topk_ids")
-MAX_RESOLUTIONS = 64  # resolutions tried per tied position (a bound on the search's cost; C(n, m) is small here)
+MAX_RESOLUTIONS = 256  # resolutions tried per tied position (each one forward: beyond it a backend needs selection taps)
 
 
-def tie_band(floor, multiple: float) -> float:
+def tie_band(th) -> float:
     """The near-tie band, relative to a selection row's largest |score|: ``2 * multiple * score floor`` (a
     backend whose scores are within ``multiple`` floors of the truth's may order two candidates this close
-    either way). ``floor``: the run's :class:`parity.harness.floor.Floor` (its score floor: float32, or the
-    store-rounding one of the backend's stores)."""
+    either way). ``th``: the run's :class:`parity.harness.kl.KLThresholds` (``score_rel``: the score floor of
+    the floor they come from: float32, or the store-rounding one of the backend's stores)."""
     from parity.harness.floor import UNIT_ROUNDOFF
-    return 2.0 * multiple * max(float(floor.score_rel), UNIT_ROUNDOFF["float32"])
+    sr = th.score_rel if np.isfinite(th.score_rel) else UNIT_ROUNDOFF["float32"]
+    return 2.0 * th.multiple * max(float(sr), UNIT_ROUNDOFF["float32"])
 
 
 @dataclass
@@ -162,21 +163,22 @@ def _with_overrides(model, ids, overrides: dict):
         model.selection_hook = model.expert_hook = None
 
 
-def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor, backend=None
-               ) -> TieJudgement:
+def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor=None,
+               backend=None) -> TieJudgement:
     """Find the tie resolution the backend took on one prompt and the truth under it.
 
     Args:
         truth_model: the float32 :class:`reference.model.ReferenceModel`.
-        be_logits: the backend's ``[T, V]`` logits of ``ids``; bad: ``[T]`` positions failing the canonical truth.
-        th: the run's thresholds; floor: the run's :class:`parity.harness.floor.Floor`.
+        be_logits: the backend's ``[T, V]`` logits of ``ids`` (rows of nan: not known, never judged);
+            bad: ``[T]`` positions failing the canonical truth.
+        th: the run's thresholds (their score floor sets the tie band); floor: unused (kept for callers).
         backend: the backend (for its selection taps), or None.
     Returns:
         :class:`TieJudgement`; ``logits`` is None when the prompt has no tied cut at or before a failing position.
     """
     from parity.harness.kl import compare_logits, position_faults
     canon, log = logged_logits(truth_model, ids)
-    ties = tie_report(log, truth_model.config, tie_band(floor, th.multiple))
+    ties = tie_report(log, truth_model.config, tie_band(th))
     out = TieJudgement(cuts=ties)
     bad_pos = np.nonzero(bad)[0]
     if not len(bad_pos) or not ties.cuts or min(c["position"] for c in ties.cuts) > int(bad_pos[-1]):
@@ -196,7 +198,8 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
     # search: walk the tied positions in order; at each, keep the resolution whose row matches the backend best.
     # Only the tied cuts are overridden: every other selection is recomputed under the resolution so far.
     out.how = "search"
-    band = tie_band(floor, th.multiple)
+    band = tie_band(th)
+    known = np.isfinite(be_logits).all(axis=-1)
     overrides, cur_logits, cur_log = {}, canon, log
     changed, done = [], set()
     last = int(bad_pos[-1])
@@ -207,7 +210,7 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
             break
         p = min(c["position"] for c in cuts_now)
         done.add(p)
-        if not position_faults(compare_logits(cur_logits[p:p + 1], be_logits[p:p + 1]), th)[0]:
+        if not known[p] or not position_faults(compare_logits(cur_logits[p:p + 1], be_logits[p:p + 1]), th)[0]:
             continue
         cuts = [c for c in cuts_now if c["position"] == p]
         best = None
@@ -217,6 +220,7 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
                 sel = (cur_log.qsa_sel if c["kind"] == "qsa" else cur_log.moe_ids)[c["layer"]][p]
                 trial[(c["kind"], c["layer"], p)] = _resolved_row(sel, c, ch)
             lg, lgl = _with_overrides(truth_model, ids, trial)
+            # judged on row p: a cut at p decides row p; later rows are resolved at their own cuts in turn
             err = float(compare_logits(lg[p:p + 1], be_logits[p:p + 1]).rel_err()[0])
             if best is None or err < best[0]:
                 best = (err, trial, lg, lgl, combo)

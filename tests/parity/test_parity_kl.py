@@ -120,8 +120,10 @@ def test_harness_reference_vs_itself_passes_with_controls(refs):
     r32, r64 = refs
     rep = run_kl(r32, r32, PROMPTS, greedy_tokens=3, floor_pair=(r32, r64), perturbed_b=_perturbed, progress=False)
     assert rep.passed and rep.controls_ok and rep.exit_code == 0
-    n_prefill = sum(rep.per_prompt_positions[:len(PROMPTS)])   # prefill rows: the same forward, bitwise equal
-    assert rep.comparison.kl_ab[:n_prefill].max() == 0.0 and all(g["agree"] == 3 for g in rep.greedy)
+    # prefill rows: the same reference (over the prompt vs over prompt + continuation): within the float32 floor
+    n_prefill = sum(rep.per_prompt_positions[:len(PROMPTS)])
+    assert rep.comparison.rel_err()[:n_prefill].max() <= rep.thresholds.floor_rel
+    assert all(g["agree"] == 3 for g in rep.greedy)
     assert rep.decode is not None and rep.decode.n == 2 * 2   # 2 decode rows per prompt (greedy 3) are judged
     nc = rep.controls["negative_control"]
     assert nc["ok"] and nc["effect_rel"] > rep.thresholds.tol_rel   # sized from the floor, and flagged

@@ -55,7 +55,8 @@ def _page_plan(backend_caps, config, page_sizes):
 
 
 def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, only: list[str] | None = None,
-                 archive_dir=None, progress=None, locate_on_fail=True, level: str = "full", thresholds=None):
+                 archive_dir=None, progress=None, locate_on_fail=True, level: str = "full", thresholds=None,
+                 below_bound: bool = False, known=None):
     """Run scenario ``name``.
 
     Args:
@@ -67,6 +68,7 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
         archive_dir: where failing cases' tap archives go (None: not written).
         progress: a tqdm-like object with ``update()`` / ``set_postfix_str()`` (optional).
         thresholds: the run's :class:`parity.harness.kl.KLThresholds` (None: nominal, see ``run_case``).
+        below_bound, known: see ``run_case`` (confine below the QSA bound; the ``--known`` root-cause ids).
     Returns:
         list of :class:`parity.harness.scenarios.common.CaseResult`.
     """
@@ -89,7 +91,8 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
                 if progress is not None:
                     progress.set_postfix_str(f"{name}/{case.name}" + (f" page {ps}" if ps else ""))
                 results.append(run_case(name, case, be, truth, page_size=ps, locate_on_fail=locate_on_fail,
-                                        archive_dir=archive_dir, thresholds=thresholds))
+                                        archive_dir=archive_dir, thresholds=thresholds, below_bound=below_bound,
+                                        known=known))
                 if progress is not None:
                     progress.update(1)
         finally:
@@ -112,8 +115,9 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     from parity.harness.report import ScenarioRow
 
     ran = [r for r in results if r.status != "skip"]
-    failed = [r for r in ran if r.status in ("fail", "error")]
-    status = "error" if any(r.status == "error" for r in ran) else ("fail" if failed else "pass")
+    known = [r for r in ran if r.status in ("fail", "error") and r.known]
+    failed = [r for r in ran if r.status in ("fail", "error") and not r.known]
+    status = "error" if any(r.status == "error" for r in failed) else ("fail" if failed else "pass")
     wk = max((r.worst_kl for r in ran), default=0.0)
     we = max((r.worst_logit_err for r in ran), default=0.0)
     first = next((r for r in failed), None)
@@ -123,12 +127,17 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
                                     + f": {first.divergence}")
     if skipped:
         detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
+    if known:
+        detail = (detail + "; " if detail else "") + (f"{len(known)} failing only through a known root cause "
+                                                      f"({known[0].root_cause['id']})")
+    tie_eq = sum(len(p) for r in ran for (_op, _seq, p) in r.tie_equivalent)
     if status == "pass" and inconclusive:
         status, detail = "inconclusive", inconclusive + ("; " + detail if detail else "")
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
-                       status=status, detail=detail, failures=[r.to_json() for r in failed],
-                       skipped=len(skipped))
+                       status=status, detail=detail, failures=[{**r.to_json(), "label": r.label}
+                                                                for r in failed + known],
+                       skipped=len(skipped), known=len(known), tie_equivalent=tie_eq)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost

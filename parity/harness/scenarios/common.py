@@ -22,7 +22,7 @@ import numpy as np
 from parity.harness.kl import compare_logits, KLThresholds, position_faults, verdict
 from reference.errors import UserError
 
-__all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "page_sizes_for", "sizes",
+__all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfined", "page_sizes_for", "sizes",
            "token_stream", "Sizes"]
 
 
@@ -31,6 +31,10 @@ __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "page_sizes
 # truth row's logit scale. Its top-1 rule is the near-tie rule of the whole harness: an argmax may flip only where
 # the truth's two tokens are within 2 x tol x scale (an error within tolerance on each logit can flip exactly
 # those); a flip farther from a tie fails at once, at every precision (no fraction of flips is excused).
+
+
+class CaseConfined(Exception):
+    """Raised when a case would reach past the QSA bound in a run confined below it (the case is skipped)."""
 
 
 class CaseFailure(Exception):
@@ -67,6 +71,9 @@ class CaseResult:
     worst_logit_err: float = 0.0
     worst_logit_err_rel: float = 0.0  # relative to the logit scale (what the verdict judges)
     tie_flips: int = 0                # argmax flips inside the near-tie gap (allowed)
+    tie_equivalent: list = field(default_factory=list)  # [op, seq, positions]: passed under a tie resolution
+    root_cause: dict | None = None    # parity.harness.causes.root_cause of a failure
+    known: bool = False               # failed only through a root cause of the --known baseline
     failure: str | None = None
     failed_op: int | None = None
     failed_seq: str | None = None
@@ -192,6 +199,7 @@ class Seq:
         self.h = handle
         self.hist: list[int] = []
         self.last_logits: np.ndarray | None = None
+        self.rows: dict[int, np.ndarray] = {}  # the rows the backend returned, by position (tie resolution)
 
 
 @dataclass
@@ -230,8 +238,16 @@ class Run:
         self.recorded_out = None  # the logits rows the backend RETURNED for the recorded positions
         self.top1_positions = 0
         self.tie_flips = 0  # argmax flips inside the near-tie gap (allowed; counted for the report)
+        self.tie_equivalent: list = []  # (op, seq, positions) judged against the tie-resolved truth
         self.seqs: list[Seq] = []
         self.scratch: dict = {}
+        #: confine the case below the QSA bound (``--below-bound``): an operation reaching past it skips the case
+        self.limit: int | None = None
+
+    def _confine(self, s: "Seq", n: int) -> None:
+        if self.limit is not None and len(s.hist) + n > self.limit:
+            raise CaseConfined(f"reaches position {len(s.hist) + n - 1} > the QSA bound {self.limit - 1} "
+                               f"(run confined below the bound)")
 
     # --- bookkeeping
     def _next_op(self) -> int:
@@ -265,6 +281,11 @@ class Run:
         flips = ~np.asarray(cmp.top1, dtype=bool)
         self.top1_positions += int(flips.size)
         if not ok:
+            ok, why = self._tie_resolved(op, s, logits, start, end, cmp, why)
+        if ok:
+            for i in range(k):
+                s.rows[start + i] = logits[i]
+        if not ok:
             bad = position_faults(cmp, self.th)
             first = int(np.argmax(bad)) if bad.any() else 0
             rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
@@ -273,6 +294,39 @@ class Run:
                           f"position {start + worst})", seq=s.label)
         self.tie_flips += int(flips.sum())
         s.last_logits = logits[-1]
+
+    def _tie_resolved(self, op, s: Seq, logits, start: int, end: int, cmp, why: str):
+        """A failing comparison may be tie-equivalent (parity.harness.ties): judge the rows against the truth
+        under the tie resolution the backend took (its selection taps, or a search over the tied cuts of
+        ``s.hist[:end]``). Returns ``(ok, reason)``; a pick outside the tie set is the reason of a failure."""
+        model = getattr(self.truth, "model", None)
+        if model is None or not hasattr(model, "selection_hook"):
+            return False, why
+        from parity.harness.kl import compare_logits
+        from parity.harness.ties import judge_ties
+        V = logits.shape[1]
+        be = np.full((end, V), np.nan)
+        for p, r in s.rows.items():
+            if p < start:
+                be[p] = r
+        be[start:end] = logits
+        bad = np.zeros(end, dtype=bool)
+        bad[start:end] = position_faults(cmp, self.th)
+        try:
+            tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be)
+        except Exception:  # noqa: BLE001 - the canonical verdict stands
+            return False, why
+        if tj.outside:
+            return False, tj.outside + "; " + why
+        if tj.logits is None:
+            return False, why
+        c2 = compare_logits(tj.logits[start:end], logits)
+        ok2, why2 = verdict(c2, self.th, offset=start)
+        if not ok2:
+            return False, why
+        pos = [start + int(i) for i in np.nonzero(position_faults(cmp, self.th))[0]]
+        self.tie_equivalent.append((op, s.label, pos))
+        return True, why2
 
     def finish(self) -> None:
         """End-of-case checks (none left: every row is judged where it is compared; kept for the runner)."""
@@ -325,6 +379,7 @@ class Run:
     def _segment(self, s: Seq, ids: Sequence[int], call, d_of):
         """Run one multi-token backend call on ``s`` (``call(handle, ids)``), recording its taps, and check
         the returned logits ``[len(ids), V]`` against the truth and the position afterwards."""
+        self._confine(s, len(ids))
         op = self._next_op()
         ids = [int(t) for t in ids]
         start = len(s.hist)
@@ -356,8 +411,10 @@ class Run:
         Raises:
             CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
         """
-        op = self._next_op()
         seqs = list(seqs)
+        for s in seqs:
+            self._confine(s, 1)
+        op = self._next_op()
         ids = [int(t) for t in ids]
         starts = [len(s.hist) for s in seqs]
         for s, t in zip(seqs, ids):

@@ -7,18 +7,20 @@ import traceback
 
 from parity.backends import capabilities_of
 from parity.harness.kl import thresholds_for
-from parity.harness.scenarios.common import Case, CaseFailure, CaseResult, Run, TruthCache
+from parity.harness.scenarios.common import Case, CaseConfined, CaseFailure, CaseResult, Run, TruthCache
 from parity.harness.scenarios.locate import locate
 from reference.errors import UserError
 
 
 # ----------------------------------------------------------------------------------------------- runner
 def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size=None, locate_on_fail=True,
-             archive_dir=None, thresholds=None) -> CaseResult:
+             archive_dir=None, thresholds=None, below_bound: bool = False, known=None) -> CaseResult:
     """Run one case; on failure replay it with taps to name the first divergence.
 
     ``thresholds``: the run's :class:`parity.harness.kl.KLThresholds` (from the floor measured on this model,
     :func:`parity.harness.floor.thresholds_for_run`); None: the nominal thresholds of the backend's precision.
+    ``below_bound``: confine the case below the QSA bound (a case reaching past it is skipped). ``known``: root-cause
+    ids of a ``--known`` baseline (a failure through one of them is marked ``known``).
     Returns a :class:`CaseResult`; never raises for a backend fault (errors become status 'error').
     """
     t0 = time.perf_counter()
@@ -30,9 +32,16 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.failure = f"backend lacks {missing}"
         return res
     run = Run(backend, truth, th)
+    if below_bound:
+        from parity.harness.scenarios.common import sizes
+        sz = sizes(backend.config)
+        run.limit = sz.bound + 1 if sz.has_qsa else None
     try:
         case.fn(run)
         run.finish()
+    except CaseConfined as c:
+        res.status = "skip"
+        res.failure = str(c)
     except CaseFailure as f:
         res.status = "fail"
         res.failure = f.what
@@ -53,8 +62,13 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         run.close()
     res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
     res.worst_logit_err_rel, res.tie_flips = run.worst_rel, run.tie_flips
+    res.tie_equivalent = [list(x) for x in run.tie_equivalent]
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
                                               archive_dir=archive_dir, page_size=page_size)
+    if res.status in ("fail", "error"):
+        from parity.harness.causes import root_cause
+        res.root_cause = root_cause(res.failure, res.divergence, backend.config, scenario)
+        res.known = bool(known) and res.root_cause["id"] in known
     res.seconds = time.perf_counter() - t0
     return res
