@@ -32,8 +32,8 @@ MODELS = {
     "large-scale": (dict(hc_count=2), 12.0),
     # one indexer head: relu-summed scores are exactly 0 for most blocks -> exact ties at the cut
     "one-head": (dict(indexer_n_heads=1), 1.0),
-    # PLE on every layer (1-based ids), hc_count 3
-    "ple-all-hc3": (dict(ple_layer_ids=[1, 2, 3, 4], hc_count=3), 1.0),
+    # PLE on every GDN layer (1-based ids; PLE needs linear_attention layers), hc_count 3
+    "ple-all-hc3": (dict(ple_layer_ids=[1, 2, 3], hc_count=3), 1.0),
     # a wide QSA budget (16 of up to 45 blocks): candidates crowd the cut, so BF16-rounded scores flip picks
     "wide-budget": (dict(indexer_budget=64), 1.0),
 }

@@ -27,7 +27,8 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
-           "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run"]
+           "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
+           "with_tap_profile"]
 
 #: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
 STORE_KINDS = ("residual", "block_io", "kv")
@@ -356,6 +357,16 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     return Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, ties, tuple(sorted(stores)))
 
 
+def with_tap_profile(th, weights, ids, stores: dict | None = None):
+    """``th`` with its ``tap_profile`` measured (:func:`tap_floor_profile` at ``th.multiple``, index flips
+    within the tie band): tap-diff then localises against this model's own per-tap floor."""
+    import dataclasses
+
+    from parity.harness.ties import tie_band
+    prof = tap_floor_profile(weights, ids, stores, th.multiple, tie_band(th))
+    return dataclasses.replace(th, tap_profile=prof)
+
+
 def floor_prompts(config, prompts: Sequence[Sequence[int]] | None = None, seed: int = 1234) -> list[list[int]]:
     """The prompts a run's floor is measured on: ``prompts`` (the KL set) plus one deterministic token stream
     reaching two compress blocks past the QSA bound (the scenarios' sparse regime, where the selection cuts
@@ -380,9 +391,83 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
     from parity.harness.kl import USEFUL_FAULT_REL, thresholds_for
     fl = measure_floor(weights, floor_prompts(weights.config, prompts), stores_of(backend))
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
+    th = with_tap_profile(th, weights, floor_prompts(weights.config, None)[-1], stores_of(backend))
     why = None
     if not (np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL):
         why = (f"tolerance {th.tol_rel:.3g} of the logit scale ({th.multiple:g}x the {fl.precision} floor "
                f"{th.floor_rel:.3g}) >= {USEFUL_FAULT_REL:g}: this model at this precision cannot resolve a fault "
                f"of useful size")
     return th, fl, why
+
+
+def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, multiple: float = 8.0,
+                      score_rel: float | None = None):
+    """A tap-diff tolerance profile measured on this model: per activation tap, ``multiple`` x that tap's own
+    floor (the float32 reference, or the store-rounding one for ``stores``, against float64 over ``ids``, all
+    selections forced to the float64 run's).
+
+    Per tap: ``rel_l2`` = multiple x the floor's rel_l2; the element rule ``|b - a| <= atol_rms * rms(a)``
+    with ``atol_rms`` = multiple x the floor's max |delta| / rms (``rtol`` 0); ``cos_min`` = 1 - rel_l2^2 / 2
+    (the cosine a relative error rel_l2 allows). A tap whose floor is below the float32 unit roundoff gets
+    that. Index taps (selections): a flip within ``score_rel`` (the tie band, parity.harness.ties) of the
+    row's scores is a near tie. Returns a :class:`taps.diff.Profile`; the per-tap figures are in its
+    ``source`` text's companion attribute ``floors`` (``{tap: (rel_l2, atol_rms)}``).
+    """
+    from reference import taphook
+    from reference.model import ReferenceModel
+    from taps import registry
+    from taps.diff import Profile
+
+    class _Keep:
+        def __init__(self):
+            self.v = {}
+
+        def emit(self, name, value, positions=None, **_):
+            self.v.setdefault(name, []).append(np.array(value, dtype=np.float64, copy=True))
+
+    def run(m, log=None):
+        cap = _Keep()
+        tok = taphook.set_current(cap)
+        try:
+            if log is None:
+                lg, lo = logged_logits(m, ids)
+            else:
+                lg, lo = forced_logits(m, ids, log), log
+        finally:
+            taphook.reset_current(tok)
+        return {k: np.concatenate(v, axis=0) for k, v in cap.v.items()}, lo
+
+    u = UNIT_ROUNDOFF["float32"]
+    ref, log = run(ReferenceModel(weights, dtype=np.float64))
+    m = ReferenceModel(weights, dtype=np.float32)
+    if stores:
+        m.store_round = rounder(stores)
+    got, _ = run(m, log)
+    overrides, floors = [], {}
+    for name, a in ref.items():
+        spec = registry.spec_for(name)
+        b = got.get(name)
+        if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
+            continue
+        fin = np.isfinite(a) & np.isfinite(b)
+        if not fin.any():
+            continue
+        with np.errstate(invalid="ignore"):
+            d = np.where(fin, b - a, 0.0)
+        aa = np.where(fin, a, 0.0)
+        na = float(np.sqrt(np.sum(aa * aa)))
+        rms = float(np.sqrt(np.mean(aa * aa))) or 1.0
+        rel = max(float(np.sqrt(np.sum(d * d))) / na if na else 0.0, u)
+        at = max(float(np.max(np.abs(d))) / rms, u)
+        floors[name] = (rel, at)
+        r = multiple * rel
+        overrides.append({"pattern": name, "rel_l2": r, "rtol": 0.0, "atol_rms": multiple * at, "atol": 0.0,
+                          "cos_min": max(0.0, 1.0 - r * r / 2.0)})
+    sr = max(float(score_rel if score_rel is not None else u), u)
+    prof = Profile(name=f"floor x{multiple:g} ({stores_label(stores or {})})",
+                   activation={"rel_l2": multiple * u * 64, "rtol": 0.0, "atol_rms": multiple * u * 64, "atol": 0.0,
+                               "cos_min": 1.0 - (multiple * u * 64) ** 2 / 2},
+                   index={"score_rtol": sr, "score_atol": 0.0}, overrides=overrides,
+                   source=f"measured on this model over {len(ids)} positions")
+    prof.floors = floors
+    return prof

@@ -275,6 +275,9 @@ class KLThresholds:
     precision: str = "float32"
     source: str = "nominal"
     score_rel: float = float("nan")   # the floor's selection-score floor (sets the tie band, parity.harness.ties)
+    #: a taps.diff.Profile measured on this model (parity.harness.floor.tap_floor_profile), used by tap-diff
+    #: localisation; None: the bundled profile of the precision
+    tap_profile: object = field(default=None, compare=False, repr=False)
 
     @property
     def max_kl(self) -> float:

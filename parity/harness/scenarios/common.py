@@ -220,7 +220,7 @@ class Run:
     """
 
     def __init__(self, backend, truth: TruthCache, thresholds: KLThresholds, record_at: int | None = None,
-                 unbatch_at: int | None = None, record_seq: str | None = None):
+                 unbatch_at: int | None = None, record_seq: str | None = None, record_all: str | None = None):
         self.be = backend
         self.truth = truth
         self.th = thresholds
@@ -236,6 +236,10 @@ class Run:
         self.record_seq = record_seq
         self.recorded = None  # (archive, seq label, positions, history)
         self.recorded_out = None  # the logits rows the backend RETURNED for the recorded positions
+        #: record every operation of the sequence labelled ``record_all`` (locate through state): a list of
+        #: (op, archive, positions, history) in operation order
+        self.record_all = record_all
+        self.recorded_all: list = []
         self.top1_positions = 0
         self.tie_flips = 0  # argmax flips inside the near-tie gap (allowed; counted for the report)
         self.tie_equivalent: list = []  # (op, seq, positions) judged against the tie-resolved truth
@@ -332,9 +336,11 @@ class Run:
         """End-of-case checks (none left: every row is judged where it is compared; kept for the runner)."""
 
     def _recording(self, op: int, positions, seq: Seq):
-        """Context manager: records taps when op == record_at (else a no-op)."""
+        """Context manager: records taps when op == record_at, or for every op of sequence ``record_all``
+        (else a no-op)."""
         import contextlib
-        if self.record_at != op:
+        at, every = self.record_at == op, self.record_all is not None and seq.label == self.record_all
+        if not (at or every):
             return contextlib.nullcontext()
         run = self
 
@@ -342,7 +348,11 @@ class Run:
         def cm():
             with run.be.taps(None, positions=list(positions)) as rec:
                 yield rec
-            run.recorded = (rec.archive(), seq.label, list(positions), list(seq.hist))
+            arc = rec.archive()
+            if at:
+                run.recorded = (arc, seq.label, list(positions), list(seq.hist))
+            if every:
+                run.recorded_all.append((op, arc, list(positions), list(seq.hist)))
         return cm()
 
     def _keep_returned(self, op: int, out) -> None:
@@ -420,10 +430,11 @@ class Run:
         for s, t in zip(seqs, ids):
             s.hist.append(t)
         d = desc or f"decode batch of {len(seqs)}"
-        if self.unbatch_at == op or (self.record_at == op and len(seqs) > 1):
+        every = self.record_all is not None and len(seqs) > 1 and any(s.label == self.record_all for s in seqs)
+        if self.unbatch_at == op or (self.record_at == op and len(seqs) > 1) or every:
             rows = []
             for s, t, st in zip(seqs, ids, starts):
-                if self.record_at == op and s.label == self.record_seq:
+                if (self.record_at == op and s.label == self.record_seq) or s.label == self.record_all:
                     with self._recording(op, [st], s):
                         rows.append(np.asarray(self.be.decode([s.h], [t]))[0])
                     self._keep_returned(op, rows[-1][None])

@@ -112,7 +112,7 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
             return (f"backend emitted taps at positions {format_ranges(outside)}, expected {want_s} "
                     f"(position bookkeeping wrong?)")
         return "backend emitted no taps (tap-diff needs a backend that emits the registry's taps)"
-    profile = "bf16" if precision in ("bf16", "fp8") else "fp32"
+    profile = getattr(thresholds, "tap_profile", None) or ("bf16" if precision in ("bf16", "fp8") else "fp32")
     rep = _diff(truth_arc, be_arc, profile=profile, force=True)
     if rep.first_divergence is None:
         msg, compared = _returned_vs_tap(be_arc, returned, positions or [], precision)
@@ -187,11 +187,52 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
-        return where + diff_archives(truth_arc, be_arc, getattr(backend, "precision", "float32"),
-                                     returned=run.recorded_out, positions=positions, truth_logits=tl,
-                                     thresholds=th), archives
+        line = diff_archives(truth_arc, be_arc, getattr(backend, "precision", "float32"),
+                             returned=run.recorded_out, positions=positions, truth_logits=tl, thresholds=th)
     except Exception as e:  # noqa: BLE001
         return where + f"tap-diff failed: {type(e).__name__}: {e}", archives
+    entered = None
+    if positions[0] > 0:   # the sequence had earlier operations: the error may have entered through its state
+        try:
+            entered = entry_point(case, backend, truth, th, label, failed_op)
+        except Exception as e:  # noqa: BLE001 - the located surface stands
+            entered = None
+    if entered is not None and entered[0] < failed_op:
+        op_k, pos_k, text = entered
+        return (f"error entered at op {op_k}, seq {label}, position {pos_k}: {text}; it surfaced at " + where
+                + line), archives
+    return where + line, archives
+
+
+def entry_point(case, backend, truth, th, label: str, failed_op: int):
+    """Locate through state: replay the case recording EVERY operation of sequence ``label`` and tap-diff each
+    against the truth (the reference's forward over that history); the first operation with a divergent tap
+    is where the error entered (e.g. a GDN recurrent-state fault several positions before the failing decode).
+
+    Returns ``(op, position, divergence line)`` of the earliest divergent operation, or None (nothing diverges
+    before the failing operation, or the replay could not record).
+    """
+    from taps.diff import diff_archives as _diff
+    from taps.recorder import Recorder
+    rep = _replay(case, backend, truth, th, record_all=label)
+    run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
+    if run is None or not run.recorded_all:
+        return None
+    profile = getattr(th, "tap_profile", None) or (
+        "bf16" if getattr(backend, "precision", "float32") in ("bf16", "fp8") else "fp32")
+    for op, be_arc, positions, hist in run.recorded_all:
+        if op > failed_op:
+            break
+        if not be_arc.names():
+            return None
+        with Recorder(None, positions=positions, meta={"backend": "truth", "token_ids": list(hist)}) as rec:
+            truth.model.forward(list(hist[:max(positions) + 1]))
+        d = _diff(rec.archive(), be_arc, profile=profile, force=True)
+        if d.first_divergence is not None:
+            r = d.result(d.first_divergence)
+            pos = r.first_position if r is not None and r.first_position is not None else positions[0]
+            return op, int(pos), f"first divergence {d.first_divergence} at position {pos}"
+    return None
 
 
 def _model_meta(backend, truth) -> dict:
