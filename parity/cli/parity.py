@@ -216,13 +216,19 @@ def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=
     cmp_fields = [f.name for f in dataclasses.fields(LogitComparison)]
     prompt_ok = [verdict(LogitComparison(*[getattr(rep.comparison, f)[bounds[i]:bounds[i + 1]] for f in cmp_fields]),
                          rep.thresholds)[0] for i in range(len(prompts))]
-    n_bad = sum(1 for ok in prompt_ok if not ok)
+    n_bad = len(rep.failed_prompts) if rep.failed_prompts else sum(1 for ok in prompt_ok if not ok)
     first, archives = None, []
     if not rep.passed:
-        # the worst prompt among those failing on their own (KL or top-1), else the worst KL overall
-        cand = [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
+        # the worst prompt among those failing (KL, top-1, decode rows or a tie pick), else the worst KL overall
+        cand = rep.failed_prompts or [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
         worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
-        if truth is not None:
+        if truth is not None and worst in rep.decode_failed and rep.greedy:   # located through the decode path
+            from parity.harness.kl import decode_case
+            from parity.harness.scenarios.runner import run_case
+            res = run_case("kl", decode_case(prompts[worst], rep.greedy[worst]["b"]), open_backend(backend_spec, model),
+                           truth, thresholds=rep.thresholds, archive_dir=archive_dir)
+            first, archives = f"prompt {worst} (decode): {res.divergence or res.failure}", res.archives
+        elif truth is not None:
             from parity.harness.scenarios.locate import locate_one_shot
             be = open_backend(backend_spec, model)
             where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir,

@@ -171,21 +171,25 @@ def logged_logits(model, ids) -> tuple[np.ndarray, SelectionLog]:
         _uninstall(model)
 
 
+def _layer_scale(y: np.ndarray) -> float:
+    """A selection layer's score scale: the largest finite |score| over all its rows (one scale per layer, so
+    rows with small scores -- early positions, near-zero relu sums -- do not inflate relative errors)."""
+    fin = np.isfinite(y)
+    return float(np.max(np.abs(y[fin]))) if fin.any() else 0.0
+
+
 def _score_rel(a: dict, b: dict) -> float:
-    """max over layers/rows of max |a - b| / max |b| over the finite (visible) entries of each row."""
+    """max over layers of max |a - b| / the layer's score scale (:func:`_layer_scale` of b), finite entries."""
     worst = 0.0
     for k, y in b.items():
         x = a.get(k)
         if x is None or x.shape != y.shape:
             continue
-        fin = np.isfinite(y)
-        if not fin.any():
+        fin = np.isfinite(y) & np.isfinite(x)
+        sc = _layer_scale(y)
+        if not fin.any() or sc <= 0:
             continue
-        d = np.where(fin, np.abs(np.where(fin, x, 0) - np.where(fin, y, 0)), 0.0)
-        sc = np.max(np.where(fin, np.abs(y), 0.0), axis=-1)
-        ok = sc > 0
-        if ok.any():
-            worst = max(worst, float(np.max(np.max(d, axis=-1)[ok] / sc[ok])))
+        worst = max(worst, float(np.max(np.abs(x[fin] - y[fin]))) / sc)
     return worst
 
 
@@ -227,7 +231,9 @@ class TieReport:
 
 
 def _cut_ties(kind, layer, scores, sel, k, tol_rel, positions, out):
-    """Append the tied cuts of one layer's selection (scores ``[T, N]``, canonical sel ``[T, k]``)."""
+    """Append the tied cuts of one layer's selection (scores ``[T, N]``, canonical sel ``[T, k]``); the band
+    is ``tol_rel`` of the layer's score scale (:func:`_layer_scale`)."""
+    tol = tol_rel * _layer_scale(scores)
     for t in range(scores.shape[0]):
         row = scores[t]
         fin = np.isfinite(row)
@@ -237,8 +243,6 @@ def _cut_ties(kind, layer, scores, sel, k, tol_rel, positions, out):
         vals = np.where(fin, row, -np.inf)
         order = np.argsort(-vals, kind="stable")
         kth, nxt = vals[order[k - 1]], vals[order[k]]
-        scale = float(np.max(np.abs(vals[fin])))
-        tol = tol_rel * scale
         if kth - nxt > tol:
             continue
         tie = np.nonzero(fin & (np.abs(vals - kth) <= tol))[0]
@@ -250,7 +254,7 @@ def _cut_ties(kind, layer, scores, sel, k, tol_rel, positions, out):
 
 def tie_report(log: SelectionLog, config, score_tol_rel: float = 0.0) -> TieReport:
     """Exact ties (equal scores at the k-th / (k+1)-th place) and near ties (within ``score_tol_rel`` of the
-    row's largest |score|) at every QSA block top-k and MoE expert top-k cut of a logged forward."""
+    layer's score scale) at every QSA block top-k and MoE expert top-k cut of a logged forward."""
     rep = TieReport()
     for layer, sc in sorted(log.qsa_scores.items()):
         _cut_ties("qsa", layer, sc, log.qsa_sel[layer], config.block_topk, score_tol_rel, np.arange(sc.shape[0]),

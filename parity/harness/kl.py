@@ -411,6 +411,8 @@ class KLReport:
     decode: LogitComparison | None = None
     floor: dict | None = None
     ties: dict | None = None
+    failed_prompts: list = field(default_factory=list)  # prompts failing (prefill or decode rows, or a tie pick)
+    decode_failed: list = field(default_factory=list)   # of those, the ones whose prefill rows agree
 
     def __post_init__(self):
         if not self.status:
@@ -439,6 +441,7 @@ class KLReport:
             "per_position_kl_ab": [float(x) for x in self.comparison.kl_ab],
             "per_prompt_positions": self.per_prompt_positions,
             "greedy": self.greedy, "controls": self.controls, "floor": self.floor, "ties": self.ties,
+            "failed_prompts": self.failed_prompts, "decode_failed": self.decode_failed,
             "seconds": round(self.seconds, 3),
         }
 
@@ -568,7 +571,8 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
     la_all = []
-    tie_rows, outside, per_prompt = [], [], []
+    tie_rows, outside, per_prompt, unresolved = [], [], [], []
+    from parity.harness.ties import MAX_RESOLUTIONS as MAX_RESOLUTIONS_NOTE
     truth_model = getattr(a, "model", None) if floor is not None else None
     for i, ids in enumerate(tqdm(prompts, desc=f"kl {name_b} vs {name_a}", disable=not progress, leave=False)):
         ids = [int(t) for t in ids]
@@ -598,11 +602,16 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             if tj.outside:
                 outside.append(f"prompt {i}: {tj.outside}")
             elif tj.logits is not None:
+                # the truth under the backend's tie resolution (every override inside a tie set) judges it
                 c2 = compare_logits(tj.logits, be)
-                if verdict(c2, th)[0]:   # equivalent under the backend's tie resolution: judged against it
-                    eq = [int(p) for p in np.nonzero(bad & ~position_faults(c2, th))[0]]
-                    tie_rows.append({"prompt": i, "how": tj.how, "positions": eq, "selection_positions": tj.positions})
-                    c = c2
+                still = position_faults(c2, th)
+                eq = [int(p) for p in np.nonzero(bad & ~still)[0]]
+                tie_rows.append({"prompt": i, "how": tj.how, "positions": eq, "selection_positions": tj.positions})
+                c = c2
+                if still.any() and tj.truncated and int(np.argmax(still)) >= min(tj.truncated):
+                    unresolved.append(f"prompt {i}: rows from position {int(np.argmax(still))} follow a tie with more "
+                                      f"than {MAX_RESOLUTIONS_NOTE} resolutions (position {min(tj.truncated)}): the "
+                                      f"backend's choice cannot be searched; a backend with selection taps can be judged")
         cmps.append(c.select(slice(0, len(ids))))
         dc = None
         if len(path) > len(ids):
@@ -617,6 +626,11 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     dec = LogitComparison.concat(dcmps) if dcmps else None
     cmp = LogitComparison.concat([pre] + ([dec] if dec is not None else []))
     passed, reason = verdict(cmp, th)
+    failed_prompts = [i for i, (c_pre, c_dec) in enumerate(per_prompt)
+                      if not verdict(c_pre, th)[0] or (c_dec is not None and not verdict(c_dec, th)[0])]
+    failed_prompts = sorted(set(failed_prompts) | {int(o.split(":")[0].split()[1]) for o in outside})
+    decode_failed = [i for i, (c_pre, c_dec) in enumerate(per_prompt)
+                     if verdict(c_pre, th)[0] and c_dec is not None and not verdict(c_dec, th)[0]]
     if not passed:   # name the first failing prompt and its own position (prefill rows, then decode rows)
         for i, (c_pre, c_dec) in enumerate(per_prompt):
             ok_pre, why_pre = verdict(c_pre, th)
@@ -659,19 +673,40 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         controls["negative_control"] = nc
         if not nc["ok"]:
             inconclusive.append("negative control: " + nc["detail"])
-    if not passed or not det_ok:
+    unresolved_prompts = {int(u.split(":")[0].split()[1]) for u in unresolved}
+    if not passed and failed_prompts and set(failed_prompts) <= unresolved_prompts and not outside:
+        passed = None   # judged neither way: the only failures follow an unsearchable tie
+        inconclusive.insert(0, unresolved[0])
+    if passed is False or not det_ok:
         status = FAIL
         if not det_ok and passed:
             reason = controls["determinism"]["detail"]
     elif inconclusive:
         status, reason = INCONCLUSIVE, "; ".join(inconclusive)
+        passed = bool(passed)
     else:
         status = PASS
     return KLReport(a=name_a, b=name_b, model=model, comparison=cmp,
                     per_prompt_positions=[c.n for c in cmps] + [c.n for c in dcmps], greedy=greedy, thresholds=th,
                     passed=passed, reason=reason, controls=controls, seconds=time.perf_counter() - t0,
                     status=status, decode=dec, floor=floor.to_json() if floor is not None else None,
-                    ties=ties_doc)
+                    ties=ties_doc, failed_prompts=failed_prompts, decode_failed=decode_failed)
+
+
+def decode_case(ids: Sequence[int], tokens: Sequence[int]):
+    """A scenario :class:`~parity.harness.scenarios.common.Case` replaying one KL prompt and its greedy decode:
+    prefill ``ids``, then decode ``tokens[:-1]`` one by one (the path the KL harness judged), so a decode
+    failure is located through the scenario machinery (tap-diff, and the search through the state)."""
+    from parity.harness.scenarios.common import Case
+    ids, tokens = [int(t) for t in ids], [int(t) for t in tokens]
+
+    def fn(run):
+        s = run.new("kl")
+        run.plan(ids + tokens[:-1])
+        run.prefill(s, ids)
+        for t in tokens[:-1]:
+            run.decode([s], [t])
+    return Case("greedy_decode", fn)
 
 
 def dumps(report: KLReport) -> str:

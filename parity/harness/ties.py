@@ -13,7 +13,7 @@ resolution. A backend is judged against the reference under the resolution it to
 * **without**: the reference is re-run under each resolution of the tied cuts, position by position (the
   resolution whose row matches the backend's best is kept), and the backend is judged against the result.
 
-The tie band at a cut is ``2 x multiple x score floor`` of the row's largest |score| (the score floor of the
+The tie band at a cut is ``2 x multiple x score floor`` of the layer's largest |score| (the score floor of the
 backend's stores, measured: two correct engines each within the multiple of it may order candidates that close
 either way); exact ties are always inside.
 """
@@ -34,7 +34,7 @@ MAX_RESOLUTIONS = 256  # resolutions tried per tied position (each one forward: 
 
 
 def tie_band(th) -> float:
-    """The near-tie band, relative to a selection row's largest |score|: ``2 * multiple * score floor`` (a
+    """The near-tie band, relative to a selection layer's score scale (its largest |score|): ``2 * multiple * score floor`` (a
     backend whose scores are within ``multiple`` floors of the truth's may order two candidates this close
     either way). ``th``: the run's :class:`parity.harness.kl.KLThresholds` (``score_rel``: the score floor of
     the floor they come from: float32, or the store-rounding one of the backend's stores)."""
@@ -57,6 +57,7 @@ class TieJudgement:
     outside: str | None = None
     how: str = ""
     cuts: TieReport = field(default_factory=TieReport)
+    truncated: list = field(default_factory=list)  # tied positions with more than MAX_RESOLUTIONS resolutions
 
 
 def backend_selections(backend, ids) -> SelectionLog | None:
@@ -114,12 +115,18 @@ def _diff_in_ties(kind, truth_sel: dict, be_sel: dict, ties: TieReport, scores: 
     return inside, outside
 
 
+def _n_resolutions(cut) -> int:
+    """How many ways the cut's tied slots can be filled: C(|tie set|, |kept from it|)."""
+    import math
+    return math.comb(len(cut["tie_set"]), len(cut["inside"]))
+
+
 def _resolutions(cut):
     """Every way to fill the cut's tied slots from its tie set (the canonical one first)."""
     tie, inside = cut["tie_set"], cut["inside"]
     m = len(inside)
-    combos = [tuple(inside)] + [c for c in itertools.combinations(tie, m) if tuple(sorted(c)) != tuple(inside)]
-    return combos[:MAX_RESOLUTIONS]
+    rest = (c for c in itertools.combinations(tie, m) if tuple(sorted(c)) != tuple(inside))
+    return [tuple(inside)] + list(itertools.islice(rest, MAX_RESOLUTIONS - 1))
 
 
 def _resolved_row(row, cut, chosen):
@@ -214,6 +221,11 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
             continue
         cuts = [c for c in cuts_now if c["position"] == p]
         best = None
+        n_res = 1
+        for c in cuts:
+            n_res *= _n_resolutions(c)
+        if n_res > MAX_RESOLUTIONS:
+            out.truncated.append(p)
         for combo in itertools.islice(itertools.product(*[_resolutions(c) for c in cuts]), MAX_RESOLUTIONS):
             trial = dict(overrides)
             for c, ch in zip(cuts, combo):
