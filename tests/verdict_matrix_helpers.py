@@ -372,24 +372,38 @@ def floor_of(name: str, stores_key: tuple):
     return measure_floor(w, floor_prompts(w.config, prompts(name)), dict(stores_key))
 
 
-def judge(kind: str, name: str) -> dict:
-    """Judge backend ``kind`` on model ``name``: ``{"verdict", "kl": KLReport, "cases": [CaseResult], ...}``."""
+@functools.lru_cache(maxsize=None)
+def thresholds_of(name: str, precision: str, stores_key: tuple):
+    """The run's thresholds for a backend of ``precision`` and stores on model ``name``, with the tap-diff
+    profile measured on the model (parity.harness.floor.with_tap_profile), as run_parity builds them."""
+    from parity.harness.floor import with_tap_profile
+    from parity.harness.kl import thresholds_for
+    _, w = model(name)
+    th = thresholds_for(precision, floor_of(name, stores_key))
+    return with_tap_profile(th, w, prompts(name)[0], dict(stores_key))
+
+
+def judge(kind: str, name: str, locate: bool = False) -> dict:
+    """Judge backend ``kind`` on model ``name``: ``{"verdict", "kl": KLReport, "cases": [CaseResult], ...}``
+    (``locate``: locate failing cases by tap-diff too)."""
     from parity.harness.floor import stores_of
-    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, USEFUL_FAULT_REL, run_kl, thresholds_for
+    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, USEFUL_FAULT_REL, run_kl
     from parity.harness.scenarios.common import TruthCache
     from parity.harness.scenarios.runner import run_case
     _, w = model(name)
     b = backend(kind, name)
     a = _ref(w)
-    fl = floor_of(name, tuple(sorted(stores_of(b).items())))
-    th = thresholds_for(b.precision, fl)
+    key = tuple(sorted(stores_of(b).items()))
+    fl = floor_of(name, key)
+    th = thresholds_of(name, b.precision, key)
 
     def perturbed(scale=1.0):
         from parity.cli.kl import perturbation
         return _ref(w, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=scale)))
-    rep = run_kl(a, b, prompts(name), greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False)
+    rep = run_kl(a, b, prompts(name), greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False,
+                 thresholds=th)
     truth = TruthCache(a.model)
-    cases = [run_case("matrix", c, b, truth, thresholds=th, locate_on_fail=False) for c in _cases()]
+    cases = [run_case("matrix", c, b, truth, thresholds=th, locate_on_fail=locate) for c in _cases()]
     statuses = [rep.status] + [{"pass": PASS, "fail": FAIL, "error": FAIL}.get(c.status, PASS) for c in cases]
     coarse = not th.tol_rel < USEFUL_FAULT_REL
     if FAIL in statuses:

@@ -533,7 +533,7 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
 
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,
            floor_pair: tuple | None = None, perturbed_b: Callable[..., object] | None = None,
-           perturbed_note: str = "", progress: bool = True, floor=None, weights=None) -> KLReport:
+           perturbed_note: str = "", progress: bool = True, floor=None, weights=None, thresholds=None) -> KLReport:
     """Run the KL harness: b against a over ``prompts`` (prefill rows and greedy decode rows) plus the controls.
 
     Args:
@@ -547,6 +547,8 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         floor_pair: (reference float32, reference float64) backends: their weights measure the floor.
         perturbed_b: ``f(scale=s) -> backend`` equal to b with one weight perturbed by ``s * rms * N(0,1)``
             (the negative control, see :func:`negative_control`; a zero-argument callable is used at full size).
+        thresholds: the run's thresholds when already derived from ``floor`` (with its measured tap profile);
+            None: :func:`thresholds_for` of b's precision and the floor.
     Returns:
         :class:`KLReport` (``status`` PASS / FAIL / INCONCLUSIVE, ``exit_code`` 0 / 1 / 3).
     Raises:
@@ -567,7 +569,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         w = weights if weights is not None else (_weights_of(floor_pair[1]) if floor_pair else None) or _weights_of(a)
         if w is not None:
             floor = measure_floor(w, prompts, stores_of(b))
-    th = thresholds_for(prec, floor)
+    th = thresholds if thresholds is not None else thresholds_for(prec, floor)
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
     la_all = []
