@@ -11,7 +11,8 @@ Expected verdicts and why:
   tie-equivalent; on ``wide-budget`` a tie of >256 resolutions cannot be searched without selection taps:
   INCONCLUSIVE;
 * every fault FAILs, except BF16 indexer scores where no cut is close enough for BF16 to flip a pick (its
-  selections then equal the truth's and it PASSes, truthfully): only ``wide-budget`` crowds the cut.
+  selections then equal the truth's and it PASSes, truthfully): on ``wide-budget`` (16 of up to 45 blocks
+  crowd the cut) and ``large-scale`` it flips picks outside the tie band and FAILs.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def expected(kind: str, model: str) -> str:
         return "INCONCLUSIVE"
     if kind == "official":
         return "INCONCLUSIVE" if model == "wide-budget" else "PASS"
-    if kind == "bf16-scores":
-        return "FAIL" if model == "wide-budget" else "PASS"
+    if kind == "bf16-scores":   # measured: BF16 flips a pick outside the tie band on these two models
+        return "FAIL" if model in ("wide-budget", "large-scale") else "PASS"
     return "FAIL"
 
 
