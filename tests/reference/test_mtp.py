@@ -238,3 +238,25 @@ def test_mtp_build_is_deterministic(tmp_path):
     assert new.keys() == old.keys()
     for k in old:
         assert np.array_equal(new[k], old[k]), k
+
+
+def test_mtp_taps_are_registered_and_emitted_in_order():
+    """Every mtp.* tap the reference head emits is in the registry (mtp_tap_names, forward order) and only those."""
+    from reference import taphook
+    from reference.model import _Capture
+    from taps import registry
+
+    ck = Checkpoint.open(fixture_dir("tiny-mtp"))
+    g, _ = _golden("tiny-mtp")
+    cap = _Capture()
+    tok = taphook.set_current(cap)
+    try:
+        lg, st = ReferenceModel(ck).mtp_forward(g["qsa/residual"][:-1], g["qsa/ids"][1:])
+    finally:
+        taphook.reset_current(tok)
+    assert list(cap.values) == registry.mtp_tap_names()
+    assert all(registry.spec_for(n) is not None for n in cap.values)
+    assert sorted(cap.values, key=registry.order_key) == list(cap.values)
+    r = cap.result()
+    np.testing.assert_array_equal(r["mtp.logits"], lg)
+    np.testing.assert_array_equal(r["mtp.layers.0.mlp_hyper_connection.combine"], st)
