@@ -1,0 +1,219 @@
+"""Engine MTP drafting on the CPU path (NumPy twins; the CUDA path runs the same code on the CUDA kernels,
+tests/engine/test_engine_mtp.py::test_gpu_*): draft logits against the reference head's goldens, greedy
+speculative generation equal to plain greedy, every acceptance count with rollback of trunk and head, the
+head's state through fork and snapshot/restore."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fixture_helpers import fixture_dir
+from engine.engine import Engine
+from reference.checkpoint import Checkpoint
+from reference.errors import InputError
+from reference.model import ReferenceModel
+
+MTP_FIXTURES = ("tiny-mtp", "tiny-hc3-mtp")
+
+
+def _golden(name):
+    with np.load(fixture_dir(name) / "golden_mtp.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+def _plain_greedy(eng, prompt, n):
+    s = eng.add_sequence()
+    lg = eng.prefill(s, prompt, last_only=True)
+    out = [int(np.argmax(lg))]
+    while len(out) < n:
+        out.append(int(eng.decode_greedy([s], [out[-1]])[0]))
+    eng.free(s)
+    return out
+
+
+# Tolerance 1e-4 relative to the largest logit: float32 engine (BF16 weights read exactly in both precisions:
+# the fixtures store BF16) vs the float32 reference over the trunk prefix and the head; observed <= 4e-7.
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("name", MTP_FIXTURES)
+def test_engine_draft_logits_match_the_reference_head(name, precision):
+    ck = Checkpoint.open(fixture_dir(name))
+    g = _golden(name)
+    for opt in ("fresh", "reuse_step0"):
+        eng = Engine(ck, precision=precision, device="cpu", mtp_draft_selection=opt)
+        assert eng.has_mtp
+        for p in ("qsa", "chat"):
+            ids, n = g[f"{p}/ids"], int(g[f"draft/{p}/n"])
+            s = eng.add_sequence()
+            eng.prefill(s, ids[:n])
+            np.testing.assert_allclose(eng.last_residual, g[f"{p}/residual"][:n], atol=1e-4, rtol=0)
+            d, dl = eng.mtp_draft(s, eng.last_residual, ids[1:n + 1], 3, return_logits=True)
+            assert _rel(dl, g[f"draft/{p}/{opt}/logits"]) < TOL, (p, opt)
+            assert np.array_equal(d, g[f"draft/{p}/{opt}/ids"]), (p, opt)
+            assert s.mtp_len == n  # the draft steps past the committed pairs are not the head's state
+            eng.free(s)
+    # negative control: per-stream hnorm (llama.cpp's grouping) is caught at > 10x the tolerance
+    eng = Engine(ck, precision=precision, device="cpu", mtp_hnorm="per_stream")
+    ids, n = g["chat/ids"], int(g["draft/chat/n"])
+    s = eng.add_sequence()
+    eng.prefill(s, ids[:n])
+    _, dl = eng.mtp_draft(s, eng.last_residual, ids[1:n + 1], 3, return_logits=True)
+    assert _rel(dl, g["draft/chat/fresh/logits"]) > 10 * TOL
+
+
+def test_engine_mtp_chunked_catch_up_equals_one_shot():
+    """The head follows the prompt chunk by chunk (one position behind the trunk): same drafts as one chunk."""
+    ck = Checkpoint.open(fixture_dir("tiny-mtp"))
+    g = _golden("tiny-mtp")
+    eng = Engine(ck, precision="float32", device="cpu")
+    ids = g["chat/ids"]
+    outs = []
+    for cs in (None, 5):
+        s = eng.add_sequence()
+        outs.append(eng.generate_speculative(s, ids, 12, 3, chunk_size=cs))
+        assert s.mtp_len == s.length - 1
+        eng.free(s)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("name", MTP_FIXTURES)
+def test_speculative_equals_plain_greedy_64(name):
+    eng = Engine(Checkpoint.open(fixture_dir(name)), precision="float32", device="cpu")
+    prompt = _golden(name)["qsa/ids"]
+    s = eng.add_sequence()
+    assert eng.generate_speculative(s, prompt, 64, 3) == _plain_greedy(eng, prompt, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MTP_FIXTURES)
+def test_speculative_equals_plain_greedy_512(name):
+    """The greedy identity over 512 tokens, k = 1 and 4, on the CPU engine and the reference."""
+    from reference.session import speculative_greedy
+    ck = Checkpoint.open(fixture_dir(name))
+    eng = Engine(ck, precision="float32", device="cpu")
+    prompt = _golden(name)["chat/ids"]
+    plain = _plain_greedy(eng, prompt, 512)
+    for k in (1, 4):
+        s = eng.add_sequence()
+        assert eng.generate_speculative(s, prompt, 512, k) == plain, k
+        eng.free(s)
+    assert speculative_greedy(ReferenceModel(ck), prompt, 512, 4) == plain
+
+
+def test_every_acceptance_count_rolls_back_trunk_and_head():
+    """Forced drafts (the trunk's true continuation, first wrong at position j) give every acceptance count
+    0..k; after each round the trunk is at position + accepted + 1 and the head's next drafts equal the reference
+    head fed the same accepted history (its state was rolled back and caught up)."""
+    ck = Checkpoint.open(fixture_dir("tiny-mtp"))
+    g = _golden("tiny-mtp")
+    prompt = g["qsa/ids"]
+    k = 3
+    eng = Engine(ck, precision="float32", device="cpu")
+    truth = _plain_greedy(eng, prompt, 40)
+    plan = [0, 1, 2, 3, 3, 0, 2, 1]  # acceptance count per round
+    V = ck.config.vocab_size
+
+    def propose(rnd, n, drafts):
+        j = plan[rnd % len(plan)]
+        base = n - len(prompt) + 1  # index in `truth` of the first draft's token
+        d = [truth[base + i] for i in range(k)]
+        if j < k:
+            d[j] = (d[j] + 1) % V
+        return d
+
+    trace, seen = [], []
+    s = eng.add_sequence()
+    orig = eng.mtp_draft
+
+    def checked_draft(seq, R, nxt, kk, **kw):  # compare the head's real drafts with the reference head
+        out = orig(seq, R, nxt, kk, return_logits=True)
+        seen.append((seq.mtp_len, out[1]))
+        return out[0]
+    eng.mtp_draft = checked_draft
+    out = eng.generate_speculative(s, prompt, 30, k, trace=trace, propose=propose)
+    assert out == truth[:30]
+    assert sorted({t["accepted"] for t in trace}) == [0, 1, 2, 3]
+    for a, b in zip(trace, trace[1:]):
+        assert b["position"] == a["position"] + a["accepted"] + 1
+    m = ReferenceModel(ck)
+    sess = m.new_session()
+    sess.residual_log = []
+    hist = np.concatenate([prompt, truth[:30]])
+    sess.prefill(hist)
+    R = np.concatenate(sess.residual_log)
+    for mtp_len, dl in seen[1:]:
+        ms = m.new_mtp_session()
+        _, ref = ms.draft(R[:mtp_len], hist[1:mtp_len + 1], dl.shape[0])
+        assert _rel(dl[0], ref[0]) < TOL, mtp_len  # the first draft depends only on the committed history
+
+
+def test_head_state_survives_fork_and_snapshot_restore():
+    ck = Checkpoint.open(fixture_dir("tiny-hc3-mtp"))
+    g = _golden("tiny-hc3-mtp")
+    eng = Engine(ck, precision="float32", device="cpu", page_size=4)
+    ids, n = g["chat/ids"], int(g["draft/chat/n"])
+    s = eng.add_sequence()
+    eng.prefill(s, ids[:n - 1])
+    eng.mtp_consume(s, eng.last_residual[:-1], ids[1:n - 1])
+    R_last = eng.last_residual[-1:]
+    snap = eng.snapshot(s)
+    child = eng.fork(s)
+    eng.prefill(s, ids[n - 1:n])  # the trunk's position n-1; the head's pair n-2 still pending
+    R = np.concatenate([R_last, eng.last_residual])
+    ref = g["draft/chat/fresh/logits"]
+    _, dl = eng.mtp_draft(s, R, ids[n - 1:n + 1], 3, return_logits=True)
+    assert _rel(dl, ref) < TOL
+    # the child (sharing pages, copy on write) drafts the same after the parent wrote its head caches
+    eng.prefill(child, ids[n - 1:n])
+    _, dl2 = eng.mtp_draft(child, R, ids[n - 1:n + 1], 3, return_logits=True)
+    assert _rel(dl2, ref) < TOL
+    eng.restore(s, snap)
+    assert s.mtp_len == n - 2
+    eng.prefill(s, ids[n - 1:n])
+    _, dl3 = eng.mtp_draft(s, R, ids[n - 1:n + 1], 3, return_logits=True)
+    assert _rel(dl3, ref) < TOL
+    with pytest.raises(InputError, match="pairs"):
+        eng.mtp_consume(s, np.zeros((5, ck.config.hc_hidden_size), np.float32), ids[:5])
+
+
+def test_engine_without_head_refuses_drafting():
+    ck = Checkpoint.open(fixture_dir("tiny"))
+    eng = Engine(ck, precision="float32", device="cpu")
+    assert not eng.has_mtp
+    s = eng.add_sequence()
+    eng.prefill(s, [1, 2, 3])
+    with pytest.raises(InputError, match="MTP head"):
+        eng.mtp_draft(s, eng.last_residual, [2, 3, 4], 2)
+    with pytest.raises(InputError, match="MTP head"):
+        Engine(ck, precision="float32", device="cpu", mtp=True)
+    with pytest.raises(InputError, match="hnorm"):
+        Engine(Checkpoint.open(fixture_dir("tiny-mtp")), device="cpu", mtp_hnorm="rms")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MTP_FIXTURES)
+def test_gpu_draft_logits_and_greedy_identity(name):
+    """The CUDA path (same layer code on the CUDA kernels): draft logits vs the reference head, and the greedy
+    identity over 128 tokens."""
+    from engine.backend import gpu_available
+    if not gpu_available():
+        pytest.skip("needs cupy and a CUDA GPU")
+    ck = Checkpoint.open(fixture_dir(name))
+    g = _golden(name)
+    for prec in ("float32", "bf16"):
+        eng = Engine(ck, precision=prec, device="cuda")
+        ids, n = g["chat/ids"], int(g["draft/chat/n"])
+        s = eng.add_sequence()
+        eng.prefill(s, ids[:n])
+        d, dl = eng.mtp_draft(s, eng.last_residual, ids[1:n + 1], 3, return_logits=True)
+        assert _rel(dl, g["draft/chat/fresh/logits"]) < TOL
+        s2 = eng.add_sequence()
+        assert eng.generate_speculative(s2, ids, 128, 3) == _plain_greedy(eng, ids, 128)
