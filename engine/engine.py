@@ -211,7 +211,8 @@ class Engine:
         for s in segs:
             self.pool.reserve(s.seq, len(s.ids))
         try:
-            if mode == "decode" and self.graphs is not None and tap_recorder.current() is None:
+            # with the MTP head loaded the eager path runs (the head needs each step's residual)
+            if mode == "decode" and self.graphs is not None and tap_recorder.current() is None and not self.has_mtp:
                 logits, tok = self.graphs.decode(self.pool, segs)
                 if tokens:
                     logits = (logits, tok)
@@ -228,6 +229,8 @@ class Engine:
             raise
         for s in segs:
             s.seq.length += len(s.ids)
+        if self.has_mtp:
+            self._mtp_track(segs, mode)
         return logits
 
     def prefill(self, seq, ids, chunk_size: int | None = None, last_only: bool = False) -> np.ndarray:
@@ -429,6 +432,45 @@ class Engine:
         (device array; the MTP head's input ``R``)."""
         return self.model.last_residual
 
+    #: pending trunk rows per sequence beyond which the head catches up at once (bounds the kept residuals)
+    MTP_TAIL_ROWS = 256
+
+    def _mtp_track(self, segs, mode: str) -> None:
+        """Keep each segment's residual rows for the head (``seq.mtp_tail``); a prefill chunk (or a long tail)
+        is consumed at once: the head follows the trunk one position behind."""
+        R = self.model.last_residual
+        a = 0
+        for s in segs:
+            n = len(s.ids)
+            s.seq.mtp_tail.append((s.start, R[a:a + n], np.asarray(s.ids, np.int64)))
+            a += n
+            if mode == "prefill" or sum(len(t[2]) for t in s.seq.mtp_tail) > self.MTP_TAIL_ROWS:
+                self._mtp_catch_up(s.seq)
+
+    def _mtp_rows(self, seq):
+        """``(R [m, hc*H], ids [m])`` of the pending trunk positions ``seq.mtp_len .. length-1``.
+
+        Raises:
+            InputError: the residuals of some of those positions are not held (a snapshot file was imported).
+        """
+        tail = [t for t in seq.mtp_tail if t[0] + len(t[2]) > seq.mtp_len]
+        if not tail or tail[0][0] > seq.mtp_len or tail[-1][0] + len(tail[-1][2]) != seq.length:
+            raise InputError(f"mtp: sequence {seq.sid}: expected the trunk's residuals of positions "
+                             f"{seq.mtp_len}..{seq.length - 1} for the MTP head, found them missing (e.g. after "
+                             f"importing a snapshot file: prefill the history again to draft)")
+        off = seq.mtp_len - tail[0][0]
+        R = self.xp.concatenate([t[1] for t in tail], axis=0)[off:] if len(tail) > 1 else tail[0][1][off:]
+        ids = np.concatenate([t[2] for t in tail])[off:]
+        return R, ids
+
+    def _mtp_catch_up(self, seq) -> None:
+        """Consume every pending pair whose next token the trunk holds (positions ``mtp_len .. length-2``)."""
+        if seq.length - 1 <= seq.mtp_len:
+            return
+        R, ids = self._mtp_rows(seq)
+        self.mtp_consume(seq, R[:-1], ids[1:])
+        seq.mtp_tail = [(seq.length - 1, R[-1:], ids[-1:])]
+
     def _mtp_pairs(self, seq, residual, next_ids, extra: int):
         if not self.has_mtp:
             raise InputError("mtp: expected an engine with the MTP head loaded (Engine(..., mtp=True)), found none")
@@ -448,8 +490,8 @@ class Engine:
         return R, ids, start
 
     def mtp_consume(self, seq, residual, next_ids) -> None:
-        """Feed the head ``m`` pairs ``(R_q, x_{q+1})`` at its next positions (the catch-up on a prompt chunk or
-        on accepted tokens) without drafting.
+        """Feed the head ``m`` pairs ``(R_q, x_{q+1})`` at its next positions ``seq.mtp_len ..`` without drafting
+        (low level: :meth:`mtp_draft_next` does the bookkeeping from the engine's own residuals).
 
         Raises:
             InputError: no head, bad shapes, or pairs past the trunk's positions.
@@ -458,11 +500,36 @@ class Engine:
         self.model.mtp_step(self.pool, seq, R, start, ids=ids, hnorm=self.mtp_hnorm)
         seq.mtp_len = start + len(ids)
 
+    def mtp_draft_next(self, seq, next_id: int, k: int, return_logits: bool = False):
+        """The head's ``k`` greedy drafts after ``seq`` followed by ``next_id`` (the token the trunk chose at its
+        last position, not yet fed): the head catches up on the trunk positions it has not consumed (the
+        engine keeps their residuals), then drafts (:meth:`mtp_draft`). The pair ``(R_{n-1}, next_id)`` is not
+        committed (``next_id`` is not in the trunk yet), so the call can be repeated; rejected draft steps and
+        rolled-back trunk positions never stay in the head's state (:meth:`rollback` trims it too).
+
+        Returns:
+            int64 ``[k]`` draft ids (and host float32 ``[k, V]`` logits with ``return_logits``).
+        Raises:
+            InputError: no head, an empty sequence, ``k < 1``, or the residuals needed are not held.
+        """
+        if not self.has_mtp:
+            raise InputError("mtp: expected an engine with the MTP head loaded (Engine(..., mtp=True)), found none")
+        self.pool._check(seq)
+        if seq.length < 1:
+            raise InputError(f"mtp draft: sequence {seq.sid}: expected at least one token in the trunk, found none")
+        nxt = self._ids([next_id], "mtp next id")
+        self._mtp_catch_up(seq)
+        R, _ = self._mtp_rows(seq)
+        try:
+            return self.mtp_draft(seq, R[-1:], nxt, k, return_logits=return_logits)
+        finally:
+            seq.mtp_len = seq.length - 1
+
     def mtp_draft(self, seq, residual, next_ids, k: int, return_logits: bool = False):
-        """Greedy drafts from the MTP head: consume the ``m`` pairs (kept: the head's state advances by ``m``),
-        then ``k - 1`` further steps at the following positions on the head's own state and drafted tokens
-        (speculative: their cache entries lie past :attr:`Sequence.mtp_len`, invisible and rewritten by the next
-        catch-up, so a rejection needs no further rollback of the head). The drafted ids stay on the device
+        """Greedy drafts from the MTP head (low level): consume the ``m`` pairs (committed: the head's state
+        advances by ``m``), then ``k - 1`` further steps at the following positions on the head's own state and
+        drafted tokens (speculative: their cache entries lie past ``seq.mtp_len``, invisible and rewritten by the
+        next catch-up, so a rejection needs no further rollback of the head). The drafted ids stay on the device
         between steps; one device->host copy returns them.
 
         Args:
@@ -506,29 +573,17 @@ class Engine:
             return out, self.model.syncs.host(xp.concatenate(logits, axis=0))
         return out
 
-    def mtp_truncate(self, seq, n: int) -> None:
-        """Keep the head's first ``n`` pairs (``0 <= n <= seq.mtp_len``).
-
-        Raises:
-            InputError: ``n`` out of range.
-        """
-        self.pool._check(seq)
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= seq.mtp_len:
-            raise InputError(f"mtp truncate: expected 0 <= n <= {seq.mtp_len}, found {n!r}")
-        seq.mtp_len = int(n)
-
     def generate_speculative(self, seq, prompt, max_new: int, k: int, eos_ids=(), trace: list | None = None,
                              chunk_size: int | None = None, propose=None) -> list[int]:
-        """Greedy generation with MTP drafts: per round the head drafts ``k`` tokens, the trunk verifies
-        ``[x, d_1..d_k]`` in one width-``k+1`` step (:meth:`verify_greedy`), the longest matching prefix plus the
-        trunk's own next token are kept, the rejected positions rolled back (:meth:`rollback`), and the head
-        catches up on the accepted positions with the trunk's residuals (its rejected draft steps are never
-        committed). Same tokens as plain greedy decoding (the head only proposes).
+        """Greedy generation with MTP drafts: per round the head drafts ``k`` tokens (:meth:`mtp_draft_next`),
+        the trunk verifies ``[x, d_1..d_k]`` in one width-``k+1`` step (:meth:`verify_greedy`), the longest
+        matching prefix plus the trunk's own next token are kept and the rejected positions rolled back
+        (:meth:`rollback`: trunk and head). Same tokens as plain greedy decoding (the head only proposes).
 
         Args:
             seq: an empty (or any) sequence; prompt: ids (>= 1); max_new, k: >= 1; eos_ids: stop ids.
             trace: optional list receiving ``{"position", "drafts", "accepted"}`` per round.
-            chunk_size: prefill chunk length (default: the engine's); the head consumes each chunk's pairs.
+            chunk_size: prefill chunk length (default: the engine's); the head follows chunk by chunk.
             propose: test hook ``(round, position, drafts) -> drafts`` replacing the head's drafts of a round
                 (random-weight heads accept almost nothing; this forces acceptance counts 1..k while the head's
                 state still follows the real loop).
@@ -542,43 +597,25 @@ class Engine:
         for name, v in (("max_new", max_new), ("k", k)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise InputError(f"{name}: expected a positive integer, found {v!r}")
-        ids = self._ids(prompt, "prompt")
-        cs = chunk_size if chunk_size is not None else (self.prefill_chunk or len(ids))
-        xp = self.xp
-        pend_R = None
-        for a in range(0, len(ids), cs):  # prefill chunk by chunk; the head follows one position behind
-            chunk = ids[a:a + cs]
-            last = self.prefill(seq, chunk, chunk_size=len(chunk), last_only=True)
-            R = self.last_residual
-            if pend_R is not None:
-                R = xp.concatenate([pend_R, R], axis=0)
-            nxt = ids[seq.mtp_len + 1:a + len(chunk)]
-            if len(nxt):
-                self.mtp_consume(seq, R[:len(nxt)], nxt)
-            pend_R = R[-1:]
-        x = int(np.argmax(last))
-        out = [x]
-        pend_ids = np.array([x], np.int64)
+        last = self.prefill(seq, prompt, chunk_size=chunk_size, last_only=True)
+        out = [int(np.argmax(last))]
         eos = {int(e) for e in eos_ids}
         rnd = 0
         while len(out) < max_new and out[-1] not in eos:
             kk = int(min(k, max_new - len(out)))
             n = seq.length
-            drafts = self.mtp_draft(seq, pend_R, pend_ids, kk)
+            drafts = self.mtp_draft_next(seq, out[-1], kk)
             if propose is not None:
                 drafts = np.asarray(propose(rnd, n, drafts), np.int64).reshape(kk)
             rnd += 1
             greedy = self.verify_greedy(seq, np.concatenate([[out[-1]], drafts]))
-            Rv = self.last_residual
             acc = 0
             while acc < kk and int(greedy[acc]) == int(drafts[acc]):
                 acc += 1
             self.rollback(seq, kk - acc)
             if trace is not None:
                 trace.append({"position": n, "drafts": [int(d) for d in drafts], "accepted": acc})
-            new = [int(d) for d in drafts[:acc]] + [int(greedy[acc])]
-            pend_R, pend_ids = Rv[:acc + 1], np.asarray(new, np.int64)
-            for t in new:
+            for t in [int(d) for d in drafts[:acc]] + [int(greedy[acc])]:
                 out.append(t)
                 if t in eos or len(out) >= max_new:
                     break

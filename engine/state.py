@@ -91,6 +91,9 @@ class Sequence:
     broken: bool = False
     # pairs (R_q, x_{q+1}) the MTP head's caches hold (positions 0 .. mtp_len-1); 0 without an MTP head
     mtp_len: int = 0
+    # the trunk's residual rows the head has not consumed yet: [(start, R [m, hc*H] device, ids [m] host)],
+    # contiguous, covering positions mtp_len .. length-1 (engine.Engine keeps it when the head is loaded)
+    mtp_tail: list = dataclasses.field(default_factory=list)
 
     def __repr__(self):
         return f"Sequence(sid={self.sid}, length={self.length}, pages={len(self.pages)})"
@@ -104,6 +107,7 @@ class Snapshot:
         self.pool_id = id(pool)
         self.length = seq.length
         self.mtp_len = seq.mtp_len
+        self.mtp_tail = list(seq.mtp_tail)  # rows are never written in place: sharing them is safe
         self.pages = list(seq.pages)
         self.slab = {key: arr[seq.slab].copy() for key, arr in pool.slab_arrays()}
         pool._incref(self.pages)
@@ -226,10 +230,14 @@ class StatePool:
                 yield f"{f}.{i}", arr
 
     def page_arrays(self):
-        """Every slot-indexed pool array as ``(key, array)`` (the MTP head's as ``mtp.<field>``)."""
+        """Every slot-indexed pool array of the trunk as ``(key, array)`` (``kv_k.{layer}`` ...)."""
         for f in ("kv_k", "kv_v", "idx_k", "blk_k"):
             for i, arr in getattr(self, f).items():
                 yield f"{f}.{i}", arr
+
+    def _slot_arrays(self):
+        """:meth:`page_arrays` plus the MTP head's (``mtp.<field>``): what page scrubs and copies on write cover."""
+        yield from self.page_arrays()
         for f, arr in self.mtp.items():
             yield f"mtp.{f}", arr
 
@@ -287,7 +295,7 @@ class StatePool:
 
     def _scrub_pages(self, pages) -> None:
         slots = self.xp.asarray(self._page_slots(pages))
-        for _, arr in self.page_arrays():
+        for _, arr in self._slot_arrays():
             arr[slots] = 0
 
     def _scrub_slab(self, slab: int) -> None:
@@ -330,6 +338,7 @@ class StatePool:
         self._free_slabs.append(seq.slab)
         seq.alive = False
         seq.checkpoints = None
+        seq.mtp_tail = []
         del self.seqs[seq.sid]
 
     def fork(self, seq: Sequence) -> Sequence:
@@ -340,6 +349,7 @@ class StatePool:
         self._incref(child.pages)
         child.length = seq.length
         child.mtp_len = seq.mtp_len
+        child.mtp_tail = list(seq.mtp_tail)
         for _, arr in self.slab_arrays():
             arr[child.slab] = arr[seq.slab]
         self._sync_table(child)
@@ -400,7 +410,7 @@ class StatePool:
         if cow:
             src = xp.asarray(self._page_slots([o for _, _, o in cow]))
             dst = xp.asarray(self._page_slots([q for _, q, _ in cow]))
-            for _, arr in self.page_arrays():
+            for _, arr in self._slot_arrays():
                 arr[dst] = arr[src]
             self._decref([o for _, _, o in cow])
         for p, q, old in new_pages:
@@ -437,6 +447,12 @@ class StatePool:
         seq.pages = seq.pages[:keep]
         seq.length = new_length
         seq.mtp_len = max(0, min(seq.mtp_len, new_length - 1))  # a pair at q needs the token at q + 1
+        tail = []
+        for start, R, ids in seq.mtp_tail:  # the head's pending trunk rows past the new length go too
+            if start < new_length:
+                n = min(len(ids), new_length - start)
+                tail.append((start, R[:n], ids[:n]))
+        seq.mtp_tail = tail
         if drop:
             self._decref(drop)
             self.block_tables[seq.slab, keep:keep + len(drop)] = -1
@@ -462,6 +478,7 @@ class StatePool:
         seq.pages = list(snap.pages)
         seq.length = snap.length
         seq.mtp_len = snap.mtp_len
+        seq.mtp_tail = list(snap.mtp_tail)
         seq.checkpoints = None
         seq.broken = False
         for key, arr in self.slab_arrays():
@@ -606,7 +623,8 @@ class StatePool:
         self._decref(seq.pages)
         seq.pages = [self._alloc_page(f"import into sequence {seq.sid}") for _ in range(need)]
         seq.length = L
-        seq.mtp_len = 0  # the MTP head's caches are not exported: it catches up from the trunk
+        seq.mtp_len = 0  # the MTP head's caches are not exported (nor the trunk residuals it would need)
+        seq.mtp_tail = []
         seq.checkpoints = None
         seq.broken = False
         self._sync_table(seq)

@@ -55,17 +55,19 @@ def test_engine_draft_logits_match_the_reference_head(name, precision):
             s = eng.add_sequence()
             eng.prefill(s, ids[:n])
             np.testing.assert_allclose(eng.last_residual, g[f"{p}/residual"][:n], atol=1e-4, rtol=0)
-            d, dl = eng.mtp_draft(s, eng.last_residual, ids[1:n + 1], 3, return_logits=True)
+            d, dl = eng.mtp_draft_next(s, ids[n], 3, return_logits=True)
             assert _rel(dl, g[f"draft/{p}/{opt}/logits"]) < TOL, (p, opt)
             assert np.array_equal(d, g[f"draft/{p}/{opt}/ids"]), (p, opt)
-            assert s.mtp_len == n  # the draft steps past the committed pairs are not the head's state
+            assert s.mtp_len == n - 1  # neither the next token's pair nor the draft steps stay in the head
+            d2, dl2 = eng.mtp_draft_next(s, ids[n], 3, return_logits=True)  # repeatable
+            assert np.array_equal(d2, d) and np.array_equal(dl2, dl)
             eng.free(s)
     # negative control: per-stream hnorm (llama.cpp's grouping) is caught at > 10x the tolerance
     eng = Engine(ck, precision=precision, device="cpu", mtp_hnorm="per_stream")
     ids, n = g["chat/ids"], int(g["draft/chat/n"])
     s = eng.add_sequence()
     eng.prefill(s, ids[:n])
-    _, dl = eng.mtp_draft(s, eng.last_residual, ids[1:n + 1], 3, return_logits=True)
+    _, dl = eng.mtp_draft_next(s, ids[n], 3, return_logits=True)
     assert _rel(dl, g["draft/chat/fresh/logits"]) > 10 * TOL
 
 
@@ -76,12 +78,15 @@ def test_engine_mtp_chunked_catch_up_equals_one_shot():
     eng = Engine(ck, precision="float32", device="cpu")
     ids = g["chat/ids"]
     outs = []
-    for cs in (None, 5):
+    n = int(g["draft/chat/n"])
+    for cs in (None, 5, 1):
         s = eng.add_sequence()
-        outs.append(eng.generate_speculative(s, ids, 12, 3, chunk_size=cs))
-        assert s.mtp_len == s.length - 1
+        eng.prefill(s, ids[:n], chunk_size=cs)
+        assert s.mtp_len == n - 1  # one position behind the trunk after every chunk
+        outs.append(eng.mtp_draft_next(s, ids[n], 3, return_logits=True)[1])
         eng.free(s)
-    assert outs[0] == outs[1]
+    for o in outs:
+        assert _rel(o, g["draft/chat/fresh/logits"]) < TOL
 
 
 @pytest.mark.parametrize("name", MTP_FIXTURES)
@@ -135,7 +140,7 @@ def test_every_acceptance_count_rolls_back_trunk_and_head():
 
     def checked_draft(seq, R, nxt, kk, **kw):  # compare the head's real drafts with the reference head
         out = orig(seq, R, nxt, kk, return_logits=True)
-        seen.append((seq.mtp_len, out[1]))
+        seen.append((seq.length, out[1]))
         return out[0]
     eng.mtp_draft = checked_draft
     out = eng.generate_speculative(s, prompt, 30, k, trace=trace, propose=propose)
@@ -149,39 +154,37 @@ def test_every_acceptance_count_rolls_back_trunk_and_head():
     hist = np.concatenate([prompt, truth[:30]])
     sess.prefill(hist)
     R = np.concatenate(sess.residual_log)
-    for mtp_len, dl in seen[1:]:
+    for L, dl in seen[1:]:
         ms = m.new_mtp_session()
-        _, ref = ms.draft(R[:mtp_len], hist[1:mtp_len + 1], dl.shape[0])
-        assert _rel(dl[0], ref[0]) < TOL, mtp_len  # the first draft depends only on the committed history
+        _, ref = ms.draft(R[:L], hist[1:L + 1], dl.shape[0])
+        assert _rel(dl, ref) < TOL, L  # the head's drafts depend only on the accepted history
 
 
 def test_head_state_survives_fork_and_snapshot_restore():
+    """Pages holding the head's caches are copied on write: a fork and a snapshot keep their head state while
+    the parent goes on (its catch-up writes head caches in shared pages); an imported snapshot file holds no
+    trunk residuals, so drafting from it is refused with the reason."""
     ck = Checkpoint.open(fixture_dir("tiny-hc3-mtp"))
     g = _golden("tiny-hc3-mtp")
     eng = Engine(ck, precision="float32", device="cpu", page_size=4)
     ids, n = g["chat/ids"], int(g["draft/chat/n"])
+    ref = g["draft/chat/fresh/logits"]
     s = eng.add_sequence()
-    eng.prefill(s, ids[:n - 1])
-    eng.mtp_consume(s, eng.last_residual[:-1], ids[1:n - 1])
-    R_last = eng.last_residual[-1:]
+    eng.prefill(s, ids[:n])
     snap = eng.snapshot(s)
     child = eng.fork(s)
-    eng.prefill(s, ids[n - 1:n])  # the trunk's position n-1; the head's pair n-2 still pending
-    R = np.concatenate([R_last, eng.last_residual])
-    ref = g["draft/chat/fresh/logits"]
-    _, dl = eng.mtp_draft(s, R, ids[n - 1:n + 1], 3, return_logits=True)
-    assert _rel(dl, ref) < TOL
-    # the child (sharing pages, copy on write) drafts the same after the parent wrote its head caches
-    eng.prefill(child, ids[n - 1:n])
-    _, dl2 = eng.mtp_draft(child, R, ids[n - 1:n + 1], 3, return_logits=True)
-    assert _rel(dl2, ref) < TOL
+    assert _rel(eng.mtp_draft_next(s, ids[n], 3, return_logits=True)[1], ref) < TOL
+    for t in (5, 6, 7, 8, 9):  # the parent moves on: head catch-up over positions in pages shared with both
+        eng.decode([s], [t])
+    eng.mtp_draft_next(s, 11, 3)
+    assert _rel(eng.mtp_draft_next(child, ids[n], 3, return_logits=True)[1], ref) < TOL
     eng.restore(s, snap)
-    assert s.mtp_len == n - 2
-    eng.prefill(s, ids[n - 1:n])
-    _, dl3 = eng.mtp_draft(s, R, ids[n - 1:n + 1], 3, return_logits=True)
-    assert _rel(dl3, ref) < TOL
-    with pytest.raises(InputError, match="pairs"):
-        eng.mtp_consume(s, np.zeros((5, ck.config.hc_hidden_size), np.float32), ids[:5])
+    assert s.mtp_len == n - 1
+    assert _rel(eng.mtp_draft_next(s, ids[n], 3, return_logits=True)[1], ref) < TOL
+    t = eng.add_sequence()
+    eng.import_snapshot(t, eng.export_snapshot(snap))
+    with pytest.raises(InputError, match="residuals"):
+        eng.mtp_draft_next(t, ids[n], 3)
 
 
 def test_engine_without_head_refuses_drafting():
@@ -191,7 +194,7 @@ def test_engine_without_head_refuses_drafting():
     s = eng.add_sequence()
     eng.prefill(s, [1, 2, 3])
     with pytest.raises(InputError, match="MTP head"):
-        eng.mtp_draft(s, eng.last_residual, [2, 3, 4], 2)
+        eng.mtp_draft_next(s, 4, 2)
     with pytest.raises(InputError, match="MTP head"):
         Engine(ck, precision="float32", device="cpu", mtp=True)
     with pytest.raises(InputError, match="hnorm"):
@@ -213,7 +216,7 @@ def test_gpu_draft_logits_and_greedy_identity(name):
         ids, n = g["chat/ids"], int(g["draft/chat/n"])
         s = eng.add_sequence()
         eng.prefill(s, ids[:n])
-        d, dl = eng.mtp_draft(s, eng.last_residual, ids[1:n + 1], 3, return_logits=True)
+        d, dl = eng.mtp_draft_next(s, ids[n], 3, return_logits=True)
         assert _rel(dl, g["draft/chat/fresh/logits"]) < TOL
         s2 = eng.add_sequence()
         assert eng.generate_speculative(s2, ids, 128, 3) == _plain_greedy(eng, ids, 128)
