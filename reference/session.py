@@ -15,6 +15,7 @@ A step is committed only when it completes, so an interrupted call leaves the se
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,9 @@ from reference.errors import InputError
 
 __all__ = ["GrowBuffer", "GDNState", "PLEState", "QSAState", "SessionState", "Snapshot", "Session",
            "STATE_KINDS", "required_kinds", "check_ids", "MTPState", "MTPSession", "speculative_greedy",
-           "accept_greedy"]
+           "accept_greedy", "mtp_draft_from_history"]
+
+_SNAPSHOT_TOKENS: dict[int, list] = {}  # id(Snapshot) -> the token history it holds (while it lives)
 
 #: every state kind a snapshot can carry (``Snapshot.kinds`` lists the ones it holds)
 STATE_KINDS = ("qsa.kv", "qsa.indexer_keys", "gdn.conv", "gdn.recurrent", "ple.conv", "ple.ngram_context")
@@ -251,6 +254,8 @@ class Session:
         self._checkpoints: dict[int, SessionState] = {}
         #: when a list, every step appends its pre-final-mixer residual ``[T, hc*H]`` (the MTP head's input)
         self.residual_log: list | None = None
+        #: the token ids the state holds (None when unknown: restored from a snapshot this process did not take)
+        self.tokens: list | None = []
 
     # ------------------------------------------------------------------ queries
     @property
@@ -262,7 +267,10 @@ class Session:
     def _advance(self, ids: np.ndarray, logits: str):
         p = self.state.position
         self._checkpoints = {q: c for q, c in self._checkpoints.items() if q <= p}
-        return self.model._run(self.state, ids, logits, residual_out=self.residual_log)
+        out = self.model._run(self.state, ids, logits, residual_out=self.residual_log)
+        if self.tokens is not None:
+            self.tokens.extend(int(t) for t in ids)
+        return out
 
     def prefill(self, ids, chunk_size: int | None = None, last_only: bool = False) -> np.ndarray:
         """Consume ``ids`` (optionally in chunks of ``chunk_size`` tokens).
@@ -327,6 +335,7 @@ class Session:
         if target == 0:
             self.state = SessionState.empty(self.config, self.model.dtype)
             self._checkpoints = {}
+            self.tokens = []
             return
         cp = self._checkpoints.get(target)
         if cp is None:
@@ -338,12 +347,18 @@ class Session:
             q.truncate(target, r)
         self.state = SessionState(target, {i: s.copy() for i, s in cp.gdn.items()}, self.state.qsa,
                                   {i: s.copy() for i, s in cp.ple.items()})
+        if self.tokens is not None:
+            del self.tokens[target:]
         self._checkpoints = {q: c for q, c in self._checkpoints.items() if q <= target}
 
     def snapshot(self) -> Snapshot:
         """A deep, independent copy of the whole state (with the kinds it holds)."""
-        return Snapshot(self.position, self.state.copy(), self.state.kinds, self.config.config_hash(),
+        snap = Snapshot(self.position, self.state.copy(), self.state.kinds, self.config.config_hash(),
                         np.dtype(self.model.dtype).name)
+        if self.tokens is not None:  # the history rides along by identity (the Snapshot format is unchanged)
+            _SNAPSHOT_TOKENS[id(snap)] = list(self.tokens)
+            weakref.finalize(snap, _SNAPSHOT_TOKENS.pop, id(snap), None)
+        return snap
 
     def restore(self, snapshot: Snapshot) -> None:
         """Replace the state by a (copy of a) snapshot.
@@ -367,6 +382,24 @@ class Session:
             raise InputError(f"restore: snapshot dtype {snapshot.dtype}, session dtype {np.dtype(self.model.dtype).name}")
         self.state = snapshot.state.copy()
         self._checkpoints = {}
+        toks = _SNAPSHOT_TOKENS.get(id(snapshot))
+        self.tokens = list(toks) if toks is not None and len(toks) == snapshot.position else None
+
+    def mtp_draft_next(self, next_id, k: int, hnorm: str = "global", draft_selection: str = "fresh"):
+        """The MTP head's ``k`` greedy drafts after this session's tokens followed by ``next_id`` (see
+        :func:`mtp_draft_from_history`: recomputed from the history, so there is no head state to roll back).
+
+        Returns:
+            ``(draft_ids [k] int64, draft_logits [k, V])``.
+        Raises:
+            InputError: the history is unknown (restored from a foreign snapshot) or the session is empty.
+            CheckpointError: no MTP head.
+        """
+        if self.tokens is None or len(self.tokens) != self.position:
+            raise InputError("mtp draft: expected the session's token history, found it unknown (restored from a "
+                             "snapshot this process did not take); prefill the history again to draft")
+        return mtp_draft_from_history(self.model, self.tokens, next_id, k, hnorm=hnorm,
+                                      draft_selection=draft_selection)
 
 
 # ---------------------------------------------------------------------------------------------- the MTP head
@@ -552,3 +585,22 @@ def speculative_greedy(model, prompt, max_new: int, k: int, *, hnorm: str = "glo
             if t in eos or len(out) >= max_new:
                 break
     return out[:max_new]
+
+
+def mtp_draft_from_history(model, tokens, next_id, k: int, hnorm: str = "global", draft_selection: str = "fresh"):
+    """The truth of a draft: the MTP head's ``k`` greedy drafts after ``tokens`` (``x_0..x_{n-1}``) and the
+    trunk's next token ``next_id`` (``x_n``), from scratch: one trunk forward gives ``R_0..R_{n-1}``, a fresh
+    head consumes the pairs ``(R_q, x_{q+1})``, ``q = 0..n-1``, and drafts (:meth:`MTPSession.draft`).
+
+    Returns:
+        ``(draft_ids [k] int64, draft_logits [k, V])`` in the model dtype.
+    Raises:
+        InputError: empty ``tokens``, bad ids, ``k < 1``, unknown option. CheckpointError: no MTP head.
+    """
+    cfg = model.config
+    ids = check_ids(tokens, cfg.vocab_size, "mtp history")
+    nxt = check_ids([next_id], cfg.vocab_size, "mtp next id")
+    ms = model.new_mtp_session(hnorm=hnorm, draft_selection=draft_selection)
+    res: list = []
+    model._run(SessionState.empty(cfg, model.dtype), ids, "none", residual_out=res)
+    return ms.draft(res[0], np.concatenate([ids[1:], nxt]), k)
