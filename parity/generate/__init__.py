@@ -551,6 +551,23 @@ class ReferenceLM:
         """Does nothing (a reference session holds nothing to release)."""
         pass
 
+    @property
+    def has_mtp(self) -> bool:
+        """True when the checkpoint carries an MTP head."""
+        return bool(self.model.has_mtp())
+
+    def draft(self, handle, next_id: int, k: int) -> np.ndarray:
+        """The MTP head's ``k`` greedy drafts after ``handle``'s tokens and ``next_id`` (``Session.mtp_draft_next``)."""
+        return np.asarray(handle.mtp_draft_next(int(next_id), int(k))[0], np.int64)
+
+    def verify_greedy(self, handle, ids) -> np.ndarray:
+        """Feed ``ids`` as one verify step; returns the greedy token after each (int64 ``[len(ids)]``)."""
+        return np.argmax(np.asarray(handle.forward_tokens(np.asarray(ids, np.int64))), axis=-1).astype(np.int64)
+
+    def rollback(self, handle, n: int) -> None:
+        """Forget the last ``n`` tokens of the latest verify."""
+        handle.rollback(int(n))
+
 
 class EngineLM:
     """The engine as a :class:`LanguageModel`: one engine sequence per prompt, all active sequences
@@ -587,6 +604,23 @@ class EngineLM:
     def close(self, handle):
         """Free the engine sequence ``handle``."""
         self.eng.free(handle)
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the engine loaded the checkpoint's MTP head."""
+        return bool(getattr(self.eng, "has_mtp", False))
+
+    def draft(self, handle, next_id: int, k: int) -> np.ndarray:
+        """The engine's MTP drafts (``Engine.mtp_draft_next``): int64 ``[k]``."""
+        return np.asarray(self.eng.mtp_draft_next(handle, int(next_id), int(k)), np.int64)
+
+    def verify_greedy(self, handle, ids) -> np.ndarray:
+        """One width-``len(ids)`` verify step (``Engine.verify_greedy``: argmax on the device)."""
+        return np.asarray(self.eng.verify_greedy(handle, np.asarray(ids, np.int64)), np.int64)
+
+    def rollback(self, handle, n: int) -> None:
+        """Forget the last ``n`` tokens of the latest verify (trunk and MTP head: ``Engine.rollback``)."""
+        self.eng.rollback(handle, int(n))
 
 
 def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "auto", precision: str | None = None,
@@ -769,6 +803,106 @@ class Generator:
             results.append(GenerationResult(list(map(int, prompts[i])), out[i], "".join(texts[i]), stop[i],
                                             prefill_s[i], decode_s))
         return results
+
+
+def parse_speculative(text: str) -> int:
+    """``--speculative mtp:k=N`` -> ``N`` (drafts per round, 1..16).
+
+    Raises:
+        InputError: naming the flag, the expected form and what was found.
+    """
+    import re
+    m = re.fullmatch(r"\s*mtp\s*:\s*k\s*=\s*(\d+)\s*", str(text))
+    if not m:
+        raise InputError(f"--speculative: expected mtp:k=N (N drafts per round from the checkpoint's MTP head), "
+                         f"found {text!r}")
+    k = int(m.group(1))
+    if not 1 <= k <= 16:
+        raise InputError(f"--speculative: expected k in 1..16, found {k}")
+    return k
+
+
+def generate_speculative(gen: "Generator", prompt_ids: Sequence[int], params: SamplingParams, k: int,
+                         on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Greedy generation with MTP drafts on ``gen``'s language model (``draft`` / ``verify_greedy`` /
+    ``rollback``): per round ``k`` drafts, one width-``k+1`` verify, the longest matching prefix plus the
+    trunk's own token kept, the rest rolled back. The tokens (and the streamed text) are those of plain greedy
+    decoding. ``result.extra['speculative']`` holds the rounds, drafted and accepted counts.
+
+    Raises:
+        SamplingError: sampling parameters (only greedy speculative decoding is implemented: the
+            speculative-sampling acceptance rule is not). InputError: the model has no MTP head; bad prompt.
+    """
+    params.validate()
+    if not params.greedy:
+        raise SamplingError("--speculative: expected greedy decoding (--greedy or --temperature 0): only the "
+                            "greedy acceptance rule is implemented, not the speculative-sampling one")
+    lm = gen.lm
+    if not getattr(lm, "has_mtp", False):
+        raise InputError("--speculative mtp: expected a checkpoint with an MTP head (mtp.* tensors, e.g. the "
+                         "bundled tiny-mtp), found none")
+    gen.check_prompt(prompt_ids)
+    stream = StreamDecoder(gen.tok)
+    out, texts, stop = [], [], None
+    rounds = drafted = accepted = 0
+    t0 = time.perf_counter()
+    h, logits = lm.start(np.asarray(prompt_ids, dtype=np.int64))
+    prefill_s = time.perf_counter() - t0
+    pos = len(prompt_ids)  # the position of the last emitted token
+
+    def emit(tid):
+        nonlocal stop, pos
+        out.append(int(tid))
+        if tid in gen.eos:
+            stop = "eos"
+            return
+        piece = stream.push(int(tid))
+        if piece:
+            texts.append(piece)
+            if on_text:
+                on_text(piece)
+        if len(out) >= params.max_new_tokens:
+            stop = "length"
+        elif pos + 1 >= lm.max_context:
+            stop = "context"
+
+    t1 = time.perf_counter()
+    try:
+        emit(int(np.argmax(logits)))
+        while stop is None:
+            kk = int(min(k, params.max_new_tokens - len(out), lm.max_context - pos - 1))
+            if kk < 1:  # no room for a draft: one plain step
+                nxt = int(np.argmax(lm.step([h], np.array([out[-1]]))[0]))
+                pos += 1
+                emit(nxt)
+                continue
+            drafts = lm.draft(h, out[-1], kk)
+            greedy = lm.verify_greedy(h, np.concatenate([[out[-1]], drafts]))
+            acc = 0
+            while acc < kk and int(greedy[acc]) == int(drafts[acc]):
+                acc += 1
+            lm.rollback(h, kk - acc)
+            rounds, drafted, accepted = rounds + 1, drafted + kk, accepted + acc
+            for t in [int(d) for d in drafts[:acc]] + [int(greedy[acc])]:
+                pos += 1
+                emit(t)
+                if stop is not None:
+                    break
+        decode_s = time.perf_counter() - t1
+    finally:
+        try:
+            lm.close(h)
+        except Exception:
+            pass
+    tail = stream.flush()
+    if tail:
+        texts.append(tail)
+        if on_text:
+            on_text(tail)
+    res = GenerationResult(list(map(int, prompt_ids)), out, "".join(texts), stop, prefill_s, decode_s)
+    res.extra["speculative"] = {"method": "mtp", "k": int(k), "rounds": rounds, "drafted": drafted,
+                                "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None}
+    return res
 
 
 def first_divergence(a: Sequence[GenerationResult], b: Sequence[GenerationResult]) -> tuple[int, int] | None:

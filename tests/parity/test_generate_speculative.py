@@ -1,0 +1,54 @@
+"""``qwen4exp generate --speculative mtp:k=N``: the same text and ids as plain greedy decoding on both
+backends, the acceptance statistics in --json, one-line refusals for sampling, a checkpoint without a head
+and a malformed option."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fixture_helpers import one_line_error
+from parity import generate as G
+from parity.cli import main
+from reference.errors import InputError
+
+
+def _run(capsys, *argv):
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+def test_speculative_streams_the_same_text_as_plain_greedy(capsys, backend):
+    base = ["tiny-mtp", "--prompt", "The lighthouse keeper", "--greedy", "--max-new-tokens", "40", "--backend",
+            backend] + (["--device", "cpu"] if backend == "engine" else [])
+    rc, plain, _ = _run(capsys, *base)
+    assert rc == 0
+    rc2, spec, _ = _run(capsys, *base, "--speculative", "mtp:k=3")
+    assert rc2 == 0 and spec == plain and plain.strip()
+    rc3, js, _ = _run(capsys, *base, "--speculative", "mtp:k=2", "--json")
+    d = json.loads(js)
+    rc4, js_plain, _ = _run(capsys, *base, "--json")
+    assert d["token_ids"] == json.loads(js_plain)["token_ids"] and len(d["token_ids"]) == 40
+    st = d["speculative"][0]
+    assert st["method"] == "mtp" and st["k"] == 2 and st["rounds"] >= 1
+    assert 0 <= st["accepted"] <= st["drafted"] and st["drafted"] <= 2 * st["rounds"]
+
+
+def test_parse_speculative():
+    assert G.parse_speculative("mtp:k=4") == 4 and G.parse_speculative(" mtp : k = 1 ") == 1
+    for bad in ("eagle", "mtp", "mtp:k=0", "mtp:k=99", "mtp:n=3"):
+        with pytest.raises(InputError, match="--speculative"):
+            G.parse_speculative(bad)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["tiny-mtp", "--prompt", "x", "--speculative", "mtp:k=3", "--temperature", "0.7"], ["--speculative", "greedy"]),
+    (["tiny", "--prompt", "x", "--greedy", "--speculative", "mtp:k=3"], ["--speculative", "MTP head"]),
+    (["tiny-mtp", "--prompt", "x", "--greedy", "--speculative", "draft:k=3"], ["--speculative", "mtp:k=N"]),
+])
+def test_speculative_refusals_are_one_line(capsys, argv, needles):
+    rc = main(["generate", *argv, "--device", "cpu"])
+    assert rc == 2
+    one_line_error(capsys, *needles)
