@@ -316,7 +316,7 @@ class Engine:
         cur = self._ids(ids, "decode ids")
         out = []
         g = self.graphs
-        if g is None or tap_recorder.current() is not None:
+        if g is None or tap_recorder.current() is not None or self.has_mtp:  # the head needs every residual
             import time
             for _ in range(int(steps)):
                 t0 = time.perf_counter()
