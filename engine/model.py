@@ -509,7 +509,7 @@ class EngineModel:
             n = ckx.shape[1]
             for j in range(Tn):
                 ckx[j + 1] = hist[j + 1:j + 1 + n]
-        rows = K_ple.ngram_hash_host(ids, ctx, st.slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
+        rows = K_ple.ngram_hash(ids, ctx, st.slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
         rows2 = rows.reshape(B * Tn, -1)
         self._emit(st.rec, q + "ple_embedding.ngram_ids", rows2, st.positions)
         tab = self.ple[i]

@@ -76,7 +76,10 @@ def test_decode_greedy_is_argmax_of_decode():
 
 
 @pytest.mark.parametrize("T", [1, 4])
-def test_ngram_hash_host_equals_numpy_twin(T):
+def test_ngram_hash_equals_reference_readable_form(T):
+    """The engine's batched host hash (the reference's Numba twin over the engine's context slab) equals the
+    reference's readable form sequence by sequence, and advances each carried context to its last tokens."""
+    from reference.blocks.ple import ngram_rows_numpy
     ck = Checkpoint.open(FIXTURES / "tiny")
     c = ck.config
     layer = c.ple_layers[0]
@@ -88,28 +91,33 @@ def test_ngram_hash_host_equals_numpy_twin(T):
     ctx = rng.integers(0, c.vocab_size, (6, c.ngram_size - 1))
     ctx[2, -1] = tab.eos
     slots = np.array([0, 2, 5, 3])
-    c1, c2 = ctx.copy(), ctx.copy()
-    want = K_ple.ngram_hash(ids, c1, slots, tab)
-    got = K_ple.ngram_hash_host(ids, c2, slots, tab)
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(c2, c1)  # carried contexts advanced identically
+    got_ctx = ctx.copy()
+    got = K_ple.ngram_hash(ids, got_ctx, slots, tab)
+    for b, s in enumerate(slots):
+        want = ngram_rows_numpy(ctx[s], ids[b], tab.eos, tab.multipliers, tab.vocab_sizes, tab.offsets,
+                                tab.heads_per_ngram)
+        np.testing.assert_array_equal(got[b], want)
+        hist = np.concatenate([ctx[s], ids[b]])
+        np.testing.assert_array_equal(got_ctx[s], hist[len(hist) - (c.ngram_size - 1):])
+    untouched = [r for r in range(6) if r not in slots]
+    np.testing.assert_array_equal(got_ctx[untouched], ctx[untouched])
     # negative control: one multiplier off by one changes rows of every head of that order and above
     bad = K_ple.PLEHashTables(tab.multipliers.copy(), tab.vocab_sizes, tab.offsets, tab.ngram_size,
                               tab.heads_per_ngram, tab.eos)
     bad.multipliers[1] += 1
-    wrong = K_ple.ngram_hash_host(ids, ctx.copy(), slots, bad)
-    assert (wrong != want).any()
+    wrong = K_ple.ngram_hash(ids, ctx.copy(), slots, bad)
+    assert (wrong != got).any()
 
 
-def test_ngram_hash_host_bad_input():
+def test_ngram_hash_bad_input():
     ck = Checkpoint.open(FIXTURES / "tiny")
     c = ck.config
     tab = K_ple.PLEHashTables.from_layout(c.ple_layout(c.ple_layers[0]), c, np)
     ctx = np.zeros((2, c.ngram_size - 1), np.int64)
     with pytest.raises(KernelInputError, match="slots"):
-        K_ple.ngram_hash_host(np.zeros((1, 1), np.int64), ctx, [5], tab)
+        K_ple.ngram_hash(np.zeros((1, 1), np.int64), ctx, [5], tab)
     with pytest.raises(KernelInputError, match="ctx_slab"):
-        K_ple.ngram_hash_host(np.zeros((1, 1), np.int64), ctx.astype(np.int32), [0], tab)
+        K_ple.ngram_hash(np.zeros((1, 1), np.int64), ctx.astype(np.int32), [0], tab)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-fp8"])

@@ -19,6 +19,7 @@ from engine.kernels import linear as L
 from engine.kernels import moe as M
 from engine.kernels import norms as N
 from engine.kernels import ple as P
+from ple_helpers import ple_layer  # noqa: E402
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
 
 TOL32 = 1e-5  # see module docstring
@@ -436,7 +437,7 @@ def test_ple_conv_chunked_with_state(rng):
     assert len(bad) and bad.min() >= b and bad.max() < b + Lh
 
 
-def test_ple_forward_matches_float64(rng):
+def test_ple_layer_matches_float64(rng):
     B, T, hc, H, D, K, dil, eps = 2, 5, 4, 8, 12, 4, 3, 1e-6
     W = hc * H
     hidden = rng.standard_normal((B, T, W)).astype(np.float32)
@@ -446,7 +447,7 @@ def test_ple_forward_matches_float64(rng):
     nk, nq, nc = ((rng.standard_normal(W) * 0.1).astype(np.float32) for _ in range(3))
     cw = rng.standard_normal((W, K)).astype(np.float32)
     slab = np.zeros((B, (K - 1) * dil, W), np.float32)
-    out, gate = P.ple_forward(hidden, emb, kp, vp, nk, nq, nc, cw, slab, [0, 1], hc_count=hc, eps=eps, dilation=dil)
+    out, gate = ple_layer(hidden, emb, kp, vp, nk, nq, nc, cw, slab, [0, 1], hc_count=hc, eps=eps, dilation=dil)
     for b in range(B):
         e64 = emb[b].astype(np.float64)
         key = rms_ref64(e64 @ _f64(kp).T, nk, H, eps).reshape(T, hc, H)

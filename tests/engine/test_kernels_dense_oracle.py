@@ -25,6 +25,7 @@ cq = pytest.importorskip("transformers.models.qwen4_exp.configuration_qwen4_exp"
 from engine.kernels import moe as M  # noqa: E402
 from engine.kernels import norms as N  # noqa: E402
 from engine.kernels import ple as P  # noqa: E402
+from ple_helpers import ple_layer  # noqa: E402
 from reference.config import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -153,10 +154,10 @@ def test_ple_layer_vs_official(seed):
         for a, b in ((0, split), (split, T)):
             rows = P.ngram_hash(npy(ids)[:, a:b], c, [0], tabs)
             emb = table[rows].reshape(1, b - a, -1)
-            o, _ = P.ple_forward(npy(hidden)[:, a:b], emb, npy(mod.key_proj.weight), npy(mod.value_proj.weight),
-                                 npy(mod.norm_key.weight), npy(mod.norm_query.weight), npy(mod.norm_conv.weight),
-                                 npy(mod.conv1d.weight)[:, 0, :], s, [0], hc_count=hc, eps=cfg.rms_norm_eps,
-                                 dilation=mc.ngram_size)
+            o, _ = ple_layer(npy(hidden)[:, a:b], emb, npy(mod.key_proj.weight), npy(mod.value_proj.weight),
+                             npy(mod.norm_key.weight), npy(mod.norm_query.weight), npy(mod.norm_conv.weight),
+                             npy(mod.conv1d.weight)[:, 0, :], s, [0], hc_count=hc, eps=cfg.rms_norm_eps,
+                             dilation=mc.ngram_size)
             outs.append(o[0])
         return np.concatenate(outs), c, s
 
