@@ -29,7 +29,6 @@ from engine.kernels.dense_common import ptr_or_null
 from reference.blocks import moe as _ref_moe
 from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
-from reference.blocks.qsa import canonical_topk as _ref_canonical_topk
 
 __all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert"]
 
@@ -55,13 +54,7 @@ def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
         raise KernelInputError(f"top_k: expected 1..min(E={E}, 64), found {top_k}")
     if not is_cupy(xp):
         dt = compute_dtype(logits)
-        lg = logits.astype(dt, copy=False)
-        ex = np.exp(lg - lg.max(axis=-1, keepdims=True))
-        p = ex / ex.sum(axis=-1, keepdims=True)
-        ids = _ref_canonical_topk(p, top_k)  # the project's shared canonical order
-        w = np.take_along_axis(p, ids, axis=-1)
-        if norm_topk_prob:
-            w = w / w.sum(axis=-1, keepdims=True)
+        ids, w = _ref_moe.router_topk(logits.astype(dt, copy=False), top_k, norm_topk_prob)
         return ids.astype(np.int32), w
     lg = f32_contig(logits, "logits")
     ids = _empty(xp, (T, top_k), dtype=xp.int32)
