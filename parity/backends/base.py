@@ -100,17 +100,6 @@ def one_shot_logits(be, ids) -> np.ndarray:
     return Backend.logits(be, ids)
 
 
-def _check_ids(ids, vocab: int, what: str = "ids") -> list[int]:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.size == 0:
-        raise InputError(f"{what}: expected a non-empty 1-D list of token ids, found shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"{what}: expected integer token ids, found dtype {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= vocab:
-        raise InputError(f"{what}: expected token ids in [0, {vocab}), found range [{arr.min()}, {arr.max()}]")
-    return [int(x) for x in arr]
-
-
 class Backend:
     """Base class of the backend protocol (see the module docstring). Subclasses implement the
     sequence operations; :meth:`logits` and :meth:`taps` have generic defaults.

@@ -8,9 +8,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
 
 
 class EngineBackend(Backend):
@@ -83,7 +84,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
 
     def decode(self, hs, ids):
@@ -92,7 +93,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: bad ids.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         return np.asarray(self.eng.decode(list(hs), ids))
 
     def forward_tokens(self, h, ids):
@@ -101,7 +102,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: bad ids.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         return np.asarray(self.eng.verify(h, ids))
 
     def rollback(self, h, n):

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 from reference.errors import InputError, UserError
+from reference.session import check_ids
 
 from reference.tokenizer import TokenizerMissingError, load_tokenizer  # noqa: E402,F401
 
@@ -683,9 +684,7 @@ class Generator:
         if n >= self.lm.max_context:
             raise ContextError(f"{where}: expected fewer than {self.lm.max_context} tokens (the context, leaving "
                                f"room for one generated token), found {n}")
-        bad = [int(t) for t in prompt_ids if not 0 <= int(t) < self.lm.vocab_size]
-        if bad:
-            raise InputError(f"{where}: expected token ids in [0, {self.lm.vocab_size}), found {bad[:5]}")
+        check_ids(prompt_ids, self.lm.vocab_size, where)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
