@@ -11,7 +11,6 @@ measured in the same run (read + write bytes / time).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -183,10 +182,8 @@ def main(argv=None) -> int:
     for k_, v in res.items():
         print(f"{k_:<{width}}  {v:12.3f}")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(res, f, indent=1)
-        import os
-        os.replace(args.json + ".tmp", args.json)
+        from reference.atomic import atomic_write_json
+        atomic_write_json(args.json, res)
     return 0
 
 

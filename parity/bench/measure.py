@@ -51,10 +51,8 @@ def _partial(spec: dict, out: dict) -> None:
     path = spec.get("partial_path")
     if not path:
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, default=float)
-    os.replace(tmp, path)
+    from reference.atomic import atomic_write_json
+    atomic_write_json(path, out, indent=None, default=float)
 
 
 class _Deadline:
