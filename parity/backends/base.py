@@ -142,6 +142,11 @@ class Backend:
         ``[T, V]`` of every fed position (host float32, float64 for 'reference-f64')."""
         raise NotImplementedError
 
+    def prefill_last(self, h, ids: Sequence[int]) -> np.ndarray:
+        """:meth:`prefill` returning only the last position's logits ``[V]`` (generation; backends that can
+        skip the other rows override it). Default: the last row of :meth:`prefill`."""
+        return np.asarray(self.prefill(h, ids))[-1]
+
     def decode(self, hs: Sequence, ids: Sequence[int]) -> np.ndarray:
         """One token per sequence (``ids[i]`` for ``hs[i]``), decoded as a batch; returns logits ``[B, V]``."""
         raise NotImplementedError

@@ -87,6 +87,30 @@ class EngineBackend(Backend):
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
 
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to sequence ``h`` (``Engine.prefill(last_only=True)``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        return np.asarray(self.eng.prefill(h, ids, last_only=True)).reshape(-1)
+
+    def decode_greedy(self, hs, ids):
+        """Greedy decode: int64 ``[B]`` next tokens, the row argmax taken on the engine's device
+        (``Engine.decode_greedy``; first maximum, as ``np.argmax``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
+        return np.asarray(self.eng.decode_greedy(list(hs), np.asarray(ids, dtype=np.int64)))
+
+    @property
+    def max_positions(self):
+        """Positions one sequence may hold (the engine pool's ``max_positions``), or None when unknown."""
+        return getattr(getattr(self.eng, "pool", None), "max_positions", None)
+
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` for sequence ``hs[i]``, batched (``Engine.decode``).
 

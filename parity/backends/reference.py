@@ -82,6 +82,15 @@ class ReferenceBackend(Backend):
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self._sess(h).prefill(ids, chunk_size=chunk_size))
 
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to session ``h`` (the other rows are never formed).
+
+        Raises:
+            InputError: bad ids. BackendError: ``h`` is not a live handle of this backend.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        return np.asarray(self._sess(h).prefill(ids, last_only=True)).reshape(-1)
+
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
 
