@@ -162,8 +162,8 @@ def test_gather_single_shard_path_equals_checkpoint_rows():
 
 
 def test_generation_greedy_uses_device_argmax_and_matches_logits_path():
-    """Greedy generation through ``BackendLM.step_greedy`` (``EngineBackend.decode_greedy``) (argmax on the engine's device) emits what the
-    logits path emits; a step_greedy that picks the wrong token (second best) is caught."""
+    """Greedy generation through ``BackendLM.step_greedy`` (``EngineBackend.decode_greedy``: argmax on the
+    engine's device) emits what the logits path emits; a step_greedy that picks the wrong token (second best) is caught."""
     from parity import generate as G
     lm = G.open_lm(FIXTURES / "tiny", backend="engine", device="cpu", max_seqs=4)
     tok = G.load_tokenizer(FIXTURES / "tiny")
