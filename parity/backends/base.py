@@ -19,6 +19,8 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.position(h) -> int                   # tokens in the sequence's state (the KV length)
     be.free(h)
     be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
+    be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
+    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
     with be.taps(out_dir=None, include=...) as rec: ...   # record taps (taps.recorder.Recorder)
     be.close()
 
