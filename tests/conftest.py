@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 _TESTS = Path(__file__).resolve().parent
@@ -13,7 +14,22 @@ for _p in (_TESTS.parent, _TESTS):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from fixture_helpers import FIXTURE_NAMES  # noqa: E402
+from fixture_helpers import FIXTURE_NAMES, seed_for_test  # noqa: E402
+
+try:  # property tests draw the same examples on every run (a failure replays; no per-run luck)
+    from hypothesis import settings as _hyp_settings
+    _hyp_settings.register_profile("qwen4exp", derandomize=True)
+    _hyp_settings.load_profile("qwen4exp")
+except ImportError:
+    pass
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A NumPy generator seeded by :func:`fixture_helpers.seed_for_test` (fixed per test, printed)."""
+    seed = seed_for_test(request.node.nodeid)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture(params=FIXTURE_NAMES)
