@@ -35,8 +35,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """When ``--qwen4exp-backend`` or ``--qwen4exp-page-sizes`` is given: refuse an unknown backend or bad
-    page sizes once, as a usage error (not one failure per case). Does nothing otherwise."""
+    """When ``--qwen4exp-backend`` or ``--qwen4exp-page-sizes`` is given: refuse an unknown backend, a missing
+    checkpoint or bad page sizes once, as a usage error (not one failure per case). Does nothing otherwise."""
     spec = config.getoption("--qwen4exp-backend")
     ps = config.getoption("--qwen4exp-page-sizes")
     if spec is None and ps is None:
@@ -47,21 +47,37 @@ def pytest_configure(config):
         backend_class(spec or DEFAULT_BACKEND, flag="--qwen4exp-backend")
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
+    _model(config)  # a missing checkpoint is one usage error too
     if ps is not None:
         from parity.harness.scenarios import parse_page_sizes
         try:
             from reference.config import load_config
-            from reference.paths import resolve_model
-            max_pos = load_config(resolve_model(config.getoption("--qwen4exp-model"))).max_position_embeddings
+            max_pos = load_config(_model(config)).max_position_embeddings
             parse_page_sizes(ps, max_pos, flag="--qwen4exp-page-sizes")
         except UserError as e:
             raise pytest.UsageError(str(e)) from None
 
 
+def _model(config):
+    """The checkpoint of ``--qwen4exp-model`` (default: the bundled fixture ``tiny``, present in a checkout).
+
+    Raises:
+        pytest.UsageError: no checkpoint there (naming the option).
+    """
+    from reference.errors import UserError
+    from reference.paths import resolve_model
+    given = config.getoption("--qwen4exp-model")
+    try:
+        return resolve_model(given)
+    except UserError as e:
+        hint = "" if given else (" (the bundled fixtures live in a checkout of the repository, not in the "
+                                 "installed package: pass --qwen4exp-model DIR)")
+        raise pytest.UsageError(f"--qwen4exp-model: {e}{hint}") from None
+
+
 def _settings(config):
     from parity.harness.scenarios import parse_page_sizes
-    from reference.paths import resolve_model
-    model = resolve_model(config.getoption("--qwen4exp-model"))
+    model = _model(config)
     ps = config.getoption("--qwen4exp-page-sizes")
     pages = parse_page_sizes(ps, flag="--qwen4exp-page-sizes") if ps is not None else None
     spec = config.getoption("--qwen4exp-backend") or DEFAULT_BACKEND
