@@ -1,4 +1,5 @@
-"""CPU tests of the dense kernels' NumPy twins (engine/kernels/{linear,moe,norms,ple}.py).
+"""CPU tests of the dense kernels' NumPy twins (engine/kernels/{linear,moe,norms,ple}.py), including the
+engine's host n-gram hash against the reference's readable form on the tiny fixture's tables.
 
 Every check draws random inputs from the test's fixed seed (``rng`` fixture of tests/conftest.py, printed) and
 compares with an independent float64 formula written here (loops / Python ints, not the twins'
@@ -19,6 +20,8 @@ from engine.kernels import norms as N
 from engine.kernels import ple as P
 from ple_helpers import ple_layer  # noqa: E402
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
+from reference.checkpoint import Checkpoint
+from reference.paths import FIXTURES
 
 TOL32 = 1e-5  # see module docstring
 
@@ -396,6 +399,51 @@ def test_ngram_hash_batched_decode_equals_per_sequence(rng):
     for b in range(B):
         ref = ngram_ref_python(seqs[b].tolist(), n, hpn, eos, lay.multipliers, lay.head_vocab_sizes, lay.head_offsets)
         np.testing.assert_array_equal(steps[b], ref)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_ngram_hash_equals_reference_readable_form(T):
+    """The engine's batched host hash (the reference's Numba twin over the engine's context slab) equals the
+    reference's readable form sequence by sequence, and advances each carried context to its last tokens."""
+    from reference.blocks.ple import ngram_rows_numpy
+    ck = Checkpoint.open(FIXTURES / "tiny")
+    c = ck.config
+    layer = c.ple_layers[0]
+    tab = P.PLEHashTables.from_layout(c.ple_layout(layer), c, np)
+    rng = np.random.default_rng(3 + T)
+    ids = rng.integers(0, c.vocab_size, (4, T))
+    ids[1, 0] = tab.eos
+    ids[3, T - 1] = tab.eos
+    ctx = rng.integers(0, c.vocab_size, (6, c.ngram_size - 1))
+    ctx[2, -1] = tab.eos
+    slots = np.array([0, 2, 5, 3])
+    got_ctx = ctx.copy()
+    got = P.ngram_hash(ids, got_ctx, slots, tab)
+    for b, s in enumerate(slots):
+        want = ngram_rows_numpy(ctx[s], ids[b], tab.eos, tab.multipliers, tab.vocab_sizes, tab.offsets,
+                                tab.heads_per_ngram)
+        np.testing.assert_array_equal(got[b], want)
+        hist = np.concatenate([ctx[s], ids[b]])
+        np.testing.assert_array_equal(got_ctx[s], hist[len(hist) - (c.ngram_size - 1):])
+    untouched = [r for r in range(6) if r not in slots]
+    np.testing.assert_array_equal(got_ctx[untouched], ctx[untouched])
+    # negative control: one multiplier off by one changes rows of every head of that order and above
+    bad = P.PLEHashTables(tab.multipliers.copy(), tab.vocab_sizes, tab.offsets, tab.ngram_size,
+                              tab.heads_per_ngram, tab.eos)
+    bad.multipliers[1] += 1
+    wrong = P.ngram_hash(ids, ctx.copy(), slots, bad)
+    assert (wrong != got).any()
+
+
+def test_ngram_hash_bad_input():
+    ck = Checkpoint.open(FIXTURES / "tiny")
+    c = ck.config
+    tab = P.PLEHashTables.from_layout(c.ple_layout(c.ple_layers[0]), c, np)
+    ctx = np.zeros((2, c.ngram_size - 1), np.int64)
+    with pytest.raises(KernelInputError, match="slots"):
+        P.ngram_hash(np.zeros((1, 1), np.int64), ctx, [5], tab)
+    with pytest.raises(KernelInputError, match="ctx_slab"):
+        P.ngram_hash(np.zeros((1, 1), np.int64), ctx.astype(np.int32), [0], tab)
 
 
 def conv_ref64(x, w, dil):
