@@ -267,7 +267,8 @@ class MoEOut:
 
 
 def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bool = True, shared_gate_proj=None,
-              shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None, shared_gate_up=None) -> MoEOut:
+              shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None, shared_gate_up=None,
+              experts_fn=None) -> MoEOut:
     """The sparse MoE block (``Qwen4ExpTextSparseMoeBlock.forward``): router, routed experts, shared
     expert gated by ``sigmoid(shared_expert_gate x)``.
 
@@ -279,6 +280,9 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
         shared_gate_proj, shared_up_proj: ``[Is, H]``; shared_down_proj: ``[H, Is]``;
         shared_expert_gate: ``[1, H]``. All four or none.
         shared_gate_up: optional stacked ``[2 * Is, H]`` (see :func:`shared_expert`).
+        experts_fn: optional ``fn(x, ids, weights, shared=, shared_gate=) -> [T, H]`` replacing
+            :func:`moe_experts` (expert parallelism: :meth:`engine.parallel.ExpertParallel.routed`);
+            ``gate_up``/``down`` are then unused (None).
     Returns:
         :class:`MoEOut`.
     Raises:
@@ -294,5 +298,8 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
     if shared_gate_proj is not None:
         shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
         sg = linear(x, shared_expert_gate)
-    out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
+    if experts_fn is not None:
+        out = experts_fn(x, ids, w, shared=shared, shared_gate=sg)
+    else:
+        out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)
