@@ -54,6 +54,9 @@ class Engine:
         cuda_graphs: replay batched decode steps as CUDA graphs (cuda only; each graph verified against an
             eager step before use, see :class:`engine.model.DecodeGraphs`). Default: on, unless the
             environment sets ``QWEN4EXP_CUDA_GRAPHS=0``.
+        devices: expert parallelism (:mod:`engine.parallel`): a list of CUDA device ids (distinct ids:
+            NCCL; the first runs the trunk and owns all state) or a number of ranks / repeated ids (the
+            stand-in communicator: logical ranks on this one device, NumPy on the CPU). None: one device.
         mtp: load the MTP head (``mtp.*``) for drafting: True, False, or None (default: when the checkpoint
             has one). mtp_hnorm, mtp_draft_selection: the head's options (:mod:`reference.blocks.mtp`).
     Raises:
@@ -64,8 +67,8 @@ class Engine:
     def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
                  kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
                  ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5,
-                 cuda_graphs: bool | None = None, mtp: bool | None = None, mtp_hnorm: str = "global",
-                 mtp_draft_selection: str = "fresh"):
+                 cuda_graphs: bool | None = None, devices=None, mtp: bool | None = None,
+                 mtp_hnorm: str = "global", mtp_draft_selection: str = "fresh"):
         if precision not in ("bf16", "float32"):
             raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
         if device == "auto":
@@ -81,15 +84,22 @@ class Engine:
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise InputError(f"prefill_chunk: expected a positive integer or None, found {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        # expert parallelism (engine/parallel.py): devices=N or [ids]; rank 0 (the first device) runs the trunk
+        self.comm = None
+        if devices is not None:
+            from engine.parallel import make_comm
+            self.comm = make_comm(devices, device, xp)
         from reference.blocks.mtp import check_mtp_options
         check_mtp_options(mtp_hnorm, mtp_draft_selection)
         has = getattr(ck, "has_mtp", None)
         ck_mtp = bool(has()) if has is not None else False
         if mtp and not ck_mtp:
             raise InputError("mtp: expected a checkpoint with an MTP head (mtp.* tensors), found none")
+        if mtp and self.comm is not None:
+            raise InputError("mtp: the MTP head is not supported with expert parallelism (devices=...), found both")
         self.mtp_hnorm, self.mtp_draft_selection = mtp_hnorm, mtp_draft_selection
         self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress,
-                                 mtp=ck_mtp if mtp is None else bool(mtp))
+                                 comm=self.comm, mtp=(ck_mtp if mtp is None else bool(mtp)) and self.comm is None)
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
             raise InputError(f"page_size: expected a positive integer, found {page_size!r}")
         if kv_tokens is None:
@@ -111,6 +121,8 @@ class Engine:
             cuda_graphs = os.environ.get("QWEN4EXP_CUDA_GRAPHS", "1") != "0"
         self.graphs = None
         self.last_logits = None  # device logits of the latest decode_greedy step (valid until the next step)
+        if self.comm is not None and type(self.comm).__name__ == "NcclComm":
+            cuda_graphs = False  # one graph per device would be needed; the sharded step runs eagerly
         if cuda_graphs and device == "cuda":
             from engine.model import DecodeGraphs
             self.graphs = DecodeGraphs(self.model)
