@@ -284,6 +284,8 @@ class Session:
         self.residual_log: list | None = None
         #: the token ids the state holds (None when unknown: restored from a snapshot this process did not take)
         self.tokens: list | None = []
+        # the trunk residuals of every position, kept once the MTP head has drafted (GrowBuffer), else None
+        self._mtp_R: GrowBuffer | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -295,7 +297,12 @@ class Session:
     def _advance(self, ids: np.ndarray, logits: str):
         p = self.state.position
         self._checkpoints = {q: c for q, c in self._checkpoints.items() if q <= p}
-        out = self.model._run(self.state, ids, logits, residual_out=self.residual_log)
+        res: list = [] if self._mtp_R is not None else None
+        out = self.model._run(self.state, ids, logits, residual_out=res if res is not None else self.residual_log)
+        if res is not None:
+            self._mtp_R.append(res[0])
+            if self.residual_log is not None:
+                self.residual_log.append(res[0])
         if self.tokens is not None:
             self.tokens.extend(int(t) for t in ids)
         return out
@@ -364,6 +371,8 @@ class Session:
             self.state = SessionState.empty(self.config, self.model.dtype)
             self._checkpoints = {}
             self.tokens = []
+            if self._mtp_R is not None:
+                self._mtp_R.truncate(0)
             return
         cp = self._checkpoints.get(target)
         if cp is None:
@@ -377,6 +386,8 @@ class Session:
                                   {i: s.copy() for i, s in cp.ple.items()})
         if self.tokens is not None:
             del self.tokens[target:]
+        if self._mtp_R is not None:
+            self._mtp_R.truncate(target)
         self._checkpoints = {q: c for q, c in self._checkpoints.items() if q <= target}
 
     def snapshot(self) -> Snapshot:
@@ -412,10 +423,12 @@ class Session:
         self._checkpoints = {}
         toks = _SNAPSHOT_TOKENS.get(id(snapshot))
         self.tokens = list(toks) if toks is not None and len(toks) == snapshot.position else None
+        self._mtp_R = None  # recomputed from the tokens at the next draft
 
     def mtp_draft_next(self, next_id, k: int, hnorm: str = "global", draft_selection: str = "fresh"):
-        """The MTP head's ``k`` greedy drafts after this session's tokens followed by ``next_id`` (see
-        :func:`mtp_draft_from_history`: recomputed from the history, so there is no head state to roll back).
+        """The MTP head's ``k`` greedy drafts after this session's tokens followed by ``next_id``, as
+        :func:`mtp_draft_from_history` computes them: a fresh head over every pair, so there is no head state to
+        roll back; the trunk residuals are kept (and truncated by rollback) once the first draft computed them.
 
         Returns:
             ``(draft_ids [k] int64, draft_logits [k, V])``.
@@ -426,8 +439,20 @@ class Session:
         if self.tokens is None or len(self.tokens) != self.position:
             raise InputError("mtp draft: expected the session's token history, found it unknown (restored from a "
                              "snapshot this process did not take); prefill the history again to draft")
-        return mtp_draft_from_history(self.model, self.tokens, next_id, k, hnorm=hnorm,
-                                      draft_selection=draft_selection)
+        if self.position < 1:
+            raise InputError("mtp draft: expected at least one token in the session, found none")
+        if self._mtp_R is None or self._mtp_R.n != self.position:
+            # the first draft (or one after a restore) recomputes the trunk residuals once; from then on every
+            # step keeps its rows (the same values: a step's residual is a function of the history)
+            res: list = []
+            self.model._run(SessionState.empty(self.config, self.model.dtype), np.asarray(self.tokens, np.int64),
+                            "none", residual_out=res)
+            self._mtp_R = GrowBuffer((self.config.hc_hidden_size,), self.model.dtype)
+            self._mtp_R.append(res[0])
+        nxt = check_ids([next_id], self.config.vocab_size, "mtp next id")
+        ms = self.model.new_mtp_session(hnorm=hnorm, draft_selection=draft_selection)
+        toks = np.asarray(self.tokens, np.int64)
+        return ms.draft(self._mtp_R.data, np.concatenate([toks[1:], nxt]), k)
 
 
 # ---------------------------------------------------------------------------------------------- the MTP head

@@ -260,3 +260,25 @@ def test_mtp_taps_are_registered_and_emitted_in_order():
     r = cap.result()
     np.testing.assert_array_equal(r["mtp.logits"], lg)
     np.testing.assert_array_equal(r["mtp.layers.0.mlp_hyper_connection.combine"], st)
+
+
+def test_session_drafts_keep_residuals_through_verify_rollback_and_restore():
+    """Session.mtp_draft_next keeps the trunk residuals after its first draft; after verify + rollback and
+    after a restore its drafts still equal the from-scratch truth (mtp_draft_from_history), exactly."""
+    from reference.session import mtp_draft_from_history
+    ck = Checkpoint.open(fixture_dir("tiny-mtp"))
+    m = ReferenceModel(ck)
+    ids = _golden("tiny-mtp")[0]["chat/ids"]
+    s = m.new_session()
+    s.prefill(ids[:15])
+    snap = s.snapshot()
+    s.mtp_draft_next(int(ids[15]), 3)
+    s.forward_tokens(ids[15:20])
+    s.rollback(3)
+    for _ in range(2):
+        d, lg = s.mtp_draft_next(7, 3)
+        td, tl = mtp_draft_from_history(m, s.tokens, 7, 3)
+        np.testing.assert_array_equal(d, td)
+        np.testing.assert_allclose(lg, tl, atol=1e-5, rtol=0)
+        s.restore(snap)
+    assert s.tokens == list(ids[:15])
