@@ -449,14 +449,16 @@ class Engine:
 
     def _mtp_track(self, segs, mode: str) -> None:
         """Keep each segment's residual rows for the head (``seq.mtp_tail``); a prefill chunk (or a long tail)
-        is consumed at once: the head follows the trunk one position behind."""
+        is consumed at once: the head follows the trunk one position behind. Never after a verify: its
+        positions may be rolled back, and the head only ever consumes committed positions."""
         R = self.model.last_residual
         a = 0
         for s in segs:
             n = len(s.ids)
             s.seq.mtp_tail.append((s.start, R[a:a + n], np.asarray(s.ids, np.int64)))
             a += n
-            if mode == "prefill" or sum(len(t[2]) for t in s.seq.mtp_tail) > self.MTP_TAIL_ROWS:
+            if mode != "verify" and (mode == "prefill" or
+                                     sum(len(t[2]) for t in s.seq.mtp_tail) > self.MTP_TAIL_ROWS):
                 self._mtp_catch_up(s.seq)
 
     def _mtp_rows(self, seq):

@@ -113,10 +113,13 @@ def test_speculative_equals_plain_greedy_512(name):
     assert speculative_greedy(ReferenceModel(ck), prompt, 512, 4) == plain
 
 
-def test_every_acceptance_count_rolls_back_trunk_and_head():
+@pytest.mark.parametrize("tail_rows", [256, 0])
+def test_every_acceptance_count_rolls_back_trunk_and_head(tail_rows, monkeypatch):
     """Forced drafts (the trunk's true continuation, first wrong at position j) give every acceptance count
     0..k; after each round the trunk is at position + accepted + 1 and the head's next drafts equal the reference
-    head fed the same accepted history (its state was rolled back and caught up)."""
+    head fed the same accepted history (its state was rolled back and caught up). ``tail_rows=0``: the head
+    catches up after every prefill/decode step (never over a verify's positions)."""
+    monkeypatch.setattr(Engine, "MTP_TAIL_ROWS", tail_rows)
     ck = Checkpoint.open(fixture_dir("tiny-mtp"))
     g = _golden("tiny-mtp")
     prompt = g["qsa/ids"]
@@ -220,3 +223,53 @@ def test_gpu_draft_logits_and_greedy_identity(name):
         assert _rel(dl, g["draft/chat/fresh/logits"]) < TOL
         s2 = eng.add_sequence()
         assert eng.generate_speculative(s2, ids, 128, 3) == _plain_greedy(eng, ids, 128)
+
+
+def _fork_divergence_error(eng, m, ids):
+    """Parent and child share the page holding the head's position n-1 (its last slot), then diverge; each
+    head commits its own pair at n-1; the parent's next drafts vs the from-scratch reference head."""
+    from reference.session import mtp_draft_from_history
+    n = 4 * (len(ids) // 8)  # position n-1 is the last slot of a 4-token page
+    s = eng.add_sequence()
+    eng.prefill(s, ids[:n])
+    c = eng.fork(s)
+    eng.decode([s], [5])
+    eng.decode([c], [6])
+    eng.mtp_draft_next(s, 7, 2)   # the parent's head commits (R_{n-1}, 5) at position n-1
+    eng.mtp_draft_next(c, 8, 2)   # the child's commits (R_{n-1}, 6) at the same position
+    _, dl = eng.mtp_draft_next(s, 7, 2, return_logits=True)
+    _, ref = mtp_draft_from_history(m, list(ids[:n]) + [5], 7, 2)
+    eng.free(s)
+    eng.free(c)
+    return _rel(dl, ref)
+
+
+def test_head_caches_are_copied_on_write_when_a_fork_diverges(monkeypatch):
+    """The head writes below the trunk's length (its catch-up): its pages are made private first
+    (StatePool.reserve_range). Negative control: reserving only from the trunk's length lets the child's head
+    overwrite the parent's, caught at > 10x the tolerance."""
+    from engine.state import StatePool
+    ck = Checkpoint.open(fixture_dir("tiny-mtp"))
+    m = ReferenceModel(ck)
+    ids = _golden("tiny-mtp")["chat/ids"]
+    eng = Engine(ck, precision="float32", device="cpu", page_size=4)
+    assert _fork_divergence_error(eng, m, ids) < TOL
+    orig = StatePool.reserve_range
+    monkeypatch.setattr(StatePool, "reserve_range", lambda self, seq, start, end: orig(self, seq, seq.length, end))
+    assert _fork_divergence_error(eng, m, ids) > 10 * TOL
+
+
+def test_negative_control_rollback_keeps_the_rejected_residuals(monkeypatch):
+    """If rollback left the rejected positions' trunk residuals in the head's pending rows, the head would
+    catch up on them: the engine refuses (the rows no longer match the trunk's positions) and the
+    acceptance-loop test fails."""
+    from engine.state import StatePool
+    orig = StatePool.truncate
+
+    def keep_tail(self, seq, new_length):
+        tail = list(seq.mtp_tail)
+        orig(self, seq, new_length)
+        seq.mtp_tail = tail
+    monkeypatch.setattr(StatePool, "truncate", keep_tail)
+    with pytest.raises((AssertionError, InputError)):
+        test_every_acceptance_count_rolls_back_trunk_and_head(256, monkeypatch)
