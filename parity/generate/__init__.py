@@ -448,6 +448,12 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if self.p.greedy:
             return int(np.argmax(logits))
+        probs = self.probs(logits)
+        return int(self.rng.choice(probs.size, p=probs))
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The sampling distribution ``[V]`` float64 after temperature, top-k and top-p (sampling params)."""
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         x = logits / self.p.temperature
         k = int(self.p.top_k)
         if 0 < k < x.size:
@@ -464,7 +470,7 @@ class Sampler:
         m = np.max(x)
         probs = np.exp(x - m)
         probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        return probs
 
 
 # ----------------------------------------------------------------------------------------------- streaming
@@ -570,6 +576,10 @@ class BackendLM:
         if fn is not None:
             return np.asarray(fn(handle, ids), np.int64).reshape(-1)
         return np.argmax(np.asarray(self.backend.forward_tokens(handle, ids)), axis=-1).astype(np.int64)
+
+    def verify_logits(self, handle, ids) -> np.ndarray:
+        """One width-``len(ids)`` verify step (``Backend.forward_tokens``): logits ``[len(ids), V]``."""
+        return np.asarray(self.backend.forward_tokens(handle, [int(t) for t in ids]))
 
     def rollback(self, handle, n: int) -> None:
         """Forget the last ``n`` tokens of the latest verify (``Backend.rollback``: trunk and MTP head)."""
@@ -773,21 +783,50 @@ def parse_speculative(text: str) -> int:
     return k
 
 
+def speculative_accept(p_rows: np.ndarray, drafts, rng) -> tuple[int, list[int]]:
+    """The speculative-sampling acceptance rule (Leviathan et al. 2023; Chen et al. 2023) for drafts drawn
+    from a point mass (the MTP head's argmax: ``q = onehot(d)``): draft ``d_j`` is kept with probability
+    ``min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j)``; at the first rejection the token is drawn from the residual
+    ``max(p_j - q_j, 0)`` normalised (``p_j`` without ``d_j``); when all ``k`` are kept a bonus token is drawn
+    from ``p_k``. Every emitted token is then distributed exactly as sampling from the target.
+
+    Args:
+        p_rows: ``[k+1, V]`` the target's sampling distributions after the token before each draft.
+        drafts: ``[k]`` ids; rng: a ``numpy.random.Generator``.
+    Returns:
+        ``(accepted, tokens)``: ``tokens`` = the kept drafts plus one drawn token (``accepted + 1`` ids).
+    """
+    out = []
+    for j, d in enumerate(int(t) for t in drafts):
+        p = np.asarray(p_rows[j], np.float64)
+        if rng.random() < p[d]:
+            out.append(d)
+            continue
+        r = p.copy()
+        r[d] = 0.0
+        tot = r.sum()
+        r = r / tot if tot > 0 else p  # tot == 0 only when p(d) == 1, where rejection has probability 0
+        out.append(int(rng.choice(r.size, p=r)))
+        return j, out
+    p = np.asarray(p_rows[len(out)], np.float64)
+    out.append(int(rng.choice(p.size, p=p)))
+    return len(out) - 1, out
+
+
 def generate_speculative(gen: "Generator", prompt_ids: Sequence[int], params: SamplingParams, k: int,
                          on_text: Callable[[str], None] | None = None) -> GenerationResult:
-    """Greedy generation with MTP drafts on ``gen``'s language model (``draft`` / ``verify_greedy`` /
-    ``rollback``): per round ``k`` drafts, one width-``k+1`` verify, the longest matching prefix plus the
-    trunk's own token kept, the rest rolled back. The tokens (and the streamed text) are those of plain greedy
-    decoding. ``result.extra['speculative']`` holds the rounds, drafted and accepted counts.
+    """Generation with MTP drafts on ``gen``'s language model (``draft`` / ``verify_greedy`` or the verify
+    logits / ``rollback``): per round ``k`` drafts, one width-``k+1`` verify, the accepted prefix plus one
+    token from the trunk kept, the rest rolled back. Greedy: the longest prefix matching the trunk's argmax
+    (the tokens and streamed text are those of plain greedy decoding). Sampling: the speculative-sampling rule
+    (:func:`speculative_accept`), the same distribution as plain sampling (not the same draws: the random
+    stream is consumed differently). ``result.extra['speculative']`` holds the rounds, drafted and accepted
+    counts and the rule.
 
     Raises:
-        SamplingError: sampling parameters (only greedy speculative decoding is implemented: the
-            speculative-sampling acceptance rule is not). InputError: the model has no MTP head; bad prompt.
+        InputError: the model has no MTP head; bad prompt. SamplingError: bad sampling parameters.
     """
     params.validate()
-    if not params.greedy:
-        raise SamplingError("--speculative: expected greedy decoding (--greedy or --temperature 0): only the "
-                            "greedy acceptance rule is implemented, not the speculative-sampling one")
     lm = gen.lm
     if not getattr(lm, "has_mtp", False):
         raise InputError("--speculative mtp: expected a checkpoint with an MTP head (mtp.* tensors, e.g. the "
@@ -817,24 +856,31 @@ def generate_speculative(gen: "Generator", prompt_ids: Sequence[int], params: Sa
         elif pos + 1 >= lm.max_context:
             stop = "context"
 
+    sampler = Sampler(params)
     t1 = time.perf_counter()
     try:
-        emit(int(np.argmax(logits)))
+        emit(sampler(logits))
         while stop is None:
             kk = int(min(k, params.max_new_tokens - len(out), lm.max_context - pos - 1))
             if kk < 1:  # no room for a draft: one plain step
-                nxt = int(np.argmax(lm.step([h], np.array([out[-1]]))[0]))
+                nxt = sampler(lm.step([h], np.array([out[-1]]))[0])
                 pos += 1
                 emit(nxt)
                 continue
             drafts = lm.draft(h, out[-1], kk)
-            greedy = lm.verify_greedy(h, np.concatenate([[out[-1]], drafts]))
-            acc = 0
-            while acc < kk and int(greedy[acc]) == int(drafts[acc]):
-                acc += 1
+            feed = np.concatenate([[out[-1]], drafts])
+            if params.greedy:
+                greedy = lm.verify_greedy(h, feed)
+                acc = 0
+                while acc < kk and int(greedy[acc]) == int(drafts[acc]):
+                    acc += 1
+                new = [int(d) for d in drafts[:acc]] + [int(greedy[acc])]
+            else:
+                vl = lm.verify_logits(h, feed)
+                acc, new = speculative_accept(np.stack([sampler.probs(r) for r in vl]), drafts, sampler.rng)
             lm.rollback(h, kk - acc)
             rounds, drafted, accepted = rounds + 1, drafted + kk, accepted + acc
-            for t in [int(d) for d in drafts[:acc]] + [int(greedy[acc])]:
+            for t in new:
                 pos += 1
                 emit(t)
                 if stop is not None:
@@ -852,7 +898,9 @@ def generate_speculative(gen: "Generator", prompt_ids: Sequence[int], params: Sa
             on_text(tail)
     res = GenerationResult(list(map(int, prompt_ids)), out, "".join(texts), stop, prefill_s, decode_s)
     res.extra["speculative"] = {"method": "mtp", "k": int(k), "rounds": rounds, "drafted": drafted,
-                                "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None}
+                                "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None,
+                                "rule": "greedy (longest matching prefix)" if params.greedy else
+                                "speculative sampling (point-mass drafts)"}
     return res
 
 

@@ -44,7 +44,6 @@ def test_parse_speculative():
 
 
 @pytest.mark.parametrize("argv,needles", [
-    (["tiny-mtp", "--prompt", "x", "--speculative", "mtp:k=3", "--temperature", "0.7"], ["--speculative", "greedy"]),
     (["tiny", "--prompt", "x", "--greedy", "--speculative", "mtp:k=3"], ["--speculative", "MTP head"]),
     (["tiny-mtp", "--prompt", "x", "--greedy", "--speculative", "draft:k=3"], ["--speculative", "mtp:k=N"]),
 ])
@@ -52,3 +51,36 @@ def test_speculative_refusals_are_one_line(capsys, argv, needles):
     rc = main(["generate", *argv, "--device", "cpu"])
     assert rc == 2
     one_line_error(capsys, *needles)
+
+
+def test_speculative_sampling_rule_samples_the_target_distribution():
+    """speculative_accept with point-mass drafts emits its first token distributed as p_0 exactly, whatever
+    the draft (likely or not). Monte Carlo with a fixed seed: 40000 draws, binomial sd <= 0.0025 per token;
+    tolerance 0.012 (~5 sd). Negative control: always keeping the draft is caught (its frequency is 1, not p)."""
+    import numpy as np
+    rng = np.random.default_rng(1234)
+    V = 6
+    p_rows = rng.dirichlet(np.ones(V), size=3)
+    N = 40000
+    for d0 in (int(np.argmax(p_rows[0])), int(np.argmin(p_rows[0]))):
+        draws = np.random.default_rng(7)
+        first = np.zeros(V)
+        acc = 0
+        for _ in range(N):
+            a, toks = G.speculative_accept(p_rows, [d0, 2], draws)
+            first[toks[0]] += 1
+            acc += a > 0
+            assert len(toks) == a + 1
+        assert np.abs(first / N - p_rows[0]).max() < 0.012, (d0, first / N, p_rows[0])
+        assert abs(acc / N - p_rows[0][d0]) < 0.012  # acceptance probability of a point-mass draft: p(d)
+    wrong = np.zeros(V)
+    wrong[d0] = N  # the always-accept rule's first-token histogram
+    assert np.abs(wrong / N - p_rows[0]).max() > 0.5
+
+
+def test_speculative_sampling_runs_and_reports_the_rule(capsys):
+    rc, js, _ = _run(capsys, "tiny-mtp", "--prompt", "The lighthouse", "--temperature", "0.8", "--top-k", "20",
+                     "--max-new-tokens", "24", "--speculative", "mtp:k=3", "--json", "--device", "cpu")
+    assert rc == 0
+    d = json.loads(js)
+    assert len(d["token_ids"]) == 24 and d["speculative"][0]["rule"].startswith("speculative sampling")
