@@ -273,3 +273,12 @@ def test_negative_control_rollback_keeps_the_rejected_residuals(monkeypatch):
     monkeypatch.setattr(StatePool, "truncate", keep_tail)
     with pytest.raises((AssertionError, InputError)):
         test_every_acceptance_count_rolls_back_trunk_and_head(256, monkeypatch)
+
+
+def test_selfcheck_mtp_figures_cpu():
+    """The MTP figures ci/gpu prints (engine.selfcheck.mtp_figures), on the CPU path; every MTP fixture is
+    listed. On the GPU: tests/engine/test_engine_mtp.py::test_gpu_* and ci/gpu's selfcheck."""
+    from engine import selfcheck
+    assert selfcheck.mtp_fixtures() == sorted(MTP_FIXTURES)
+    f = selfcheck.mtp_figures("tiny-hc3-mtp", "cpu")
+    assert f["fail"] == [] and f["mtp_f32"] < TOL and f["mtp_greedy64"] == 64, f
