@@ -8,9 +8,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
 
 
 class EngineBackend(Backend):
@@ -37,6 +38,8 @@ class EngineBackend(Backend):
             self.capabilities = {**type(self).capabilities, "state_arrays": False}
         if not all(hasattr(eng, a) for a in ("export_snapshot", "import_snapshot")):
             self.capabilities = {**self.capabilities, "snapshot_file": False}
+        if getattr(eng, "has_mtp", False):
+            self.capabilities = {**self.capabilities, "mtp": True}
 
     @classmethod
     def open(cls, model_path, *, device="cpu", page_size=None, precision=None, perturb=None, weights=None,
@@ -85,8 +88,32 @@ class EngineBackend(Backend):
         Raises:
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
+
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to sequence ``h`` (``Engine.prefill(last_only=True)``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        return np.asarray(self.eng.prefill(h, ids, last_only=True)).reshape(-1)
+
+    def decode_greedy(self, hs, ids):
+        """Greedy decode: int64 ``[B]`` next tokens, the row argmax taken on the engine's device
+        (``Engine.decode_greedy``; first maximum, as ``np.argmax``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
+        return np.asarray(self.eng.decode_greedy(list(hs), np.asarray(ids, dtype=np.int64)))
+
+    @property
+    def max_positions(self):
+        """Positions one sequence may hold (the engine pool's ``max_positions``), or None when unknown."""
+        return getattr(getattr(self.eng, "pool", None), "max_positions", None)
 
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` for sequence ``hs[i]``, batched (``Engine.decode``).
@@ -94,7 +121,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: bad ids.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         return np.asarray(self.eng.decode(list(hs), ids))
 
     def forward_tokens(self, h, ids):
@@ -103,7 +130,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: bad ids.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         return np.asarray(self.eng.verify(h, ids))
 
     def rollback(self, h, n):
@@ -173,3 +200,20 @@ class EngineBackend(Backend):
             if v is not None:
                 return int(v() if callable(v) else v)
         raise BackendError(f"backend {self.name}: position: the engine exposes no sequence length")
+
+    def draft(self, h, next_id, k):
+        """The engine's MTP drafts (``Engine.mtp_draft_next``; capability ``mtp`` when the head is loaded).
+
+        Raises:
+            BackendError: no MTP head loaded. InputError: bad ids / k, residuals not held (imported snapshot).
+        """
+        if not self.capabilities.get("mtp"):
+            return super().draft(h, next_id, k)
+        ids, logits = self.eng.mtp_draft_next(h, int(next_id), int(k), return_logits=True)
+        return np.asarray(ids, np.int64), np.asarray(logits)
+
+    def verify_greedy(self, h, ids):
+        """``forward_tokens`` returning the greedy token after each position (``Engine.verify_greedy``: argmax on
+        the device, only the ids copied to the host); used by speculative generation."""
+        ids = check_ids(ids, self.config.vocab_size, "draft ids")
+        return np.asarray(self.eng.verify_greedy(h, ids), np.int64)

@@ -8,9 +8,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -32,6 +33,9 @@ class ReferenceBackend(Backend):
         self.precision = "float64" if np.dtype(getattr(model, "dtype", np.float32)) == np.float64 else "float32"
         self._sessions: dict[int, Any] = {}
         self._next = 0
+        has_mtp = getattr(model, "has_mtp", None)
+        if has_mtp is not None and has_mtp():
+            self.capabilities = {**type(self).capabilities, "mtp": True}
 
     @classmethod
     def open(cls, model_path, *, dtype=np.float32, page_size=None, perturb=None, weights=None, name=None,
@@ -78,8 +82,17 @@ class ReferenceBackend(Backend):
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
             BackendError: ``h`` is not a live handle of this backend.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self._sess(h).prefill(ids, chunk_size=chunk_size))
+
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to session ``h`` (the other rows are never formed).
+
+        Raises:
+            InputError: bad ids. BackendError: ``h`` is not a live handle of this backend.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        return np.asarray(self._sess(h).prefill(ids, last_only=True)).reshape(-1)
 
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
@@ -91,7 +104,7 @@ class ReferenceBackend(Backend):
         if len(hs) != len(ids):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
                              f"{len(ids)} tokens")
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         return np.stack([np.asarray(self._sess(h).decode(t)) for h, t in zip(hs, ids)])
 
     def forward_tokens(self, h, ids):
@@ -101,7 +114,7 @@ class ReferenceBackend(Backend):
             InputError: bad ids.
             BackendError: ``h`` is not a live handle of this backend.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         return np.asarray(self._sess(h).forward_tokens(ids))
 
     def rollback(self, h, n):
@@ -130,5 +143,17 @@ class ReferenceBackend(Backend):
 
     def logits(self, ids):
         """The one-shot logits: the model's single full forward (the truth path)."""
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.model.forward(ids))
+
+    def draft(self, h, next_id, k):
+        """The reference MTP head's greedy drafts after session ``h``'s tokens and ``next_id``
+        (``Session.mtp_draft_next``: recomputed from the history -- the truth of every draft comparison).
+
+        Raises:
+            BackendError: no MTP head, or ``h`` is not a live handle. InputError: bad ids / k, unknown history.
+        """
+        if not self.capabilities.get("mtp"):
+            return super().draft(h, next_id, k)
+        ids, logits = self._sess(h).mtp_draft_next(int(next_id), k)
+        return np.asarray(ids, np.int64), np.asarray(logits)

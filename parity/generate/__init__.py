@@ -10,8 +10,9 @@ Pieces (each usable alone):
 * :class:`SamplingParams` / :class:`Sampler` - greedy, temperature, top-k, top-p (transformers'
   warper order: temperature, then top-k, then top-p), seeded; defaults from ``generation_config.json``.
 * :class:`StreamDecoder` - incremental detokenisation that never emits half of a multi-byte character.
-* :class:`Generator` - prefill + decode loop over a :class:`LanguageModel` adapter
-  (:class:`ReferenceLM`, :class:`EngineLM`), single or batched, with stop conditions and timings.
+* :class:`Generator` - prefill + decode loop over any :class:`parity.backends.Backend` (opened by
+  :func:`parity.backends.open_backend`; :class:`BackendLM` is the thin adapter), single or batched,
+  with stop conditions and timings.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from reference.errors import InputError, UserError
+from reference.session import check_ids
 
 from reference.tokenizer import TokenizerMissingError, load_tokenizer  # noqa: E402,F401
 
@@ -446,6 +448,12 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if self.p.greedy:
             return int(np.argmax(logits))
+        probs = self.probs(logits)
+        return int(self.rng.choice(probs.size, p=probs))
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The sampling distribution ``[V]`` float64 after temperature, top-k and top-p (sampling params)."""
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         x = logits / self.p.temperature
         k = int(self.p.top_k)
         if 0 < k < x.size:
@@ -462,7 +470,7 @@ class Sampler:
         m = np.max(x)
         probs = np.exp(x - m)
         probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        return probs
 
 
 # ----------------------------------------------------------------------------------------------- streaming
@@ -504,102 +512,93 @@ class StreamDecoder:
 
 
 # ----------------------------------------------------------------------------------------------- models
-class LanguageModel(Protocol):
-    """What the generator needs from a backend. Handles are opaque per-sequence objects."""
+class BackendLM:
+    """The generator's view of a :class:`parity.backends.Backend` (the one model protocol): a thin adapter
+    that starts a sequence on a prompt, decodes the live sequences as one batch and frees them.
 
-    vocab_size: int
-    max_context: int
-    config: object  # reference.config.ModelConfig
+    Attributes:
+        backend: the wrapped backend; config, vocab_size: its model's; max_context: the positions a
+            sequence may hold (the backend's ``max_positions`` when it has one, else the config's
+            ``max_position_embeddings``); step_greedy: None when the backend has no ``decode_greedy``.
+    """
 
-    def start(self, prompt_ids: np.ndarray):  # -> (handle, logits [V] of the last prompt position)
-        """Start a sequence on ``prompt_ids``; returns ``(handle, logits [V] of the last prompt position)``."""
-        ...
-
-    def step(self, handles: list, token_ids: np.ndarray) -> np.ndarray:  # logits [B, V]
-        """Feed ``token_ids[i]`` to ``handles[i]``; returns logits ``[B, V]``."""
-        ...
-
-    def close(self, handle) -> None:
-        """Release ``handle``."""
-        ...
-
-
-class ReferenceLM:
-    """The reference model as a :class:`LanguageModel` (one session per sequence; a batch decodes
-    its sessions one after another - the reference has no batched path)."""
-
-    def __init__(self, model, max_context: int | None = None):
-        self.model = model
-        cfg = model.config if hasattr(model, "config") else model.ck.config
-        self.config = cfg
-        self.vocab_size = cfg.vocab_size
-        self.max_context = int(max_context or cfg.max_position_embeddings)
+    def __init__(self, backend, max_context: int | None = None):
+        self.backend = backend
+        self.config = backend.config
+        self.vocab_size = int(self.config.vocab_size)
+        lim = max_context or getattr(backend, "max_positions", None)
+        self.max_context = int(lim or self.config.max_position_embeddings)
+        if getattr(backend, "decode_greedy", None) is None:
+            self.step_greedy = None
 
     def start(self, prompt_ids):
-        """A new session prefilled with ``prompt_ids`` (int64); returns ``(session, logits [V])`` of the
-        last prompt position."""
-        sess = self.model.new_session()
-        logits = sess.prefill(np.asarray(prompt_ids, dtype=np.int64), last_only=True)
-        logits = np.asarray(logits)
-        return sess, (logits[-1] if logits.ndim == 2 else logits)
-
-    def step(self, handles, token_ids):
-        """Decode ``token_ids[i]`` on session ``handles[i]``, one after another; returns logits ``[B, V]``."""
-        return np.stack([np.asarray(h.decode(int(t))).reshape(-1) for h, t in zip(handles, token_ids)])
-
-    def close(self, handle):
-        """Does nothing (a reference session holds nothing to release)."""
-        pass
-
-
-class EngineLM:
-    """The engine as a :class:`LanguageModel`: one engine sequence per prompt, all active sequences
-    decoded together through ``Engine.decode(seqs, ids)`` (the batched path)."""
-
-    def __init__(self, engine, config, max_context: int | None = None):
-        self.eng = engine
-        self.config = config
-        self.vocab_size = config.vocab_size
-        pool = getattr(engine, "pool", None)
-        lim = max_context or getattr(pool, "max_positions", None)
-        self.max_context = int(lim or config.max_position_embeddings)
-
-    def start(self, prompt_ids):
-        """A new engine sequence prefilled with ``prompt_ids`` (int64); returns ``(sequence, logits [V])`` of
-        the last prompt position. The sequence is freed when the prefill raises."""
-        seq = self.eng.add_sequence()
+        """A new sequence prefilled with ``prompt_ids`` (int64); returns ``(handle, logits [V])`` of the last
+        prompt position (``Backend.prefill_last`` when the backend has it: no ``[T, V]`` logits kept). The
+        sequence is freed when the prefill raises."""
+        be = self.backend
+        h = be.new_sequence()
         try:
-            logits = np.asarray(self.eng.prefill(seq, np.asarray(prompt_ids, dtype=np.int64), last_only=True))
+            last = getattr(be, "prefill_last", None)
+            logits = np.asarray(last(h, prompt_ids) if last is not None else np.asarray(be.prefill(h, prompt_ids))[-1])
         except BaseException:
-            self.eng.free(seq)
+            be.free(h)
             raise
-        return seq, (logits[-1] if logits.ndim == 2 else logits)
+        return h, logits.reshape(-1)
 
     def step(self, handles, token_ids):
-        """Decode ``token_ids[i]`` on ``handles[i]`` as one batch (``Engine.decode``); returns logits ``[B, V]``."""
-        return np.asarray(self.eng.decode(list(handles), np.asarray(token_ids, dtype=np.int64)))
+        """Decode ``token_ids[i]`` on ``handles[i]`` as one batch (``Backend.decode``); returns logits ``[B, V]``."""
+        return np.asarray(self.backend.decode(list(handles), [int(t) for t in token_ids]))
 
     def step_greedy(self, handles, token_ids):
-        """Greedy :meth:`step`: the argmax of each row taken on the engine's device
-        (``Engine.decode_greedy``, first maximum as ``np.argmax``); returns int64 ``[B]`` next tokens."""
-        return np.asarray(self.eng.decode_greedy(list(handles), np.asarray(token_ids, dtype=np.int64)))
+        """Greedy :meth:`step`: the argmax of each row taken on the backend's device (``decode_greedy``,
+        first maximum as ``np.argmax``); returns int64 ``[B]`` next tokens."""
+        return np.asarray(self.backend.decode_greedy(list(handles), [int(t) for t in token_ids]))
 
     def close(self, handle):
-        """Free the engine sequence ``handle``."""
-        self.eng.free(handle)
+        """Free the sequence ``handle``."""
+        self.backend.free(handle)
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the backend drafts with the checkpoint's MTP head (capability ``mtp``)."""
+        from parity.backends import capabilities_of
+        return bool(capabilities_of(self.backend).get("mtp"))
+
+    def draft(self, handle, next_id: int, k: int) -> np.ndarray:
+        """The backend's ``k`` MTP drafts after ``handle`` and ``next_id`` (``Backend.draft``): int64 ``[k]``."""
+        return np.asarray(self.backend.draft(handle, int(next_id), int(k))[0], np.int64).reshape(-1)
+
+    def verify_greedy(self, handle, ids) -> np.ndarray:
+        """One width-``len(ids)`` verify step; the greedy token after each position (int64): the backend's
+        ``verify_greedy`` (argmax on its device) when it has one, else the argmax of ``forward_tokens``."""
+        ids = [int(t) for t in ids]
+        fn = getattr(self.backend, "verify_greedy", None)
+        if fn is not None:
+            return np.asarray(fn(handle, ids), np.int64).reshape(-1)
+        return np.argmax(np.asarray(self.backend.forward_tokens(handle, ids)), axis=-1).astype(np.int64)
+
+    def verify_logits(self, handle, ids) -> np.ndarray:
+        """One width-``len(ids)`` verify step (``Backend.forward_tokens``): logits ``[len(ids), V]``."""
+        return np.asarray(self.backend.forward_tokens(handle, [int(t) for t in ids]))
+
+    def rollback(self, handle, n: int) -> None:
+        """Forget the last ``n`` tokens of the latest verify (``Backend.rollback``: trunk and MTP head)."""
+        self.backend.rollback(handle, int(n))
 
 
 def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "auto", precision: str | None = None,
-            max_seqs: int = 8):
-    """Load the checkpoint and wrap ``backend`` ('reference' or 'engine') as a :class:`LanguageModel`.
+            max_seqs: int = 8) -> BackendLM:
+    """Open ``backend`` ('reference' or 'engine') on the checkpoint through
+    :func:`parity.backends.open_backend` and wrap it as a :class:`BackendLM`.
 
-    ``device`` applies to the engine: 'cuda', 'cpu' or 'auto' (cuda when a GPU is usable);
-    ``max_seqs`` is the engine's live-sequence capacity (the batch size).
+    ``device`` applies to the engine: 'cuda', 'cpu' or 'auto' (cuda when a GPU is usable); ``precision``:
+    'float64' selects the reference's float64, the engine's precision otherwise (default bf16 on cuda,
+    float32 on cpu); ``max_seqs`` is the engine's live-sequence capacity (the batch size, at least 8).
     Raises:
         DeviceUnavailableError: device 'cuda' asked for and no GPU/cupy usable.
-        InputError: unknown backend or device.
+        InputError: unknown backend or device; the opener's errors.
     """
-    from reference.checkpoint import Checkpoint
+    from parity.backends import open_backend
 
     if backend not in ("reference", "engine"):
         raise InputError(f"backend: expected 'reference' or 'engine', found {backend!r}")
@@ -614,13 +613,10 @@ def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "au
             device = "cuda" if gpu_available() else "cpu"
         if backend == "reference" and device == "cuda":
             raise InputError("device 'cuda': the reference runs on the CPU only; use --backend engine for the GPU")
-    ck = Checkpoint.open(model_dir)
     if backend == "reference":
-        from reference.model import ReferenceModel
-        return ReferenceLM(ReferenceModel(ck, dtype=np.float64 if precision == "float64" else np.float32))
-    import engine as engine_pkg
+        return BackendLM(open_backend("reference-f64" if precision == "float64" else "reference", model_dir))
     prec = precision or ("bf16" if device == "cuda" else "float32")
-    return EngineLM(engine_pkg.Engine(ck, precision=prec, device=device, max_seqs=max(8, int(max_seqs))), ck.config)
+    return BackendLM(open_backend(f"engine-{device}", model_dir, precision=prec, max_seqs=max(8, int(max_seqs))))
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -663,13 +659,14 @@ def _finite(x: float):
 
 
 class Generator:
-    """Prefill + decode loop over a :class:`LanguageModel` with stop conditions and streaming.
+    """Prefill + decode loop over a backend with stop conditions and streaming.
 
+    ``lm``: a :class:`parity.backends.Backend` (wrapped in a :class:`BackendLM`) or a :class:`BackendLM`.
     ``eos_ids``: stop ids (the stop token itself is kept in ``token_ids`` but not in ``text``).
     """
 
-    def __init__(self, lm: LanguageModel, tokenizer, eos_ids: Sequence[int] = ()):
-        self.lm = lm
+    def __init__(self, lm, tokenizer, eos_ids: Sequence[int] = ()):
+        self.lm = lm if isinstance(lm, BackendLM) else BackendLM(lm)
         self.tok = tokenizer
         self.eos = frozenset(int(e) for e in eos_ids)
 
@@ -683,9 +680,7 @@ class Generator:
         if n >= self.lm.max_context:
             raise ContextError(f"{where}: expected fewer than {self.lm.max_context} tokens (the context, leaving "
                                f"room for one generated token), found {n}")
-        bad = [int(t) for t in prompt_ids if not 0 <= int(t) < self.lm.vocab_size]
-        if bad:
-            raise InputError(f"{where}: expected token ids in [0, {self.lm.vocab_size}), found {bad[:5]}")
+        check_ids(prompt_ids, self.lm.vocab_size, where)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -696,7 +691,7 @@ class Generator:
                        on_text: Callable[[int, str], None] | None = None, progress: bool = False
                        ) -> list[GenerationResult]:
         """Generate for several prompts: each prefilled alone, then all unfinished sequences decoded
-        together one token per step (``LanguageModel.step``). ``on_text(i, piece)`` streams."""
+        together one token per step (``BackendLM.step``: ``Backend.decode``). ``on_text(i, piece)`` streams."""
         params.validate()
         for i, p in enumerate(prompts):
             self.check_prompt(p, None if len(prompts) == 1 else i)
@@ -769,6 +764,144 @@ class Generator:
             results.append(GenerationResult(list(map(int, prompts[i])), out[i], "".join(texts[i]), stop[i],
                                             prefill_s[i], decode_s))
         return results
+
+
+def parse_speculative(text: str) -> int:
+    """``--speculative mtp:k=N`` -> ``N`` (drafts per round, 1..16).
+
+    Raises:
+        InputError: naming the flag, the expected form and what was found.
+    """
+    import re
+    m = re.fullmatch(r"\s*mtp\s*:\s*k\s*=\s*(\d+)\s*", str(text))
+    if not m:
+        raise InputError(f"--speculative: expected mtp:k=N (N drafts per round from the checkpoint's MTP head), "
+                         f"found {text!r}")
+    k = int(m.group(1))
+    if not 1 <= k <= 16:
+        raise InputError(f"--speculative: expected k in 1..16, found {k}")
+    return k
+
+
+def speculative_accept(p_rows: np.ndarray, drafts, rng) -> tuple[int, list[int]]:
+    """The speculative-sampling acceptance rule (Leviathan et al. 2023; Chen et al. 2023) for drafts drawn
+    from a point mass (the MTP head's argmax: ``q = onehot(d)``): draft ``d_j`` is kept with probability
+    ``min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j)``; at the first rejection the token is drawn from the residual
+    ``max(p_j - q_j, 0)`` normalised (``p_j`` without ``d_j``); when all ``k`` are kept a bonus token is drawn
+    from ``p_k``. Every emitted token is then distributed exactly as sampling from the target.
+
+    Args:
+        p_rows: ``[k+1, V]`` the target's sampling distributions after the token before each draft.
+        drafts: ``[k]`` ids; rng: a ``numpy.random.Generator``.
+    Returns:
+        ``(accepted, tokens)``: ``tokens`` = the kept drafts plus one drawn token (``accepted + 1`` ids).
+    """
+    out = []
+    for j, d in enumerate(int(t) for t in drafts):
+        p = np.asarray(p_rows[j], np.float64)
+        if rng.random() < p[d]:
+            out.append(d)
+            continue
+        r = p.copy()
+        r[d] = 0.0
+        tot = r.sum()
+        r = r / tot if tot > 0 else p  # tot == 0 only when p(d) == 1, where rejection has probability 0
+        out.append(int(rng.choice(r.size, p=r)))
+        return j, out
+    p = np.asarray(p_rows[len(out)], np.float64)
+    out.append(int(rng.choice(p.size, p=p)))
+    return len(out) - 1, out
+
+
+def generate_speculative(gen: "Generator", prompt_ids: Sequence[int], params: SamplingParams, k: int,
+                         on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Generation with MTP drafts on ``gen``'s language model (``draft`` / ``verify_greedy`` or the verify
+    logits / ``rollback``): per round ``k`` drafts, one width-``k+1`` verify, the accepted prefix plus one
+    token from the trunk kept, the rest rolled back. Greedy: the longest prefix matching the trunk's argmax
+    (the tokens and streamed text are those of plain greedy decoding). Sampling: the speculative-sampling rule
+    (:func:`speculative_accept`), the same distribution as plain sampling (not the same draws: the random
+    stream is consumed differently). ``result.extra['speculative']`` holds the rounds, drafted and accepted
+    counts and the rule.
+
+    Raises:
+        InputError: the model has no MTP head; bad prompt. SamplingError: bad sampling parameters.
+    """
+    params.validate()
+    lm = gen.lm
+    if not getattr(lm, "has_mtp", False):
+        raise InputError("--speculative mtp: expected a checkpoint with an MTP head (mtp.* tensors, e.g. the "
+                         "bundled tiny-mtp), found none")
+    gen.check_prompt(prompt_ids)
+    stream = StreamDecoder(gen.tok)
+    out, texts, stop = [], [], None
+    rounds = drafted = accepted = 0
+    t0 = time.perf_counter()
+    h, logits = lm.start(np.asarray(prompt_ids, dtype=np.int64))
+    prefill_s = time.perf_counter() - t0
+    pos = len(prompt_ids)  # the position of the last emitted token
+
+    def emit(tid):
+        nonlocal stop, pos
+        out.append(int(tid))
+        if tid in gen.eos:
+            stop = "eos"
+            return
+        piece = stream.push(int(tid))
+        if piece:
+            texts.append(piece)
+            if on_text:
+                on_text(piece)
+        if len(out) >= params.max_new_tokens:
+            stop = "length"
+        elif pos + 1 >= lm.max_context:
+            stop = "context"
+
+    sampler = Sampler(params)
+    t1 = time.perf_counter()
+    try:
+        emit(sampler(logits))
+        while stop is None:
+            kk = int(min(k, params.max_new_tokens - len(out), lm.max_context - pos - 1))
+            if kk < 1:  # no room for a draft: one plain step
+                nxt = sampler(lm.step([h], np.array([out[-1]]))[0])
+                pos += 1
+                emit(nxt)
+                continue
+            drafts = lm.draft(h, out[-1], kk)
+            feed = np.concatenate([[out[-1]], drafts])
+            if params.greedy:
+                greedy = lm.verify_greedy(h, feed)
+                acc = 0
+                while acc < kk and int(greedy[acc]) == int(drafts[acc]):
+                    acc += 1
+                new = [int(d) for d in drafts[:acc]] + [int(greedy[acc])]
+            else:
+                vl = lm.verify_logits(h, feed)
+                acc, new = speculative_accept(np.stack([sampler.probs(r) for r in vl]), drafts, sampler.rng)
+            lm.rollback(h, kk - acc)
+            rounds, drafted, accepted = rounds + 1, drafted + kk, accepted + acc
+            for t in new:
+                pos += 1
+                emit(t)
+                if stop is not None:
+                    break
+        decode_s = time.perf_counter() - t1
+    finally:
+        try:
+            lm.close(h)
+        except Exception:
+            pass
+    tail = stream.flush()
+    if tail:
+        texts.append(tail)
+        if on_text:
+            on_text(tail)
+    res = GenerationResult(list(map(int, prompt_ids)), out, "".join(texts), stop, prefill_s, decode_s)
+    res.extra["speculative"] = {"method": "mtp", "k": int(k), "rounds": rounds, "drafted": drafted,
+                                "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else None,
+                                "rule": "greedy (longest matching prefix)" if params.greedy else
+                                "speculative sampling (point-mass drafts)"}
+    return res
 
 
 def first_divergence(a: Sequence[GenerationResult], b: Sequence[GenerationResult]) -> tuple[int, int] | None:

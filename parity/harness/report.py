@@ -60,6 +60,7 @@ class ScenarioRow:
     skipped: int = 0
     known: int = 0           # cases failing only through a --known root cause (not counted as failed)
     tie_equivalent: int = 0  # positions passing only under the backend's tie resolution (parity.harness.ties)
+    notes: dict = field(default_factory=dict)  # e.g. {"mtp_truth_provenance": ...} when MTP cases ran
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""

@@ -133,11 +133,15 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     tie_eq = sum(len(p) for r in ran for (_op, _seq, p) in r.tie_equivalent)
     if status == "pass" and inconclusive:
         status, detail = "inconclusive", inconclusive + ("; " + detail if detail else "")
+    notes = {}
+    if any(r.case.startswith("mtp_") for r in ran):  # the MTP truth is a consensus, not an official one
+        from parity.harness.scenarios.speculative_rollback import MTP_TRUTH_PROVENANCE
+        notes["mtp_truth_provenance"] = MTP_TRUTH_PROVENANCE
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[{**r.to_json(), "label": r.label}
                                                                 for r in failed + known],
-                       skipped=len(skipped), known=len(known), tie_equivalent=tie_eq)
+                       skipped=len(skipped), known=len(known), tie_equivalent=tie_eq, notes=notes)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost
