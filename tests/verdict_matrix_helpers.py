@@ -5,7 +5,8 @@ Models are built at test time from seeded random weights (rounded to BF16, so th
 exactly these weights), with chosen configs: small and large logit scales, one indexer head (many exact
 zero ties at the QSA cut), hc_count 2 and 3, PLE on every layer, a list of EOS ids. Backends: the engine's
 CPU path in float32 and bf16 (correct), a store-rounding bf16 engine (the reference rounding every
-activation store to BF16: correct by construction), the official implementation (transformers, CPU), and
+activation store to BF16: correct by construction), the official implementation (transformers, CPU), a
+correct backend without taps breaking exact ties by the higher index (judged by the tie search), and
 faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
 state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
 stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
@@ -111,6 +112,32 @@ def _tie_outside(model):
                 sel[t] = np.sort(sel[t])
         return sel
     model.selection_hook = hook
+
+
+def _reverse_ties(model):
+    """Break exact ties at the QSA cut by the HIGHER block index (the canonical rule takes the lower): a valid
+    resolution, as the official implementation's torch.topk on CPU is."""
+    cfg = model.config
+
+    def hook(layer, pos, scores, sel):
+        n = (np.asarray(pos) + 1) // cfg.indexer_compress_ratio
+        flipped = np.ascontiguousarray(scores[:, ::-1])
+        out = _topk_rows(flipped, np.full(len(pos), scores.shape[1]), cfg.block_topk)
+        nb = scores.shape[1]
+        res = np.where(out >= 0, nb - 1 - out, -1)
+        # only the visible blocks count: a query sees n[t] blocks, the rest are -inf (never preferred)
+        return np.where(np.arange(cfg.block_topk)[None, :] < np.minimum(n, cfg.block_topk)[:, None], res, -1)
+    model.selection_hook = hook
+
+
+def _no_taps(be):
+    """The backend without selection taps (its taps() refuses), so only the resolution search can judge it."""
+    from parity.backends.base import BackendError
+
+    def taps(*a, **k):
+        raise BackendError(f"backend {be.name}: no taps")
+    be.taps = taps
+    return be
 
 
 def _bf16_scores(be):
@@ -314,6 +341,8 @@ def backend(kind: str, name: str):
         return _Hooked(w, setup, "bf16-stores", "bf16", {k: "bf16" for k in STORE_KINDS})
     if kind == "official":
         return _official(d, w)
+    if kind == "reverse-ties":
+        return _no_taps(_Hooked(w, _reverse_ties, kind))
     if kind == "tie-outside":
         return _Hooked(w, _tie_outside, kind)
     if kind == "bf16-scores":
@@ -334,7 +363,7 @@ def backend(kind: str, name: str):
     raise KeyError(kind)
 
 
-BACKENDS = ("float32", "bf16", "bf16-stores", "official", "tie-outside", "bf16-scores", "hc-mean-bf16",
+BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "tie-outside", "bf16-scores", "hc-mean-bf16",
             "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
 
 
@@ -383,6 +412,11 @@ def thresholds_of(name: str, precision: str, stores_key: tuple):
     return with_tap_profile(th, w, prompts(name)[0], dict(stores_key))
 
 
+#: the official implementation recomputes a full forward per step with a Python loop per query in its indexer:
+#: its cells use one short prompt (23 tokens; on wide-budget a 90-token prefix past its bound) to stay ~10 s
+OFFICIAL_PROMPTS = {"wide-budget": lambda p: [p[0][:90]]}
+
+
 def judge(kind: str, name: str, locate: bool = False) -> dict:
     """Judge backend ``kind`` on model ``name``: ``{"verdict", "kl": KLReport, "cases": [CaseResult], ...}``
     (``locate``: locate failing cases by tap-diff too)."""
@@ -400,8 +434,10 @@ def judge(kind: str, name: str, locate: bool = False) -> dict:
     def perturbed(scale=1.0):
         from parity.cli.kl import perturbation
         return _ref(w, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=scale)))
-    rep = run_kl(a, b, prompts(name), greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False,
-                 thresholds=th)
+    ps = prompts(name)
+    if kind == "official":
+        ps = OFFICIAL_PROMPTS.get(name, lambda p: p[1:])(ps)
+    rep = run_kl(a, b, ps, greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False, thresholds=th)
     truth = TruthCache(a.model)
     cases = [run_case("matrix", c, b, truth, thresholds=th, locate_on_fail=locate) for c in _cases()]
     statuses = [rep.status] + [{"pass": PASS, "fail": FAIL, "error": FAIL}.get(c.status, PASS) for c in cases]
