@@ -337,7 +337,7 @@ class ImportAcceptsPartial(EngineBackend):
             pass
 
 
-@pytest.mark.parametrize("fault,name,expect", [(ImportZeroesPLEConv, FILE_CASES[0], "max KL"),
+@pytest.mark.parametrize("fault,name,expect", [(ImportZeroesPLEConv, FILE_CASES[0], "logit error"),
                                                (ImportAcceptsPartial, FILE_CASES[1], "silently accepted")])
 def test_negative_control_faulty_engine_import_fails_the_scenario_case(truth, fault, name, expect):
     from parity.harness.scenarios.runner import run_case

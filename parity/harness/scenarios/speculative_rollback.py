@@ -207,8 +207,7 @@ def mtp_check(run: Run, s, next_id: int, k: int, desc: str) -> list[int]:
     reference head's (KL + top-1 as every scenario check; steps after a near-tie flip are conditioned on
     another token and not compared) and check the sequence's position is unchanged. Returns the backend's
     drafts. Raises CaseFailure located at the first divergent ``mtp.*`` tap."""
-    from parity.harness.kl import compare_logits, verdict
-    from parity.harness.scenarios.common import NEAR_TIE_LOGIT_GAP
+    from parity.harness.kl import compare_logits, logit_scale, position_faults, verdict
     op = run._next_op()
     ids, logits = run.be.draft(s.h, next_id, k)
     ids, logits = np.asarray(ids).reshape(-1), np.asarray(logits)
@@ -220,9 +219,12 @@ def mtp_check(run: Run, s, next_id: int, k: int, desc: str) -> list[int]:
     for j in range(k):
         if int(ids[j]) != int(t_ids[j]):
             gap = float(t_logits[j, int(t_ids[j])]) - float(t_logits[j, int(ids[j])])
-            if run.min_top1 >= 1.0 and gap > NEAR_TIE_LOGIT_GAP:
+            # the harness's near-tie rule (parity.harness.kl.verdict): 2 x tol x the truth row's logit scale
+            near = 2.0 * run.th.tol_rel * float(logit_scale(np.asarray(t_logits[j:j + 1]))[0])
+            if gap > near:
                 run.fail(op, f"{desc}: seq {s.label}: draft {j} is {int(ids[j])}, the reference head's "
-                             f"{int(t_ids[j])} (truth logit gap {gap:.3g}); truth: {MTP_TRUTH_PROVENANCE}",
+                             f"{int(t_ids[j])} (truth logit gap {gap:.3g} > near-tie {near:.3g}); truth: "
+                             f"{MTP_TRUTH_PROVENANCE}",
                          mtp_locate(run, s, next_id, k, j), seq=s.label)
             upto = j + 1
             break
@@ -234,8 +236,7 @@ def mtp_check(run: Run, s, next_id: int, k: int, desc: str) -> list[int]:
     run.worst_err = max(run.worst_err, we) if np.isfinite(we) else float("inf")
     ok, why = verdict(cmp, run.th, top1=False)
     if not ok:
-        both = np.maximum(cmp.kl_ab, cmp.kl_ba)
-        bad = np.isnan(both) | (both > run.th.max_kl)
+        bad = position_faults(cmp, run.th)
         j = int(np.argmax(bad)) if bad.any() else 0
         run.fail(op, f"{desc}: seq {s.label}: draft logits vs the reference head: {why} (first at draft step {j}); "
                      f"truth: {MTP_TRUTH_PROVENANCE}", mtp_locate(run, s, next_id, k, j), seq=s.label)
