@@ -2,7 +2,8 @@
 
     qwen4exp kl [MODEL] --a reference --b engine-cpu [--prompts FILE] [--json] [--plot FILE.png]
 
-Exit codes: 0 b agrees with a and every control passed; 1 b disagrees or a control failed; 2 bad input.
+Exit codes: 0 b agrees with a and every control vouches for it; 1 b disagrees (or is not deterministic); 2 bad
+input; 3 inconclusive (the floor is too coarse on this model, or the negative control was not flagged).
 """
 from __future__ import annotations
 

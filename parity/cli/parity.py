@@ -8,7 +8,8 @@ the backend supports; prints one verdict table (scenario, cases, worst KL, worst
 divergence, time); writes ``report.json`` and the failing cases' tap archives under ``--out``.
 Exit codes: 0 pass; 1 fail (a divergence, a failed control, or the backend under test raising inside a
 case or the KL harness -- such a case is shown as ERROR and counted as failed); 2 usage/input error (bad
-arguments, model or prompts, an --out that cannot be written, a backend that cannot be opened).
+arguments, model or prompts, an --out that cannot be written, a backend that cannot be opened); 3 inconclusive
+(nothing failed but the run cannot vouch for a pass: docs/parity.md, "Thresholds").
 """
 from __future__ import annotations
 
