@@ -61,7 +61,7 @@ class Engine:
     def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
                  kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
                  ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, quantized: str = "stored"):
         if precision not in ("bf16", "float32"):
             raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
         if device == "auto":
@@ -77,7 +77,8 @@ class Engine:
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise InputError(f"prefill_chunk: expected a positive integer or None, found {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress)
+        self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress,
+                                 quantized=quantized)
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
             raise InputError(f"page_size: expected a positive integer, found {page_size!r}")
         if kv_tokens is None:

@@ -8,8 +8,11 @@ MoE) runs once over all the step's tokens; sequence work (GDN conv/recurrence, Q
 reads and writes each sequence's pages and slab rows.
 
 Weights: BF16 by default, stored on the device as ``uint16`` bit patterns (cupy has no bfloat16);
-``precision="float32"`` keeps every weight in float32 (exact-parity runs). FP8 block-scaled weights
-are dequantised on load by the shared checkpoint reader. Norm gains, conv kernels, ``A_log`` and
+``precision="float32"`` keeps every BF16 weight in float32 (exact-parity runs). Quantised weights (FP8
+block-scaled E4M3 with ``weight_scale_inv``; ModelOpt NVFP4 experts) stay in their stored format on the
+device (:class:`engine.kernels.quant.QuantWeight`, ``quantized="stored"``, the default, in both
+precisions: the kernels dequantise exactly, as the reference reader does); ``quantized="dequantize"``
+dequantises them on load instead (float32 where not BF16-exact). Norm gains, conv kernels, ``A_log`` and
 ``dt_bias`` stay float32 in both modes. Activations, accumulation and all state are float32.
 
 Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextModel.forward`` (embed, hc_count-fold repeat, layers,
@@ -25,6 +28,7 @@ from engine.kernels import gdn as K_gdn
 from engine.kernels import linear as K_lin
 from engine.kernels import norms as K_norms
 from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
+from engine.kernels.quant import QuantWeight, fp8_from_stored, nvfp4_from_stored, stack_experts, stack_rows
 from engine.ple_table import PLETable
 from reference import taphook as tap_recorder
 
@@ -82,7 +86,11 @@ class EngineModel:
     """
 
     def __init__(self, ck, xp, precision: str = "bf16", ple_placement: str = "host", prefill_gdn_chunk: int = 64,
-                 progress: bool = False):
+                 progress: bool = False, quantized: str = "stored"):
+        from reference.errors import InputError
+        if quantized not in ("stored", "dequantize"):
+            raise InputError(f"quantized: expected 'stored' or 'dequantize', found {quantized!r}")
+        self.quantized = quantized
         self.ck = ck
         self.config = c = ck.config
         self.xp = xp
@@ -176,7 +184,7 @@ class EngineModel:
                                                         m + "shared_expert.up_proj.weight"]))
         for key, names in groups:
             ws = [self.w.get(n) for n in names]
-            if any(w is None or w.ndim != 2 for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+            if any(w is None or w.ndim != 2 or isinstance(w, QuantWeight) for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
                 continue
             fused = xp.concatenate(ws, axis=0)
             spans, a = [], 0
@@ -223,7 +231,32 @@ class EngineModel:
         except Exception:  # overrides / in-memory weights: take the generic path
             return None
 
+    def _quant(self, name: str) -> QuantWeight | None:
+        """``name`` as a host QuantWeight when it is stored quantised (FP8 E4M3 with a block or per-tensor
+        scale; NVFP4 U8 codes with ``weight_scale`` + ``weight_scale_2``) and ``quantized == 'stored'``,
+        else None."""
+        if self.quantized != "stored":
+            return None
+        try:
+            dt = self.ck.dtype(name)
+        except Exception:
+            return None
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        if dt == "F8_E4M3":
+            sc = self.ck._scale_for(name)
+            if sc is None:
+                return None  # the reader raises its own error when the weight is read
+            return fp8_from_stored(self.ck.get_raw(name), self.ck.get_raw(sc), self.ck._block)
+        if dt == "U8" and self.ck.has(base + ".weight_scale_2"):
+            return nvfp4_from_stored(self.ck.get_raw(name), self.ck.get_raw(base + ".weight_scale"),
+                                     self.ck.get_raw(base + ".weight_scale_2"))
+        return None
+
     def _load(self, name: str, kind: str):
+        if kind == "mat" and name != "embed_tokens.weight":  # the embedding is gathered by rows, never quantised
+            qw = self._quant(name)
+            if qw is not None:
+                return qw.to(self.xp)
         if kind == "mat" and self.precision == "bf16":
             raw = self._bf16_raw(name)
             if raw is not None:  # stored BF16: upload the bits as they are (no float round trip)
@@ -245,6 +278,14 @@ class EngineModel:
             it = tqdm(it, desc="upload experts", unit="layer")
         for i in it:
             m = f"layers.{i}.mlp.experts."
+            dev = getattr(self.ck, "device_experts", None)
+            if dev is not None:  # synthetic weights built on the device (parity.bench.synthetic_device)
+                self.w[m + "gate_up"], self.w[m + "down"] = dev(i, self.xp, self.precision)
+                continue
+            q = self._quant_experts(i)
+            if q is not None:
+                self.w[m + "gate_up"], self.w[m + "down"] = q[0].to(self.xp), q[1].to(self.xp)
+                continue
             if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
                 gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
                 if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
@@ -269,6 +310,27 @@ class EngineModel:
                 gu[e, :I], gu[e, I:], dn[e] = g, u, d
             self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
             self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
+
+    def _quant_experts(self, i: int):
+        """Layer ``i``'s routed experts as host QuantWeights ``(gate_up [E, 2I, H], down [E, H, I])`` when
+        stored quantised (per-expert or fused FP8 layout; per-expert NVFP4), else None."""
+        E = self.config.num_experts
+        m = f"layers.{i}.mlp.experts."
+        if self.ck.has(m + "gate_up_proj"):
+            gu, dn = self._quant(m + "gate_up_proj"), self._quant(m + "down_proj")
+            if gu is None or dn is None:
+                return None
+            return gu, dn  # the fused layout's block scales are defined over the stacked gate + up rows
+        if not self.ck.has(m + "0.gate_proj.weight") or self._quant(m + "0.gate_proj.weight") is None:
+            return None
+        gus, dns = [], []
+        for e in range(E):
+            g, u, d = (self._quant(f"{m}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            if g is None or u is None or d is None:
+                return None
+            gus.append(stack_rows([g, u]))
+            dns.append(d)
+        return stack_experts(gus), stack_experts(dns)
 
     def weight_bytes(self) -> int:
         """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
