@@ -35,7 +35,7 @@ __device__ __forceinline__ float e4m3_to_f32(unsigned int b) {
 // E2M1 nibble -> float32, exact: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 __device__ __forceinline__ float e2m1_to_f32(unsigned int nib) {
     const unsigned int m = nib & 7u;
-    const unsigned int bits = m >= 2u ? (0x3F40u + m * 0x40u) << 16 : (m ? 0x3F000000u : 0u);
+    const unsigned int bits = m >= 2u ? (0x3F00u + m * 0x40u) << 16 : (m ? 0x3F000000u : 0u);
     return __uint_as_float(bits | ((nib & 8u) << 28));
 }
 
