@@ -60,8 +60,11 @@ def test_real_depth_estimates():
     f = Ms.flops_per_token(cfg, 1024)
     routed = 48 * 10 * 3 * 640 * 2560  # the 10 routed experts of every layer
     lm_head = 248320 * 2560
-    # everything else (GDN/QSA projections, shared expert, hyper-connections, router) is less than 1.5x routed
-    assert 2 * (routed + lm_head) < f["matmul"] < 2 * (2.5 * routed + lm_head)
+    # everything else (GDN/QSA projections, shared expert, hyper-connections, router): ~3.7B parameters, which
+    # with NVFP4 experts and BF16 rest gives the ~9.9 GB/token the issue quotes for SGLang's NVFP4 decode
+    rest = f["matmul"] / 2 - routed - lm_head
+    assert 3.0e9 < rest < 4.5e9
+    assert 9.0e9 < routed * (0.5 + 1 / 16) + (rest + lm_head) * 2 < 11e9
 
 
 def test_projection_from_one_and_two_periods():
