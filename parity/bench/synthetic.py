@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from reference.checkpoint import _WeightsBase
+from reference.config import ModelConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -315,6 +316,26 @@ def _fill_bf16(xp, shape, seed: int, amp: float = 0.05):
         kernel("synthetic_fill.cu", "fill_bf16_normal")((min(-(-n // 256), 65535 * 16),), (256,),
                                                         (out, np.int64(n), np.uint32(seed), np.float32(amp)))
     return out
+
+
+#: host memory the device machine has (KINDS.md: 128 GiB); the real BF16 n-gram table (102 GB) does not fit
+#: beside the process, the FP8 one (51 GB) does
+HOST_TABLE_LIMIT_BYTES = 64 * 10**9
+
+
+def in_memory_ngram_base(fmt: str) -> tuple[int, str]:
+    """``ngram_vocab_size_base`` for in-memory weights of format ``fmt`` and a note saying what was done: the
+    real table (20M base, 320M rows x 160) when it fits :data:`HOST_TABLE_LIMIT_BYTES` in its format (FP8 for
+    'fp8' / 'nvfp4', as both releases store it), else the scaled-down :data:`DEFAULT_NGRAM_BASE` (BF16)."""
+    cfg = ModelConfig.from_dict(real_width_config(4, ngram_vocab_size_base=REAL_NGRAM_BASE))
+    lay = cfg.ple_layout(cfg.ple_layers[0])
+    nbytes = lay.padded_rows * lay.head_dim * (2 if fmt == "bf16" else 1)
+    if nbytes <= HOST_TABLE_LIMIT_BYTES:
+        return REAL_NGRAM_BASE, (f"real size in host memory: {lay.padded_rows:,} rows x {lay.head_dim}, "
+                                 f"{'BF16' if fmt == 'bf16' else 'FP8'}, {nbytes / 1e9:.1f} GB")
+    return DEFAULT_NGRAM_BASE, (f"scaled down to ngram_vocab_size_base {DEFAULT_NGRAM_BASE:,}: the real "
+                                f"{'BF16' if fmt == 'bf16' else 'FP8'} table ({nbytes / 1e9:.0f} GB) does not fit "
+                                f"the host's memory beside the process (limit {HOST_TABLE_LIMIT_BYTES / 1e9:.0f} GB)")
 
 
 def weights_bytes_estimate(cfg, fmt: str) -> dict:

@@ -180,12 +180,13 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     if backend in ("engine", "both"):
         if weights:  # in memory: no file is written, the worker builds the weights
             from reference.config import ModelConfig
-            cfg_d = S.real_width_config(args.layers or 4, vocab_size=args.vocab, ngram_vocab_size_base=S.REAL_NGRAM_BASE)
+            base_rows, note = S.in_memory_ngram_base(weights)
+            cfg_d = S.real_width_config(args.layers or 4, vocab_size=args.vocab, ngram_vocab_size_base=base_rows)
             cfg = ModelConfig.from_dict(cfg_d)
             m = None
             checkpoints["engine"] = {"in_memory": weights, "synthetic": True, "layers": cfg.num_hidden_layers,
                                      "layer_types": cfg_d["layer_types"], "ple_layer_ids": cfg_d["ple_layer_ids"],
-                                     "vocab_size": cfg.vocab_size, "scaled_down": None,
+                                     "vocab_size": cfg.vocab_size, "ple_table": note,
                                      "device_bytes_estimate": S.weights_bytes_estimate(cfg, weights)}
         else:
             m = model_for("engine")

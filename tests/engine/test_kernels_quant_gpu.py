@@ -113,3 +113,15 @@ def test_quant_moe_experts_all_tile_kinds(rng, fmt, rpt):
     ob = cp.asnumpy(M.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), gu.to(cp), bad.to(cp), route=route))
     users = {t for t in range(T) if a in ids[t] or b in ids[t]}
     assert {int(t) for t in np.nonzero(np.abs(ob - cp.asnumpy(out)).max(1) > 1e-6)[0]} == users
+
+
+def test_synthetic_fill_matches_hash_twin():
+    """synthetic_fill.cu's hash and fills equal their NumPy twins (parity/bench/synthetic.py) element for
+    element, so a full-depth bench's device weights are what the CPU tests describe."""
+    from parity.bench import synthetic as S
+    for seed in (0, 12345):
+        a = S._fill_u8(cp, (7, 1001), seed, 0xBF, 0)
+        np.testing.assert_array_equal(cp.asnumpy(a), S._fill_u8(np, (7, 1001), seed, 0xBF, 0))
+        b = S._fill_bf16(cp, (3, 999), seed)
+        np.testing.assert_array_equal(cp.asnumpy(b), S._fill_bf16(np, (3, 999), seed))
+    assert not np.array_equal(cp.asnumpy(S._fill_u8(cp, (5, 5), 1, 0xFF, 0)), S._fill_u8(np, (5, 5), 2, 0xFF, 0))

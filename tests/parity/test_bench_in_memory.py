@@ -102,6 +102,7 @@ def test_cli_plan_in_memory_writes_no_file_and_has_no_peer(tmp_path, monkeypatch
     monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path))
     jobs, _, cks = B.plan(_args())
     assert [k for k, _ in jobs] == ["engine"]
+    assert "real size in host memory" in cks["engine"]["ple_table"]
     spec = jobs[0][1]
     assert spec["model"] is None and spec["synthetic"]["weights"] == "fp8"
     assert spec["synthetic"]["config"]["num_hidden_layers"] == 48
