@@ -76,8 +76,7 @@ def weight_as_float(w, dtype=np.float32):
     weights dequantised by the NumPy twin :func:`engine.kernels.quant.dequantize`, host arrays)."""
     kind = weight_kind(w)
     if kind in ("fp8", "nvfp4"):
-        from engine.kernels.quant import dequantize
-        return dequantize(w, dtype)
+        return w.dequantize(dtype)  # QuantWeight (engine.kernels.quant), host twin
     if kind == "bf16":
         bits = w.view(np.uint16) if w.dtype != np.uint16 else w
         return bf16_bits_to_float32(bits).astype(dtype, copy=False)

@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from engine.backend import xp_of
+from engine.kernels.dense_common import KernelInputError
 from reference.checkpoint import E2M1_VALUES, nvfp4_dequantize  # the reader's decode: one implementation
 
 __all__ = ["QuantWeight", "E2M1_VALUES", "e4m3_to_float32", "dequantize", "fp8_from_stored", "nvfp4_from_stored",
@@ -84,7 +85,6 @@ class QuantWeight:
         return self.q
 
     def _check(self) -> None:
-        from engine.kernels.dense_common import KernelInputError
         if self.ndim not in (2, 3):
             raise KernelInputError(f"quantised weight: expected [N, K] or [E, N, K], found shape {self.shape}")
         *lead, N, K = self.shape
@@ -130,6 +130,10 @@ class QuantWeight:
         return QuantWeight(self.fmt, self.shape, conv(self.q), conv(self.scale),
                            None if self.scale2 is None else conv(self.scale2), rb=self.rb, cb=self.cb,
                            s2_rows=self.s2_rows)
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        """Host float weights (:func:`dequantize`, the NumPy twin)."""
+        return dequantize(self, dtype)
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.fmt}, shape={self.shape})"
