@@ -108,6 +108,7 @@ class EngineModel:
             self.w[name] = self._load(name, kind)
         self._load_experts(progress)
         self.fused: dict[str, list] = {}
+        self.fused_members: set[str] = set()
         if xp is not np:
             self._fuse_weights()
         if self.kept_float32:
@@ -162,8 +163,11 @@ class EngineModel:
         instead of several in a decode step), and replace each weight by its row view of the stack (no
         second copy): GDN ``in_proj_{qkv,z,b,a}``, QSA ``indexer.index_qk_proj`` + ``{q,k,v}_proj``,
         hyper-connection ``input_mix_weight_down`` + ``block_inject_weight``, shared expert
-        ``gate_proj`` + ``up_proj``. A group whose matrices differ in dtype (a BF16 and a kept-float32
-        weight) stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
+        ``gate_proj`` + ``up_proj``; where the GDN group mixes formats (FP8 release: ``qkv`` and ``z`` FP8,
+        ``b`` and ``a`` BF16), ``in_proj_qkv`` + ``in_proj_z`` alone. Quantised members stack when all are of one
+        format and their scale blocks allow row views (:func:`engine.kernels.quant.stack_rows`,
+        :meth:`QuantWeight.rows`). A group whose matrices differ in dtype (a BF16 and a kept-float32 weight)
+        stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
         xp, c = self.xp, self.config
         groups = []
         for i, lt in enumerate(c.layer_types):
@@ -182,17 +186,32 @@ class EngineModel:
             m = p + "mlp."
             groups.append((m + "fused_shared_gate_up", [m + "shared_expert.gate_proj.weight",
                                                         m + "shared_expert.up_proj.weight"]))
+            if lt == "linear_attention":  # FP8 release: qkv and z are F8_E4M3, b and a BF16
+                groups.append((p + "linear_attn.fused_in_proj_qkv_z", [p + "linear_attn.in_proj_qkv.weight",
+                                                                       p + "linear_attn.in_proj_z.weight"]))
         for key, names in groups:
             ws = [self.w.get(n) for n in names]
-            if any(w is None or w.ndim != 2 or isinstance(w, QuantWeight) for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+            if any(w is None or w.ndim != 2 for w in ws) or any(n in self.fused_members for n in names):
                 continue
-            fused = xp.concatenate(ws, axis=0)
-            spans, a = [], 0
-            for n, w in zip(names, ws):
-                b = a + w.shape[0]
-                self.w[n] = fused[a:b]
-                spans.append((n, a, b))
-                a = b
+            quant = [isinstance(w, QuantWeight) for w in ws]
+            if all(quant):  # stored formats: one stack when the scale blocks allow row views of it
+                try:
+                    fused = stack_rows(ws)
+                    starts = np.cumsum([0] + [w.shape[0] for w in ws])
+                    views = [fused.rows(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+                except ValueError:
+                    continue
+            elif any(quant) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+                continue
+            else:
+                fused = xp.concatenate(ws, axis=0)
+                starts = np.cumsum([0] + [w.shape[0] for w in ws])
+                views = [fused[int(a):int(b)] for a, b in zip(starts[:-1], starts[1:])]
+            spans = []
+            for n, v, a, b in zip(names, views, starts[:-1], starts[1:]):
+                self.w[n] = v
+                spans.append((n, int(a), int(b)))
+            self.fused_members.update(names)
             self.w[key] = fused
             self.fused[key] = spans
 
@@ -496,8 +515,12 @@ class EngineModel:
         if parts is not None:
             qkv, z, b, a = parts
         else:
-            qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
-            z = K_lin.linear(x, w[q + "in_proj_z.weight"])
+            qz = self._fused_linear(x, q + "fused_in_proj_qkv_z")
+            if qz is not None:
+                qkv, z = qz
+            else:
+                qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
+                z = K_lin.linear(x, w[q + "in_proj_z.weight"])
             b = K_lin.linear(x, w[q + "in_proj_b.weight"])
             a = K_lin.linear(x, w[q + "in_proj_a.weight"])
         conv_state = pool.gdn_conv[i]

@@ -123,6 +123,25 @@ class QuantWeight:
         return QuantWeight("nvfp4", self.shape[1:], self.q[e], self.scale[e], self.scale2[e * per:(e + 1) * per],
                            s2_rows=self.s2_rows)
 
+    def rows(self, a: int, b: int) -> "QuantWeight":
+        """Rows ``[a, b)`` of a 2-D weight as a view (a stacked projection's member). ``a`` must start a scale
+        block (fp8: ``a % rb == 0``; nvfp4: ``a`` and ``b`` multiples of ``s2_rows``).
+
+        Raises:
+            ValueError: the rows cut a scale block.
+        """
+        if self.ndim != 2:
+            raise ValueError("QuantWeight.rows: expected a 2-D weight")
+        if self.fmt == "fp8":
+            if a % self.rb or (b % self.rb and b != self.shape[0]):
+                raise ValueError(f"QuantWeight.rows: rows [{a}, {b}) cut {self.rb}-row scale blocks")
+            return QuantWeight("fp8", (b - a, self.shape[1]), self.q[a:b], self.scale[a // self.rb:-(-b // self.rb)],
+                               rb=self.rb, cb=self.cb)
+        if a % self.s2_rows or b % self.s2_rows:
+            raise ValueError(f"QuantWeight.rows: rows [{a}, {b}) cut {self.s2_rows}-row global-scale blocks")
+        return QuantWeight("nvfp4", (b - a, self.shape[1]), self.q[a:b], self.scale[a:b],
+                           self.scale2[a // self.s2_rows:b // self.s2_rows], s2_rows=self.s2_rows)
+
     def to(self, xp) -> "QuantWeight":
         """The same weight with its arrays on ``xp``'s device (numpy or cupy)."""
         conv = (lambda a: a) if xp_of(self.q) is xp else (
@@ -183,10 +202,15 @@ def nvfp4_from_stored(packed, scale, scale2) -> QuantWeight:
 
 
 def stack_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """Stack 2-D weights of one format and width along N (gate over up). fp8: the scale block height of the
-    stack is the largest power of two dividing the checkpoint block and every part's height (each stored
-    scale repeated over the blocks it covers); nvfp4: every part's global scale is kept (``s2_rows`` = the
-    parts' common height)."""
+    """Stack 2-D weights of one format and width along N (gate over up; stacked projections), on the parts'
+    device. fp8: the scale block height of the stack is the largest power of two dividing the checkpoint
+    block and every part's height but the last's (each stored scale repeated over the blocks it covers);
+    nvfp4: every part's global scale is kept (``s2_rows`` = the parts' common height).
+
+    Raises:
+        ValueError: parts of different formats, widths or fp8 column blocks; nvfp4 parts of unequal heights.
+    """
+    xp = xp_of(parts[0].q)
     fmt, K = parts[0].fmt, parts[0].shape[-1]
     if any(p.fmt != fmt or p.ndim != 2 or p.shape[-1] != K for p in parts):
         raise ValueError("stack_rows: expected 2-D weights of one format and width")
@@ -198,14 +222,16 @@ def stack_rows(parts: list[QuantWeight]) -> QuantWeight:
         rb = min(p.rb for p in parts)
         while any(p.shape[0] % rb or p.rb % rb for p in parts[:-1]) and rb > 1:
             rb //= 2
-        scales = [np.repeat(p.scale, p.rb // rb, axis=0)[:math.ceil(p.shape[0] / rb)] for p in parts]
-        return QuantWeight("fp8", (N, K), np.concatenate([p.q for p in parts], 0), np.concatenate(scales, 0),
+        if any(p.rb % rb for p in parts):
+            raise ValueError("stack_rows: fp8 parts whose scale blocks do not nest")
+        scales = [xp.repeat(p.scale, p.rb // rb, axis=0)[:math.ceil(p.shape[0] / rb)] for p in parts]
+        return QuantWeight("fp8", (N, K), xp.concatenate([p.q for p in parts], 0), xp.concatenate(scales, 0),
                            rb=rb, cb=cb)
     rows = {p.s2_rows for p in parts} | {p.shape[0] for p in parts}
     if len(rows) != 1:
         raise ValueError("stack_rows: nvfp4 parts must have equal heights")
-    return QuantWeight("nvfp4", (N, K), np.concatenate([p.q for p in parts], 0),
-                       np.concatenate([p.scale for p in parts], 0), np.concatenate([p.scale2 for p in parts]),
+    return QuantWeight("nvfp4", (N, K), xp.concatenate([p.q for p in parts], 0),
+                       xp.concatenate([p.scale for p in parts], 0), xp.concatenate([p.scale2 for p in parts]),
                        s2_rows=parts[0].shape[0])
 
 

@@ -149,3 +149,32 @@ def test_quant_kernel_choice():
     assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_ks8_v", 320)
     assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, vec=False, sms=132) == ("qgemv_nvfp4_nt4_ks1_s", 16384)
     assert L.quant_kernel_choice("fp8", 64, 1000, 64, 3, vec=True, sms=132)[0] == "qgemm_fp8"
+
+
+@pytest.mark.parametrize("name", ["tiny-fp8", "tiny-nvfp4"])
+def test_stacked_quantised_projections_are_views_and_change_nothing(name):
+    """The CUDA engine stacks projections that read one input (engine/model.py:_fuse_weights); with stored
+    formats the stack is a QuantWeight whose members are row views. Here the same stacking runs on the CPU
+    path (where it is off by default): logits agree to float32 summation noise and no weight is copied."""
+    ck = Checkpoint.open(fixture_dir(name))
+    g, _ = load_golden(name)
+    ids = g["qsa/ids"]
+    eng = Engine(ck, precision="float32", device="cpu")
+    before = eng.prefill(eng.add_sequence(), ids)
+    eng.model._fuse_weights()
+    fused = eng.model.fused
+    if name == "tiny-fp8":
+        assert "layers.2.self_attn.fused_in_proj" in fused and "layers.0.linear_attn.fused_in_proj_qkv_z" in fused
+        st = eng.model.w["layers.2.self_attn.fused_in_proj"]
+        q = eng.model.w["layers.2.self_attn.q_proj.weight"]
+        assert isinstance(st, QuantWeight) and np.shares_memory(q.q, st.q) and np.shares_memory(q.scale, st.scale)
+        assert np.array_equal(dequantize(q), ck.get("layers.2.self_attn.q_proj.weight"))
+    after = eng.prefill(eng.add_sequence(), ids)
+    assert np.abs(after - before).max() / np.abs(before).max() < 1e-5
+
+
+def test_rows_refuses_a_cut_scale_block():
+    w = QuantWeight("fp8", (256, 128), np.zeros((256, 128), np.uint8), np.ones((2, 1), np.float32))
+    assert w.rows(128, 256).shape == (128, 128)
+    with pytest.raises(ValueError, match="cut 128-row scale blocks"):
+        w.rows(64, 256)
