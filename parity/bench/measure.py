@@ -379,7 +379,8 @@ def run_engine(spec: dict) -> dict:
     device, precision, prompt_lens, decode ([[batch, context], ...]), decode_tokens, repeats, warmup, budget_s.
 
     In-memory weights that do not fit the device (estimate + 8 GiB of working memory against the free device
-    memory) are measured at one and two periods instead; the result then holds both (``periods``), the
+    memory; ``synthetic.free_bytes`` / ``working_bytes`` override both, for tests) are measured at one and two
+    periods instead; the result then holds both (``periods``), the
     per-period marginal step cost and the projection to the asked depth (``projected`` rows, flagged)."""
     from engine.backend import get_xp
     from reference.checkpoint import Checkpoint
@@ -394,7 +395,8 @@ def run_engine(spec: dict) -> dict:
     cfg = ModelConfig.from_dict(cfg_d)
     est = S.weights_bytes_estimate(cfg, fmt)
     free = int(xp.cuda.runtime.memGetInfo()[0]) if xp is not np else None
-    need = est["total"] + (8 << 30)
+    free = syn.get("free_bytes", free)  # tests: pretend a smaller device
+    need = est["total"] + int(syn.get("working_bytes", 8 << 30))
     if free is None or need <= free or cfg.num_hidden_layers <= 8:
         out = _measure_engine(S.SyntheticWeights(cfg_d, fmt), spec)
         out.update(weights_format=fmt, fits=True, weights_estimate=est)

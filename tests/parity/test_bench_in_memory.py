@@ -112,3 +112,33 @@ def test_cli_plan_in_memory_writes_no_file_and_has_no_peer(tmp_path, monkeypatch
         B.plan(_args(synthetic=None, layers=None))
     with pytest.raises(InputError, match="expected --backend engine"):
         B.plan(_args(backend="both"))
+
+
+def _worker_spec(layers, **syn):
+    return {"kind": "engine", "device": "cpu", "prompt_lens": [12], "decode": [[1, 10], [2, 10]], "decode_tokens": 2,
+            "repeats": 1, "warmup": 1, "synthetic": dict({"config": small_cfg(layers), "weights": "fp8"}, **syn)}
+
+
+def test_worker_in_memory_end_to_end_and_the_table():
+    from parity.bench import runner
+    r = Ms.run_engine(_worker_spec(4))
+    assert r["fits"] and r["weights_format"] == "fp8"
+    d = {(x["batch"], x["context"]): x for x in r["decode"]}
+    assert set(d) == {(1, 10), (2, 10)} and all(x["tokens_per_s"]["median"] > 0 for x in d.values())
+    wb = r["weight_bytes_read"]
+    # bytes per step: dense once + expected distinct experts (2 of 8 per token) + state; batch 2 reads more
+    assert d[(2, 10)]["bytes_per_step"] > d[(1, 10)]["bytes_per_step"] > wb["dense"]
+    assert r["prefill"][0]["flop_per_token"] > 0
+    rows = runner.table_rows(runner.assemble({"engine": r}, {}, {}))
+    assert any("weights fp8 in memory" in row[1] for row in rows)
+
+
+def test_worker_projects_a_depth_that_does_not_fit():
+    r = Ms.run_engine(_worker_spec(12, free_bytes=1, working_bytes=0))  # pretend nothing fits
+    assert r["fits"] is False and "12 layers projected" in r["not_fitting"]
+    assert set(r["periods"]) == {4, 8} and r["periods"][8]["limits"] != r["periods"][4]["limits"]
+    row = r["decode"][0]
+    p4 = next(x for x in r["periods"][4]["decode"] if x["batch"] == row["batch"])
+    p8 = next(x for x in r["periods"][8]["decode"] if x["batch"] == row["batch"])
+    assert row["projected"] and row["step_s"]["median"] == pytest.approx(
+        p4["step_s"]["median"] + 2 * (p8["step_s"]["median"] - p4["step_s"]["median"]))
