@@ -13,9 +13,9 @@
 // reader's (reference/checkpoint.py); only the summation order differs.
 //
 // gemv_* : decode (1, 4 or 16 activation rows per weight pass). One warp per weight row, KS warps may
-//          split K; every lane loads 16 bytes of the row per step (16 FP8 or 32 NVFP4 weights), decodes them
-//          once and reuses them for every activation row of the tile. Scalar path for rows that are not
-//          16-byte aligned.
+//          split K; every lane loads 16 bytes of the row per chunk (16 FP8 or 32 NVFP4 weights) with U = 4 / 2
+//          / 1 chunks in flight (1 / 4 / 16 rows), decodes each once and reuses it for every activation row
+//          of the tile. Scalar path for rows that are not 16-byte aligned.
 // gemm_* : prefill. 64 x 64 output tiles, BK = 16, 4 x 4 per thread, weights dequantised while staged in
 //          shared memory.
 // Both take the grouped-launch tile table of dense_linear.cu (MoE experts), computed on the device.
@@ -50,15 +50,25 @@ struct FP8W {
         const float s = S[e * s_es + (long long)(n / rb) * ncb + k / cb];
         return e4m3_to_f32(Q[e * q_es + (long long)n * K + k]) * s;
     }
-    // 16 weights of row n starting at k0 (k0 % 16 == 0, cb % 16 == 0, 16-byte aligned row)
-    __device__ __forceinline__ void chunk(long long e, int n, int k0, int K, float* w) const {
-        const uint4 v = *reinterpret_cast<const uint4*>(Q + e * q_es + (long long)n * K + k0);
-        const float s = S[e * s_es + (long long)(n / rb) * ncb + k0 / cb];
-        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+    // 16 weights of row n starting at k0 (k0 % 16 == 0, cb % 16 == 0, 16-byte aligned row): the raw codes and
+    // scale are fetched first (raw), decoded later (decode), so several chunks' loads can be in flight
+    struct Raw {
+        uint4 v;
+        float s;
+    };
+    __device__ __forceinline__ Raw raw(long long e, int n, int k0, int K) const {
+        Raw r;
+        r.v = *reinterpret_cast<const uint4*>(Q + e * q_es + (long long)n * K + k0);
+        r.s = S[e * s_es + (long long)(n / rb) * ncb + k0 / cb];
+        return r;
+    }
+    __device__ __forceinline__ float row_scale(long long, int) const { return 1.f; }
+    __device__ __forceinline__ void decode(const Raw& r, float, float* w) const {
+        const unsigned int u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) w[4 * i + j] = e4m3_to_f32((u[i] >> (8 * j)) & 0xffu) * s;
+            for (int j = 0; j < 4; ++j) w[4 * i + j] = e4m3_to_f32((u[i] >> (8 * j)) & 0xffu) * r.s;
     }
 };
 
@@ -75,13 +85,21 @@ struct NVFP4W {
         const float sc = e4m3_to_f32(S[e * s_es + (long long)n * (K >> 4) + (k >> 4)]);
         return (e2m1_to_f32((k & 1) ? (b >> 4) : (b & 15u)) * sc) * s2(e, n);
     }
-    // 32 weights of row n starting at k0 (k0 % 32 == 0, 16-byte aligned row)
-    __device__ __forceinline__ void chunk(long long e, int n, int k0, int K, float* w) const {
-        const uint4 v = *reinterpret_cast<const uint4*>(Q + e * q_es + (long long)n * (K >> 1) + (k0 >> 1));
-        const u8* sp = S + e * s_es + (long long)n * (K >> 4) + (k0 >> 4);
-        const float g = s2(e, n);
-        const float sc0 = e4m3_to_f32(sp[0]), sc1 = e4m3_to_f32(sp[1]);
-        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+    // 32 weights of row n starting at k0 (k0 % 32 == 0, 16-byte aligned row): raw codes + their two scale bytes
+    struct Raw {
+        uint4 v;
+        unsigned int s;  // two E4M3 scale bytes (elements k0..k0+15, k0+16..k0+31)
+    };
+    __device__ __forceinline__ Raw raw(long long e, int n, int k0, int K) const {
+        Raw r;
+        r.v = *reinterpret_cast<const uint4*>(Q + e * q_es + (long long)n * (K >> 1) + (k0 >> 1));
+        r.s = *reinterpret_cast<const unsigned short*>(S + e * s_es + (long long)n * (K >> 4) + (k0 >> 4));
+        return r;
+    }
+    __device__ __forceinline__ float row_scale(long long e, int n) const { return s2(e, n); }
+    __device__ __forceinline__ void decode(const Raw& r, float g, float* w) const {
+        const float sc0 = e4m3_to_f32(r.s & 0xffu), sc1 = e4m3_to_f32(r.s >> 8);
+        const unsigned int u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const float sc = i < 2 ? sc0 : sc1;
@@ -115,6 +133,7 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
                                            const int* tile_count, const int* n_tiles, int M, int N, int K) {
     constexpr int RG = 8 / KS;
     constexpr int EPL = LD::EPL;
+    constexpr int U = NT == 1 ? 4 : (NT == 4 ? 2 : 1);  // chunks in flight per lane (registers allowing)
     int start, count;
     long long e;
     if (!q_resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
@@ -135,20 +154,32 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
     if (n < N) {
         if (VEC) {
             const int KC = K / EPL;
-            for (int c = ks * 32 + lane; c < KC; c += 32 * KS) {
-                float w[EPL];
-                ld.chunk(e, n, c * EPL, K, w);
+            constexpr int STEP = 32 * KS;
+            const float g = ld.row_scale(e, n);
+            for (int c0 = ks * 32 + lane; c0 < KC; c0 += U * STEP) {
+                typename LD::Raw r[U];  // U chunks' loads issued before any is consumed
 #pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    if (t < count) {
-                        const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL);
-                        float a = 0.f;
+                for (int u = 0; u < U; ++u)
+                    if (c0 + u * STEP < KC) r[u] = ld.raw(e, n, (c0 + u * STEP) * EPL, K);
 #pragma unroll
-                        for (int q = 0; q < EPL / 4; ++q) {
-                            const float4 v = xp[q];
-                            a += w[4 * q] * v.x + w[4 * q + 1] * v.y + w[4 * q + 2] * v.z + w[4 * q + 3] * v.w;
+                for (int u = 0; u < U; ++u) {
+                    const int c = c0 + u * STEP;
+                    if (c < KC) {
+                        float w[EPL];
+                        ld.decode(r[u], g, w);
+#pragma unroll
+                        for (int t = 0; t < NT; ++t) {
+                            if (t < count) {
+                                const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL);
+                                float a = 0.f;
+#pragma unroll
+                                for (int q = 0; q < EPL / 4; ++q) {
+                                    const float4 v = xp[q];
+                                    a += w[4 * q] * v.x + w[4 * q + 1] * v.y + w[4 * q + 2] * v.z + w[4 * q + 3] * v.w;
+                                }
+                                acc[t] += a;
+                            }
                         }
-                        acc[t] += a;
                     }
                 }
             }
