@@ -245,16 +245,21 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
         fmt: 'fp8' or 'nvfp4'. rpt: activation rows per weight pass (1, 4, 16; 64 = the tiled GEMM).
         N, K: logical weight shape. grid_y: row tiles launched. vec: 16-byte chunks possible (alignment).
     Returns:
-        ``(kernel name, grid x)``: one warp per weight row, 8 warps per block; short, wide matrices (few
-        blocks for the SMs) split K over the 8 warps of a block (``ks8``).
+        ``(kernel name, grid x)``: 8 warps per block, each over 4 weight rows (``r4``, 1 and 4 activation
+        rows) or 1 (16 rows); short, wide matrices (few blocks for the SMs) split K of one row over the 8 warps
+        of a block (``r1_ks8``).
     """
     if rpt == GEMM_TILE_ROWS:
         return f"qgemm_{fmt}", -(-N // _GEMM_BN)
     if rpt not in (1, 4, 16):
         raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
     sms = sm_count() if sms is None else int(sms)
-    ks = 8 if -(-N // _GEMV_WARPS) * grid_y < 2 * sms else 1
-    return f"qgemv_{fmt}_nt{rpt}_ks{ks}_{'v' if vec else 's'}", -(-N // (_GEMV_WARPS // ks))
+    # 4 weight rows per warp share each activation piece (1 and 4 activation rows; 16 rows: registers allow 1)
+    r = 4 if rpt in (1, 4) else 1
+    ks = 1
+    if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sms:  # few blocks for the SMs: 8 warps split K of one row
+        ks, r = 8, 1
+    return f"qgemv_{fmt}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}", -(-N // ((_GEMV_WARPS // ks) * r))
 
 
 def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):

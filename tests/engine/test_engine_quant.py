@@ -145,9 +145,12 @@ def test_stack_rows_keeps_every_scale():
 
 
 def test_quant_kernel_choice():
-    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_ks1_v", 320)
-    assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_ks8_v", 320)
-    assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, vec=False, sms=132) == ("qgemv_nvfp4_nt4_ks1_s", 16384)
+    assert L.quant_kernel_choice("fp8", 1, 10240, 2560, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r4_ks1_v", 320)
+    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r1_ks8_v", 2560)
+    assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r1_ks8_v", 320)
+    assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, vec=False, sms=132) == ("qgemv_nvfp4_nt4_r4_ks1_s", 4096)
+    assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, vec=True, sms=132) == ("qgemv_nvfp4_nt16_r1_ks1_v",
+                                                                                     16384)
     assert L.quant_kernel_choice("fp8", 64, 1000, 64, 3, vec=True, sms=132)[0] == "qgemm_fp8"
 
 

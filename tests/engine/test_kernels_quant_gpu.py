@@ -62,7 +62,8 @@ def make(rng, fmt, shape, rb=128, cb=128):
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("M_,K,N_", [(1, 2560, 334), (3, 96, 64), (4, 160, 40), (5, 2560, 78), (16, 320, 130),
-                                      (17, 96, 70), (130, 2560, 200), (1, 640, 4000), (2, 48, 1000)])
+                                      (17, 96, 70), (130, 2560, 200), (1, 640, 4000), (2, 48, 1000),
+                                      (1, 256, 9001), (3, 160, 9002), (16, 96, 9003)])  # large N: 4-row warps
 def test_quant_linear_cuda(rng, fmt, M_, K, N_):
     w = make(rng, fmt, (N_, K), rb=64 if N_ % 64 == 0 else 128)
     x = rng.standard_normal((M_, K)).astype(np.float32)

@@ -12,10 +12,11 @@
 // Activations and accumulation are float32. Dequantised values are bit-identical to the reference
 // reader's (reference/checkpoint.py); only the summation order differs.
 //
-// gemv_* : decode (1, 4 or 16 activation rows per weight pass). One warp per weight row, KS warps may
-//          split K; every lane loads 16 bytes of the row per chunk (16 FP8 or 32 NVFP4 weights) with U = 4 / 2
-//          / 1 chunks in flight (1 / 4 / 16 rows), decodes each once and reuses it for every activation row
-//          of the tile. Scalar path for rows that are not 16-byte aligned.
+// gemv_* : decode (1, 4 or 16 activation rows per weight pass). R weight rows per warp (4 for 1 and 4
+//          activation rows, else 1), KS warps may split K; every lane loads 16 bytes of each row per chunk (16
+//          FP8 or 32 NVFP4 weights) with several chunks in flight, decodes each weight once and reuses it for
+//          every activation row of the tile, and each activation piece for the R rows. Scalar path for rows
+//          that are not 16-byte aligned.
 // gemm_* : prefill. 64 x 64 output tiles, BK = 16, 4 x 4 per thread, weights dequantised while staged in
 //          shared memory.
 // Both take the grouped-launch tile table of dense_linear.cu (MoE experts), computed on the device.
@@ -63,12 +64,13 @@ struct FP8W {
         return r;
     }
     __device__ __forceinline__ float row_scale(long long, int) const { return 1.f; }
-    __device__ __forceinline__ void decode(const Raw& r, float, float* w) const {
-        const unsigned int u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
+    // 8 weights of a fetched chunk: piece p (elements 8p .. 8p + 7)
+    __device__ __forceinline__ void decode8(const Raw& r, int p, float, float* w) const {
+        const unsigned int lo = (p == 0) ? r.v.x : r.v.z, hi = (p == 0) ? r.v.y : r.v.w;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) w[j] = e4m3_to_f32((lo >> (8 * j)) & 0xffu) * r.s;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) w[4 * i + j] = e4m3_to_f32((u[i] >> (8 * j)) & 0xffu) * r.s;
+        for (int j = 0; j < 4; ++j) w[4 + j] = e4m3_to_f32((hi >> (8 * j)) & 0xffu) * r.s;
     }
 };
 
@@ -97,17 +99,18 @@ struct NVFP4W {
         return r;
     }
     __device__ __forceinline__ float row_scale(long long e, int n) const { return s2(e, n); }
-    __device__ __forceinline__ void decode(const Raw& r, float g, float* w) const {
-        const float sc0 = e4m3_to_f32(r.s & 0xffu), sc1 = e4m3_to_f32(r.s >> 8);
-        const unsigned int u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
+    // 8 weights of a fetched chunk: piece p (elements 8p .. 8p + 7, word p of the 16 bytes)
+    __device__ __forceinline__ void decode8(const Raw& r, int p, float g, float* w) const {
+        const unsigned int u = p == 0 ? r.v.x : (p == 1 ? r.v.y : (p == 2 ? r.v.z : r.v.w));
+        const float sc = e4m3_to_f32(p < 2 ? (r.s & 0xffu) : ((r.s >> 8) & 0xffu));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float sc = i < 2 ? sc0 : sc1;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) w[8 * i + j] = (e2m1_to_f32((u[i] >> (4 * j)) & 15u) * sc) * g;
-        }
+        for (int j = 0; j < 8; ++j) w[j] = (e2m1_to_f32((u >> (4 * j)) & 15u) * sc) * g;
     }
 };
+
+__device__ __forceinline__ float dot8(const float* w, float4 a, float4 b) {
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}
 
 __device__ __forceinline__ bool q_resolve_tile(int tile, int TM, int M, const int* tile_expert, const int* tile_start,
                                                const int* tile_count, const int* n_tiles, int& start, int& count,
@@ -126,20 +129,27 @@ __device__ __forceinline__ bool q_resolve_tile(int tile, int TM, int M, const in
     return count > 0;
 }
 
-// One warp per weight row (8 / KS rows per block of 8 warps), KS warps split K. VEC: 16-byte chunks.
-template <typename LD, int NT, int KS, bool VEC>
+// R weight rows per warp ((8 / KS) * R rows per block of 8 warps), KS warps split K. VEC: 16-byte chunks,
+// U chunks per row fetched before any is decoded; each 8-element piece of the activation rows is loaded
+// once and reused for the R rows (the activations are float32: 8x (NVFP4) / 4x (FP8) the weight bytes, so
+// reading them once per weight row made the 1-row kernels L1-bound; measured 2026-12-01, see
+// docs/performance.md).
+template <typename LD, int NT, int R, int KS, bool VEC>
 __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict__ X, const int* __restrict__ row_index,
                                            float* __restrict__ Y, const int* tile_expert, const int* tile_start,
                                            const int* tile_count, const int* n_tiles, int M, int N, int K) {
     constexpr int RG = 8 / KS;
     constexpr int EPL = LD::EPL;
-    constexpr int U = NT == 1 ? 4 : (NT == 4 ? 2 : 1);  // chunks in flight per lane (registers allowing)
+    constexpr int U = (NT == 1 && R == 1) ? 4 : ((NT == 1 || (NT == 4 && R == 1)) ? 2 : 1);  // chunks in flight
     int start, count;
     long long e;
     if (!q_resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = warp / KS, ks = warp % KS;
-    const int n = blockIdx.x * RG + rg;
+    const int n0 = (blockIdx.x * RG + rg) * R;
+    int nr[R];  // row of each slot, clamped to a valid row (its result is not written when n0 + r >= N)
+#pragma unroll
+    for (int r = 0; r < R; ++r) nr[r] = n0 + r < N ? n0 + r : N - 1;
     const float* xr[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -147,37 +157,63 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
         long long xrow = row_index != nullptr ? (long long)row_index[rr] : (long long)rr;
         xr[t] = X + xrow * K;
     }
-    float acc[NT];
+    float acc[R][NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
     int k_done = 0;
-    if (n < N) {
+    if (n0 < N) {
         if (VEC) {
             const int KC = K / EPL;
             constexpr int STEP = 32 * KS;
-            const float g = ld.row_scale(e, n);
+            float g[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) g[r] = ld.row_scale(e, nr[r]);
             for (int c0 = ks * 32 + lane; c0 < KC; c0 += U * STEP) {
-                typename LD::Raw r[U];  // U chunks' loads issued before any is consumed
+                typename LD::Raw raw[U][R];  // U chunks x R rows of loads issued before any is consumed
 #pragma unroll
                 for (int u = 0; u < U; ++u)
-                    if (c0 + u * STEP < KC) r[u] = ld.raw(e, n, (c0 + u * STEP) * EPL, K);
+                    if (c0 + u * STEP < KC) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) raw[u][r] = ld.raw(e, nr[r], (c0 + u * STEP) * EPL, K);
+                    }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int c = c0 + u * STEP;
                     if (c < KC) {
-                        float w[EPL];
-                        ld.decode(r[u], g, w);
 #pragma unroll
-                        for (int t = 0; t < NT; ++t) {
-                            if (t < count) {
-                                const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL);
-                                float a = 0.f;
+                        for (int p = 0; p < EPL / 8; ++p) {
+                            if (NT <= 4) {  // hold the activation piece of every row, reuse it for the R rows
+                                float4 xa[NT], xb[NT];
 #pragma unroll
-                                for (int q = 0; q < EPL / 4; ++q) {
-                                    const float4 v = xp[q];
-                                    a += w[4 * q] * v.x + w[4 * q + 1] * v.y + w[4 * q + 2] * v.z + w[4 * q + 3] * v.w;
+                                for (int t = 0; t < NT; ++t) {
+                                    if (t < count) {
+                                        const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL + 8 * p);
+                                        xa[t] = xp[0];
+                                        xb[t] = xp[1];
+                                    }
                                 }
-                                acc[t] += a;
+#pragma unroll
+                                for (int r = 0; r < R; ++r) {
+                                    float w[8];
+                                    ld.decode8(raw[u][r], p, g[r], w);
+#pragma unroll
+                                    for (int t = 0; t < NT; ++t)
+                                        if (t < count) acc[r][t] += dot8(w, xa[t], xb[t]);
+                                }
+                            } else {  // 16 rows: registers allow one activation piece at a time
+#pragma unroll
+                                for (int r = 0; r < R; ++r) {
+                                    float w[8];
+                                    ld.decode8(raw[u][r], p, g[r], w);
+#pragma unroll
+                                    for (int t = 0; t < NT; ++t)
+                                        if (t < count) {
+                                            const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL + 8 * p);
+                                            acc[r][t] += dot8(w, xp[0], xp[1]);
+                                        }
+                                }
                             }
                         }
                     }
@@ -186,33 +222,47 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
             k_done = KC * EPL;
         }
         for (int k = k_done + ks * 32 + lane; k < K; k += 32 * KS) {
-            const float wv = ld.get(e, n, k, K);
 #pragma unroll
-            for (int t = 0; t < NT; ++t)
-                if (t < count) acc[t] += wv * xr[t][k];
+            for (int r = 0; r < R; ++r) {
+                const float wv = ld.get(e, nr[r], k, K);
+#pragma unroll
+                for (int t = 0; t < NT; ++t)
+                    if (t < count) acc[r][t] += wv * xr[t][k];
+            }
         }
     }
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
     if (KS == 1) {
-        if (n < N) {
 #pragma unroll
-            for (int t = 0; t < NT; ++t)
-                if (lane == t && t < count) Y[(long long)(start + t) * N + n] = acc[t];
-        }
+        for (int t = 0; t < NT; ++t)
+            if (lane == t && t < count) {
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (n0 + r < N) Y[(long long)(start + t) * N + n0 + r] = acc[r][t];
+            }
     } else {
-        __shared__ float red[8][NT];
+        __shared__ float red[8][R * NT];
         if (lane == 0) {
 #pragma unroll
-            for (int t = 0; t < NT; ++t) red[warp][t] = acc[t];
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int t = 0; t < NT; ++t) red[warp][r * NT + t] = acc[r][t];
         }
         __syncthreads();
-        if (ks == 0 && n < N && lane < NT && lane < count) {
-            float s = 0.f;
-            for (int q = 0; q < KS; ++q) s += red[rg * KS + q][lane];
-            Y[(long long)(start + lane) * N + n] = s;
+        if (ks == 0 && lane < NT && lane < count) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (n0 + r < N) {
+                    float sum = 0.f;
+                    for (int q = 0; q < KS; ++q) sum += red[rg * KS + q][r * NT + lane];
+                    Y[(long long)(start + lane) * N + n0 + r] = sum;
+                }
+            }
         }
     }
 }
@@ -227,11 +277,11 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
 #define NVFP4_ARGS const u8 *Q, const u8 *S, const float *S2, long long q_es, long long s_es, int s2_rows, int s2_per_e
 #define NVFP4_MAKE NVFP4W ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
 
-#define QGEMV_ENTRY(FMT, LD, NT, KS, VEC, SUF)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) qgemv_##FMT##_nt##NT##_ks##KS##_##SUF(FMT##_ARGS_LC,     \
-                                                                                          QCOMMON_ARGS) {     \
+#define QGEMV_ENTRY(FMT, LD, NT, R, KS, VEC, SUF)                                                              \
+    extern "C" __global__ void __launch_bounds__(256) qgemv_##FMT##_nt##NT##_r##R##_ks##KS##_##SUF(            \
+        FMT##_ARGS_LC, QCOMMON_ARGS) {                                                                         \
         FMT##_MAKE_LC                                                                                          \
-        qgemv_body<LD, NT, KS, VEC>(ld, QCOMMON_PASS);                                                         \
+        qgemv_body<LD, NT, R, KS, VEC>(ld, QCOMMON_PASS);                                                      \
     }
 
 #define fp8_ARGS_LC FP8_ARGS
@@ -239,19 +289,23 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
 #define nvfp4_ARGS_LC NVFP4_ARGS
 #define nvfp4_MAKE_LC NVFP4_MAKE
 
-#define QGEMV_FAMILY(FMT, LD)                  \
-    QGEMV_ENTRY(FMT, LD, 1, 1, true, v)        \
-    QGEMV_ENTRY(FMT, LD, 1, 1, false, s)       \
-    QGEMV_ENTRY(FMT, LD, 1, 8, true, v)        \
-    QGEMV_ENTRY(FMT, LD, 1, 8, false, s)       \
-    QGEMV_ENTRY(FMT, LD, 4, 1, true, v)        \
-    QGEMV_ENTRY(FMT, LD, 4, 1, false, s)       \
-    QGEMV_ENTRY(FMT, LD, 4, 8, true, v)        \
-    QGEMV_ENTRY(FMT, LD, 4, 8, false, s)       \
-    QGEMV_ENTRY(FMT, LD, 16, 1, true, v)       \
-    QGEMV_ENTRY(FMT, LD, 16, 1, false, s)      \
-    QGEMV_ENTRY(FMT, LD, 16, 8, true, v)       \
-    QGEMV_ENTRY(FMT, LD, 16, 8, false, s)
+#define QGEMV_FAMILY(FMT, LD) \
+    QGEMV_ENTRY(FMT, LD, 1, 1, 1, true, v) \
+    QGEMV_ENTRY(FMT, LD, 1, 1, 1, false, s) \
+    QGEMV_ENTRY(FMT, LD, 1, 4, 1, true, v) \
+    QGEMV_ENTRY(FMT, LD, 1, 4, 1, false, s) \
+    QGEMV_ENTRY(FMT, LD, 1, 1, 8, true, v) \
+    QGEMV_ENTRY(FMT, LD, 1, 1, 8, false, s) \
+    QGEMV_ENTRY(FMT, LD, 4, 1, 1, true, v) \
+    QGEMV_ENTRY(FMT, LD, 4, 1, 1, false, s) \
+    QGEMV_ENTRY(FMT, LD, 4, 4, 1, true, v) \
+    QGEMV_ENTRY(FMT, LD, 4, 4, 1, false, s) \
+    QGEMV_ENTRY(FMT, LD, 4, 1, 8, true, v) \
+    QGEMV_ENTRY(FMT, LD, 4, 1, 8, false, s) \
+    QGEMV_ENTRY(FMT, LD, 16, 1, 1, true, v) \
+    QGEMV_ENTRY(FMT, LD, 16, 1, 1, false, s) \
+    QGEMV_ENTRY(FMT, LD, 16, 1, 8, true, v) \
+    QGEMV_ENTRY(FMT, LD, 16, 1, 8, false, s)
 
 QGEMV_FAMILY(fp8, FP8W)
 QGEMV_FAMILY(nvfp4, NVFP4W)
