@@ -142,6 +142,28 @@ class QuantWeight:
         return QuantWeight("nvfp4", (b - a, self.shape[1]), self.q[a:b], self.scale[a:b],
                            self.scale2[a // self.s2_rows:b // self.s2_rows], s2_rows=self.s2_rows)
 
+    def expert_block(self, start: int, end: int, sink: bool = False) -> "QuantWeight":
+        """Experts ``[start, end)`` of a stack as a host QuantWeight (a copy), with one all-zero expert appended
+        when ``sink`` (codes, scales and global scales 0: it contributes exactly 0; expert parallelism routes
+        other ranks' experts there)."""
+        w = self.to(np)
+        if w.ndim != 3:
+            raise ValueError("QuantWeight.expert_block: expected an expert stack [E, N, K]")
+
+        def part(a, per=1):
+            a = np.asarray(a[start * per:end * per])
+            return np.concatenate([a, np.zeros_like(a[:per])], axis=0) if sink else a.copy()
+        per = w.shape[1] // w.s2_rows
+        E = end - start + (1 if sink else 0)
+        return QuantWeight(w.fmt, (E,) + w.shape[1:], part(w.q), part(w.scale),
+                           None if w.scale2 is None else part(w.scale2, per), rb=w.rb, cb=w.cb, s2_rows=w.s2_rows)
+
+    def map(self, fn) -> "QuantWeight":
+        """The same weight with ``fn`` applied to each stored array (e.g. a copy to another device)."""
+        return QuantWeight(self.fmt, self.shape, fn(self.q), fn(self.scale),
+                           None if self.scale2 is None else fn(self.scale2), rb=self.rb, cb=self.cb,
+                           s2_rows=self.s2_rows)
+
     def to(self, xp) -> "QuantWeight":
         """The same weight with its arrays on ``xp``'s device (numpy or cupy)."""
         conv = (lambda a: a) if xp_of(self.q) is xp else (
