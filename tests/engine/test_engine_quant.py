@@ -181,3 +181,25 @@ def test_rows_refuses_a_cut_scale_block():
     assert w.rows(128, 256).shape == (128, 128)
     with pytest.raises(ValueError, match="cut 128-row scale blocks"):
         w.rows(64, 256)
+
+
+def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
+    """quant_kernel_choice's names against the entries quant_linear.cu generates (a renamed or missing
+    variant would otherwise surface only on a GPU)."""
+    import re
+
+    from engine.backend import CUDA_DIR
+    src = (CUDA_DIR / "quant_linear.cu").read_text()
+    fam = src[src.index("#define QGEMV_FAMILY"):src.index("QGEMV_FAMILY(fp8, FP8W)")]
+    entries = {f"qgemv_{fmt}_nt{nt}_r{r}_ks{ks}_{suf}" for fmt in ("fp8", "nvfp4")
+               for nt, r, ks, suf in re.findall(r"QGEMV_ENTRY\(FMT, LD, (\d+), (\d+), (\d+), \w+, (\w)\)", fam)}
+    entries |= set(re.findall(r'extern "C" __global__ void __launch_bounds__\(256\) (qgemm_\w+)\(', src))
+    picked = set()
+    for fmt in ("fp8", "nvfp4"):
+        for rpt in (1, 4, 16, 64):
+            for N in (8, 320, 2560, 131072):
+                for grid_y in (1, 12, 500):
+                    for vec in (True, False):
+                        picked.add(L.quant_kernel_choice(fmt, rpt, N, 2560, grid_y, vec=vec, sms=132)[0])
+    assert picked <= entries, sorted(picked - entries)
+    assert len(picked) >= 10
