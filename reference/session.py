@@ -64,6 +64,20 @@ def check_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def check_length(n_ids: int, max_positions: int, flag: str = "--ids") -> None:
+    """Refuse more token ids than the model has positions (every backend; the reference would otherwise
+    run for minutes before failing or silently go past the trained range).
+
+    Raises:
+        InputError: ``n_ids > max_positions``.
+    """
+    from reference.errors import InputError
+    if n_ids > max_positions:
+        raise InputError(f"{flag}: expected at most max_position_embeddings={max_positions} token ids, found "
+                         f"{n_ids}")
+
+
+
 class GrowBuffer:
     """An append-only ``[n, ...]`` array with amortised O(1) appends and exact truncation."""
 

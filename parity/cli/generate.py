@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from parity import generate as G
     from reference.paths import bundled_model, resolve_model
 
-    from parity.cli.logits import check_precision
+    from parity.harness.logits import check_precision
     from reference.errors import InputError, UserError
 
     model_dir = resolve_model(args.model)

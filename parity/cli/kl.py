@@ -36,48 +36,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def default_perturb_target(config) -> str:
-    """The tensor the negative control perturbs by default: layer 0's mixer output projection."""
-    return ("layers.0.linear_attn.out_proj.weight" if config.layer_types[0] == "linear_attention"
-            else "layers.0.self_attn.o_proj.weight")
-
-
-def perturbation(seed: int = 0):
-    """``w -> w + rms(w) * N(0, 1)`` (seeded): a clearly wrong tensor of the right shape and scale."""
-    import numpy as np
-
-    def fn(w):
-        rng = np.random.default_rng(seed)
-        rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64)))) or 1.0
-        return (w + rms * rng.standard_normal(w.shape)).astype(np.float32)
-    return fn
-
-
-def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=8, perturb_name=None,
-                   progress=True, flags=("--a", "--b")):
-    """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
-
-    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
-    the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight).
-    ``flags``: the options of a and b named in error messages.
-    """
-    from parity.backends import capabilities_of, open_backend
-    from parity.harness.kl import run_kl
-
-    a = open_backend(a_spec, model_path, flag=flags[0])
-    b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
-    r32 = a if a_spec == "reference" else open_backend("reference", model_path)
-    r64 = open_backend("reference-f64", model_path)
-    name = perturb_name or default_perturb_target(b.config)
-    target = b_spec if capabilities_of(b).get("perturb") else "reference"
-    note = f"{target} with {name} perturbed (+ rms * N(0,1))"
-
-    def perturbed():
-        return open_backend(target, model_path, perturb=(name, perturbation()))
-    return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
-
-
 def render_kl(rep) -> str:
     """Human-readable KL report."""
     s = rep.comparison.summary()
@@ -163,6 +121,7 @@ def run(args) -> int:
             raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
     cfg = load_config(model)
     prompts = load_prompts(args.prompts, model, cfg.vocab_size)
+    from parity.harness.run import run_kl_command
     rep = run_kl_command(model, args.a, args.b, prompts, greedy_tokens=args.greedy_tokens,
                          perturb_name=args.perturb, progress=not args.no_progress and sys.stderr.isatty())
     if args.plot:

@@ -108,125 +108,6 @@ def display_path(path) -> str:
         return str(path)
 
 
-def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
-               out_dir=None, progress=True):
-    """Run the KL harness and the scenarios; returns a :class:`parity.harness.report.ParityReport`.
-
-    An exception raised by the backend under test inside a case or the KL harness does not escape: it
-    becomes an 'error' row / case (a failed case; the report's exit code is 1).
-
-    Raises:
-        BackendError / InputError: the backend cannot be opened, bad options or prompts (before anything runs).
-    """
-    from pathlib import Path
-
-    from tqdm.auto import tqdm
-
-    from parity.backends import opener, truth_model
-    from parity.harness.report import ParityReport, ScenarioRow
-    from parity.harness.scenarios import count_cases, run_scenario, summarize_results
-    from parity.harness.scenarios.common import TruthCache
-    from reference.errors import UserError
-
-    op = opener(backend_spec, model)
-    from parity.backends import capabilities_of
-    probe = op()  # fails here, clearly, when the backend cannot be opened
-    caps = capabilities_of(probe)
-    cfg = probe.config
-    report = ParityReport(backend=probe.name, model=str(model),
-                          meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
-                                "capabilities": {k: v for k, v in caps.items()}})
-    if hasattr(probe, "close"):
-        probe.close()
-    kl_prompts = None
-    if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
-        from parity.prompts import load_prompts
-        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
-    truth = TruthCache(truth_model(model))
-    archive_dir = Path(out_dir) / "taps" if out_dir else None
-    total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
-    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
-    try:
-        for name in scenarios:
-            t0 = time.perf_counter()
-            if name == "kl":
-                try:
-                    report.rows.append(_kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
-                                               archive_dir=archive_dir))
-                except KeyboardInterrupt:
-                    raise
-                except Exception as e:  # the backend raised in the KL harness: a failed (ERROR) row, as in a case
-                    msg = f"backend raised {type(e).__name__}: {e}"
-                    report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
-                                                   float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
-                                                   "error", msg))
-                bar.update(1)
-                continue
-            try:
-                res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
-                                   level=level)
-                report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
-            except (KeyboardInterrupt, UserError):
-                raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
-            except Exception as e:  # a scenario that cannot run at all is an error row (a failure), not a crash
-                report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
-                                               time.perf_counter() - t0, "error", f"{type(e).__name__}: {e}"))
-    finally:
-        bar.close()
-    return report
-
-
-def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None):
-    """The KL harness as one verdict-table row; a failing comparison is located by tap-diff on its worst
-    prompt (the backend's one-shot logits against the truth's forward).
-
-    ``prompts``: token-id lists (already loaded), or a prompt file / None (the bundled set). The row's
-    failed cases are the prompts failing :func:`parity.harness.kl.verdict` on their own (KL or top-1).
-    """
-    import dataclasses
-
-    import numpy as np
-
-    from parity.backends import open_backend
-    from parity.cli.kl import run_kl_command
-    from parity.harness.kl import LogitComparison, verdict
-    from parity.harness.report import ScenarioRow
-
-    if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__fspath__"):
-        from parity.prompts import load_prompts
-        from reference.config import load_config
-        prompts = load_prompts(prompts, model, load_config(model).vocab_size)
-    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False, flags=("reference", "--backend"))
-    failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
-    status = "pass" if rep.exit_code == 0 else "fail"
-    detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
-    both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
-    bounds = np.cumsum([0] + rep.per_prompt_positions)
-    per_prompt = [float(np.max(both[bounds[i]:bounds[i + 1]])) for i in range(len(prompts))]
-    cmp_fields = [f.name for f in dataclasses.fields(LogitComparison)]
-    prompt_ok = [verdict(LogitComparison(*[getattr(rep.comparison, f)[bounds[i]:bounds[i + 1]] for f in cmp_fields]),
-                         rep.thresholds)[0] for i in range(len(prompts))]
-    n_bad = sum(1 for ok in prompt_ok if not ok)
-    first, archives = None, []
-    if not rep.passed:
-        # the worst prompt among those failing on their own (KL or top-1), else the worst KL overall
-        cand = [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
-        worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
-        if truth is not None:
-            from parity.harness.scenarios.locate import locate_one_shot
-            be = open_backend(backend_spec, model)
-            where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
-            first = f"prompt {worst}: {where}"
-        else:
-            first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
-    elif failed_controls:
-        first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
-    doc = rep.to_json()
-    doc["archives"] = archives
-    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
-                       first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [])
-
-
 def run(args) -> int:
     """Run ``qwen4exp parity``: the KL harness and the scenario suites of ``--backend`` against the
     reference, printed as a table or JSON (and written to ``--out/report.json``). Returns the report's exit code.
@@ -250,6 +131,7 @@ def run(args) -> int:
         pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
     progress = not args.no_progress and sys.stderr.isatty()
     try:
+        from parity.harness.run import run_parity
         report = run_parity(model, args.backend, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                             out_dir=args.out, progress=progress)
     except BaseException:
@@ -261,9 +143,10 @@ def run(args) -> int:
                     Path(args.out).rmdir()  # only if empty
         raise
     doc = report.to_json()
-    unwritten = _unwritten_archives(doc) if args.out else []
+    from parity.harness.run import remove_empty_dirs, unwritten_archives
+    unwritten = unwritten_archives(doc) if args.out else []
     if args.out:
-        _remove_empty_dirs(Path(args.out) / "taps")
+        remove_empty_dirs(Path(args.out) / "taps")
         path = write_json_atomic(Path(args.out) / "report.json", doc)
         print(f"report: {path}", file=sys.stderr)
     if args.json:
@@ -288,36 +171,3 @@ def run(args) -> int:
     return report.exit_code
 
 
-def _unwritten_archives(doc) -> list[str]:
-    """The reasons recorded in a report document where failing cases' tap archives could not be written
-    (``archives`` entries made by :func:`parity.harness.scenarios.locate.not_written`)."""
-    from parity.harness.scenarios.locate import NOT_WRITTEN
-    out = []
-
-    def walk(x):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                if k == "archives" and isinstance(v, list):
-                    out.extend(a[len(NOT_WRITTEN):].rstrip(")") for a in v
-                               if isinstance(a, str) and a.startswith(NOT_WRITTEN))
-                else:
-                    walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-    walk(doc)
-    return out
-
-
-def _remove_empty_dirs(root) -> None:
-    """Remove the empty folders under ``root`` (and ``root`` itself when it ends up empty): a case whose
-    archives could not be written leaves no empty folder behind."""
-    import os
-    from pathlib import Path
-    root = Path(root)
-    if not root.is_dir():
-        return
-    for d, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
-        with contextlib.suppress(OSError):
-            if not any(Path(d).iterdir()):
-                Path(d).rmdir()

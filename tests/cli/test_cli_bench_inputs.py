@@ -84,7 +84,7 @@ def test_tap_archive_honours_the_umask(tmp_path):
 def test_parity_interrupted_leaves_no_taps_without_report(tmp_path, monkeypatch, pre_existing):
     """Ctrl-C after failing cases wrote their archives used to leave --out/taps/ without report.json (and a
     rerun then needed --overwrite)."""
-    import parity.cli.parity as CP
+    import parity.harness.run as CP
     out = tmp_path / "out"
     if pre_existing:
         out.mkdir()

@@ -34,7 +34,7 @@ def ids_file(tmp_path, content="1 2 3 4 5 6", name="ids.txt"):
 
 # ------------------------------------------------------------------ output paths validated up front
 def test_parity_out_existing_file_is_exit_2_before_running(tmp_path, capsys, monkeypatch):
-    import parity.cli.parity as P
+    import parity.harness.run as P
     ran = []
     monkeypatch.setattr(P, "run_parity", lambda *a, **k: ran.append(1))
     afile = tmp_path / "afile"
@@ -45,14 +45,14 @@ def test_parity_out_existing_file_is_exit_2_before_running(tmp_path, capsys, mon
 
 
 def test_parity_out_under_proc_is_exit_2(capsys, monkeypatch):
-    import parity.cli.parity as P
+    import parity.harness.run as P
     monkeypatch.setattr(P, "run_parity", lambda *a, **k: pytest.fail("ran before checking --out"))
     assert main(["parity", "--backend", "reference", "--scenario", "kl", "--out", "/proc/nope"]) == 2
     one_line_error(capsys, "--out", "/proc/nope")
 
 
 def test_parity_reused_out_dir_needs_overwrite_and_clears_old_archives(tmp_path, capsys, monkeypatch):
-    import parity.cli.parity as P
+    import parity.harness.run as P
     from parity.harness.report import ParityReport
     monkeypatch.setattr(P, "run_parity", lambda *a, **k: ParityReport(backend="reference", model="tiny"))
     (tmp_path / "taps" / "budget" / "case0").mkdir(parents=True)
@@ -69,7 +69,7 @@ def test_parity_reused_out_dir_needs_overwrite_and_clears_old_archives(tmp_path,
 
 
 def test_logits_out_directory_is_exit_2(tiny, tmp_path, capsys, monkeypatch):
-    import parity.cli.logits as L
+    import parity.harness.logits as L
     monkeypatch.setattr(L, "compute_logits", lambda *a, **k: pytest.fail("computed before checking --out"))
     d = tmp_path / "nu"
     d.mkdir()
@@ -86,7 +86,7 @@ def test_bench_out_directory_is_exit_2_before_running(tmp_path, capsys, monkeypa
 
 def test_kl_plot_path_checked_up_front(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
-    import parity.cli.kl as K
+    import parity.harness.run as K
     monkeypatch.setattr(K, "run_kl_command", lambda *a, **k: pytest.fail("ran before checking --plot"))
     assert main(["kl", "--a", "reference", "--b", "reference", "--plot", str(tmp_path)]) == 2
     one_line_error(capsys, "--plot", "found a directory")
@@ -162,7 +162,7 @@ def test_generate_bf16_with_reference_is_exit_2(tiny, capsys):
 def test_logits_engine_bf16_notes_bf16_exact_weights(tiny, tmp_path, capsys):
     pytest.importorskip("engine.engine", reason="engine not importable")
     from reference.checkpoint import Checkpoint
-    from parity.cli.logits import weights_bf16_exact
+    from parity.harness.logits import weights_bf16_exact
     assert weights_bf16_exact(Checkpoint.open(tiny))  # tiny is stored in BF16
     f = ids_file(tmp_path)
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
@@ -178,7 +178,7 @@ def test_logits_engine_bf16_notes_bf16_exact_weights(tiny, tmp_path, capsys):
 
 
 def test_bf16_exact_is_false_for_float32_weights(tmp_path):
-    from parity.cli.logits import weights_bf16_exact
+    from parity.harness.logits import weights_bf16_exact
 
     class Ck:
         def __init__(self, dts):

@@ -136,7 +136,7 @@ def test_bench_sizes_beyond_max_positions_are_exit_2_before_running(capsys, monk
 
 def test_bench_sizes_within_limits_plan_and_empty_items_refused(capsys):
     from parity.cli import build_parser
-    from parity.cli.bench import _ints, plan
+    from parity.bench.plan import ints as _ints, plan
     from reference.errors import InputError
     args = build_parser().parse_args(["bench", "--backend", "engine", "--device", "cpu", "--no-peer", "--no-extras",
                                       "--contexts", "32000", "--prompt-lens", "32768"])
@@ -191,7 +191,7 @@ def test_taps_record_full_disk_is_one_line_exit_1(tmp_path, capsys, monkeypatch)
 
 
 def test_parity_unwritten_archives_surface_and_leave_no_empty_folders(tmp_path, capsys, monkeypatch):
-    import parity.cli.parity as P
+    import parity.harness.run as P
     from parity.harness.report import ParityReport, ScenarioRow
     out = tmp_path / "p2"
 
@@ -209,7 +209,7 @@ def test_parity_unwritten_archives_surface_and_leave_no_empty_folders(tmp_path, 
     assert not (out / "taps").exists(), "empty archive folders were left"
     assert (out / "report.json").is_file()
     # negative control: archives that were written are not reported, and their folders are kept
-    assert P._unwritten_archives({"scenarios": [{"failures": [{"archives": ["a/truth.taps"]}]}]}) == []
+    assert P.unwritten_archives({"scenarios": [{"failures": [{"archives": ["a/truth.taps"]}]}]}) == []
 
 
 def test_atomic_dir_full_disk_is_output_write_error(tmp_path):
@@ -238,7 +238,7 @@ def test_atomic_dir_full_disk_is_output_write_error(tmp_path):
     ("16,16", ["--page-sizes", "twice"]),
 ])
 def test_parity_page_sizes_checked_up_front(capsys, monkeypatch, ps, needles):
-    import parity.cli.parity as P
+    import parity.harness.run as P
     monkeypatch.setattr(P, "run_parity", lambda *a, **k: pytest.fail("ran before checking --page-sizes"))
     assert main(["parity", "--backend", "reference", "--scenario", "budget", "--page-sizes", ps]) == 2
     one_line_error(capsys, *needles)
@@ -262,7 +262,7 @@ def test_page_sizes_parser_and_pytest_plugin():
 
 # --------------------------------------------------------------------------- 7. ids longer than the model
 def test_logits_and_taps_refuse_ids_beyond_max_positions(tmp_path, capsys, monkeypatch):
-    import parity.cli.logits as L
+    import parity.harness.logits as L
     monkeypatch.setattr(L, "compute_logits", lambda *a, **k: pytest.fail("computed before the length check"))
     f = tmp_path / "ids32769.txt"
     f.write_text(" ".join(["1"] * 32769))
@@ -271,10 +271,11 @@ def test_logits_and_taps_refuse_ids_beyond_max_positions(tmp_path, capsys, monke
     assert main(["taps", "record", "tiny", "--ids", str(f), "--out", str(tmp_path / "t.taps")]) == 2
     one_line_error(capsys, "max_position_embeddings=32768", "32769")
     assert not (tmp_path / "o.npy").exists() and not (tmp_path / "t.taps").exists()
-    L.check_length(32768, 32768)  # negative control: exactly max_position_embeddings ids are allowed
+    from reference.session import check_length
+    check_length(32768, 32768)  # negative control: exactly max_position_embeddings ids are allowed
     from reference.errors import InputError
     with pytest.raises(InputError):
-        L.check_length(32769, 32768)
+        check_length(32769, 32768)
 
 
 # --------------------------------------------------------------------------- 8. option consistency
@@ -306,7 +307,7 @@ def test_two_d_npy_ids_refused(tmp_path):
 
 # --------------------------------------------------------------------------- 9. directory outputs need a parent
 def test_dir_outputs_need_an_existing_parent(tmp_path, capsys, monkeypatch):
-    import parity.cli.parity as P
+    import parity.harness.run as P
     from parity.harness.report import ParityReport
     monkeypatch.setattr(P, "run_parity", lambda *a, **k: ParityReport(backend="reference", model="tiny"))
     out = tmp_path / "nonexist" / "deep" / "dir"
