@@ -36,7 +36,7 @@ from typing import Iterator
 
 import numpy as np
 
-from reference.errors import UserError
+from reference.errors import EXIT_ENVIRONMENT, UserError
 
 FORMAT_NAME = "qwen4exp-taps"
 FORMAT_VERSION = 1
@@ -52,10 +52,10 @@ class ArchiveError(UserError, ValueError):
 
 
 class ArchiveWriteError(ArchiveError):
-    """A tap archive that could not be written (full or read-only disk, I/O error); the CLI exits 1
-    (``exit_code``, as :class:`reference.atomic.OutputWriteError`) and nothing is left at the output."""
+    """A tap archive that could not be written (full or read-only disk, I/O error); the CLI exits 4
+    (``exit_code`` = EXIT_ENVIRONMENT, as :class:`reference.atomic.OutputWriteError`) and nothing is left at the output."""
 
-    exit_code = 1
+    exit_code = EXIT_ENVIRONMENT
 
 
 def _write_failed(out, e: BaseException) -> ArchiveWriteError:
@@ -648,14 +648,19 @@ class ArchiveWriter:
                 if not self.overwrite:
                     raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an "
                                        f"existing directory (remove it or pass --overwrite)")
-                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-                os.replace(self.out, old)          # set aside; restored if publishing fails
-            os.rename(self.tmp, self.out)
+            from reference.atomic import signals_deferred
+            with signals_deferred():   # the old archive or the new one, never neither, under SIGINT/SIGTERM/SIGHUP
+                if self.out.exists():
+                    old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+                    os.replace(self.out, old)          # set aside; restored if publishing fails
+                os.rename(self.tmp, self.out)
         except BaseException as e:
             shutil.rmtree(self.tmp, ignore_errors=True)   # nothing half-written is left behind
             if old is not None and not self.out.exists():
                 with contextlib.suppress(OSError):
                     os.replace(old, self.out)
+            elif old is not None:   # a signal delivered just after the swap: the new archive stands
+                shutil.rmtree(old, ignore_errors=True)
             if isinstance(e, OSError):
                 raise _write_failed(self.out, e) from None
             raise

@@ -104,8 +104,18 @@ class BackendSpec:
             key = fl.lstrip("-").replace("-", "_")
             valid = BACKEND_OPTIONS.get(self.name)
             if valid is not None and key not in valid:
-                raise InputError(f"{fl} {v}: expected an option of the {self.name} backend "
-                                 f"({', '.join(valid)}), found {fl} (it does not apply to {self.name})")
+                hint = {("engine", "dtype"): "; the engine's is --precision float32|bf16 (engine:precision=...)",
+                        ("reference", "precision"): "; the reference's is --dtype float32|float64 "
+                                                    "(reference:dtype=...)",
+                        ("reference", "device"): "; the reference runs on the CPU (use --backend engine for the GPU)",
+                        }.get((self.name, key), "")
+                raise InputError(f"{fl} {v}: expected only options of the {self.name} backend ({', '.join(valid)}), "
+                                 f"found {fl}, which applies to another backend (--backend {self.alias or self})"
+                                 f"{hint}")
+            want = (valid or {}).get(key)
+            if isinstance(want, tuple) and str(v) not in want:
+                raise InputError(f"{fl} {v}: expected one of {', '.join(want)} (the {self.name} backend's {key}), "
+                                 f"found {v!r}")
             if key in opts and str(opts[key]) != str(v):
                 raise InputError(f"{fl} {v}: expected the same {key} as {flag} {self.alias or self} "
                                  f"({key}={opts[key]}), found {v}")

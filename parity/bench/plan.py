@@ -23,6 +23,10 @@ def ints(s: str) -> list[int]:
     return out
 
 
+COLD_NOTE = ("--warmup 0: the timed runs include the first run's JIT compile of the kernels (Numba on the CPU, "
+             "CUDA on the GPU), so the rates read far lower than steady state")
+
+
 def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     """The (run key, worker spec) list, the settings and the checkpoint descriptions for ``args``."""
     from engine.backend import gpu_available
@@ -47,9 +51,6 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
         v = getattr(args, name)
         if v is not None and not v > 0:
             raise InputError(f"--{name.replace('_', '-')}: expected a number of seconds > 0, found {v:g}")
-    if getattr(args, "out", None):
-        from reference.atomic import check_output_path
-        check_output_path(args.out, "file", overwrite=True)
     if args.precision is not None and args.precision not in ("bf16", "float32"):
         raise InputError(f"--precision: expected 'bf16' or 'float32' (the engine's precisions), found "
                          f"{args.precision!r}")
@@ -82,6 +83,8 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     jobs, checkpoints = [], {}
     settings = {"backend": backend, "device": dev, "repeats": args.repeats, "warmup": args.warmup,
                 "synthetic": args.synthetic, "peer": not args.no_peer}
+    if args.warmup == 0:  # allowed (cold-start timing), but never silently: the first run compiles the kernels
+        settings["note"] = COLD_NOTE
 
     def model_for(which: str):
         if args.synthetic:
@@ -106,7 +109,8 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     real = bool(args.synthetic)
     if backend in ("reference", "both"):
         m = model_for("reference")
-        P = 32 if real else 64
+        P = args.prompt_lens[0] if args.prompt_lens else (32 if real else 64)  # the reference times one length
+        settings["reference_prompt_len"] = P
         D = args.decode_tokens or (4 if real else 16)
         base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s}
         jobs.append(("reference", dict(base, kind="reference", prompt_len=P, decode_tokens=D)))

@@ -21,22 +21,28 @@ def register(subparsers) -> None:
     src.add_argument("--model", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
     src.add_argument("--synthetic", choices=["real-widths"], default=None,
                      help="random BF16 weights at the real model's widths (cached; PLE table rows scaled down)")
-    p.add_argument("--backend", choices=["engine", "reference", "both"], default=None,
-                   help="default: both when a GPU is usable, else reference")
+    p.add_argument("--backend", default=None, metavar="SPEC",
+                   help="what to time: reference, engine[:device=cpu|cuda,precision=float32|bf16] or both "
+                        "(default: both when a GPU is usable, else reference)")
     p.add_argument("--layers", type=int, default=None,
                    help="synthetic layers (default: engine 4 = one period 3 GDN + 1 QSA with PLE on layer 1; "
                         "reference 1 real-width layer)")
     p.add_argument("--vocab", type=int, default=None,
                    help="synthetic vocabulary (default: engine 248320 (real), reference 32768 (reduced))")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device")
-    p.add_argument("--precision", default=None, help="engine precision: bf16 (GPU default) or float32 (CPU default)")
-    p.add_argument("--prompt-lens", type=_ints_arg, default=None, help="engine prefill lengths (GPU default 512,4096)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="engine device (or --backend engine:device=...)")
+    p.add_argument("--precision", default=None,
+                   help="engine precision: bf16 (GPU default) or float32 (CPU default) (or --backend "
+                        "engine:precision=...)")
+    p.add_argument("--prompt-lens", type=_ints_arg, default=None, help="prefill lengths: the engine times each (GPU default 512,4096), the reference the first "
+                        "(default 64)")
     p.add_argument("--batches", type=_ints_arg, default=None, help="engine decode batch sizes (GPU default 1,4,16)")
     p.add_argument("--contexts", type=_ints_arg, default=None,
                    help="engine decode contexts (default: below and above the QSA bound)")
     p.add_argument("--decode-tokens", type=int, default=None, help="timed decode steps per setting")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (default 1)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed warm-up runs, >= 1 (default 1: the first run compiles the kernels)")
     p.add_argument("--no-peer", action="store_true", help="skip the official implementation")
     p.add_argument("--no-extras", action="store_true", help="skip the n-gram gather and tap-diff figures")
     p.add_argument("--budget-s", type=float, default=None, help="time budget per measurement (later settings skipped)")
@@ -44,8 +50,12 @@ def register(subparsers) -> None:
                    help="hard limit per measurement process, load included (default: 3 x budget + 240 s, or none); "
                         "what was measured before it is kept")
     p.add_argument("--json", action="store_true", help="print the result JSON (instead of the table)")
-    p.add_argument("--out", default=None,
-                   help="write the result JSON to this file (atomic; parent folders created, an existing file replaced)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the result JSON to this file ('-' = stdout); its folder must exist, an existing file "
+                        "needs --overwrite (replaced only when the run completes)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    from parity.cli.common import add_traceback
+    add_traceback(p)
     p.set_defaults(func=run)
 
 
@@ -57,6 +67,35 @@ def _ints_arg(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _spec_to_flags(args) -> None:
+    """``--backend engine:device=cpu,precision=bf16`` read into ``args.device`` / ``args.precision`` (the
+    one grammar, :func:`parity.backends.parse_backend_spec`); ``both`` stays as typed.
+
+    Raises:
+        InputError: a malformed spec, an option bench does not take, or a spec contradicting --device /
+            --precision.
+    """
+    from reference.errors import InputError
+    if args.backend in (None, "both"):
+        return
+    legacy = {"--device": None if args.device == "auto" else args.device, "--precision": args.precision}
+    from parity.backends import parse_backend_spec
+    name = parse_backend_spec(args.backend).name
+    if name not in ("reference", "engine"):
+        raise InputError(f"--backend {args.backend!r}: expected reference, engine[:key=value,...] or both, found "
+                         f"{name!r}")
+    sp = parse_backend_spec(args.backend)
+    if name == "engine":  # bench's --device / --precision are its own options, not deprecated spellings
+        sp = sp.with_options(legacy)
+    if name == "reference" and sp.options:
+        raise InputError(f"--backend {args.backend!r}: bench times the reference at float32, expected no options, "
+                         f"found {sp.options}")
+    args.backend = name
+    if name == "engine":
+        args.device = sp.options.get("device", "auto")
+        args.precision = sp.options.get("precision")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``qwen4exp bench``: each planned job in a worker process, then the results as JSON and/or
     a table. Returns 1 when any job reported an error, else 0; InputError/DeviceUnavailableError from
@@ -64,7 +103,15 @@ def run(args: argparse.Namespace) -> int:
     from parity.bench import runner
 
     from parity.bench.plan import plan
+    from parity.cli.common import check_out
+    _spec_to_flags(args)
+    check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
     jobs, settings, checkpoints = plan(args)
+    if settings.get("note"):
+        print(f"note: {settings['note']}", file=sys.stderr)
+    if args.prompt_lens and len(args.prompt_lens) > 1 and settings.get("reference_prompt_len"):
+        print(f"note: the reference is timed at prefill {settings['reference_prompt_len']} (the first --prompt-lens); "
+              f"the engine at each of them", file=sys.stderr)
     with runner.terminate_on_signals():  # SIGTERM: stop the worker, remove its temp dir, exit 143
         return _run_jobs(args, runner, jobs, settings, checkpoints)
 
@@ -83,7 +130,9 @@ def _run_jobs(args, runner, jobs, settings, checkpoints) -> int:
         elif "error" in r:
             print(f"[bench] {key}: error: {r['error']}", file=sys.stderr)
     results = runner.assemble(runs, settings, checkpoints)
-    if args.out:
+    if args.out == "-":
+        args.json = True
+    elif args.out:
         runner.write_json_atomic(args.out, results)
     if args.json:
         print(json.dumps(results, default=float))

@@ -20,7 +20,9 @@ def register(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or bundled fixture name (default: bundled 'tiny')")
     p.add_argument("--config-only", action="store_true", help="use config.json only (no weights needed)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    from parity.cli.common import add_format, add_traceback
+    add_format(p, default_help="text")
+    add_traceback(p)
     p.set_defaults(func=run)
 
 
@@ -56,7 +58,8 @@ def run(args) -> int:
         info["storage"] = {"tensors": len(ck.names()), "dtypes": dtypes,
                            "expert_layout": "fused" if fused else "per-expert",
                            "files": len({e.file for e in ck._entries.values()}), "stored_bytes": on_disk}
-    if args.json:
+    from parity.cli.common import output_format
+    if output_format(args) == "json":
         print(json.dumps(info, indent=2))
         return 0
     print(f"model: {path}  ({info['source']})")

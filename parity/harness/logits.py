@@ -36,27 +36,6 @@ def check_precision(backend: str, precision: str | None, ck=None, *, flag: str =
         print(BF16_NOTE, file=sys.stderr)
 
 
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def check_backend_options(backend: str, *, device: str | None = "auto", dtype: str | None = None) -> None:
-    """``--device`` / ``--dtype`` against the backend: the reference runs on the CPU (``--device`` auto or
-    cpu) and takes ``--dtype``; the engine takes ``--device`` auto/cpu/cuda and ``--precision``, not ``--dtype``.
-
-    Raises:
-        InputError: an unknown device, a device the backend cannot use, or ``--dtype`` with the engine.
-    """
-    from reference.errors import InputError
-    if device is not None and device not in DEVICES:
-        raise InputError(f"--device {device!r}: expected one of {', '.join(DEVICES)}, found {device!r}")
-    if backend == "reference" and device not in (None, "auto", "cpu"):
-        raise InputError(f"--device {device}: the reference backend runs on the CPU (expected auto or cpu), found "
-                         f"{device!r} (use --backend engine for the GPU)")
-    if backend == "engine" and dtype is not None:
-        raise InputError(f"--dtype {dtype}: applies to the reference backend only, found it with --backend engine "
-                         f"(the engine's is --precision float32|bf16)")
-
-
 def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "float32", chunk_size=None,
                    last_only: bool = False, precision: str = "float32", device: str = "auto") -> np.ndarray:
     """Logits ``[T, V]`` (or ``[1, V]`` with ``last_only``) as float32 for ``ids`` on ``backend`` ('reference'
@@ -83,8 +62,8 @@ def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "fl
     elif backend == "engine":
         spec = "engine" if device in (None, "auto") else f"engine:device={device}"
         be = open_backend(spec, path, weights=ck, precision=precision, max_seqs=1, kv_tokens=len(ids))
-    else:
-        raise InputError(f"--backend: expected 'reference' or 'engine', found {backend!r}")
+    else:  # any other spec (module:Class, NAME:key=value): the backend as the opener gives it
+        be = open_backend(backend, path)
     try:
         h = be.new_sequence()
         out = np.asarray(be.prefill(h, [int(x) for x in ids], chunk_size=chunk_size))

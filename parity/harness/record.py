@@ -2,50 +2,32 @@
 calibration, :mod:`parity.harness.calibrate`)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 
-def resolve_backend(backend: str, dtype: str | None = None, device: str = "auto") -> str:
-    """The ``qwen4exp parity`` backend name that ``taps record --backend/--dtype/--device`` select.
-
-    ``reference`` + ``--dtype float64`` is ``reference-f64``; ``engine`` + ``--device cpu|cuda`` is
-    ``engine-cpu|engine-cuda``. Names are checked by :func:`parity.backends.backend_class` (so a
-    ``module:Class`` plugin must be importable, e.g. on ``PYTHONPATH``).
+def resolve_backend(backend, dtype: str | None = None, device: str | None = "auto", precision: str | None = None):
+    """The :class:`parity.backends.BackendSpec` that ``taps record --backend SPEC`` (and the deprecated
+    ``--dtype`` / ``--device`` / ``--precision``) select: ``reference`` + dtype float64 is
+    ``reference:dtype=float64``; ``engine`` + device cpu is ``engine:device=cpu``. The class is resolved
+    (:func:`parity.backends.backend_class`), so a ``module:Class`` plugin must be importable.
 
     Raises:
-        InputError: an unknown name, or ``--dtype`` / ``--device`` contradicting the name.
+        InputError: an unknown name, or an option the backend does not take / contradicting the spec.
         BackendError: a ``module:Class`` that cannot be imported.
     """
-    from parity.backends import backend_class
-    from reference.errors import InputError
-    spec = str(backend)
-    if spec in ("reference", "reference-f64"):
-        if dtype == "float64":
-            spec = "reference-f64"
-        elif dtype == "float32" and spec == "reference-f64":
-            raise InputError(f"--dtype float32: expected float64 (or no --dtype) with --backend reference-f64, "
-                             f"found float32")
-        if device != "auto":
-            raise InputError(f"--device {device}: expected only with an engine backend, found --backend {backend}")
-    else:
-        if dtype is not None:
-            raise InputError(f"--dtype {dtype}: expected only with --backend reference / reference-f64 (the "
-                             f"engine's is --precision), found --backend {backend}")
-        if spec == "engine" and device != "auto":
-            spec = f"engine-{device}"
-        elif spec in ("engine-cpu", "engine-cuda") and device not in ("auto", spec.split("-")[1]):
-            raise InputError(f"--device {device}: expected {spec.split('-')[1]} (or no --device) with --backend "
-                             f"{spec}, found {device}")
-        elif ":" in spec and device != "auto":
-            raise InputError(f"--device {device}: expected only with an engine backend, found --backend {backend}")
-    backend_class(spec)   # unknown name -> InputError naming --backend; plugin import -> BackendError
-    return spec
+    from parity.backends import backend_class, parse_backend_spec
+    sp = parse_backend_spec(backend)
+    extra = {"--dtype": dtype, "--device": None if device in (None, "auto") else device}
+    if sp.name == "engine" or precision not in (None, "float32"):
+        extra["--precision"] = precision
+    sp = sp.with_options(extra)
+    backend_class(sp)   # unknown name -> InputError naming --backend; plugin import -> BackendError
+    return sp
 
 
 def record(model_path, ids: list[int], out, backend: str = "reference", include=None, layers=None, positions=None,
-           dtype: str | None = None, precision: str = "float32", chunk_size: int | None = None,
+           dtype: str | None = None, precision: str | None = None, chunk_size: int | None = None,
            cap_bytes: int | None = 8 << 30, scenario: str | None = None, overwrite: bool = False,
            device: str = "auto"):
     """Run ``backend`` on ``ids`` and record its taps into archive directory ``out`` (None: in memory).
@@ -89,7 +71,10 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
         if not parent.is_dir():
             raise InputError(f"--out {str(out)!r}: expected an existing parent directory, found "
                              f"{str(parent)!r} missing")
-    spec = resolve_backend(backend, dtype, device)
+    sp = resolve_backend(backend, dtype, device, precision)
+    spec = str(sp)
+    is_ref = sp.name == "reference"
+    ref_dtype = sp.options.get("dtype", "float32")
     lay = parse_layers(layers, "--layers")
     pos = parse_positions(positions, "--positions")
     if hasattr(model_path, "fingerprint"):
@@ -126,19 +111,19 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
         if n_pos == 0:
             raise InputError(f"--positions {positions!r}: expected positions within the {len(ids)} token ids "
                              f"(0..{len(ids) - 1}), found none there")
-    ref_dtype = "float64" if spec == "reference-f64" else "float32"
     est = Recorder.estimate(cfg, n_pos, include=include, layers=layers,
-                            dtype_bytes=8 if spec == "reference-f64" else 4)
+                            dtype_bytes=8 if is_ref and ref_dtype == "float64" else 4)
     if cap_bytes is not None and est > cap_bytes:
         raise TapCapError(f"tap recording: estimated {est} bytes exceeds the cap of {cap_bytes} bytes; narrow "
                           f"--taps/--layers/--positions or raise --cap")
     be = None
-    if spec.startswith("reference"):
-        name, run_dtype = spec, ref_dtype
+    if is_ref:
+        name, run_dtype = ("reference-f64" if ref_dtype == "float64" else "reference"), ref_dtype
     else:
         from parity.backends import open_backend
-        if spec.startswith("engine"):
-            be = open_backend(spec, where if where is not None else ".", weights=ck, precision=precision,
+        if sp.name == "engine":
+            be = open_backend(spec, where if where is not None else ".", weights=ck,
+                              precision=sp.options.get("precision", "float32"),
                               max_seqs=1, kv_tokens=len(ids) + 64)
         else:
             if where is None:
@@ -171,7 +156,7 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
                     be.free(h)
                 except UserError:
                     raise
-                except Exception as e:   # noqa: BLE001 - the backend under test failed: one line, nothing written
+                except (Exception, SystemExit) as e:   # noqa: BLE001 - the backend under test failed: one line, nothing written
                     from parity.backends import BackendError
                     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
                     raise BackendError(f"--backend {spec!r}: raised {type(e).__name__}{': ' + msg if msg else ''} "

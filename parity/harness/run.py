@@ -80,6 +80,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                                 "capabilities": {k: v for k, v in caps.items()}})
     if hasattr(probe, "close"):
         probe.close()
+    from parity.harness.kl import thresholds_for
+    th = thresholds_for(report.meta["precision"])  # what run_case judges every scenario operation by
+    limits = {"max_kl": th.max_kl, "min_top1": th.min_top1}
     kl_prompts = None
     if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
         from parity.prompts import load_prompts
@@ -95,13 +98,13 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
                                                archive_dir=archive_dir))
-                except KeyboardInterrupt:
+                except (KeyboardInterrupt, UserError):
                     raise
-                except Exception as e:  # the backend raised in the KL harness: a failed (ERROR) row, as in a case
-                    msg = f"backend raised {type(e).__name__}: {e}"
+                except (Exception, SystemExit) as e:  # the backend raised (or exited) in the KL harness: an ERROR row
+                    msg = f"backend raised {_exc_name(e)}"
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
-                                                   "error", msg))
+                                                   "error", msg, traceback=_format_tb(e)))
                 bar.update(1)
                 continue
             try:
@@ -110,9 +113,13 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
             except (KeyboardInterrupt, UserError):
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
-            except Exception as e:  # a scenario that cannot run at all is an error row (a failure), not a crash
+            except (Exception, SystemExit) as e:  # a scenario that cannot run at all is an ERROR row, not a crash
                 report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
-                                               time.perf_counter() - t0, "error", f"{type(e).__name__}: {e}"))
+                                               time.perf_counter() - t0, "error", _exc_name(e),
+                                               traceback=_format_tb(e)))
+            row = report.rows[-1]
+            if not row.thresholds:
+                row.thresholds = limits
     finally:
         bar.close()
     return report
@@ -165,7 +172,21 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     doc = rep.to_json()
     doc["archives"] = archives
     return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
-                       first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [])
+                       first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [],
+                       thresholds={"max_kl": rep.thresholds.max_kl, "min_top1": rep.thresholds.min_top1})
+
+
+def _exc_name(e: BaseException) -> str:
+    """``Type: message`` of an exception; ``SystemExit(code)`` for a backend that called sys.exit()."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r}) (the backend called sys.exit)"
+    return f"{type(e).__name__}: {e}"
+
+
+def _format_tb(e: BaseException) -> str:
+    """The full stack trace of ``e`` (kept in report.json, printed with ``--traceback``)."""
+    import traceback
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
 def unwritten_archives(doc) -> list[str]:

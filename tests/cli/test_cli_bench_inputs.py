@@ -118,10 +118,10 @@ def test_suites_unknown_backend_is_a_usage_error():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
-def test_output_to_a_full_disk_is_one_line_exit_1():
+def test_output_to_a_full_disk_is_one_line_exit_4():
     code = "import sys; from parity.cli import main; sys.exit(main(['info', '--json']))"
     with open("/dev/full", "w") as full:
         p = subprocess.run([sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE, text=True,
                            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
-    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 4 and "Traceback" not in p.stderr, p.stderr
     assert "could not write output" in p.stderr and len(p.stderr.strip().splitlines()) == 1

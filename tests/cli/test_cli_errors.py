@@ -166,8 +166,7 @@ def test_logits_engine_bf16_notes_bf16_exact_weights(tiny, tmp_path, capsys):
     assert weights_bf16_exact(Checkpoint.open(tiny))  # tiny is stored in BF16
     f = ids_file(tmp_path)
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
-    assert main(["logits", "tiny", "--ids", str(f), "--out", str(a), "--backend", "engine", "--device", "cpu",
-                 "--precision", "bf16"]) == 0
+    assert main(["logits", "tiny", "--ids", str(f), "--out", str(a), "--backend", "engine:device=cpu,precision=bf16"]) == 0
     err = capsys.readouterr().err
     assert "stored in BF16 already" in err and err.count("note:") == 1
     assert main(["logits", "tiny", "--ids", str(f), "--out", str(b), "--backend", "engine", "--device", "cpu",

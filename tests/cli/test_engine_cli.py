@@ -31,8 +31,7 @@ def test_logits_engine_backend_bad_id_is_a_clear_error(tmp_path, capsys):
     from parity.cli import main
     ids = tmp_path / "ids.json"
     ids.write_text("[3, 99999]")
-    rc = main(["logits", "tiny", "--ids", str(ids), "--out", str(tmp_path / "x.npy"), "--backend", "engine",
-               "--device", "cpu"])
+    rc = main(["logits", "tiny", "--ids", str(ids), "--out", str(tmp_path / "x.npy"), "--backend", "engine:device=cpu"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "99999" in err and err.count("\n") == 1

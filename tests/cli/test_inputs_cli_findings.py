@@ -153,7 +153,7 @@ def test_bench_sizes_within_limits_plan_and_empty_items_refused(capsys):
 
 
 # --------------------------------------------------------------------------- 5. output that cannot be written
-def test_logits_full_disk_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+def test_logits_full_disk_is_one_line_exit_4(tmp_path, capsys, monkeypatch):
     f = tmp_path / "ids.txt"
     f.write_text("1 2 3")
 
@@ -162,7 +162,7 @@ def test_logits_full_disk_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
         raise OSError("153600 requested and 16352 written")
     monkeypatch.setattr(np, "save", short_write)
     out = tmp_path / "o.npy"
-    assert main(["logits", "tiny", "--ids", str(f), "--out", str(out)]) == 1
+    assert main(["logits", "tiny", "--ids", str(f), "--out", str(out)]) == 4  # EXIT_ENVIRONMENT (#15 finding 8: a full disk is not the divergence code)
     one_line_error(capsys, "o.npy", "could not be written", "153600")
     assert list(tmp_path.iterdir()) == [f], "a temp file or partial output was left"
     monkeypatch.undo()  # negative control: the same command writes when the disk has room
@@ -170,7 +170,7 @@ def test_logits_full_disk_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
     assert np.load(out).shape[0] == 3
 
 
-def test_taps_record_full_disk_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+def test_taps_record_full_disk_is_one_line_exit_4(tmp_path, capsys, monkeypatch):
     import safetensors.numpy as SN
     from safetensors import SafetensorError
     f = tmp_path / "ids.txt"
@@ -182,7 +182,7 @@ def test_taps_record_full_disk_is_one_line_exit_1(tmp_path, capsys, monkeypatch)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(SN, "save_file", full)
     out = tmp_path / "t.taps"
-    assert main(["taps", "record", "tiny", "--ids", str(f), "--out", str(out), "--taps", "logits"]) == 1
+    assert main(["taps", "record", "tiny", "--ids", str(f), "--out", str(out), "--taps", "logits"]) == 4  # EXIT_ENVIRONMENT
     one_line_error(capsys, "t.taps", "could not be written", "No space left")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"], "a temp archive was left"
     monkeypatch.setattr(SN, "save_file", real)  # negative control
