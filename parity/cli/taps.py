@@ -173,6 +173,8 @@ def _cmd_record(args) -> int:
         check_precision("reference", "bf16")  # bf16 is refused as by logits/generate (the reference computes in f32/f64)
     spec = backend_spec(args, legacy={"--dtype": args.dtype, "--device": None if args.device in (None, "auto")
                                       else args.device, "--precision": args.precision})
+    from parity.backends import backend_class
+    backend_class(spec)  # an unknown name / unimportable plugin: said before reading the ids (maybe a pipe)
     check_out(args.out, kind="dir", overwrite=args.overwrite)
     ids = [int(x) for x in read_ids_file(args.ids)]
     arc = record(args.model, ids, args.out, backend=spec, include=args.taps, layers=args.layers,

@@ -104,7 +104,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                     msg = f"backend raised {_exc_name(e)}"
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
-                                                   "error", msg, traceback=_format_tb(e)))
+                                                   "error", msg, traceback=_format_tb(e), thresholds=limits))
                 bar.update(1)
                 continue
             try:
