@@ -214,6 +214,7 @@ def _row_cells(report: ParityReport) -> list[list[str]]:
 
 HEADER = ["scenario", "cases", "worst KL", "limits", "worst logit err", "first divergence", "time", "verdict"]
 _DIV = HEADER.index("first divergence")
+_LIM = HEADER.index("limits")
 
 
 def render_table(report: ParityReport, console=None, columns: int | None = None, legend: bool = False) -> str:
@@ -229,19 +230,23 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
     header = HEADER
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     cols = _terminal_columns() if columns is None else int(columns)
-    below = False
+    below = False     # the first divergence under each row (too narrow for its column)
+    lim_below = False  # the limits under each row too (the fixed columns alone do not fit)
     if cols is not None:
         room = cols - (sum(widths) - widths[_DIV]) - 2 * (len(header) - 1)
         if room < MIN_DIVERGENCE_WIDTH:
             below = True
+            lim_below = sum(widths) - widths[_DIV] + 2 * (len(header) - 2) > cols
         else:
             widths[_DIV] = max(len(header[_DIV]), min(widths[_DIV], room))
-    keep = [i for i in range(len(header)) if not (below and i == _DIV)]
+    keep = [i for i in range(len(header)) if not (below and i == _DIV) and not (lim_below and i == _LIM)]
     lines = ["  ".join(header[i].ljust(widths[i]) for i in keep).rstrip(),
              "  ".join("-" * widths[i] for i in keep)]
     for row in rows:
         if below:
             lines.append("  ".join(row[i].ljust(widths[i]) for i in keep).rstrip())
+            if lim_below:
+                lines.append("    limits: " + row[_LIM])
             if row[_DIV] != "-":
                 lines += ["    " + t for t in _cell_lines("first divergence: " + row[_DIV], max(20, cols - 4))]
             continue

@@ -13,6 +13,7 @@ import pytest
 
 from fixture_helpers import one_line_error
 from parity.cli import main
+import os
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,3 +188,33 @@ def test_python_m_parity_cli_runs(tmp_path):
     p = subprocess.run([sys.executable, "-m", "parity.cli", "info", "no-such-model"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and textwrap.dedent(p.stderr).count("\n") == 1
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_output_to_a_full_disk_is_one_line_exit_4():
+    code = "import sys; from parity.cli import main; sys.exit(main(['info', '--json']))"
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE, text=True,
+                           cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
+    assert p.returncode == 4 and "Traceback" not in p.stderr, p.stderr
+    assert "could not write output" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_atomic_dir_full_disk_is_output_write_error(tmp_path):
+    import errno
+    import os
+
+    from reference.atomic import OutputWriteError, atomic_dir
+    with pytest.raises(OutputWriteError, match="could not be written"):
+        with atomic_dir(tmp_path / "d") as t:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError):  # negative control: not a write failure, not re-worded
+        with atomic_dir(tmp_path / "d") as t:
+            open(t / "missing" / "x")
+    with atomic_dir(tmp_path / "d") as t:
+        (t / "x").write_text("ok")
+    assert (tmp_path / "d" / "x").read_text() == "ok"
