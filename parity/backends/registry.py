@@ -260,7 +260,7 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
     if be is None or isinstance(be, (bool, int, float, str, bytes, list, tuple, dict)):
         found = "None" if be is None else f"a {type(be).__name__} ({str(be)[:40]!r})"
         raise BackendError(f"{flag} {spec!r}: expected {getattr(cls, '__name__', 'the class')}.open() to return a "
-                           f"backend object (the parity Backend protocol, parity/backend.py), found {found}")
+                           f"backend object (the parity Backend protocol, parity/backends/base.py), found {found}")
     if parse_backend_spec(spec, flag).plugin and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):
         try:
             be.name = str(spec)
@@ -269,7 +269,7 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
     for attr in ("new_sequence", "prefill", "decode", "forward_tokens", "rollback", "snapshot", "restore",
                  "position", "free", "config"):
         if not hasattr(be, attr):
-            raise BackendError(f"{flag} {spec!r}: expected the parity Backend protocol (parity/backend.py), "
+            raise BackendError(f"{flag} {spec!r}: expected the parity Backend protocol (parity/backends/base.py), "
                                f"found no {attr!r} on {type(be).__name__}")
     if not hasattr(be, "precision"):
         try:

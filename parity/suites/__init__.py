@@ -2,7 +2,7 @@
 
 Run against any backend::
 
-    pytest --pyargs parity.suites --backend engine-cpu [--model fixtures/tiny] [--parity-level ci]
+    pytest --pyargs parity.suites --backend engine:device=cpu [--model fixtures/tiny] [--parity-level ci]
     pytest --pyargs parity.suites --backend my_pkg.my_engine:MyBackend
 
 One test per (scenario, case, page size). A failure message names the failing operation, the

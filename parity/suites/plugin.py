@@ -18,8 +18,9 @@ def pytest_addoption(parser):
     group = parser.getgroup("qwen4exp parity")
     for args, kw in [
         (("--backend",), dict(action="store", default="reference",
-                              help="backend to test: reference, reference-f64, engine, engine-cpu, engine-cuda or "
-                                   "module:Class (default: reference)")),
+                              help="backend to test, the --backend SPEC of qwen4exp: reference[:dtype=float64], "
+                                   "engine[:device=cpu|cuda,precision=float32|bf16] or module:Class "
+                                   "(default: reference)")),
         (("--model",), dict(action="store", default=None,
                             help="checkpoint directory or bundled fixture name (default: tiny)")),
         (("--parity-level",), dict(action="store", default="full", choices=["full", "ci"],
