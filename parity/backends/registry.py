@@ -158,6 +158,10 @@ def _parse_options(text: str, whole: str, flag: str) -> dict:
     return opts
 
 
+def _current_names() -> str:
+    return ", ".join(n for n in BACKEND_NAMES if n not in BACKEND_ALIASES)
+
+
 def parse_backend_spec(text, flag: str = "--backend") -> BackendSpec:
     """Parse a ``--backend`` value (the one place the grammar is read; every verb and the pytest plugin
     call it): ``NAME[:key=value,...]`` or ``module:Class[:key=value,...]``; the deprecated spellings in
@@ -171,7 +175,7 @@ def parse_backend_spec(text, flag: str = "--backend") -> BackendSpec:
         return text
     s = str(text).strip()
     if not s:
-        raise InputError(f"{flag}: expected a backend name ({', '.join(BACKEND_NAMES)}) or 'module:Class', "
+        raise InputError(f"{flag}: expected a backend name ({_current_names()}) or 'module:Class', "
                          f"found an empty string")
     head, colon, rest = s.partition(":")
     if head in BACKEND_ALIASES:
@@ -191,7 +195,8 @@ def parse_backend_spec(text, flag: str = "--backend") -> BackendSpec:
         else:              # module:Class[:key=value,...]
             cls_name, colon2, opt_text = rest.partition(":")
             if not head or not cls_name:
-                raise InputError(f"{flag} {s!r}: expected a name ({', '.join(BACKEND_NAMES)}) or 'module:Class'")
+                raise InputError(f"{flag} {s!r}: expected a name ({_current_names()}[:key=value,...]) or "
+                                 f"'module:Class'")
             spec = BackendSpec(f"{head}:{cls_name}", _parse_options(opt_text, s, flag) if colon2 else {},
                                plugin=True)
     _check_options(spec, flag)
@@ -237,7 +242,8 @@ def backend_class(spec, flag: str = "--backend") -> tuple[type, dict]:
         return EngineBackend, {**opts, "device": device}
     if sp.plugin:
         return _load_module_class(sp.name, flag), opts
-    raise InputError(f"{flag}: expected one of {', '.join(BACKEND_NAMES)} or 'module:Class', found {str(spec)!r}")
+    raise InputError(f"{flag}: expected one of {_current_names()} (NAME[:key=value,...]) or 'module:Class', "
+                     f"found {str(spec)!r}")
 
 
 def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Backend:

@@ -101,6 +101,8 @@ def check_out(path, *, kind: str = "file", overwrite: bool = False, flag: str = 
     from reference.errors import InputError
     if path is None:
         return None
+    if str(path) == "":
+        raise InputError(f"{flag}: expected a {'directory' if kind == 'dir' else 'file'} path, found an empty string")
     if str(path) == "-":
         if not stdout_ok:
             raise InputError(f"{flag} -: expected a {'directory' if kind == 'dir' else 'file'} path (this output "

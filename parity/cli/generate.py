@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     name = {"reference-f64": "reference", "engine-cpu": "engine", "engine-cuda": "engine"}.get(name, name)
     if name not in ("reference", "engine"):
         raise InputError(f"--backend {args.backend!r}: expected reference or engine (generate drives these two), "
-                         f"found {name!r}")
+                         f"found {args.backend!r}")
     if args.precision is not None:
         allowed = ("float32", "float64") if name == "reference" else ("float32", "bf16")
         if name == "reference":

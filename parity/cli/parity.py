@@ -129,7 +129,7 @@ def run(args) -> int:
     spec = str(backend_spec(args))
     fmt = output_format(args)
     scen = _parse_scenarios(args.scenario)
-    if args.out:
+    if args.out is not None:
         prepare_out_dir(args.out, overwrite=args.overwrite)
     pages = None
     if args.page_sizes is not None:
@@ -138,7 +138,7 @@ def run(args) -> int:
         pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
     progress = not args.no_progress and sys.stderr.isatty()
     unwritten = []
-    if args.out:
+    if args.out is not None:
         with staged_dir(args.out, ("report.json", "taps")) as stage:
             report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                                 out_dir=stage, progress=progress)

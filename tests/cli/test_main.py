@@ -106,6 +106,14 @@ def test_contradictory_options_are_refused(tmp_path, capsys, argv, needles):
     assert not out.exists()
 
 
+def test_empty_out_is_refused_not_ignored(capsys, monkeypatch):
+    """Tried as a new user: `parity --out ''` ran the whole job and wrote nothing (an empty --out was falsy)."""
+    import parity.harness.run as P
+    monkeypatch.setattr(P, "run_parity", lambda *a, **k: pytest.fail("ran with --out ''"))
+    assert main(["parity", "--backend", "reference", "--out", ""]) == 2
+    one_line_error(capsys, "--out", "empty string")
+
+
 @pytest.mark.parametrize("argv", [["info", ""], ["logits", "", "--ids", "x", "--out", "o.npy"]])
 def test_empty_model_path_is_reported_as_typed(capsys, argv):
     assert main(argv) == 2
