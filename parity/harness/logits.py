@@ -54,7 +54,7 @@ def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "fl
     path = resolve_model(model_path)
     ck = Checkpoint.open(path)
     ids = check_ids(ids, ck.config.vocab_size)
-    check_length(len(ids), ck.config.max_position_embeddings, flag="ids")
+    check_length(len(ids), ck.config.max_position_embeddings, what="ids")
     if chunk_size is not None and chunk_size < 1:
         raise InputError(f"--chunk-size: expected a positive integer, found {chunk_size}")
     if backend == "reference":
