@@ -81,15 +81,19 @@ class ParityReport:
 
     @property
     def exit_code(self) -> int:
-        """1 when any row's status is 'fail' or 'error', else 0."""
+        """:data:`reference.errors.EXIT_DIVERGENCE` (1) when any row's status is 'fail' or 'error', else
+        :data:`~reference.errors.EXIT_INCONCLUSIVE` (3) when any row is 'inconclusive', else 0."""
+        from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
         if any(r.status in ("fail", "error") for r in self.rows):
-            return 1
-        return 0
+            return EXIT_DIVERGENCE
+        if any(r.status == "inconclusive" for r in self.rows):
+            return EXIT_INCONCLUSIVE
+        return EXIT_OK
 
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
-                         "verdict": {0: "pass", 1: "fail", 2: "error"}[self.exit_code],
+                         "verdict": {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code],
                          "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
 
 
@@ -270,12 +274,30 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         try:
             from rich.table import Table
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
-            for h in header:
-                t.add_column(h, overflow="fold", no_wrap=h not in ("first divergence",))
+            from rich.markup import escape
+            # nothing is folded mid-word or cropped: every column but the divergence at its full width, the
+            # divergence pre-wrapped at separators into the room left (under 30: printed below the table)
+            width = getattr(console, "width", 120) or 120
+            fixed = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+            room = width - (sum(fixed) - fixed[_DIV]) - (3 * len(header) + 1)
+            cols_shown = [i for i in range(len(header)) if i != _DIV or room >= MIN_DIVERGENCE_WIDTH]
+            for i in cols_shown:
+                t.add_column(header[i], no_wrap=True, overflow="ignore", min_width=None if i == _DIV else fixed[i])
             style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "INCONCLUSIVE": "magenta"}
             for row in rows:
-                t.add_row(*row[:-1], f"[{style.get(row[-1], 'red')}]{row[-1]}[/]")
-            console.print(t)
+                cells = [escape(c) for c in row]
+                if _DIV in cols_shown:
+                    cells[_DIV] = "\n".join(escape(x) for x in _cell_lines(row[_DIV], room))
+                cells[-1] = f"[{style.get(row[-1], 'red')}]{row[-1]}[/]"
+                t.add_row(*(cells[i] for i in cols_shown))
+            need = sum(fixed[i] for i in cols_shown if i != _DIV) + 3 * len(cols_shown) + 1 + (
+                room if _DIV in cols_shown else 0)
+            console.print(t, width=max(width, need), crop=False)  # wider than the terminal: wrapped by it, never cut
+            if _DIV not in cols_shown:
+                for row in rows:
+                    if row[_DIV] not in ("-", ""):
+                        for ln in _cell_lines(f"{row[0]}: first divergence: {row[_DIV]}", max(20, width - 4)):
+                            console.print("  " + ln, markup=False, highlight=False)
             for n in notes:
                 console.print(n, markup=False, highlight=False)
             console.print(f"verdict: [{style.get(verdict, 'red')}]{verdict}[/]  (backend {report.backend}, "

@@ -218,3 +218,14 @@ def test_atomic_dir_full_disk_is_output_write_error(tmp_path):
     with atomic_dir(tmp_path / "d") as t:
         (t / "x").write_text("ok")
     assert (tmp_path / "d" / "x").read_text() == "ok"
+
+
+def test_report_exit_code_follows_the_contract():
+    """ParityReport maps its rows onto the contract: fail/error -> 1 before inconclusive -> 3 before pass -> 0."""
+    from parity.harness.report import ParityReport, ScenarioRow
+
+    def rep(*statuses):
+        return ParityReport("b", "m", [ScenarioRow(f"s{i}", 1, 0, 0.0, 0.0, None, 0.1, s) for i, s in enumerate(statuses)])
+    assert rep("pass", "pass").exit_code == 0
+    assert rep("pass", "inconclusive").exit_code == 3 and rep("inconclusive").to_json()["verdict"] == "inconclusive"
+    assert rep("inconclusive", "fail").exit_code == 1 and rep("error", "pass").exit_code == 1

@@ -406,3 +406,23 @@ def test_out_dir_with_report_json_directory_is_refused_up_front(tmp_path, capsys
     assert main(["parity", "--backend", "reference", "--scenario", "kl", "--out", str(tmp_path), "--overwrite",
                  "--no-progress"]) == 2
     assert "taps" in capsys.readouterr().err
+
+
+def test_rich_table_never_folds_or_cuts_a_name():
+    """#15 finding 7, --format rich: rich folded the "first divergence" cell mid-word and cropped columns."""
+    import io
+
+    from rich.console import Console
+
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    name = "layers.3.self_attn.indexer.selected_blocks"
+    div = f"case_5 [page 4]: first divergence {name} at position 9 (last agreeing layers.2.mlp.out)"
+    rep = ParityReport("b", "m", [ScenarioRow("speculative-rollback", 12, 1, 0.5, 1.0, div, 1.0, "fail",
+                                              thresholds={"max_kl": 1e-5, "min_top1": 0.98})])
+    for width in (80, 120, 200):
+        buf = io.StringIO()
+        render_table(rep, Console(file=buf, width=width), legend=False)
+        out = buf.getvalue()
+        assert name in out and "layers.2.mlp.out" in out and "…" not in out, out
+        for h in ("scenario", "cases", "worst KL", "limits", "worst logit err", "time", "verdict"):
+            assert h in out, (width, h)
