@@ -98,9 +98,10 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
                                                archive_dir=archive_dir))
-                except (KeyboardInterrupt, UserError):
+                except KeyboardInterrupt:
                     raise
                 except (Exception, SystemExit) as e:  # the backend raised (or exited) in the KL harness: an ERROR row
+                    # (the backend was opened and the prompts read before this point: nothing here is bad input)
                     msg = f"backend raised {_exc_name(e)}"
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
