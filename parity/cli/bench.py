@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
     from parity.bench.plan import plan
     from parity.cli.common import check_out
+    if args.model is not None and args.model_pos is None:
+        print("note: bench --model is deprecated; write: qwen4exp bench MODEL", file=sys.stderr)
     _spec_to_flags(args)
     check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
     jobs, settings, checkpoints = plan(args)
