@@ -39,7 +39,7 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     a = open_backend(a_spec, model_path, flag=flags[0])
     b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
     r32 = a if a_spec == "reference" else open_backend("reference", model_path)
-    r64 = open_backend("reference-f64", model_path)
+    r64 = open_backend("reference:dtype=float64", model_path)
     name = perturb_name or default_perturb_target(b.config)
     target = b_spec if capabilities_of(b).get("perturb") else "reference"
     note = f"{target} with {name} perturbed (+ rms * N(0,1))"
