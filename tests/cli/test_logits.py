@@ -3,7 +3,6 @@ pipes), the backend grammar and precisions, the one --out rule (``-`` = stdout).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -243,12 +242,17 @@ def test_engine_backend_cpu_matches_reference(tiny, tmp_path):
 def test_logits_out_dash_is_stdout(tmp_path):
     """#15 finding 8: `logits --out -` wrote a file named `-`."""
     ids = _ids(tmp_path)
-    p = subprocess.run([sys.executable, "-m", "parity.cli", "logits", "tiny", "--ids", str(ids), "--out", "-"],
-                       cwd=tmp_path, capture_output=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert p.returncode == 0, p.stderr
-    import io
-    assert np.load(io.BytesIO(p.stdout)).shape == (12, 512)
-    assert not (tmp_path / "-").exists()
+    dash = REPO / "-"
+    assert not dash.exists()
+    try:
+        p = subprocess.run([sys.executable, "-m", "parity.cli", "logits", "tiny", "--ids", str(ids), "--out", "-"],
+                           cwd=REPO, capture_output=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        import io
+        assert np.load(io.BytesIO(p.stdout)).shape == (12, 512)
+        assert not dash.exists(), "--out - wrote a file named '-'"
+    finally:
+        dash.unlink(missing_ok=True)
 
 
 def test_logits_out_parent_must_exist_and_existing_needs_overwrite(tmp_path, capsys):
