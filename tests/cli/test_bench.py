@@ -1,5 +1,5 @@
 """``qwen4exp bench`` on the command line: options checked before anything runs, the one --out rule,
-the warm-up note and the table's labels (the measurements themselves: tests/parity/test_bench.py)."""
+the warm-up note and the table's labels (the measurements themselves: tests/parity/test_bench_measure.py)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """``qwen4exp generate`` on the command line: prompts and messages, strict text, sampling flags, the
-backend grammar, what is printed (the generator itself: tests/parity/test_generate.py)."""
+backend grammar, what is printed (the generator itself: tests/parity/test_generation.py)."""
 from __future__ import annotations
 
 import json
