@@ -125,7 +125,7 @@ def test_bench_truncated_checkpoint_is_one_line(tiny, tmp_path, capsys, monkeypa
     shutil.copytree(tiny, bad)
     st = bad / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
-    assert main(["bench", "--backend", "reference", "--repeats", "1", "--model", str(bad), "--no-peer"]) == 2
+    assert main(["bench", "--backend", "reference", "--repeats", "1", str(bad), "--no-peer"]) == 2
     one_line_error(capsys, "model.safetensors")
 
 
