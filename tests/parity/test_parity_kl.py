@@ -112,7 +112,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [440, 5, 9, 77, 440,
 
 def _perturbed():
     from parity.backends import open_backend
-    from parity.cli.kl import perturbation
+    from parity.harness.run import perturbation
     return open_backend("reference", FIX, perturb=("layers.0.linear_attn.out_proj.weight", perturbation()))
 
 
@@ -174,7 +174,7 @@ def test_a_floor_too_coarse_for_a_useful_fault_is_inconclusive(refs):
     from parity.harness.kl import USEFUL_FAULT_REL
     r32, _ = refs
     fl = measure_floor(r32.model.weights, PROMPTS[:1])
-    coarse = dataclasses.replace(fl, logit_rel=USEFUL_FAULT_REL)   # 32x of it is far above the useful size
+    coarse = dataclasses.replace(fl, logit_rel=USEFUL_FAULT_REL)   # 8x of it is far above the useful size
     rep = run_kl(r32, r32, PROMPTS[:1], greedy_tokens=0, floor=coarse, perturbed_b=_perturbed, progress=False)
     assert not rep.controls["precision_floor"]["ok"] and rep.status == "INCONCLUSIVE" and rep.exit_code == 3
 
