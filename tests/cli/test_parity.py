@@ -299,10 +299,11 @@ def test_table_explains_itself(capsys):
                  "--no-progress", "--format", "text"]) == 0
     out = capsys.readouterr().out
     for words in ("legend:", "cases: passed/run", "one case is", "KL(reference||backend)", "KL(backend||reference)",
-                  "worst logit err:", "shown, not judged", "limits:", "budget: the QSA indexer_budget"):
+                  "worst logit err:", "judged relative to", "limits:", "budget: the QSA indexer_budget"):
         assert words in out, words
     body = [ln for ln in out.splitlines() if ln.startswith(("kl ", "budget "))]
-    assert len(body) == 2 and all("KL<=1e-05" in ln and "top1>=0.98" in ln for ln in body)
+    # the limit measured on this model (a multiple of its float32 floor, relative to the logit scale)
+    assert len(body) == 2 and all("err<=" in ln and "xscale" in ln for ln in body)
 
 
 def test_parity_reference_passes_and_writes_report(tmp_path, capsys):
