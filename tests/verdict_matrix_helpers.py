@@ -432,7 +432,7 @@ def judge(kind: str, name: str, locate: bool = False) -> dict:
     th = thresholds_of(name, b.precision, key)
 
     def perturbed(scale=1.0):
-        from parity.cli.kl import perturbation
+        from parity.harness.run import perturbation
         return _ref(w, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=scale)))
     ps = prompts(name)
     if kind == "official":
