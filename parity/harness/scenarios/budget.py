@@ -7,7 +7,8 @@ block selection starts to drop blocks. Source: modeling_qwen4_exp.py ``Qwen4ExpT
 ``token_budget + compress_ratio - 1``).
 
 Cases: prompt lengths at the bound and one either side, far below and far above, each prefilled and
-then decoded; a decode that walks across the bound; a batch mixing sequences on both sides of it.
+then decoded; a decode that walks across the bound; a batch mixing sequences on both sides of it; a
+prompt with an exact block-score tie at the k-th selected block, decoded across the tie.
 """
 from __future__ import annotations
 
@@ -58,4 +59,62 @@ def cases(config, level: str = "full") -> list[Case]:
         for step in range(3):
             run.decode(seqs, [st[step] for st in streams], desc=f"batched decode step {step}")
     out.append(Case("batch_mixed_sides_of_bound", batch_both_sides, batch=True))
+    return out + tie_cases(config, level)
+
+
+# ------------------------------------------------------------------ issue 14: forced exact ties
+_TIE_CACHE: dict = {}
+TIE_SEEDS = 64  # prompts searched for an exact tie at the k-th block (the tiny fixtures need <= 10)
+
+
+def tie_prompt(run: Run) -> tuple[list[int], int | None, str | None]:
+    """A deterministic prompt whose truth has an EXACT tie between the k-th selected block and an unselected
+    one (``block_scores`` equal at the cut-off) at some position past the bound, found by recording the
+    truth's ``indexer.block_scores`` over seeded prompts (relu-summed scores are exactly 0 for a block every
+    head scores negative, so ties at 0 occur on real and random weights alike). Returns ``(ids, position,
+    layer tap)``; position None when no seed of :data:`TIE_SEEDS` ties (the case then still walks the bound).
+    Cached per model config."""
+    import numpy as np
+    from taps.recorder import Recorder
+
+    s = run.sizes
+    key = run.config.config_hash()
+    if key in _TIE_CACHE:
+        return _TIE_CACHE[key]
+    n = s.bound + 6 * s.ratio + 5
+    k = run.config.block_topk if s.has_qsa else 0
+    found = None
+    ids = token_stream(run.config, n, seed=5000)
+    for seed in range(TIE_SEEDS if s.has_qsa else 0):
+        ids = token_stream(run.config, n, seed=5000 + seed)
+        with Recorder(None, include=["*indexer.block_scores"]) as rec:
+            run.truth.model.forward(ids)  # the model itself: a cached truth would emit no taps
+        arc = rec.archive()
+        for name in arc.names():
+            for row, p in zip(np.asarray(arc.get(name)), arc.positions(name)):
+                f = np.sort(row[np.isfinite(row)])[::-1]
+                if len(f) > k and f[k - 1] == f[k] and int(p) >= 2:
+                    if found is None or int(p) < found[1]:
+                        found = (ids, int(p), name)
+        if found is not None:
+            break
+    out = found if found is not None else (ids, None, None)
+    _TIE_CACHE[key] = out
     return out
+
+
+def tie_cases(config, level: str = "full") -> list[Case]:
+    """Forced exact ties in block selection: prefill to just before the first tied position, then decode
+    across it (the canonical rule, lower block index first, decides which tied block is kept)."""
+    def forced_ties(run: Run):
+        ids, p, _tap = tie_prompt(run)
+        if p is None:
+            p = min(len(ids) - 3, run.sizes.bound + 1)
+        ids = ids[:p + 3]
+        run.plan(ids)
+        a = run.new("exact-tie")
+        L = max(1, p - 2)
+        run.prefill(a, ids[:L], desc=f"prefill {L} tokens (an exact block-score tie at position {p})")
+        for t in ids[L:]:
+            run.decode([a], [t], desc=f"decode at position {len(a.hist)} (exact tie at {p})")
+    return [Case("forced_exact_ties_in_block_selection", forced_ties)]
