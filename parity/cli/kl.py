@@ -74,8 +74,10 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
 
     def perturbed():
         return open_backend(target, model_path, perturb=(name, perturbation()))
-    return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
+    rep = run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
+                 perturbed_b=perturbed, perturbed_note=note, progress=progress)
+    rep.backend = b  # the instance that ran (and holds the history of) every prompt: locating replays on it
+    return rep
 
 
 def render_kl(rep) -> str:

@@ -214,7 +214,9 @@ def _kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=
         worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
         if truth is not None:
             from parity.harness.scenarios.locate import locate_one_shot
-            be = open_backend(backend_spec, model)
+            # the SAME instance, after the same call history: state that leaks between requests shows (a freshly
+            # opened backend would pass and report "all taps agree")
+            be = getattr(rep, "backend", None) or open_backend(backend_spec, model)
             where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
             first = f"prompt {worst}: {where}"
         else:

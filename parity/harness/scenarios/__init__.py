@@ -1,4 +1,5 @@
-"""The four scenario suites: budget, chunk_boundary, snapshot_restore, speculative_rollback.
+"""The scenario suites: budget, chunk_boundary, snapshot_restore, speculative_rollback (against the truth)
+and self_consistency (the backend against itself; ``truth`` may be None).
 
 ``run_scenario(name, open_backend, truth)`` runs every case of one scenario against a backend, at
 each paged-cache page size the backend supports (sizes that do and do not divide the compress
@@ -14,7 +15,9 @@ from reference.errors import InputError
 
 __all__ = ["SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results", "normalize_name"]
 
-SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback")
+SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback", "self_consistency")
+#: the suites that need no truth (run without the reference)
+TRUTHLESS = ("self_consistency",)
 
 
 def normalize_name(name: str) -> str:

@@ -108,7 +108,7 @@ def more_cases(config, level: str = "full") -> list[Case]:
     out.append(Case("eos_ids_after_the_first_do_not_reset", second_eos))
 
     def ragged(run: Run):
-        lens = [n, s.ratio + 2, 1, s.bound + 1]
+        lens = [n, s.bound + 1, 1, s.ratio + 2]  # ragged; the last one ends in a partial tile of a packed batch
         streams = [token_stream(run.config, L + 2, seed=420 + k, eos_every=9) for k, L in enumerate(lens)]
         run.plan(*streams)
         seqs = [run.new(f"ragged{k}-len{L}") for k, L in enumerate(lens)]

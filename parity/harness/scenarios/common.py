@@ -243,7 +243,7 @@ class Run:
     """
 
     def __init__(self, backend, truth: TruthCache, thresholds: KLThresholds, record_at: int | None = None,
-                 unbatch_at: int | None = None, record_seq: str | None = None):
+                 unbatch_at: int | None = None, record_seq: str | None = None, record_batched: bool = False):
         self.be = backend
         self.truth = truth
         self.th = thresholds
@@ -256,6 +256,7 @@ class Run:
         self.record_at = record_at
         self.unbatch_at = unbatch_at
         self.record_seq = record_seq
+        self.record_batched = record_batched  # record a batched decode AS a batch (the failing seq's position)
         self.recorded = None  # (archive, seq label, positions, history)
         self.recorded_out = None  # the logits rows the backend RETURNED for the recorded positions
         self.min_top1 = scenario_min_top1(getattr(backend, "precision", "float32"))
@@ -430,7 +431,7 @@ class Run:
         for s, t in zip(seqs, ids):
             s.hist.append(t)
         d = desc or f"decode batch of {len(seqs)}"
-        if self.unbatch_at == op or (self.record_at == op and len(seqs) > 1):
+        if self.unbatch_at == op or (self.record_at == op and len(seqs) > 1 and not self.record_batched):
             rows = []
             for s, t, st in zip(seqs, ids, starts):
                 if self.record_at == op and s.label == self.record_seq:
@@ -442,9 +443,10 @@ class Run:
             out = np.stack(rows)
             d += " (replayed one sequence at a time)"
         else:
-            with self._recording(op, [starts[0]], seqs[0]):
+            i = next((j for j, s in enumerate(seqs) if s.label == self.record_seq), 0)
+            with self._recording(op, [starts[i]], seqs[i]):
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
-            self._keep_returned(op, out[:1])
+            self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):
             self.fail(op, f"{d}: expected {len(seqs)} rows of logits, found shape {out.shape}", "decode batch shape")
         for i, (s, st) in enumerate(zip(seqs, starts)):
