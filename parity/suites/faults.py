@@ -863,6 +863,7 @@ BUG_CLASSES = [
     (("R13",), HcMeanRounded, "budget", "prefill_bound_len", "tiny-hc3", "attn_hyper_connection.out"),
     (("R14",), PleTableScaleShadowed, "budget", "prefill_bound_len", "tiny", "ple.ple_embedding.out"),
     (("R15",), NgramRowReadsPastEnd, "budget", "prefill_bound_len", "tiny", "ple.ple_embedding.out"),
+    (("R36",), PleTableRowsInterleaved, "budget", "prefill_bound_len", "tiny", "ple.ple_embedding.out"),
     (("R16",), BatchDependentPrefill, "self_consistency", "batch_invariance_ragged_prefill", "tiny",
      "batch-dependence: prefill_batch"),
     (("R17",), BatchDependentDecode, "self_consistency", "batch_invariance_decode", "tiny",

@@ -63,8 +63,7 @@ def test_every_mapped_class_has_a_fault_or_a_reason():
 
 def test_r38_zero_ple_conv_kernel_is_refused_at_config_load(tmp_path):
     """R38 (bad-input): ple_conv_kernel_size = 0 is one clear ConfigError naming the field, before any kernel."""
-    from reference.config import ModelConfig
-    from reference.errors import ConfigError
+    from reference.config import ConfigError, ModelConfig
     raw = json.loads((REPO / "fixtures" / "tiny" / "config.json").read_text())
     raw["ple_conv_kernel_size"] = 0
     with pytest.raises(ConfigError, match="ple_conv_kernel_size"):
