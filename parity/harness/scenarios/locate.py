@@ -116,6 +116,13 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
         return "backend emitted no taps (tap-diff needs a backend that emits the registry's taps)"
     profile = "bf16" if precision in ("bf16", "fp8") else "fp32"
     rep = _diff(truth_arc, be_arc, profile=profile, force=True)
+    cover = rep.coverage_note("the truth", "the backend") if hasattr(rep, "coverage_note") else ""
+    return _line(rep, truth_arc, be_arc, precision, returned, positions, truth_logits, thresholds) + \
+        (f" [{cover}]" if cover else "")
+
+
+def _line(rep, truth_arc, be_arc, precision, returned, positions, truth_logits, thresholds) -> str:
+    """The divergence clause of :func:`diff_archives` (without the tap-coverage note)."""
     if rep.first_divergence is None:
         msg, compared = _returned_vs_tap(be_arc, returned, positions or [], precision)
         if msg is not None:
