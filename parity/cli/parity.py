@@ -32,10 +32,11 @@ def register(subparsers) -> None:
                    help="reference, reference-f64, engine (cuda when a GPU is present, else cpu), engine-cpu, "
                         "engine-cuda, or module:Class (default: engine)")
     p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",
-                   help="scenarios to run: budget, chunk-boundary, snapshot-restore, speculative-rollback, kl "
-                        "(default: all)")
-    p.add_argument("--level", choices=["full", "ci"], default="full",
-                   help="full: every combination (default); ci: the same situations, fewer combinations")
+                   help="scenarios to run: budget, chunk-boundary, snapshot-restore, speculative-rollback, "
+                        "self-consistency, kl (default: all)")
+    p.add_argument("--level", choices=["full", "ci", "long"], default="full",
+                   help="full: every combination (default); ci: the same situations, fewer combinations; long: "
+                        "the real caps (bound crossing, chunks over 8192, positions past 32768) for a real-width model")
     p.add_argument("--page-sizes", default=None, metavar="N,N,...",
                    help="paged-cache page sizes (default: the compress ratio, twice it and ratio+1)")
     p.add_argument("--prompts", metavar="FILE", default=None, help="prompt set of the KL harness")
@@ -142,7 +143,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
         from parity.prompts import load_prompts
         kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
-    truth = TruthCache(truth_model(model))
+    from parity.harness.scenarios import TRUTHLESS
+    # the self-consistency suite needs no reference: a run of it alone never loads the truth
+    truth = TruthCache(truth_model(model)) if any(s not in TRUTHLESS for s in scenarios) else None
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
     bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)

@@ -22,7 +22,7 @@ def pytest_addoption(parser):
                                    "module:Class (default: reference)")),
         (("--model",), dict(action="store", default=None,
                             help="checkpoint directory or bundled fixture name (default: tiny)")),
-        (("--parity-level",), dict(action="store", default="full", choices=["full", "ci"],
+        (("--parity-level",), dict(action="store", default="full", choices=["full", "ci", "long"],
                                    help="scenario level: full (every combination) or ci (fewer combinations)")),
         (("--page-sizes",), dict(action="store", default=None,
                                  help="comma-separated paged-cache page sizes (default: from the config)")),
