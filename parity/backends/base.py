@@ -19,6 +19,8 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.position(h) -> int                   # tokens in the sequence's state (the KV length)
     be.free(h)
     be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
+    be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
+    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
     be.prefill_batch([h1, h2], [ids1, ids2]) -> [[T1, V], [T2, V]]   # ragged requests at once (optional)
     child = be.fork(h)                      # a sequence copy (optional; default snapshot + restore)
     be.last_logits(h) -> [V]                # the held logits of the last position (optional)
@@ -104,17 +106,6 @@ def one_shot_logits(be, ids) -> np.ndarray:
     return Backend.logits(be, ids)
 
 
-def _check_ids(ids, vocab: int, what: str = "ids") -> list[int]:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.size == 0:
-        raise InputError(f"{what}: expected a non-empty 1-D list of token ids, found shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"{what}: expected integer token ids, found dtype {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= vocab:
-        raise InputError(f"{what}: expected token ids in [0, {vocab}), found range [{arr.min()}, {arr.max()}]")
-    return [int(x) for x in arr]
-
-
 class LastLogits:
     """What a backend adapter holds for :meth:`Backend.last_logits`: per sequence, the logits row of its last
     consumed position, kept through verify/rollback (the rows of the latest verify), snapshots (each snapshot
@@ -170,6 +161,12 @@ class LastLogits:
         self.last[ck] = self.last.get(pk)
         if pk in self.verify:
             self.verify[ck] = self.verify[pk]
+
+    def forget(self, h) -> None:
+        """``h`` consumed tokens whose logits the adapter never saw (e.g. a device-side greedy step)."""
+        k = self.key(h)
+        self.last[k] = None
+        self.verify.pop(k, None)
 
     def freed(self, h) -> None:
         """``h`` is gone."""
@@ -235,6 +232,11 @@ class Backend:
         """Feed ``ids`` (optionally in chunks of ``chunk_size``) to sequence ``h``; returns the logits
         ``[T, V]`` of every fed position (host float32, float64 for 'reference-f64')."""
         raise NotImplementedError
+
+    def prefill_last(self, h, ids: Sequence[int]) -> np.ndarray:
+        """:meth:`prefill` returning only the last position's logits ``[V]`` (generation; backends that can
+        skip the other rows override it). Default: the last row of :meth:`prefill`."""
+        return np.asarray(self.prefill(h, ids))[-1]
 
     def decode(self, hs: Sequence, ids: Sequence[int]) -> np.ndarray:
         """One token per sequence (``ids[i]`` for ``hs[i]``), decoded as a batch; returns logits ``[B, V]``."""

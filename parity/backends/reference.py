@@ -8,9 +8,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, LastLogits, _check_ids, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, LastLogits, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -85,12 +86,25 @@ class ReferenceBackend(Backend):
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
             BackendError: ``h`` is not a live handle of this backend.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         sess = self._sess(h)
         start = sess.position
         out = np.asarray(sess.prefill(ids, chunk_size=chunk_size))
         self._held.fed(h, out, start)
         return out
+
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to session ``h`` (the other rows are never formed).
+
+        Raises:
+            InputError: bad ids. BackendError: ``h`` is not a live handle of this backend.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        sess = self._sess(h)
+        start = sess.position
+        row = np.asarray(sess.prefill(ids, last_only=True)).reshape(-1)
+        self._held.fed(h, row, start + len(ids) - 1)
+        return row
 
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
@@ -102,7 +116,7 @@ class ReferenceBackend(Backend):
         if len(hs) != len(ids):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
                              f"{len(ids)} tokens")
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         rows = []
         for h, t in zip(hs, ids):
             sess = self._sess(h)
@@ -118,7 +132,7 @@ class ReferenceBackend(Backend):
             InputError: bad ids.
             BackendError: ``h`` is not a live handle of this backend.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         sess = self._sess(h)
         start = sess.position
         out = np.asarray(sess.forward_tokens(ids))
@@ -175,7 +189,7 @@ class ReferenceBackend(Backend):
     def dense_logits(self, ids):
         """One-shot logits with QSA selection off: a forward whose selection keeps every complete block
         visible to each query (the model's ``selection_hook``)."""
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         old = self.model.selection_hook
 
         def every_block(layer, pos, scores, sel):
@@ -191,5 +205,5 @@ class ReferenceBackend(Backend):
 
     def logits(self, ids):
         """The one-shot logits: the model's single full forward (the truth path)."""
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.model.forward(ids))
