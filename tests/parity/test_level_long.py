@@ -31,9 +31,14 @@ def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
 
 
 @pytest.mark.slow
-def test_level_long_cpu_path_reduced(monkeypatch):
-    """Real widths (16 experts for the CPU), one case: a decode walking across the real bound 2051. ~10 min on
-    2 loaded cores (the NumPy truth's 2055-token forward at real width is most of it)."""
+def test_level_long_cpu_path_reduced(monkeypatch, request):
+    """Real widths (16 experts for the CPU), one case: a decode walking across the real bound 2051. Not run by
+    default (CI's plain ``pytest`` skips it): ``pytest -m slow tests/parity/test_level_long.py`` or
+    ``QWEN4EXP_RUN_SLOW=1``. Measured 2026-12-01 on the 2 shared cores of the dev machine (load ~8): one NumPy
+    reference forward of 2070 tokens at real width 275 s, the engine CPU prefill 228 s (max |logit diff| 3e-6)."""
+    import os
+    if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("QWEN4EXP_RUN_SLOW"):
+        pytest.skip("slow: run with -m slow or QWEN4EXP_RUN_SLOW=1")
     from parity.backends import opener, truth_model
     from parity.harness.scenarios import run_scenario
     from parity.harness.scenarios.common import TruthCache
