@@ -9,7 +9,7 @@ from parity.harness.scenarios import cases_for, long
 
 
 def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
-    from parity.harness.scenarios.long_model import long_model_config
+    from parity.bench.long_model import long_model_config
     from reference.config import ModelConfig
     cfg = ModelConfig.from_dict(long_model_config())
     assert cfg.qsa_bound == 2051 and cfg.layer_types.count("linear_attention") == 3
@@ -42,7 +42,7 @@ def test_level_long_cpu_path_reduced(monkeypatch, request):
     from parity.backends import opener, truth_model
     from parity.harness.scenarios import run_scenario
     from parity.harness.scenarios.common import TruthCache
-    from parity.harness.scenarios.long_model import long_model
+    from parity.bench.long_model import long_model
     from parity.harness.scenarios.runner import run_case
     from parity.suites.faults import BudgetOffByOne
     monkeypatch.setenv("QWEN4EXP_LONG_MAX_TOKENS", "2056")

@@ -30,6 +30,6 @@ def long_model(num_experts: int = LONG_EXPERTS, progress: bool = False):
                             overrides={k: cfg[k] for k in ("num_experts", "num_experts_per_tok")}, progress=progress)
 
 
-if __name__ == "__main__":  # python -m parity.harness.scenarios.long_model [num_experts] -> prints the path
+if __name__ == "__main__":  # python -m parity.bench.long_model [num_experts] -> prints the path
     import sys
     print(long_model(int(sys.argv[1]) if len(sys.argv) > 1 else LONG_EXPERTS, progress=False))
