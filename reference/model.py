@@ -58,6 +58,12 @@ class _Capture:
         return {k: (np.concatenate(v, axis=0) if len(v) > 1 else v[0]) for k, v in self.values.items()}
 
 
+def _taps_kw(taps) -> dict:
+    """``{'taps': taps}`` only while recording: a block called without it keeps its plain signature (tests
+    patch blocks with plain-signature stand-ins)."""
+    return {} if taps is None else {"taps": taps}
+
+
 def latest_block_keys(block_keys: np.ndarray, pos: np.ndarray, r: int) -> np.ndarray:
     """The tap ``layers.{i}.self_attn.indexer.block_keys``: for each absolute position ``p`` the pooled,
     normed, rotated key of the latest complete block visible to it (block ``(p + 1) // r - 1``), zeros
@@ -285,7 +291,7 @@ class ReferenceModel:
         emb = np.asarray(self.weights.ngram_rows(i, rows), dtype=self.dtype).reshape(len(ids), -1)
         taps = {} if rec is not None else None
         out, gate, new_conv = ple_block(x, emb, self._ple_w(i), st.conv, cfg.hc_count, cfg.hidden_size,
-                                        cfg.ngram_size, cfg.rms_norm_eps, taps=taps)
+                                        cfg.ngram_size, cfg.rms_norm_eps, **_taps_kw(taps))
         ctx = np.concatenate([st.context, ids])[-(cfg.ngram_size - 1):]
         if rec is not None:
             p = f"layers.{i}.ple."
@@ -303,7 +309,7 @@ class ReferenceModel:
         cfg = self.config
         taps = {} if rec is not None else None
         mixed, inj = hyper_connection(x, *self._hc_w(prefix, combine), cfg.hc_count, cfg.hidden_size,
-                                      cfg.rms_norm_eps, taps=taps)
+                                      cfg.rms_norm_eps, **_taps_kw(taps))
         if rec is not None:
             rec.emit(prefix + ".hc_norm.out", taps["hc_norm"], positions=pos)
             rec.emit(prefix + ".out", mixed, positions=pos)
@@ -329,7 +335,7 @@ class ReferenceModel:
         w = self._attn_w(i)
         r = cfg.indexer_compress_ratio
         taps = {} if rec is not None else None
-        q_idx, raw = indexer_project(x, w, cos, sin, cfg, taps=taps)
+        q_idx, raw = indexer_project(x, w, cos, sin, cfg, **_taps_kw(taps))
         keys = st.index_keys.append(raw)
         L = keys.shape[0]
         nb_old, nb_new = st.block_keys.n, L // r
@@ -339,7 +345,7 @@ class ReferenceModel:
         if self.selection_hook is not None:
             sel = np.asarray(self.selection_hook(i, pos, scores, sel), dtype=np.int64)
         mask = selection_mask(sel, pos, n_complete, L, r)
-        q, gate, k, v = attention_project(x, w, cos, sin, cfg, taps=taps)
+        q, gate, k, v = attention_project(x, w, cos, sin, cfg, **_taps_kw(taps))
         K = st.k.append(k)
         V = st.v.append(v)
         core = sparse_attention(q, K, V, mask, cfg.head_dim ** -0.5)
