@@ -53,4 +53,6 @@ def test_level_long_cpu_path_reduced(monkeypatch, request):
     assert all(r.status == "pass" for r in res), [(r.failure, r.divergence) for r in res]
     bad = BudgetOffByOne.open(path)
     r = run_case("budget", cases_for("budget", bad.config, "long")[0], bad, truth, locate_on_fail=False)
-    assert r.status == "fail" and "position 2051" in r.failure, r.failure
+    # a one-block error at the real bound moves no logit beyond the thresholds on random weights; the
+    # selection check names it
+    assert r.status == "fail" and "selected_blocks" in (r.divergence or ""), (r.failure, r.divergence)
