@@ -8,8 +8,11 @@ MoE) runs once over all the step's tokens; sequence work (GDN conv/recurrence, Q
 reads and writes each sequence's pages and slab rows.
 
 Weights: BF16 by default, stored on the device as ``uint16`` bit patterns (cupy has no bfloat16);
-``precision="float32"`` keeps every weight in float32 (exact-parity runs). FP8 block-scaled weights
-are dequantised on load by the shared checkpoint reader. Norm gains, conv kernels, ``A_log`` and
+``precision="float32"`` keeps every BF16 weight in float32 (exact-parity runs). Quantised weights (FP8
+block-scaled E4M3 with ``weight_scale_inv``; ModelOpt NVFP4 experts) stay in their stored format on the
+device (:class:`engine.kernels.quant.QuantWeight`, ``quantized="stored"``, the default, in both
+precisions: the kernels dequantise exactly, as the reference reader does); ``quantized="dequantize"``
+dequantises them on load instead (float32 where not BF16-exact). Norm gains, conv kernels, ``A_log`` and
 ``dt_bias`` stay float32 in both modes. Activations, accumulation and all state are float32.
 
 Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextModel.forward`` (embed, hc_count-fold repeat, layers,
@@ -25,6 +28,7 @@ from engine.kernels import gdn as K_gdn
 from engine.kernels import linear as K_lin
 from engine.kernels import norms as K_norms
 from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
+from engine.kernels.quant import QuantWeight, fp8_from_stored, nvfp4_from_stored, stack_experts, stack_rows
 from engine.ple_table import PLETable
 from reference import taphook as tap_recorder
 
@@ -52,6 +56,7 @@ class Step:
     n_blocks = 1
     emb: dict = {}
     last_rows = None  # host int rows of the final hidden state to project (last_only)
+    qsa_select_hook = None  # sel [T, k] -> sel: replaces the QSA selection (the MTP draft-step reuse option)
 
 
 class SyncCounter:
@@ -82,7 +87,11 @@ class EngineModel:
     """
 
     def __init__(self, ck, xp, precision: str = "bf16", ple_placement: str = "host", prefill_gdn_chunk: int = 64,
-                 progress: bool = False, comm=None):
+                 progress: bool = False, comm=None, mtp: bool = False, quantized: str = "stored"):
+        from reference.errors import InputError
+        if quantized not in ("stored", "dequantize"):
+            raise InputError(f"quantized: expected 'stored' or 'dequantize', found {quantized!r}")
+        self.quantized = quantized
         self.ck = ck
         self.config = c = ck.config
         self.xp = xp
@@ -109,7 +118,15 @@ class EngineModel:
             finally:
                 self.xp = xp_dev
             self.ep = ExpertParallel(self, comm)
+        #: the MTP head's layer index in ``self.w`` (its weights load as a trunk-shaped ``layers.{L}.*`` layer,
+        #: L = num_hidden_layers, so the trunk's layer code runs it), or None without the head
+        self.mtp_layer = None
+        if mtp:
+            self._load_mtp()
+        #: the pre-final-mixer multi-stream residual ``[T, hc*H]`` of the latest step (device; the MTP input)
+        self.last_residual = None
         self.fused: dict[str, list] = {}
+        self.fused_members: set[str] = set()
         if xp is not np:
             self._fuse_weights()
         if self.kept_float32:
@@ -134,29 +151,36 @@ class EngineModel:
             out += [(f"{hcn}.hc_norm.weight", "vec"), (f"{hcn}.input_mix_weight_down.weight", "mat"),
                     (f"{hcn}.input_mix_weight_up.weight", "mat")]
         for i, lt in enumerate(c.layer_types):
-            p = f"layers.{i}."
-            for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
-                out += [(p + hcn + ".hc_norm.weight", "vec"), (p + hcn + ".input_mix_weight_down.weight", "mat"),
-                        (p + hcn + ".input_mix_weight_up.weight", "mat"), (p + hcn + ".block_inject_weight.weight", "mat")]
-            if lt == "linear_attention":
-                q = p + "linear_attn."
-                out += [(q + "in_proj_qkv.weight", "mat"), (q + "in_proj_z.weight", "mat"), (q + "in_proj_b.weight", "mat"),
-                        (q + "in_proj_a.weight", "mat"), (q + "out_proj.weight", "mat"), (q + "conv1d.weight", "conv"),
-                        (q + "A_log", "vec"), (q + "dt_bias", "vec"), (q + "norm.weight", "vec")]
-            else:
-                q = p + "self_attn."
-                out += [(q + "q_proj.weight", "mat"), (q + "k_proj.weight", "mat"), (q + "v_proj.weight", "mat"),
-                        (q + "o_proj.weight", "mat"), (q + "q_norm.weight", "vec"), (q + "k_norm.weight", "vec"),
-                        (q + "indexer.index_qk_proj.weight", "mat"), (q + "indexer.q_layernorm.weight", "vec"),
-                        (q + "indexer.k_layernorm.weight", "vec")]
-            m = p + "mlp."
-            out += [(m + "gate.weight", "f32mat"), (m + "shared_expert.gate_proj.weight", "mat"),
-                    (m + "shared_expert.up_proj.weight", "mat"), (m + "shared_expert.down_proj.weight", "mat"),
-                    (m + "shared_expert_gate.weight", "mat")]
-            if i in c.ple_layers:
-                q = p + "ple."
-                out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
-                        (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
+            out += self._layer_weight_names(i, lt)
+        return out
+
+    def _layer_weight_names(self, i, lt):
+        """(name, kind) of decoder layer ``i`` of type ``lt`` (experts apart)."""
+        c = self.config
+        out = []
+        p = f"layers.{i}."
+        for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
+            out += [(p + hcn + ".hc_norm.weight", "vec"), (p + hcn + ".input_mix_weight_down.weight", "mat"),
+                    (p + hcn + ".input_mix_weight_up.weight", "mat"), (p + hcn + ".block_inject_weight.weight", "mat")]
+        if lt == "linear_attention":
+            q = p + "linear_attn."
+            out += [(q + "in_proj_qkv.weight", "mat"), (q + "in_proj_z.weight", "mat"), (q + "in_proj_b.weight", "mat"),
+                    (q + "in_proj_a.weight", "mat"), (q + "out_proj.weight", "mat"), (q + "conv1d.weight", "conv"),
+                    (q + "A_log", "vec"), (q + "dt_bias", "vec"), (q + "norm.weight", "vec")]
+        else:
+            q = p + "self_attn."
+            out += [(q + "q_proj.weight", "mat"), (q + "k_proj.weight", "mat"), (q + "v_proj.weight", "mat"),
+                    (q + "o_proj.weight", "mat"), (q + "q_norm.weight", "vec"), (q + "k_norm.weight", "vec"),
+                    (q + "indexer.index_qk_proj.weight", "mat"), (q + "indexer.q_layernorm.weight", "vec"),
+                    (q + "indexer.k_layernorm.weight", "vec")]
+        m = p + "mlp."
+        out += [(m + "gate.weight", "f32mat"), (m + "shared_expert.gate_proj.weight", "mat"),
+                (m + "shared_expert.up_proj.weight", "mat"), (m + "shared_expert.down_proj.weight", "mat"),
+                (m + "shared_expert_gate.weight", "mat")]
+        if i in c.ple_layers:
+            q = p + "ple."
+            out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
+                    (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
         return out
 
     def _fuse_weights(self) -> None:
@@ -164,11 +188,17 @@ class EngineModel:
         instead of several in a decode step), and replace each weight by its row view of the stack (no
         second copy): GDN ``in_proj_{qkv,z,b,a}``, QSA ``indexer.index_qk_proj`` + ``{q,k,v}_proj``,
         hyper-connection ``input_mix_weight_down`` + ``block_inject_weight``, shared expert
-        ``gate_proj`` + ``up_proj``. A group whose matrices differ in dtype (a BF16 and a kept-float32
-        weight) stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
+        ``gate_proj`` + ``up_proj``; where the GDN group mixes formats (FP8 release: ``qkv`` and ``z`` FP8,
+        ``b`` and ``a`` BF16), ``in_proj_qkv`` + ``in_proj_z`` alone. Quantised members stack when all are of one
+        format and their scale blocks allow row views (:func:`engine.kernels.quant.stack_rows`,
+        :meth:`QuantWeight.rows`). A group whose matrices differ in dtype (a BF16 and a kept-float32 weight)
+        stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
         xp, c = self.xp, self.config
         groups = []
-        for i, lt in enumerate(c.layer_types):
+        layers = list(enumerate(c.layer_types))
+        if self.mtp_layer is not None:
+            layers.append((self.mtp_layer, "indexed_attention"))
+        for i, lt in layers:
             p = f"layers.{i}."
             for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
                 groups.append((p + hcn + ".fused_down_inject",
@@ -184,17 +214,32 @@ class EngineModel:
             m = p + "mlp."
             groups.append((m + "fused_shared_gate_up", [m + "shared_expert.gate_proj.weight",
                                                         m + "shared_expert.up_proj.weight"]))
+            if lt == "linear_attention":  # FP8 release: qkv and z are F8_E4M3, b and a BF16
+                groups.append((p + "linear_attn.fused_in_proj_qkv_z", [p + "linear_attn.in_proj_qkv.weight",
+                                                                       p + "linear_attn.in_proj_z.weight"]))
         for key, names in groups:
             ws = [self.w.get(n) for n in names]
-            if any(w is None or w.ndim != 2 for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+            if any(w is None or w.ndim != 2 for w in ws) or any(n in self.fused_members for n in names):
                 continue
-            fused = xp.concatenate(ws, axis=0)
-            spans, a = [], 0
-            for n, w in zip(names, ws):
-                b = a + w.shape[0]
-                self.w[n] = fused[a:b]
-                spans.append((n, a, b))
-                a = b
+            quant = [isinstance(w, QuantWeight) for w in ws]
+            if all(quant):  # stored formats: one stack when the scale blocks allow row views of it
+                try:
+                    fused = stack_rows(ws)
+                    starts = np.cumsum([0] + [w.shape[0] for w in ws])
+                    views = [fused.rows(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+                except ValueError:
+                    continue
+            elif any(quant) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+                continue
+            else:
+                fused = xp.concatenate(ws, axis=0)
+                starts = np.cumsum([0] + [w.shape[0] for w in ws])
+                views = [fused[int(a):int(b)] for a, b in zip(starts[:-1], starts[1:])]
+            spans = []
+            for n, v, a, b in zip(names, views, starts[:-1], starts[1:]):
+                self.w[n] = v
+                spans.append((n, int(a), int(b)))
+            self.fused_members.update(names)
             self.w[key] = fused
             self.fused[key] = spans
 
@@ -233,7 +278,34 @@ class EngineModel:
         except Exception:  # overrides / in-memory weights: take the generic path
             return None
 
-    def _load(self, name: str, kind: str):
+    def _quant(self, name: str) -> QuantWeight | None:
+        """``name`` as a host QuantWeight when it is stored quantised (FP8 E4M3 with a block or per-tensor
+        scale; NVFP4 U8 codes with ``weight_scale`` + ``weight_scale_2``) and ``quantized == 'stored'``,
+        else None."""
+        if self.quantized != "stored":
+            return None
+        try:
+            dt = self.ck.dtype(name)
+        except Exception:
+            return None
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        if dt == "F8_E4M3":
+            sc = self.ck._scale_for(name)
+            if sc is None:
+                return None  # the reader raises its own error when the weight is read
+            return fp8_from_stored(self.ck.get_raw(name), self.ck.get_raw(sc), self.ck._block)
+        if dt == "U8" and self.ck.has(base + ".weight_scale_2"):
+            return nvfp4_from_stored(self.ck.get_raw(name), self.ck.get_raw(base + ".weight_scale"),
+                                     self.ck.get_raw(base + ".weight_scale_2"))
+        return None
+
+    def _load(self, name: str, kind: str, src: str | None = None):
+        """Device copy of weight ``name`` read from checkpoint tensor ``src`` (default ``name``)."""
+        name = src or name
+        if kind == "mat" and name != "embed_tokens.weight":  # the embedding is gathered by rows, never quantised
+            qw = self._quant(name)
+            if qw is not None:
+                return qw.to(self.xp)
         if kind == "mat" and self.precision == "bf16":
             raw = self._bf16_raw(name)
             if raw is not None:  # stored BF16: upload the bits as they are (no float round trip)
@@ -248,37 +320,90 @@ class EngineModel:
 
     def _load_experts(self, progress: bool):
         c = self.config
-        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
         it = range(c.num_hidden_layers)
         if progress:
             from tqdm import tqdm
             it = tqdm(it, desc="upload experts", unit="layer")
         for i in it:
-            m = f"layers.{i}.mlp.experts."
-            if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
-                gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
-                if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
-                    self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu_raw)
-                    self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn_raw)
-                    continue
-            if self.precision == "bf16" and self.ck.has(m + "0.gate_proj.weight") \
-                    and self._bf16_raw(m + "0.gate_proj.weight") is not None:  # per-expert BF16: stack the bits
-                gu16 = np.empty((E, 2 * I, H), np.uint16)
-                dn16 = np.empty((E, H, I), np.uint16)
-                for e in range(E):
-                    gu16[e, :I] = self._bf16_raw(f"{m}{e}.gate_proj.weight")
-                    gu16[e, I:] = self._bf16_raw(f"{m}{e}.up_proj.weight")
-                    dn16[e] = self._bf16_raw(f"{m}{e}.down_proj.weight")
-                self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu16)
-                self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn16)
-                continue
-            gu = np.empty((E, 2 * I, H), np.float32)
-            dn = np.empty((E, H, I), np.float32)
+            self._load_layer_experts(i, f"layers.{i}.mlp.experts.", i)
+
+    def _load_layer_experts(self, i, m: str, expert_layer):
+        """Routed experts of layer ``i`` into ``self.w`` (``layers.{i}.mlp.experts.{gate_up,down}``), read from the
+        checkpoint prefix ``m`` (fused or per-expert) / ``ck.expert(expert_layer, e)``."""
+        c = self.config
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        key = f"layers.{i}.mlp.experts."
+        dev = getattr(self.ck, "device_experts", None)
+        if dev is not None and m == key:  # synthetic weights built on the device (parity.bench.synthetic_device)
+            self.w[key + "gate_up"], self.w[key + "down"] = dev(i, self.xp, self.precision)
+            return
+        q = self._quant_experts(i, m)
+        if q is not None:  # stored FP8 / NVFP4: kept as stored, dequantised inside the kernels
+            self.w[key + "gate_up"], self.w[key + "down"] = q[0].to(self.xp), q[1].to(self.xp)
+            return
+        if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
+            gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
+            if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
+                self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu_raw)
+                self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn_raw)
+                return
+        if self.precision == "bf16" and self.ck.has(m + "0.gate_proj.weight") \
+                and self._bf16_raw(m + "0.gate_proj.weight") is not None:  # per-expert BF16: stack the bits
+            gu16 = np.empty((E, 2 * I, H), np.uint16)
+            dn16 = np.empty((E, H, I), np.uint16)
             for e in range(E):
-                g, u, d = self.ck.expert(i, e, dtype=np.float32)
-                gu[e, :I], gu[e, I:], dn[e] = g, u, d
-            self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
-            self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
+                gu16[e, :I] = self._bf16_raw(f"{m}{e}.gate_proj.weight")
+                gu16[e, I:] = self._bf16_raw(f"{m}{e}.up_proj.weight")
+                dn16[e] = self._bf16_raw(f"{m}{e}.down_proj.weight")
+            self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu16)
+            self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn16)
+            return
+        gu = np.empty((E, 2 * I, H), np.float32)
+        dn = np.empty((E, H, I), np.float32)
+        for e in range(E):
+            g, u, d = self.ck.expert(expert_layer, e, dtype=np.float32)
+            gu[e, :I], gu[e, I:], dn[e] = g, u, d
+        self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
+        self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
+
+    def _load_mtp(self) -> None:
+        """The MTP head's weights: its decoder layer as trunk-shaped ``layers.{L}.*`` (read from
+        ``mtp.layers.0.*``), its fusion and mixer weights under their own ``mtp.*`` names."""
+        L = self.config.num_hidden_layers
+        self.mtp_layer = L
+        pre = f"layers.{L}."
+        for name, kind in self._layer_weight_names(L, "indexed_attention"):
+            self.w[name] = self._load(name, kind, src="mtp.layers.0." + name[len(pre):])
+        for n, kind in (("mtp.pre_fc_norm_embedding.weight", "vec"), ("mtp.pre_fc_norm_hidden.weight", "vec"),
+                        ("mtp.fc_embedding.weight", "mat"), ("mtp.fc_hidden.weight", "mat"),
+                        ("mtp.hyper_connection_mixer.hc_norm.weight", "vec"),
+                        ("mtp.hyper_connection_mixer.input_mix_weight_down.weight", "mat"),
+                        ("mtp.hyper_connection_mixer.input_mix_weight_up.weight", "mat")):
+            self.w[n] = self._load(n, kind)
+        from reference.checkpoint import MTP_LAYER
+        self._load_layer_experts(L, "mtp.layers.0.mlp.experts.", MTP_LAYER)
+
+    def _quant_experts(self, i: int, m: str | None = None):
+        """Layer ``i``'s routed experts (checkpoint prefix ``m``, default ``layers.{i}.mlp.experts.``) as host
+        QuantWeights ``(gate_up [E, 2I, H], down [E, H, I])`` when stored quantised (per-expert or fused FP8
+        layout; per-expert NVFP4), else None."""
+        E = self.config.num_experts
+        m = m or f"layers.{i}.mlp.experts."
+        if self.ck.has(m + "gate_up_proj"):
+            gu, dn = self._quant(m + "gate_up_proj"), self._quant(m + "down_proj")
+            if gu is None or dn is None:
+                return None
+            return gu, dn  # the fused layout's block scales are defined over the stacked gate + up rows
+        if not self.ck.has(m + "0.gate_proj.weight") or self._quant(m + "0.gate_proj.weight") is None:
+            return None
+        gus, dns = [], []
+        for e in range(E):
+            g, u, d = (self._quant(f"{m}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            if g is None or u is None or d is None:
+                return None
+            gus.append(stack_rows([g, u]))
+            dns.append(d)
+        return stack_experts(gus), stack_experts(dns)
 
     def weight_bytes(self) -> int:
         """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
@@ -431,6 +556,7 @@ class EngineModel:
             self._emit(rec, p + "mlp_hyper_connection.combine", h, positions)
         if part == "head":
             return h
+        self.last_residual = h
         fin = K_norms.hc_pre(h, self.w["hyper_connection_mixer.hc_norm.weight"],
                              self.w["hyper_connection_mixer.input_mix_weight_down.weight"],
                              self.w["hyper_connection_mixer.input_mix_weight_up.weight"], None,
@@ -457,8 +583,12 @@ class EngineModel:
         if parts is not None:
             qkv, z, b, a = parts
         else:
-            qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
-            z = K_lin.linear(x, w[q + "in_proj_z.weight"])
+            qz = self._fused_linear(x, q + "fused_in_proj_qkv_z")
+            if qz is not None:
+                qkv, z = qz
+            else:
+                qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
+                z = K_lin.linear(x, w[q + "in_proj_z.weight"])
             b = K_lin.linear(x, w[q + "in_proj_b.weight"])
             a = K_lin.linear(x, w[q + "in_proj_a.weight"])
         conv_state = pool.gdn_conv[i]
@@ -635,6 +765,8 @@ class EngineModel:
         n_blocks = st.n_blocks
         scores, sel = K_qsa.qsa_select(q_idx, pool.blk_k[i], pool.block_tables, rows, n_vis, n_blocks, r, ps,
                                        c.block_topk)
+        if st.qsa_select_hook is not None:
+            sel = st.qsa_select_hook(sel)
         if rec is not None:
             if rec.wants(q + "indexer.block_keys"):  # latest complete block's key, read at its last token's slot
                 bpos = ((pos_dev + 1) // r) * r - 1
@@ -662,6 +794,95 @@ class EngineModel:
         out = K_lin.linear(gated, w[q + "o_proj.weight"])
         self._emit(rec, q + "out", out, positions)
         return out
+
+
+    # ------------------------------------------------------------------ the MTP head
+    def mtp_step(self, pool, seq, residual, start: int, ids=None, ids_dev=None, hnorm: str = "global",
+                 select_hook=None):
+        """One MTP step over ``T`` pairs ``(R_q, x_{q+1})`` at head positions ``start .. start+T-1`` of ``seq``
+        (writes the head's K/V/indexer caches at those positions' slots, which must be reserved and private).
+
+        The same layer code and kernels as a trunk full-attention layer (the head's layer is loaded as layer
+        ``self.mtp_layer``; PLE off), plus the head's fusion (reference: :mod:`reference.blocks.mtp`).
+
+        Args:
+            residual: ``[T, hc*H]`` float32 on the device (the trunk's pre-final-mixer residual, or the previous
+                draft step's state). ids / ids_dev: ``[T]`` the tokens ``x_{q+1}`` (host or device int64).
+            hnorm: ``'global'`` or ``'per_stream'``. select_hook: replaces the head layer's QSA selection.
+        Returns:
+            ``(draft_logits [T, V], state_out [T, hc*H])`` on the device.
+        """
+        xp, c, w = self.xp, self.config, self.w
+        L = self.mtp_layer
+        H, hc, eps = c.hidden_size, c.hc_count, c.rms_norm_eps
+        rec = tap_recorder.current()
+        st = Step()
+        st.rec = _MTPTapNames(rec, L) if rec is not None else None
+        T = int(residual.shape[0])
+        st.positions = np.arange(start, start + T, dtype=np.int64)
+        st.slabs = np.array([seq.slab], np.int64)
+        st.rows = np.full(T, seq.slab, np.int64)
+        st.ids = None if ids is None else np.asarray(ids, np.int64)
+        st.n_blocks = max(1, (start + T) // (c.indexer_compress_ratio or 1))
+        st.emb = {}
+        st.ids_dev = xp.asarray(st.ids) if ids_dev is None else ids_dev
+        st.pos_dev = xp.asarray(st.positions)
+        st.rows_dev = xp.asarray(st.rows)
+        st.slabs_dev = xp.asarray(st.slabs)
+        st.qsa_select_hook = select_hook
+        positions = st.positions
+        e = K_norms.rms_norm(self._embed(st.ids_dev), w["mtp.pre_fc_norm_embedding.weight"], eps=eps)
+        fe = K_lin.linear(e, w["mtp.fc_embedding.weight"])
+        hn = K_norms.rms_norm(residual, w["mtp.pre_fc_norm_hidden.weight"], eps=eps,
+                              group_size=H if hnorm == "per_stream" else None)
+        fh = K_lin.linear(hn.reshape(T * hc, H), w["mtp.fc_hidden.weight"]).reshape(T, hc * H)
+        h = (fh.reshape(T, hc, H) + fe[:, None, :]).reshape(T, hc * H)
+        self._emit(rec, "mtp.fc_embedding.out", fe, positions)
+        self._emit(rec, "mtp.fc_hidden.out", fh, positions)
+        p = f"layers.{L}."
+        self._emit(st.rec, p + "attn_hyper_connection.in", h, positions)
+        pre = self._hc_pre(p + "attn_hyper_connection.", h, st.rec, positions)
+        out = self._qsa(L, pre.mixed, st, _MTPPoolView(pool, L))
+        h = K_norms.hc_combine(h, out, pre.injection_weights)
+        self._emit(st.rec, p + "attn_hyper_connection.combine", h, positions)
+        pre = self._hc_pre(p + "mlp_hyper_connection.", h, st.rec, positions)
+        out = self._moe(L, pre.mixed, st.rec, positions)
+        h = K_norms.hc_combine(h, out, pre.injection_weights)
+        self._emit(st.rec, p + "mlp_hyper_connection.combine", h, positions)
+        fin = K_norms.hc_pre(h, w["mtp.hyper_connection_mixer.hc_norm.weight"],
+                             w["mtp.hyper_connection_mixer.input_mix_weight_down.weight"],
+                             w["mtp.hyper_connection_mixer.input_mix_weight_up.weight"], None, hc_count=hc, eps=eps)
+        self._emit(rec, "mtp.hyper_connection_mixer.out", fin.mixed, positions)
+        logits = K_lin.linear(fin.mixed, w["lm_head.weight"])
+        self._emit(rec, "mtp.logits", logits, positions)
+        return logits, h
+
+
+class _MTPPoolView:
+    """The pool as the head's layer sees it: the head's own K/V/indexer pools under its layer index, the
+    sequence's block table and page size (the head's position q uses the slot of the trunk's position q)."""
+
+    def __init__(self, pool, layer: int):
+        m = pool.mtp
+        self.kv_k, self.kv_v = {layer: m["kv_k"]}, {layer: m["kv_v"]}
+        self.idx_k, self.blk_k = {layer: m["idx_k"]}, {layer: m["blk_k"]}
+        self.block_tables, self.page_size = pool.block_tables, pool.page_size
+
+
+class _MTPTapNames:
+    """A recorder proxy naming the head layer's taps ``mtp.layers.0.*`` (the layer code emits ``layers.{L}.*``)."""
+
+    def __init__(self, rec, layer: int):
+        self._rec, self._pre = rec, f"layers.{layer}."
+
+    def _name(self, name):
+        return "mtp.layers.0." + name[len(self._pre):] if name.startswith(self._pre) else name
+
+    def wants(self, name):
+        return self._rec.wants(self._name(name))
+
+    def emit(self, name, value, positions=None, **kw):
+        self._rec.emit(self._name(name), value, positions=positions, **kw)
 
 
 _SIGMOID_GATE = {}

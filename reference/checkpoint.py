@@ -17,6 +17,12 @@ over ``split_ngram_parts`` shards, dim 0, shard order) and the per-expert <-> fu
   ``[ceil(rows/b0), ceil(cols/b1)]`` (``b = quantization_config.weight_block_size``, default 128x128,
   the layout of the official FP8 release: ``w * scale_inv[r // b0, c // b1]``) or one per-tensor
   scale (``weight_scale``, e.g. the FP8 n-gram table's single table-wide scale);
+* NVFP4 (ModelOpt, model-facts section 4b/4c): a ``U8`` weight ``[out, in/2]`` (two E2M1 codes per byte,
+  element ``2j`` in the low nibble) with ``weight_scale`` F8_E4M3 ``[out, in/16]`` (one scale per 16
+  elements, row-major) and ``weight_scale_2`` F32 (one global scale) is dequantised exactly in float32 as
+  ``(e2m1(code) * float32(weight_scale)) * weight_scale_2`` (the first product is exact); its shape is
+  checked as the logical ``[out, in]``. ``input_scale`` (activation quantisation of W4A4 serving) is not
+  applied: the model is the official one on the dequantised weights;
 * the PLE n-gram table is gathered row by row with ``os.preadv`` straight into the output buffer:
   never materialised, never mapped, so resident memory stays flat however large the table is.
 
@@ -43,7 +49,8 @@ from reference.config import ModelConfig, load_config
 from reference.errors import CheckpointError, InputError
 
 __all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes", "expected_shape",
-           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES"]
+           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES", "mtp_expected_shapes", "MTP_LAYER",
+           "E2M1_VALUES", "nvfp4_dequantize"]
 
 # safetensors dtype name -> numpy dtype (little-endian, as the format stores)
 DTYPES: dict[str, np.dtype] = {
@@ -57,8 +64,29 @@ DTYPES: dict[str, np.dtype] = {
 # them in tensors we never read, e.g. quantisation metadata), refused with a clear error when read
 _OTHER_ST_BITS = {"U16": 16, "U32": 32, "U64": 64, "F8_E8M0": 8, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _FP8 = ("F8_E4M3", "F8_E5M2")
+#: E2M1 (NVFP4) code -> value: sign bit 3, exponent bits 2-1, mantissa bit 0
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       dtype=np.float32)
 _INT = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _NP_TO_ST = {v: k for k, v in DTYPES.items()}
+
+
+def nvfp4_dequantize(packed: np.ndarray, scale: np.ndarray, scale2) -> np.ndarray:
+    """NVFP4 codes -> float32 ``[..., N, K]``: ``(e2m1(code) * scale) * scale2``.
+
+    Args:
+        packed: uint8 ``[..., N, K/2]`` (element ``2j`` in the low nibble of byte ``j``).
+        scale: float32 ``[..., N, K/16]`` (the E4M3 per-16 scales, already decoded exactly).
+        scale2: float32 global scale(s), broadcastable to ``[..., N, 1]``.
+    The first product is exact in float32 (2-bit x 4-bit significands); only ``* scale2`` rounds.
+    """
+    q = np.asarray(packed, dtype=np.uint8)
+    codes = np.empty(q.shape[:-1] + (2 * q.shape[-1],), np.float32)
+    codes[..., 0::2] = E2M1_VALUES[q & 15]
+    codes[..., 1::2] = E2M1_VALUES[q >> 4]
+    codes *= np.repeat(np.asarray(scale, np.float32), 16, axis=-1)
+    codes *= np.asarray(scale2, np.float32)
+    return codes
 
 _PREFIXES = ("model.language_model.", "model.")
 _NGRAM_SHARD_RE = re.compile(r"^(layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
@@ -149,6 +177,32 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 _PER_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_MTP_PER_EXPERT_RE = re.compile(r"^mtp\.layers\.0\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+#: the ``layer`` argument of :meth:`_WeightsBase.expert` that names the MTP head's MoE (``mtp.layers.0.mlp``)
+MTP_LAYER = "mtp"
+
+
+def mtp_expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> expected shape of the MTP head's tensors (``mtp.*``; fused expert layout listed, the
+    per-expert names answered by :func:`expected_shape`). They are optional: a checkpoint without them is
+    complete (:func:`required_names` never lists them). Source: model-facts.md section 3 (the tensor census
+    and the vLLM/SGLang loaders; no official module exists): ``pre_fc_norm_embedding [H]``,
+    ``pre_fc_norm_hidden [hc*H]``, ``fc_embedding``/``fc_hidden [H, H]``, one full-attention (QSA) decoder
+    layer ``mtp.layers.0.*`` shaped like the trunk's, and ``mtp.hyper_connection_mixer.*``."""
+    H, hc, R = cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank
+    hcH = hc * H
+    # the layer is the trunk's full-attention layer: reuse the trunk's shape rules on a one-layer config
+    import dataclasses
+    one = expected_shapes(dataclasses.replace(cfg, layer_types=("indexed_attention",), num_hidden_layers=1,
+                                              ple_layer_ids=()))
+    out = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (hcH,),
+           "mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H),
+           "mtp.hyper_connection_mixer.hc_norm.weight": (hcH,),
+           "mtp.hyper_connection_mixer.input_mix_weight_down.weight": (R, hcH),
+           "mtp.hyper_connection_mixer.input_mix_weight_up.weight": (hcH, R)}
+    out.update({"mtp." + n: s for n, s in one.items() if n.startswith("layers.0.")})
+    return out
 
 
 def expected_shape(cfg: ModelConfig, name: str, shapes: dict | None = None) -> tuple[int, ...] | None:
@@ -163,6 +217,10 @@ def expected_shape(cfg: ModelConfig, name: str, shapes: dict | None = None) -> t
     if m and int(m.group(1)) < cfg.num_hidden_layers and int(m.group(2)) < cfg.num_experts:
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
         return (H, I) if m.group(3) == "down" else (I, H)
+    m = _MTP_PER_EXPERT_RE.match(name)
+    if m and int(m.group(1)) < cfg.num_experts:
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        return (H, I) if m.group(2) == "down" else (I, H)
     return None
 
 
@@ -252,7 +310,7 @@ class _WeightsBase:
 
     # --- derived state ------------------------------------------------------------------
     def _init_common(self) -> None:
-        self._expected = expected_shapes(self.config)
+        self._expected = {**expected_shapes(self.config), **mtp_expected_shapes(self.config)}
         self._checked: set[str] = set()
         self._tables: dict[int, _NgramTable] = {}
         # quantization_config sits in the text config or, in the multimodal wrapper, at the root
@@ -315,9 +373,43 @@ class _WeightsBase:
             return self.dtype(self._table(int(name.split(".")[1])).shards[0])
         raise self._missing(name)
 
+    def is_nvfp4(self, name: str) -> bool:
+        """True when ``name`` is a ModelOpt NVFP4 weight: stored ``U8`` with a sibling ``weight_scale_2``."""
+        st = self._stored()
+        if name not in st or st[name][0] != "U8" or not name.endswith(".weight"):
+            return False
+        return name[:-len(".weight")] + ".weight_scale_2" in st
+
+    def _dequant_nvfp4(self, name: str, raw: np.ndarray) -> np.ndarray:
+        """NVFP4 -> float32 ``[out, in]``: ``(e2m1(code) * float32(weight_scale)) * weight_scale_2``."""
+        base = name[:-len(".weight")]
+        st = self._stored()
+        q = np.asarray(raw, dtype=np.uint8)
+        if q.ndim != 2:
+            raise CheckpointError(f"{self._source()}: NVFP4 tensor {name!r}: expected a matrix [out, in/2], found "
+                                  f"shape {list(q.shape)}")
+        out_f, half = q.shape
+        sc_name = base + ".weight_scale"
+        if sc_name not in st or st[sc_name][0] != "F8_E4M3":
+            raise CheckpointError(f"{self._source()}: NVFP4 tensor {name!r}: expected {sc_name!r} (F8_E4M3 "
+                                  f"[{out_f}, {2 * half // 16}]), found "
+                                  f"{'none' if sc_name not in st else st[sc_name][0]}")
+        sc = np.asarray(self._raw(sc_name)).astype(np.float32)
+        if tuple(sc.shape) != (out_f, 2 * half // 16) or (2 * half) % 16:
+            raise CheckpointError(f"{self._source()}: scale {sc_name!r} of NVFP4 tensor {name!r}: unexpected "
+                                  f"shape: expected [{out_f}, {2 * half // 16}] (one per 16 of {2 * half} "
+                                  f"columns), found {list(sc.shape)}")
+        g = np.asarray(self._raw(base + ".weight_scale_2")).astype(np.float32)
+        if g.size != 1:
+            raise CheckpointError(f"{self._source()}: {base + '.weight_scale_2'!r}: expected one global scale, "
+                                  f"found shape {list(g.shape)}")
+        return nvfp4_dequantize(q, sc, g.reshape(()))
+
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if name in self._checked:
             return
+        if self.is_nvfp4(name):
+            shape = tuple(shape[:-1]) + (2 * shape[-1],)  # two E2M1 codes per stored byte
         exp = expected_shape(self.config, name, self._expected)
         m = _NGRAM_SHARD_RE.match(name)
         if exp is not None and tuple(shape) != exp:
@@ -412,6 +504,8 @@ class _WeightsBase:
             return np.concatenate([self.get(s, dtype) for s in t.shards], axis=0)
         raw = self.get_raw(name)
         sd = self.dtype(name)
+        if sd == "U8" and self.is_nvfp4(name):
+            return self._dequant_nvfp4(name, raw).astype(dtype, copy=False)
         if sd in _INT:
             return np.array(raw, dtype=np.int64)
         if sd in _FP8:
@@ -420,7 +514,8 @@ class _WeightsBase:
 
     # --- experts ------------------------------------------------------------------------
     def expert(self, layer: int, e: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Routed expert ``e`` of decoder layer ``layer``: ``(gate [I, H], up [I, H], down [H, I])``.
+        """Routed expert ``e`` of decoder layer ``layer`` (``"mtp"``: the MTP head's layer,
+        ``mtp.layers.0.mlp.experts.*``): ``(gate [I, H], up [I, H], down [H, I])``.
 
         Reads either layout: per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what
         save_pretrained writes) or fused ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first,
@@ -430,11 +525,15 @@ class _WeightsBase:
             InputError: layer or expert index out of range.  CheckpointError: tensors missing / mis-shaped.
         """
         cfg = self.config
-        if not 0 <= layer < cfg.num_hidden_layers:
-            raise InputError(f"expert(): layer: expected 0..{cfg.num_hidden_layers - 1}, found {layer}")
+        if layer == MTP_LAYER:
+            m = "mtp.layers.0.mlp.experts."
+        elif isinstance(layer, str) or not 0 <= layer < cfg.num_hidden_layers:
+            raise InputError(f"expert(): layer: expected 0..{cfg.num_hidden_layers - 1} or {MTP_LAYER!r}, "
+                             f"found {layer!r}")
+        else:
+            m = f"layers.{layer}.mlp.experts."
         if not 0 <= e < cfg.num_experts:
             raise InputError(f"expert(): expert: expected 0..{cfg.num_experts - 1}, found {e}")
-        m = f"layers.{layer}.mlp.experts."
         if self.has(f"{m}{e}.gate_proj.weight"):
             return (self.get(f"{m}{e}.gate_proj.weight", dtype), self.get(f"{m}{e}.up_proj.weight", dtype),
                     self.get(f"{m}{e}.down_proj.weight", dtype))
@@ -574,7 +673,7 @@ class _WeightsBase:
         for n, (_dt, shp) in st.items():
             if expected_shape(self.config, n, self._expected) is not None or _NGRAM_SHARD_RE.match(n):
                 self._check_shape(n, shp)
-            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale"))):
+            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale", "_scale_2"))):
                 unknown.append(n)
         if require_complete:
             for n in _iter_required(self.config, st):
@@ -583,6 +682,30 @@ class _WeightsBase:
             for layer in self.config.ple_layers:
                 self._table(layer)
         return unknown
+
+    def has_mtp(self) -> bool:
+        """True when the checkpoint carries the MTP head (``mtp.*``, plain or ``model.``-prefixed names).
+
+        Raises:
+            CheckpointError: some ``mtp.*`` tensors are stored but a required one is missing (a partial head).
+        """
+        st = self._stored()
+        if not any(n.startswith("mtp.") for n in st):
+            return False
+        fused = "mtp.layers.0.mlp.experts.gate_up_proj" in st
+        for n in mtp_expected_shapes(self.config):
+            if ".mlp.experts." in n and not fused:
+                continue
+            if n.endswith(".bias"):
+                continue
+            if n not in st:
+                raise self._missing(n)
+        if not fused:
+            for e in range(self.config.num_experts):
+                for w in ("gate", "up", "down"):
+                    if f"mtp.layers.0.mlp.experts.{e}.{w}_proj.weight" not in st:
+                        raise self._missing(f"mtp.layers.0.mlp.experts.{e}.{w}_proj.weight")
+        return True
 
     def with_override(self, name: str, array: np.ndarray) -> "_WeightsBase":
         """A patched view: ``name`` reads as ``array`` (shape-checked against the config), the rest as here.

@@ -72,6 +72,6 @@ def test_kl_locate_replays_on_the_used_instance():
 
 
 def test_run_kl_command_hands_back_the_instance_it_ran():
-    from parity.cli.kl import run_kl_command
+    from parity.harness.run import run_kl_command
     rep = run_kl_command(TINY, "reference", "reference", [[1, 2, 3, 4, 5]], greedy_tokens=0, progress=False)
     assert isinstance(rep.backend, ReferenceBackend)
