@@ -912,7 +912,6 @@ BUG_CLASSES = [
     (("R43",), DenseMaskPastBudget, "budget", "prefill_far-above", "tiny", "self_attn.indexer.selected_blocks"),
     (("R43",), BudgetOffByOne, "budget", "decode_across_bound", "tiny", "self_attn.indexer.selected_blocks"),
 ]
-=======
 # ----------------------------------------------------------------------------------------------- MTP faults
 class MTPStateNotRolledBack(ReferenceBackend):
     """An incremental MTP head (its own caches, fed the trunk's residuals) that is advanced over every verified
