@@ -153,6 +153,7 @@ def rollback_then_cases(config, level: str = "full") -> list[Case]:
             run.compare_state(sq, straight, f"state of the {sq.label} forked after a rollback")
             run.free(straight)
     out.append(Case("fork_after_rollback", fork_after_rollback, needs=("fork",)))
+    return out
 
 
 
