@@ -66,7 +66,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     res.tie_equivalent = [list(x) for x in run.tie_equivalent]
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
-                                              archive_dir=archive_dir, page_size=page_size)
+                                              archive_dir=archive_dir, page_size=page_size,
+                                              first_failure=res.failure)
     if res.status in ("fail", "error"):
         from parity.harness.causes import root_cause
         res.root_cause = root_cause(res.failure, res.divergence, backend.config, scenario)
