@@ -38,6 +38,12 @@ def test_bug_class_fault_is_caught_and_located(entry):
     case = _case(scenario, be.config, prefix)
     truth = None if scenario == "self_consistency" else _truth(fx)
     r = run_case(scenario, case, be, truth)
+    if fault is faults.TopkTiesHigherIndex:
+        # issue 13's tie rule: a pick that differs only INSIDE an exact tie set is a valid resolution (the official
+        # implementation's own CPU top-k does this); it is judged tie-equivalent against the reference forced to
+        # it, never failed. A pick outside the tie set still fails (tests/parity/test_verdict_matrix.py).
+        assert r.status == "pass" and r.tie_equivalent, (r.status, r.failure, r.tie_equivalent)
+        return
     assert r.status == "fail", f"{fault.__name__} ({ids}) not caught by {r.label}: {r.status} {r.failure}"
     assert located in (r.divergence or ""), f"{fault.__name__}: located at {r.divergence!r}, expected {located!r}"
 
