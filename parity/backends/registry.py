@@ -13,6 +13,7 @@ from reference.errors import InputError, UserError
 from parity.backends.base import BACKEND_NAMES, Backend, BackendError  # noqa: F401
 from parity.backends.engine import EngineBackend
 from parity.backends.reference import ReferenceBackend
+from parity.backends.refusal import EngineRefused
 
 
 def _load_module_class(spec: str, flag: str = "--backend"):
@@ -38,7 +39,7 @@ def backend_class(spec: str, flag: str = "--backend") -> tuple[type, dict]:
     error messages (``--a`` / ``--b`` for ``qwen4exp kl``).
 
     Names: 'reference', 'reference-f64', 'engine' (cuda when a GPU is present, else cpu), 'engine-cpu',
-    'engine-cuda', or 'module:Class'.
+    'engine-cuda', 'llama.cpp[:k=v,...]', 'openai:url=...,model=...', or 'module:Class'.
     Raises:
         InputError: unknown name. BackendError: 'module:Class' not importable.
     """
@@ -56,9 +57,18 @@ def backend_class(spec: str, flag: str = "--backend") -> tuple[type, dict]:
         else:
             device = spec.split("-")[1]
         return EngineBackend, {"device": device}
+    head, _, rest = spec.partition(":")
+    if head == "llama.cpp":  # llama.cpp[:k=v,...] (checked before module:Class: 'llama.cpp' reads as a module)
+        from parity.backends.llamacpp import LlamaCppBackend, parse_options
+        return LlamaCppBackend, parse_options(rest)
+    if head == "openai":
+        from parity.backends.llamacpp import parse_options
+        from parity.backends.openai import OpenAIBackend
+        return OpenAIBackend, parse_options(rest)
     if ":" in spec:
         return _load_module_class(spec, flag), {}
-    raise InputError(f"{flag}: expected one of {', '.join(BACKEND_NAMES)} or 'module:Class', found {spec!r}")
+    raise InputError(f"{flag}: expected one of {', '.join(BACKEND_NAMES)}, llama.cpp[:k=v,...], openai:url=URL,model=NAME "
+                     f"or 'module:Class', found {spec!r}")
 
 
 def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Backend:
@@ -72,8 +82,8 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
     kw = {**defaults, **opts}
     try:
         be = cls.open(Path(model_path), **kw)
-    except UserError:
-        raise
+    except (UserError, EngineRefused):
+        raise  # EngineRefused: the engine's defect (verdict REFUSED), not a usage error
     except Exception as e:  # a backend that cannot be opened is a clear exit-2 error, not a traceback
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise BackendError(f"{flag} {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"
@@ -82,7 +92,8 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
         found = "None" if be is None else f"a {type(be).__name__} ({str(be)[:40]!r})"
         raise BackendError(f"{flag} {spec!r}: expected {getattr(cls, '__name__', 'the class')}.open() to return a "
                            f"backend object (the parity Backend protocol, parity/backend.py), found {found}")
-    if ":" in spec and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):
+    if ":" in spec and spec.partition(":")[0] not in ("llama.cpp", "openai") \
+            and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):
         try:
             be.name = spec
         except (AttributeError, TypeError):  # a read-only name: keep the backend's own

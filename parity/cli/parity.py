@@ -130,12 +130,22 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
 
     op = opener(backend_spec, model)
     from parity.backends import capabilities_of
-    probe = op()  # fails here, clearly, when the backend cannot be opened
+    from parity.backends.refusal import EngineRefused
+    t_open = time.perf_counter()
+    try:
+        probe = op()  # fails here, clearly, when the backend cannot be opened
+    except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
+        report = ParityReport(backend=backend_spec, model=str(model), meta={"refused": e.to_json()})
+        report.rows.append(ScenarioRow("open", 1, 1, float("nan"), float("nan"),
+                                       f"REFUSED by {e.engine} {e.stage}: {e.message}",
+                                       time.perf_counter() - t_open, "refused", e.offer))
+        return report
     caps = capabilities_of(probe)
     cfg = probe.config
     report = ParityReport(backend=probe.name, model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
-                                "capabilities": {k: v for k, v in caps.items()}})
+                                "capabilities": {k: v for k, v in caps.items()},
+                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
     if hasattr(probe, "close"):
         probe.close()
     kl_prompts = None

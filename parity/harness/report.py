@@ -44,7 +44,8 @@ def write_json_atomic(path, obj) -> Path:
 
 @dataclass
 class ScenarioRow:
-    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error'."""
+    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error' | 'refused' (the engine refused the
+    checkpoint: its converter/loader rejected it; ``detail`` holds the engine's own message)."""
 
     scenario: str
     cases: int
@@ -81,14 +82,21 @@ class ParityReport:
     @property
     def exit_code(self) -> int:
         """1 when any row's status is 'fail' or 'error', else 0."""
-        if any(r.status in ("fail", "error") for r in self.rows):
+        if any(r.status in ("fail", "error", "refused") for r in self.rows):
             return 1
         return 0
+
+    @property
+    def verdict(self) -> str:
+        """'pass' | 'fail' | 'refused' (an outside engine refused a valid checkpoint: its defect, exit 1)."""
+        if any(r.status == "refused" for r in self.rows):
+            return "refused"
+        return {0: "pass", 1: "fail", 2: "error"}[self.exit_code]
 
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
-                         "verdict": {0: "pass", 1: "fail", 2: "error"}[self.exit_code],
+                         "verdict": self.verdict,
                          "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
 
 
@@ -144,7 +152,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:4], cell[0], *row[5:]], widths)).rstrip())
         pad = sum(widths[:4]) + 2 * 4
         lines += [" " * pad + more for more in cell[1:]]
-    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[report.exit_code]
+    verdict = report.verdict.upper()
     lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
     text = "\n".join(lines)
     if console is not None:
@@ -153,7 +161,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
             for h in header:
                 t.add_column(h, overflow="fold")
-            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow"}
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "REFUSED": "magenta"}
             for row in rows:
                 t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
             console.print(t)

@@ -163,7 +163,11 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
     if isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > failed_op):
         return (f"batching: sequence {failed_seq or '?'} is correct when decoded alone at op {failed_op}, "
                 f"wrong in the batch"), archives
-    # 2. record the backend
+    # 2. record the backend -- unless it records no taps: then the location is the failing check itself
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:
+        what = probe.what if isinstance(probe, CaseFailure) else f"op {failed_op}"
+        return f"{what} (backend records no taps: located by operation and position only)", archives
     rep = _replay(case, backend, truth, th, record_at=failed_op, record_seq=failed_seq)
     run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
     if run is None or run.recorded is None:
@@ -248,6 +252,15 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") 
     from taps.recorder import Recorder
 
     ids = [int(t) for t in ids]
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:  # no taps: the first divergent position only
+        from parity.backends import one_shot_logits
+        from parity.harness.kl import thresholds_for
+        th = thresholds_for(getattr(backend, "precision", "float32"))
+        first = _first_bad_vs_truth(one_shot_logits(backend, ids), list(range(len(ids))),
+                                    truth_model.forward(ids), th)
+        return (f"first divergent position {first} of {len(ids)} (backend records no taps: located by "
+                f"position only)"), []
     try:
         with backend.taps(None, meta={"token_ids": ids}) as rec_b:
             from parity.backends import one_shot_logits
