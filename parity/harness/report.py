@@ -161,7 +161,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
             for h in header:
                 t.add_column(h, overflow="fold")
-            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "REFUSED": "magenta"}
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "REFUSED": "magenta", "SKIP": "dim"}
             for row in rows:
                 t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
             console.print(t)
