@@ -50,7 +50,8 @@ class OpenAIBackend:
         self.name = f"openai:{self.url}"
         self._tok = _tokenizer(model_path)
         self._str2id = _string_map(self._tok, cfg.vocab_size)
-        self.convention = None  # 'openai' | 'after-token', measured on the first answer
+        self.convention = None  # 'openai' | 'after-token', measured from the greedy tokens
+        self._votes = {"openai": 0, "after-token": 0}
 
     # the harness checks for these protocol names; this backend is not a sequence backend
     def _no(self, *a, **k):
@@ -138,17 +139,21 @@ class OpenAIBackend:
         rows = [None if d is None else {i: float(v) for s, v in d.items() if (i := self._id_of(s)) is not None}
                 for d in tops]
         # where does the generated token's row sit? OpenAI: top_logprobs[i] is the row token i was drawn
-        # from; llama-cpp-python 0.3.36: the row *after* token i.
-        g0, T = (greedy[0] if greedy else None), len(ids)
-        conv = None
-        if g0 is not None:
-            a = rows[T] if T < len(rows) else None
-            b = rows[T - 1] if T - 1 < len(rows) else None
-            if a and max(a, key=a.get) == g0 and not (b and max(b, key=b.get) == g0):
-                conv = "openai"
-            elif b and max(b, key=b.get) == g0:
-                conv = "after-token"
-        self.convention = self.convention or conv or "openai"
+        # from; llama-cpp-python 0.3.36: the row *after* token i. Greedy: each generated token is the
+        # argmax of its row, so count the matches of both readings (over every request so far)
+        T = len(ids)
+
+        def best(r):
+            return max(r, key=r.get) if r else None
+        for j, g in enumerate(greedy):
+            if g is None:
+                continue
+            if T + j < len(rows) and best(rows[T + j]) == g:
+                self._votes["openai"] += 1
+            if best(rows[T + j - 1]) == g:
+                self._votes["after-token"] += 1
+        v = self._votes
+        self.convention = "after-token" if v["after-token"] > v["openai"] else "openai"
         if self.convention == "openai":  # row after position p = top_logprobs[p + 1]
             after = rows[1:] + [None]
         else:
@@ -235,8 +240,12 @@ def run_topk(be: OpenAIBackend, truth, prompts, *, n_new: int = 4, thresholds=No
             out["skipped_unsendable"] += 1
             continue
         rows, greedy, ids = be.prompt_topk(ids, n_new=n_new)  # ids: those the server ran
-        seq = ids + [g if g is not None else 0 for g in greedy]
-        tl = truth.forward(seq[:len(ids) + len(greedy) - 1] or seq[:1])
+        # a generated token whose string maps to no single id ends what can be judged of the continuation
+        n_ok = next((j for j, g in enumerate(greedy) if g is None), len(greedy))
+        seq = ids + greedy[:n_ok]
+        rows = rows[:len(ids) + n_ok - 1] if n_ok < len(greedy) else rows
+        out["greedy_unmappable"] = out.get("greedy_unmappable", 0) + (len(greedy) - n_ok)
+        tl = truth.forward(seq[:len(rows)])
         ids_ok = set(be._str2id.values())
         c = topk_compare(tl, rows, mappable=lambda i: i in ids_ok)
         ok = ~(np.nan_to_num(c["kl"], nan=0.0) > th.max_kl) & c["top1"]
