@@ -592,6 +592,11 @@ class EngineModel:
         if rec is not None:
             self._emit(rec, q + "indexer.block_scores", scores, positions)
             self._emit(rec, q + "indexer.selected_blocks", sel.astype(np.int64), positions)
+            if rec.wants(q + "indexer.selected_tokens"):
+                from reference.blocks.qsa import selected_tokens
+                self._emit(rec, q + "indexer.selected_tokens",
+                           selected_tokens(self.syncs.host(sel), np.asarray(self.syncs.host(positions)), r,
+                                           c.indexer_budget + r - 1), positions)
         # --- attention projections, K/V into the pages, sparse attention, sigmoid output gate
         qg = qg.reshape(T, nh, 2 * hd)
         gate = qg[:, :, hd:].reshape(T, nh * hd)

@@ -329,6 +329,10 @@ class ReferenceModel:
                 scores = np.full((len(pos), 1), -np.inf, dtype=scores.dtype)
             rec.emit(p + "indexer.block_scores", scores, positions=pos)
             rec.emit(p + "indexer.selected_blocks", sel, positions=pos)
+            if getattr(rec, "wants", lambda n: True)(p + "indexer.selected_tokens"):
+                from reference.blocks.qsa import selected_tokens
+                rec.emit(p + "indexer.selected_tokens",
+                         selected_tokens(sel, pos, r, cfg.indexer_budget + r - 1), positions=pos)
             rec.emit(p + "core_out", core, positions=pos)
             rec.emit(p + "out", out, positions=pos)
         return out

@@ -165,9 +165,9 @@ def parse_reparams(value, model_dir) -> list[str]:
     """
     if value in (None, "", "none"):
         return []
-    if value == "auto":
-        return applicable_reparams(model_dir)
-    names = [n for n in str(value).split("+") if n]
+    names = []
+    for n in [n for n in str(value).split("+") if n]:
+        names += applicable_reparams(model_dir) if n == "auto" else [n]
     bad = [n for n in names if n not in REPARAMS]
     if bad:
         raise BackendError(f"llama.cpp:reparam={value!r}: expected 'none', 'auto' or a '+'-joined list of "

@@ -4,7 +4,8 @@
     --backend llama.cpp:gguf=PATH              use the user's own GGUF (MODEL still gives the config/truth)
     --backend llama.cpp:reparam=auto           apply the function-preserving re-parameterisations that
                                                get past llama.cpp's converter/loader limits (reported)
-    other options (',' separated): threads=N, seqs=N (n_seq_max), ctx=N (n_ctx), rs=N (n_rs_seq, the
+    other options (',' separated): kv=f32|f16 (KV cache type; default f32, llama.cpp's own default is
+    f16), fa=off|on|auto (flash attention; default off: on the CPU it computes in F16), threads=N, seqs=N (n_seq_max), ctx=N (n_ctx), rs=N (n_rs_seq, the
     recurrent-state snapshots kept for rollback), sdist=PATH (llama-cpp-python's source distribution)
 
 One llama.cpp context holds every live sequence (``n_seq_max`` sequence ids, a unified KV cache).
@@ -13,8 +14,9 @@ chunked, decode batches one token per sequence; snapshot/restore use ``llama_sta
 ``llama_state_seq_set_data``; rollback uses ``llama_memory_seq_rm`` -- for the recurrent (GDN, PLE conv)
 state llama.cpp can only remove the last ``n_rs_seq`` tokens, so rollback is *limited* to that many.
 
-Taps: not recorded yet (the planned eval-callback map is in docs/outside-engines.md); failures are
-located by position.
+Taps come from the eval callback (``cb_eval``): :data:`TAP_MAP` maps llama.cpp graph-node names onto
+our tap names; the nodes without a counterpart are listed in :data:`NO_COUNTERPART` (and in
+docs/outside-engines.md), never guessed.
 
 A converter or loader that refuses a valid checkpoint raises
 :class:`parity.backends.refusal.EngineRefused` with llama.cpp's own message (verdict REFUSED).
@@ -32,6 +34,43 @@ from reference.errors import InputError
 
 from parity.backends.base import Backend, BackendError, _check_ids
 from parity.backends.refusal import EngineRefused
+
+#: llama.cpp graph node (``cb(t, name, il)`` names it "name-il") -> our tap ({i}: il). A name llama.cpp
+#: gives two nodes per layer maps to a list, by occurrence (hc_mixed: attention half, then MLP half).
+#: ggml's ne[0] is the fastest axis: a node [n_embd, hc, T] is our row-major [T, hc*n_embd].
+TAP_MAP = {
+    "model.input_embed": "embed_tokens.out",
+    "ple_embd": "layers.{p}.ple.ple_embedding.out",      # un-padded when the GGUF was made with ple-pad
+    "hc_mixed": ["layers.{i}.attn_hyper_connection.out", "layers.{i}.mlp_hyper_connection.out"],
+    "linear_attn_out": "layers.{i}.linear_attn.out",
+    "indexer_top_k": "layers.{i}.self_attn.indexer.selected_tokens",  # cells -> positions, masked cells dropped
+    "indexer_score_tokens": None,                      # read for indexer_top_k (its -inf = not visible)
+    "attn_pregate": "layers.{i}.self_attn.core_out",
+    "attn_output": "layers.{i}.self_attn.out",
+    "hc_combine": "layers.{i}.attn_hyper_connection.combine",
+    "ffn_moe_logits": "layers.{i}.mlp.gate.router_logits",
+    "ffn_out": "layers.{i}.mlp.out",
+    "l_last": "layers.{i}.mlp_hyper_connection.combine",
+    "result_norm": "hyper_connection_mixer.out",
+    "result_output": "logits",
+}
+
+#: our taps with no llama.cpp node of the same definition (so never compared), and why
+NO_COUNTERPART = {
+    "layers.{i}.ple.ple_embedding.ngram_ids": "hashed row ids are a host-side input (rows), not a graph node",
+    "layers.{i}.ple.gate": "llama.cpp names sigmoid(signed sqrt) (ple_gate); ours is before the sigmoid",
+    "layers.{i}.ple.out": "llama.cpp names its two terms (ple_gated_value, ple_conv_out), not their sum",
+    "layers.{i}.attn_hyper_connection.in": "the post-PLE residual is an unnamed ggml_add",
+    "layers.{i}.attn_hyper_connection.injection_weights": "hc_inject is W x, before 2*sigmoid(./hc)",
+    "layers.{i}.mlp_hyper_connection.injection_weights": "hc_inject is W x, before 2*sigmoid(./hc)",
+    "layers.{i}.linear_attn.conv_out": "the converter reorders the value heads (_LinearAttentionVReorderBase)",
+    "layers.{i}.linear_attn.core_out": "value heads reordered by the converter",
+    "layers.{i}.self_attn.indexer.block_scores": "indexer_score has every block incl. the incomplete one, unscaled",
+    "layers.{i}.self_attn.indexer.selected_blocks": "llama.cpp selects tokens (see selected_tokens)",
+    "layers.{i}.mlp.gate.topk_ids": "ffn_moe_topk is ggml_top_k's order, not ours (prob desc, then id)",
+    "layers.{i}.mlp.gate.topk_weights": "weights are an unnamed intermediate",
+}
+
 
 def _ll():
     try:
@@ -89,7 +128,7 @@ class LlamaCppBackend(Backend):
 
     precision = "float32"
 
-    def __init__(self, model_path, cfg, gguf: str, conv: dict, *, threads=1, seqs=8, ctx=4096, rs=8):
+    def __init__(self, model_path, cfg, gguf: str, conv: dict, *, threads=1, seqs=8, ctx=4096, rs=8, kv="f32", fa="off"):
         ll = _ll()
         _install_log_capture()
         self.ll = ll
@@ -116,6 +155,23 @@ class LlamaCppBackend(Backend):
         cp.n_seq_max, cp.n_rs_seq = int(seqs), int(rs)
         cp.n_threads = cp.n_threads_batch = int(threads)
         cp.kv_unified = True
+        # llama.cpp's default KV cache is F16 (a 5e-4 relative rounding of every K/V); judged as float32
+        # unless kv=f16 is asked for (then its precision is 'bf16'-class: the thresholds widen)
+        if kv not in ("f32", "f16"):
+            raise InputError(f"llama.cpp:kv={kv!r}: expected f32 or f16")
+        cp.type_k = cp.type_v = GGML_TYPE_F32 if kv == "f32" else 1  # 1: GGML_TYPE_F16
+        # flash attention (llama.cpp's default 'auto' turns it on) computes in F16 on the CPU even with
+        # an F32 cache: off unless fa=on (then judged with the bf16 thresholds like kv=f16)
+        if fa not in ("on", "off", "auto"):
+            raise InputError(f"llama.cpp:fa={fa!r}: expected on, off or auto")
+        cp.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[fa]
+        if fa != "off":
+            self.precision = "bf16"
+        if kv == "f16":
+            self.precision = "bf16"
+        self._sink = None
+        self._cb = ll.ggml_backend_sched_eval_callback(self._eval_cb)  # kept alive with the backend
+        cp.cb_eval = self._cb
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             raise EngineRefused(f"llama.cpp {self.version}", "loader", _loader_message())
@@ -129,11 +185,11 @@ class LlamaCppBackend(Backend):
             "page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
             "snapshot_file": False,
             # llama_memory_seq_rm of a recurrent state works only within the last n_rs_seq tokens
-            "rollback": False, "rollback_limit": self.n_rs, "taps": False,
+            "rollback": False, "rollback_limit": self.n_rs, "taps": True,
         }
 
     @classmethod
-    def open(cls, model_path, *, gguf=None, reparam="none", threads=1, seqs=8, ctx=4096, rs=8, sdist=None,
+    def open(cls, model_path, *, gguf=None, reparam="none", threads=1, seqs=8, ctx=4096, rs=8, kv="f32", fa="off", sdist=None,
              convert_timeout=None, page_size=None, perturb=None, **opts) -> "LlamaCppBackend":
         """Open llama.cpp on ``model_path`` (converted) or on ``gguf``.
 
@@ -145,7 +201,7 @@ class LlamaCppBackend(Backend):
 
         from parity.backends import gguf_convert as gc
         if opts:
-            raise InputError(f"llama.cpp backend options: expected gguf, reparam, threads, seqs, ctx, rs, sdist, "
+            raise InputError(f"llama.cpp backend options: expected gguf, reparam, threads, seqs, ctx, rs, kv, fa, sdist, "
                              f"convert_timeout; found {sorted(opts)}")
         if perturb is not None:
             raise BackendError("llama.cpp backend: perturb: not supported (the weights live in a GGUF)")
@@ -159,7 +215,8 @@ class LlamaCppBackend(Backend):
         else:
             kw = {"timeout": int(convert_timeout)} if convert_timeout else {}
             conv = gc.convert(model_path, version, reparams=gc.parse_reparams(reparam, model_path), sdist=sdist, **kw)
-        return cls(model_path, cfg, conv["gguf"], conv, threads=int(threads), seqs=int(seqs), ctx=int(ctx), rs=int(rs))
+        return cls(model_path, cfg, conv["gguf"], conv, threads=int(threads), seqs=int(seqs), ctx=int(ctx), rs=int(rs),
+                   kv=kv, fa=fa)
 
     # --- sequences -------------------------------------------------------------------------------------
     def _seq(self, h) -> int:
@@ -202,7 +259,11 @@ class LlamaCppBackend(Backend):
                 batch.seq_id[i][0] = s
                 batch.logits[i] = 1
             batch.n_tokens = n
+            if self._sink is not None:
+                self._sink.begin(items)
             rc = ll.llama_decode(self._ctx, batch)
+            if self._sink is not None:
+                self._sink.end()
             if rc != 0:
                 raise BackendError(f"backend {self.name}: llama_decode returned {rc} for {n} tokens "
                                    f"(expected 0; 1 = no KV slot: raise ctx=)")
@@ -289,10 +350,32 @@ class LlamaCppBackend(Backend):
     # --- taps ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def taps(self, out_dir=None, **recorder_kw):
-        """Not available yet: the eval-callback tap map is documented (docs/outside-engines.md) but not
-        recorded. Raises BackendError (the harness then locates by position only)."""
-        raise BackendError(f"backend {self.name}: taps: not supported yet (cb_eval capture not implemented)")
-        yield  # pragma: no cover
+        """Record the llama.cpp graph nodes of :data:`TAP_MAP` (through ``cb_eval``) under our tap names,
+        for the calls inside the block; yields the Recorder. Only single-sequence llama_decode calls are
+        recorded (a batch of several sequences has no one position per row: the harness replays a
+        failing batch one sequence at a time)."""
+        from taps.recorder import Recorder
+        meta = dict(recorder_kw.pop("meta", None) or {})
+        meta.setdefault("backend", self.name)
+        meta.setdefault("dtype", self.precision)
+        with Recorder(out_dir, meta=meta, **recorder_kw) as rec:
+            self._sink = _TapSink(self, rec)
+            try:
+                yield rec
+            finally:
+                self._sink = None
+
+    def _eval_cb(self, t, ask, user_data):  # noqa: ARG002 -- called by ggml for every graph node
+        sink = self._sink
+        if sink is None:
+            return not ask  # ask: "want this node's data?" no; after compute: continue
+        try:
+            if ask:
+                return sink.wants(_tensor_name(t))
+            sink.take(t)
+        except Exception as e:  # never raise into C; the failure is reported when the block ends
+            sink.error = sink.error or e
+        return True
 
     def close(self) -> None:
         """Free the llama.cpp context and model."""
@@ -308,3 +391,129 @@ class LlamaCppBackend(Backend):
             self.close()
 
 
+
+
+# --- ggml tensor access for the eval callback --------------------------------------------------------------
+
+GGML_MAX_DIMS, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_MAX_NAME = 4, 64, 10, 64
+GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
+
+
+class _GgmlTensor(ctypes.Structure):
+    """The head of ``struct ggml_tensor`` (vendor/llama.cpp/ggml/include/ggml.h of llama-cpp-python 0.3.36)."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+    ]
+
+
+def _tensor_name(t) -> str:
+    return _GgmlTensor.from_address(t).name.decode("utf-8", "replace")
+
+
+def _tensor_array(t) -> np.ndarray:
+    """A host copy of a CPU ggml tensor, numpy axes = ggml axes reversed (ne[0] last)."""
+    g = _GgmlTensor.from_address(t)
+    dt = {GGML_TYPE_F32: np.float32, GGML_TYPE_I32: np.int32}[g.type]
+    ne = [int(g.ne[k]) for k in range(GGML_MAX_DIMS)]
+    nb = [int(g.nb[k]) for k in range(GGML_MAX_DIMS)]
+    span = sum((ne[k] - 1) * nb[k] for k in range(GGML_MAX_DIMS)) + np.dtype(dt).itemsize
+    buf = (ctypes.c_uint8 * span).from_address(g.data)
+    base = np.frombuffer(buf, dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(base.view(dt) if span % np.dtype(dt).itemsize == 0 else base,
+                                           shape=ne[::-1], strides=nb[::-1]).copy()
+
+
+class _TapSink:
+    """Collects the mapped nodes of one llama_decode call, then emits them at the call's positions."""
+
+    def __init__(self, be, rec):
+        self.be, self.rec, self.error = be, rec, None
+        cfg = be.config
+        self.ple_layer = sorted(cfg.ple_layers)[0] if cfg.ple_layers else 0
+        self.pad = "ple-pad" in (be.conversion.get("reparams") or [])
+        self.nodes: dict[str, list] = {}
+        self.items = None
+
+    def _parse(self, name):
+        base, dash, il = name.rpartition("-")
+        if dash and il.isdigit():
+            return base, int(il)
+        return name, -1
+
+    def wants(self, name) -> bool:
+        base, _ = self._parse(name)
+        return base in TAP_MAP and self.items is not None
+
+    def begin(self, items):
+        # one sequence only: several sequences in one ubatch have no single position per row
+        self.items = items if len({s for s, _, _ in items}) == 1 else None
+        self.nodes = {}
+
+    def take(self, t):
+        name = _tensor_name(t)
+        g = _GgmlTensor.from_address(t)
+        if g.type not in (GGML_TYPE_F32, GGML_TYPE_I32) or not g.data:
+            return
+        self.nodes.setdefault(name, []).append(_tensor_array(t))
+
+    def end(self):
+        items, self.items = self.items, None
+        if items is None:
+            return
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise BackendError(f"backend llama.cpp: taps: reading a graph node failed: {type(e).__name__}: {e}")
+        pos = np.array([p for _, _, p in items], dtype=np.int64)
+        T, cfg = len(items), self.be.config
+        for name, arrs in self.nodes.items():
+            base, il = self._parse(name)
+            tmpl = TAP_MAP.get(base)
+            if tmpl is None:
+                continue
+            for k, a in enumerate(arrs):
+                ours = tmpl[k] if isinstance(tmpl, list) else tmpl
+                if isinstance(tmpl, list) and k >= len(tmpl):
+                    break
+                ours = ours.format(i=il, p=self.ple_layer)
+                if not self.rec.wants(ours):
+                    continue
+                if base == "indexer_top_k":
+                    sc = self.nodes.get(f"indexer_score_tokens-{il}")
+                    v = self._selected_tokens(a, sc[0] if sc else None, T, cfg)
+                else:
+                    v = a.reshape(T, -1) if a.size % T == 0 else None
+                    if v is None:
+                        continue
+                    if base == "ple_embd" and self.pad:  # back to the checkpoint's layout (the re-param's inverse)
+                        nh = cfg.ngram_heads
+                        r2, r = v.shape[1] // nh, cfg.ple_embed_dim // nh
+                        v = v.reshape(T, nh, r2)[:, :, :r].reshape(T, nh * r)
+                self.rec.emit(ours, v, positions=pos)
+        self.nodes = {}
+
+    @staticmethod
+    def _selected_tokens(top, scores, T, cfg):
+        """indexer_top_k [.., T, width] cells (cell == position for a sequence alone in the cache) ->
+        ascending positions with the masked (-inf score) cells dropped, -1 padded to budget + ratio - 1."""
+        top = top.reshape(T, -1)
+        width = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
+        out = np.full((T, width), -1, np.int64)
+        sc = None if scores is None else scores.reshape(T, -1)
+        for t in range(T):
+            cells = top[t].astype(np.int64)
+            if sc is not None:
+                cells = cells[np.isfinite(sc[t, cells])]
+            cells = np.sort(cells)[:width]
+            out[t, :len(cells)] = cells
+        return out
