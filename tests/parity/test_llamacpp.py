@@ -76,15 +76,17 @@ def test_refused_even_reparameterised(fixture, stage, message):
 
 
 @pytest.mark.parametrize("fixture", ["tiny", "tiny-fp8"])
-def test_reparameterised_fails_at_position_11(fixture):
-    """QSA beyond the budget: llama.cpp keeps top (budget + ratio - 1) *tokens* instead of top
-    budget/ratio whole blocks + the incomplete tail; budget 8, ratio 4 -> first wrong at position 11
-    (12 visible tokens = 3 complete blocks > 2)."""
+def test_reparameterised_fails_at_the_first_qsa_layer_position_11(fixture):
+    """The converter reads the config through transformers, which renames 'full_attention' to
+    'indexed_attention'; the converter then writes compress ratio 0 for every layer, so llama.cpp attends
+    densely. Dense equals QSA while every visible token is selected: budget 8, ratio 4 -> first wrong at
+    position 11 (12 visible = 3 complete blocks > 2), in layers.2 (the first QSA layer) core_out."""
     rep = _parity(fixture, "llama.cpp:reparam=auto")
     assert rep.verdict == "fail"
     kl, budget = rep.rows
-    assert kl.status == "fail" and "first divergent position 11 " in kl.first_divergence, kl.first_divergence
-    assert budget.status == "fail" and "first at position 11," in budget.first_divergence, budget.first_divergence
+    want = "first divergence layers.2.self_attn.core_out at position 11 "
+    assert kl.status == "fail" and want in kl.first_divergence, kl.first_divergence
+    assert budget.status == "fail" and want in budget.first_divergence, budget.first_divergence
     conv = rep.meta["conversion"]
     assert "ple-pad" in conv["reparams"] and conv["checks"][0]["ok"]
 
