@@ -192,7 +192,7 @@ def _topk_report(report, be, model, prompts):
     """``qwen4exp parity`` of an OpenAI-compatible server: one kl-topk row (see parity.backends.openai);
     the scenarios need sequences the API does not expose, so each is a skipped row with that reason."""
     from parity.backends import truth_model
-    from parity.backends.openai import run_topk
+    from parity.harness.topk import run_topk
     from parity.harness.report import ScenarioRow
     from parity.harness.scenarios import SCENARIOS
     from parity.prompts import load_prompts

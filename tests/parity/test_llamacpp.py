@@ -197,7 +197,7 @@ def test_openai_against_llama_cpp_server_fails_at_the_same_position(server):
 def test_openai_passes_where_llama_cpp_agrees(server):
     """Short prompts (below the QSA budget) agree: the top-k comparison passes."""
     from parity.backends import open_backend, truth_model
-    from parity.backends.openai import run_topk
+    from parity.harness.topk import run_topk
     be = open_backend(f"openai:url={server}", bundled_model("tiny"))
     ids = [60, 61, 62, 63, 64, 65]
     res = run_topk(be, truth_model(bundled_model("tiny")), [ids], n_new=3)
