@@ -32,7 +32,9 @@ import numpy as np
 
 from reference.errors import InputError
 
-from parity.backends.base import Backend, BackendError, _check_ids
+from reference.session import check_ids
+
+from parity.backends.base import Backend, BackendError
 from parity.backends.refusal import EngineRefused
 
 #: llama.cpp graph node (``cb(t, name, il)`` names it "name-il") -> our tap ({i}: il). A name llama.cpp
@@ -278,7 +280,7 @@ class LlamaCppBackend(Backend):
     def prefill(self, h, ids, chunk_size=None) -> np.ndarray:
         """Feed ``ids`` to ``h`` in one batch (or chunks of ``chunk_size``); logits ``[T, V]``."""
         s = self._seq(h)
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         step = int(chunk_size) if chunk_size else 512
         if step <= 0:
             raise InputError(f"chunk_size: expected a positive int, found {chunk_size}")
@@ -298,7 +300,7 @@ class LlamaCppBackend(Backend):
         """One token per sequence, all in one llama.cpp batch; logits ``[B, V]``."""
         if len(hs) != len(ids):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences, {len(ids)} tokens")
-        toks = _check_ids(list(ids), self.config.vocab_size)
+        toks = check_ids(list(ids), self.config.vocab_size, "ids").tolist()
         items = [(self._seq(h), t, self._pos[h]) for h, t in zip(hs, toks)]
         out = self._decode(items)
         for h in hs:

@@ -241,3 +241,41 @@ def test_counterfactual_dense_attention_matches_llama_cpp(fixture):
     # float32 agreement: summation-order differences only (measured 2e-6 on logits of scale ~5)
     assert d_dense < 2e-5 < 0.05 < d_truth, (d_dense, d_truth)
     be.close()
+
+
+def test_counterfactual_rollback_across_calls_restores_the_recurrent_state_one_token_too_early():
+    """Finding 8 confirmed: after prefill(6) + decode(1) + rollback(1), llama.cpp's GDN conv state is the
+    right one (after 6 tokens) but its recurrent state is the one after 5 tokens. The reference given
+    exactly that state matches llama.cpp's first diverging tap (layers.0.linear_attn.out) to float32."""
+    from parity.backends import open_backend, truth_model
+    from taps.recorder import Recorder
+    m = bundled_model("tiny")
+    be = open_backend("llama.cpp:reparam=auto", m)
+    ids, tap = [5, 17, 99, 3, 250, 7], "layers.0.linear_attn.out"
+    h = be.new_sequence()
+    be.prefill(h, ids)
+    be.decode([h], [7])
+    be.rollback(h, 1)
+    with be.taps(None, include=[tap]) as rec:
+        be.decode([h], [7])
+    got = rec.archive().read_rows(tap, np.arange(1))[0]
+    ref = truth_model(m)
+
+    def state_after(seq):
+        s = ref.new_session()
+        s.prefill(seq)
+        return s.state.copy()
+
+    def out_with(conv_from, recurrent_from):
+        s = ref.new_session()
+        s.state = state_after(ids)
+        c, r = state_after(conv_from), state_after(recurrent_from)
+        for i, g in s.state.gdn.items():
+            g.conv, g.recurrent = c.gdn[i].conv.copy(), r.gdn[i].recurrent.copy()
+        with Recorder(None, include=[tap]) as rr:
+            s.prefill([7])
+        return rr.archive().read_rows(tap, np.arange(1))[0]
+    rel = lambda x: float(np.abs(x - got).max() / np.abs(got).max())  # noqa: E731
+    assert rel(out_with(ids, ids)) > 0.1            # the right state: llama.cpp is wrong
+    assert rel(out_with(ids, ids[:5])) < 1e-5       # recurrent state one token too early: llama.cpp exactly
+    be.close()
