@@ -5,7 +5,7 @@
     --backend llama.cpp:reparam=auto           apply the function-preserving re-parameterisations that
                                                get past llama.cpp's converter/loader limits (reported)
     other options (',' separated): kv=f32|f16 (KV cache type; default f32, llama.cpp's own default is
-    f16), fa=off|on|auto (flash attention; default off: on the CPU it computes in F16), threads=N, seqs=N (n_seq_max), ctx=N (n_ctx), rs=N (n_rs_seq, the
+    f16), fa=off|on|auto (flash attention; default off: on the CPU it is not float32-accurate), threads=N, seqs=N (n_seq_max), ctx=N (n_ctx), rs=N (n_rs_seq, the
     recurrent-state snapshots kept for rollback), sdist=PATH (llama-cpp-python's source distribution)
 
 One llama.cpp context holds every live sequence (``n_seq_max`` sequence ids, a unified KV cache).
@@ -162,8 +162,8 @@ class LlamaCppBackend(Backend):
         if kv not in ("f32", "f16"):
             raise InputError(f"llama.cpp:kv={kv!r}: expected f32 or f16")
         cp.type_k = cp.type_v = GGML_TYPE_F32 if kv == "f32" else 1  # 1: GGML_TYPE_F16
-        # flash attention (llama.cpp's default 'auto' turns it on) computes in F16 on the CPU even with
-        # an F32 cache: off unless fa=on (then judged with the bf16 thresholds like kv=f16)
+        # flash attention (llama.cpp's default 'auto' turns it on) is 3e-4..1e-3 off on the CPU even with
+        # an F32 cache (docs/outside-engines.md, finding 7): off unless asked (then the bf16 thresholds)
         if fa not in ("on", "off", "auto"):
             raise InputError(f"llama.cpp:fa={fa!r}: expected on, off or auto")
         cp.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[fa]
