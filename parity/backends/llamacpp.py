@@ -207,6 +207,13 @@ class LlamaCppBackend(Backend):
                              f"convert_timeout; found {sorted(opts)}")
         if perturb is not None:
             raise BackendError("llama.cpp backend: perturb: not supported (the weights live in a GGUF)")
+        if kv not in ("f32", "f16"):  # checked before a conversion is spent on them
+            raise InputError(f"llama.cpp:kv={kv!r}: expected f32 or f16")
+        if fa not in ("on", "off", "auto"):
+            raise InputError(f"llama.cpp:fa={fa!r}: expected on, off or auto")
+        for k, v in (("threads", threads), ("seqs", seqs), ("ctx", ctx), ("rs", rs)):
+            if not str(v).isdigit() or (int(v) == 0 and k != "rs"):
+                raise InputError(f"llama.cpp:{k}={v!r}: expected a positive integer")
         cfg = load_config(model_path)
         version = gc.installed_version()
         if gguf:
@@ -497,8 +504,10 @@ class _TapSink:
                     v = a.reshape(T, -1) if a.size % T == 0 else None
                     if v is None:
                         continue
-                    if base == "ple_embd" and self.pad:  # back to the checkpoint's layout (the re-param's inverse)
-                        nh = cfg.ngram_heads
+                    if base == "ple_embd" and v.shape[1] != cfg.ple_embed_dim:
+                        if not self.pad:  # a GGUF of another layout (e.g. the user's own): not comparable
+                            continue
+                        nh = cfg.ngram_heads  # back to the checkpoint's layout: the ple-pad re-param's inverse
                         r2, r = v.shape[1] // nh, cfg.ple_embed_dim // nh
                         v = v.reshape(T, nh, r2)[:, :, :r].reshape(T, nh * r)
                 self.rec.emit(ours, v, positions=pos)

@@ -279,3 +279,32 @@ def test_counterfactual_rollback_across_calls_restores_the_recurrent_state_one_t
     assert rel(out_with(ids, ids)) > 0.1            # the right state: llama.cpp is wrong
     assert rel(out_with(ids, ids[:5])) < 1e-5       # recurrent state one token too early: llama.cpp exactly
     be.close()
+
+
+def test_cli_end_to_end_refused_and_own_gguf():
+    """`python -m parity.cli parity tiny --backend llama.cpp` runs (conversion included): REFUSED, exit 1,
+    llama.cpp's message in the table; `llama.cpp:gguf=PATH` on the re-parameterised GGUF gives the FAIL."""
+    from parity.backends import gguf_convert as gc
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "parity.cli", "parity", "tiny", "--backend", "llama.cpp",
+                        "--scenario", "kl", "--no-progress"], capture_output=True, text=True, cwd=root, timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "REFUSED" in r.stdout and "BPE pre-tokenizer was not recognized" in " ".join(r.stdout.split())
+    m = bundled_model("tiny")
+    gguf = gc.convert(m, gc.installed_version(), reparams=gc.parse_reparams("auto", m))["gguf"]
+    rep = _parity("tiny", f"llama.cpp:gguf={gguf}", ["kl"])
+    assert rep.verdict == "fail" and "layers.2.self_attn.core_out at position 11 " in rep.rows[0].first_divergence
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("llama.cpp:bogus=1", "expected gguf, reparam"),
+    ("llama.cpp:gguf=/nonexistent.gguf", "expected a GGUF file, found nothing there"),
+    ("llama.cpp:reparam=frobnicate", "expected 'none', 'auto' or a '\\+'-joined list"),
+    ("llama.cpp:kv=q4", "expected f32 or f16"),
+    ("llama.cpp:novalue", "expected key=value"),
+])
+def test_bad_options_are_one_clear_error(spec, match):
+    from reference.errors import UserError
+    from parity.backends import open_backend
+    with pytest.raises(UserError, match=match):
+        open_backend(spec, bundled_model("tiny"))
