@@ -65,6 +65,7 @@ def test_as_shipped_is_refused(fixture, stage, message):
 
 # --- with the function-preserving re-parameterisations ------------------------------------------------
 
+@pytest.mark.slow  # a conversion (+ the official-model check) and a parity run: ~20-40 s on one core
 @pytest.mark.parametrize("fixture,stage,message", [
     ("tiny-hc2", "loader", "check_tensor_dims: tensor 'blk.0.attn_qkv.weight' has wrong shape"),
     ("tiny-hc3", "converter", "ValueError: Duplicated tensor name 'per_layer_token_embd.weight'"),
@@ -75,6 +76,7 @@ def test_refused_even_reparameterised(fixture, stage, message):
     assert rep.meta["refused"]["stage"] == stage and rep.meta["refused"]["message"].startswith(message)
 
 
+@pytest.mark.slow  # a conversion (+ the official-model check) and a parity run: ~20-40 s on one core
 @pytest.mark.parametrize("fixture", ["tiny", "tiny-fp8"])
 def test_reparameterised_fails_at_the_first_qsa_layer_position_11(fixture):
     """The converter reads the config through transformers, which renames 'full_attention' to
@@ -185,6 +187,7 @@ def server():
             proc.kill()
 
 
+@pytest.mark.slow  # a conversion (+ the official-model check) and a parity run: ~20-40 s on one core
 def test_openai_against_llama_cpp_server_fails_at_the_same_position(server):
     rep = _parity("tiny", f"openai:url={server}", ["kl"])
     row = rep.rows[0]
@@ -226,6 +229,7 @@ def _dense_hook(i, pos, scores, sel):
     return out
 
 
+@pytest.mark.slow  # a conversion (+ the official-model check) and a parity run: ~20-40 s on one core
 @pytest.mark.parametrize("fixture", ["tiny", "tiny-fp8"])
 def test_counterfactual_dense_attention_matches_llama_cpp(fixture):
     from parity.backends import open_backend, truth_model
@@ -281,6 +285,7 @@ def test_counterfactual_rollback_across_calls_restores_the_recurrent_state_one_t
     be.close()
 
 
+@pytest.mark.slow  # a conversion (+ the official-model check) and a parity run: ~20-40 s on one core
 def test_cli_end_to_end_refused_and_own_gguf():
     """`python -m parity.cli parity tiny --backend llama.cpp` runs (conversion included): REFUSED, exit 1,
     llama.cpp's message in the table; `llama.cpp:gguf=PATH` on the re-parameterised GGUF gives the FAIL."""
