@@ -76,7 +76,23 @@ class OpenAIBackend:
         if not be.model:
             data = doc.get("data") or [{}]
             be.model = data[0].get("id", "")
+        be._probe()
         return be
+
+    def _probe(self, tries: int = 3):
+        """Measure the row convention before judging: short prompts of mappable, sendable ids with 8
+        greedy tokens each, until the greedy tokens have voted (at most ``tries`` requests)."""
+        good = sorted(set(self._str2id.values()))
+        for t in range(tries):
+            ids = good[t * 7:(t + 1) * 7]
+            if len(ids) < 2 or not self.sendable(ids):
+                continue
+            try:
+                self.prompt_topk(ids, n_new=8)
+            except BackendError:
+                continue
+            if self.convention is not None:
+                return
 
     def _request(self, method, path, body=None) -> dict:
         if self.requests >= self.max_requests:
@@ -150,7 +166,11 @@ class OpenAIBackend:
             if best(rows[T + j - 1]) == g:
                 self._votes["after-token"] += 1
         v = self._votes
-        self.convention = "after-token" if v["after-token"] > v["openai"] else "openai"
+        if v["after-token"] != v["openai"]:
+            self.convention = "after-token" if v["after-token"] > v["openai"] else "openai"
+        if self.convention is None:
+            raise BackendError(f"backend {self.name}: cannot tell which row top_logprobs[i] is (OpenAI's "
+                               f"distribution of token i, or the one after it): no greedy token was mappable")
         if self.convention == "openai":  # row after position p = top_logprobs[p + 1]
             after = rows[1:] + [None]
         else:

@@ -202,14 +202,15 @@ def _topk_report(report, be, model, prompts):
         res = run_topk(be, truth_model(model), ps)
         status = "pass" if res["passed"] else "fail"
         f = res["first"]
-        first = None if f is None else (f"prompt {f['prompt']}: first divergent position {f['position']} "
+        first = None if f is None else (f"prompt {f['prompt']} ({f['pattern']}): first divergent position {f['position']} "
                                         f"({'greedy continuation' if f['greedy_region'] else 'prompt'}; KL on the "
                                         f"top-{be.topk} {f['kl']:.3g}, top-1 {'same' if f['top1'] else 'differs'})")
         if res["prompts"] == 0:
             first = f"no prompt survives the text round trip ({res['skipped_unsendable']} skipped)"
         detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= {res['threshold_kl']:g}; "
                   f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
-                  f"{res['requests']} requests; {res['skipped_unsendable']} prompts not sendable as text")
+                  f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
+                  f"{res['skipped_unsendable']} prompts not sendable as text")
         report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else 1, res["worst_kl"],
                                        float("nan"), first, time.perf_counter() - t0, status, detail,
                                        failures=[res] if status != "pass" else []))

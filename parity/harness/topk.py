@@ -51,16 +51,47 @@ def topk_compare(truth_logits: np.ndarray, rows, mappable=lambda i: True) -> dic
     return {"kl": kl, "top1": top1, "tail_server": ts, "tail_truth": tt, "k": k}
 
 
-def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: float = 120.0) -> dict:
-    """The kl-topk row of an :class:`parity.backends.openai.OpenAIBackend` ``be``: every sendable prompt (at most ``be.max_requests`` - 1 requests, ``budget_s`` seconds),
-    prompt positions and ``n_new`` greedy positions against the truth. Returns a JSON-ready dict with
-    ``passed``, ``first`` (prompt, position) of the first failing position, ``worst_kl``, tail masses, the
-    measured row convention and the count of prompts skipped as unsendable."""
+def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: float = 120.0,
+             prefix_reuse: bool = True) -> dict:
+    """The kl-topk row of an :class:`parity.backends.openai.OpenAIBackend` ``be``: every sendable prompt
+    (at most ``be.max_requests`` requests, ``budget_s`` seconds), prompt positions and ``n_new`` greedy
+    positions against the truth. With ``prefix_reuse``, one more request pattern: the first sendable prompt
+    of >= 8 tokens is sent as its first half, then whole, so a server that reuses a cached prefix (as
+    llama_cpp.server does) answers the second from it; both answers are judged.
+
+    Returns a JSON-ready dict with ``passed``, ``first`` (prompt, pattern, position) of the first failing
+    position, ``worst_kl``, tail masses, the measured row convention, the patterns run and the count of
+    prompts skipped as unsendable."""
     from parity.harness.kl import thresholds_for
     th = thresholds or thresholds_for("float32")
     t0 = time.perf_counter()
     out = {"prompts": 0, "skipped_unsendable": 0, "positions": 0, "worst_kl": 0.0, "first": None,
-           "max_tail_server": 0.0, "top1_mismatch": 0}
+           "max_tail_server": 0.0, "top1_mismatch": 0, "greedy_unmappable": 0, "patterns": {}}
+    ids_ok = set(be._str2id.values())
+
+    def judge(pi, ids, pattern):
+        rows, greedy, ids = be.prompt_topk(ids, n_new=n_new)  # ids: those the server ran
+        # a generated token whose string maps to no single id ends what can be judged of the continuation
+        n_ok = next((j for j, g in enumerate(greedy) if g is None), len(greedy))
+        seq = ids + greedy[:n_ok]
+        rows = rows[:len(ids) + n_ok - 1] if n_ok < len(greedy) else rows
+        out["greedy_unmappable"] += len(greedy) - n_ok
+        tl = truth.forward(seq[:max(1, len(rows))])
+        c = topk_compare(tl, rows, mappable=lambda i: i in ids_ok)
+        ok = ~(np.nan_to_num(c["kl"], nan=0.0) > th.max_kl) & c["top1"]
+        out["patterns"][pattern] = out["patterns"].get(pattern, 0) + 1
+        judged = c["k"] >= 0
+        out["positions"] += int(np.sum(judged))
+        if judged.any():
+            out["worst_kl"] = max(out["worst_kl"], float(np.nanmax(c["kl"])))
+            out["max_tail_server"] = max(out["max_tail_server"], float(np.nanmax(c["tail_server"])))
+        out["top1_mismatch"] += int(np.sum(~c["top1"]))
+        if out["first"] is None and not ok.all():
+            p = int(np.argmax(~ok))
+            out["first"] = {"prompt": pi, "pattern": pattern, "position": p, "kl": float(c["kl"][p]),
+                            "top1": bool(c["top1"][p]), "greedy_region": p >= len(ids) - 1}
+
+    reuse_done = not prefix_reuse
     for pi, ids in enumerate(prompts):
         if time.perf_counter() - t0 > budget_s or be.requests >= be.max_requests:
             break
@@ -68,25 +99,13 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
         if not be.sendable(ids):
             out["skipped_unsendable"] += 1
             continue
-        rows, greedy, ids = be.prompt_topk(ids, n_new=n_new)  # ids: those the server ran
-        # a generated token whose string maps to no single id ends what can be judged of the continuation
-        n_ok = next((j for j, g in enumerate(greedy) if g is None), len(greedy))
-        seq = ids + greedy[:n_ok]
-        rows = rows[:len(ids) + n_ok - 1] if n_ok < len(greedy) else rows
-        out["greedy_unmappable"] = out.get("greedy_unmappable", 0) + (len(greedy) - n_ok)
-        tl = truth.forward(seq[:len(rows)])
-        ids_ok = set(be._str2id.values())
-        c = topk_compare(tl, rows, mappable=lambda i: i in ids_ok)
-        ok = ~(np.nan_to_num(c["kl"], nan=0.0) > th.max_kl) & c["top1"]
+        judge(pi, ids, "fresh")
         out["prompts"] += 1
-        out["positions"] += int(np.sum(c["k"] >= 0))
-        out["worst_kl"] = max(out["worst_kl"], float(np.nanmax(c["kl"])) if np.any(c["k"] >= 0) else 0.0)
-        out["max_tail_server"] = max(out["max_tail_server"], float(np.nanmax(c["tail_server"])) if np.any(c["k"] >= 0) else 0.0)
-        out["top1_mismatch"] += int(np.sum(~c["top1"]))
-        if out["first"] is None and not ok.all():
-            p = int(np.argmax(~ok))
-            out["first"] = {"prompt": pi, "position": p, "kl": float(c["kl"][p]), "top1": bool(c["top1"][p]),
-                            "greedy_region": p >= len(ids) - 1}
+        half = ids[:len(ids) // 2]
+        if not reuse_done and len(ids) >= 8 and be.sendable(half) and be.requests + 2 <= be.max_requests:
+            judge(pi, half, "prefix-reuse: first half")
+            judge(pi, ids, "prefix-reuse: whole after its first half")
+            reuse_done = True
     out["passed"] = out["prompts"] > 0 and out["first"] is None
     out["convention"] = be.convention
     out["requests"] = be.requests

@@ -202,9 +202,12 @@ def test_openai_passes_where_llama_cpp_agrees(server):
     from parity.backends import open_backend, truth_model
     from parity.harness.topk import run_topk
     be = open_backend(f"openai:url={server}", bundled_model("tiny"))
-    ids = [60, 61, 62, 63, 64, 65]
-    res = run_topk(be, truth_model(bundled_model("tiny")), [ids], n_new=3)
-    assert res["prompts"] == 1 and res["passed"] and res["positions"] >= 5, res  # prompt + greedy rows
+    ids = [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+    res = run_topk(be, truth_model(bundled_model("tiny")), [ids], n_new=2)
+    assert res["prompts"] == 1 and res["passed"] and res["positions"] >= 9, res  # prompt + greedy rows
+    # the prefix-cache request pattern ran too (first half, then the whole reusing it) and agreed
+    assert res["patterns"] == {"fresh": 1, "prefix-reuse: first half": 1,
+                               "prefix-reuse: whole after its first half": 1}, res
     # negative control: the same answers judged against another model's truth fail, at the first row
     bad = run_topk(be, truth_model(bundled_model("tiny-hc2")), [ids], n_new=3)
     assert not bad["passed"] and bad["first"]["position"] == 1, bad
