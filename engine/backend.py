@@ -58,7 +58,8 @@ def get_xp(device: str):
 
 
 def xp_of(a):
-    """numpy or cupy, whichever owns array ``a``."""
+    """numpy or cupy, whichever owns array ``a`` (a quantised weight: its code array's)."""
+    a = getattr(a, "storage_array", a)
     cp = cupy_or_none()
     if cp is not None and isinstance(a, cp.ndarray):
         return cp

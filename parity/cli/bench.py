@@ -47,6 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="synthetic layers (default: engine 4 = one period 3 GDN + 1 QSA with PLE on layer 1; "
                         "reference 1 real-width layer)")
+    p.add_argument("--weights", choices=["bf16", "fp8", "nvfp4"], default=None,
+                   help="with --synthetic --backend engine: random weights of this format built in memory (experts "
+                        "directly on the device, no files; PLE table at its real size in host memory); a depth "
+                        "that does not fit is measured at 4 and 8 layers and projected")
     p.add_argument("--vocab", type=int, default=None,
                    help="synthetic vocabulary (default: engine 248320 (real), reference 32768 (reduced))")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device")
@@ -107,6 +111,12 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
     if args.precision is not None and args.precision not in ("bf16", "float32"):
         raise InputError(f"--precision: expected 'bf16' or 'float32' (the engine's precisions), found "
                          f"{args.precision!r}")
+    weights = getattr(args, "weights", None)
+    if weights and not args.synthetic:
+        raise InputError(f"--weights {weights}: only applies to --synthetic weights, found it without --synthetic")
+    if weights and args.backend != "engine":
+        raise InputError(f"--weights {weights}: builds the weights in the engine's memory, expected --backend engine, "
+                         f"found {args.backend or 'the default'}")
     if args.synthetic and args.layers is not None and args.layers > S.MAX_LAYERS:
         raise InputError(f"--layers: expected at most {S.MAX_LAYERS} (the real model's num_hidden_layers), found "
                          f"{args.layers}")
@@ -168,8 +178,19 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
             jobs.append(("peer_cpu", dict(base, kind="peer", device="cpu", prompt_lens=[P], decode=[[1, P]],
                                           decode_tokens=D)))
     if backend in ("engine", "both"):
-        m = model_for("engine")
-        cfg = Checkpoint.open(m).config
+        if weights:  # in memory: no file is written, the worker builds the weights
+            from reference.config import ModelConfig
+            base_rows, note = S.in_memory_ngram_base(weights)
+            cfg_d = S.real_width_config(args.layers or 4, vocab_size=args.vocab, ngram_vocab_size_base=base_rows)
+            cfg = ModelConfig.from_dict(cfg_d)
+            m = None
+            checkpoints["engine"] = {"in_memory": weights, "synthetic": True, "layers": cfg.num_hidden_layers,
+                                     "layer_types": cfg_d["layer_types"], "ple_layer_ids": cfg_d["ple_layer_ids"],
+                                     "vocab_size": cfg.vocab_size, "ple_table": note,
+                                     "device_bytes_estimate": S.weights_bytes_estimate(cfg, weights)}
+        else:
+            m = model_for("engine")
+            cfg = Checkpoint.open(m).config
         gpu = dev == "cuda"
         bound = cfg.qsa_bound if cfg.qsa_enabled else 64
         pl = args.prompt_lens or ([512, 4096] if gpu else [32])
@@ -181,8 +202,9 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
         base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
                 "decode_tokens": D}
         jobs.append(("engine", dict(base, kind="engine", device=dev, precision=args.precision, prompt_lens=pl,
-                                    decode=dec, progress=gpu)))
-        if not args.no_peer and gpu:
+                                    decode=dec, progress=gpu,
+                                    **({"synthetic": {"config": cfg_d, "weights": weights}} if weights else {}))))
+        if not args.no_peer and gpu and not weights:  # in-memory experts: nothing the official model can load
             # the peer decodes at batch 1 only (the goal's comparison); its batched prefill at 16 x 4k
             # tokens would cost more GPU time than the whole engine run
             jobs.append(("peer_gpu", dict(base, kind="peer", device="cuda", prompt_lens=pl,
