@@ -40,7 +40,7 @@ def get_xp(device: str):
     """The array module for ``device`` ('cuda' or 'cpu').
 
     Raises:
-        engine.errors.DeviceError: 'cuda' asked for and no usable GPU/cupy present.
+        DeviceError (a reference.errors.UserError, defined here): 'cuda' asked for and no usable GPU/cupy present.
     """
     if device == "cpu":
         return np

@@ -225,6 +225,27 @@ def _fmt_rate(x) -> str:
     return f"{m:,.1f}" + (f" ±{100 * s / 2:.0f}%" if s else "")
 
 
+def ratio_label(key: str) -> str:
+    """A ratio key of the results JSON (``engine_b16_vs_b1_ctx64``) in plain words for the table
+    (``engine decode batch 16 / batch 1 tok/s, context 64``); an unknown key is returned as is."""
+    import re
+    fixed = {"reference_prefill_vs_peer_cpu": "reference prefill tok/s / official CPU",
+             "reference_decode_vs_peer_cpu": "reference decode tok/s / official CPU",
+             "reference_peak_rss_vs_peer_cpu": "reference peak memory (RSS) / official CPU"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"engine_b16_vs_b1_ctx(\d+)", key)
+    if m:
+        return f"engine decode tok/s, batch 16 / batch 1 (context {m.group(1)})"
+    m = re.fullmatch(r"engine_decode_vs_peer_gpu_b(\d+)_ctx(\d+)", key)
+    if m:
+        return f"engine decode tok/s / official GPU (batch {m.group(1)}, context {m.group(2)})"
+    m = re.fullmatch(r"engine_prefill_vs_peer_gpu_(\d+)", key)
+    if m:
+        return f"engine prefill tok/s / official GPU (prompt {m.group(1)} tokens)"
+    return key
+
+
 def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
     """(what, setting, measured, note) rows for the closing table."""
     rows = []
@@ -297,8 +318,11 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      g.get("unavailable", "")))
         d = ex.get("tap_diff_mb_per_s")
         rows.append(("taps", "tap-diff", f"{d:,.0f} MB/s" if d else "-", ex.get("tap_diff_unavailable", "")))
+    note = results.get("settings", {}).get("note")
+    if note:
+        rows.append(("note", "warm-up", "-", note))
     for k, v in results.get("ratios", {}).items():
-        rows.append(("ratio", k, "-" if v is None else f"{v:.2f}x", ""))
+        rows.append(("ratio", ratio_label(k), "-" if v is None else f"{v:.2f}x", ""))
     for g in results.get("goals", []):
         m = g["measured"]
         rows.append(("goal", g["goal"], "-" if m is None else f"{m:.3g}",

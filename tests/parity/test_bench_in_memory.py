@@ -98,9 +98,9 @@ def _args(**kw):
 
 
 def test_cli_plan_in_memory_writes_no_file_and_has_no_peer(tmp_path, monkeypatch):
-    from parity.cli import bench as B
+    from parity.bench.plan import plan
     monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path))
-    jobs, _, cks = B.plan(_args())
+    jobs, _, cks = plan(_args())
     assert [k for k, _ in jobs] == ["engine"]
     assert "real size in host memory" in cks["engine"]["ple_table"]
     spec = jobs[0][1]

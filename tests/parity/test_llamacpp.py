@@ -44,7 +44,7 @@ def _cache(tmp_path_factory):
 
 
 def _parity(fixture, spec, scenarios=None):
-    from parity.cli.parity import run_parity
+    from parity.harness.run import run_parity
     return run_parity(bundled_model(fixture), spec, scenarios or ["kl", "budget"], level="ci", progress=False)
 
 
@@ -311,11 +311,12 @@ def test_cli_end_to_end_refused_and_own_gguf():
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("llama.cpp:bogus=1", "expected gguf, reparam"),
+    ("llama.cpp:bogus=1", "expected options of the llama.cpp backend"),
     ("llama.cpp:gguf=/nonexistent.gguf", "expected a GGUF file, found nothing there"),
     ("llama.cpp:reparam=frobnicate", "expected 'none', 'auto' or a '\\+'-joined list"),
-    ("llama.cpp:kv=q4", "expected f32 or f16"),
-    ("llama.cpp:novalue", "expected key=value"),
+    ("llama.cpp:kv=q4", "expected one of f32, f16"),
+    ("llama.cpp:novalue", "key=value"),
+    ("openai:url=ftp://x", "expected url=http"),
 ])
 def test_bad_options_are_one_clear_error(spec, match):
     from reference.errors import UserError

@@ -85,6 +85,7 @@ class CaseResult:
     divergence: str | None = None
     archives: list = field(default_factory=list)
     seconds: float = 0.0
+    traceback: str | None = None  # the backend's stack trace when status is 'error'
 
     @property
     def label(self) -> str:
