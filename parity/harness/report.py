@@ -129,6 +129,10 @@ SCENARIO_MEANING = {
     "speculative-rollback": "verify k drafted tokens, accept j, roll back the rest, continue: equal a straight run",
 }
 
+REFUSED_LEGEND = ("REFUSED: the outside engine's converter or loader rejected a checkpoint the reference runs -- "
+                  "the engine's defect, in its own words (exit 1); the row's detail names a function-preserving "
+                  "re-parameterisation when one exists (docs/outside-engines.md)")
+
 LEGEND = [
     "cases: passed/run; one case is one scripted run of the backend (kl: one prompt; the suites: a sequence of "
     "prefill / decode / verify / rollback / snapshot calls at one page size)",
@@ -274,7 +278,8 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
     if legend:
         width = cols if cols is not None else 10_000
         notes.append("legend:")
-        for item in LEGEND:
+        extra = [REFUSED_LEGEND] if report.verdict == "refused" else []
+        for item in LEGEND + extra:
             notes += ["  " + t for t in _cell_lines(item, max(20, width - 4))]
         for name in dict.fromkeys(r.scenario for r in report.rows):
             if name in SCENARIO_MEANING:
