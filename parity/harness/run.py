@@ -90,10 +90,20 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     truth = TruthCache(truth_model(model))
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
-    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
+    from parity.harness.scenarios.common import NonFiniteTruth, token_stream
+    invalid = None
+    try:  # the truth must be finite before anything is judged against it (a NaN checkpoint is no verdict)
+        truth.logits(kl_prompts[0] if kl_prompts else token_stream(cfg, min(8, cfg.max_position_embeddings), seed=0))
+    except NonFiniteTruth as e:
+        invalid = e
+    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress or invalid is not None, leave=False,
+               file=sys.stderr)
     try:
         for name in scenarios:
             t0 = time.perf_counter()
+            if invalid is not None:
+                report.rows.append(_inconclusive_row(name, invalid, limits))
+                continue
             if name == "kl":
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
@@ -112,6 +122,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
                                    level=level)
                 report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
+            except NonFiniteTruth as e:  # the truth went NaN/Inf at some history: nothing to judge against
+                invalid = e
+                report.rows.append(_inconclusive_row(name, e, limits))
             except (KeyboardInterrupt, UserError):
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
             except (Exception, SystemExit) as e:  # a scenario that cannot run at all is an ERROR row, not a crash
@@ -175,6 +188,14 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
                        first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [],
                        thresholds={"max_kl": rep.thresholds.max_kl, "min_top1": rep.thresholds.min_top1})
+
+
+def _inconclusive_row(name: str, e, limits):
+    """A verdict-table row for a scenario that could not be judged because the truth is not finite."""
+    from parity.harness.report import ScenarioRow
+    return ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"),
+                       f"reference (truth) logits not finite at position {e.position}", 0.0, "inconclusive", str(e),
+                       thresholds=limits)
 
 
 def _exc_name(e: BaseException) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from parity.harness.kl import compare_logits, KLThresholds, verdict
-from reference.errors import UserError
+from reference.errors import InconclusiveError, UserError
 
 __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "page_sizes_for", "sizes",
            "token_stream", "Sizes"]
@@ -161,6 +161,25 @@ def token_stream(config, n: int, seed: int, eos_every: int | None = None) -> lis
 
 
 # ----------------------------------------------------------------------------------------------- truth
+class NonFiniteTruth(InconclusiveError):
+    """The truth (the reference's full-forward logits) holds NaN or infinity: nothing can be judged
+    against it (exit 3). ``position``: the first non-finite position."""
+
+    def __init__(self, position: int, value: float, what: str = "reference logits"):
+        super().__init__(f"the truth is invalid: {what} at position {position} are not finite (found {value}); "
+                         f"the checkpoint's weights or inputs give NaN/Inf, so no backend can be judged against it "
+                         f"(check the checkpoint: `qwen4exp info MODEL`)")
+        self.position = position
+
+
+def check_truth_finite(logits, what: str = "reference logits") -> None:
+    """Raise :class:`NonFiniteTruth` naming the first position of ``logits`` ``[T, V]`` that is NaN/Inf."""
+    from reference.errors import first_nonfinite
+    bad = first_nonfinite(logits)
+    if bad is not None:
+        raise NonFiniteTruth(bad[0], bad[1], what)
+
+
 class TruthCache:
     """Truth logits: ``model.forward(history)`` (one full forward), cached. A cached forward over a
     longer history also answers every prefix of it (the model is causal). At most ``max_bytes`` of
@@ -182,6 +201,7 @@ class TruthCache:
             if len(k) > n and k[:n] == key:
                 return v[:n]
         out = np.asarray(self.model.forward(list(key)))
+        check_truth_finite(out)
         # drop cached prefixes of the new entry (they are answered by it now)
         for k in [k for k in self._cache if len(k) < n and key[:len(k)] == k]:
             del self._cache[k]

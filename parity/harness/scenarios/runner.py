@@ -9,7 +9,7 @@ from parity.backends import capabilities_of
 from parity.harness.kl import thresholds_for
 from parity.harness.scenarios.common import Case, CaseFailure, CaseResult, Run, TruthCache
 from parity.harness.scenarios.locate import locate
-from reference.errors import UserError
+from reference.errors import InconclusiveError, UserError
 
 
 # ----------------------------------------------------------------------------------------------- runner
@@ -37,6 +37,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.failed_op = f.op
         res.failed_seq = f.seq
         res.divergence = f.divergence
+    except InconclusiveError:
+        raise  # the truth itself is invalid (NaN logits): no case can be judged, the run is inconclusive
     except UserError as e:
         res.status = "fail"
         res.failure = f"backend refused an operation the model allows: {type(e).__name__}: {e}"
