@@ -54,3 +54,44 @@ def test_logits_nan_warns_and_exits_3(tmp_path, capsys):
     assert rc == 3
     assert "not finite" in err and "position 0" in err
     assert np.isnan(np.load(out)).all()  # written as computed: the warning says what it is
+
+
+# --- 2: disk full while writing --out
+@pytest.mark.parametrize("where", ["archives", "report"])
+def test_parity_disk_full_keeps_old_results_exit_4(tmp_path, capsys, monkeypatch, where):
+    import errno
+    import os
+
+    import parity.harness.report as R
+    import parity.harness.run as P
+    from parity.harness.report import ParityReport, ScenarioRow
+    out = tmp_path / "out"
+    (out / "taps" / "old").mkdir(parents=True)
+    (out / "report.json").write_text('{"old": true}')
+
+    def fake_run(model, spec, scen, *, out_dir=None, **k):
+        (Path(out_dir) / "taps" / "budget" / "case0").mkdir(parents=True)
+        (Path(out_dir) / "taps" / "budget" / "case0" / "truth.taps").write_text("half")  # backend.taps failed
+        arch = ([f"(archives not written: OutputWriteError: output '{out_dir}/taps/budget/case0/backend.taps' "
+                 f"could not be written: No space left on device)"] if where == "archives" else [])
+        row = ScenarioRow("budget", 1, 1, 1.0, 1.0, "op 0", 0.1, "fail", "diverged",
+                          failures=[{"case": "case0", "archives": arch}])
+        return ParityReport(backend="reference", model="tiny", rows=[row])
+    monkeypatch.setattr(P, "run_parity", fake_run)
+    if where == "report":
+        import reference.atomic as A
+        real = A.atomic_write_json
+
+        def full(path, *a, **k):  # the simulated full disk: the write itself fails with ENOSPC
+            if Path(path).name == "report.json":
+                raise A.write_failed(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+            return real(path, *a, **k)
+        monkeypatch.setattr(A, "atomic_write_json", full)
+    rc = main(["parity", "--backend", "reference", "--scenario", "budget", "--out", str(out), "--overwrite",
+               "--json"])
+    err = capsys.readouterr().err
+    assert rc == 4, err
+    assert "Traceback" not in err and str(out) in err
+    assert (out / "report.json").read_text() == '{"old": true}'
+    assert sorted(p.name for p in (out / "taps").iterdir()) == ["old"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging folder left
