@@ -95,3 +95,24 @@ def test_parity_disk_full_keeps_old_results_exit_4(tmp_path, capsys, monkeypatch
     assert (out / "report.json").read_text() == '{"old": true}'
     assert sorted(p.name for p in (out / "taps").iterdir()) == ["old"]
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+
+
+# --- 3: taps diff --force never relaxes the --replay model check
+def test_taps_diff_force_keeps_replay_model_checks(tmp_path, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3, 4]")
+    a = tmp_path / "A"
+    assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(a), "--layers", "0"]) == 0
+    capsys.readouterr()
+    other_weights = _nan_lm_head(tmp_path)  # tiny's config, other weights
+    # another config: refused, with or without --force
+    for extra in ([], ["--force"]):
+        assert main(["taps", "diff", str(a), str(a), "--replay", "tiny-hc2", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "--replay" in err and "config hash" in err, err
+    # same config, other weights: --force is not enough, --replay-other-weights is
+    assert main(["taps", "diff", str(a), str(a), "--force", "--replay", str(other_weights)]) == 2
+    assert "weights fingerprint" in capsys.readouterr().err
+    assert main(["taps", "diff", str(a), str(a), "--replay", str(other_weights), "--replay-other-weights"]) == 0
+    # negative control: the right model replays
+    assert main(["taps", "diff", str(a), str(a), "--force", "--replay", "tiny"]) == 0
