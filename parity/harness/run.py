@@ -46,8 +46,10 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
 
     def perturbed():
         return open_backend(target, model_path, perturb=(name, perturbation()))
-    return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
+    rep = run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
+                 perturbed_b=perturbed, perturbed_note=note, progress=progress)
+    rep.backend = b  # the instance that ran (and holds the history of) every prompt: locating replays on it
+    return rep
 
 
 def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
@@ -87,7 +89,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
         from parity.prompts import load_prompts
         kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
-    truth = TruthCache(truth_model(model))
+    from parity.harness.scenarios import TRUTHLESS
+    # the self-consistency suite needs no reference: a run of it alone never loads the truth
+    truth = TruthCache(truth_model(model)) if any(s not in TRUTHLESS for s in scenarios) else None
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
     from parity.harness.scenarios.common import NonFiniteTruth, token_stream
@@ -176,7 +180,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
         if truth is not None:
             from parity.harness.scenarios.locate import locate_one_shot
-            be = open_backend(backend_spec, model)
+            # the SAME instance, after the same call history: state that leaks between requests shows (a freshly
+            # opened backend would pass and report "all taps agree")
+            be = getattr(rep, "backend", None) or open_backend(backend_spec, model)
             where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
             first = f"prompt {worst}: {where}"
         else:
