@@ -116,3 +116,68 @@ def test_taps_diff_force_keeps_replay_model_checks(tmp_path, capsys):
     assert main(["taps", "diff", str(a), str(a), "--replay", str(other_weights), "--replay-other-weights"]) == 0
     # negative control: the right model replays
     assert main(["taps", "diff", str(a), str(a), "--force", "--replay", "tiny"]) == 0
+
+
+# --- 4: a module:Class backend raising is the one "backend raised" outcome of every verb
+RAISING = '''
+from parity.backends import ReferenceBackend
+
+
+class Raise(ReferenceBackend):
+    EXC = None
+
+    def prefill(self, h, ids, chunk_size=None):
+        raise self.EXC  # LINE-MARK
+
+
+class RaiseRuntime(Raise):
+    EXC = RuntimeError("kernel launch failed")
+
+
+class RaiseMemory(Raise):
+    EXC = MemoryError()
+
+
+class RaiseExit(Raise):
+    EXC = SystemExit(0)
+'''
+
+
+@pytest.fixture
+def raising(tmp_path, monkeypatch):
+    (tmp_path / "clifix_raise.py").write_text(RAISING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("clifix_raise", None)
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    return ids
+
+
+@pytest.mark.parametrize("cls, needle", [("RaiseRuntime", "RuntimeError: kernel launch failed"),
+                                         ("RaiseMemory", "MemoryError (out of host memory)"),
+                                         ("RaiseExit", "SystemExit(0)")])
+@pytest.mark.parametrize("verb", ["logits", "taps record"])
+def test_backend_raising_is_exit_1_error_line(raising, tmp_path, capsys, verb, cls, needle):
+    spec = f"clifix_raise:{cls}"
+    out = tmp_path / "o"
+    argv = [*verb.split(), "tiny", "--backend", spec, "--ids", str(raising), "--out", str(out)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"qwen4exp {verb}: ERROR: backend {spec!r} raised {needle}" in err, err
+    assert "Traceback" not in err and "internal error" not in err
+    assert not out.exists()
+    assert main([*argv, "--traceback"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "LINE-MARK" in err
+
+
+def test_crash_outside_the_backend_is_still_internal(raising, monkeypatch, capsys):
+    """Negative control: an exception of qwen4exp's own code is not blamed on the backend."""
+    import parity.harness.logits as L
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("ours")
+    monkeypatch.setattr(L, "compute_logits", boom)
+    assert main(["logits", "tiny", "--backend", "clifix_raise:RaiseRuntime", "--ids", str(raising), "--out",
+                 "-"]) == 4
+    assert "internal error" in capsys.readouterr().err
