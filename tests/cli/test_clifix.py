@@ -129,6 +129,9 @@ class Raise(ReferenceBackend):
     def prefill(self, h, ids, chunk_size=None):
         raise self.EXC  # LINE-MARK
 
+    def prefill_last(self, h, ids):
+        raise self.EXC  # LINE-MARK
+
 
 class RaiseRuntime(Raise):
     EXC = RuntimeError("kernel launch failed")
@@ -181,3 +184,29 @@ def test_crash_outside_the_backend_is_still_internal(raising, monkeypatch, capsy
     assert main(["logits", "tiny", "--backend", "clifix_raise:RaiseRuntime", "--ids", str(raising), "--out",
                  "-"]) == 4
     assert "internal error" in capsys.readouterr().err
+
+
+# --- 5: generate drives any module:Class backend (the one --backend grammar)
+GOOD = '''
+from parity.backends import ReferenceBackend
+
+
+class Mine(ReferenceBackend):
+    pass
+'''
+
+
+def test_generate_outside_backend(tmp_path, monkeypatch, capsys, raising):
+    (tmp_path / "clifix_good.py").write_text(GOOD)
+    sys.modules.pop("clifix_good", None)
+    argv = ["generate", "--prompt", "hello", "--greedy", "--max-new-tokens", "4", "--json"]
+    assert main([*argv, "--backend", "clifix_good:Mine"]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--backend", "reference"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert mine["token_ids"] == ref["token_ids"] and mine["backend"] == "clifix_good:Mine"
+    # a raising outside backend is the one "backend raised" outcome (finding 4)
+    assert main([*argv, "--backend", "clifix_raise:RaiseRuntime"]) == 1
+    assert "qwen4exp generate: ERROR: backend 'clifix_raise:RaiseRuntime' raised RuntimeError" in capsys.readouterr().err
+    # deprecated engine flags do not apply to an outside backend
+    assert main([*argv, "--backend", "clifix_good:Mine", "--device", "cpu"]) == 2
