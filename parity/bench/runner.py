@@ -330,9 +330,18 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def print_table(results: dict, file=None) -> None:
-    """The closing table (rich when it renders, plain text otherwise)."""
+def print_table(results: dict, file=None, fmt: str = "rich") -> None:
+    """The closing table: ``fmt`` 'rich' (boxes; plain text when rich is missing) or 'text' (plain aligned
+    columns, nothing wrapped or cut: for pipes and CI logs)."""
     rows = table_rows(results)
+    out = file or sys.stdout
+    if fmt == "text":
+        cols = ("what", "setting", "measured", "note")
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+        print("qwen4exp bench", file=out)
+        for r in (cols, tuple("-" * w for w in widths), *rows):
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip(), file=out)
+        return
     try:
         from rich.console import Console
         from rich.table import Table

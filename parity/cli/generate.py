@@ -38,7 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--speculative", metavar="mtp:k=N", default=None,
                    help="speculative decoding with the checkpoint's MTP head: N drafts per round, verified in one "
                         "step (greedy: same text as plain greedy; sampling: the speculative-sampling rule)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead")
+    from parity.cli.common import add_format
+    add_format(p, default_help="text; json prints one object (text, token ids, timings); text and rich both "
+                               "stream the plain text")
     add_traceback(p)
     p.set_defaults(func=run)
 
@@ -164,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     from reference.errors import InputError, UserError
 
     from parity.cli.common import backend_spec, safe_text
+    from parity.cli.common import output_format
+    args.json = output_format(args) == "json"
     model_dir = resolve_model(args.model)
     from parity.backends import backend_class, parse_backend_spec
     name = str(args.backend).split(":", 1)[0]

@@ -210,3 +210,36 @@ def test_generate_outside_backend(tmp_path, monkeypatch, capsys, raising):
     assert "qwen4exp generate: ERROR: backend 'clifix_raise:RaiseRuntime' raised RuntimeError" in capsys.readouterr().err
     # deprecated engine flags do not apply to an outside backend
     assert main([*argv, "--backend", "clifix_good:Mine", "--device", "cpu"]) == 2
+
+
+# --- 6 / 7: --format is shared by bench and generate; bench's text is plain; --warmup's help says >= 0
+def test_bench_format_text_is_plain_and_shared(monkeypatch, capsys):
+    from parity.bench import runner
+    canned = {"kind": "reference", "prefill": [{"tokens": 64, "median_s": 0.5, "tok_per_s": 128.0}]}
+    monkeypatch.setattr(runner, "table_rows", lambda results: [["reference CPU", "prefill 64", "128.0 tok/s", ""]])
+    monkeypatch.setattr(runner, "run_worker", lambda spec, **k: dict(canned, kind=spec["kind"]))
+    base = ["bench", "--backend", "reference", "--no-peer", "--no-extras"]
+    assert main(base) == 0  # capsys is a pipe: text is the default
+    out = capsys.readouterr().out
+    assert "reference CPU  prefill 64" in out and not any(c in out for c in "┏━│└")
+    assert main([*base, "--format", "rich"]) == 0
+    assert "└" in capsys.readouterr().out
+    assert main([*base, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]
+    assert main([*base, "--json", "--format", "text"]) == 2
+
+
+def test_generate_takes_format_json(capsys):
+    argv = ["generate", "--backend", "reference", "--prompt", "hi", "--greedy", "--max-new-tokens", "2"]
+    assert main([*argv, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*argv, "--format", "text"]) == 0
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(capsys.readouterr().out)
+
+
+def test_bench_warmup_help_says_zero_is_allowed(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "-h"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ">= 1" not in help_text and "runs, >= 0" in help_text
