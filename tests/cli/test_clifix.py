@@ -243,3 +243,44 @@ def test_bench_warmup_help_says_zero_is_allowed(capsys):
         main(["bench", "-h"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert ">= 1" not in help_text and "runs, >= 0" in help_text
+
+
+# --- 8: logits of the wrong shape contribute no KL figure; the message says which side is which
+SHORT = '''
+import numpy as np
+from parity.backends import ReferenceBackend
+
+
+class Short(ReferenceBackend):
+    """Returns only the first 10 vocabulary entries of every logits row."""
+
+    def prefill(self, h, ids, chunk_size=None):
+        return np.asarray(super().prefill(h, ids, chunk_size=chunk_size))[:, :10]
+
+    def decode(self, hs, ids):
+        return np.asarray(super().decode(hs, ids))[:, :10]
+
+    def forward_tokens(self, h, ids):
+        return np.asarray(super().forward_tokens(h, ids))[:, :10]
+'''
+
+
+def test_wrong_logits_shape_shows_no_kl_figures(tmp_path, monkeypatch, capsys):
+    (tmp_path / "clifix_short.py").write_text(SHORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("clifix_short", None)
+    rc = main(["parity", "--backend", "clifix_short:Short", "--scenario", "budget", "--level", "ci", "--json",
+               "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    row = doc["scenarios"][0]
+    assert row["status"] == "fail" and row["failed_cases"] == row["cases"] > 0
+    assert row["worst_kl"] is None and row["worst_logit_err"] is None  # was 2.58e-12: KL of the rows before
+    assert "backend returned logits of shape (" in row["detail"] and "= [positions, vocab_size]" in row["detail"]
+    from reference.config import load_config
+    assert f", {load_config(bundled_model('tiny')).vocab_size}) = [positions, vocab_size]" in row["detail"]
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    text = render_table(ParityReport("clifix_short:Short", "tiny",
+                                     [ScenarioRow(**{k: v for k, v in row.items()})]))
+    cells = text.splitlines()[2].split()
+    assert cells[2] == "-" and cells[3].startswith("KL<=") and cells[5] == "-", text

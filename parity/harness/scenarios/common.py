@@ -303,9 +303,10 @@ class Run:
         logits = np.asarray(logits)
         end = start + k
         if logits.shape != (k, self.sizes.vocab) or end > len(s.hist):
-            self.fail(op, f"{desc}: seq {s.label}: logits shape {logits.shape}: expected ({k}, "
-                          f"{self.sizes.vocab})", f"logits shape {logits.shape} != ({k}, {self.sizes.vocab})",
-                      seq=s.label)
+            self.shape_mismatch = True  # the case's KL figures then mean nothing (runner shows '-')
+            want = f"({k}, {self.sizes.vocab}) = [positions, vocab_size]"
+            self.fail(op, f"{desc}: seq {s.label}: backend returned logits of shape {logits.shape}, expected {want}",
+                      f"backend returned logits of shape {logits.shape}, expected {want}", seq=s.label)
         ref = self.truth.logits(s.hist[:end])[start:end]
         cmp = compare_logits(ref, logits)
         self.checks += 1
@@ -469,7 +470,9 @@ class Run:
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
             self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):
-            self.fail(op, f"{d}: expected {len(seqs)} rows of logits, found shape {out.shape}", "decode batch shape")
+            self.shape_mismatch = True
+            self.fail(op, f"{d}: backend returned logits of shape {out.shape}, expected ({len(seqs)}, "
+                          f"{self.sizes.vocab}) = [sequences, vocab_size]", "decode batch shape")
         for i, (s, st) in enumerate(zip(seqs, starts)):
             self._compare(op, d, s, out[i:i + 1], st, 1)
             self._check_position(op, s, d)

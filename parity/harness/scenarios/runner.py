@@ -53,6 +53,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     finally:
         run.close()
     res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
+    if getattr(run, "shape_mismatch", False):  # logits of the wrong shape: no KL figure describes this case
+        res.worst_kl = res.worst_logit_err = None
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
                                               archive_dir=archive_dir, page_size=page_size,
