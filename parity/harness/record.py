@@ -100,7 +100,7 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
         for g in include:
             if not any(registry.matches(n, [g]) for n in names):
                 raise InputError(f"--taps {g!r}: expected a glob matching some tap of this model (see "
-                                 f"'qwen4exp taps list --model ...'), found none")
+                                 f"'qwen4exp taps list {model_path}'), found none")
     probe = Recorder(include=include, layers=lay)
     if not any(probe.wants(n) for n in names):
         raise InputError(f"--taps {include!r} with --layers {layers!r}: expected a selection holding some tap of "

@@ -284,3 +284,36 @@ def test_wrong_logits_shape_shows_no_kl_figures(tmp_path, monkeypatch, capsys):
                                      [ScenarioRow(**{k: v for k, v in row.items()})]))
     cells = text.splitlines()[2].split()
     assert cells[2] == "-" and cells[3].startswith("KL<=") and cells[5] == "-", text
+
+
+# --- 9 / 10: taps diff summary adds up, names no Python None; the --taps hints
+def test_taps_diff_summary_counts_every_tap_and_no_none(tmp_path, capsys):
+    from taps.diff import DiffReport, TapResult, render_table, summary_counts
+    res = [TapResult("logits", "dense", "diverged", 3, {}, 0, "x"), TapResult("embed", "dense", "agree", 3),
+           TapResult("layers.0.a", "dense", "missing-in-b"), TapResult("layers.0.b", "dense", "missing-in-a"),
+           TapResult("layers.0.c", "dense", "no-overlap"), TapResult("layers.0.d", "dense", "flip", 3)]
+    s = summary_counts(res)
+    assert s == ("6 taps, 1 agree, 1 with flips only, 1 diverged, 1 not comparable (no common position), "
+                 "1 only in A (missing in B), 1 only in B (missing in A)")
+    import io
+    buf = io.StringIO()
+    rep = DiffReport(a="A", b="B", profile="fp32", results=[res[0]], identity={}, first_divergence="logits",
+                     last_agreeing=None)
+    render_table(rep, file=buf)
+    out = buf.getvalue()
+    assert "None" not in out and "FIRST DIVERGENCE: logits (position 0)" in out
+    assert "last agreeing tap before it: none" in out
+
+
+def test_taps_filters_matching_nothing_say_so(tmp_path, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    a = tmp_path / "A"
+    assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(a), "--layers", "0"]) == 0
+    capsys.readouterr()
+    assert main(["taps", "diff", str(a), str(a), "--taps", "zzz*"]) == 2
+    err = capsys.readouterr().err
+    assert "--taps zzz*" in err and "found 0 matching" in err and "after --taps" not in err
+    assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(tmp_path / "B"), "--taps", "nomatch*"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen4exp taps list tiny" in err and "--model" not in err
