@@ -15,10 +15,11 @@ def register(subparsers) -> None:
                     "on synthetic real-width weights, with the official transformers implementation (eager) "
                     "timed in the same run as the peer. Warm-up excluded; medians of repeated runs with their "
                     "spread; results as JSON; a table printed last.")
+    from parity.cli.common import model_help
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory or bundled fixture (same as --model; default: tiny)")
+                   help=model_help() + " (same as --model; default: tiny)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
+    src.add_argument("--model", default=None, help="deprecated: the positional MODEL (default: tiny)")
     src.add_argument("--synthetic", choices=["real-widths"], default=None,
                      help="random BF16 weights at the real model's widths (cached; PLE table rows scaled down)")
     p.add_argument("--backend", default=None, metavar="SPEC",

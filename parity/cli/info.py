@@ -17,8 +17,8 @@ import json
 def register(subparsers) -> None:
     """Add the ``info`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser("info", help="config summary, layer pattern and parameter counts of a checkpoint")
-    p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory or bundled fixture name (default: bundled 'tiny')")
+    from parity.cli.common import add_model
+    add_model(p)
     p.add_argument("--config-only", action="store_true", help="use config.json only (no weights needed)")
     from parity.cli.common import add_format, add_traceback
     add_format(p, default_help="text")

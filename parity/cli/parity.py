@@ -25,7 +25,9 @@ def register(subparsers) -> None:
                     "chunk-boundary, snapshot-restore and speculative-rollback scenarios (every one also with "
                     "concurrent sequences and several paged-cache page sizes). Failures are located by tap-diff. "
                     "Exit 0 pass / 1 fail (a divergence, a failed control, or an exception raised by the backend "
-                    "inside a case: an ERROR row) / 2 usage or input error / 4 environment failure.")
+                    "inside a case: an ERROR row) / 2 usage or input error / 3 inconclusive (the evidence supports "
+                    "no verdict, e.g. the reference's own logits are NaN/Inf) / 4 environment failure (output not "
+                    "written: the old results are kept) / 128+N interrupted by signal N (130 Ctrl-C, 143 SIGTERM).")
     add_model(p)
     add_backend(p, "engine")
     p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",

@@ -77,7 +77,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     probe = op()  # fails here, clearly, when the backend cannot be opened
     caps = capabilities_of(probe)
     cfg = probe.config
-    report = ParityReport(backend=probe.name, model=str(model),
+    report = ParityReport(backend=_current_spelling(probe.name), model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
                                 "capabilities": {k: v for k, v in caps.items()}})
     if hasattr(probe, "close"):
@@ -194,6 +194,16 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
                        first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [],
                        thresholds={"max_kl": rep.thresholds.max_kl, "min_top1": rep.thresholds.min_top1})
+
+
+def _current_spelling(name: str) -> str:
+    """A backend's name in the current --backend grammar (``engine-cpu`` -> ``engine:device=cpu``)."""
+    from parity.backends import parse_backend_spec
+    try:
+        sp = parse_backend_spec(name)
+    except Exception:  # noqa: BLE001 - an outside backend's free-form name is shown as it is
+        return name
+    return str(sp) if sp.alias else name
 
 
 def _inconclusive_row(name: str, e, limits):

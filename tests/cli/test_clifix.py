@@ -317,3 +317,36 @@ def test_taps_filters_matching_nothing_say_so(tmp_path, capsys):
     assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(tmp_path / "B"), "--taps", "nomatch*"]) == 2
     err = capsys.readouterr().err
     assert "qwen4exp taps list tiny" in err and "--model" not in err
+
+
+# --- 11: help texts list the fixtures that exist; parity -h lists 3 and 128+N; the verdict line's grammar
+def test_help_lists_existing_fixtures_and_every_exit_code(capsys):
+    from reference.paths import FIXTURES, bundled_fixtures
+    names = bundled_fixtures()
+    assert {"tiny", "tiny-nvfp4", "tiny-mtp", "tiny-hc3-mtp"} <= set(names)
+    assert names == ["tiny", *sorted(d.name for d in FIXTURES.iterdir() if (d / "config.json").exists()
+                                     and d.name != "tiny")]
+    for verb in (["info"], ["logits"], ["parity"], ["generate"], ["bench"], ["taps", "record"]):
+        with pytest.raises(SystemExit):
+            main([*verb, "-h"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert ", ".join(names) in text, verb
+    with pytest.raises(SystemExit):
+        main(["parity", "-h"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "3 inconclusive" in text and "128+N" in text and "kv_tokens=N" in text
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    fixtures_section = readme.split("## Fixtures", 1)[1]
+    for n in ("tiny-nvfp4", "tiny-mtp", "tiny-hc3-mtp"):
+        assert f"`{n}`" in fixtures_section
+
+
+def test_parity_verdict_line_uses_the_current_grammar(capsys):
+    from parity.harness.run import _current_spelling
+    assert _current_spelling("engine-cpu") == "engine:device=cpu"
+    assert _current_spelling("reference-f64") == "reference:dtype=float64"
+    assert _current_spelling("t:Mine") == "t:Mine"  # negative control: an outside name is kept
+    rc = main(["parity", "--backend", "engine:device=cpu", "--scenario", "budget", "--level", "ci", "--format",
+               "text", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(backend engine:device=cpu," in out and "engine-cpu" not in out
