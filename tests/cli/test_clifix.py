@@ -350,3 +350,33 @@ def test_parity_verdict_line_uses_the_current_grammar(capsys):
                "text", "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0 and "(backend engine:device=cpu," in out and "engine-cpu" not in out
+
+
+# --- 12: info validates the checkpoint like the other verbs
+def _drop_lm_head(tmp_path) -> Path:
+    """A copy of fixtures/tiny whose safetensors header no longer lists lm_head.weight (data left in place)."""
+    import struct
+    dst = tmp_path / "incomplete"
+    shutil.copytree(bundled_model("tiny"), dst)
+    f = dst / "model.safetensors"
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    del header["lm_head.weight"]
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new))  # same header length: every data offset stays valid
+    f.write_bytes(raw[:8] + new + raw[8 + n:])
+    return dst
+
+
+def test_info_incomplete_checkpoint_is_exit_2_like_logits(tmp_path, capsys):
+    ck = _drop_lm_head(tmp_path)
+    assert main(["info", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "lm_head.weight" in err and "missing" in err
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2]")
+    assert main(["logits", str(ck), "--ids", str(ids), "--out", str(tmp_path / "l.npy")]) == 2
+    assert "lm_head.weight" in capsys.readouterr().err
+    assert main(["info", "tiny"]) == 0  # negative control
+    assert main(["info", str(ck), "--config-only"]) == 0  # config.json only: no weights read
