@@ -136,6 +136,36 @@ def signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# signals actually delivered to this process while a command runs (parity.bench.runner.terminate_on_signals
+# records them): a KeyboardInterrupt with no SIGINT behind it was raised by code (e.g. a backend), not by the user
+_DELIVERED: list[int] = []
+
+
+def note_signal(signum: int) -> None:
+    """Record that signal ``signum`` was delivered (called by the CLI's signal handlers)."""
+    _DELIVERED.append(int(signum))
+
+
+def real_interrupt() -> bool:
+    """True when a SIGINT / SIGTERM / SIGHUP was actually delivered since the command started (or no handler
+    tracks them: then every KeyboardInterrupt counts as real)."""
+    return bool(_DELIVERED) or not _TRACKING
+
+
+_TRACKING: list[bool] = []
+
+
+@contextlib.contextmanager
+def tracking_signals() -> Iterator[None]:
+    """While the block runs, :func:`real_interrupt` tells a delivered signal from a raised KeyboardInterrupt."""
+    _TRACKING.append(True)
+    _DELIVERED.clear()
+    try:
+        yield
+    finally:
+        _TRACKING.pop()
+
+
 @contextlib.contextmanager
 def atomic_open(path, mode: str = "wb") -> Iterator:
     """Yield an open temp file next to ``path``; on success chmod it to the umask mode and rename it."""

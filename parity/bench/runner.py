@@ -52,14 +52,23 @@ def terminate_on_signals():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from reference.atomic import note_signal, tracking_signals
     old = {}
 
     def handler(signum, frame):
+        note_signal(signum)
         raise Terminated(signum)
+
+    def on_sigint(signum, frame):  # as Python's default, but recorded: a raised KeyboardInterrupt is not Ctrl-C
+        note_signal(signum)
+        raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGHUP):
         old[sig] = signal.signal(sig, handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
     try:
-        yield
+        with tracking_signals():
+            yield
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)

@@ -90,6 +90,17 @@ def _check_argv(argv: list[str]) -> None:
         check_text(a, what)
 
 
+def _command_of(argv: list[str]) -> str:
+    """`` generate`` / `` taps record``: the command named in ``argv`` (read before parsing, for an error
+    prefix), or '' when none is recognised."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] not in (*_MODULES, "tap-diff"):
+        return ""
+    if words[0] == "taps" and len(words) > 1 and words[1] in ("list", "record", "diff"):
+        return f" taps {words[1]}"
+    return f" {words[0]}"
+
+
 def _check_empty_model(args) -> None:
     """An empty MODEL ('') would resolve to the current directory and be reported as '.'; refuse it as typed.
 
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_argv(argv)
     except UserError as e:
-        print(f"qwen4exp: error: {e}", file=sys.stderr)
+        print(f"qwen4exp{_command_of(argv)}: error: {e}", file=sys.stderr)
         return e.exit_code
     args = parser.parse_args(argv)
     show_tb = bool(getattr(args, "traceback", False))
@@ -168,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", None)  # parity.bench.runner.Terminated (SIGTERM, SIGHUP) carries its signal
+        from reference.atomic import real_interrupt
+        spec = None if signum is not None or real_interrupt() else _outside_backend_raised(args, e)
+        if spec is not None:  # raised by the backend's code, no signal behind it: "backend raised", exit 1
+            from parity.backends import BackendRaised
+            err = BackendRaised(spec, e, "(no signal was received)")
+            print(f"qwen4exp {args.command}: ERROR: {err}", file=sys.stderr)
+            if show_tb:
+                print(err.traceback, file=sys.stderr, end="")
+            return err.exit_code
         what = "interrupted" if signum is None else f"terminated (signal {signum})"
         print(f"qwen4exp {args.command}: {what}", file=sys.stderr)
         return 128 + signum if signum else 130

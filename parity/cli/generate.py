@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--speculative", metavar="mtp:k=N", default=None,
                    help="speculative decoding with the checkpoint's MTP head: N drafts per round, verified in one "
                         "step (greedy: same text as plain greedy; sampling: the speculative-sampling rule)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (also off when stderr is not a terminal)")
     from parity.cli.common import add_format
     add_format(p, default_help="text; json prints one object (text, token ids, timings); text and rich both "
                                "stream the plain text")
@@ -280,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         results = [G.generate_speculative(gen, p, params, k_spec, on_text=(lambda s: on_text(0, s)) if stream else None)
                    for p in prompts]
     else:
-        results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json)
+        results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json and not args.no_progress and sys.stderr.isatty())
     n_prompt = sum(len(p) for p in prompts)
     prefill_s = sum(r.prefill_s for r in results)
     decode_s = results[0].decode_s

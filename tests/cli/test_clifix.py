@@ -380,3 +380,65 @@ def test_info_incomplete_checkpoint_is_exit_2_like_logits(tmp_path, capsys):
     assert "lm_head.weight" in capsys.readouterr().err
     assert main(["info", "tiny"]) == 0  # negative control
     assert main(["info", str(ck), "--config-only"]) == 0  # config.json only: no weights read
+
+
+# --- 13: smaller findings
+def test_generate_progress_off_when_stderr_is_not_a_tty(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    argv = ["generate", "--backend", "reference", "--prompts", str(prompts), "--greedy", "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "it/s" not in err and "tok/s]" not in err and "\r" not in err, err  # no tqdm bar into a pipe / log
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--no-progress", "-h"])
+    assert e.value.code == 0
+
+
+def test_bad_prompt_bytes_are_prefixed_with_the_command(capsys):
+    import os
+    bad = os.fsdecode(b"caf\xe9")  # not UTF-8: Python hands it over as a surrogate escape
+    assert main(["generate", "--prompt", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qwen4exp generate: error: ") and "--prompt" in err
+
+
+def test_kl_greedy_line_is_labelled_and_perturb_names_the_option(capsys):
+    assert main(["kl", "--b", "reference", "--greedy-tokens", "2", "--no-progress", "--format", "text"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "greedy agreement" in ln)
+    assert "prompt 0: 2" in line and "of 2 greedy tokens" in line
+    assert main(["kl", "--b", "reference", "--perturb", "no.such.weight", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--perturb 'no.such.weight'" in err and "error: perturb:" not in err
+
+
+KBI = '''
+from parity.backends import ReferenceBackend
+
+
+class RaisesKbi(ReferenceBackend):
+    def decode(self, hs, ids):
+        raise KeyboardInterrupt("raised by the backend")
+'''
+
+
+def test_keyboardinterrupt_raised_by_backend_is_an_error_row_not_130(tmp_path, monkeypatch, capsys):
+    (tmp_path / "clifix_kbi.py").write_text(KBI)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("clifix_kbi", None)
+    rc = main(["parity", "--backend", "clifix_kbi:RaisesKbi", "--scenario", "budget", "--level", "ci", "--json",
+               "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["scenarios"][0]["status"] == "error"
+    assert "KeyboardInterrupt" in doc["scenarios"][0]["detail"]
+    # negative control: outside a tracked command (library use) a KeyboardInterrupt still stops the run
+    from parity.backends import open_backend
+    from parity.harness.scenarios import cases_for
+    from parity.harness.scenarios.common import TruthCache
+    from parity.harness.scenarios.runner import run_case
+    from parity.backends import truth_model
+    be = open_backend("clifix_kbi:RaisesKbi", bundled_model("tiny"))
+    case = next(c for c in cases_for("budget", be.config, "ci") if "decode" in c.name)
+    with pytest.raises(KeyboardInterrupt):
+        run_case("budget", case, be, TruthCache(truth_model(bundled_model("tiny"))))

@@ -37,6 +37,15 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.failed_op = f.op
         res.failed_seq = f.seq
         res.divergence = f.divergence
+    except KeyboardInterrupt as e:
+        from reference.atomic import real_interrupt
+        if real_interrupt():
+            raise  # the user's Ctrl-C / a termination signal: the run stops (exit 128+N)
+        res.status = "error"  # raised by the backend's code, no signal behind it: a crash of the case
+        res.failure = f"{type(e).__name__}: {e} (raised by the backend, no signal was received)"
+        res.divergence = res.failure
+        res.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        res.failed_op = run.ops - 1
     except InconclusiveError:
         raise  # the truth itself is invalid (NaN logits): no case can be judged, the run is inconclusive
     except UserError as e:
