@@ -774,7 +774,16 @@ class EngineModel:
                 bk = pool.blk_k[i][bslots] * (bpos >= 0)[:, None].astype(pool.blk_k[i].dtype)
                 self._emit(rec, q + "indexer.block_keys", bk, positions)
             self._emit(rec, q + "indexer.block_scores", scores, positions)
-            self._emit(rec, q + "indexer.selected_blocks", sel.astype(np.int64), positions)
+            want_b, want_t = rec.wants(q + "indexer.selected_blocks"), rec.wants(q + "indexer.selected_tokens")
+            if want_b or want_t:  # one host copy of the selection serves both taps
+                sel_h = np.asarray(self.syncs.host(sel)).astype(np.int64)
+                if want_b:
+                    rec.emit(q + "indexer.selected_blocks", sel_h, positions=positions)
+                if want_t:
+                    from reference.blocks.qsa import selected_tokens
+                    rec.emit(q + "indexer.selected_tokens",
+                             selected_tokens(sel_h, np.asarray(self.syncs.host(positions)), r, c.indexer_budget + r - 1),
+                             positions=positions)
         # --- attention projections, K/V into the pages, sparse attention, sigmoid output gate
         qg = qg.reshape(T, nh, 2 * hd)
         gate = qg[:, :, hd:].reshape(T, nh * hd)

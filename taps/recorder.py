@@ -107,6 +107,8 @@ def _shape_env(config, n_positions: int) -> dict:
     env["ngram_heads"] = config.ngram_heads
     if config.indexer_compress_ratio:
         env["block_topk"] = config.block_topk
+        env["indexer_budget"] = config.indexer_budget
+        env["indexer_compress_ratio"] = config.indexer_compress_ratio
         env["n_blocks"] = max(1, math.ceil(n_positions / config.indexer_compress_ratio))
     return env
 

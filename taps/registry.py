@@ -104,6 +104,11 @@ _SPECS: list[TapSpec] = [
             "int64", INDEX, "selected block indices in canonical order (score descending, then lower block "
             "index), -1 padded", "indexed_attention", companion="layers.{i}.self_attn.indexer.block_scores",
             replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.indexer.selected_tokens", "layers.{i}.self_attn.indexer",
+            "[T, indexer_budget + indexer_compress_ratio - 1]", "int64", INDEX, "positions the query attends "
+            "(selected blocks' tokens + the incomplete tail), ascending, -1 padded; compared as sets, so an "
+            "engine selecting tokens rather than blocks is comparable", "indexed_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
     TapSpec("layers.{i}.self_attn.q_norm.out", "layers.{i}.self_attn.q_norm",
             "[T, num_attention_heads, head_dim]", "float", ACTIVATION, "RMSNorm of the attention queries (before "
             "RoPE)", "indexed_attention", replay_input="layers.{i}.attn_hyper_connection.out"),

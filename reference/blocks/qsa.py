@@ -121,6 +121,26 @@ def selection_mask(selected: np.ndarray, positions: np.ndarray, n_complete: np.n
     return mask
 
 
+def selected_tokens(selected: np.ndarray, positions: np.ndarray, r: int, width: int) -> np.ndarray:
+    """Token-level selection ``[T, width]`` int64: the positions each query attends -- the selected
+    blocks' tokens plus the incomplete tail ``n_complete*r .. p`` -- ascending, ``-1`` padded (the
+    registry's ``indexer.selected_tokens``; compared as sets, so an engine that selects tokens rather than
+    blocks is comparable). ``width``: ``indexer_budget + compress_ratio - 1``, the most a query can attend.
+
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (``selected_token_indices``: selected blocks, then the tail).
+    """
+    selected = np.asarray(selected).reshape(len(positions), -1)
+    out = np.full((len(positions), width), -1, dtype=np.int64)
+    ar = np.arange(r)
+    for t, p in enumerate(np.asarray(positions, dtype=np.int64)):
+        nc = (int(p) + 1) // r
+        blocks = selected[t][selected[t] >= 0].astype(np.int64)
+        toks = np.concatenate([(blocks[:, None] * r + ar[None, :]).reshape(-1), np.arange(nc * r, int(p) + 1)])
+        toks = np.sort(toks)[:width]
+        out[t, :len(toks)] = toks
+    return out
+
+
 def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg, taps: dict | None = None):
     """Queries, output gate, keys and values of the gated attention.
 

@@ -198,6 +198,10 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
         inside = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
                                   record_batched=True)
         return prefix + where + (f"; in the batch, {inside[0]}" if inside[0] else ""), inside[1]
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:  # no taps: the failing check itself locates it
+        what = probe.what if isinstance(probe, CaseFailure) else f"op {failed_op}"
+        return prefix + f"{what} (backend records no taps: located by operation and position only)", archives
     out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size)
     return (prefix + out[0] if out[0] else prefix + "could not record the failing operation"), out[1]
 
@@ -214,6 +218,9 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     """Steps 2-4 of :func:`locate`: record the failing op (``record_batched``: a batched decode as the batch,
     the failing sequence's position only), record the truth, tap-diff. Returns (line, archive paths)."""
     archives: list[str] = []
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:
+        return "", archives  # nothing to record: the caller's line stands alone
     # 2. record the backend
     rep = _replay(case, backend, truth, th, record_at=failed_op, record_seq=failed_seq, record_batched=record_batched)
     run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
@@ -303,6 +310,15 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") 
     from taps.recorder import Recorder
 
     ids = [int(t) for t in ids]
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:  # no taps: the first divergent position only
+        from parity.backends import one_shot_logits
+        from parity.harness.kl import thresholds_for
+        th = thresholds_for(getattr(backend, "precision", "float32"))
+        first = _first_bad_vs_truth(one_shot_logits(backend, ids), list(range(len(ids))),
+                                    truth_model.forward(ids), th)
+        return (f"first divergent position {first} of {len(ids)} (backend records no taps: located by "
+                f"position only)"), []
     try:
         with backend.taps(None, meta={"token_ids": ids}) as rec_b:
             from parity.backends import one_shot_logits
