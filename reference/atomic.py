@@ -166,10 +166,19 @@ def tracking_signals() -> Iterator[None]:
         _TRACKING.pop()
 
 
+def write_target(path) -> Path:
+    """Where an output named ``path`` is written: ``path`` itself, or -- when it is a symbolic link -- the
+    link's target (resolved), so ``--overwrite`` on a symlinked ``--out`` replaces the target and keeps the
+    link (the one rule of every writer here; README "Paths")."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 @contextlib.contextmanager
 def atomic_open(path, mode: str = "wb") -> Iterator:
-    """Yield an open temp file next to ``path``; on success chmod it to the umask mode and rename it."""
-    path = Path(path)
+    """Yield an open temp file next to ``path`` (a symlink's target: :func:`write_target`); on success chmod
+    it to the umask mode and rename it."""
+    path = write_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -223,8 +232,9 @@ def apply_umask_modes(root) -> None:
 @contextlib.contextmanager
 def atomic_dir(final, *, prefix: str | None = None) -> Iterator[Path]:
     """Yield a fresh temp directory next to ``final``; on success give it umask modes and swap it in
-    place of ``final`` (an existing ``final`` is replaced). On failure the temp directory is removed."""
-    final = Path(final)
+    place of ``final`` (an existing ``final`` is replaced; a symlink's target: :func:`write_target`). On
+    failure the temp directory is removed."""
+    final = write_target(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix or f".{final.name}.", suffix=".tmp"))

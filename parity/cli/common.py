@@ -218,8 +218,9 @@ def publish_files(files: dict) -> None:
     from reference.atomic import current_umask, signals_deferred, write_failed
     temps = []
     try:
+        from reference.atomic import write_target
         for path, data in files.items():
-            path = Path(path)
+            path = write_target(path)
             try:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
                 temps.append((tmp, path))

@@ -442,3 +442,17 @@ def test_keyboardinterrupt_raised_by_backend_is_an_error_row_not_130(tmp_path, m
     case = next(c for c in cases_for("budget", be.config, "ci") if "decode" in c.name)
     with pytest.raises(KeyboardInterrupt):
         run_case("budget", case, be, TruthCache(truth_model(bundled_model("tiny"))))
+
+
+def test_overwrite_on_a_symlinked_out_writes_the_target(tmp_path, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2]")
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "l.npy"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.npy"
+    link.symlink_to(target)
+    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(link)]) == 2  # existing: needs --overwrite
+    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(link), "--overwrite"]) == 0
+    assert link.is_symlink() and np.load(target).shape[0] == 2  # the link kept, its target replaced
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["l.npy"]  # no temp file left
