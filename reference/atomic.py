@@ -136,10 +136,49 @@ def signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# signals actually delivered to this process while a command runs (parity.bench.runner.terminate_on_signals
+# records them): a KeyboardInterrupt with no SIGINT behind it was raised by code (e.g. a backend), not by the user
+_DELIVERED: list[int] = []
+
+
+def note_signal(signum: int) -> None:
+    """Record that signal ``signum`` was delivered (called by the CLI's signal handlers)."""
+    _DELIVERED.append(int(signum))
+
+
+def real_interrupt() -> bool:
+    """True when a SIGINT / SIGTERM / SIGHUP was actually delivered since the command started (or no handler
+    tracks them: then every KeyboardInterrupt counts as real)."""
+    return bool(_DELIVERED) or not _TRACKING
+
+
+_TRACKING: list[bool] = []
+
+
+@contextlib.contextmanager
+def tracking_signals() -> Iterator[None]:
+    """While the block runs, :func:`real_interrupt` tells a delivered signal from a raised KeyboardInterrupt."""
+    _TRACKING.append(True)
+    _DELIVERED.clear()
+    try:
+        yield
+    finally:
+        _TRACKING.pop()
+
+
+def write_target(path) -> Path:
+    """Where an output named ``path`` is written: ``path`` itself, or -- when it is a symbolic link -- the
+    link's target (resolved), so ``--overwrite`` on a symlinked ``--out`` replaces the target and keeps the
+    link (the one rule of every writer here; README "Paths")."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 @contextlib.contextmanager
 def atomic_open(path, mode: str = "wb") -> Iterator:
-    """Yield an open temp file next to ``path``; on success chmod it to the umask mode and rename it."""
-    path = Path(path)
+    """Yield an open temp file next to ``path`` (a symlink's target: :func:`write_target`); on success chmod
+    it to the umask mode and rename it."""
+    path = write_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -193,8 +232,9 @@ def apply_umask_modes(root) -> None:
 @contextlib.contextmanager
 def atomic_dir(final, *, prefix: str | None = None) -> Iterator[Path]:
     """Yield a fresh temp directory next to ``final``; on success give it umask modes and swap it in
-    place of ``final`` (an existing ``final`` is replaced). On failure the temp directory is removed."""
-    final = Path(final)
+    place of ``final`` (an existing ``final`` is replaced; a symlink's target: :func:`write_target`). On
+    failure the temp directory is removed."""
+    final = write_target(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix or f".{final.name}.", suffix=".tmp"))

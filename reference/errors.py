@@ -42,3 +42,25 @@ class EnvironmentFailure(UserError, RuntimeError):
     :data:`EXIT_ENVIRONMENT`."""
 
     exit_code = EXIT_ENVIRONMENT
+
+
+class InconclusiveError(UserError):
+    """The run cannot reach a verdict because its evidence is invalid (the truth itself -- the reference's
+    logits -- is NaN or infinite). Printed as one line, exit :data:`EXIT_INCONCLUSIVE`."""
+
+    exit_code = EXIT_INCONCLUSIVE
+
+
+def first_nonfinite(x):
+    """``(position, value)`` of the first row of ``x`` (``[T, V]`` or ``[V]``) holding a NaN or an infinity, or
+    None when every value is finite. ``value``: the first non-finite value of that row (nan, inf or -inf)."""
+    import numpy as np
+    a = np.asarray(x)
+    if a.size == 0 or not np.issubdtype(a.dtype, np.floating):
+        return None
+    a2 = a.reshape(1, -1) if a.ndim == 1 else a.reshape(a.shape[0], -1)
+    bad = ~np.isfinite(a2)
+    if not bad.any():
+        return None
+    row = int(np.argmax(bad.any(axis=1)))
+    return row, float(a2[row][bad[row]][0])

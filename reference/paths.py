@@ -11,6 +11,16 @@ _INSTALLED_FIXTURES = Path(sys.prefix) / "share" / "qwen4exp-parity" / "fixtures
 FIXTURES = REPO_ROOT / "fixtures" if (REPO_ROOT / "fixtures").is_dir() else _INSTALLED_FIXTURES
 
 
+def bundled_fixtures() -> list[str]:
+    """The names of the bundled fixtures that exist (a directory under :data:`FIXTURES` with a config.json),
+    ``tiny`` first, the rest sorted: what help texts and errors list."""
+    try:
+        names = sorted(d.name for d in FIXTURES.iterdir() if (d / "config.json").exists())
+    except OSError:
+        return []
+    return sorted(names, key=lambda n: (n != "tiny", n))
+
+
 def bundled_model(name: str = "tiny") -> Path:
     """Path of a bundled fixture checkpoint (``fixtures/<name>``); ``tiny`` is the default model."""
     return FIXTURES / name
@@ -62,4 +72,4 @@ def resolve_model(model: str | None) -> Path:
         return check_checkpoint_dir(FIXTURES / model)
     from reference.errors import InputError
     raise InputError(f"model {model!r}: expected a checkpoint directory or a bundled fixture name "
-                     f"({', '.join(sorted(d.name for d in FIXTURES.iterdir() if (d / 'config.json').exists())) or 'none built'}), found neither")
+                     f"({', '.join(bundled_fixtures()) or 'none built'}), found neither")

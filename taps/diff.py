@@ -715,6 +715,10 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
     names = sorted(names_a | names_b, key=registry.order_key)
     if taps:
         names = [n for n in names if registry.matches(n, taps)]
+        if not names:
+            raise DiffRefused(f"--taps {' '.join(taps)}: expected a glob matching taps of the archives, found 0 "
+                              f"matching ({len(names_a)} taps in A, {len(names_b)} in B; `qwen4exp taps list MODEL` "
+                              f"lists the names)")
     results: list[TapResult] = []
     stats: dict = {}
     it = names
@@ -865,6 +869,23 @@ def _fmt(x, spec=".3g"):
     return str(x)
 
 
+# the summary's words for each tap status, in the order they are listed
+_STATUS_WORDS = (("agree", "agree"), ("flip", "with flips only"), ("diverged", "diverged"),
+                 ("no-overlap", "not comparable (no common position)"), ("missing-in-b", "only in A (missing in B)"),
+                 ("missing-in-a", "only in B (missing in A)"))
+
+
+def summary_counts(results) -> str:
+    """``N taps, n agree, n with flips only, n diverged[, n <other status>...]``: every tap counted once, under
+    its status (a status not in :data:`_STATUS_WORDS` by its own name), so the parts add up to N."""
+    from collections import Counter
+    c = Counter(r.status for r in results)
+    parts = [f"{c.pop(k, 0)} {w}" for k, w in _STATUS_WORDS[:3]]
+    parts += [f"{c.pop(k)} {w}" for k, w in _STATUS_WORDS[3:] if k in c]
+    parts += [f"{n} {k}" for k, n in sorted(c.items())]
+    return f"{len(results)} taps, " + ", ".join(parts)
+
+
 def render_table(rep: DiffReport, show_all: bool = False, file=None, color: bool | None = None) -> None:
     """Print the report as an aligned table (colour only when ``file`` is a terminal, or ``color``).
 
@@ -897,19 +918,16 @@ def render_table(rep: DiffReport, show_all: bool = False, file=None, color: bool
         t.add_row(r.name + mark, st, str(r.rows), *cols, _fmt(r.first_position))
     if rows:
         con.print(t)
-    n_ag = sum(r.status == "agree" for r in rep.results)
-    n_fl = sum(r.status == "flip" for r in rep.results)
-    n_dv = sum(r.status == "diverged" for r in rep.results)
-    n_nc = sum(r.status == "no-overlap" for r in rep.results)
-    con.print(f"A: {rep.a}\nB: {rep.b}\nprofile {rep.profile}: {len(rep.results)} taps, {n_ag} agree, {n_fl} with "
-              f"flips only, {n_dv} diverged" + (f", {n_nc} not comparable (no common position)" if n_nc else ""))
+    con.print(f"A: {rep.a}\nB: {rep.b}\nprofile {rep.profile}: {summary_counts(rep.results)}")
     if rep.identity.get("forced_past"):
         con.print("forced past identity checks: " + "; ".join(rep.identity["forced_past"]))
     if rep.first_divergence:
         fd = rep.result(rep.first_divergence)
-        con.print(f"FIRST DIVERGENCE: {fd.name} (layer {registry.layer_of(fd.name)}, position {fd.first_position}): "
-                  f"{fd.note}")
-        con.print(f"last agreeing tap before it: {rep.last_agreeing}")
+        layer = registry.layer_of(fd.name)
+        where = ", ".join(x for x in (None if layer is None else f"layer {layer}",
+                                      None if fd.first_position is None else f"position {fd.first_position}") if x)
+        con.print(f"FIRST DIVERGENCE: {fd.name}" + (f" ({where})" if where else "") + f": {fd.note}")
+        con.print("last agreeing tap before it: " + (rep.last_agreeing or "none (the first compared tap diverged)"))
         if rep.explained_by_flip:
             con.print(f"note: this divergence comes after near-tie flips at {rep.explained_by_flip}; it may be "
                       f"explained by them rather than by a bug")

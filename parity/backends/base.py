@@ -55,6 +55,36 @@ class BackendError(UserError, RuntimeError):
     """A backend that cannot be opened or used as asked (missing dependency, bad handle, refused op)."""
 
 
+def describe_exception(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception a backend raised; ``SystemExit(code)`` for a
+    backend that called sys.exit(); a MemoryError names what ran out (GPU memory for CuPy / CUDA allocators,
+    else host memory)."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r}) (the backend called sys.exit)"
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = f"{type(e).__name__}{': ' + msg if msg else ''}"
+    if isinstance(e, MemoryError):
+        mod = type(e).__module__ or ""
+        gpu = mod.startswith(("cupy", "torch.cuda", "numba.cuda")) or "cuda" in text.lower()
+        text += f" (out of {'GPU' if gpu else 'host'} memory)"
+    return text
+
+
+class BackendRaised(UserError, RuntimeError):
+    """The backend under test raised (or called sys.exit, or ran out of memory) while it ran: the documented
+    "backend raised" outcome of every verb -- exit :data:`reference.errors.EXIT_DIVERGENCE` (1), one ERROR line
+    naming the backend and the exception; ``traceback`` (the backend's stack) is printed only with
+    ``--traceback``."""
+
+    from reference.errors import EXIT_DIVERGENCE as exit_code  # noqa: N811 - the class attribute of UserError
+
+    def __init__(self, spec, exc: BaseException, during: str = ""):
+        import traceback as _tb
+        super().__init__(f"backend {str(spec)!r} raised {describe_exception(exc)}{' ' + during if during else ''}")
+        self.spec = str(spec)
+        self.traceback = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
+
+
 def load_weights(model_path, perturb=None):
     """Open a checkpoint (``reference.checkpoint.Checkpoint``), optionally with one tensor replaced.
 

@@ -52,14 +52,23 @@ def terminate_on_signals():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from reference.atomic import note_signal, tracking_signals
     old = {}
 
     def handler(signum, frame):
+        note_signal(signum)
         raise Terminated(signum)
+
+    def on_sigint(signum, frame):  # as Python's default, but recorded: a raised KeyboardInterrupt is not Ctrl-C
+        note_signal(signum)
+        raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGHUP):
         old[sig] = signal.signal(sig, handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
     try:
-        yield
+        with tracking_signals():
+            yield
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
@@ -330,9 +339,18 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def print_table(results: dict, file=None) -> None:
-    """The closing table (rich when it renders, plain text otherwise)."""
+def print_table(results: dict, file=None, fmt: str = "rich") -> None:
+    """The closing table: ``fmt`` 'rich' (boxes; plain text when rich is missing) or 'text' (plain aligned
+    columns, nothing wrapped or cut: for pipes and CI logs)."""
     rows = table_rows(results)
+    out = file or sys.stdout
+    if fmt == "text":
+        cols = ("what", "setting", "measured", "note")
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+        print("qwen4exp bench", file=out)
+        for r in (cols, tuple("-" * w for w in widths), *rows):
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip(), file=out)
+        return
     try:
         from rich.console import Console
         from rich.table import Table

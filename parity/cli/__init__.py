@@ -90,6 +90,17 @@ def _check_argv(argv: list[str]) -> None:
         check_text(a, what)
 
 
+def _command_of(argv: list[str]) -> str:
+    """`` generate`` / `` taps record``: the command named in ``argv`` (read before parsing, for an error
+    prefix), or '' when none is recognised."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] not in (*_MODULES, "tap-diff"):
+        return ""
+    if words[0] == "taps" and len(words) > 1 and words[1] in ("list", "record", "diff"):
+        return f" taps {words[1]}"
+    return f" {words[0]}"
+
+
 def _check_empty_model(args) -> None:
     """An empty MODEL ('') would resolve to the current directory and be reported as '.'; refuse it as typed.
 
@@ -104,6 +115,36 @@ def _check_empty_model(args) -> None:
 def _print_traceback(e: BaseException) -> None:
     import traceback
     traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+
+
+def _outside_backend_raised(args, e: BaseException) -> str | None:
+    """The spec of the ``module:Class`` backend (any ``--backend`` / ``--a`` / ``--b`` ... option of ``args``)
+    whose own code the traceback of ``e`` passes through, or None (then the failure is not the backend's)."""
+    import inspect
+    files = {}
+    for key, val in vars(args).items():
+        if not isinstance(val, str) or ":" not in val or "=" in val.split(":", 2)[1]:
+            continue
+        mod_name, _, rest = val.partition(":")
+        mod = sys.modules.get(mod_name)
+        cls = getattr(mod, rest.split(":", 1)[0], None) if mod is not None else None
+        if not isinstance(cls, type):
+            continue
+        for c in cls.__mro__:  # the outside classes only: an inherited method of ours is not their code
+            if c.__module__.split(".")[0] in ("parity", "reference", "engine", "taps", "builtins"):
+                continue
+            try:
+                files[inspect.getsourcefile(c)] = val
+            except (TypeError, OSError):
+                pass
+    tb = e.__traceback__
+    found = None
+    while tb is not None:  # the innermost outside frame decides
+        f = tb.tb_frame.f_code.co_filename
+        if f in files:
+            found = files[f]
+        tb = tb.tb_next
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_argv(argv)
     except UserError as e:
-        print(f"qwen4exp: error: {e}", file=sys.stderr)
+        print(f"qwen4exp{_command_of(argv)}: error: {e}", file=sys.stderr)
         return e.exit_code
     args = parser.parse_args(argv)
     show_tb = bool(getattr(args, "traceback", False))
@@ -138,11 +179,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", None)  # parity.bench.runner.Terminated (SIGTERM, SIGHUP) carries its signal
+        from reference.atomic import real_interrupt
+        spec = None if signum is not None or real_interrupt() else _outside_backend_raised(args, e)
+        if spec is not None:  # raised by the backend's code, no signal behind it: "backend raised", exit 1
+            from parity.backends import BackendRaised
+            err = BackendRaised(spec, e, "(no signal was received)")
+            print(f"qwen4exp {args.command}: ERROR: {err}", file=sys.stderr)
+            if show_tb:
+                print(err.traceback, file=sys.stderr, end="")
+            return err.exit_code
         what = "interrupted" if signum is None else f"terminated (signal {signum})"
         print(f"qwen4exp {args.command}: {what}", file=sys.stderr)
         return 128 + signum if signum else 130
     except BaseException as e:  # noqa: BLE001 - the boundary: every failure gets a documented code
+        from parity.backends import BackendRaised
         from reference.atomic import WRITE_ERRNOS
+        if not isinstance(e, (UserError, BrokenPipeError)):
+            spec = _outside_backend_raised(args, e)
+            if spec is not None:  # the outside backend's own code raised: the documented "backend raised" outcome
+                e = BackendRaised(spec, e)
+        if isinstance(e, BackendRaised):  # exit 1, one ERROR line; the backend's stack only with --traceback
+            print(f"qwen4exp {args.command}: ERROR: {e}" + ("" if show_tb else " (--traceback prints its stack)"),
+                  file=sys.stderr)
+            if show_tb:
+                print(e.traceback, file=sys.stderr, end="")
+            return e.exit_code
         if isinstance(e, UserError):  # bad input (exit 2), or output that could not be written (exit 4)
             if show_tb:
                 _print_traceback(e)

@@ -15,10 +15,11 @@ def register(subparsers) -> None:
                     "on synthetic real-width weights, with the official transformers implementation (eager) "
                     "timed in the same run as the peer. Warm-up excluded; medians of repeated runs with their "
                     "spread; results as JSON; a table printed last.")
+    from parity.cli.common import model_help
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory or bundled fixture (same as --model; default: tiny)")
+                   help=model_help() + " (same as --model; default: tiny)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
+    src.add_argument("--model", default=None, help="deprecated: the positional MODEL (default: tiny)")
     src.add_argument("--synthetic", choices=["real-widths"], default=None,
                      help="random BF16 weights at the real model's widths (cached; PLE table rows scaled down)")
     p.add_argument("--backend", default=None, metavar="SPEC",
@@ -46,14 +47,15 @@ def register(subparsers) -> None:
     p.add_argument("--decode-tokens", type=int, default=None, help="timed decode steps per setting")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
     p.add_argument("--warmup", type=int, default=1,
-                   help="untimed warm-up runs, >= 1 (default 1: the first run compiles the kernels)")
+                   help="untimed warm-up runs, >= 0 (default 1: the first run compiles the kernels; 0 times it)")
     p.add_argument("--no-peer", action="store_true", help="skip the official implementation")
     p.add_argument("--no-extras", action="store_true", help="skip the n-gram gather and tap-diff figures")
     p.add_argument("--budget-s", type=float, default=None, help="time budget per measurement (later settings skipped)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="hard limit per measurement process, load included (default: 3 x budget + 240 s, or none); "
                         "what was measured before it is kept")
-    p.add_argument("--json", action="store_true", help="print the result JSON (instead of the table)")
+    from parity.cli.common import add_format
+    add_format(p)
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the result JSON to this file ('-' = stdout); its folder must exist, an existing file "
                         "needs --overwrite (replaced only when the run completes)")
@@ -111,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.model_pos is None:
         print("note: bench --model is deprecated; write: qwen4exp bench MODEL", file=sys.stderr)
     _spec_to_flags(args)
+    from parity.cli.common import output_format
+    output_format(args)  # --json with another --format: said before anything runs
     check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
     jobs, settings, checkpoints = plan(args)
     if settings.get("note"):
@@ -136,13 +140,13 @@ def _run_jobs(args, runner, jobs, settings, checkpoints) -> int:
         elif "error" in r:
             print(f"[bench] {key}: error: {r['error']}", file=sys.stderr)
     results = runner.assemble(runs, settings, checkpoints)
-    if args.out == "-":
-        args.json = True
-    elif args.out:
+    from parity.cli.common import output_format
+    fmt = "json" if args.out == "-" else output_format(args)
+    if args.out and args.out != "-":
         runner.write_json_atomic(args.out, results)
-    if args.json:
+    if fmt == "json":
         print(json.dumps(results, default=float))
     else:
-        runner.print_table(results)
+        runner.print_table(results, fmt=fmt)
     bad = [k for k, r in runs.items() if "error" in r]
     return 1 if bad else 0

@@ -9,18 +9,23 @@ import sys
 from pathlib import Path
 
 FORMATS = ("text", "rich", "json")
-MODEL_HELP = "checkpoint directory or bundled fixture name (tiny, tiny-hc2, tiny-hc3, tiny-fp8)"
+def model_help() -> str:
+    """MODEL's help: a checkpoint directory or one of the bundled fixtures that exist (reference.paths)."""
+    from reference.paths import bundled_fixtures
+    return f"checkpoint directory or bundled fixture name ({', '.join(bundled_fixtures()) or 'none built'})"
+
+
 BACKEND_HELP = ("NAME[:key=value,...]: reference (dtype=float32|float64), engine (device=auto|cpu|cuda, "
-                "precision=float32|bf16; auto = cuda when a GPU is present), or module:Class[:key=value,...] "
-                "for an outside engine")
+                "precision=float32|bf16, page_size=N, kv_tokens=N: KV token capacity shared by all sequences, "
+                "max_seqs=N: live sequences; auto = cuda when a GPU is present), or module:Class[:key=value,...] for an outside engine")
 
 
 def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     """The positional MODEL every verb takes (default: the bundled ``tiny`` unless ``required``)."""
     if required:
-        p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+        p.add_argument("model", metavar="MODEL", help=model_help())
     else:
-        p.add_argument("model", metavar="MODEL", nargs="?", default=None, help=MODEL_HELP + " (default: tiny)")
+        p.add_argument("model", metavar="MODEL", nargs="?", default=None, help=model_help() + " (default: tiny)")
 
 
 def add_backend(p, default: str | None, flag: str = "--backend", what: str = "the backend under test",
@@ -213,8 +218,9 @@ def publish_files(files: dict) -> None:
     from reference.atomic import current_umask, signals_deferred, write_failed
     temps = []
     try:
+        from reference.atomic import write_target
         for path, data in files.items():
-            path = Path(path)
+            path = write_target(path)
             try:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
                 temps.append((tmp, path))

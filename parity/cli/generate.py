@@ -9,8 +9,8 @@ import sys
 def register(subparsers) -> None:
     """Add the ``generate`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
-        "generate", help="generate text (streamed) on the engine or the reference",
-        description="Generate text with the engine or the reference. The chat template is the checkpoint's own "
+        "generate", help="generate text (streamed) on the engine, the reference or an outside backend",
+        description="Generate text with the engine, the reference or an outside module:Class backend. The chat template is the checkpoint's own "
                     "(chat_template.jinja / tokenizer_config.json) where present, else a built-in ChatML rendering; "
                     "thinking is on by default as in the official template. Sampling defaults come from "
                     "generation_config.json. The default model is the bundled 'tiny' (random weights: noise).")
@@ -29,7 +29,7 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-p/top-k)")
-    add_backend(p, "engine", what="the backend that generates (engine or reference)")
+    add_backend(p, "engine", what="the backend that generates")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help="deprecated: --backend engine:device=cpu|cuda")
     p.add_argument("--precision", default=None,
@@ -38,7 +38,11 @@ def register(subparsers) -> None:
     p.add_argument("--speculative", metavar="mtp:k=N", default=None,
                    help="speculative decoding with the checkpoint's MTP head: N drafts per round, verified in one "
                         "step (greedy: same text as plain greedy; sampling: the speculative-sampling rule)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (also off when stderr is not a terminal)")
+    from parity.cli.common import add_format
+    add_format(p, default_help="text; json prints one object (text, token ids, timings); text and rich both "
+                               "stream the plain text")
     add_traceback(p)
     p.set_defaults(func=run)
 
@@ -164,13 +168,25 @@ def run(args: argparse.Namespace) -> int:
     from reference.errors import InputError, UserError
 
     from parity.cli.common import backend_spec, safe_text
+    from parity.cli.common import output_format
+    args.json = output_format(args) == "json"
     model_dir = resolve_model(args.model)
+    from parity.backends import backend_class, parse_backend_spec
     name = str(args.backend).split(":", 1)[0]
     name = {"reference-f64": "reference", "engine-cpu": "engine", "engine-cuda": "engine"}.get(name, name)
-    if name not in ("reference", "engine"):
-        raise InputError(f"--backend {args.backend!r}: expected reference or engine (generate drives these two), "
-                         f"found {args.backend!r}")
-    if args.precision is not None:
+    plugin = parse_backend_spec(args.backend).plugin
+    if plugin:  # an outside engine: driven through the same Backend protocol (BackendLM), its options in its spec
+        for flag, v in (("--precision", args.precision), ("--device", args.device)):
+            if v is not None:
+                raise InputError(f"{flag} {v}: expected no {flag} with an outside backend (give its options in "
+                                 f"--backend module:Class:key=value), found --backend {args.backend!r}")
+        backend_class(args.backend)  # unimportable: said before tokenizing anything
+    elif name not in ("reference", "engine"):
+        raise InputError(f"--backend {args.backend!r}: expected reference, engine or module:Class, found "
+                         f"{args.backend!r}")
+    if plugin:
+        pass
+    elif args.precision is not None:
         allowed = ("float32", "float64") if name == "reference" else ("float32", "bf16")
         if name == "reference":
             check_precision("reference", args.precision)
@@ -180,11 +196,11 @@ def run(args: argparse.Namespace) -> int:
     device = None if args.device in (None, "auto") or (name == "reference" and args.device == "cpu") else args.device
     if name == "reference" and device == "cuda":
         raise InputError("--device cuda: the reference runs on the CPU only; use --backend engine:device=cuda")
-    legacy = {"--device": device, ("--dtype" if name == "reference" else "--precision"): args.precision}
+    legacy = {} if plugin else {"--device": device, ("--dtype" if name == "reference" else "--precision"): args.precision}
     sp = backend_spec(args, legacy=legacy)
-    backend = sp.name
-    device = sp.options.get("device", "auto")
-    precision = sp.options.get("dtype" if backend == "reference" else "precision")
+    backend = str(sp) if plugin else sp.name
+    device = sp.options.get("device", "auto") if not plugin else "auto"
+    precision = None if plugin else sp.options.get("dtype" if backend == "reference" else "precision")
     if backend == "reference" and precision == "float32":
         precision = None
 
@@ -266,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         results = [G.generate_speculative(gen, p, params, k_spec, on_text=(lambda s: on_text(0, s)) if stream else None)
                    for p in prompts]
     else:
-        results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json)
+        results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json and not args.no_progress and sys.stderr.isatty())
     n_prompt = sum(len(p) for p in prompts)
     prefill_s = sum(r.prefill_s for r in results)
     decode_s = results[0].decode_s

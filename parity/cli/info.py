@@ -17,8 +17,8 @@ import json
 def register(subparsers) -> None:
     """Add the ``info`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser("info", help="config summary, layer pattern and parameter counts of a checkpoint")
-    p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory or bundled fixture name (default: bundled 'tiny')")
+    from parity.cli.common import add_model
+    add_model(p)
     p.add_argument("--config-only", action="store_true", help="use config.json only (no weights needed)")
     from parity.cli.common import add_format, add_traceback
     add_format(p, default_help="text")
@@ -28,7 +28,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """Run ``qwen4exp info``: print the config summary, storage and parameter counts (from config.json
-    only with ``--config-only``) as text or JSON. Returns 0; checkpoint/config errors propagate."""
+    only with ``--config-only``) as text or JSON. Returns 0; checkpoint/config errors propagate (a missing or
+    mis-shaped tensor is a CheckpointError naming it, exit 2, as in every other verb)."""
     from reference.config import load_config
     from reference.params import COMPONENTS, LABELS, counts_from_config, fmt_bytes, fmt_count, fmt_gib, scan, summary
     from reference.paths import resolve_model
@@ -41,7 +42,7 @@ def run(args) -> int:
     else:
         from reference.checkpoint import Checkpoint
         ck = Checkpoint.open(path)
-        ck.validate(require_complete=False)  # header shapes against config.json (names the first bad tensor)
+        ck.validate()  # every required tensor present, header shapes against config.json: as logits (exit 2 naming it)
         cfg = ck.config
         counts, on_disk = scan(ck)
     known = {k: v for k, v in counts.items() if v is not None}

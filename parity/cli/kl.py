@@ -56,7 +56,8 @@ def render_kl(rep) -> str:
     if rep.greedy:
         ag = [g["agree"] for g in rep.greedy]
         n = len(rep.greedy[0]["a"])
-        lines.append(f"  greedy agreement (of {n}): " + " ".join(str(x) for x in ag))
+        lines.append(f"  greedy agreement (tokens alike before the first difference, of {n} greedy tokens): "
+                     + ", ".join(f"prompt {g['prompt']}: {g['agree']}" for g in rep.greedy))
     lines.append(f"  verdict b: {'PASS' if rep.passed else 'FAIL'} ({rep.reason})")
     lines.append("  controls:")
     for k, c in rep.controls.items():
@@ -149,6 +150,12 @@ def run(args) -> int:
         except ImportError:
             raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
     cfg = load_config(model)
+    if args.perturb is not None:  # named against the option, before anything runs
+        from reference.checkpoint import Checkpoint
+        if not Checkpoint.open(model).has(args.perturb):
+            raise InputError(f"--perturb {args.perturb!r}: expected a tensor name of the checkpoint (e.g. "
+                             f"layers.0.self_attn.o_proj.weight; `qwen4exp info {args.model or 'tiny'}` describes "
+                             f"it), found no tensor of that name")
     prompts = load_prompts(args.prompts, model, cfg.vocab_size)
     from parity.harness.run import run_kl_command
     try:

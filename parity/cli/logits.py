@@ -6,7 +6,8 @@ SPEC: ``reference`` (``reference:dtype=float64``), ``engine`` (``engine:device=c
 ``module:Class``. FILE holds a ``.npy`` integer array, a JSON list of integers (or ``{"ids": [...]}``) or
 whitespace/comma separated integers (:mod:`reference.ids_file`); ``-`` or ``/dev/stdin`` reads a pipe.
 ``--last-only`` writes ``[1, vocab_size]`` (the last position's logits). ``--out -`` writes the .npy bytes
-to stdout; a file is written to a temp name and renamed. Exit codes: ``qwen4exp -h``.
+to stdout; a file is written to a temp name and renamed. Exit codes: ``qwen4exp -h``; logits holding NaN/Inf
+are written as computed with a warning naming the first such position, exit 3 (inconclusive).
 """
 from __future__ import annotations
 
@@ -78,6 +79,13 @@ def run(args) -> int:
         backend, kw = str(sp), {}
     logits = compute_logits(args.model, ids, backend=backend, chunk_size=args.chunk_size, last_only=args.last_only,
                             **kw)
+    from reference.errors import EXIT_INCONCLUSIVE, EXIT_OK, first_nonfinite
+    bad = first_nonfinite(logits)
+    rc = EXIT_OK
+    if bad is not None:  # written as computed, but never silently: NaN/Inf logits are no usable output
+        print(f"qwen4exp logits: warning: the logits at position {bad[0]} are not finite (found {bad[1]}); the "
+              f"checkpoint's weights or the backend give NaN/Inf (exit {EXIT_INCONCLUSIVE})", file=sys.stderr)
+        rc = EXIT_INCONCLUSIVE
     if out is None:  # --out -: the .npy bytes on stdout (e.g. piped into another tool)
         import numpy as np
         buf = io.BytesIO()
@@ -86,7 +94,7 @@ def run(args) -> int:
         sys.stdout.buffer.write(buf.getvalue())
         sys.stdout.buffer.flush()
         print(f"wrote stdout: float32 {list(logits.shape)} ({sp})", file=sys.stderr)
-        return 0
+        return rc
     atomic_save_npy(out, logits)
     print(f"wrote {args.out}: float32 {list(logits.shape)} ({sp})")
-    return 0
+    return rc

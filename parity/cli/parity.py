@@ -7,8 +7,9 @@ scenario suites (budget, chunk-boundary, snapshot-restore, speculative-rollback)
 the backend supports; prints one verdict table with its legend; writes ``report.json`` and the failing
 cases' tap archives under ``--out`` (staged, swapped in when the run completes). Exit codes: the one
 contract of every verb (``qwen4exp -h``): 0 pass; 1 fail (a divergence, a failed control, or the backend
-raising -- or calling sys.exit -- inside a case: an ERROR row, counted as failed); 2 usage/input error; 4
-environment failure.
+raising -- or calling sys.exit -- inside a case: an ERROR row, counted as failed); 2 usage/input error; 3
+inconclusive; 4 environment failure (e.g. a disk that filled up while writing ``--out``: nothing is swapped
+in, the old results stay).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def register(subparsers) -> None:
                     "chunk-boundary, snapshot-restore and speculative-rollback scenarios (every one also with "
                     "concurrent sequences and several paged-cache page sizes). Failures are located by tap-diff. "
                     "Exit 0 pass / 1 fail (a divergence, a failed control, or an exception raised by the backend "
-                    "inside a case: an ERROR row) / 2 usage or input error / 3 inconclusive (the model cannot resolve "
-                    "a fault of useful size at this precision, or a control could not vouch for a pass) / 4 "
-                    "environment failure.")
+                    "inside a case: an ERROR row) / 2 usage or input error / 3 inconclusive (the evidence supports "
+                    "no verdict: the model cannot resolve a fault of useful size at this precision, a control could "
+                    "not vouch for a pass, or the reference's own logits are NaN/Inf) / 4 environment failure (output "
+                    "not written: the old results are kept) / 128+N interrupted by signal N (130 Ctrl-C, 143 SIGTERM).")
     add_model(p)
     add_backend(p, "engine")
     p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",
@@ -153,14 +155,20 @@ def run(args) -> int:
     extra = {"known": known, "below_bound": args.below_bound}
     unwritten = []
     if args.out is not None:
-        with staged_dir(args.out, ("report.json", "taps")) as stage:
-            report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
-                                out_dir=stage, progress=progress, **extra)
-            doc = replace_paths(report.to_json(), str(stage), str(Path(args.out)))
-            unwritten = unwritten_archives(doc)
-            remove_empty_dirs(stage / "taps")
-            write_json_atomic(stage / "report.json", doc)
-        print(f"report: {Path(args.out) / 'report.json'}", file=sys.stderr)
+        try:
+            with staged_dir(args.out, ("report.json", "taps")) as stage:
+                report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
+                                    out_dir=stage, progress=progress, **extra)
+                doc = replace_paths(report.to_json(), str(stage), str(Path(args.out)))
+                unwritten = unwritten_archives(doc)
+                if unwritten:  # an incomplete result set is never swapped in: the old results stay
+                    raise _Incomplete
+                remove_empty_dirs(stage / "taps")
+                write_json_atomic(stage / "report.json", doc)
+        except _Incomplete:
+            pass
+        else:
+            print(f"report: {Path(args.out) / 'report.json'}", file=sys.stderr)
     else:
         report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                             progress=progress, **extra)
@@ -176,8 +184,14 @@ def run(args) -> int:
     elif any(r.traceback for r in report.rows):
         print("qwen4exp parity: the backend raised in some cases; --traceback prints the stack traces (report.json "
               "holds them)", file=sys.stderr)
-    if unwritten:  # the verdict stands, but the archives it points to are missing: say so, never silently
+    if unwritten:  # the output is incomplete (disk full, read-only): the environment failed, exit 4
+        from reference.errors import EXIT_ENVIRONMENT
         print(f"qwen4exp parity: error: {len(unwritten)} failing case(s)' tap archives could not be written under "
-              f"{str(Path(args.out) / 'taps')!r}: {unwritten[0]}", file=sys.stderr)
-        return max(1, report.exit_code)
+              f"{str(Path(args.out) / 'taps')!r}: {unwritten[0]}; nothing was replaced in {str(args.out)!r} (the "
+              f"verdict above is {report.to_json()['verdict']}, exit {EXIT_ENVIRONMENT})", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     return report.exit_code
+
+
+class _Incomplete(Exception):
+    """Raised inside the staged --out block when some output could not be written: the stage is discarded."""

@@ -22,10 +22,15 @@ def _add_diff_args(pd) -> None:
     pd.add_argument("--profile", default="fp32", help="tolerance profile: fp32, bf16 or a TOML file")
     add_format(pd, default_help="text")
     pd.add_argument("--all", action="store_true", help="list every tap, not only the ones that disagree")
-    pd.add_argument("--force", action="store_true", help="diff archives of different models or tokens")
+    pd.add_argument("--force", action="store_true",
+                    help="diff archives A and B of different models or tokens (relaxes the A-vs-B identity check "
+                         "only, never the --replay model check)")
     pd.add_argument("--replay", default=None, metavar="MODEL",
                     help="re-run the first diverging block in the reference on B's recorded input (bisect); MODEL "
                          "must be the checkpoint B was recorded from (same config and weights)")
+    pd.add_argument("--replay-other-weights", action="store_true",
+                    help="let --replay use a model with B's config but other weights (its verdict then judges "
+                         "those weights, not B's)")
     pd.add_argument("--taps", action="append", default=None, metavar="GLOB", help="only taps matching (repeatable)")
     pd.add_argument("--memory-mb", type=int, default=256, help="approximate memory per tap chunk (MB)")
     add_traceback(pd)
@@ -201,6 +206,7 @@ def _cmd_diff(args) -> int:
             replay_ck = Checkpoint.open(resolve_model(args.replay))
         except UserError as e:
             raise InputError(f"--replay {args.replay!r}: expected a model to replay in, found: {e}") from None
+        _check_replay_model(args, replay_ck)
     rep = diff_archives(args.a, args.b, profile=args.profile, force=args.force, taps=args.taps,
                         memory_budget=args.memory_mb << 20, progress=sys.stderr.isatty() and not args.json)
     if args.replay and rep.first_divergence:
@@ -209,15 +215,6 @@ def _cmd_diff(args) -> int:
         from taps.archive import Archive
         ck = replay_ck
         B = Archive.open(args.b)
-        want = B.model.get("config_hash")
-        if want is not None and want != ck.config.config_hash() and not args.force:
-            raise InputError(f"--replay {args.replay!r}: expected the model the archives were recorded from "
-                             f"(config hash {want}), found config hash {ck.config.config_hash()}")
-        want_w = B.model.get("weights_fingerprint")  # same config, other weights: the replay would judge nothing
-        if want_w is not None and want_w != ck.fingerprint() and not args.force:
-            raise InputError(f"--replay {args.replay!r}: expected the weights the archives were recorded with "
-                             f"(weights fingerprint {want_w}), found fingerprint {ck.fingerprint()} (same config, "
-                             f"other weights; --force replays anyway)")
         dt = np.float64 if (Archive.open(args.a).dtype == "float64") else np.float32
         from reference.errors import UserError
         try:
@@ -230,3 +227,24 @@ def _cmd_diff(args) -> int:
     else:
         render_table(rep, show_all=args.all)
     return rep.exit_code
+
+
+def _check_replay_model(args, ck) -> None:
+    """``--replay MODEL`` must be the checkpoint archive B was recorded from: another config is always refused
+    (``--force`` relaxes only the A-vs-B check); other weights are refused unless ``--replay-other-weights``.
+
+    Raises:
+        InputError: naming ``--replay``, the expected and the found config hash / weights fingerprint.
+    """
+    from reference.errors import InputError
+    from taps.archive import Archive
+    B = Archive.open(args.b)
+    want = B.model.get("config_hash")
+    if want is not None and want != ck.config.config_hash():
+        raise InputError(f"--replay {args.replay!r}: expected the model archive B was recorded from (config hash "
+                         f"{want}), found config hash {ck.config.config_hash()} (--force does not relax this)")
+    want_w = B.model.get("weights_fingerprint")  # same config, other weights: the replay would judge other weights
+    if want_w is not None and want_w != ck.fingerprint() and not args.replay_other_weights:
+        raise InputError(f"--replay {args.replay!r}: expected the weights archive B was recorded with (weights "
+                         f"fingerprint {want_w}), found fingerprint {ck.fingerprint()} (same config, other weights; "
+                         f"--replay-other-weights replays anyway)")

@@ -46,7 +46,7 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
         missing or non-directory parent or on /proc; an unknown backend; a layer beyond the model; a
         selection -- ``include`` / ``layers`` / ``positions`` -- that would record nothing; errors name
         the CLI flag); TapCapError when the up-front estimate (or the recording) exceeds ``cap_bytes``;
-        BackendError when a ``module:Class`` backend raises while running. Nothing is left at ``out``
+        BackendRaised (exit 1) when a ``module:Class`` backend raises while running. Nothing is left at ``out``
         (nor a temporary directory beside it) on error.
     """
     import numpy as np
@@ -100,7 +100,7 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
         for g in include:
             if not any(registry.matches(n, [g]) for n in names):
                 raise InputError(f"--taps {g!r}: expected a glob matching some tap of this model (see "
-                                 f"'qwen4exp taps list --model ...'), found none")
+                                 f"'qwen4exp taps list {model_path}'), found none")
     probe = Recorder(include=include, layers=lay)
     if not any(probe.wants(n) for n in names):
         raise InputError(f"--taps {include!r} with --layers {layers!r}: expected a selection holding some tap of "
@@ -157,10 +157,9 @@ def record(model_path, ids: list[int], out, backend: str = "reference", include=
                 except UserError:
                     raise
                 except (Exception, SystemExit) as e:   # noqa: BLE001 - the backend under test failed: one line, nothing written
-                    from parity.backends import BackendError
-                    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                    raise BackendError(f"--backend {spec!r}: raised {type(e).__name__}{': ' + msg if msg else ''} "
-                                       f"while prefilling the {len(ids)} token ids; nothing was written") from e
+                    from parity.backends import BackendRaised
+                    raise BackendRaised(spec, e, f"while prefilling the {len(ids)} token ids; nothing was "
+                                                 f"written") from e
             if rec.n_emits == 0:   # raised inside the block: the writer discards the (empty) archive
                 raise InputError(f"tap recording: the {name} run emitted no tap matching --taps {include!r} / "
                                  f"--layers {layers!r} / --positions {positions!r}; nothing was written")

@@ -133,7 +133,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         return report
     caps = capabilities_of(probe)
     cfg = probe.config
-    report = ParityReport(backend=probe.name, model=str(model),
+    report = ParityReport(backend=_current_spelling(probe.name), model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
                                 "capabilities": {k: v for k, v in caps.items()},
                                 **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
@@ -148,8 +148,16 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     from parity.harness.scenarios import TRUTHLESS
     # the self-consistency suite needs no reference: a run of it alone never loads the truth
     truth = TruthCache(truth_model(model)) if any(s not in TRUTHLESS for s in scenarios) else None
+    from parity.harness.scenarios.common import NonFiniteTruth, token_stream
+    invalid = None
+    if truth is not None:  # the truth must be finite before anything is judged against it (a NaN checkpoint is no verdict)
+        try:
+            truth.logits(kl_prompts[0] if kl_prompts else token_stream(cfg, min(8, cfg.max_position_embeddings),
+                                                                       seed=0))
+        except NonFiniteTruth as e:
+            invalid = e
     floor, coarse = None, None
-    if truth is not None:
+    if truth is not None and invalid is None:
         from parity.harness.floor import thresholds_for_run   # thresholds from the floor measured on this model
         th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
         report.meta.update(thresholds=th.to_json(), floor=floor.to_json())
@@ -159,10 +167,14 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     limits = th.to_json()   # what every row (and every scenario operation) is judged by
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
-    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
+    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress or invalid is not None, leave=False,
+               file=sys.stderr)
     try:
         for name in scenarios:
             t0 = time.perf_counter()
+            if invalid is not None:
+                report.rows.append(_inconclusive_row(name, invalid, limits))
+                continue
             if name == "kl":
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
@@ -181,6 +193,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
                                    level=level, thresholds=th, below_bound=below_bound, known=known)
                 report.rows.append(summarize_results(name, res, time.perf_counter() - t0, inconclusive=coarse))
+            except NonFiniteTruth as e:  # the truth went NaN/Inf at some history: nothing to judge against
+                invalid = e
+                report.rows.append(_inconclusive_row(name, e, limits))
             except (KeyboardInterrupt, UserError):
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
             except (Exception, SystemExit) as e:  # a scenario that cannot run at all is an ERROR row, not a crash
@@ -266,6 +281,24 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
                        known=int(bool(doc.get("known"))), tie_equivalent=tie_eq,
                        thresholds=rep.thresholds.to_json())
+
+
+def _current_spelling(name: str) -> str:
+    """A backend's name in the current --backend grammar (``engine-cpu`` -> ``engine:device=cpu``)."""
+    from parity.backends import parse_backend_spec
+    try:
+        sp = parse_backend_spec(name)
+    except Exception:  # noqa: BLE001 - an outside backend's free-form name is shown as it is
+        return name
+    return str(sp) if sp.alias else name
+
+
+def _inconclusive_row(name: str, e, limits):
+    """A verdict-table row for a scenario that could not be judged because the truth is not finite."""
+    from parity.harness.report import ScenarioRow
+    return ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"),
+                       f"reference (truth) logits not finite at position {e.position}", 0.0, "inconclusive", str(e),
+                       thresholds=limits)
 
 
 def _exc_name(e: BaseException) -> str:

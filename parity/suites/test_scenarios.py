@@ -20,4 +20,9 @@ def test_scenario_case(qwen4exp_case, qwen4exp_settings, qwen4exp_backends, qwen
         pytest.skip(res.failure)
     assert res.status == "pass", (f"{res.label}: {res.status}: {res.failure}\n"
                                   f"  first divergence: {res.divergence}\n"
-                                  f"  worst KL {res.worst_kl:.3g}, worst logit error {res.worst_logit_err:.3g}")
+                                  f"  worst KL {_g(res.worst_kl)}, worst logit error {_g(res.worst_logit_err)}")
+
+
+def _g(x) -> str:
+    """A figure as ``.3g``; ``-`` for a case that produced none (logits of the wrong shape)."""
+    return "-" if x is None else f"{x:.3g}"

@@ -285,7 +285,7 @@ def test_bench_table_printed_last(capsys):
     _need_tiny()
     from parity.cli import main
     rc = main(["bench", "--backend", "reference", "--repeats", "1", "--warmup", "0", "--no-peer", "--no-extras",
-               "--decode-tokens", "2"])
+               "--decode-tokens", "2", "--format", "rich"])
     cap = capsys.readouterr()
     assert rc == 0
     lines = cap.out.strip().splitlines()

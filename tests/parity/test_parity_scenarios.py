@@ -200,7 +200,7 @@ def test_wrong_logits_shape_is_named_not_compared():
     be = PrefillReturnsLastRowOnly.open(REPO / "fixtures" / "tiny")
     case = _pick("budget", be.config, "decode_across_bound")[0]
     r = run_case("budget", case, be, truth_for("tiny"))
-    assert r.status == "fail" and "logits shape" in r.divergence, (r.failure, r.divergence)
+    assert r.status == "fail" and "returned logits of shape" in r.divergence, (r.failure, r.divergence)
 
 
 def test_pytest_plugin_is_inert_unless_used():

@@ -197,7 +197,7 @@ def test_cli_record_diff_replay(tmp_path, capsys):
     record_cli(perturbed_weight()["weights"], IDS, tmp_path / "B")
     assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B")]) == 2
     assert "weights_fingerprint differs" in capsys.readouterr().err
-    assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny",
+    assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny", "--replay-other-weights",
                  "--json"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["first_divergence"] == "layers.3.linear_attn.conv_state"
@@ -266,7 +266,8 @@ def test_cli_replay_without_recorded_input_is_reported_not_fatal(tmp_path, capsy
                  "--taps", "layers.3.linear_attn.*"]) == 0
     record_cli(perturbed_weight()["weights"], IDS, tmp_path / "B", include=["layers.3.linear_attn.*"])
     capsys.readouterr()
-    assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny"]) == 1
+    assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny",
+                 "--replay-other-weights"]) == 1
     out = capsys.readouterr().out
     assert "FIRST DIVERGENCE: layers.3.linear_attn.conv_state" in out
     assert "replay unavailable" in out and "layers.3.attn_hyper_connection.out" in out

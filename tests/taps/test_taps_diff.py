@@ -201,7 +201,7 @@ def test_refuses_different_models_or_tokens_unless_forced():
         diff_archives(A, run(ids=IDS[:3] + [50] + IDS[4:]))
     rep = diff_archives(A, run(ids=IDS[:3] + [50] + IDS[4:]), force=True)
     assert rep.identity["forced_past"]
-    with pytest.raises(DiffRefused, match="found none to compare"):
+    with pytest.raises(DiffRefused, match="found 0 matching"):
         diff_archives(A, run(), taps=["no.such.tap"])
 
 

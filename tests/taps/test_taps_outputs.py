@@ -156,12 +156,20 @@ def test_record_accepts_the_parity_backend_names_and_names_the_device(tmp_path, 
     (["--backend", "engine-cpu", "--device", "cuda"], "--device"),
     (["--backend", "engine-cpu", "--dtype", "float64"], "--dtype"),
     (["--backend", "reference-f64", "--dtype", "float32"], "--dtype"),
-    (["--backend", "plugmod:Boom"], "--backend"),   # the plugin raises while running: one line, nothing written
 ])
 def test_record_bad_backend_choice_exit_2_nothing_written(tmp_path, capsys, ids_file, plugin, args, needle):
     out = tmp_path / "X"
     assert _main(["taps", "record", "tiny", "--ids", ids_file, "--out", out, "--taps", "logits", *args]) == 2
     _one_error_line(capsys, "qwen4exp taps record: error: " + needle)
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_record_plugin_raising_is_backend_raised_exit_1(tmp_path, capsys, ids_file, plugin):
+    """The plugin raises while running: one ERROR line (the "backend raised" outcome, exit 1), nothing written."""
+    out = tmp_path / "X"
+    assert _main(["taps", "record", "tiny", "--ids", ids_file, "--out", out, "--taps", "logits", "--backend",
+                  "plugmod:Boom"]) == 1
+    _one_error_line(capsys, "qwen4exp taps record: ERROR: backend 'plugmod:Boom' raised")
     assert not out.exists() and _leftovers(tmp_path) == []
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from parity.harness.kl import compare_logits, KLThresholds, position_faults, verdict
-from reference.errors import UserError
+from reference.errors import InconclusiveError, UserError
 
 __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfined", "page_sizes_for", "sizes",
            "token_stream", "Sizes"]
@@ -175,6 +175,25 @@ def token_stream(config, n: int, seed: int, eos_every: int | None = None) -> lis
 
 
 # ----------------------------------------------------------------------------------------------- truth
+class NonFiniteTruth(InconclusiveError):
+    """The truth (the reference's full-forward logits) holds NaN or infinity: nothing can be judged
+    against it (exit 3). ``position``: the first non-finite position."""
+
+    def __init__(self, position: int, value: float, what: str = "reference logits"):
+        super().__init__(f"the truth is invalid: {what} at position {position} are not finite (found {value}); "
+                         f"the checkpoint's weights or inputs give NaN/Inf, so no backend can be judged against it "
+                         f"(check the checkpoint: `qwen4exp info MODEL`)")
+        self.position = position
+
+
+def check_truth_finite(logits, what: str = "reference logits") -> None:
+    """Raise :class:`NonFiniteTruth` naming the first position of ``logits`` ``[T, V]`` that is NaN/Inf."""
+    from reference.errors import first_nonfinite
+    bad = first_nonfinite(logits)
+    if bad is not None:
+        raise NonFiniteTruth(bad[0], bad[1], what)
+
+
 class TruthCache:
     """Truth logits: ``model.forward(history)`` (one full forward), cached. A cached forward over a
     longer history also answers every prefix of it (the model is causal). At most ``max_bytes`` of
@@ -196,6 +215,7 @@ class TruthCache:
             if len(k) > n and k[:n] == key:
                 return v[:n]
         out = np.asarray(self.model.forward(list(key)))
+        check_truth_finite(out)
         # drop cached prefixes of the new entry (they are answered by it now)
         for k in [k for k in self._cache if len(k) < n and key[:len(k)] == k]:
             del self._cache[k]
@@ -291,9 +311,10 @@ class Run:
         logits = np.asarray(logits)
         end = start + k
         if logits.shape != (k, self.sizes.vocab) or end > len(s.hist):
-            self.fail(op, f"{desc}: seq {s.label}: logits shape {logits.shape}: expected ({k}, "
-                          f"{self.sizes.vocab})", f"logits shape {logits.shape} != ({k}, {self.sizes.vocab})",
-                      seq=s.label)
+            self.shape_mismatch = True  # the case's KL figures then mean nothing (runner shows '-')
+            want = f"({k}, {self.sizes.vocab}) = [positions, vocab_size]"
+            self.fail(op, f"{desc}: seq {s.label}: backend returned logits of shape {logits.shape}, expected {want}",
+                      f"backend returned logits of shape {logits.shape}, expected {want}", seq=s.label)
         ref = self.truth.logits(s.hist[:end])[start:end]
         cmp = compare_logits(ref, logits)
         self.checks += 1
@@ -470,7 +491,9 @@ class Run:
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
             self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):
-            self.fail(op, f"{d}: expected {len(seqs)} rows of logits, found shape {out.shape}", "decode batch shape")
+            self.shape_mismatch = True
+            self.fail(op, f"{d}: backend returned logits of shape {out.shape}, expected ({len(seqs)}, "
+                          f"{self.sizes.vocab}) = [sequences, vocab_size]", "decode batch shape")
         for i, (s, st) in enumerate(zip(seqs, starts)):
             self._compare(op, d, s, out[i:i + 1], st, 1)
             self._check_position(op, s, d)

@@ -9,7 +9,7 @@ from parity.backends import capabilities_of
 from parity.harness.kl import thresholds_for
 from parity.harness.scenarios.common import Case, CaseConfined, CaseFailure, CaseResult, Run, TruthCache
 from parity.harness.scenarios.locate import locate
-from reference.errors import UserError
+from reference.errors import InconclusiveError, UserError
 
 
 # ----------------------------------------------------------------------------------------------- runner
@@ -48,6 +48,17 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.failed_op = f.op
         res.failed_seq = f.seq
         res.divergence = f.divergence
+    except KeyboardInterrupt as e:
+        from reference.atomic import real_interrupt
+        if real_interrupt():
+            raise  # the user's Ctrl-C / a termination signal: the run stops (exit 128+N)
+        res.status = "error"  # raised by the backend's code, no signal behind it: a crash of the case
+        res.failure = f"{type(e).__name__}: {e} (raised by the backend, no signal was received)"
+        res.divergence = res.failure
+        res.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        res.failed_op = run.ops - 1
+    except InconclusiveError:
+        raise  # the truth itself is invalid (NaN logits): no case can be judged, the run is inconclusive
     except UserError as e:
         res.status = "fail"
         res.failure = f"backend refused an operation the model allows: {type(e).__name__}: {e}"
@@ -64,6 +75,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
     res.worst_logit_err_rel, res.tie_flips = run.worst_rel, run.tie_flips
     res.tie_equivalent = [list(x) for x in run.tie_equivalent]
+    if getattr(run, "shape_mismatch", False):  # logits of the wrong shape: no KL figure describes this case
+        res.worst_kl = res.worst_logit_err = None
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
                                               archive_dir=archive_dir, page_size=page_size,
