@@ -33,15 +33,50 @@ def _load_module_class(spec: str, flag: str = "--backend"):
     return cls
 
 
+def split_backend_options(spec: str, flag: str = "--backend") -> tuple[str, dict]:
+    """``NAME:key=value,...`` -> ``(NAME, {key: value})`` for a built-in NAME (:data:`BACKEND_NAMES`); any other
+    spec comes back as ``(spec, {})`` (``module:Class`` keeps its colon). Values: integers when they parse as
+    one, else strings. (A small, separate parser of the ``--backend`` option grammar; the CLI's
+    ``parse_backend_spec`` may fold it in.)
+
+    Raises:
+        InputError: an item without '=', an empty key, or a key given twice -- naming ``flag`` and the item.
+    """
+    name, sep, rest = str(spec).partition(":")
+    if not sep or name not in BACKEND_NAMES:
+        return spec, {}
+    opts: dict = {}
+    for item in rest.split(","):
+        k, eq, v = item.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or not k:
+            raise InputError(f"{flag} {spec!r}: expected {name}:key=value,..., found the item {item!r}")
+        if k in opts:
+            raise InputError(f"{flag} {spec!r}: expected each option once, found {k!r} twice")
+        try:
+            opts[k] = int(v)
+        except ValueError:
+            opts[k] = v
+    return name, opts
+
+
 def backend_class(spec: str, flag: str = "--backend") -> tuple[type, dict]:
     """Resolve a ``--backend`` value to (class, default open options). ``flag``: the option named in
     error messages (``--a`` / ``--b`` for ``qwen4exp kl``).
 
     Names: 'reference', 'reference-f64', 'engine' (cuda when a GPU is present, else cpu), 'engine-cpu',
-    'engine-cuda', or 'module:Class'.
+    'engine-cuda', 'transformers' (the official implementation, :mod:`parity.backends.transformers`), or
+    'module:Class'; a built-in name may carry options, ``NAME:key=value,...`` (:func:`split_backend_options`).
     Raises:
         InputError: unknown name. BackendError: 'module:Class' not importable.
     """
+    base, extra = split_backend_options(spec, flag)
+    if extra:
+        cls, defaults = backend_class(base, flag)
+        return cls, {**defaults, **extra}
+    if spec == "transformers":
+        from parity.backends.transformers import TransformersBackend
+        return TransformersBackend, {}
     if spec == "reference":
         return ReferenceBackend, {"dtype": np.float32}
     if spec == "reference-f64":
@@ -82,7 +117,7 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
         found = "None" if be is None else f"a {type(be).__name__} ({str(be)[:40]!r})"
         raise BackendError(f"{flag} {spec!r}: expected {getattr(cls, '__name__', 'the class')}.open() to return a "
                            f"backend object (the parity Backend protocol, parity/backend.py), found {found}")
-    if ":" in spec and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):
+    if ":" in spec and getattr(be, "name", None) in (None, "backend", *BACKEND_NAMES):  # module:Class or NAME:opts
         try:
             be.name = spec
         except (AttributeError, TypeError):  # a read-only name: keep the backend's own
