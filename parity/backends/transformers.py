@@ -51,6 +51,7 @@ official module                          value taken                            
 ``layers.{i}.attn_hyper_connection``     input 0 / output 0 / output 2          ``.in`` / ``.out`` / ``.injection_weights``
 ``layers.{i}.linear_attn.norm``          input 0, reshaped ``[T, nv, dv]``      ``layers.{i}.linear_attn.core_out``
 ``layers.{i}.linear_attn``               output                                 ``layers.{i}.linear_attn.out``
+``layers.{i}.self_attn.indexer``         its own ``scores.topk`` call, per query  ``.indexer.block_scores`` / ``.indexer.selected_blocks``
 ``layers.{i}.self_attn``                 output 0                               ``layers.{i}.self_attn.out``
 ``layers.{i}.mlp_hyper_connection``      input 0                                ``layers.{i}.attn_hyper_connection.combine``
 ``layers.{i}.mlp_hyper_connection``      output 0 / output 2                    ``.out`` / ``.injection_weights``
@@ -61,11 +62,16 @@ official module                          value taken                            
 ``lm_head`` (top model)                  output                                 ``logits``
 =======================================  =====================================  ==============================================
 
+The indexer taps are the official code's own values: while ``Qwen4ExpTextQSAIndexer.forward`` runs, a
+``torch.overrides.TorchFunctionMode`` records each ``scores.topk(...)`` call it makes (one per query with a
+complete block, in query order): its input is that query's block scores, its ``indices`` the selected blocks
+in the official order (score descending; exact ties as ``torch.topk`` breaks them -- on CPU not always the lower
+index, which the registry's canonical order asks for; tap-diff reports such a row as a tie-break divergence).
+
 Registry taps with NO counterpart in the official module tree (values computed inside a forward, never a
-module's input or output), so this backend does not emit them: ``layers.{i}.ple.ple_embedding.ngram_ids``,
-``layers.{i}.ple.gate``, ``layers.{i}.linear_attn.conv_out`` (``causal_conv1d_fn`` is a function, not a module),
-``layers.{i}.self_attn.indexer.block_scores`` and ``.selected_blocks`` (the indexer module returns a token mask;
-the block order by score is not recoverable from it), ``layers.{i}.self_attn.core_out`` (``o_proj``'s input is
+module's input or output nor a ranked call), so this backend does not emit them:
+``layers.{i}.ple.ple_embedding.ngram_ids``, ``layers.{i}.ple.gate``, ``layers.{i}.linear_attn.conv_out``
+(``causal_conv1d_fn`` is a function, not a module), ``layers.{i}.self_attn.core_out`` (``o_proj``'s input is
 already multiplied by the output gate). :data:`NO_COUNTERPART` lists them.
 """
 from __future__ import annotations
@@ -83,7 +89,6 @@ from parity.backends.base import Backend, BackendError, CapabilityLimit, _check_
 
 #: registry taps this backend cannot produce (see the module docstring)
 NO_COUNTERPART = ("layers.{i}.ple.ple_embedding.ngram_ids", "layers.{i}.ple.gate", "layers.{i}.linear_attn.conv_out",
-                  "layers.{i}.self_attn.indexer.block_scores", "layers.{i}.self_attn.indexer.selected_blocks",
                   "layers.{i}.self_attn.core_out")
 
 #: the module-output fault: ``out + PERTURB_REL * rms(out)`` -- 5% of the output's scale, far above float32
@@ -291,6 +296,7 @@ class TransformersBackend(Backend):
                     emit(n, args[0].reshape(1, -1, nv, dv)))
                 reg(layer.linear_attn, out_hook(p + "linear_attn.out"))
             else:
+                self._spy_indexer(layer.self_attn.indexer, p + "self_attn.indexer.")
                 reg(layer.self_attn, out_hook(p + "self_attn.out", 0))
             reg(layer.mlp_hyper_connection, in_hook(p + "attn_hyper_connection.combine"))
             reg(layer.mlp_hyper_connection, out_hook(p + "mlp_hyper_connection.out", 0))
@@ -300,6 +306,63 @@ class TransformersBackend(Backend):
             reg(layer, out_hook(p + "mlp_hyper_connection.combine"))
         reg(tm.hyper_connection_mixer, out_hook("hyper_connection_mixer.out"))
         reg(self.model.lm_head, out_hook("logits"))
+
+    def _spy_indexer(self, ix, prefix: str) -> None:
+        """Record the indexer's own ``scores.topk`` calls while it runs (see the module docstring) and emit
+        ``block_scores [T, n_blocks]`` (-inf where a block is not complete/visible; one -inf column before the
+        first complete block, as the reference) and ``selected_blocks [T, block_topk]`` (-1 padded)."""
+        from torch.overrides import TorchFunctionMode
+
+        from reference import taphook
+        torch, be, cfg = self.torch, self, self.config
+        r, k = cfg.indexer_compress_ratio, cfg.block_topk
+
+        class Spy(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.calls = []
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func is torch.Tensor.topk:
+                    self.calls.append((args[0].detach().float().cpu().numpy().copy(),
+                                       out.indices.detach().cpu().numpy().astype(np.int64)))
+                return out
+
+        state = {}
+
+        def pre(_m, args):
+            rec = taphook.current()
+            if rec is None or (hasattr(rec, "wants") and not (rec.wants(prefix + "block_scores")
+                                                              or rec.wants(prefix + "selected_blocks"))):
+                return
+            spy = Spy()
+            spy.__enter__()
+            state["spy"] = spy
+
+        def post(_m, args, _out):
+            spy = state.pop("spy", None)
+            if spy is None:
+                return
+            spy.__exit__(None, None, None)
+            T = args[0].shape[1]
+            pos = np.arange(be._tap_pos, be._tap_pos + T)
+            nc = (pos + 1) // r
+            width = max(1, int(nc.max()))
+            scores = np.full((T, width), -np.inf, dtype=np.float32)
+            sel = np.full((T, k), -1, dtype=np.int64)
+            calls = iter(spy.calls)
+            for t in np.nonzero(nc > 0)[0]:
+                sc, idx = next(calls)
+                scores[t, :sc.shape[0]] = sc
+                sel[t, :idx.shape[0]] = idx
+            rec = taphook.current()
+            for name, v in ((prefix + "block_scores", scores), (prefix + "selected_blocks", sel)):
+                if not hasattr(rec, "wants") or rec.wants(name):
+                    rec.emit(name, v, positions=pos)
+
+        self._hooks.append(ix.register_forward_pre_hook(pre))
+        self._hooks.append(ix.register_forward_hook(post))
 
     # ------------------------------------------------------------------------------------------- sequences
     def _seq(self, h) -> _Seq:
@@ -548,7 +611,7 @@ def _load_reader(model_path: Path, cfg, tdt, quant):
                 p.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
     finally:
         ck.close()
-    note = "Qwen4ExpForCausalLM + weights read by reference.checkpoint" + (
+    note = "load=reader: Qwen4ExpForCausalLM + weights read by reference.checkpoint" + (
         f" ({quant.get('quant_method', 'quantised')} dequantised exactly in float32; transformers' own FP8 loader "
         f"needs accelerate and dequantises to bf16 without a GPU)" if quant else "")
     return model.to(tdt), note

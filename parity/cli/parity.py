@@ -6,7 +6,8 @@ Runs the logit-KL harness (backend against the reference's full forward, with it
 scenario suites (budget, chunk-boundary, snapshot-restore, speculative-rollback) at the page sizes
 the backend supports; prints one verdict table (scenario, cases, worst KL, worst logit error, first
 divergence, time); writes ``report.json`` and the failing cases' tap archives under ``--out``.
-Exit codes: 0 pass; 1 fail (a divergence, a failed control, or the backend under test raising inside a
+Exit codes: 0 pass; 3 inconclusive (every case skipped: the backend declares the operations they need
+unsupported -- nothing was judged); 1 fail (a divergence, a failed control, or the backend under test raising inside a
 case or the KL harness -- such a case is shown as ERROR and counted as failed); 2 usage/input error (bad
 arguments, model or prompts, an --out that cannot be written, a backend that cannot be opened).
 """
@@ -130,12 +131,14 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
 
     op = opener(backend_spec, model)
     from parity.backends import capabilities_of
+    from parity.backends.base import capability_table
     probe = op()  # fails here, clearly, when the backend cannot be opened
     caps = capabilities_of(probe)
     cfg = probe.config
     report = ParityReport(backend=probe.name, model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
-                                "capabilities": {k: v for k, v in caps.items()}})
+                                "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
+                                **({"load": probe.load_note} if getattr(probe, "load_note", None) else {})})
     if hasattr(probe, "close"):
         probe.close()
     kl_prompts = None

@@ -44,7 +44,8 @@ def write_json_atomic(path, obj) -> Path:
 
 @dataclass
 class ScenarioRow:
-    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error'."""
+    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error' | 'skip' (every case skipped: not a pass).
+    ``skips``: each skipped case with its reason (``{"case": label, "reason": ...}``)."""
 
     scenario: str
     cases: int
@@ -57,6 +58,7 @@ class ScenarioRow:
     detail: str = ""
     failures: list = field(default_factory=list)
     skipped: int = 0
+    skips: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""
@@ -65,7 +67,9 @@ class ScenarioRow:
 
 @dataclass
 class ParityReport:
-    """The whole ``qwen4exp parity`` result. ``exit_code``: 0 all pass, 1 any row 'fail' or 'error'.
+    """The whole ``qwen4exp parity`` result. ``verdict``: 'fail' when any row is 'fail' or 'error', else
+    'inconclusive' when no row passed (every row skipped, or none ran: nothing was judged), else 'pass'.
+    ``exit_code``: 0 pass, 1 fail, 3 inconclusive (:data:`VERDICT_EXIT`; the CLI maps the verdict).
 
     A row's 'error' status means the backend under test raised inside a case (or the KL harness): that is
     a failed case (shown as ERROR in the table, counted among the failed cases), so the verdict is FAIL and
@@ -79,17 +83,28 @@ class ParityReport:
     meta: dict = field(default_factory=dict)
 
     @property
-    def exit_code(self) -> int:
-        """1 when any row's status is 'fail' or 'error', else 0."""
+    def verdict(self) -> str:
+        """'fail' (any row 'fail' or 'error'), 'inconclusive' (no row passed: all skipped), else 'pass'."""
         if any(r.status in ("fail", "error") for r in self.rows):
-            return 1
-        return 0
+            return "fail"
+        if not any(r.status == "pass" for r in self.rows):
+            return "inconclusive"
+        return "pass"
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code of :attr:`verdict`: 0 pass, 1 fail, 3 inconclusive."""
+        return VERDICT_EXIT[self.verdict]
 
     def to_json(self) -> dict:
-        """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
+        """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'/'inconclusive'), meta and
+        every row (each with its skipped cases and their reasons)."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
-                         "verdict": {0: "pass", 1: "fail", 2: "error"}[self.exit_code],
-                         "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
+                         "verdict": self.verdict, "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
+
+
+#: verdict -> exit code: 3 is "inconclusive" (nothing judged: every case skipped), distinct from pass and fail
+VERDICT_EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}
 
 
 def _fmt(x: float) -> str:
@@ -144,7 +159,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:4], cell[0], *row[5:]], widths)).rstrip())
         pad = sum(widths[:4]) + 2 * 4
         lines += [" " * pad + more for more in cell[1:]]
-    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[report.exit_code]
+    verdict = report.verdict.upper()
     lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
     text = "\n".join(lines)
     if console is not None:
@@ -153,7 +168,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
             for h in header:
                 t.add_column(h, overflow="fold")
-            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow"}
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "SKIP": "cyan", "INCONCLUSIVE": "cyan"}
             for row in rows:
                 t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
             console.print(t)

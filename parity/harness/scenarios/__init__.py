@@ -111,7 +111,8 @@ def summarize_results(name: str, results, seconds: float):
 
     ran = [r for r in results if r.status != "skip"]
     failed = [r for r in ran if r.status in ("fail", "error")]
-    status = "error" if any(r.status == "error" for r in ran) else ("fail" if failed else "pass")
+    # a skipped case never counts as a pass: a scenario whose every case was skipped is 'skip', not 'pass'
+    status = "error" if any(r.status == "error" for r in ran) else ("fail" if failed else ("pass" if ran else "skip"))
     wk = max((r.worst_kl for r in ran), default=0.0)
     we = max((r.worst_logit_err for r in ran), default=0.0)
     first = next((r for r in failed), None)
@@ -119,12 +120,14 @@ def summarize_results(name: str, results, seconds: float):
     detail = "" if not first else f"{first.label}: {first.failure}"
     where = None if not first else (f"{first.case}" + (f" [page {first.page_size}]" if first.page_size else "")
                                     + f": {first.divergence}")
+    reasons = list(dict.fromkeys(r.failure for r in skipped))
     if skipped:
-        detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
+        detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped: " + "; ".join(reasons[:3]) + (
+            f"; and {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[r.to_json() for r in failed],
-                       skipped=len(skipped))
+                       skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped])
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost
