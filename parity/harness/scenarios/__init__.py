@@ -121,13 +121,17 @@ def summarize_results(name: str, results, seconds: float):
     where = None if not first else (f"{first.case}" + (f" [page {first.page_size}]" if first.page_size else "")
                                     + f": {first.divergence}")
     reasons = list(dict.fromkeys(r.failure for r in skipped))
+    narrowed = [r for r in ran if r.narrowed]
+    if narrowed:
+        detail = (detail + "; " if detail else "") + f"{len(narrowed)} narrowed: {narrowed[0].narrowed[0]}"
     if skipped:
         detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped: " + "; ".join(reasons[:3]) + (
             f"; and {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[r.to_json() for r in failed],
-                       skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped])
+                       skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]
+                       + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed])
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost

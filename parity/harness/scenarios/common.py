@@ -96,6 +96,7 @@ class CaseResult:
     divergence: str | None = None
     archives: list = field(default_factory=list)
     seconds: float = 0.0
+    narrowed: list = field(default_factory=list)  # parts left out for declared limits (the rest was judged)
 
     @property
     def label(self) -> str:
@@ -261,6 +262,7 @@ class Run:
         from parity.backends.base import capabilities_of
         self.caps = capabilities_of(backend)
         self.current_op = None  # the protocol operation in progress (names a CapabilityLimit's operation)
+        self.narrowed: list[str] = []  # parts left out for declared limits (see narrow)
 
     # --- capabilities
     def cap(self, op: str):
@@ -268,14 +270,33 @@ class Run:
         from parity.backends.base import capability
         return capability(self.caps, op)
 
-    def need(self, op: str, what: str, ok=None) -> None:
-        """Skip the case (:class:`CaseSkip`) when ``op`` is unsupported, or when it is limited and ``ok(cap)``
-        says this use is outside the declared limit; ``what`` describes the use for the reason."""
+    def refusal(self, op: str, what: str, ok=None) -> str | None:
+        """Why this use of ``op`` cannot run on the backend (None when it can): ``op`` unsupported, or limited
+        and ``ok(cap)`` false (outside the declared limit); ``what`` describes the use."""
         c = self.cap(op)
         if not c.usable:
-            raise CaseSkip(f"{what}: needs {c.reason()}")
+            return f"{what}: needs {c.reason()}"
         if c.status == "limited" and ok is not None and not ok(c):
-            raise CaseSkip(f"{what}: outside the declared limit ({c.reason()})")
+            return f"{what}: outside the declared limit ({c.reason()})"
+        return None
+
+    def need(self, op: str, what: str, ok=None) -> None:
+        """Skip the case (:class:`CaseSkip`) when :meth:`refusal` gives a reason."""
+        why = self.refusal(op, what, ok)
+        if why:
+            raise CaseSkip(why)
+
+    def rollback_refusal(self, s: "Seq", n: int, what: str | None = None) -> str | None:
+        """Why rolling ``s`` back by ``n`` tokens now is outside the backend's declaration (None: it is not)."""
+        lv = s.last_verify
+        return self.refusal("rollback", what or f"rollback {n} tokens",
+                            lambda c: (c.max_tokens is None or n <= c.max_tokens) and (
+                                c.within != "last_verify" or (lv is not None and lv[1] == len(s.hist) and n <= lv[0])))
+
+    def narrow(self, reason: str) -> None:
+        """Record a part of the case left out for a declared limit (the case still judges the rest; the
+        result lists every narrowing, so a narrowed pass is never shown as a full one)."""
+        self.narrowed.append(reason)
 
     # --- bookkeeping
     def _next_op(self) -> int:
@@ -498,9 +519,9 @@ class Run:
     def rollback(self, s: Seq, n: int, desc: str | None = None):
         """Roll ``s`` back by ``n`` tokens and check its position. Raises CaseFailure on a wrong position."""
         d = desc or f"rollback {n} tokens"
-        lv = getattr(s, "last_verify", None)
-        self.need("rollback", d, lambda c: (c.max_tokens is None or n <= c.max_tokens) and (
-            c.within != "last_verify" or (lv is not None and lv[1] == len(s.hist) and n <= lv[0])))
+        why = self.rollback_refusal(s, n, d)
+        if why:
+            raise CaseSkip(why)
         op = self._next_op()
         self.current_op = "rollback"
         s.last_verify = None

@@ -73,6 +73,7 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     finally:
         run.close()
     res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
+    res.narrowed = list(run.narrowed)
     if res.status == "fail" and res.divergence is None and locate_on_fail and not capability(backend, "taps").usable:
         res.divergence = f"not located: {capability(backend, 'taps').reason()} (no tap replay)"
     if res.status == "fail" and res.divergence is None and locate_on_fail:
