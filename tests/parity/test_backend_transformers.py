@@ -75,6 +75,7 @@ def _prompt(cfg, n, seed=3):
 
 def _torch_tie_order(i, pos, scores, sel):
     """A reference selection hook choosing blocks as the official ``scores.topk`` does (the counterfactual)."""
+    import torch
     out = np.full_like(sel, -1)
     for t in range(len(pos)):
         row = scores[t][np.isfinite(scores[t])]
