@@ -5,6 +5,7 @@
                        [--layers SPEC] [--positions SPEC] [--dtype float32|float64] [--chunk-size N]
                        [--cap BYTES] [--scenario NAME]
       NAME: reference, reference-f64, engine, engine-cpu, engine-cuda or module:Class (parity.backends)
+  qwen4exp taps check DIR [--model MODEL] [--json]      (validate an archive: docs/tap-archive.md)
   qwen4exp tap-diff A B [--profile fp32|bf16|FILE] [--json] [--all] [--force] [--replay MODEL]
                    [--taps GLOB ...] [--memory-mb N]
 
@@ -52,6 +53,12 @@ def register(subparsers) -> None:
     pr.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     pr.set_defaults(func=_cmd_record, command="taps record")
 
+    pc = sub.add_parser("check", help="validate a tap archive against its format (docs/tap-archive.md)")
+    pc.add_argument("dir", help="tap archive directory")
+    pc.add_argument("--model", default=None, help="also check shapes, layers and identity against this model")
+    pc.add_argument("--json", action="store_true", help="machine-readable output")
+    pc.set_defaults(func=_cmd_check, command="taps check")
+
     pd = subparsers.add_parser("tap-diff", help="diff two tap archives: first divergence, flips, replay bisect")
     pd.add_argument("a", help="archive A (the reference side)")
     pd.add_argument("b", help="archive B (the side under test)")
@@ -64,6 +71,29 @@ def register(subparsers) -> None:
     pd.add_argument("--taps", action="append", default=None, metavar="GLOB", help="only taps matching (repeatable)")
     pd.add_argument("--memory-mb", type=int, default=256, help="approximate memory per tap chunk (MB)")
     pd.set_defaults(func=_cmd_diff)
+
+
+# ---------------------------------------------------------------- check
+def _cmd_check(args) -> int:
+    """``taps check DIR``: 0 the archive conforms (warnings printed), 1 it does not (every problem listed),
+    2 DIR is not a directory / a bad --model."""
+    from taps.check import check_archive
+    config = None
+    if args.model:
+        from reference.config import load_config
+        from reference.paths import resolve_model
+        config = load_config(resolve_model(args.model))
+    rep = check_archive(args.dir, config)
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=1))
+    else:
+        for w in rep.warnings:
+            print(f"warning: {w}")
+        for e in rep.problems:
+            print(f"problem: {e}")
+        print(f"{args.dir}: {'valid' if rep.ok else 'INVALID'} tap archive ({rep.taps} taps, {rep.rows} rows, "
+              f"{len(rep.problems)} problems, {len(rep.warnings)} warnings)")
+    return 0 if rep.ok else 1
 
 
 # ---------------------------------------------------------------- list

@@ -194,7 +194,7 @@ def test_rollback_outside_the_declared_limit_is_refused():
 
 
 @pytest.mark.oracle
-def test_taps_map_onto_registry_and_agree_with_reference(ref_models):
+def test_taps_map_onto_registry_and_agree_with_reference(ref_models, tmp_path):
     """Every tap the backend emits is a registry name of this config; every registry tap is emitted except
     exactly the documented NO_COUNTERPART ones; tap-diff against the reference's taps finds no divergence."""
     _need_oracle()
@@ -219,6 +219,12 @@ def test_taps_map_onto_registry_and_agree_with_reference(ref_models):
         assert rep.agree, rep.first_divergence
         assert sum(r.status == "agree" for r in rep.results) == len(names)
         assert any(n.endswith("indexer.selected_blocks") for n in names)
+        # written to disk, the official model's taps form a valid archive (docs/tap-archive.md)
+        from taps.check import check_archive
+        with be.taps(tmp_path / "official.taps", meta={"token_ids": ids}):
+            be.logits(ids)
+        chk = check_archive(tmp_path / "official.taps", be.config)
+        assert chk.ok and chk.taps == len(names), chk.problems
     finally:
         be.close()
 
