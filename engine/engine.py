@@ -53,6 +53,9 @@ class Engine:
         cuda_graphs: replay batched decode steps as CUDA graphs (cuda only; each graph verified against an
             eager step before use, see :class:`engine.model.DecodeGraphs`). Default: on, unless the
             environment sets ``QWEN4EXP_CUDA_GRAPHS=0``.
+        devices: expert parallelism (:mod:`engine.parallel`): a list of CUDA device ids (distinct ids:
+            NCCL; the first runs the trunk and owns all state) or a number of ranks / repeated ids (the
+            stand-in communicator: logical ranks on this one device, NumPy on the CPU). None: one device.
     Raises:
         InputError: bad precision/page_size/sizes. DeviceError: device 'cuda' without a GPU.
         ConfigError: device 'cuda' and the config exceeds a CUDA sequence-kernel limit (checked first).
@@ -61,7 +64,7 @@ class Engine:
     def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
                  kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
                  ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, devices=None):
         if precision not in ("bf16", "float32"):
             raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
         if device == "auto":
@@ -77,7 +80,13 @@ class Engine:
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise InputError(f"prefill_chunk: expected a positive integer or None, found {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress)
+        # expert parallelism (engine/parallel.py): devices=N or [ids]; rank 0 (the first device) runs the trunk
+        self.comm = None
+        if devices is not None:
+            from engine.parallel import make_comm
+            self.comm = make_comm(devices, device, xp)
+        self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress,
+                                 comm=self.comm)
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
             raise InputError(f"page_size: expected a positive integer, found {page_size!r}")
         if kv_tokens is None:
@@ -97,6 +106,8 @@ class Engine:
             cuda_graphs = os.environ.get("QWEN4EXP_CUDA_GRAPHS", "1") != "0"
         self.graphs = None
         self.last_logits = None  # device logits of the latest decode_greedy step (valid until the next step)
+        if self.comm is not None and type(self.comm).__name__ == "NcclComm":
+            cuda_graphs = False  # one graph per device would be needed; the sharded step runs eagerly
         if cuda_graphs and device == "cuda":
             from engine.model import DecodeGraphs
             self.graphs = DecodeGraphs(self.model)

@@ -82,7 +82,7 @@ class EngineModel:
     """
 
     def __init__(self, ck, xp, precision: str = "bf16", ple_placement: str = "host", prefill_gdn_chunk: int = 64,
-                 progress: bool = False):
+                 progress: bool = False, comm=None):
         self.ck = ck
         self.config = c = ck.config
         self.xp = xp
@@ -98,7 +98,17 @@ class EngineModel:
             it = tqdm(names, desc="upload weights", unit="tensor")
         for name, kind in it:
             self.w[name] = self._load(name, kind)
-        self._load_experts(progress)
+        self.ep = None  # engine.parallel.ExpertParallel when the routed experts are split over devices
+        if comm is None:
+            self._load_experts(progress)
+        else:  # experts stay on the host (memory-mapped where stored as such) until split over the ranks
+            from engine.parallel import ExpertParallel
+            xp_dev, self.xp = self.xp, np
+            try:
+                self._load_experts(progress)
+            finally:
+                self.xp = xp_dev
+            self.ep = ExpertParallel(self, comm)
         self.fused: dict[str, list] = {}
         if xp is not np:
             self._fuse_weights()
@@ -274,7 +284,8 @@ class EngineModel:
         """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
         once, not again through its members' row views)."""
         members = {n for spans in self.fused.values() for n, _, _ in spans}
-        return int(sum(a.nbytes for k, a in self.w.items() if k not in members))
+        own = int(sum(a.nbytes for k, a in self.w.items() if k not in members))
+        return own if self.ep is None else own + self.ep.weight_bytes()[0]
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, rec, name, value, positions):
@@ -476,13 +487,14 @@ class EngineModel:
         from engine.kernels import moe as K_moe
         c, w = self.config, self.w
         m = f"layers.{i}.mlp."
-        r = K_moe.moe_block(x, w[m + "gate.weight"], w[m + "experts.gate_up"], w[m + "experts.down"],
+        r = K_moe.moe_block(x, w[m + "gate.weight"], w.get(m + "experts.gate_up"), w.get(m + "experts.down"),
                             top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                             shared_gate_proj=w[m + "shared_expert.gate_proj.weight"],
                             shared_up_proj=w[m + "shared_expert.up_proj.weight"],
                             shared_down_proj=w[m + "shared_expert.down_proj.weight"],
                             shared_expert_gate=w[m + "shared_expert_gate.weight"],
-                            shared_gate_up=w.get(m + "fused_shared_gate_up"))
+                            shared_gate_up=w.get(m + "fused_shared_gate_up"),
+                            experts_fn=None if self.ep is None else (lambda *a, **k: self.ep.routed(i, *a, **k)))
         if rec is not None:
             self._emit(rec, m + "gate.router_logits", r.router_logits, positions)
             self._emit(rec, m + "gate.topk_ids", r.topk_ids.astype(np.int64), positions)
@@ -509,7 +521,7 @@ class EngineModel:
             n = ckx.shape[1]
             for j in range(Tn):
                 ckx[j + 1] = hist[j + 1:j + 1 + n]
-        rows = K_ple.ngram_hash_host(ids, ctx, st.slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
+        rows = K_ple.ngram_hash(ids, ctx, st.slabs, self._hash_tables(i), update_context=True)  # [B, Tn, heads]
         rows2 = rows.reshape(B * Tn, -1)
         self._emit(st.rec, q + "ple_embedding.ngram_ids", rows2, st.positions)
         tab = self.ple[i]

@@ -22,7 +22,6 @@ Acceptance (issue 5): f32 <= 1e-4, KL <= 1e-3, top-1 >= 0.99, greedy 64/64, snap
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -229,11 +228,8 @@ def main(argv=None) -> int:
             f = {"fixture": name, "error": f"{type(e).__name__}: {e}"[:300], "fail": ["error"]}
         rows.append(f)
     if a.json:
-        from pathlib import Path
-        p = Path(a.json)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        tmp.replace(p)
+        from reference.atomic import atomic_write_json
+        atomic_write_json(a.json, rows)
     print(f"engine parity ({a.device}, {time.time() - t0:.1f}s): fixture | f32 vs official | f32 vs reference | "
           f"bf16 KL/pos | bf16 top1 | bf16 tap-diff | greedy64 | snapshot | verify+rollback | decode syncs | CUDA graphs (greedy) | verdict")
     for f in rows:

@@ -21,7 +21,7 @@ from typing import Iterator
 from reference.errors import InputError, UserError
 
 __all__ = ["OutputWriteError", "WRITE_ERRNOS", "write_failed", "write_failure_reason", "check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
-           "atomic_dir", "apply_umask_modes", "atomic_open"]
+           "atomic_dir", "swap_in_dir", "apply_umask_modes", "atomic_open"]
 
 
 #: errno values of a write that failed for the environment's sake (full, read-only or failing disk)
@@ -189,7 +189,7 @@ def atomic_dir(final, *, prefix: str | None = None) -> Iterator[Path]:
                 raise write_failed(final, e) from None
             raise
         try:
-            _swap_in(tmp, final)
+            swap_in_dir(tmp, final)
         except OSError as e:
             raise write_failed(final, e) from None
     finally:
@@ -197,9 +197,14 @@ def atomic_dir(final, *, prefix: str | None = None) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Give ``tmp`` the umask modes and rename it to ``final``; an existing ``final`` is replaced (and put
-    back when the rename fails)."""
+def swap_in_dir(tmp: Path, final: Path) -> None:
+    """Give directory ``tmp`` the umask modes and rename it to ``final``; an existing ``final`` is replaced
+    (set aside first and put back when the rename fails). Used by :func:`atomic_dir` and by writers that
+    build a directory over several calls (tap archives).
+
+    Raises:
+        OSError: the rename failed (``final`` is then as before).
+    """
     apply_umask_modes(tmp)
     old = None
     if final.exists():

@@ -13,19 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from reference.errors import InputError
+from reference.session import check_ids
 
 __all__ = ["read_ids_file", "IDS_FILE_HELP"]
 
 IDS_FILE_HELP = ("a FILE holding token ids: a .npy integer array, a JSON list (or {\"ids\": [...]}), "
                  "or integers separated by whitespace or commas")
-
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _range_error(flag, path, vocab_size, value, index, count):
-    hi = f"vocab_size={vocab_size}" if vocab_size is not None else "2^63"
-    return InputError(f"{flag} {path!r}: expected ids in [0, {hi}), found {value} at index {index} "
-                      f"({count} out of range)")
 
 
 def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> np.ndarray:
@@ -83,8 +76,4 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
                                      f"{item[:40]!r} at item {n}") from None
     if not ids:
         raise InputError(f"{flag} {str(path)!r}: expected at least one token id, found an empty list")
-    hi = _INT64_MAX if vocab_size is None else int(vocab_size) - 1
-    bad = [i for i, x in enumerate(ids) if x < 0 or x > hi]
-    if bad:
-        raise _range_error(flag, str(path), vocab_size, ids[bad[0]], bad[0], len(bad))
-    return np.asarray(ids, dtype=np.int64)
+    return check_ids(ids, vocab_size, f"{flag} {str(path)!r}")

@@ -2,7 +2,8 @@
 
 * :func:`delta_rule_recurrent` -- the gated delta-rule recurrence, one token at a time (decode path and
   the exact sequential oracle for the chunked form).
-* :func:`ngram_hash_rows` -- the PLE n-gram hash with the official int64 wrap-around arithmetic.
+* :func:`ngram_hash_rows` / :func:`ngram_hash_rows_batch` -- the PLE n-gram hash with the official int64
+  wrap-around arithmetic (one sequence / a batch; the engine's host hash calls the batch form).
 * :func:`unit_lower_solve` -- the triangular solve of the chunked delta rule.
 * :func:`block_topk_select` -- the QSA per-query block top-k in the canonical order.
 * :func:`bf16_matmul_t` -- ``x @ W.T`` straight from a BF16 weight's stored bits (no float32 copy of ``W``).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["delta_rule_recurrent", "ngram_hash_rows", "unit_lower_solve", "block_topk_select",
+__all__ = ["delta_rule_recurrent", "ngram_hash_rows", "ngram_hash_rows_batch", "unit_lower_solve", "block_topk_select",
            "bf16_matmul_t"]
 
 
@@ -74,49 +75,71 @@ def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
 
 @njit(cache=True)
 def _ngram_hash_kernel(history, ctx, eos, mult, sizes, offsets, heads_per_ngram, out):  # pragma: no cover
-    L = history.shape[0]
+    B, L = history.shape
     n = mult.shape[0]
     T = L - ctx
     shifted = np.empty(n, dtype=np.int64)
-    for t in range(T):
-        p = ctx + t
-        shifted[0] = history[p]
-        blocked = False  # an EOS at p-s .. p-1 resets every longer shift
-        for s in range(1, n):
-            src = p - s
-            if src < 0 or blocked or history[src] == eos:
-                blocked = True
-                shifted[s] = eos
-            else:
-                shifted[s] = history[src]
-        for ng in range(2, n + 1):
-            mixed = shifted[0] * mult[0]
-            for s in range(1, ng):
-                mixed = mixed ^ (shifted[s] * mult[s])
-            start = (ng - 2) * heads_per_ngram
-            for hh in range(heads_per_ngram):
-                h = start + hh
-                out[t, h] = (mixed % sizes[h]) + offsets[h]
+    for b in range(B):
+        for t in range(T):
+            p = ctx + t
+            shifted[0] = history[b, p]
+            blocked = False  # an EOS at p-s .. p-1 resets every longer shift
+            for s in range(1, n):
+                src = p - s
+                if src < 0 or blocked or history[b, src] == eos:
+                    blocked = True
+                    shifted[s] = eos
+                else:
+                    shifted[s] = history[b, src]
+            for ng in range(2, n + 1):
+                mixed = shifted[0] * mult[0]
+                for s in range(1, ng):
+                    mixed = mixed ^ (shifted[s] * mult[s])
+                start = (ng - 2) * heads_per_ngram
+                for hh in range(heads_per_ngram):
+                    h = start + hh
+                    out[b, t, h] = (mixed % sizes[h]) + offsets[h]
+
+
+def ngram_hash_rows_batch(contexts: np.ndarray, ids: np.ndarray, eos: int, multipliers, head_vocab_sizes,
+                          head_offsets, heads_per_ngram: int) -> np.ndarray:
+    """PLE n-gram table rows of ``B`` sequences at once (Numba; one call for a whole decode batch).
+
+    Args:
+        contexts: ``[B, C]`` int64, each sequence's tokens before its ``ids`` (``C = ngram_size - 1``
+            carried tokens, EOS-filled at sequence start).
+        ids: ``[B, T]`` int64 new token ids.
+        eos, multipliers, head_vocab_sizes, head_offsets, heads_per_ngram: as
+            :func:`reference.blocks.ple.ngram_rows_numpy`.
+    Returns:
+        ``[B, T, ngram_heads]`` int64 rows (head offsets added); row ``b`` equals
+        ``ngram_rows_numpy(contexts[b], ids[b], ...)``.
+    Source: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding.forward`` / ``_shift_right_ignore_eos``.
+    """
+    contexts = np.asarray(contexts, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    history = np.ascontiguousarray(np.concatenate([contexts, ids], axis=1))
+    mult = np.ascontiguousarray(np.asarray(multipliers, dtype=np.int64))
+    sizes = np.ascontiguousarray(np.asarray(head_vocab_sizes, dtype=np.int64))
+    offs = np.ascontiguousarray(np.asarray(head_offsets, dtype=np.int64))
+    out = np.empty((ids.shape[0], ids.shape[1], sizes.shape[0]), dtype=np.int64)
+    _ngram_hash_kernel(history, np.int64(contexts.shape[1]), np.int64(eos), mult, sizes, offs,
+                       np.int64(heads_per_ngram), out)
+    return out
 
 
 def ngram_hash_rows(context: np.ndarray, ids: np.ndarray, eos: int, multipliers, head_vocab_sizes,
                     head_offsets, heads_per_ngram: int) -> np.ndarray:
     """PLE n-gram table rows of ``ids`` given the carried ``ngram_size - 1`` token context (Numba).
 
-    Same contract as :func:`reference.blocks.ple.ngram_rows_numpy` (the readable twin).
+    Same contract as :func:`reference.blocks.ple.ngram_rows_numpy` (the readable twin); one sequence of
+    :func:`ngram_hash_rows_batch`.
     Returns:
         ``[T, ngram_heads]`` int64.
     Source: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding.forward`` / ``_shift_right_ignore_eos``.
     """
-    history = np.concatenate([np.asarray(context, dtype=np.int64), np.asarray(ids, dtype=np.int64)])
-    mult = np.asarray(multipliers, dtype=np.int64)
-    sizes = np.asarray(head_vocab_sizes, dtype=np.int64)
-    offs = np.asarray(head_offsets, dtype=np.int64)
-    T = len(ids)
-    out = np.empty((T, sizes.shape[0]), dtype=np.int64)
-    _ngram_hash_kernel(history, np.int64(len(context)), np.int64(eos), mult, sizes, offs,
-                       np.int64(heads_per_ngram), out)
-    return out
+    return ngram_hash_rows_batch(np.asarray(context, dtype=np.int64)[None], np.asarray(ids, dtype=np.int64)[None],
+                                 eos, multipliers, head_vocab_sizes, head_offsets, heads_per_ngram)[0]
 
 
 @njit(cache=True)

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = REPO_ROOT / "fixtures"
+# a checkout's fixtures/, else the copy an installed wheel carries (pyproject's data-files)
+_INSTALLED_FIXTURES = Path(sys.prefix) / "share" / "qwen4exp-parity" / "fixtures"
+FIXTURES = REPO_ROOT / "fixtures" if (REPO_ROOT / "fixtures").is_dir() else _INSTALLED_FIXTURES
 
 
 def bundled_model(name: str = "tiny") -> Path:

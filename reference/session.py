@@ -22,7 +22,7 @@ import numpy as np
 from reference.errors import InputError
 
 __all__ = ["GrowBuffer", "GDNState", "PLEState", "QSAState", "SessionState", "Snapshot", "Session",
-           "STATE_KINDS", "required_kinds", "check_ids"]
+           "STATE_KINDS", "required_kinds", "check_ids", "check_length"]
 
 #: every state kind a snapshot can carry (``Snapshot.kinds`` lists the ones it holds)
 STATE_KINDS = ("qsa.kv", "qsa.indexer_keys", "gdn.conv", "gdn.recurrent", "ple.conv", "ple.ngram_context")
@@ -40,13 +40,20 @@ def required_kinds(config) -> frozenset:
     return frozenset(kinds)
 
 
-def check_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
-    """Validate token ids: a non-empty 1-D sequence of integers in ``[0, vocab_size)``.
+def check_ids(ids, vocab_size: int | None, what: str = "token ids") -> np.ndarray:
+    """Validate token ids: a non-empty 1-D sequence of integers in ``[0, vocab_size)``. The one token-id
+    check of the project (sessions, backends, id files, prompts files, generation).
 
+    Args:
+        ids: a sequence or array of integers (Python ints beyond int64 are reported, not wrapped); a
+            scalar counts as one id.
+        vocab_size: the exclusive upper bound; None: any id representable as int64 (``[0, 2^63)``).
+        what: names the input in the message (``"--ids 'x.txt'"``, ``"prompt 3"``, ...).
     Returns:
         ``[T]`` int64.
     Raises:
-        InputError: naming the problem (empty, not integers, wrong rank, out of range with the first bad id).
+        InputError: naming the problem (empty, not integers, wrong rank, out of range with the first bad id,
+            its index and the count of bad ids).
     """
     arr = np.asarray(ids)
     if arr.ndim == 0:
@@ -55,13 +62,34 @@ def check_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
         raise InputError(f"{what}: expected a 1-D sequence of integers, found an array of shape {arr.shape}")
     if arr.size == 0:
         raise InputError(f"{what}: expected at least one token id, found none")
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+    # Python ints too large for int64 arrive as an object array: compare them as Python ints
+    py_ints = arr.dtype == object and all(isinstance(x, int) and not isinstance(x, bool) for x in arr)
+    if not py_ints and (arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer)):
         raise InputError(f"{what}: expected integers, found dtype {arr.dtype}")
-    bad = np.nonzero((arr < 0) | (arr >= vocab_size))[0]
+    limit = 2 ** 63 if vocab_size is None else int(vocab_size)
+    if py_ints:
+        bad = np.nonzero(np.array([x < 0 or x >= limit for x in arr.tolist()], dtype=bool))[0]
+    else:
+        bad = np.nonzero((arr < 0) | (arr > min(limit - 1, np.iinfo(np.int64).max)))[0]
     if bad.size:
-        raise InputError(f"{what}: expected ids in [0, vocab_size={vocab_size}), found {int(arr[bad[0]])} at "
-                         f"index {int(bad[0])} ({bad.size} out of range)")
+        hi = "2^63" if vocab_size is None else f"vocab_size={vocab_size}"
+        raise InputError(f"{what}: expected token ids in [0, {hi}), found {arr[bad[0]]} at index {int(bad[0])} "
+                         f"({bad.size} out of range)")
     return arr.astype(np.int64)
+
+
+def check_length(n_ids: int, max_positions: int, what: str = "--ids") -> None:
+    """Refuse more token ids than the model has positions (every backend: the reference would otherwise
+    run for minutes before failing or silently go past the trained range).
+
+    Args:
+        n_ids: number of ids; max_positions: the config's ``max_position_embeddings``; what: names the input.
+    Raises:
+        InputError: ``n_ids > max_positions``.
+    """
+    if n_ids > max_positions:
+        raise InputError(f"{what}: expected at most max_position_embeddings={max_positions} token ids, found "
+                         f"{n_ids}")
 
 
 class GrowBuffer:

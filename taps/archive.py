@@ -24,9 +24,7 @@ interface that tap-diff consumes: ``names()``, ``info(name)``, ``positions(name)
 from __future__ import annotations
 
 import hashlib
-import contextlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -601,14 +599,11 @@ class ArchiveWriter:
             t["segments"].append({"file": fname, "key": key, "rows": int(len(rows)),
                                   "pos_min": int(pos.min()) if len(pos) else 0,
                                   "pos_max": int(pos.max()) if len(pos) else -1})
-        part = self.tmp / (fname + ".part")
+        # written straight into the unpublished temp directory: the whole archive appears at once in close()
         try:
-            save_file(tensors, str(part))
-            digest, size = file_sha256(part)
-            os.replace(part, self.tmp / fname)
+            save_file(tensors, str(self.tmp / fname))
+            digest, size = file_sha256(self.tmp / fname)
         except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (no errno) on a full disk, OSError
-            with contextlib.suppress(OSError):
-                part.unlink()
             raise _write_failed(self.out, e) from None
         self._chunks[fname] = {"sha256": digest, "bytes": size}
         self._pending.clear()
@@ -634,13 +629,8 @@ class ArchiveWriter:
             **fields,
             "order": list(self._order), "taps": self._taps, "chunks": dict(self._chunks),
         }
-        old = None
         try:
-            tmpm = self.tmp / (MANIFEST + ".part")
-            tmpm.write_text(json.dumps(manifest, indent=1))
-            os.replace(tmpm, self.tmp / MANIFEST)
-            from reference.atomic import apply_umask_modes
-            apply_umask_modes(self.tmp)  # mkdtemp's 0700 and the chunk temp files' 0600 -> the umask's modes
+            (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             if self.out.exists() or self.out.is_symlink():
                 if not self.out.is_dir() or self.out.is_symlink():
                     raise ArchiveError(f"archive output {str(self.out)!r}: expected a directory path, found "
@@ -648,19 +638,13 @@ class ArchiveWriter:
                 if not self.overwrite:
                     raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an "
                                        f"existing directory (remove it or pass --overwrite)")
-                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-                os.replace(self.out, old)          # set aside; restored if publishing fails
-            os.rename(self.tmp, self.out)
+            from reference.atomic import swap_in_dir
+            swap_in_dir(self.tmp, self.out)  # umask modes; an old archive set aside and restored on failure
         except BaseException as e:
             shutil.rmtree(self.tmp, ignore_errors=True)   # nothing half-written is left behind
-            if old is not None and not self.out.exists():
-                with contextlib.suppress(OSError):
-                    os.replace(old, self.out)
             if isinstance(e, OSError):
                 raise _write_failed(self.out, e) from None
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         self.closed = True
         return self.out
 

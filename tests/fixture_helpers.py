@@ -6,7 +6,9 @@ tests never need torch to read them.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,16 @@ if str(REPO) not in sys.path:
 
 FIXTURES = REPO / "fixtures"
 FIXTURE_NAMES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8")
+
+
+def seed_for_test(nodeid: str | None = None) -> int:
+    """The fixed random seed of a test: crc32 of its pytest node id (``nodeid``, default the running test's,
+    from ``$PYTEST_CURRENT_TEST``). Every run of a test draws the same inputs (its checks and negative
+    controls never depend on a seed that changes per run); different tests and parametrisations draw
+    different inputs."""
+    if nodeid is None:
+        nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    return zlib.crc32(nodeid.encode())
 
 
 def fixture_dir(name: str = "tiny") -> Path:

@@ -1,8 +1,8 @@
-"""Shared helpers for the sequence-kernel tests (tests/test_kernels_seq*.py): fresh random problems, scrambled
+"""Shared helpers for the sequence-kernel tests (tests/engine/test_kernels_seq*.py): seeded random problems, scrambled
 paged pools, and float64 dense re-statements of the official semantics that know nothing of pages.
 
-Not a test module. Every generator takes an ``np.random.Generator``; tests draw a fresh seed per run and put it in
-their failure messages so a failure can be replayed.
+Not a test module. Every generator takes an ``np.random.Generator``; tests draw the fixed seed of the running test
+(:func:`seeded_rng`) and put it in their failure messages.
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import math
 import numpy as np
 
 
-def fresh_rng():
-    """``(seed, rng)`` with a seed drawn from OS entropy (fresh inputs every run)."""
-    seed = int(np.random.SeedSequence().entropy % (2 ** 32))
+def seeded_rng():
+    """``(seed, rng)`` with the running test's fixed seed (:func:`fixture_helpers.seed_for_test`)."""
+    from fixture_helpers import seed_for_test
+    seed = seed_for_test()
     return seed, np.random.default_rng(seed)
 
 

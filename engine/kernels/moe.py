@@ -29,7 +29,6 @@ from engine.kernels.dense_common import ptr_or_null
 from reference.blocks import moe as _ref_moe
 from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
-from reference.blocks.qsa import canonical_topk as _ref_canonical_topk
 
 __all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert"]
 
@@ -55,13 +54,7 @@ def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
         raise KernelInputError(f"top_k: expected 1..min(E={E}, 64), found {top_k}")
     if not is_cupy(xp):
         dt = compute_dtype(logits)
-        lg = logits.astype(dt, copy=False)
-        ex = np.exp(lg - lg.max(axis=-1, keepdims=True))
-        p = ex / ex.sum(axis=-1, keepdims=True)
-        ids = _ref_canonical_topk(p, top_k)  # the project's shared canonical order
-        w = np.take_along_axis(p, ids, axis=-1)
-        if norm_topk_prob:
-            w = w / w.sum(axis=-1, keepdims=True)
+        ids, w = _ref_moe.router_topk(logits.astype(dt, copy=False), top_k, norm_topk_prob)
         return ids.astype(np.int32), w
     lg = f32_contig(logits, "logits")
     ids = _empty(xp, (T, top_k), dtype=xp.int32)
@@ -274,7 +267,8 @@ class MoEOut:
 
 
 def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bool = True, shared_gate_proj=None,
-              shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None, shared_gate_up=None) -> MoEOut:
+              shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None, shared_gate_up=None,
+              experts_fn=None) -> MoEOut:
     """The sparse MoE block (``Qwen4ExpTextSparseMoeBlock.forward``): router, routed experts, shared
     expert gated by ``sigmoid(shared_expert_gate x)``.
 
@@ -286,6 +280,9 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
         shared_gate_proj, shared_up_proj: ``[Is, H]``; shared_down_proj: ``[H, Is]``;
         shared_expert_gate: ``[1, H]``. All four or none.
         shared_gate_up: optional stacked ``[2 * Is, H]`` (see :func:`shared_expert`).
+        experts_fn: optional ``fn(x, ids, weights, shared=, shared_gate=) -> [T, H]`` replacing
+            :func:`moe_experts` (expert parallelism: :meth:`engine.parallel.ExpertParallel.routed`);
+            ``gate_up``/``down`` are then unused (None).
     Returns:
         :class:`MoEOut`.
     Raises:
@@ -301,5 +298,8 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
     if shared_gate_proj is not None:
         shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
         sg = linear(x, shared_expert_gate)
-    out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
+    if experts_fn is not None:
+        out = experts_fn(x, ids, w, shared=shared, shared_gate=sg)
+    else:
+        out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

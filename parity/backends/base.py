@@ -19,6 +19,8 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.position(h) -> int                   # tokens in the sequence's state (the KV length)
     be.free(h)
     be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
+    be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
+    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
     with be.taps(out_dir=None, include=...) as rec: ...   # record taps (taps.recorder.Recorder)
     be.close()
 
@@ -185,17 +187,6 @@ def one_shot_logits(be, ids) -> np.ndarray:
     return Backend.logits(be, ids)
 
 
-def _check_ids(ids, vocab: int, what: str = "ids") -> list[int]:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.size == 0:
-        raise InputError(f"{what}: expected a non-empty 1-D list of token ids, found shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"{what}: expected integer token ids, found dtype {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= vocab:
-        raise InputError(f"{what}: expected token ids in [0, {vocab}), found range [{arr.min()}, {arr.max()}]")
-    return [int(x) for x in arr]
-
-
 class Backend:
     """Base class of the backend protocol (see the module docstring). Subclasses implement the
     sequence operations; :meth:`logits` and :meth:`taps` have generic defaults.
@@ -245,6 +236,11 @@ class Backend:
         """Feed ``ids`` (optionally in chunks of ``chunk_size``) to sequence ``h``; returns the logits
         ``[T, V]`` of every fed position (host float32, float64 for 'reference-f64')."""
         raise NotImplementedError
+
+    def prefill_last(self, h, ids: Sequence[int]) -> np.ndarray:
+        """:meth:`prefill` returning only the last position's logits ``[V]`` (generation; backends that can
+        skip the other rows override it). Default: the last row of :meth:`prefill`."""
+        return np.asarray(self.prefill(h, ids))[-1]
 
     def decode(self, hs: Sequence, ids: Sequence[int]) -> np.ndarray:
         """One token per sequence (``ids[i]`` for ``hs[i]``), decoded as a batch; returns logits ``[B, V]``."""

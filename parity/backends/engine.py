@@ -8,9 +8,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
 
 
 class EngineBackend(Backend):
@@ -83,8 +84,32 @@ class EngineBackend(Backend):
         Raises:
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
+
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to sequence ``h`` (``Engine.prefill(last_only=True)``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        return np.asarray(self.eng.prefill(h, ids, last_only=True)).reshape(-1)
+
+    def decode_greedy(self, hs, ids):
+        """Greedy decode: int64 ``[B]`` next tokens, the row argmax taken on the engine's device
+        (``Engine.decode_greedy``; first maximum, as ``np.argmax``).
+
+        Raises:
+            InputError: bad ids.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
+        return np.asarray(self.eng.decode_greedy(list(hs), np.asarray(ids, dtype=np.int64)))
+
+    @property
+    def max_positions(self):
+        """Positions one sequence may hold (the engine pool's ``max_positions``), or None when unknown."""
+        return getattr(getattr(self.eng, "pool", None), "max_positions", None)
 
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` for sequence ``hs[i]``, batched (``Engine.decode``).
@@ -92,7 +117,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: bad ids.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         return np.asarray(self.eng.decode(list(hs), ids))
 
     def forward_tokens(self, h, ids):
@@ -101,7 +126,7 @@ class EngineBackend(Backend):
         Raises:
             InputError: bad ids.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         return np.asarray(self.eng.verify(h, ids))
 
     def rollback(self, h, n):

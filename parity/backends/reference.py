@@ -8,9 +8,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, _check_ids, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -78,8 +79,17 @@ class ReferenceBackend(Backend):
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
             BackendError: ``h`` is not a live handle of this backend.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self._sess(h).prefill(ids, chunk_size=chunk_size))
+
+    def prefill_last(self, h, ids):
+        """Logits ``[V]`` of the last of ``ids`` fed to session ``h`` (the other rows are never formed).
+
+        Raises:
+            InputError: bad ids. BackendError: ``h`` is not a live handle of this backend.
+        """
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        return np.asarray(self._sess(h).prefill(ids, last_only=True)).reshape(-1)
 
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
@@ -91,7 +101,7 @@ class ReferenceBackend(Backend):
         if len(hs) != len(ids):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
                              f"{len(ids)} tokens")
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         return np.stack([np.asarray(self._sess(h).decode(t)) for h, t in zip(hs, ids)])
 
     def forward_tokens(self, h, ids):
@@ -101,7 +111,7 @@ class ReferenceBackend(Backend):
             InputError: bad ids.
             BackendError: ``h`` is not a live handle of this backend.
         """
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         return np.asarray(self._sess(h).forward_tokens(ids))
 
     def rollback(self, h, n):
@@ -130,5 +140,5 @@ class ReferenceBackend(Backend):
 
     def logits(self, ids):
         """The one-shot logits: the model's single full forward (the truth path)."""
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.model.forward(ids))

@@ -51,10 +51,8 @@ def _partial(spec: dict, out: dict) -> None:
     path = spec.get("partial_path")
     if not path:
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, default=float)
-    os.replace(tmp, path)
+    from reference.atomic import atomic_write_json
+    atomic_write_json(path, out, indent=None, default=float)
 
 
 class _Deadline:
@@ -69,13 +67,11 @@ class _Deadline:
 # --------------------------------------------------------------------------------------------- reference
 def run_reference(spec: dict) -> dict:
     """Reference on the CPU. spec: model, prompt_len, decode_tokens, repeats, warmup, dtype."""
-    from reference.checkpoint import Checkpoint
-    from reference.model import ReferenceModel
+    from parity.backends import open_backend
 
     t0 = time.perf_counter()
-    ck = Checkpoint.open(spec["model"])
-    cfg = ck.config
-    model = ReferenceModel(ck, dtype=np.float64 if spec.get("dtype") == "float64" else np.float32)
+    be = open_backend("reference-f64" if spec.get("dtype") == "float64" else "reference", spec["model"])
+    cfg = be.config
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(spec.get("seed", 0))
     P, D = int(spec["prompt_len"]), int(spec["decode_tokens"])
@@ -83,17 +79,18 @@ def run_reference(spec: dict) -> dict:
     pre, dec = [], []
     runs = int(spec.get("warmup", 1)) + int(spec["repeats"])
     for r in range(runs):
-        sess = model.new_session()
+        h = be.new_sequence()
         t = time.perf_counter()
-        logits = sess.prefill(prompt, last_only=True)
+        logits = be.prefill_last(h, prompt)
         pt = time.perf_counter() - t
         tok = int(np.argmax(logits))
         steps = []
         for _ in range(D):
             t = time.perf_counter()
-            logits = sess.decode(tok)
+            logits = be.decode([h], [tok])[0]
             steps.append(time.perf_counter() - t)
             tok = int(np.argmax(logits))
+        be.free(h)
         _log(f"reference run {r + 1}/{runs}: prefill {P / pt:.1f} tok/s, decode {D / sum(steps):.2f} tok/s")
         if r >= int(spec.get("warmup", 1)):
             pre.append(pt)
@@ -284,17 +281,14 @@ def hbm_bandwidth(cp, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
 def run_engine(spec: dict) -> dict:
     """The engine. spec: model, device, precision, prompt_lens, decode ([[batch, context], ...]),
     decode_tokens, repeats, warmup, budget_s."""
-    import engine as engine_pkg
     from engine.backend import get_xp
+    from parity.backends import open_backend
     from parity.bench.stats import CupyEventTimer, WallTimer
-    from reference.checkpoint import Checkpoint
 
     dev = spec.get("device", "cpu")
     xp = get_xp(dev)  # raises the engine's DeviceError when cuda is asked for and absent
     prec = spec.get("precision") or ("bf16" if dev == "cuda" else "float32")
     deadline = _Deadline(spec.get("budget_s"))
-    ck = Checkpoint.open(spec["model"])
-    cfg = ck.config
     pl = list(spec.get("prompt_lens", []))
     dc = [tuple(x) for x in spec.get("decode", [])]
     D = int(spec.get("decode_tokens", 8))
@@ -303,8 +297,10 @@ def run_engine(spec: dict) -> dict:
     max_c = max([c for _, c in dc] + pl + [1])
     kv_tokens = 2 * max_c + (max_b + 2) * (warm + D + 16) + 64
     t0 = time.perf_counter()
-    eng = engine_pkg.Engine(ck, precision=prec, device=dev, max_seqs=max_b + 2, kv_tokens=kv_tokens,
-                            progress=bool(spec.get("progress")))
+    be = open_backend(f"engine-{dev}", spec["model"], precision=prec, max_seqs=max_b + 2, kv_tokens=kv_tokens,
+                      progress=bool(spec.get("progress")))
+    # what is measured is the engine's own serving API (fork, pipelined greedy steps, sync counter)
+    eng, ck, cfg = be.eng, be.eng.ck, be.config
     load_s = time.perf_counter() - t0
     timer = (lambda: CupyEventTimer(xp)) if dev == "cuda" else WallTimer
     rng = np.random.default_rng(spec.get("seed", 0))

@@ -10,8 +10,9 @@ Pieces (each usable alone):
 * :class:`SamplingParams` / :class:`Sampler` - greedy, temperature, top-k, top-p (transformers'
   warper order: temperature, then top-k, then top-p), seeded; defaults from ``generation_config.json``.
 * :class:`StreamDecoder` - incremental detokenisation that never emits half of a multi-byte character.
-* :class:`Generator` - prefill + decode loop over a :class:`LanguageModel` adapter
-  (:class:`ReferenceLM`, :class:`EngineLM`), single or batched, with stop conditions and timings.
+* :class:`Generator` - prefill + decode loop over any :class:`parity.backends.Backend` (opened by
+  :func:`parity.backends.open_backend`; :class:`BackendLM` is the thin adapter), single or batched,
+  with stop conditions and timings.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from reference.errors import InputError, UserError
+from reference.session import check_ids
 
 from reference.tokenizer import TokenizerMissingError, load_tokenizer  # noqa: E402,F401
 
@@ -504,102 +506,66 @@ class StreamDecoder:
 
 
 # ----------------------------------------------------------------------------------------------- models
-class LanguageModel(Protocol):
-    """What the generator needs from a backend. Handles are opaque per-sequence objects."""
+class BackendLM:
+    """The generator's view of a :class:`parity.backends.Backend` (the one model protocol): a thin adapter
+    that starts a sequence on a prompt, decodes the live sequences as one batch and frees them.
 
-    vocab_size: int
-    max_context: int
-    config: object  # reference.config.ModelConfig
+    Attributes:
+        backend: the wrapped backend; config, vocab_size: its model's; max_context: the positions a
+            sequence may hold (the backend's ``max_positions`` when it has one, else the config's
+            ``max_position_embeddings``); step_greedy: None when the backend has no ``decode_greedy``.
+    """
 
-    def start(self, prompt_ids: np.ndarray):  # -> (handle, logits [V] of the last prompt position)
-        """Start a sequence on ``prompt_ids``; returns ``(handle, logits [V] of the last prompt position)``."""
-        ...
-
-    def step(self, handles: list, token_ids: np.ndarray) -> np.ndarray:  # logits [B, V]
-        """Feed ``token_ids[i]`` to ``handles[i]``; returns logits ``[B, V]``."""
-        ...
-
-    def close(self, handle) -> None:
-        """Release ``handle``."""
-        ...
-
-
-class ReferenceLM:
-    """The reference model as a :class:`LanguageModel` (one session per sequence; a batch decodes
-    its sessions one after another - the reference has no batched path)."""
-
-    def __init__(self, model, max_context: int | None = None):
-        self.model = model
-        cfg = model.config if hasattr(model, "config") else model.ck.config
-        self.config = cfg
-        self.vocab_size = cfg.vocab_size
-        self.max_context = int(max_context or cfg.max_position_embeddings)
+    def __init__(self, backend, max_context: int | None = None):
+        self.backend = backend
+        self.config = backend.config
+        self.vocab_size = int(self.config.vocab_size)
+        lim = max_context or getattr(backend, "max_positions", None)
+        self.max_context = int(lim or self.config.max_position_embeddings)
+        if getattr(backend, "decode_greedy", None) is None:
+            self.step_greedy = None
 
     def start(self, prompt_ids):
-        """A new session prefilled with ``prompt_ids`` (int64); returns ``(session, logits [V])`` of the
-        last prompt position."""
-        sess = self.model.new_session()
-        logits = sess.prefill(np.asarray(prompt_ids, dtype=np.int64), last_only=True)
-        logits = np.asarray(logits)
-        return sess, (logits[-1] if logits.ndim == 2 else logits)
-
-    def step(self, handles, token_ids):
-        """Decode ``token_ids[i]`` on session ``handles[i]``, one after another; returns logits ``[B, V]``."""
-        return np.stack([np.asarray(h.decode(int(t))).reshape(-1) for h, t in zip(handles, token_ids)])
-
-    def close(self, handle):
-        """Does nothing (a reference session holds nothing to release)."""
-        pass
-
-
-class EngineLM:
-    """The engine as a :class:`LanguageModel`: one engine sequence per prompt, all active sequences
-    decoded together through ``Engine.decode(seqs, ids)`` (the batched path)."""
-
-    def __init__(self, engine, config, max_context: int | None = None):
-        self.eng = engine
-        self.config = config
-        self.vocab_size = config.vocab_size
-        pool = getattr(engine, "pool", None)
-        lim = max_context or getattr(pool, "max_positions", None)
-        self.max_context = int(lim or config.max_position_embeddings)
-
-    def start(self, prompt_ids):
-        """A new engine sequence prefilled with ``prompt_ids`` (int64); returns ``(sequence, logits [V])`` of
-        the last prompt position. The sequence is freed when the prefill raises."""
-        seq = self.eng.add_sequence()
+        """A new sequence prefilled with ``prompt_ids`` (int64); returns ``(handle, logits [V])`` of the last
+        prompt position (``Backend.prefill_last`` when the backend has it: no ``[T, V]`` logits kept). The
+        sequence is freed when the prefill raises."""
+        be = self.backend
+        h = be.new_sequence()
         try:
-            logits = np.asarray(self.eng.prefill(seq, np.asarray(prompt_ids, dtype=np.int64), last_only=True))
+            last = getattr(be, "prefill_last", None)
+            logits = np.asarray(last(h, prompt_ids) if last is not None else np.asarray(be.prefill(h, prompt_ids))[-1])
         except BaseException:
-            self.eng.free(seq)
+            be.free(h)
             raise
-        return seq, (logits[-1] if logits.ndim == 2 else logits)
+        return h, logits.reshape(-1)
 
     def step(self, handles, token_ids):
-        """Decode ``token_ids[i]`` on ``handles[i]`` as one batch (``Engine.decode``); returns logits ``[B, V]``."""
-        return np.asarray(self.eng.decode(list(handles), np.asarray(token_ids, dtype=np.int64)))
+        """Decode ``token_ids[i]`` on ``handles[i]`` as one batch (``Backend.decode``); returns logits ``[B, V]``."""
+        return np.asarray(self.backend.decode(list(handles), [int(t) for t in token_ids]))
 
     def step_greedy(self, handles, token_ids):
-        """Greedy :meth:`step`: the argmax of each row taken on the engine's device
-        (``Engine.decode_greedy``, first maximum as ``np.argmax``); returns int64 ``[B]`` next tokens."""
-        return np.asarray(self.eng.decode_greedy(list(handles), np.asarray(token_ids, dtype=np.int64)))
+        """Greedy :meth:`step`: the argmax of each row taken on the backend's device (``decode_greedy``,
+        first maximum as ``np.argmax``); returns int64 ``[B]`` next tokens."""
+        return np.asarray(self.backend.decode_greedy(list(handles), [int(t) for t in token_ids]))
 
     def close(self, handle):
-        """Free the engine sequence ``handle``."""
-        self.eng.free(handle)
+        """Free the sequence ``handle``."""
+        self.backend.free(handle)
 
 
 def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "auto", precision: str | None = None,
-            max_seqs: int = 8):
-    """Load the checkpoint and wrap ``backend`` ('reference' or 'engine') as a :class:`LanguageModel`.
+            max_seqs: int = 8) -> BackendLM:
+    """Open ``backend`` ('reference' or 'engine') on the checkpoint through
+    :func:`parity.backends.open_backend` and wrap it as a :class:`BackendLM`.
 
-    ``device`` applies to the engine: 'cuda', 'cpu' or 'auto' (cuda when a GPU is usable);
-    ``max_seqs`` is the engine's live-sequence capacity (the batch size).
+    ``device`` applies to the engine: 'cuda', 'cpu' or 'auto' (cuda when a GPU is usable); ``precision``:
+    'float64' selects the reference's float64, the engine's precision otherwise (default bf16 on cuda,
+    float32 on cpu); ``max_seqs`` is the engine's live-sequence capacity (the batch size, at least 8).
     Raises:
         DeviceUnavailableError: device 'cuda' asked for and no GPU/cupy usable.
-        InputError: unknown backend or device.
+        InputError: unknown backend or device; the opener's errors.
     """
-    from reference.checkpoint import Checkpoint
+    from parity.backends import open_backend
 
     if backend not in ("reference", "engine"):
         raise InputError(f"backend: expected 'reference' or 'engine', found {backend!r}")
@@ -614,13 +580,10 @@ def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "au
             device = "cuda" if gpu_available() else "cpu"
         if backend == "reference" and device == "cuda":
             raise InputError("device 'cuda': the reference runs on the CPU only; use --backend engine for the GPU")
-    ck = Checkpoint.open(model_dir)
     if backend == "reference":
-        from reference.model import ReferenceModel
-        return ReferenceLM(ReferenceModel(ck, dtype=np.float64 if precision == "float64" else np.float32))
-    import engine as engine_pkg
+        return BackendLM(open_backend("reference-f64" if precision == "float64" else "reference", model_dir))
     prec = precision or ("bf16" if device == "cuda" else "float32")
-    return EngineLM(engine_pkg.Engine(ck, precision=prec, device=device, max_seqs=max(8, int(max_seqs))), ck.config)
+    return BackendLM(open_backend(f"engine-{device}", model_dir, precision=prec, max_seqs=max(8, int(max_seqs))))
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -663,13 +626,14 @@ def _finite(x: float):
 
 
 class Generator:
-    """Prefill + decode loop over a :class:`LanguageModel` with stop conditions and streaming.
+    """Prefill + decode loop over a backend with stop conditions and streaming.
 
+    ``lm``: a :class:`parity.backends.Backend` (wrapped in a :class:`BackendLM`) or a :class:`BackendLM`.
     ``eos_ids``: stop ids (the stop token itself is kept in ``token_ids`` but not in ``text``).
     """
 
-    def __init__(self, lm: LanguageModel, tokenizer, eos_ids: Sequence[int] = ()):
-        self.lm = lm
+    def __init__(self, lm, tokenizer, eos_ids: Sequence[int] = ()):
+        self.lm = lm if isinstance(lm, BackendLM) else BackendLM(lm)
         self.tok = tokenizer
         self.eos = frozenset(int(e) for e in eos_ids)
 
@@ -683,9 +647,7 @@ class Generator:
         if n >= self.lm.max_context:
             raise ContextError(f"{where}: expected fewer than {self.lm.max_context} tokens (the context, leaving "
                                f"room for one generated token), found {n}")
-        bad = [int(t) for t in prompt_ids if not 0 <= int(t) < self.lm.vocab_size]
-        if bad:
-            raise InputError(f"{where}: expected token ids in [0, {self.lm.vocab_size}), found {bad[:5]}")
+        check_ids(prompt_ids, self.lm.vocab_size, where)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -696,7 +658,7 @@ class Generator:
                        on_text: Callable[[int, str], None] | None = None, progress: bool = False
                        ) -> list[GenerationResult]:
         """Generate for several prompts: each prefilled alone, then all unfinished sequences decoded
-        together one token per step (``LanguageModel.step``). ``on_text(i, piece)`` streams."""
+        together one token per step (``BackendLM.step``: ``Backend.decode``). ``on_text(i, piece)`` streams."""
         params.validate()
         for i, p in enumerate(prompts):
             self.check_prompt(p, None if len(prompts) == 1 else i)

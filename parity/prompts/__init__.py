@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from reference.errors import InputError
+from reference.session import check_ids
 
 __all__ = ["DEFAULT_PROMPTS", "load_prompts"]
 
@@ -56,8 +57,5 @@ def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
                              f"{type(it).__name__}")
         if not ids:
             raise InputError(f"--prompts {p}: item {n}: expected at least one token, found an empty prompt")
-        bad = [x for x in ids if not 0 <= x < vocab_size]
-        if bad:
-            raise InputError(f"--prompts {p}: item {n}: expected token ids in [0, {vocab_size}), found {bad[0]}")
-        out.append([int(x) for x in ids])
+        out.append(check_ids(ids, vocab_size, f"--prompts {p}: item {n}").tolist())
     return out

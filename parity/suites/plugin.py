@@ -1,80 +1,97 @@
-"""pytest plugin of ``parity.suites`` (registered by the repository's root conftest.py): the ``--backend`` / ``--model`` / ``--parity-level`` options, the
-session-wide backend opener and truth, and the (scenario, case, page size) parametrisation."""
-from __future__ import annotations
+"""pytest plugin of ``parity.suites``, registered through the ``pytest11`` entry point of the installed
+package (pyproject.toml), so ``pytest --pyargs parity.suites --qwen4exp-backend NAME`` works in any
+repository after ``pip install qwen4exp-parity``, without a conftest. Without an installed entry point
+(a plain checkout on ``PYTHONPATH``) load it with ``-p parity.suites.plugin``; ``-p no:parity.suites.plugin``
+turns it off.
 
-import sys
-from pathlib import Path
+Loaded into every pytest run of an environment that has the package, it stays inert unless used: its
+options are prefixed (``--qwen4exp-backend``, ``--qwen4exp-model``, ``--qwen4exp-level``,
+``--qwen4exp-page-sizes``), its configure hook checks them only when one is given, it parametrizes only
+tests that ask for the ``qwen4exp_case`` fixture (``parity/suites/test_scenarios.py``) and its fixtures
+(all ``qwen4exp_*``) do nothing until requested."""
+from __future__ import annotations
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+#: option name -> (default, help)
+OPTIONS = {
+    "--qwen4exp-backend": (None, "backend to test: reference, reference-f64, engine, engine-cpu, engine-cuda or "
+                                 "module:Class (default: reference)"),
+    "--qwen4exp-model": (None, "checkpoint directory or bundled fixture name (default: tiny)"),
+    "--qwen4exp-level": ("full", "scenario level: full (every combination) or ci (fewer combinations)"),
+    "--qwen4exp-page-sizes": (None, "comma-separated paged-cache page sizes (default: from the config)"),
+}
+DEFAULT_BACKEND = "reference"
 
 
 def pytest_addoption(parser):
-    """Add ``--backend``, ``--model``, ``--parity-level`` and ``--page-sizes`` (skipped when already
-    registered)."""
+    """Add the ``--qwen4exp-*`` options (group "qwen4exp parity")."""
     group = parser.getgroup("qwen4exp parity")
-    for args, kw in [
-        (("--backend",), dict(action="store", default="reference",
-                              help="backend to test: reference, reference-f64, engine, engine-cpu, engine-cuda or "
-                                   "module:Class (default: reference)")),
-        (("--model",), dict(action="store", default=None,
-                            help="checkpoint directory or bundled fixture name (default: tiny)")),
-        (("--parity-level",), dict(action="store", default="full", choices=["full", "ci"],
-                                   help="scenario level: full (every combination) or ci (fewer combinations)")),
-        (("--page-sizes",), dict(action="store", default=None,
-                                 help="comma-separated paged-cache page sizes (default: from the config)")),
-    ]:
-        try:
-            group.addoption(*args, **kw)
-        except ValueError:  # already registered by another conftest/plugin
-            pass
+    for name, (default, help_) in OPTIONS.items():
+        kw = dict(action="store", default=default, help=help_)
+        if name == "--qwen4exp-level":
+            kw["choices"] = ["full", "ci"]
+        group.addoption(name, **kw)
 
 
 def pytest_configure(config):
-    """Refuse an unknown ``--backend`` or bad ``--page-sizes`` once, as a usage error (not one failure per
-    case)."""
+    """When ``--qwen4exp-backend`` or ``--qwen4exp-page-sizes`` is given: refuse an unknown backend, a missing
+    checkpoint or bad page sizes once, as a usage error (not one failure per case). Does nothing otherwise."""
+    spec = config.getoption("--qwen4exp-backend")
+    ps = config.getoption("--qwen4exp-page-sizes")
+    if spec is None and ps is None:
+        return
     from reference.errors import UserError
     try:
-        spec = config.getoption("--backend")
-    except ValueError:  # options not registered (plugin loaded some other way)
-        return
-    try:
         from parity.backends import backend_class
-        backend_class(spec)
+        backend_class(spec or DEFAULT_BACKEND, flag="--qwen4exp-backend")
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
-    ps = config.getoption("--page-sizes")
+    _model(config)  # a missing checkpoint is one usage error too
     if ps is not None:
         from parity.harness.scenarios import parse_page_sizes
         try:
             from reference.config import load_config
-            from reference.paths import resolve_model
-            max_pos = load_config(resolve_model(config.getoption("--model"))).max_position_embeddings
-            parse_page_sizes(ps, max_pos)
+            max_pos = load_config(_model(config)).max_position_embeddings
+            parse_page_sizes(ps, max_pos, flag="--qwen4exp-page-sizes")
         except UserError as e:
             raise pytest.UsageError(str(e)) from None
 
 
-def _settings(config):
+def _model(config):
+    """The checkpoint of ``--qwen4exp-model`` (default: the bundled fixture ``tiny``, present in a checkout).
+
+    Raises:
+        pytest.UsageError: no checkpoint there (naming the option).
+    """
+    from reference.errors import UserError
     from reference.paths import resolve_model
-    model = resolve_model(config.getoption("--model"))
-    ps = config.getoption("--page-sizes")
+    given = config.getoption("--qwen4exp-model")
+    try:
+        return resolve_model(given)
+    except UserError as e:
+        hint = "" if given else (" (the bundled fixtures live in a checkout of the repository, not in the "
+                                 "installed package: pass --qwen4exp-model DIR)")
+        raise pytest.UsageError(f"--qwen4exp-model: {e}{hint}") from None
+
+
+def _settings(config):
     from parity.harness.scenarios import parse_page_sizes
-    pages = parse_page_sizes(ps) if ps is not None else None
-    return config.getoption("--backend"), model, config.getoption("--parity-level"), pages
+    model = _model(config)
+    ps = config.getoption("--qwen4exp-page-sizes")
+    pages = parse_page_sizes(ps, flag="--qwen4exp-page-sizes") if ps is not None else None
+    spec = config.getoption("--qwen4exp-backend") or DEFAULT_BACKEND
+    return spec, model, config.getoption("--qwen4exp-level"), pages
 
 
 def pytest_generate_tests(metafunc):
-    """Parametrize ``parity_case`` with ``(scenario, case, page_size)`` for every case of every scenario
-    at each page size of the page plan (``--page-sizes``, else the config's sizes when the backend pages, else
-    one run without a page size)."""
-    if "parity_case" not in metafunc.fixturenames:
+    """Parametrize ``qwen4exp_case`` with ``(scenario, case, page_size)`` for every case of every scenario
+    at each page size of the page plan (``--qwen4exp-page-sizes``, else the config's sizes when the backend
+    pages, else one run without a page size). Tests without that fixture are left alone."""
+    if "qwen4exp_case" not in metafunc.fixturenames:
         return
-    from parity.harness.scenarios import SCENARIOS, cases_for, _page_plan
     from parity.backends import Backend, backend_class
+    from parity.harness.scenarios import SCENARIOS, _page_plan, cases_for
     from reference.config import load_config
     spec, model, level, pages = _settings(metafunc.config)
     cfg = load_config(model)
@@ -89,28 +106,29 @@ def pytest_generate_tests(metafunc):
             for ps in _page_plan(caps, cfg, pages):
                 params.append((name, case.name, ps))
                 ids.append(f"{name}/{case.name}" + (f"/page{ps}" if ps else ""))
-    metafunc.parametrize("parity_case", params, ids=ids)
+    metafunc.parametrize("qwen4exp_case", params, ids=ids)
 
 
 @pytest.fixture(scope="session")
-def parity_settings(request):
+def qwen4exp_settings(request):
     """Session fixture: ``(backend spec, model path, level, page sizes or None)`` from the options."""
     return _settings(request.config)
 
 
 @pytest.fixture(scope="session")
-def parity_truth(parity_settings):
+def qwen4exp_truth(qwen4exp_settings):
     """Session fixture: a TruthCache over the reference truth model of the chosen model."""
     from parity.backends import truth_model
     from parity.harness.scenarios.common import TruthCache
-    return TruthCache(truth_model(parity_settings[1]))
+    return TruthCache(truth_model(qwen4exp_settings[1]))
 
 
 @pytest.fixture(scope="session")
-def parity_backends(parity_settings):
-    """A cache page_size -> open backend (opened on first use, closed at session end)."""
+def qwen4exp_backends(qwen4exp_settings):
+    """A cache page_size -> open backend (opened on first use through ``parity.backends.opener``, closed
+    at session end)."""
     from parity.backends import opener
-    spec, model, _level, _pages = parity_settings
+    spec, model, _level, _pages = qwen4exp_settings
     op = opener(spec, model)
     cache: dict = {}
 

@@ -1,21 +1,21 @@
-"""Every scenario case against the backend given by ``--backend`` (see parity/suites/conftest.py)."""
+"""Every scenario case against the backend given by ``--qwen4exp-backend`` (fixtures: parity/suites/plugin.py)."""
 from __future__ import annotations
 
 import pytest
 
 
-def test_scenario_case(parity_case, parity_settings, parity_backends, parity_truth):
+def test_scenario_case(qwen4exp_case, qwen4exp_settings, qwen4exp_backends, qwen4exp_truth):
     """Run one scenario case on the chosen backend; it must pass (skipped when the case is skipped)."""
     from parity.backends import BackendError
     from parity.harness.scenarios import cases_for
     from parity.harness.scenarios.runner import run_case
-    name, case_name, ps = parity_case
+    name, case_name, ps = qwen4exp_case
     try:
-        be = parity_backends(ps)
+        be = qwen4exp_backends(ps)
     except BackendError as e:
-        pytest.fail(f"backend {parity_settings[0]!r} could not be opened: {e}", pytrace=False)
-    case = next(c for c in cases_for(name, be.config, parity_settings[2]) if c.name == case_name)
-    res = run_case(name, case, be, parity_truth, page_size=ps)
+        pytest.fail(f"backend {qwen4exp_settings[0]!r} could not be opened: {e}", pytrace=False)
+    case = next(c for c in cases_for(name, be.config, qwen4exp_settings[2]) if c.name == case_name)
+    res = run_case(name, case, be, qwen4exp_truth, page_size=ps)
     if res.status == "skip":
         pytest.skip(res.failure)
     assert res.status == "pass", (f"{res.label}: {res.status}: {res.failure}\n"

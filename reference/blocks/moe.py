@@ -11,26 +11,40 @@ from reference.blocks.linear import linear
 from reference.blocks.norms import sigmoid, silu
 from reference.blocks.qsa import canonical_topk
 
-__all__ = ["route", "swiglu", "moe_block"]
+__all__ = ["router_topk", "route", "swiglu", "moe_block"]
 
 
-def route(x: np.ndarray, gate_w: np.ndarray, top_k: int, norm_topk_prob: bool):
-    """Router: ``softmax(x W^T)`` then the canonical top-k (probability descending, lower expert id first).
+def router_topk(logits: np.ndarray, top_k: int, norm_topk_prob: bool):
+    """Router selection from logits: ``softmax`` then the canonical top-k (probability descending, lower
+    expert id first).
 
     Args:
-        x: ``[T, H]``; gate_w: ``[E, H]``.
+        logits: ``[T, E]`` router logits (the softmax runs in their dtype).
     Returns:
-        ``(router_logits [T, E], topk_ids [T, k] int64, topk_weights [T, k])``; weights renormalised to sum
-        1 when ``norm_topk_prob``.
+        ``(topk_ids [T, k] int64, topk_weights [T, k])``; weights renormalised to sum 1 when ``norm_topk_prob``.
     Source: ``Qwen4ExpTextTopKRouter.forward`` (softmax in float32 there; in the compute dtype here).
     """
-    logits = linear(x, gate_w)
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)
     ids = canonical_topk(probs, top_k)
     wts = np.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         wts = wts / wts.sum(axis=-1, keepdims=True)
+    return ids, wts
+
+
+def route(x: np.ndarray, gate_w: np.ndarray, top_k: int, norm_topk_prob: bool):
+    """Router: ``logits = x W^T``, then :func:`router_topk`.
+
+    Args:
+        x: ``[T, H]``; gate_w: ``[E, H]``.
+    Returns:
+        ``(router_logits [T, E], topk_ids [T, k] int64, topk_weights [T, k])``; weights renormalised to sum
+        1 when ``norm_topk_prob``.
+    Source: ``Qwen4ExpTextTopKRouter.forward``.
+    """
+    logits = linear(x, gate_w)
+    ids, wts = router_topk(logits, top_k, norm_topk_prob)
     return logits, ids, wts
 
 

@@ -109,9 +109,9 @@ def test_outside_backend_subclassing_ours_is_named_by_its_spec(tmp_path, monkeyp
 
 
 def test_suites_unknown_backend_is_a_usage_error():
-    """`pytest --pyargs parity.suites --backend nosuch`: one usage error (exit 4), not a failure per case."""
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "parity.suites",
-                        "--backend", "nosuch", "-o", "addopts="], cwd=REPO_ROOT, capture_output=True, text=True,
+    """`pytest --pyargs parity.suites --qwen4exp-backend nosuch`: one usage error (exit 4), not a failure per case."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "parity.suites.plugin",
+                        "--pyargs", "parity.suites", "--qwen4exp-backend", "nosuch", "-o", "addopts="], cwd=REPO_ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
     assert p.returncode == 4, (p.returncode, p.stdout[-500:], p.stderr[-500:])
     assert "nosuch" in p.stderr and "failed" not in p.stdout

@@ -251,7 +251,7 @@ def test_page_sizes_parser_and_pytest_plugin():
 
     class Cfg:
         def __init__(self, ps):
-            self.opts = {"--backend": "reference", "--model": None, "--page-sizes": ps}
+            self.opts = {"--qwen4exp-backend": "reference", "--qwen4exp-model": None, "--qwen4exp-page-sizes": ps}
 
         def getoption(self, name):
             return self.opts[name]

@@ -1,6 +1,7 @@
-"""CPU tests of the dense kernels' NumPy twins (engine/kernels/{linear,moe,norms,ple}.py).
+"""CPU tests of the dense kernels' NumPy twins (engine/kernels/{linear,moe,norms,ple}.py), including the
+engine's host n-gram hash against the reference's readable form on the tiny fixture's tables.
 
-Every check draws fresh random inputs (a per-test seed from the OS, printed on failure) and
+Every check draws random inputs from the test's fixed seed (``rng`` fixture of tests/conftest.py, printed) and
 compares with an independent float64 formula written here (loops / Python ints, not the twins'
 vectorised code). Negative controls inject a known fault and assert it is caught AND located.
 
@@ -10,8 +11,6 @@ perturbed weight (relative size ~1e-1 of a row) gives errors > 1e-3.
 """
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 import pytest
 
@@ -19,16 +18,12 @@ from engine.kernels import linear as L
 from engine.kernels import moe as M
 from engine.kernels import norms as N
 from engine.kernels import ple as P
+from ple_helpers import ple_layer  # noqa: E402
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
+from reference.checkpoint import Checkpoint
+from reference.paths import FIXTURES
 
 TOL32 = 1e-5  # see module docstring
-
-
-@pytest.fixture
-def rng():
-    seed = secrets.randbits(32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
 
 
 def rel(a, b) -> float:
@@ -67,7 +62,9 @@ def test_linear_twin_matches_float64(rng, wkind, M_):
     assert rel(out, ref) < TOL32
     # negative control: one perturbed weight is caught and located in its output column
     bad = w.copy()
-    r, c = rng.integers(Nn), rng.integers(K)
+    # the perturbed input column is the one with the largest |x|: the fault's output error (4 |x[:, c]|)
+    # is then always far above the tolerance (a small |x[:, c]| once hid it for M_ = 1)
+    r, c = int(rng.integers(Nn)), int(np.argmax(np.abs(x).max(axis=0)))
     bad[r, c] = to_bf16_bits(np.float32(w64[r, c] + 4.0)) if wkind == "bf16" else np.float32(w64[r, c] + 4.0)
     yb = L.linear(x, bad)
     assert rel(yb, ref) > 100 * TOL32
@@ -352,16 +349,19 @@ def test_ngram_hash_chunked_matches_python_ints(rng, n):
     np.testing.assert_array_equal(got, ref)
     assert ctx[slot].tolist() == seq[T - (n - 1):].tolist()
     assert (ctx[[0, 1, 3]] == eos).all()  # other slots untouched
-    # negative control 1: dropped context between chunks -> caught at the first positions of chunk 2
+    # negative control 1: dropped context between chunks -> caught at the first positions of chunk 2. The
+    # n-1 tokens before the cut are made non-EOS (an EOS there would make the dropped context an EOS-filled
+    # one that the official hash also uses, hiding the fault), so the control is active on every input.
+    b = cuts[1]
+    seq_c = seq.copy()
+    seq_c[max(0, b - (n - 1)):b] = rng.integers(eos + 1, V, size=b - max(0, b - (n - 1)))
+    ref_c = ngram_ref_python(seq_c.tolist(), n, hpn, eos, lay.multipliers, lay.head_vocab_sizes, lay.head_offsets)
     ctx2 = np.full((1, n - 1), eos, np.int64)
-    a, b = cuts[0], cuts[1]
-    first = P.ngram_hash(seq[None, a:b], ctx2, [0], tabs)[0]
+    first = P.ngram_hash(seq_c[None, :b], ctx2, [0], tabs)[0]
     ctx2[:] = eos  # fault: state dropped
-    second = P.ngram_hash(seq[None, b:], ctx2, [0], tabs)[0]
-    bad = np.nonzero((np.concatenate([first, second]) != ref).any(axis=1))[0]
-    no_eos_before = all(seq[p] != eos for p in range(max(0, b - (n - 1)), b))
-    if no_eos_before:
-        assert len(bad) and bad[0] == b and bad.max() < b + n - 1
+    second = P.ngram_hash(seq_c[None, b:], ctx2, [0], tabs)[0]
+    bad = np.nonzero((np.concatenate([first, second]) != ref_c).any(axis=1))[0]
+    assert len(bad) and bad[0] == b and bad.max() < b + n - 1
     # negative control 2: off-by-one position (the history shifted by one token) is caught
     shifted = np.concatenate([[eos], seq[:-1]])
     ctx3 = np.full((1, n - 1), eos, np.int64)
@@ -401,6 +401,51 @@ def test_ngram_hash_batched_decode_equals_per_sequence(rng):
         np.testing.assert_array_equal(steps[b], ref)
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_ngram_hash_equals_reference_readable_form(T):
+    """The engine's batched host hash (the reference's Numba twin over the engine's context slab) equals the
+    reference's readable form sequence by sequence, and advances each carried context to its last tokens."""
+    from reference.blocks.ple import ngram_rows_numpy
+    ck = Checkpoint.open(FIXTURES / "tiny")
+    c = ck.config
+    layer = c.ple_layers[0]
+    tab = P.PLEHashTables.from_layout(c.ple_layout(layer), c, np)
+    rng = np.random.default_rng(3 + T)
+    ids = rng.integers(0, c.vocab_size, (4, T))
+    ids[1, 0] = tab.eos
+    ids[3, T - 1] = tab.eos
+    ctx = rng.integers(0, c.vocab_size, (6, c.ngram_size - 1))
+    ctx[2, -1] = tab.eos
+    slots = np.array([0, 2, 5, 3])
+    got_ctx = ctx.copy()
+    got = P.ngram_hash(ids, got_ctx, slots, tab)
+    for b, s in enumerate(slots):
+        want = ngram_rows_numpy(ctx[s], ids[b], tab.eos, tab.multipliers, tab.vocab_sizes, tab.offsets,
+                                tab.heads_per_ngram)
+        np.testing.assert_array_equal(got[b], want)
+        hist = np.concatenate([ctx[s], ids[b]])
+        np.testing.assert_array_equal(got_ctx[s], hist[len(hist) - (c.ngram_size - 1):])
+    untouched = [r for r in range(6) if r not in slots]
+    np.testing.assert_array_equal(got_ctx[untouched], ctx[untouched])
+    # negative control: one multiplier off by one changes rows of every head of that order and above
+    bad = P.PLEHashTables(tab.multipliers.copy(), tab.vocab_sizes, tab.offsets, tab.ngram_size,
+                              tab.heads_per_ngram, tab.eos)
+    bad.multipliers[1] += 1
+    wrong = P.ngram_hash(ids, ctx.copy(), slots, bad)
+    assert (wrong != got).any()
+
+
+def test_ngram_hash_bad_input():
+    ck = Checkpoint.open(FIXTURES / "tiny")
+    c = ck.config
+    tab = P.PLEHashTables.from_layout(c.ple_layout(c.ple_layers[0]), c, np)
+    ctx = np.zeros((2, c.ngram_size - 1), np.int64)
+    with pytest.raises(KernelInputError, match="slots"):
+        P.ngram_hash(np.zeros((1, 1), np.int64), ctx, [5], tab)
+    with pytest.raises(KernelInputError, match="ctx_slab"):
+        P.ngram_hash(np.zeros((1, 1), np.int64), ctx.astype(np.int32), [0], tab)
+
+
 def conv_ref64(x, w, dil):
     """Full-sequence dilated causal depthwise conv (zero history) + silu, in float64 loops."""
     T, C = x.shape
@@ -436,7 +481,7 @@ def test_ple_conv_chunked_with_state(rng):
     assert len(bad) and bad.min() >= b and bad.max() < b + Lh
 
 
-def test_ple_forward_matches_float64(rng):
+def test_ple_layer_matches_float64(rng):
     B, T, hc, H, D, K, dil, eps = 2, 5, 4, 8, 12, 4, 3, 1e-6
     W = hc * H
     hidden = rng.standard_normal((B, T, W)).astype(np.float32)
@@ -446,7 +491,7 @@ def test_ple_forward_matches_float64(rng):
     nk, nq, nc = ((rng.standard_normal(W) * 0.1).astype(np.float32) for _ in range(3))
     cw = rng.standard_normal((W, K)).astype(np.float32)
     slab = np.zeros((B, (K - 1) * dil, W), np.float32)
-    out, gate = P.ple_forward(hidden, emb, kp, vp, nk, nq, nc, cw, slab, [0, 1], hc_count=hc, eps=eps, dilation=dil)
+    out, gate = ple_layer(hidden, emb, kp, vp, nk, nq, nc, cw, slab, [0, 1], hc_count=hc, eps=eps, dilation=dil)
     for b in range(B):
         e64 = emb[b].astype(np.float64)
         key = rms_ref64(e64 @ _f64(kp).T, nk, H, eps).reshape(T, hc, H)

@@ -18,8 +18,6 @@ is caught and located at its (row, column) of Y; every output is pre-filled with
 """
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 import pytest
 
@@ -40,13 +38,6 @@ SRC = (CUDA_DIR / "dense_linear_mma.cu").read_text()
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
-
-
-@pytest.fixture
-def rng():
-    seed = secrets.randbits(32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
 
 
 def _w64(w_bits):

@@ -1,5 +1,5 @@
 """Sequence kernels (GDN conv + delta rule, RoPE, QSA) on the NumPy path, held to float64 dense re-statements of
-the official semantics (tests/kernels_seq_common.py) on fresh random inputs, with negative controls.
+the official semantics (tests/kernels_seq_common.py) on seeded random inputs, with negative controls.
 
 The GPU algorithm of the chunked prefill (``gdn._chunked_xp``) is array code; it is run here on numpy too.
 """
@@ -10,7 +10,7 @@ import pytest
 
 from engine.kernels import gdn, qsa, rope
 from tests.kernels_seq_common import (Pool, canonical_topk, dense_attention, dense_block_keys, dense_conv, dense_gdn,
-                                      dense_rope, dense_scores, fresh_rng, rel_err)
+                                      dense_rope, dense_scores, seeded_rng, rel_err)
 
 # float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element
 # (relative error ~1e-7); the delta rule carries float32 state through up to ~130 tokens (measured ~1e-6);
@@ -32,7 +32,7 @@ def _gdn_problem(rng, T, Hk=2, Dk=16, Hv=4, Dv=8, S=3):
 
 
 def test_gdn_gates_match_formula():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     *_, (a, b, A_log, dt_bias) = _gdn_problem(rng, 9)
     a[0, 0] = 30.0  # softplus identity branch (> 20)
     g, beta = gdn.gdn_gates(a, b, A_log, dt_bias)
@@ -45,7 +45,7 @@ def test_gdn_gates_match_formula():
 
 @pytest.mark.parametrize("T,chunk", [(1, 64), (5, 4), (64, 64), (100, 16), (37, 7)])
 def test_delta_prefill_twin_and_gpu_algorithm_match_dense(T, chunk):
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     q, k, v, g, beta, state, _ = _gdn_problem(rng, T)
     ref_out, ref_S = dense_gdn(q, k, v, g, beta, state[1])
     for name, fn in (("twin", gdn.gated_delta_prefill), ("gpu-algorithm", lambda *a: gdn._chunked_xp(np, *a)),
@@ -59,7 +59,7 @@ def test_delta_prefill_twin_and_gpu_algorithm_match_dense(T, chunk):
 
 
 def test_delta_recurrent_batched_segments_and_checkpoints():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     lens = [1, 3, 0, 2]
     N = sum(lens)
     q, k, v, g, beta, state, _ = _gdn_problem(rng, N, S=6)
@@ -85,7 +85,7 @@ def test_delta_recurrent_batched_segments_and_checkpoints():
 
 def test_delta_negative_controls_are_caught():
     """A dropped state, a wrong slot and swapped value heads each move the output far beyond TOL."""
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     q, k, v, g, beta, state, _ = _gdn_problem(rng, 6)
     ref_out, _ = dense_gdn(q, k, v, g, beta, state[1])
     st = state.copy()
@@ -98,7 +98,7 @@ def test_delta_negative_controls_are_caught():
 
 
 def test_conv_prefill_decode_and_checkpoints_match_dense():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     C, K, T = 12, 4, 7
     x = rng.standard_normal((T + 2, C)).astype(np.float32)
     w = rng.standard_normal((C, K)).astype(np.float32)
@@ -123,7 +123,7 @@ def test_conv_prefill_decode_and_checkpoints_match_dense():
 
 
 def test_conv_short_prefill_shorter_than_kernel():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     C, K = 5, 4
     w = rng.standard_normal((C, K)).astype(np.float32)
     cs = rng.standard_normal((1, K - 1, C)).astype(np.float32)
@@ -152,7 +152,7 @@ def test_input_errors_are_clear():
 
 # ------------------------------------------------------------------------------------------------ RoPE
 def test_rope_matches_dense_at_large_positions_and_in_place():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     x = rng.standard_normal((6, 3, 32)).astype(np.float32)
     pos = np.array([0, 1, 17, 4095, 131072, 262143])
     invf = (1.0 / 1e7 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
@@ -202,7 +202,7 @@ def _write_block_keys(ops, pool, lengths, w, invf, split):
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 64])
 def test_qsa_pipeline_matches_dense_any_page_size(page_size):
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     lengths = [37, 2, 70]
     pool, raw, K, V, w, invf = _qsa_problem(rng, lengths, page_size)
     _write_block_keys(qsa, pool, lengths, w, invf, split=21)
@@ -240,7 +240,7 @@ def test_qsa_pipeline_matches_dense_any_page_size(page_size):
 
 
 def test_qsa_topk_canonical_ties_and_wrong_tiebreak_is_caught():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     T, NB, k = 5, 40, 7
     scores = rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), size=(T, NB))  # heavy ties
     scores[1, :] = 1.0  # all equal
@@ -259,7 +259,7 @@ def test_qsa_topk_canonical_ties_and_wrong_tiebreak_is_caught():
 
 def test_qsa_negative_controls_are_caught():
     """A stale page in the block table, swapped query heads and a dropped tail each change the result beyond TOL."""
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     lengths = [30]
     pool, raw, K, V, w, invf = _qsa_problem(rng, lengths, 3)
     _write_block_keys(qsa, pool, lengths, w, invf, split=30)
@@ -293,7 +293,7 @@ def test_qsa_negative_controls_are_caught():
 
 
 def test_qsa_all_blocks_selected_below_budget_is_full_causal_attention():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     L = 14  # 3 complete blocks <= TOPK: every token visible
     pool, raw, K, V, w, invf = _qsa_problem(rng, [L], 16)
     _write_block_keys(qsa, pool, [L], w, invf, split=L)
@@ -308,7 +308,7 @@ def test_qsa_all_blocks_selected_below_budget_is_full_causal_attention():
 
 
 def test_token_slots_any_page_size():
-    seed, rng = fresh_rng()
+    seed, rng = seeded_rng()
     for ps in (1, 3, 16, 64):
         pool = Pool(rng, [50, 7], ps, {})
         rows = np.array([0, 0, 1, 1])

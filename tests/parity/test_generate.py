@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from parity import generate as G
+from parity.backends import Backend
 
 # --------------------------------------------------------------------------------------------- fixtures
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -39,16 +40,18 @@ class ToyConfig:
         self.max_position_embeddings = 1 << 20
 
 
-class ToyLM:
-    """Logits are a pseudo-random function of (position, last two tokens): a stateful model whose
-    every mistake in state or position handling changes the output."""
+class ToyLM(Backend):
+    """A toy backend (the parity Backend protocol, as the generator sees every model): logits are a
+    pseudo-random function of (position, last two tokens), a stateful model whose every mistake in state
+    or position handling changes the output. ``closed`` counts freed sequences."""
 
     def __init__(self, vocab, max_context=256, eos_bias_after=None, eos=0, scale=4.0):
-        self.vocab_size, self.max_context, self.config = vocab, max_context, ToyConfig(vocab, (eos,))
+        self.max_positions, self.config = max_context, ToyConfig(vocab, (eos,))
+        self.vocab_size = vocab
         self.eos_bias_after, self.eos, self.scale = eos_bias_after, eos, scale
         self.closed = 0
 
-    def logits(self, hist):
+    def row(self, hist):
         key = [len(hist), hist[-1], hist[-2] if len(hist) > 1 else 7]
         x = np.random.default_rng(key).normal(size=self.vocab_size) * self.scale
         x[self.eos] = -50.0
@@ -56,37 +59,43 @@ class ToyLM:
             x[self.eos] = 100.0
         return x.astype(np.float32)
 
-    def start(self, prompt_ids):
-        h = [int(t) for t in prompt_ids]
-        return h, self.logits(h)
+    def new_sequence(self):
+        return []
 
-    def step(self, handles, token_ids):
+    def prefill(self, h, ids, chunk_size=None):
         rows = []
-        for h, t in zip(handles, token_ids):
+        for t in ids:
             h.append(int(t))
-            rows.append(self.logits(h))
+            rows.append(self.row(h))
         return np.stack(rows)
 
-    def close(self, handle):
+    def decode(self, hs, ids):
+        rows = []
+        for h, t in zip(hs, ids):
+            h.append(int(t))
+            rows.append(self.row(h))
+        return np.stack(rows)
+
+    def free(self, h):
         self.closed += 1
 
 
 class RowSwapLM(ToyLM):
     """Negative control: a batched decode that returns its rows in the wrong order."""
 
-    def step(self, handles, token_ids):
-        out = super().step(handles, token_ids)
+    def decode(self, hs, ids):
+        out = super().decode(hs, ids)
         return out[::-1].copy() if len(out) > 1 else out
 
 
 class StaleStateLM(ToyLM):
     """Negative control: in a batch, sequence 1's state misses the latest token (dropped state)."""
 
-    def step(self, handles, token_ids):
+    def decode(self, hs, ids):
         rows = []
-        for j, (h, t) in enumerate(zip(handles, token_ids)):
+        for j, (h, t) in enumerate(zip(hs, ids)):
             h.append(int(t))
-            rows.append(self.logits(h[:-1] if (j == 1 and len(handles) > 1) else h))
+            rows.append(self.row(h[:-1] if (j == 1 and len(hs) > 1) else h))
         return np.stack(rows)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -162,8 +163,11 @@ def test_crashing_backend_is_an_error_not_a_pass():
 
 @pytest.mark.parametrize("backend,rc", [("reference", 0), ("parity.suites.faults:BudgetOffByOne", 1)])
 def test_pytest_pyargs_suite_runs_against_any_backend(backend, rc):
-    p = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "parity.suites", "--backend", backend,
-                        "--parity-level", "ci", "-k", "decode_across_bound", "-q", "-p", "no:cacheprovider",
+    # `-p parity.suites.plugin`: also when this checkout is not the installed package (no entry point); with
+    # the entry point installed it is the same registration (the entry point has the module's name)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "parity.suites.plugin", "--pyargs", "parity.suites",
+                        "--qwen4exp-backend", backend, "--qwen4exp-level", "ci", "-k", "decode_across_bound", "-q",
+                        "-p", "no:cacheprovider",
                         "-p", "no:xdist", "-p", "no:benchmark"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
@@ -197,3 +201,42 @@ def test_wrong_logits_shape_is_named_not_compared():
     case = _pick("budget", be.config, "decode_across_bound")[0]
     r = run_case("budget", case, be, truth_for("tiny"))
     assert r.status == "fail" and "logits shape" in r.divergence, (r.failure, r.divergence)
+
+
+def test_pytest_plugin_is_inert_unless_used():
+    """Loaded into every pytest run of an environment with the package (the pytest11 entry point), the plugin
+    only adds its prefixed options: with none given its configure hook imports nothing of ours and opens no
+    model; a test without ``qwen4exp_case`` is not parametrized. Negative control: an unknown
+    ``--qwen4exp-backend`` is refused at configure time."""
+    code = textwrap.dedent("""
+        import sys
+        import pytest
+        from parity.suites import plugin
+        class Cfg:
+            def __init__(self, **o): self.o = o
+            def getoption(self, name): return self.o.get(name, plugin.OPTIONS[name][0])
+        plugin.pytest_configure(Cfg())
+        assert not [m for m in ("parity.backends", "reference.config", "parity.harness") if m in sys.modules]
+        class MF:
+            fixturenames = ["x"]
+            def parametrize(self, *a, **k): raise AssertionError("parametrized a foreign test")
+        plugin.pytest_generate_tests(MF())
+        try:
+            plugin.pytest_configure(Cfg(**{"--qwen4exp-backend": "nosuch"}))
+        except pytest.UsageError as e:
+            assert "--qwen4exp-backend" in str(e) and "nosuch" in str(e), e
+        else:
+            raise AssertionError("unknown backend accepted")
+        assert all(o.startswith("--qwen4exp-") for o in plugin.OPTIONS)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_pyproject_registers_the_plugin_entry_point():
+    """The installed package registers the plugin (``[project.entry-points.pytest11]``) under the module's own
+    name, and no conftest registers it a second time."""
+    import tomllib
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"]["pytest11"] == {"parity.suites.plugin": "parity.suites.plugin"}
+    assert not (REPO / "conftest.py").exists() or "pytest_plugins" not in (REPO / "conftest.py").read_text()

@@ -235,3 +235,21 @@ def test_long_prompt_crosses_delta_rule_chunks(model64):
     whole = model64.forward(x)
     for cs in (1, 7, 63, 64, 65):
         assert rel(model64.new_session().prefill(x, chunk_size=cs), whole) <= REL64, cs
+
+
+def test_check_ids_is_the_one_token_id_check():
+    """``reference.session.check_ids``: every caller (sessions, backends, id files, prompts) gets the same
+    rule and message; ids beyond int64 are reported (not wrapped); ``check_length`` bounds the count."""
+    from reference.session import check_ids, check_length
+    assert check_ids([0, 9], 10).tolist() == [0, 9] and check_ids(np.int32(3), 10).tolist() == [3]
+    assert check_ids([2 ** 62], None).tolist() == [2 ** 62]
+    for bad, msg in (([1, 10, 11], r"x: expected token ids in \[0, vocab_size=10\), found 10 at index 1 \(2 out"),
+                     ([1, -1], r"found -1 at index 1"), ([], "at least one"), ([[1]], "1-D"), ([1.0], "integers"),
+                     ([True], "integers")):
+        with pytest.raises(InputError, match=msg):
+            check_ids(bad, 10, "x")
+    with pytest.raises(InputError, match=r"\[0, 2\^63\), found 9223372036854775808 at index 0"):
+        check_ids([2 ** 63], None, "x")
+    check_length(8, 8)  # negative control: exactly max_position_embeddings ids pass
+    with pytest.raises(InputError, match="at most max_position_embeddings=8 token ids, found 9"):
+        check_length(9, 8)

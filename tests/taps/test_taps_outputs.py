@@ -79,13 +79,13 @@ def test_writer_failure_at_publish_removes_tmp_and_keeps_the_old_archive(tmp_pat
     with Recorder(out, meta={"token_ids": IDS}) as rec:
         fake_forward(CFG, IDS)
     old = rec.archive().get("logits")
-    real = os.rename
+    real = os.replace
 
-    def failing_rename(a, b):
-        if Path(b) == out:
+    def failing_rename(a, b):  # publishing the new archive fails; restoring the set-aside old one works
+        if Path(b) == out and ".tmp" in Path(a).name:
             raise PermissionError(13, "Permission denied")
         return real(a, b)
-    monkeypatch.setattr(os, "rename", failing_rename)
+    monkeypatch.setattr(os, "replace", failing_rename)
     with pytest.raises(ArchiveError, match="could not be written"):
         with Recorder(out, meta={"token_ids": IDS}, overwrite=True):
             fake_forward(CFG, IDS, chunk_size=5)

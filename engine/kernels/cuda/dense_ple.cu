@@ -1,68 +1,14 @@
 // PLE (per-layer n-gram embedding) kernels of the qwen4exp engine.
 //
-//   ngram_hash        : hashed n-gram row ids with int64 wrap-around, EOS reset and the carried context
-//   ngram_ctx_update  : carry the last (ngram_size - 1) tokens of each sequence into its context slab row
 //   ple_gate          : per (token, stream): grouped norms of key and query, signed-square-root gate,
 //                       gated value and its grouped norm
 //   ple_conv          : silu(dilated depthwise causal conv) over [carried state | x]
 //   ple_conv_state    : carry the last (K - 1) * dilation inputs into the state slab row
 //
+// The n-gram hash runs on the host (engine.kernels.ple.ngram_hash -> reference.numba_kernels): its ids and
+// rows are host data on every engine path.
+//
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
-
-__device__ __forceinline__ long long hist_tok(const long long* ids, const long long* ctx, long long b, int T, int L,
-                                              int p) {
-    // token at history position p of sequence b: [context (L) | ids (T)]
-    return p < L ? ctx[p] : ids[b * T + (p - L)];
-}
-
-extern "C" __global__ void ngram_hash(const long long* __restrict__ ids, const long long* __restrict__ ctx_slab,
-                                      const long long* __restrict__ slots, int B, int T, int L, int n,
-                                      int heads_per_ngram, const long long* __restrict__ mult,
-                                      const long long* __restrict__ vocab, const long long* __restrict__ offs,
-                                      long long eos, long long* __restrict__ rows) {
-    const int heads = (n - 1) * heads_per_ngram;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)B * T * heads) return;
-    const int hd = (int)(i % heads);
-    const long long bt = i / heads;
-    const int t = (int)(bt % T);
-    const long long b = bt / T;
-    const long long* ctx = ctx_slab + slots[b] * L;
-    const int g = hd / heads_per_ngram + 2;  // n-gram order of this head
-    const int q = L + t;
-    unsigned long long mixed = 0ull;
-    bool eos_seen = false;  // an EOS in history positions [q - s, q - 1]
-    for (int s = 0; s < g; ++s) {
-        long long tok;
-        if (s == 0) {
-            tok = hist_tok(ids, ctx, b, T, L, q);
-        } else {
-            long long prev = hist_tok(ids, ctx, b, T, L, q - s);
-            if (prev == eos) eos_seen = true;
-            tok = eos_seen ? eos : prev;
-        }
-        // int64 multiply with two's-complement wrap-around (done unsigned: no signed overflow)
-        unsigned long long prod = (unsigned long long)tok * (unsigned long long)mult[s];
-        mixed = s == 0 ? prod : (mixed ^ prod);
-    }
-    const long long m = (long long)mixed;
-    const long long v = vocab[hd];
-    long long r = m % v;
-    if (r < 0) r += v;  // floor modulo (torch.remainder) for a positive divisor
-    rows[i] = r + offs[hd];
-}
-
-extern "C" __global__ void ngram_ctx_update(const long long* __restrict__ ids, long long* __restrict__ ctx_slab,
-                                            const long long* __restrict__ slots, int B, int T, int L) {
-    const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= B) return;
-    long long* ctx = ctx_slab + slots[b] * L;
-    // ascending: position i reads history position T + i >= i, never yet overwritten
-    for (int i = 0; i < L; ++i) {
-        int p = T + i;
-        ctx[i] = p < L ? ctx[p] : ids[(long long)b * T + (p - L)];
-    }
-}
 
 __device__ __forceinline__ float block_sum_p(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
