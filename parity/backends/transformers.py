@@ -85,7 +85,8 @@ import numpy as np
 
 from reference.errors import InputError
 
-from parity.backends.base import Backend, BackendError, CapabilityLimit, _check_ids
+from parity.backends.base import Backend, BackendError, CapabilityLimit
+from reference.session import check_ids
 
 #: registry taps this backend cannot produce (see the module docstring)
 NO_COUNTERPART = ("layers.{i}.ple.ple_embedding.ngram_ids", "layers.{i}.ple.gate", "layers.{i}.linear_attn.conv_out",
@@ -401,7 +402,7 @@ class TransformersBackend(Backend):
         Raises:
             InputError: bad ids or chunk size. BackendError: ``h`` not live.
         """
-        ids = _check_ids(ids, self.config.vocab_size)
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         s = self._seq(h)
         s.pre_verify = None
         if chunk_size is not None and int(chunk_size) < 1:
@@ -418,7 +419,7 @@ class TransformersBackend(Backend):
         if len(hs) != len(ids):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
                              f"{len(ids)} tokens")
-        ids = _check_ids(ids, self.config.vocab_size, "decode ids")
+        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
         rows = []
         for h, t in zip(hs, ids):
             s = self._seq(h)
@@ -429,7 +430,7 @@ class TransformersBackend(Backend):
     def forward_tokens(self, h, ids):
         """Logits ``[k, V]`` of the drafted ``ids``; keeps a deep copy of the cache from before them (for a
         rollback within this call). Raises InputError / BackendError as :meth:`prefill`."""
-        ids = _check_ids(ids, self.config.vocab_size, "draft ids")
+        ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
         s = self._seq(h)
         pre = (copy.deepcopy(s.cache), s.pos, list(ids)) if not self._crop_ok else None
         out = self._forward(s, ids)

@@ -145,7 +145,9 @@ def render_table(report: ParityReport, console=None, columns: int | None = None)
     rows = []
     for r in report.rows:
         cases = f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
-        div = " ".join(str(r.first_divergence or ("-" if r.status == "pass" else r.detail)).split())
+        # a passing row with skipped or narrowed cases shows why (a skip is never silent)
+        quiet = r.status == "pass" and not r.skipped and "narrowed" not in (r.detail or "")
+        div = " ".join(str(r.first_divergence or ("-" if quiet else r.detail)).split())
         rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
                      r.status.upper()])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]

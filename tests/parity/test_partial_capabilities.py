@@ -133,6 +133,9 @@ def test_all_skipped_report_is_inconclusive_not_pass():
     assert "INCONCLUSIVE" in text and "snapshot unsupported" in text and "SKIP" in text
     assert rep.to_json()["scenarios"][0]["skips"][0]["reason"] == "snapshot unsupported"
     assert ParityReport("b", "m", [skip, ok]).verdict == "pass"
+    partial = ScenarioRow("budget", 5, 0, 0.0, 0.0, None, 0.1, "pass", "2 skipped: rollback limited: at most 2 tokens",
+                          skipped=2)
+    assert "rollback limited: at most 2 tokens" in render_table(ParityReport("b", "m", [partial]), columns=200)
     assert ParityReport("b", "m", [skip, ok, bad]).exit_code == 1
     assert ParityReport("b", "m", []).verdict == "inconclusive"
 
