@@ -297,3 +297,37 @@ def test_parity_cli_all_scenarios_on_every_fixture(capsys):
             assert divs and all("self_attn.indexer.selected_blocks" in d for d in divs), divs
         else:
             assert rc == 0 and doc["verdict"] == "pass", (fx, [r["detail"] for r in doc["scenarios"]])
+
+
+@pytest.mark.oracle
+def test_rollback_by_crop_on_a_model_without_gdn(tmp_path):
+    """A model of indexed-attention layers only (no GDN, no PLE): the official cache crops (``cache.crop``),
+    so rollback is declared supported, any rollback works, and the speculative scenario passes in full."""
+    _need_oracle()
+    from reference_helpers import official_model, tiny_config_dict
+    from parity.backends import open_backend, truth_model
+    from parity.backends.base import capability
+    from parity.harness.scenarios import run_scenario
+    from parity.harness.scenarios.common import TruthCache
+    m, _ = official_model(tiny_config_dict(layer_types=["indexed_attention"] * 2, num_hidden_layers=2,
+                                           ple_layer_ids=[]))
+    m.save_pretrained(tmp_path)
+    be = open_backend("transformers", tmp_path)
+    try:
+        assert capability(be, "rollback").status == "supported"
+        ids = list(range(1, 20))
+        full = be.logits(ids)
+        h = be.new_sequence()
+        be.prefill(h, ids[:10])
+        be.forward_tokens(h, [7, 7, 7])
+        be.rollback(h, 3)
+        be.prefill(h, ids[10:14])
+        be.rollback(h, 6)  # beyond the last verify: the crop path has no such limit
+        assert be.position(h) == 8 and _rel(be.prefill(h, ids[8:]), full[8:]) < REL
+    finally:
+        be.close()
+    truth = truth_model(tmp_path)
+    truth.selection_hook = _torch_tie_order  # 2 relu'd indexer heads tie at 0.0 here too (the tie finding)
+    res = run_scenario("speculative_rollback", lambda **kw: open_backend("transformers", tmp_path, **kw),
+                       TruthCache(truth), level="ci", locate_on_fail=False)
+    assert res and all(r.status == "pass" and not r.narrowed for r in res), [(r.case, r.status, r.failure) for r in res]
