@@ -59,5 +59,16 @@ t0=$(date +%s)
     --repeats 3 --warmup 1 \
     --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
 echo "gpu_bench: bench took $(( $(date +%s) - t0 )) s; results in $OUT/bench.json"
+
+# 3. speculative verify cost (issue 17 item 5): verify at widths 1..5 vs a decode step and the MTP draft,
+#    at real widths (one period + the MTP layer), with the tokens/s-vs-acceptance curve; VERIFY_COST=0 skips
+if [ "${VERIFY_COST:-1}" != 0 ]; then
+  rm -rf "$QWEN4EXP_CACHE"/synthetic/realwidth-L*  # room in /dev/shm for the checkpoint with the head
+  t1=$(date +%s)
+  timeout "${VERIFY_COST_TIMEOUT_S:-240}" "$PY" -m parity.bench.verify_cost --synthetic real-widths \
+      --layers "${BENCH_LAYERS:-4}" --device cuda --context "${VERIFY_COST_CONTEXT:-2048}" --repeats 5 --warmup 2 \
+      --out "$OUT/verify_cost.json" 2>&1 | tee "$OUT/verify_cost.log" || status=1
+  echo "gpu_bench: verify cost took $(( $(date +%s) - t1 )) s; results in $OUT/verify_cost.json"
+fi
 rm -rf /dev/shm/qwen4exp
 exit $status

@@ -8,6 +8,7 @@ API (docs/design.md, "Engine")::
     eng.decode(seqs, ids) -> logits [B, V]       # batched, sequences of different lengths
     eng.verify(seq, ids) -> logits [k, V] ; eng.rollback(seq, n)
     eng.snapshot(seq) -> EngineSnapshot ; eng.restore(seq, snap)
+    eng.mtp_draft(seq, residual, next_ids, k) ; eng.generate_speculative(seq, prompt, max_new, k)   # MTP head
     eng.export_snapshot(snap) -> dict of host arrays ; eng.import_snapshot(seq, data)   # to/from disk, any page size
 
 ``device="cpu"`` runs the same engine code on NumPy (every kernel's NumPy twin): CI exercises it.
@@ -56,6 +57,8 @@ class Engine:
         devices: expert parallelism (:mod:`engine.parallel`): a list of CUDA device ids (distinct ids:
             NCCL; the first runs the trunk and owns all state) or a number of ranks / repeated ids (the
             stand-in communicator: logical ranks on this one device, NumPy on the CPU). None: one device.
+        mtp: load the MTP head (``mtp.*``) for drafting: True, False, or None (default: when the checkpoint
+            has one). mtp_hnorm, mtp_draft_selection: the head's options (:mod:`reference.blocks.mtp`).
     Raises:
         InputError: bad precision/page_size/sizes. DeviceError: device 'cuda' without a GPU.
         ConfigError: device 'cuda' and the config exceeds a CUDA sequence-kernel limit (checked first).
@@ -64,7 +67,8 @@ class Engine:
     def __init__(self, ck, precision: str = "bf16", device: str = "cuda", page_size: int = 16,
                  kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
                  ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5,
-                 cuda_graphs: bool | None = None, devices=None):
+                 cuda_graphs: bool | None = None, devices=None, mtp: bool | None = None,
+                 mtp_hnorm: str = "global", mtp_draft_selection: str = "fresh"):
         if precision not in ("bf16", "float32"):
             raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
         if device == "auto":
@@ -85,8 +89,17 @@ class Engine:
         if devices is not None:
             from engine.parallel import make_comm
             self.comm = make_comm(devices, device, xp)
+        from reference.blocks.mtp import check_mtp_options
+        check_mtp_options(mtp_hnorm, mtp_draft_selection)
+        has = getattr(ck, "has_mtp", None)
+        ck_mtp = bool(has()) if has is not None else False
+        if mtp and not ck_mtp:
+            raise InputError("mtp: expected a checkpoint with an MTP head (mtp.* tensors), found none")
+        if mtp and self.comm is not None:
+            raise InputError("mtp: the MTP head is not supported with expert parallelism (devices=...), found both")
+        self.mtp_hnorm, self.mtp_draft_selection = mtp_hnorm, mtp_draft_selection
         self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress,
-                                 comm=self.comm)
+                                 comm=self.comm, mtp=(ck_mtp if mtp is None else bool(mtp)) and self.comm is None)
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
             raise InputError(f"page_size: expected a positive integer, found {page_size!r}")
         if kv_tokens is None:
@@ -101,6 +114,8 @@ class Engine:
             kv_tokens = max(page_size, min(want, cap))
         num_pages = -(-int(kv_tokens) // page_size)
         self.pool = StatePool(c, xp, page_size=int(page_size), num_pages=num_pages, max_seqs=int(max_seqs))
+        if self.model.mtp_layer is not None:
+            self.pool.enable_mtp()
         if cuda_graphs is None:
             import os
             cuda_graphs = os.environ.get("QWEN4EXP_CUDA_GRAPHS", "1") != "0"
@@ -208,7 +223,8 @@ class Engine:
         for s in segs:
             self.pool.reserve(s.seq, len(s.ids))
         try:
-            if mode == "decode" and self.graphs is not None and tap_recorder.current() is None:
+            # with the MTP head loaded the eager path runs (the head needs each step's residual)
+            if mode == "decode" and self.graphs is not None and tap_recorder.current() is None and not self.has_mtp:
                 logits, tok = self.graphs.decode(self.pool, segs)
                 if tokens:
                     logits = (logits, tok)
@@ -225,6 +241,8 @@ class Engine:
             raise
         for s in segs:
             s.seq.length += len(s.ids)
+        if self.has_mtp:
+            self._mtp_track(segs, mode)
         return logits
 
     def prefill(self, seq, ids, chunk_size: int | None = None, last_only: bool = False) -> np.ndarray:
@@ -310,7 +328,7 @@ class Engine:
         cur = self._ids(ids, "decode ids")
         out = []
         g = self.graphs
-        if g is None or tap_recorder.current() is not None:
+        if g is None or tap_recorder.current() is not None or self.has_mtp:  # the head needs every residual
             import time
             for _ in range(int(steps)):
                 t0 = time.perf_counter()
@@ -395,3 +413,236 @@ class Engine:
             raise
         # the n-gram context (host) per position
         return self.model.syncs.host(lg)
+
+    def verify_greedy(self, seq, ids) -> np.ndarray:
+        """:meth:`verify` returning the greedy token after each position (argmax on the device: the step's only
+        device->host copy is ``k`` int64 ids; the logits stay on the device in :attr:`last_logits`).
+
+        Returns:
+            numpy int64 ``[k]``.
+        """
+        self.pool._check(seq)
+        ids = self._ids(ids, "draft ids")
+        self.pool.begin_checkpoints(seq, len(ids))
+        try:
+            logits, tok = self._run([Segment(seq, ids)], "verify", tokens=True)
+        except BaseException:
+            seq.checkpoints = None
+            raise
+        self.last_logits = logits
+        return self.model.syncs.host(tok)
+
+    # ------------------------------------------------------------------ the MTP head (drafting)
+    @property
+    def has_mtp(self) -> bool:
+        """True when the MTP head is loaded."""
+        return self.model.mtp_layer is not None
+
+    @property
+    def last_residual(self):
+        """The pre-final-mixer multi-stream residual ``[T, hc*H]`` of the latest prefill chunk / verify / decode
+        (device array; the MTP head's input ``R``)."""
+        return self.model.last_residual
+
+    #: pending trunk rows per sequence beyond which the head catches up at once (bounds the kept residuals)
+    MTP_TAIL_ROWS = 256
+
+    def _mtp_track(self, segs, mode: str) -> None:
+        """Keep each segment's residual rows for the head (``seq.mtp_tail``); a prefill chunk (or a long tail)
+        is consumed at once: the head follows the trunk one position behind. Never after a verify: its
+        positions may be rolled back, and the head only ever consumes committed positions."""
+        R = self.model.last_residual
+        a = 0
+        for s in segs:
+            n = len(s.ids)
+            s.seq.mtp_tail.append((s.start, R[a:a + n], np.asarray(s.ids, np.int64)))
+            a += n
+            if mode != "verify" and (mode == "prefill" or
+                                     sum(len(t[2]) for t in s.seq.mtp_tail) > self.MTP_TAIL_ROWS):
+                self._mtp_catch_up(s.seq)
+
+    def _mtp_rows(self, seq):
+        """``(R [m, hc*H], ids [m])`` of the pending trunk positions ``seq.mtp_len .. length-1``.
+
+        Raises:
+            InputError: the residuals of some of those positions are not held (a snapshot file was imported).
+        """
+        tail = [t for t in seq.mtp_tail if t[0] + len(t[2]) > seq.mtp_len]
+        if not tail or tail[0][0] > seq.mtp_len or tail[-1][0] + len(tail[-1][2]) != seq.length:
+            raise InputError(f"mtp: sequence {seq.sid}: expected the trunk's residuals of positions "
+                             f"{seq.mtp_len}..{seq.length - 1} for the MTP head, found them missing (e.g. after "
+                             f"importing a snapshot file: prefill the history again to draft)")
+        off = seq.mtp_len - tail[0][0]
+        R = self.xp.concatenate([t[1] for t in tail], axis=0)[off:] if len(tail) > 1 else tail[0][1][off:]
+        ids = np.concatenate([t[2] for t in tail])[off:]
+        return R, ids
+
+    def _mtp_catch_up(self, seq) -> None:
+        """Consume every pending pair whose next token the trunk holds (positions ``mtp_len .. length-2``)."""
+        if seq.length - 1 <= seq.mtp_len:
+            return
+        R, ids = self._mtp_rows(seq)
+        self.mtp_consume(seq, R[:-1], ids[1:])
+        seq.mtp_tail = [(seq.length - 1, R[-1:], ids[-1:])]
+
+    def _mtp_pairs(self, seq, residual, next_ids, extra: int):
+        if not self.has_mtp:
+            raise InputError("mtp: expected an engine with the MTP head loaded (Engine(..., mtp=True)), found none")
+        self.pool._check(seq)
+        ids = self._ids(next_ids, "mtp next ids")
+        R = self.xp.asarray(residual, dtype=np.float32)
+        c = self.config
+        if R.ndim != 2 or R.shape != (len(ids), c.hc_hidden_size):
+            raise InputError(f"mtp: residual: expected shape [{len(ids)}, hc_count*hidden_size={c.hc_hidden_size}], "
+                             f"found {list(R.shape)}")
+        start = seq.mtp_len
+        if start + len(ids) > seq.length:
+            raise InputError(f"mtp: {len(ids)} pairs from head position {start}: expected <= the trunk's "
+                             f"{seq.length} positions (a pair at q needs the trunk's residual at q)")
+        # the head writes below the trunk's length (its catch-up) and past it (draft steps): private pages
+        self.pool.reserve_range(seq, start, max(seq.length, start + len(ids) + extra))
+        return R, ids, start
+
+    def mtp_consume(self, seq, residual, next_ids) -> None:
+        """Feed the head ``m`` pairs ``(R_q, x_{q+1})`` at its next positions ``seq.mtp_len ..`` without drafting
+        (low level: :meth:`mtp_draft_next` does the bookkeeping from the engine's own residuals).
+
+        Raises:
+            InputError: no head, bad shapes, or pairs past the trunk's positions.
+        """
+        R, ids, start = self._mtp_pairs(seq, residual, next_ids, 0)
+        self.model.mtp_step(self.pool, seq, R, start, ids=ids, hnorm=self.mtp_hnorm)
+        seq.mtp_len = start + len(ids)
+
+    def mtp_draft_next(self, seq, next_id: int, k: int, return_logits: bool = False):
+        """The head's ``k`` greedy drafts after ``seq`` followed by ``next_id`` (the token the trunk chose at its
+        last position, not yet fed): the head catches up on the trunk positions it has not consumed (the
+        engine keeps their residuals), then drafts (:meth:`mtp_draft`). The pair ``(R_{n-1}, next_id)`` is not
+        committed (``next_id`` is not in the trunk yet), so the call can be repeated; rejected draft steps and
+        rolled-back trunk positions never stay in the head's state (:meth:`rollback` trims it too).
+
+        Returns:
+            int64 ``[k]`` draft ids (and host float32 ``[k, V]`` logits with ``return_logits``).
+        Raises:
+            InputError: no head, an empty sequence, ``k < 1``, or the residuals needed are not held.
+        """
+        if not self.has_mtp:
+            raise InputError("mtp: expected an engine with the MTP head loaded (Engine(..., mtp=True)), found none")
+        self.pool._check(seq)
+        if seq.length < 1:
+            raise InputError(f"mtp draft: sequence {seq.sid}: expected at least one token in the trunk, found none")
+        nxt = self._ids([next_id], "mtp next id")
+        self._mtp_catch_up(seq)
+        R, _ = self._mtp_rows(seq)
+        try:
+            return self.mtp_draft(seq, R[-1:], nxt, k, return_logits=return_logits)
+        finally:
+            seq.mtp_len = seq.length - 1
+
+    def mtp_draft(self, seq, residual, next_ids, k: int, return_logits: bool = False):
+        """Greedy drafts from the MTP head (low level): consume the ``m`` pairs (committed: the head's state
+        advances by ``m``), then ``k - 1`` further steps at the following positions on the head's own state and
+        drafted tokens (speculative: their cache entries lie past ``seq.mtp_len``, invisible and rewritten by the
+        next catch-up, so a rejection needs no further rollback of the head). The drafted ids stay on the device
+        between steps; one device->host copy returns them.
+
+        Args:
+            residual: ``[m, hc*H]`` (device or host); next_ids: ``[m]``; k: drafts (>= 1).
+            return_logits: also return the draft logits ``[k, V]`` (host float32).
+        Returns:
+            int64 ``[k]`` draft ids (and the logits).
+        Raises:
+            InputError: no head, bad shapes, pairs past the trunk, ``k < 1``. CapacityError: out of pages.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"mtp draft: k: expected a positive integer, found {k!r}")
+        xp, c = self.xp, self.config
+        R, ids, start = self._mtp_pairs(seq, residual, next_ids, int(k) - 1)
+        from engine.kernels.sampling import row_argmax
+        r = c.indexer_compress_ratio or 1
+        reuse = self.mtp_draft_selection == "reuse_step0"
+        keep: dict = {}
+
+        def hook0(sel):  # remember draft step 0's selection (the last pair's row)
+            keep["sel"] = sel[-1:]
+            return sel
+        lg, h = self.model.mtp_step(self.pool, seq, R, start, ids=ids, hnorm=self.mtp_hnorm,
+                                    select_hook=hook0 if reuse else None)
+        seq.mtp_len = start + len(ids)
+        toks = [row_argmax(xp.ascontiguousarray(lg[-1:]))]
+        logits = [lg[-1:]]
+        h = h[-1:]
+        p0 = seq.mtp_len - 1  # the position of draft step 0
+        for j in range(1, int(k)):
+            hook = None
+            if reuse:  # step 0's blocks plus every block completed since (step 0 could not score those)
+                nc0, ncj = (p0 + 1) // r, (p0 + j + 1) // r
+                hook = _reuse_hook(xp, keep["sel"], nc0, ncj, c.block_topk + int(k))
+            lg, h = self.model.mtp_step(self.pool, seq, h, p0 + j, ids_dev=toks[-1], hnorm=self.mtp_hnorm,
+                                        select_hook=hook)
+            toks.append(row_argmax(xp.ascontiguousarray(lg)))
+            logits.append(lg)
+        out = self.model.syncs.host(xp.concatenate(toks)).astype(np.int64)
+        if return_logits:
+            return out, self.model.syncs.host(xp.concatenate(logits, axis=0))
+        return out
+
+    def generate_speculative(self, seq, prompt, max_new: int, k: int, eos_ids=(), trace: list | None = None,
+                             chunk_size: int | None = None, propose=None) -> list[int]:
+        """Greedy generation with MTP drafts: per round the head drafts ``k`` tokens (:meth:`mtp_draft_next`),
+        the trunk verifies ``[x, d_1..d_k]`` in one width-``k+1`` step (:meth:`verify_greedy`), the longest
+        matching prefix plus the trunk's own next token are kept and the rejected positions rolled back
+        (:meth:`rollback`: trunk and head). Same tokens as plain greedy decoding (the head only proposes).
+
+        Args:
+            seq: an empty (or any) sequence; prompt: ids (>= 1); max_new, k: >= 1; eos_ids: stop ids.
+            trace: optional list receiving ``{"position", "drafts", "accepted"}`` per round.
+            chunk_size: prefill chunk length (default: the engine's); the head follows chunk by chunk.
+            propose: test hook ``(round, position, drafts) -> drafts`` replacing the head's drafts of a round
+                (random-weight heads accept almost nothing; this forces acceptance counts 1..k while the head's
+                state still follows the real loop).
+        Returns:
+            the generated ids.
+        Raises:
+            InputError: no head, bad arguments. CapacityError: out of pages/positions.
+        """
+        if not self.has_mtp:
+            raise InputError("generate --speculative mtp: expected a checkpoint with an MTP head, found none")
+        for name, v in (("max_new", max_new), ("k", k)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise InputError(f"{name}: expected a positive integer, found {v!r}")
+        last = self.prefill(seq, prompt, chunk_size=chunk_size, last_only=True)
+        out = [int(np.argmax(last))]
+        eos = {int(e) for e in eos_ids}
+        rnd = 0
+        while len(out) < max_new and out[-1] not in eos:
+            kk = int(min(k, max_new - len(out)))
+            n = seq.length
+            drafts = self.mtp_draft_next(seq, out[-1], kk)
+            if propose is not None:
+                drafts = np.asarray(propose(rnd, n, drafts), np.int64).reshape(kk)
+            rnd += 1
+            greedy = self.verify_greedy(seq, np.concatenate([[out[-1]], drafts]))
+            acc = 0
+            while acc < kk and int(greedy[acc]) == int(drafts[acc]):
+                acc += 1
+            self.rollback(seq, kk - acc)
+            if trace is not None:
+                trace.append({"position": n, "drafts": [int(d) for d in drafts], "accepted": acc})
+            for t in [int(d) for d in drafts[:acc]] + [int(greedy[acc])]:
+                out.append(t)
+                if t in eos or len(out) >= max_new:
+                    break
+        return out[:max_new]
+
+
+def _reuse_hook(xp, sel0, nc0: int, ncj: int, width: int):
+    """A QSA selection hook for draft step j under ``draft_selection='reuse_step0'``: step 0's selected blocks
+    ``sel0 [1, k0]`` plus blocks ``nc0 .. ncj-1`` (completed after step 0), ``-1`` padded to ``width``."""
+    def hook(sel):
+        new = xp.full((sel.shape[0], width), -1, dtype=sel.dtype)
+        new[:, :sel0.shape[1]] = sel0
+        if ncj > nc0:
+            new[:, sel0.shape[1]:sel0.shape[1] + (ncj - nc0)] = xp.arange(nc0, ncj, dtype=sel.dtype)
+        return new
+    return hook

@@ -52,6 +52,7 @@ class Step:
     n_blocks = 1
     emb: dict = {}
     last_rows = None  # host int rows of the final hidden state to project (last_only)
+    qsa_select_hook = None  # sel [T, k] -> sel: replaces the QSA selection (the MTP draft-step reuse option)
 
 
 class SyncCounter:
@@ -82,7 +83,7 @@ class EngineModel:
     """
 
     def __init__(self, ck, xp, precision: str = "bf16", ple_placement: str = "host", prefill_gdn_chunk: int = 64,
-                 progress: bool = False, comm=None):
+                 progress: bool = False, comm=None, mtp: bool = False):
         self.ck = ck
         self.config = c = ck.config
         self.xp = xp
@@ -109,6 +110,13 @@ class EngineModel:
             finally:
                 self.xp = xp_dev
             self.ep = ExpertParallel(self, comm)
+        #: the MTP head's layer index in ``self.w`` (its weights load as a trunk-shaped ``layers.{L}.*`` layer,
+        #: L = num_hidden_layers, so the trunk's layer code runs it), or None without the head
+        self.mtp_layer = None
+        if mtp:
+            self._load_mtp()
+        #: the pre-final-mixer multi-stream residual ``[T, hc*H]`` of the latest step (device; the MTP input)
+        self.last_residual = None
         self.fused: dict[str, list] = {}
         if xp is not np:
             self._fuse_weights()
@@ -134,29 +142,36 @@ class EngineModel:
             out += [(f"{hcn}.hc_norm.weight", "vec"), (f"{hcn}.input_mix_weight_down.weight", "mat"),
                     (f"{hcn}.input_mix_weight_up.weight", "mat")]
         for i, lt in enumerate(c.layer_types):
-            p = f"layers.{i}."
-            for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
-                out += [(p + hcn + ".hc_norm.weight", "vec"), (p + hcn + ".input_mix_weight_down.weight", "mat"),
-                        (p + hcn + ".input_mix_weight_up.weight", "mat"), (p + hcn + ".block_inject_weight.weight", "mat")]
-            if lt == "linear_attention":
-                q = p + "linear_attn."
-                out += [(q + "in_proj_qkv.weight", "mat"), (q + "in_proj_z.weight", "mat"), (q + "in_proj_b.weight", "mat"),
-                        (q + "in_proj_a.weight", "mat"), (q + "out_proj.weight", "mat"), (q + "conv1d.weight", "conv"),
-                        (q + "A_log", "vec"), (q + "dt_bias", "vec"), (q + "norm.weight", "vec")]
-            else:
-                q = p + "self_attn."
-                out += [(q + "q_proj.weight", "mat"), (q + "k_proj.weight", "mat"), (q + "v_proj.weight", "mat"),
-                        (q + "o_proj.weight", "mat"), (q + "q_norm.weight", "vec"), (q + "k_norm.weight", "vec"),
-                        (q + "indexer.index_qk_proj.weight", "mat"), (q + "indexer.q_layernorm.weight", "vec"),
-                        (q + "indexer.k_layernorm.weight", "vec")]
-            m = p + "mlp."
-            out += [(m + "gate.weight", "f32mat"), (m + "shared_expert.gate_proj.weight", "mat"),
-                    (m + "shared_expert.up_proj.weight", "mat"), (m + "shared_expert.down_proj.weight", "mat"),
-                    (m + "shared_expert_gate.weight", "mat")]
-            if i in c.ple_layers:
-                q = p + "ple."
-                out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
-                        (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
+            out += self._layer_weight_names(i, lt)
+        return out
+
+    def _layer_weight_names(self, i, lt):
+        """(name, kind) of decoder layer ``i`` of type ``lt`` (experts apart)."""
+        c = self.config
+        out = []
+        p = f"layers.{i}."
+        for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
+            out += [(p + hcn + ".hc_norm.weight", "vec"), (p + hcn + ".input_mix_weight_down.weight", "mat"),
+                    (p + hcn + ".input_mix_weight_up.weight", "mat"), (p + hcn + ".block_inject_weight.weight", "mat")]
+        if lt == "linear_attention":
+            q = p + "linear_attn."
+            out += [(q + "in_proj_qkv.weight", "mat"), (q + "in_proj_z.weight", "mat"), (q + "in_proj_b.weight", "mat"),
+                    (q + "in_proj_a.weight", "mat"), (q + "out_proj.weight", "mat"), (q + "conv1d.weight", "conv"),
+                    (q + "A_log", "vec"), (q + "dt_bias", "vec"), (q + "norm.weight", "vec")]
+        else:
+            q = p + "self_attn."
+            out += [(q + "q_proj.weight", "mat"), (q + "k_proj.weight", "mat"), (q + "v_proj.weight", "mat"),
+                    (q + "o_proj.weight", "mat"), (q + "q_norm.weight", "vec"), (q + "k_norm.weight", "vec"),
+                    (q + "indexer.index_qk_proj.weight", "mat"), (q + "indexer.q_layernorm.weight", "vec"),
+                    (q + "indexer.k_layernorm.weight", "vec")]
+        m = p + "mlp."
+        out += [(m + "gate.weight", "f32mat"), (m + "shared_expert.gate_proj.weight", "mat"),
+                (m + "shared_expert.up_proj.weight", "mat"), (m + "shared_expert.down_proj.weight", "mat"),
+                (m + "shared_expert_gate.weight", "mat")]
+        if i in c.ple_layers:
+            q = p + "ple."
+            out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
+                    (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
         return out
 
     def _fuse_weights(self) -> None:
@@ -168,7 +183,10 @@ class EngineModel:
         weight) stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
         xp, c = self.xp, self.config
         groups = []
-        for i, lt in enumerate(c.layer_types):
+        layers = list(enumerate(c.layer_types))
+        if self.mtp_layer is not None:
+            layers.append((self.mtp_layer, "indexed_attention"))
+        for i, lt in layers:
             p = f"layers.{i}."
             for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
                 groups.append((p + hcn + ".fused_down_inject",
@@ -233,7 +251,9 @@ class EngineModel:
         except Exception:  # overrides / in-memory weights: take the generic path
             return None
 
-    def _load(self, name: str, kind: str):
+    def _load(self, name: str, kind: str, src: str | None = None):
+        """Device copy of weight ``name`` read from checkpoint tensor ``src`` (default ``name``)."""
+        name = src or name
         if kind == "mat" and self.precision == "bf16":
             raw = self._bf16_raw(name)
             if raw is not None:  # stored BF16: upload the bits as they are (no float round trip)
@@ -254,31 +274,54 @@ class EngineModel:
             from tqdm import tqdm
             it = tqdm(it, desc="upload experts", unit="layer")
         for i in it:
-            m = f"layers.{i}.mlp.experts."
-            if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
-                gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
-                if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
-                    self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu_raw)
-                    self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn_raw)
-                    continue
-            if self.precision == "bf16" and self.ck.has(m + "0.gate_proj.weight") \
-                    and self._bf16_raw(m + "0.gate_proj.weight") is not None:  # per-expert BF16: stack the bits
-                gu16 = np.empty((E, 2 * I, H), np.uint16)
-                dn16 = np.empty((E, H, I), np.uint16)
-                for e in range(E):
-                    gu16[e, :I] = self._bf16_raw(f"{m}{e}.gate_proj.weight")
-                    gu16[e, I:] = self._bf16_raw(f"{m}{e}.up_proj.weight")
-                    dn16[e] = self._bf16_raw(f"{m}{e}.down_proj.weight")
-                self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu16)
-                self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn16)
-                continue
-            gu = np.empty((E, 2 * I, H), np.float32)
-            dn = np.empty((E, H, I), np.float32)
+            self._load_layer_experts(i, f"layers.{i}.mlp.experts.", i)
+
+    def _load_layer_experts(self, i, m: str, expert_layer):
+        """Routed experts of layer ``i`` into ``self.w`` (``layers.{i}.mlp.experts.{gate_up,down}``), read from the
+        checkpoint prefix ``m`` (fused or per-expert) / ``ck.expert(expert_layer, e)``."""
+        c = self.config
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
+            gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
+            if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
+                self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu_raw)
+                self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn_raw)
+                return
+        if self.precision == "bf16" and self.ck.has(m + "0.gate_proj.weight") \
+                and self._bf16_raw(m + "0.gate_proj.weight") is not None:  # per-expert BF16: stack the bits
+            gu16 = np.empty((E, 2 * I, H), np.uint16)
+            dn16 = np.empty((E, H, I), np.uint16)
             for e in range(E):
-                g, u, d = self.ck.expert(i, e, dtype=np.float32)
-                gu[e, :I], gu[e, I:], dn[e] = g, u, d
-            self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
-            self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
+                gu16[e, :I] = self._bf16_raw(f"{m}{e}.gate_proj.weight")
+                gu16[e, I:] = self._bf16_raw(f"{m}{e}.up_proj.weight")
+                dn16[e] = self._bf16_raw(f"{m}{e}.down_proj.weight")
+            self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu16)
+            self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn16)
+            return
+        gu = np.empty((E, 2 * I, H), np.float32)
+        dn = np.empty((E, H, I), np.float32)
+        for e in range(E):
+            g, u, d = self.ck.expert(expert_layer, e, dtype=np.float32)
+            gu[e, :I], gu[e, I:], dn[e] = g, u, d
+        self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
+        self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
+
+    def _load_mtp(self) -> None:
+        """The MTP head's weights: its decoder layer as trunk-shaped ``layers.{L}.*`` (read from
+        ``mtp.layers.0.*``), its fusion and mixer weights under their own ``mtp.*`` names."""
+        L = self.config.num_hidden_layers
+        self.mtp_layer = L
+        pre = f"layers.{L}."
+        for name, kind in self._layer_weight_names(L, "indexed_attention"):
+            self.w[name] = self._load(name, kind, src="mtp.layers.0." + name[len(pre):])
+        for n, kind in (("mtp.pre_fc_norm_embedding.weight", "vec"), ("mtp.pre_fc_norm_hidden.weight", "vec"),
+                        ("mtp.fc_embedding.weight", "mat"), ("mtp.fc_hidden.weight", "mat"),
+                        ("mtp.hyper_connection_mixer.hc_norm.weight", "vec"),
+                        ("mtp.hyper_connection_mixer.input_mix_weight_down.weight", "mat"),
+                        ("mtp.hyper_connection_mixer.input_mix_weight_up.weight", "mat")):
+            self.w[n] = self._load(n, kind)
+        from reference.checkpoint import MTP_LAYER
+        self._load_layer_experts(L, "mtp.layers.0.mlp.experts.", MTP_LAYER)
 
     def weight_bytes(self) -> int:
         """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
@@ -420,6 +463,7 @@ class EngineModel:
             self._emit(rec, p + "mlp_hyper_connection.combine", h, positions)
         if part == "head":
             return h
+        self.last_residual = h
         fin = K_norms.hc_pre(h, self.w["hyper_connection_mixer.hc_norm.weight"],
                              self.w["hyper_connection_mixer.input_mix_weight_down.weight"],
                              self.w["hyper_connection_mixer.input_mix_weight_up.weight"], None,
@@ -601,6 +645,8 @@ class EngineModel:
         n_blocks = st.n_blocks
         scores, sel = K_qsa.qsa_select(q_idx, pool.blk_k[i], pool.block_tables, rows, n_vis, n_blocks, r, ps,
                                        c.block_topk)
+        if st.qsa_select_hook is not None:
+            sel = st.qsa_select_hook(sel)
         if rec is not None:
             self._emit(rec, q + "indexer.block_scores", scores, positions)
             self._emit(rec, q + "indexer.selected_blocks", sel.astype(np.int64), positions)
@@ -621,6 +667,95 @@ class EngineModel:
         out = K_lin.linear(gated, w[q + "o_proj.weight"])
         self._emit(rec, q + "out", out, positions)
         return out
+
+
+    # ------------------------------------------------------------------ the MTP head
+    def mtp_step(self, pool, seq, residual, start: int, ids=None, ids_dev=None, hnorm: str = "global",
+                 select_hook=None):
+        """One MTP step over ``T`` pairs ``(R_q, x_{q+1})`` at head positions ``start .. start+T-1`` of ``seq``
+        (writes the head's K/V/indexer caches at those positions' slots, which must be reserved and private).
+
+        The same layer code and kernels as a trunk full-attention layer (the head's layer is loaded as layer
+        ``self.mtp_layer``; PLE off), plus the head's fusion (reference: :mod:`reference.blocks.mtp`).
+
+        Args:
+            residual: ``[T, hc*H]`` float32 on the device (the trunk's pre-final-mixer residual, or the previous
+                draft step's state). ids / ids_dev: ``[T]`` the tokens ``x_{q+1}`` (host or device int64).
+            hnorm: ``'global'`` or ``'per_stream'``. select_hook: replaces the head layer's QSA selection.
+        Returns:
+            ``(draft_logits [T, V], state_out [T, hc*H])`` on the device.
+        """
+        xp, c, w = self.xp, self.config, self.w
+        L = self.mtp_layer
+        H, hc, eps = c.hidden_size, c.hc_count, c.rms_norm_eps
+        rec = tap_recorder.current()
+        st = Step()
+        st.rec = _MTPTapNames(rec, L) if rec is not None else None
+        T = int(residual.shape[0])
+        st.positions = np.arange(start, start + T, dtype=np.int64)
+        st.slabs = np.array([seq.slab], np.int64)
+        st.rows = np.full(T, seq.slab, np.int64)
+        st.ids = None if ids is None else np.asarray(ids, np.int64)
+        st.n_blocks = max(1, (start + T) // (c.indexer_compress_ratio or 1))
+        st.emb = {}
+        st.ids_dev = xp.asarray(st.ids) if ids_dev is None else ids_dev
+        st.pos_dev = xp.asarray(st.positions)
+        st.rows_dev = xp.asarray(st.rows)
+        st.slabs_dev = xp.asarray(st.slabs)
+        st.qsa_select_hook = select_hook
+        positions = st.positions
+        e = K_norms.rms_norm(self._embed(st.ids_dev), w["mtp.pre_fc_norm_embedding.weight"], eps=eps)
+        fe = K_lin.linear(e, w["mtp.fc_embedding.weight"])
+        hn = K_norms.rms_norm(residual, w["mtp.pre_fc_norm_hidden.weight"], eps=eps,
+                              group_size=H if hnorm == "per_stream" else None)
+        fh = K_lin.linear(hn.reshape(T * hc, H), w["mtp.fc_hidden.weight"]).reshape(T, hc * H)
+        h = (fh.reshape(T, hc, H) + fe[:, None, :]).reshape(T, hc * H)
+        self._emit(rec, "mtp.fc_embedding.out", fe, positions)
+        self._emit(rec, "mtp.fc_hidden.out", fh, positions)
+        p = f"layers.{L}."
+        self._emit(st.rec, p + "attn_hyper_connection.in", h, positions)
+        pre = self._hc_pre(p + "attn_hyper_connection.", h, st.rec, positions)
+        out = self._qsa(L, pre.mixed, st, _MTPPoolView(pool, L))
+        h = K_norms.hc_combine(h, out, pre.injection_weights)
+        self._emit(st.rec, p + "attn_hyper_connection.combine", h, positions)
+        pre = self._hc_pre(p + "mlp_hyper_connection.", h, st.rec, positions)
+        out = self._moe(L, pre.mixed, st.rec, positions)
+        h = K_norms.hc_combine(h, out, pre.injection_weights)
+        self._emit(st.rec, p + "mlp_hyper_connection.combine", h, positions)
+        fin = K_norms.hc_pre(h, w["mtp.hyper_connection_mixer.hc_norm.weight"],
+                             w["mtp.hyper_connection_mixer.input_mix_weight_down.weight"],
+                             w["mtp.hyper_connection_mixer.input_mix_weight_up.weight"], None, hc_count=hc, eps=eps)
+        self._emit(rec, "mtp.hyper_connection_mixer.out", fin.mixed, positions)
+        logits = K_lin.linear(fin.mixed, w["lm_head.weight"])
+        self._emit(rec, "mtp.logits", logits, positions)
+        return logits, h
+
+
+class _MTPPoolView:
+    """The pool as the head's layer sees it: the head's own K/V/indexer pools under its layer index, the
+    sequence's block table and page size (the head's position q uses the slot of the trunk's position q)."""
+
+    def __init__(self, pool, layer: int):
+        m = pool.mtp
+        self.kv_k, self.kv_v = {layer: m["kv_k"]}, {layer: m["kv_v"]}
+        self.idx_k, self.blk_k = {layer: m["idx_k"]}, {layer: m["blk_k"]}
+        self.block_tables, self.page_size = pool.block_tables, pool.page_size
+
+
+class _MTPTapNames:
+    """A recorder proxy naming the head layer's taps ``mtp.layers.0.*`` (the layer code emits ``layers.{L}.*``)."""
+
+    def __init__(self, rec, layer: int):
+        self._rec, self._pre = rec, f"layers.{layer}."
+
+    def _name(self, name):
+        return "mtp.layers.0." + name[len(self._pre):] if name.startswith(self._pre) else name
+
+    def wants(self, name):
+        return self._rec.wants(self._name(name))
+
+    def emit(self, name, value, positions=None, **kw):
+        self._rec.emit(self._name(name), value, positions=positions, **kw)
 
 
 _SIGMOID_GATE = {}

@@ -18,6 +18,12 @@ For every fixture (fixtures/*/golden.npz, written by the official implementation
 * ``decode_syncs``: device->host copies in one batched decode step (1 = the logits only).
 
 Acceptance (issue 5): f32 <= 1e-4, KL <= 1e-3, top-1 >= 0.99, greedy 64/64, snapshot/verify <= 1e-5.
+
+MTP head (fixtures with ``golden_mtp.npz``; the truth is the reference head -- no official MTP
+implementation exists): ``mtp_f32`` / ``mtp_bf16``: the engine's draft logits (k = 3, both draft-selection
+options) vs the goldens, max relative error (<= 1e-4; the fixtures store BF16 weights, read exactly in both
+precisions); ``mtp_greedy64``: speculative greedy (k = 3) equal to plain greedy, tokens before the first
+difference out of 64.
 """
 from __future__ import annotations
 
@@ -181,6 +187,44 @@ def fixture_figures(name: str, device: str = "cuda") -> dict:
     return out
 
 
+def mtp_fixtures() -> list[str]:
+    """Names of the bundled fixtures with an MTP head (``golden_mtp.npz``), sorted."""
+    return sorted(p.parent.name for p in FIXTURES.glob("*/golden_mtp.npz"))
+
+
+def mtp_figures(name: str, device: str = "cuda") -> dict:
+    """The MTP figures of one fixture (see the module docstring)."""
+    from reference.checkpoint import Checkpoint
+    ck = Checkpoint.open(FIXTURES / name)
+    g = np.load(FIXTURES / name / "golden_mtp.npz")
+    out = {"fixture": name}
+    for prec in ("float32", "bf16"):
+        worst = 0.0
+        for opt in ("fresh", "reuse_step0"):
+            eng = _engine(ck, device, prec, mtp_draft_selection=opt)
+            for p in ("qsa", "chat"):
+                ids, n = g[f"{p}/ids"], int(g[f"draft/{p}/n"])
+                s = eng.add_sequence()
+                eng.prefill(s, ids[:n])
+                _, dl = eng.mtp_draft_next(s, int(ids[n]), 3, return_logits=True)
+                worst = max(worst, rel_err(dl, g[f"draft/{p}/{opt}/logits"]))
+                eng.free(s)
+        out["mtp_f32" if prec == "float32" else "mtp_bf16"] = worst
+    eng = _engine(ck, device, "float32")
+    prompt = g["qsa/ids"]
+    s = eng.add_sequence()
+    spec = eng.generate_speculative(s, prompt, 64, 3)
+    eng.free(s)
+    s = eng.add_sequence()
+    plain = [int(np.argmax(eng.prefill(s, prompt, last_only=True)))]
+    while len(plain) < 64:
+        plain.append(int(eng.decode_greedy([s], [plain[-1]])[0]))
+    same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), 64)
+    out["mtp_greedy64"] = same
+    out["fail"] = [k for k in ("mtp_f32", "mtp_bf16") if out[k] > F32_TOL] + (["mtp_greedy64"] if same < 64 else [])
+    return out
+
+
 def verdict(f: dict) -> list[str]:
     """Names of the failed acceptance figures of one fixture."""
     bad = []
@@ -240,7 +284,25 @@ def main(argv=None) -> int:
         print(f"  {f['fixture']} | {f['f32_golden']:.2e} | {ref if ref is None else format(ref, '.2e')} | "
               f"{f['bf16_kl']:.2e} | {f['bf16_top1']:.3f} | {f.get('bf16_tapdiff')} | {f.get('greedy64')}/64 | {f['snapshot']:.1e} | "
               f"{f['verify']:.1e} | {f.get('decode_syncs')} | {f.get('graphs')} | {'PASS' if not f['fail'] else 'FAIL ' + ','.join(f['fail'])}")
-    return 0 if all(not f["fail"] for f in rows) else 1
+    mrows = []
+    for name in mtp_fixtures():
+        try:
+            mrows.append(mtp_figures(name, a.device))
+        except Exception as e:
+            mrows.append({"fixture": name, "error": f"{type(e).__name__}: {e}"[:300], "fail": ["error"]})
+    if mrows:
+        print(f"engine MTP drafts ({a.device}; truth: the reference MTP head, no official implementation): fixture | "
+              f"draft logits f32 | bf16 | speculative greedy64 | verdict")
+        for f in mrows:
+            if "error" in f:
+                print(f"  {f['fixture']}: ERROR {f['error']}")
+                continue
+            print(f"  {f['fixture']} | {f['mtp_f32']:.2e} | {f['mtp_bf16']:.2e} | {f['mtp_greedy64']}/64 | "
+                  f"{'PASS' if not f['fail'] else 'FAIL ' + ','.join(f['fail'])}")
+    if a.json and mrows:
+        from reference.atomic import atomic_write_json
+        atomic_write_json(a.json, rows + mrows)
+    return 0 if all(not f["fail"] for f in rows + mrows) else 1
 
 
 if __name__ == "__main__":

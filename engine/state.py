@@ -89,6 +89,11 @@ class Sequence:
     pool_id: int = 0
     # set when a forward was interrupted mid-step (state partly written): only restore/free are allowed
     broken: bool = False
+    # pairs (R_q, x_{q+1}) the MTP head's caches hold (positions 0 .. mtp_len-1); 0 without an MTP head
+    mtp_len: int = 0
+    # the trunk's residual rows the head has not consumed yet: [(start, R [m, hc*H] device, ids [m] host)],
+    # contiguous, covering positions mtp_len .. length-1 (engine.Engine keeps it when the head is loaded)
+    mtp_tail: list = dataclasses.field(default_factory=list)
 
     def __repr__(self):
         return f"Sequence(sid={self.sid}, length={self.length}, pages={len(self.pages)})"
@@ -101,6 +106,8 @@ class Snapshot:
     def __init__(self, pool: "StatePool", seq: Sequence):
         self.pool_id = id(pool)
         self.length = seq.length
+        self.mtp_len = seq.mtp_len
+        self.mtp_tail = list(seq.mtp_tail)  # rows are never written in place: sharing them is safe
         self.pages = list(seq.pages)
         self.slab = {key: arr[seq.slab].copy() for key, arr in pool.slab_arrays()}
         pool._incref(self.pages)
@@ -172,6 +179,8 @@ class StatePool:
         # ids it feeds, so the host-resident PLE table needs no device->host copy
         self.ple_ctx = {i: np.full((M, max(c.ngram_size - 1, 1)), self.eos, np.int64) for i in self.ple_layers}
         self.block_tables = xp.full((M, self.max_pages_per_seq), -1, np.int32)
+        #: the MTP head's QSA layer (pool key -> {"kv_k", "kv_v", "idx_k", "blk_k"} arrays), see :meth:`enable_mtp`
+        self.mtp: dict = {}
         self.refcount = np.zeros(self.num_pages, np.int64)  # host-side bookkeeping
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() gives the lowest id first
         self._free_slabs = list(range(M - 1, -1, -1))
@@ -221,10 +230,29 @@ class StatePool:
                 yield f"{f}.{i}", arr
 
     def page_arrays(self):
-        """Every slot-indexed pool array as ``(key, array)``."""
+        """Every slot-indexed pool array of the trunk as ``(key, array)`` (``kv_k.{layer}`` ...)."""
         for f in ("kv_k", "kv_v", "idx_k", "blk_k"):
             for i, arr in getattr(self, f).items():
                 yield f"{f}.{i}", arr
+
+    def _slot_arrays(self):
+        """:meth:`page_arrays` plus the MTP head's (``mtp.<field>``): what page scrubs and copies on write cover."""
+        yield from self.page_arrays()
+        for f, arr in self.mtp.items():
+            yield f"mtp.{f}", arr
+
+    def enable_mtp(self) -> None:
+        """Allocate the MTP head's QSA caches: one more set of K/V/indexer-key/block-key pools, indexed by the
+        same slots as the trunk's (the head's position ``q`` lives in the slot of the trunk's position ``q``),
+        so pages, copy on write, forks and snapshots carry them. Not exported by :meth:`export_snapshot`: the
+        head's state is rebuilt by its catch-up from the trunk's residuals."""
+        if self.mtp:
+            return
+        c, xp, S = self.config, self.xp, self.num_slots
+        ihd = c.indexer_head_dim or 1
+        self.mtp = {"kv_k": xp.zeros((S, c.num_key_value_heads, c.head_dim), self.kv_dtype),
+                    "kv_v": xp.zeros((S, c.num_key_value_heads, c.head_dim), self.kv_dtype),
+                    "idx_k": xp.zeros((S, ihd), self.kv_dtype), "blk_k": xp.zeros((S, ihd), self.kv_dtype)}
 
     def _check(self, seq: Sequence, allow_broken: bool = False) -> None:
         if not isinstance(seq, Sequence):
@@ -267,7 +295,7 @@ class StatePool:
 
     def _scrub_pages(self, pages) -> None:
         slots = self.xp.asarray(self._page_slots(pages))
-        for _, arr in self.page_arrays():
+        for _, arr in self._slot_arrays():
             arr[slots] = 0
 
     def _scrub_slab(self, slab: int) -> None:
@@ -310,6 +338,7 @@ class StatePool:
         self._free_slabs.append(seq.slab)
         seq.alive = False
         seq.checkpoints = None
+        seq.mtp_tail = []
         del self.seqs[seq.sid]
 
     def fork(self, seq: Sequence) -> Sequence:
@@ -319,6 +348,8 @@ class StatePool:
         child.pages = list(seq.pages)
         self._incref(child.pages)
         child.length = seq.length
+        child.mtp_len = seq.mtp_len
+        child.mtp_tail = list(seq.mtp_tail)
         for _, arr in self.slab_arrays():
             arr[child.slab] = arr[seq.slab]
         self._sync_table(child)
@@ -338,13 +369,23 @@ class StatePool:
                 in the latter case: pages taken are given back).
         """
         self._check(seq)
-        end = seq.length + int(n_new)
+        self.reserve_range(seq, seq.length, seq.length + int(n_new))
+
+    def reserve_range(self, seq: Sequence, start: int, end: int) -> None:
+        """Make positions ``[start, end)`` writable (``start <= length``): allocate pages past the sequence's,
+        copy the shared ones in the range (COW). The MTP head writes below ``length`` (its catch-up), so its
+        pages must be private too.
+
+        Raises:
+            CapacityError: as :meth:`reserve`.
+        """
+        self._check(seq)
         if end > self.max_positions:
             raise CapacityError(f"sequence {seq.sid}: {end} positions requested, expected <= "
                                 f"max_position_embeddings={self.max_positions}")
         ps = self.page_size
         need_pages = -(-end // ps)
-        first = seq.length // ps
+        first = min(int(start), seq.length) // ps
         new_pages = []
         try:
             for p in range(first, need_pages):
@@ -369,7 +410,7 @@ class StatePool:
         if cow:
             src = xp.asarray(self._page_slots([o for _, _, o in cow]))
             dst = xp.asarray(self._page_slots([q for _, q, _ in cow]))
-            for _, arr in self.page_arrays():
+            for _, arr in self._slot_arrays():
                 arr[dst] = arr[src]
             self._decref([o for _, _, o in cow])
         for p, q, old in new_pages:
@@ -405,6 +446,13 @@ class StatePool:
         drop = seq.pages[keep:]
         seq.pages = seq.pages[:keep]
         seq.length = new_length
+        seq.mtp_len = max(0, min(seq.mtp_len, new_length - 1))  # a pair at q needs the token at q + 1
+        tail = []
+        for start, R, ids in seq.mtp_tail:  # the head's pending trunk rows past the new length go too
+            if start < new_length:
+                n = min(len(ids), new_length - start)
+                tail.append((start, R[:n], ids[:n]))
+        seq.mtp_tail = tail
         if drop:
             self._decref(drop)
             self.block_tables[seq.slab, keep:keep + len(drop)] = -1
@@ -429,6 +477,8 @@ class StatePool:
         self._decref(seq.pages)
         seq.pages = list(snap.pages)
         seq.length = snap.length
+        seq.mtp_len = snap.mtp_len
+        seq.mtp_tail = list(snap.mtp_tail)
         seq.checkpoints = None
         seq.broken = False
         for key, arr in self.slab_arrays():
@@ -573,6 +623,8 @@ class StatePool:
         self._decref(seq.pages)
         seq.pages = [self._alloc_page(f"import into sequence {seq.sid}") for _ in range(need)]
         seq.length = L
+        seq.mtp_len = 0  # the MTP head's caches are not exported (nor the trunk residuals it would need)
+        seq.mtp_tail = []
         seq.checkpoints = None
         seq.broken = False
         self._sync_table(seq)

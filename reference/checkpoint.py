@@ -43,7 +43,7 @@ from reference.config import ModelConfig, load_config
 from reference.errors import CheckpointError, InputError
 
 __all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes", "expected_shape",
-           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES"]
+           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES", "mtp_expected_shapes", "MTP_LAYER"]
 
 # safetensors dtype name -> numpy dtype (little-endian, as the format stores)
 DTYPES: dict[str, np.dtype] = {
@@ -149,6 +149,32 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 _PER_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_MTP_PER_EXPERT_RE = re.compile(r"^mtp\.layers\.0\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+#: the ``layer`` argument of :meth:`_WeightsBase.expert` that names the MTP head's MoE (``mtp.layers.0.mlp``)
+MTP_LAYER = "mtp"
+
+
+def mtp_expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> expected shape of the MTP head's tensors (``mtp.*``; fused expert layout listed, the
+    per-expert names answered by :func:`expected_shape`). They are optional: a checkpoint without them is
+    complete (:func:`required_names` never lists them). Source: model-facts.md section 3 (the tensor census
+    and the vLLM/SGLang loaders; no official module exists): ``pre_fc_norm_embedding [H]``,
+    ``pre_fc_norm_hidden [hc*H]``, ``fc_embedding``/``fc_hidden [H, H]``, one full-attention (QSA) decoder
+    layer ``mtp.layers.0.*`` shaped like the trunk's, and ``mtp.hyper_connection_mixer.*``."""
+    H, hc, R = cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank
+    hcH = hc * H
+    # the layer is the trunk's full-attention layer: reuse the trunk's shape rules on a one-layer config
+    import dataclasses
+    one = expected_shapes(dataclasses.replace(cfg, layer_types=("indexed_attention",), num_hidden_layers=1,
+                                              ple_layer_ids=()))
+    out = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (hcH,),
+           "mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H),
+           "mtp.hyper_connection_mixer.hc_norm.weight": (hcH,),
+           "mtp.hyper_connection_mixer.input_mix_weight_down.weight": (R, hcH),
+           "mtp.hyper_connection_mixer.input_mix_weight_up.weight": (hcH, R)}
+    out.update({"mtp." + n: s for n, s in one.items() if n.startswith("layers.0.")})
+    return out
 
 
 def expected_shape(cfg: ModelConfig, name: str, shapes: dict | None = None) -> tuple[int, ...] | None:
@@ -163,6 +189,10 @@ def expected_shape(cfg: ModelConfig, name: str, shapes: dict | None = None) -> t
     if m and int(m.group(1)) < cfg.num_hidden_layers and int(m.group(2)) < cfg.num_experts:
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
         return (H, I) if m.group(3) == "down" else (I, H)
+    m = _MTP_PER_EXPERT_RE.match(name)
+    if m and int(m.group(1)) < cfg.num_experts:
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        return (H, I) if m.group(2) == "down" else (I, H)
     return None
 
 
@@ -252,7 +282,7 @@ class _WeightsBase:
 
     # --- derived state ------------------------------------------------------------------
     def _init_common(self) -> None:
-        self._expected = expected_shapes(self.config)
+        self._expected = {**expected_shapes(self.config), **mtp_expected_shapes(self.config)}
         self._checked: set[str] = set()
         self._tables: dict[int, _NgramTable] = {}
         # quantization_config sits in the text config or, in the multimodal wrapper, at the root
@@ -420,7 +450,8 @@ class _WeightsBase:
 
     # --- experts ------------------------------------------------------------------------
     def expert(self, layer: int, e: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Routed expert ``e`` of decoder layer ``layer``: ``(gate [I, H], up [I, H], down [H, I])``.
+        """Routed expert ``e`` of decoder layer ``layer`` (``"mtp"``: the MTP head's layer,
+        ``mtp.layers.0.mlp.experts.*``): ``(gate [I, H], up [I, H], down [H, I])``.
 
         Reads either layout: per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what
         save_pretrained writes) or fused ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first,
@@ -430,11 +461,15 @@ class _WeightsBase:
             InputError: layer or expert index out of range.  CheckpointError: tensors missing / mis-shaped.
         """
         cfg = self.config
-        if not 0 <= layer < cfg.num_hidden_layers:
-            raise InputError(f"expert(): layer: expected 0..{cfg.num_hidden_layers - 1}, found {layer}")
+        if layer == MTP_LAYER:
+            m = "mtp.layers.0.mlp.experts."
+        elif isinstance(layer, str) or not 0 <= layer < cfg.num_hidden_layers:
+            raise InputError(f"expert(): layer: expected 0..{cfg.num_hidden_layers - 1} or {MTP_LAYER!r}, "
+                             f"found {layer!r}")
+        else:
+            m = f"layers.{layer}.mlp.experts."
         if not 0 <= e < cfg.num_experts:
             raise InputError(f"expert(): expert: expected 0..{cfg.num_experts - 1}, found {e}")
-        m = f"layers.{layer}.mlp.experts."
         if self.has(f"{m}{e}.gate_proj.weight"):
             return (self.get(f"{m}{e}.gate_proj.weight", dtype), self.get(f"{m}{e}.up_proj.weight", dtype),
                     self.get(f"{m}{e}.down_proj.weight", dtype))
@@ -583,6 +618,30 @@ class _WeightsBase:
             for layer in self.config.ple_layers:
                 self._table(layer)
         return unknown
+
+    def has_mtp(self) -> bool:
+        """True when the checkpoint carries the MTP head (``mtp.*``, plain or ``model.``-prefixed names).
+
+        Raises:
+            CheckpointError: some ``mtp.*`` tensors are stored but a required one is missing (a partial head).
+        """
+        st = self._stored()
+        if not any(n.startswith("mtp.") for n in st):
+            return False
+        fused = "mtp.layers.0.mlp.experts.gate_up_proj" in st
+        for n in mtp_expected_shapes(self.config):
+            if ".mlp.experts." in n and not fused:
+                continue
+            if n.endswith(".bias"):
+                continue
+            if n not in st:
+                raise self._missing(n)
+        if not fused:
+            for e in range(self.config.num_experts):
+                for w in ("gate", "up", "down"):
+                    if f"mtp.layers.0.mlp.experts.{e}.{w}_proj.weight" not in st:
+                        raise self._missing(f"mtp.layers.0.mlp.experts.{e}.{w}_proj.weight")
+        return True
 
     def with_override(self, name: str, array: np.ndarray) -> "_WeightsBase":
         """A patched view: ``name`` reads as ``array`` (shape-checked against the config), the rest as here.

@@ -24,6 +24,8 @@ from reference.blocks.gdn import gdn_block
 from reference.blocks.hyper_connection import hc_combine, hyper_connection
 from reference.blocks.linear import FUSED_MAX_ROWS, BF16Matrix, linear
 from reference.blocks.moe import moe_block
+from reference.blocks.mtp import check_mtp_options, mtp_fuse
+from reference.checkpoint import MTP_LAYER
 from reference.blocks.ple import ple_block
 from reference.blocks.qsa import (attention_project, indexer_project, indexer_select, pool_block_keys,
                                   selection_mask, sparse_attention)
@@ -36,6 +38,11 @@ from reference.session import Session, SessionState, check_ids
 from reference import taphook as _taphook
 
 __all__ = ["ReferenceModel"]
+
+
+def _pfx(i) -> str:
+    """Canonical tensor/tap prefix of decoder layer ``i``; ``"mtp"`` is the MTP head's layer (``mtp.layers.0.``)."""
+    return "mtp.layers.0." if i == MTP_LAYER else f"layers.{i}."
 
 _AUTO_CACHE_BYTES = 2 << 30
 
@@ -151,12 +158,12 @@ class ReferenceModel:
             return self.w(name)
         return BF16Matrix(raw, upcast=lambda dt, n=name: self.w(n))
 
-    def _expert_bits(self, layer: int, e: int):
+    def _expert_bits(self, layer, e: int):
         """``(gate [I, H], up [I, H], down [H, I])`` stored BF16 views of a routed expert (memory-mapped; nothing
         read yet), or None when the float32 bits path does not apply (then :meth:`_expert` upcasts)."""
         if self.dtype is not np.float32 or not hasattr(self.weights, "get_raw"):
             return None
-        m = f"layers.{layer}.mlp.experts."
+        m = _pfx(layer) + "mlp.experts."
         if self.weights.has(f"{m}{e}.gate_proj.weight"):
             got = tuple(self._bf16_raw(f"{m}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
             return None if any(g is None for g in got) else got
@@ -230,8 +237,8 @@ class ReferenceModel:
         d["dt_bias"] = self.w(p + "dt_bias")
         return d
 
-    def _attn_w(self, i: int) -> dict:
-        p = f"layers.{i}.self_attn."
+    def _attn_w(self, i) -> dict:
+        p = _pfx(i) + "self_attn."
         d = {}
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             d[n + ".weight"] = self.m(p + n + ".weight")
@@ -252,8 +259,8 @@ class ReferenceModel:
                 "norm_key": self.w(p + "norm_key.weight"), "norm_query": self.w(p + "norm_query.weight"),
                 "norm_conv": self.w(p + "norm_conv.weight"), "conv1d": conv.reshape(conv.shape[0], conv.shape[-1])}
 
-    def _moe_w(self, i: int) -> dict:
-        p = f"layers.{i}.mlp."
+    def _moe_w(self, i) -> dict:
+        p = _pfx(i) + "mlp."
         return {"gate": self.m(p + "gate.weight"), "shared_gate": self.m(p + "shared_expert.gate_proj.weight"),
                 "shared_up": self.m(p + "shared_expert.up_proj.weight"),
                 "shared_down": self.m(p + "shared_expert.down_proj.weight"),
@@ -301,8 +308,13 @@ class ReferenceModel:
             rec.emit(p + "out", out, positions=pos)
         return out, (conv, recur)
 
-    def _qsa_step(self, i, st, x, pos, cos, sin, rec):
-        """QSA block; appends to the layer's caches (the caller truncates them back on failure)."""
+    def _qsa_step(self, i, st, x, pos, cos, sin, rec, reuse=None, sel_out=None):
+        """QSA block; appends to the layer's caches (the caller truncates them back on failure).
+
+        ``i``: a trunk layer index or ``"mtp"`` (the MTP head's layer). ``reuse``: ``(selected [block_topk],
+        n_complete)`` of an earlier query whose block selection every query of this call reuses (the MTP
+        ``draft_selection='reuse_step0'`` option; tokens from that query's tail start onwards stay visible).
+        ``sel_out``: a dict that receives the last query's ``(selected, n_complete)``."""
         cfg = self.config
         w = self._attn_w(i)
         r = cfg.indexer_compress_ratio
@@ -315,6 +327,11 @@ class ReferenceModel:
         scores, sel, n_complete = indexer_select(q_idx, st.block_keys.data[:nb_new], pos, cfg)
         if self.selection_hook is not None:
             sel = np.asarray(self.selection_hook(i, pos, scores, sel), dtype=np.int64)
+        if reuse is not None:
+            sel = np.repeat(np.asarray(reuse[0], np.int64)[None], len(pos), axis=0)
+            n_complete = np.full(len(pos), int(reuse[1]), dtype=n_complete.dtype)
+        if sel_out is not None:
+            sel_out["selection"] = (sel[-1].copy(), int(n_complete[-1]))
         mask = selection_mask(sel, pos, n_complete, L, r)
         q, gate, k, v = attention_project(x, w, cos, sin, cfg)
         K = st.k.append(k)
@@ -324,7 +341,7 @@ class ReferenceModel:
         if "o_proj.bias" in w:
             out = out + w["o_proj.bias"]
         if rec is not None:
-            p = f"layers.{i}.self_attn."
+            p = _pfx(i) + "self_attn."
             if scores.shape[1] == 0:  # no complete block yet: one -inf column (the engine's width rule)
                 scores = np.full((len(pos), 1), -np.inf, dtype=scores.dtype)
             rec.emit(p + "indexer.block_scores", scores, positions=pos)
@@ -336,7 +353,7 @@ class ReferenceModel:
     def _moe_step(self, i, x, pos, rec):
         out, logits, ids, wts = moe_block(x, self._moe_w(i), lambda e: self._expert(i, e), self.config)
         if rec is not None:
-            p = f"layers.{i}.mlp."
+            p = _pfx(i) + "mlp."
             rec.emit(p + "gate.router_logits", logits, positions=pos)
             rec.emit(p + "gate.topk_ids", ids, positions=pos)
             rec.emit(p + "gate.topk_weights", wts, positions=pos)
@@ -344,11 +361,13 @@ class ReferenceModel:
         return out
 
     # ------------------------------------------------------------------ the step
-    def _run(self, state: SessionState, ids: np.ndarray, logits: str = "all"):
+    def _run(self, state: SessionState, ids: np.ndarray, logits: str = "all", residual_out: list | None = None):
         """Consume ``ids`` ``[T]`` from ``state``; commit the new state only on success.
 
         Args:
             logits: ``'all'`` -> ``[T, V]``, ``'last'`` -> ``[1, V]``, ``'none'`` -> None.
+            residual_out: a list that receives the pre-final-mixer multi-stream residual ``[T, hc*H]`` (the MTP
+                head's input ``R``).
         """
         cfg = self.config
         rec = _taphook.current()
@@ -385,6 +404,8 @@ class ReferenceModel:
                 x = hc_combine(x, out, inj)
                 if rec is not None:
                     rec.emit(pre + "mlp_hyper_connection.combine", x, positions=pos)
+            if residual_out is not None:
+                residual_out.append(x)
             h, _ = self._hc_step("hyper_connection_mixer", x, pos, rec, combine=False)
             result = None
             if logits != "none":
@@ -403,6 +424,94 @@ class ReferenceModel:
                 state.gdn[i].conv, state.gdn[i].recurrent = val
         state.position = p0 + T
         return result
+
+    # ------------------------------------------------------------------ the MTP head
+    def has_mtp(self) -> bool:
+        """True when the weights carry the MTP head (``mtp.*``; see :mod:`reference.blocks.mtp`)."""
+        has = getattr(self.weights, "has_mtp", None)
+        return bool(has()) if has is not None else self.weights.has("mtp.fc_hidden.weight")
+
+    def _mtp_fuse_w(self) -> dict:
+        p = "mtp."
+        return {"pre_fc_norm_embedding": self.w(p + "pre_fc_norm_embedding.weight"),
+                "pre_fc_norm_hidden": self.w(p + "pre_fc_norm_hidden.weight"),
+                "fc_embedding": self.m(p + "fc_embedding.weight"), "fc_hidden": self.m(p + "fc_hidden.weight")}
+
+    def _mtp_run(self, mst, residual: np.ndarray, next_ids: np.ndarray, hnorm: str = "global", reuse=None,
+                 sel_out=None):
+        """One MTP step over ``T`` pairs ``(R_q, x_{q+1})`` at positions ``mst.position ..`` (appends to the head's
+        QSA caches; truncated back on failure; the caller commits ``mst.position``).
+
+        Returns:
+            ``(draft_logits [T, V], state_out [T, hc*H])``: the logits predict ``x_{q+2}``; ``state_out`` is the
+            pre-mixer multi-stream state (the next draft step's ``R``).
+        Source: :mod:`reference.blocks.mtp` (vLLM/SGLang dataflow; no official implementation).
+        """
+        cfg = self.config
+        rec = _taphook.current()
+        T = len(next_ids)
+        p0 = mst.position
+        pos = np.arange(p0, p0 + T, dtype=np.int64)
+        cos, sin = self.cos_sin(pos)
+        n0 = mst.qsa.k.n
+        try:
+            x, taps = mtp_fuse(np.asarray(residual, dtype=self.dtype), self._embed(next_ids), self._mtp_fuse_w(),
+                               cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps, hnorm)
+            if rec is not None:
+                rec.emit("mtp.fc_embedding.out", taps["fc_embedding.out"], positions=pos)
+                rec.emit("mtp.fc_hidden.out", taps["fc_hidden.out"], positions=pos)
+                rec.emit("mtp.layers.0.attn_hyper_connection.in", x, positions=pos)
+            pre = "mtp.layers.0."
+            mixed, inj = self._hc_step(pre + "attn_hyper_connection", x, pos, rec)
+            out = self._qsa_step(MTP_LAYER, mst.qsa, mixed, pos, cos, sin, rec, reuse=reuse, sel_out=sel_out)
+            x = hc_combine(x, out, inj)
+            if rec is not None:
+                rec.emit(pre + "attn_hyper_connection.combine", x, positions=pos)
+            mixed, inj = self._hc_step(pre + "mlp_hyper_connection", x, pos, rec)
+            out = self._moe_step(MTP_LAYER, mixed, pos, rec)
+            x = hc_combine(x, out, inj)
+            if rec is not None:
+                rec.emit(pre + "mlp_hyper_connection.combine", x, positions=pos)
+            h, _ = self._hc_step("mtp.hyper_connection_mixer", x, pos, rec, combine=False)
+            logits = self._lm_head(h)
+            if rec is not None:
+                rec.emit("mtp.logits", logits, positions=pos)
+        except BaseException:
+            mst.qsa.truncate(n0, cfg.indexer_compress_ratio)
+            raise
+        return logits, x
+
+    def new_mtp_session(self, hnorm: str = "global", draft_selection: str = "fresh"):
+        """A fresh :class:`~reference.session.MTPSession` (the MTP head's own state) at position 0.
+
+        Args:
+            hnorm, draft_selection: the options of :mod:`reference.blocks.mtp` (defaults: the majority of the
+                public ports).
+        Raises:
+            InputError: unknown option. CheckpointError: no (or a partial) MTP head in the weights.
+        """
+        from reference.errors import CheckpointError
+        from reference.session import MTPSession
+        check_mtp_options(hnorm, draft_selection)
+        if not self.has_mtp():
+            raise CheckpointError("MTP head: expected mtp.* tensors (mtp.fc_hidden.weight ...) in the checkpoint, "
+                                  "found none")
+        return MTPSession(self, hnorm=hnorm, draft_selection=draft_selection)
+
+    def mtp_forward(self, residual, next_ids, hnorm: str = "global") -> tuple[np.ndarray, np.ndarray]:
+        """The MTP head over ``T`` pairs from an empty head state (the truth for pairs at positions ``0..T-1``).
+
+        Args:
+            residual: ``[T, hc*H]`` the trunk's pre-final-mixer residual at positions ``0..T-1``.
+            next_ids: ``[T]`` the tokens at positions ``1..T``.
+        Returns:
+            ``(draft_logits [T, V], state_out [T, hc*H])`` in the model dtype.
+        Raises:
+            InputError: bad ids, mis-shaped residual, unknown option. CheckpointError: no MTP head.
+        """
+        ids = check_ids(next_ids, self.config.vocab_size, "mtp next ids")
+        ms = self.new_mtp_session(hnorm=hnorm)
+        return ms.step(residual, ids)
 
     # ------------------------------------------------------------------ public API
     def new_session(self) -> Session:

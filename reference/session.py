@@ -15,6 +15,7 @@ A step is committed only when it completes, so an interrupted call leaves the se
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +23,10 @@ import numpy as np
 from reference.errors import InputError
 
 __all__ = ["GrowBuffer", "GDNState", "PLEState", "QSAState", "SessionState", "Snapshot", "Session",
-           "STATE_KINDS", "required_kinds", "check_ids", "check_length"]
+           "STATE_KINDS", "required_kinds", "check_ids", "check_length", "MTPState", "MTPSession",
+           "speculative_greedy", "accept_greedy", "mtp_draft_from_history"]
+
+_SNAPSHOT_TOKENS: dict[int, list] = {}  # id(Snapshot) -> the token history it holds (while it lives)
 
 #: every state kind a snapshot can carry (``Snapshot.kinds`` lists the ones it holds)
 STATE_KINDS = ("qsa.kv", "qsa.indexer_keys", "gdn.conv", "gdn.recurrent", "ple.conv", "ple.ngram_context")
@@ -276,6 +280,12 @@ class Session:
         self.config = model.config
         self.state = SessionState.empty(model.config, model.dtype)
         self._checkpoints: dict[int, SessionState] = {}
+        #: when a list, every step appends its pre-final-mixer residual ``[T, hc*H]`` (the MTP head's input)
+        self.residual_log: list | None = None
+        #: the token ids the state holds (None when unknown: restored from a snapshot this process did not take)
+        self.tokens: list | None = []
+        # the trunk residuals of every position, kept once the MTP head has drafted (GrowBuffer), else None
+        self._mtp_R: GrowBuffer | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -287,7 +297,15 @@ class Session:
     def _advance(self, ids: np.ndarray, logits: str):
         p = self.state.position
         self._checkpoints = {q: c for q, c in self._checkpoints.items() if q <= p}
-        return self.model._run(self.state, ids, logits)
+        res: list = [] if self._mtp_R is not None else None
+        out = self.model._run(self.state, ids, logits, residual_out=res if res is not None else self.residual_log)
+        if res is not None:
+            self._mtp_R.append(res[0])
+            if self.residual_log is not None:
+                self.residual_log.append(res[0])
+        if self.tokens is not None:
+            self.tokens.extend(int(t) for t in ids)
+        return out
 
     def prefill(self, ids, chunk_size: int | None = None, last_only: bool = False) -> np.ndarray:
         """Consume ``ids`` (optionally in chunks of ``chunk_size`` tokens).
@@ -352,6 +370,9 @@ class Session:
         if target == 0:
             self.state = SessionState.empty(self.config, self.model.dtype)
             self._checkpoints = {}
+            self.tokens = []
+            if self._mtp_R is not None:
+                self._mtp_R.truncate(0)
             return
         cp = self._checkpoints.get(target)
         if cp is None:
@@ -363,12 +384,20 @@ class Session:
             q.truncate(target, r)
         self.state = SessionState(target, {i: s.copy() for i, s in cp.gdn.items()}, self.state.qsa,
                                   {i: s.copy() for i, s in cp.ple.items()})
+        if self.tokens is not None:
+            del self.tokens[target:]
+        if self._mtp_R is not None:
+            self._mtp_R.truncate(target)
         self._checkpoints = {q: c for q, c in self._checkpoints.items() if q <= target}
 
     def snapshot(self) -> Snapshot:
         """A deep, independent copy of the whole state (with the kinds it holds)."""
-        return Snapshot(self.position, self.state.copy(), self.state.kinds, self.config.config_hash(),
+        snap = Snapshot(self.position, self.state.copy(), self.state.kinds, self.config.config_hash(),
                         np.dtype(self.model.dtype).name)
+        if self.tokens is not None:  # the history rides along by identity (the Snapshot format is unchanged)
+            _SNAPSHOT_TOKENS[id(snap)] = list(self.tokens)
+            weakref.finalize(snap, _SNAPSHOT_TOKENS.pop, id(snap), None)
+        return snap
 
     def restore(self, snapshot: Snapshot) -> None:
         """Replace the state by a (copy of a) snapshot.
@@ -392,3 +421,239 @@ class Session:
             raise InputError(f"restore: snapshot dtype {snapshot.dtype}, session dtype {np.dtype(self.model.dtype).name}")
         self.state = snapshot.state.copy()
         self._checkpoints = {}
+        toks = _SNAPSHOT_TOKENS.get(id(snapshot))
+        self.tokens = list(toks) if toks is not None and len(toks) == snapshot.position else None
+        self._mtp_R = None  # recomputed from the tokens at the next draft
+
+    def mtp_draft_next(self, next_id, k: int, hnorm: str = "global", draft_selection: str = "fresh"):
+        """The MTP head's ``k`` greedy drafts after this session's tokens followed by ``next_id``, as
+        :func:`mtp_draft_from_history` computes them: a fresh head over every pair, so there is no head state to
+        roll back; the trunk residuals are kept (and truncated by rollback) once the first draft computed them.
+
+        Returns:
+            ``(draft_ids [k] int64, draft_logits [k, V])``.
+        Raises:
+            InputError: the history is unknown (restored from a foreign snapshot) or the session is empty.
+            CheckpointError: no MTP head.
+        """
+        if self.tokens is None or len(self.tokens) != self.position:
+            raise InputError("mtp draft: expected the session's token history, found it unknown (restored from a "
+                             "snapshot this process did not take); prefill the history again to draft")
+        if self.position < 1:
+            raise InputError("mtp draft: expected at least one token in the session, found none")
+        if self._mtp_R is None or self._mtp_R.n != self.position:
+            # the first draft (or one after a restore) recomputes the trunk residuals once; from then on every
+            # step keeps its rows (the same values: a step's residual is a function of the history)
+            res: list = []
+            self.model._run(SessionState.empty(self.config, self.model.dtype), np.asarray(self.tokens, np.int64),
+                            "none", residual_out=res)
+            self._mtp_R = GrowBuffer((self.config.hc_hidden_size,), self.model.dtype)
+            self._mtp_R.append(res[0])
+        nxt = check_ids([next_id], self.config.vocab_size, "mtp next id")
+        ms = self.model.new_mtp_session(hnorm=hnorm, draft_selection=draft_selection)
+        toks = np.asarray(self.tokens, np.int64)
+        return ms.draft(self._mtp_R.data, np.concatenate([toks[1:], nxt]), k)
+
+
+# ---------------------------------------------------------------------------------------------- the MTP head
+@dataclass
+class MTPState:
+    """The MTP head's own state: its QSA layer's caches (``k``/``v``/``index_keys``/``block_keys``) over the
+    ``position`` pairs ``(R_q, x_{q+1})`` consumed so far (PLE is off in the head; it has no recurrent state)."""
+    position: int
+    qsa: QSAState
+
+    def copy(self) -> "MTPState":
+        """A deep copy."""
+        return MTPState(self.position, self.qsa.copy())
+
+    @staticmethod
+    def empty(config, dtype) -> "MTPState":
+        """Position 0, empty caches."""
+        hd, nkv, D = config.head_dim, config.num_key_value_heads, config.indexer_head_dim
+        return MTPState(0, QSAState(GrowBuffer((nkv, hd), dtype), GrowBuffer((nkv, hd), dtype),
+                                    GrowBuffer((D,), dtype), GrowBuffer((D,), dtype)))
+
+
+class MTPSession:
+    """The MTP head of one sequence (create with ``model.new_mtp_session()``).
+
+    Position convention (vLLM's drafter: target positions, token ids shifted by one): the head's position ``q``
+    holds the pair ``(R_q, x_{q+1})``, ``R_q`` the trunk's pre-final-mixer residual at position ``q``. After the
+    trunk consumed ``x_0..x_{n-1}`` and ``x_n`` is known, :meth:`draft` consumes ``(R_{n-1}, x_n)`` at position
+    ``n-1`` (kept) and runs ``k-1`` further steps at ``n .. n+k-2`` on its own output state and drafted tokens;
+    those are speculative and dropped before :meth:`draft` returns, so the state only ever holds pairs with
+    trunk residuals.
+    """
+
+    def __init__(self, model, hnorm: str = "global", draft_selection: str = "fresh"):
+        self.model = model
+        self.config = model.config
+        self.hnorm = hnorm
+        self.draft_selection = draft_selection
+        self.state = MTPState.empty(model.config, model.dtype)
+
+    @property
+    def position(self) -> int:
+        """Pairs consumed so far (the position of the next pair)."""
+        return self.state.position
+
+    def _check(self, residual, ids, what):
+        cfg = self.config
+        ids = check_ids(ids, cfg.vocab_size, what)
+        R = np.asarray(residual)
+        if R.ndim != 2 or R.shape != (len(ids), cfg.hc_hidden_size):
+            raise InputError(f"{what}: residual: expected shape [{len(ids)}, hc_count*hidden_size="
+                             f"{cfg.hc_hidden_size}], found {list(R.shape)}")
+        return R, ids
+
+    def step(self, residual, next_ids) -> tuple[np.ndarray, np.ndarray]:
+        """Consume ``T`` pairs; returns ``(draft_logits [T, V], state_out [T, hc*H])`` (committed on success).
+
+        Raises:
+            InputError: bad ids or a residual not ``[T, hc*H]``.
+        """
+        R, ids = self._check(residual, next_ids, "mtp step")
+        logits, h = self.model._mtp_run(self.state, R, ids, self.hnorm)
+        self.state.position += len(ids)
+        return logits, h
+
+    def draft(self, residual, next_ids, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy drafts: consume the ``m`` pairs ``(residual, next_ids)`` (kept: the catch-up of accepted
+        positions and the current one), then draft ``k`` tokens, the first from the last pair's logits, each
+        further one from an MTP step on the previous step's state and draft (speculative, dropped afterwards).
+
+        Returns:
+            ``(draft_ids [k] int64, draft_logits [k, V])``.
+        Raises:
+            InputError: ``k < 1``, bad ids or residual.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"mtp draft: k: expected a positive integer, found {k!r}")
+        R, ids = self._check(residual, next_ids, "mtp draft")
+        m = self.model
+        sel = {} if self.draft_selection == "reuse_step0" else None
+        logits, h = m._mtp_run(self.state, R, ids, self.hnorm, sel_out=sel)
+        self.state.position += len(ids)
+        keep = self.state.position
+        nq = self.state.qsa.k.n
+        out_l = [logits[-1]]
+        toks = [int(np.argmax(logits[-1]))]
+        hh = h[-1:]
+        try:
+            for _ in range(int(k) - 1):
+                reuse = sel["selection"] if sel is not None else None
+                lg, hh = m._mtp_run(self.state, hh, np.array([toks[-1]], np.int64), self.hnorm, reuse=reuse)
+                self.state.position += 1
+                out_l.append(lg[0])
+                toks.append(int(np.argmax(lg[0])))
+        finally:  # the speculative steps never stay in the head's state
+            self.state.position = keep
+            self.state.qsa.truncate(nq, self.config.indexer_compress_ratio)
+        return np.asarray(toks, np.int64), np.stack(out_l)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` pairs (``0 <= n <= position``).
+
+        Raises:
+            InputError: ``n`` out of range.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.position:
+            raise InputError(f"mtp truncate: expected 0 <= n <= position={self.position}, found {n!r}")
+        self.state.qsa.truncate(int(n), self.config.indexer_compress_ratio)
+        self.state.position = int(n)
+
+    def snapshot(self) -> MTPState:
+        """A deep copy of the head's state."""
+        return self.state.copy()
+
+    def restore(self, snap: MTPState) -> None:
+        """Put the head back to a :meth:`snapshot` (copied; the snapshot stays valid).
+
+        Raises:
+            InputError: not an MTPState.
+        """
+        if not isinstance(snap, MTPState):
+            raise InputError(f"mtp restore: expected an MTPState, found {type(snap).__name__}")
+        self.state = snap.copy()
+
+
+def accept_greedy(drafts, verify_logits) -> int:
+    """Greedy acceptance: the longest prefix of ``drafts [k]`` equal to the argmax of the verify logits
+    ``[k+1, V]`` (row ``j`` = the trunk's logits after the token before draft ``j``). Returns ``0..k``."""
+    a = 0
+    for j, d in enumerate(np.asarray(drafts).reshape(-1)):
+        if int(np.argmax(verify_logits[j])) != int(d):
+            break
+        a = j + 1
+    return a
+
+
+def speculative_greedy(model, prompt, max_new: int, k: int, *, hnorm: str = "global",
+                       draft_selection: str = "fresh", eos_ids=(), trace: list | None = None) -> list[int]:
+    """Greedy generation drafting ``k`` tokens per round with the MTP head and verifying them with the trunk in
+    one width-``k+1`` step (:meth:`Session.forward_tokens`), keeping the longest matching prefix plus the
+    trunk's own next token; rejected positions are rolled back in the trunk (:meth:`Session.rollback`) and
+    never enter the head's state. Produces exactly plain greedy decoding's tokens.
+
+    Args:
+        prompt: token ids (>= 1); max_new: tokens to generate (>= 1); k: drafts per round (>= 1).
+        eos_ids: stop after emitting one of these.
+        trace: optional list receiving one ``{"position", "drafts", "accepted"}`` dict per round.
+    Returns:
+        the generated ids (``max_new`` of them unless an EOS stopped it).
+    Raises:
+        InputError: bad prompt or sizes. CheckpointError: no MTP head.
+    """
+    cfg = model.config
+    ids = check_ids(prompt, cfg.vocab_size, "prompt")
+    if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+        raise InputError(f"max_new: expected a positive integer, found {max_new!r}")
+    mtp = model.new_mtp_session(hnorm=hnorm, draft_selection=draft_selection)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k: expected a positive integer, found {k!r}")
+    sess = model.new_session()
+    sess.residual_log = []
+    logits = sess.prefill(ids)
+    R = np.concatenate(sess.residual_log, axis=0)
+    out = [int(np.argmax(logits[-1]))]
+    pend_R, pend_ids = R, np.concatenate([ids[1:], [out[0]]]).astype(np.int64)
+    eos = {int(e) for e in eos_ids}
+    while len(out) < max_new and out[-1] not in eos:
+        kk = int(min(k, max_new - len(out)))
+        n = sess.position  # the position of out[-1]
+        drafts, _ = mtp.draft(pend_R, pend_ids, kk)
+        sess.residual_log = []
+        vl = sess.forward_tokens(np.concatenate([[out[-1]], drafts]).astype(np.int64))
+        Rv = np.concatenate(sess.residual_log, axis=0)
+        a = accept_greedy(drafts, vl)
+        new = [int(d) for d in drafts[:a]] + [int(np.argmax(vl[a]))]
+        sess.rollback(kk - a)
+        if trace is not None:
+            trace.append({"position": n, "drafts": [int(d) for d in drafts], "accepted": a})
+        # the head catches up on the accepted positions n .. n+a with the trunk's residuals
+        pend_R, pend_ids = Rv[:a + 1], np.asarray(new, np.int64)
+        for t in new:
+            out.append(t)
+            if t in eos or len(out) >= max_new:
+                break
+    return out[:max_new]
+
+
+def mtp_draft_from_history(model, tokens, next_id, k: int, hnorm: str = "global", draft_selection: str = "fresh"):
+    """The truth of a draft: the MTP head's ``k`` greedy drafts after ``tokens`` (``x_0..x_{n-1}``) and the
+    trunk's next token ``next_id`` (``x_n``), from scratch: one trunk forward gives ``R_0..R_{n-1}``, a fresh
+    head consumes the pairs ``(R_q, x_{q+1})``, ``q = 0..n-1``, and drafts (:meth:`MTPSession.draft`).
+
+    Returns:
+        ``(draft_ids [k] int64, draft_logits [k, V])`` in the model dtype.
+    Raises:
+        InputError: empty ``tokens``, bad ids, ``k < 1``, unknown option. CheckpointError: no MTP head.
+    """
+    cfg = model.config
+    ids = check_ids(tokens, cfg.vocab_size, "mtp history")
+    nxt = check_ids([next_id], cfg.vocab_size, "mtp next id")
+    ms = model.new_mtp_session(hnorm=hnorm, draft_selection=draft_selection)
+    res: list = []
+    model._run(SessionState.empty(cfg, model.dtype), ids, "none", residual_out=res)
+    return ms.draft(res[0], np.concatenate([ids[1:], nxt]), k)

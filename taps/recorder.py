@@ -206,7 +206,7 @@ class Recorder:
             return True
         # companion score taps ride along with an included index tap
         layer = registry.layer_of(name)
-        for s in registry.specs():
+        for s in registry.specs() + registry.mtp_specs():
             if s.companion is not None:
                 comp = s.companion if layer is None else s.companion.replace("{i}", str(layer))
                 if comp == name:

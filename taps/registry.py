@@ -107,8 +107,40 @@ _SPECS: list[TapSpec] = [
 
 
 def specs() -> list[TapSpec]:
-    """All tap patterns, in per-layer forward order."""
+    """All tap patterns of the trunk, in per-layer forward order (the MTP head's: :func:`mtp_specs`)."""
     return list(_SPECS)
+
+
+# --- the MTP head (mtp.*; recorded while the head runs, see reference/blocks/mtp.py): its own fusion taps,
+# then its one full-attention decoder layer under ``mtp.layers.0.`` (the trunk layer's taps, PLE off), its
+# mixer and its draft logits (through the shared lm_head)
+_MTP_SPECS: list[TapSpec] = [
+    TapSpec("mtp.fc_embedding.out", "mtp.fc_embedding", "[T, hidden_size]", "float", ACTIVATION,
+            "fc_embedding(RMSNorm(embed_tokens[x_{t+1}])): the embedding branch of the MTP head"),
+    TapSpec("mtp.fc_hidden.out", "mtp.fc_hidden", "[T, hc_count * hidden_size]", "float", ACTIVATION,
+            "fc_hidden applied per stream to RMSNorm(R) (R: the trunk's pre-final-mixer residual or the "
+            "previous draft step's state)"),
+] + [TapSpec("mtp." + s.pattern.replace("{i}", "0"), "mtp." + s.module.replace("{i}", "0"), s.shape, s.dtype,
+             s.kind, "MTP head: " + s.meaning, None,
+             None if s.companion is None else "mtp." + s.companion.replace("{i}", "0"),
+             None if s.replay_input is None else "mtp." + s.replay_input.replace("{i}", "0"))
+     for s in _SPECS if s.pattern.startswith("layers.{i}.") and s.layer_type in (None, "indexed_attention")] + [
+    TapSpec("mtp.hyper_connection_mixer.out", "mtp.hyper_connection_mixer", "[T, hidden_size]", "float",
+            ACTIVATION, "the MTP head's mixer output (input of the shared lm_head)"),
+    TapSpec("mtp.logits", "lm_head", "[T, vocab_size]", "float", ACTIVATION,
+            "MTP draft logits (predict the token after x_{t+1})"),
+]
+_MTP_INDEX = {s.pattern: k for k, s in enumerate(_MTP_SPECS)}
+
+
+def mtp_specs() -> list[TapSpec]:
+    """The MTP head's taps (concrete names, ``mtp.*``), in its forward order."""
+    return list(_MTP_SPECS)
+
+
+def mtp_tap_names(config=None) -> list[str]:
+    """Every MTP tap name, in forward order (the head is one full-attention layer for every config)."""
+    return [s.pattern for s in _MTP_SPECS]
 
 
 from reference.taphook import _LAYER_RE, layer_of  # noqa: E402,F401  (one layer-name rule)
@@ -116,6 +148,8 @@ from reference.taphook import _LAYER_RE, layer_of  # noqa: E402,F401  (one layer
 
 def spec_for(name: str) -> TapSpec | None:
     """The spec of a concrete tap name (``layers.3.mlp.out``), or None when unknown."""
+    if name in _MTP_INDEX:
+        return _MTP_SPECS[_MTP_INDEX[name]]
     m = _LAYER_RE.match(name)
     key = f"layers.{{i}}.{m.group(2)}" if m else name
     for s in _SPECS:
@@ -171,7 +205,9 @@ def order_key(name: str) -> tuple:
         return (2, 0, 0, "")
     if name == "logits":
         return (2, 0, 1, "")
-    return (3, 0, 0, name)
+    if name in _MTP_INDEX:  # the MTP head runs after the trunk
+        return (3, 0, _MTP_INDEX[name], "")
+    return (4, 0, 0, name)
 
 
 def companion_of(name: str) -> str | None:

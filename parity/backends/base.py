@@ -21,6 +21,7 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
     be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
     be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
+    be.draft(h, next_id, k) -> (ids [k], logits [k, V])   # capability 'mtp': the backend's own MTP drafts
     with be.taps(out_dir=None, include=...) as rec: ...   # record taps (taps.recorder.Recorder)
     be.close()
 
@@ -61,7 +62,7 @@ class CapabilityLimit(BackendError):
 
 #: the operations a backend may declare supported, limited (with its limit) or unsupported
 OPERATIONS = ("rollback", "snapshot", "verify", "fork", "batched_prefill", "batched_decode", "taps", "perturb",
-              "state_arrays", "snapshot_file")
+              "state_arrays", "snapshot_file", "mtp")
 SUPPORTED, LIMITED, UNSUPPORTED = "supported", "limited", "unsupported"
 
 
@@ -216,6 +217,7 @@ class Backend:
         "perturb": False,          # open(..., perturb=(name, fn)) supported
         "state_arrays": False,     # state_arrays(h) supported
         "snapshot_file": False,    # parity.backends.snapshot_file can serialise its snapshots
+        "mtp": False,              # draft(h, next_id, k) supported (the checkpoint's MTP head)
     }
 
     @classmethod
@@ -266,6 +268,17 @@ class Backend:
     def position(self, h) -> int:
         """Tokens in sequence ``h``'s state (the KV length)."""
         raise NotImplementedError
+
+    def draft(self, h, next_id: int, k: int):
+        """The backend's own MTP-head drafts (capability ``mtp``): the ``k`` greedy draft tokens after sequence
+        ``h``'s history followed by ``next_id`` (the trunk's chosen next token, not yet fed), and their draft
+        logits ``[k, V]`` (host float32). Must not change what ``h`` holds (a repeated call gives the same);
+        the backend's head follows the sequence through prefill, verify, rollback and restore itself.
+
+        Raises:
+            BackendError: the backend has no MTP drafting.
+        """
+        raise BackendError(f"backend {self.name}: draft: not supported by this backend (no MTP head)")
 
     def state_arrays(self, h) -> dict[str, np.ndarray]:
         """Named copies of the sequence's state (``layers.{i}.<kind>`` -> array), when supported.

@@ -36,6 +36,8 @@ class EngineBackend(Backend):
             self.capabilities = {**type(self).capabilities, "state_arrays": False}
         if not all(hasattr(eng, a) for a in ("export_snapshot", "import_snapshot")):
             self.capabilities = {**self.capabilities, "snapshot_file": False}
+        if getattr(eng, "has_mtp", False):
+            self.capabilities = {**self.capabilities, "mtp": True}
 
     @classmethod
     def open(cls, model_path, *, device="cpu", page_size=None, precision=None, perturb=None, weights=None,
@@ -196,3 +198,20 @@ class EngineBackend(Backend):
             if v is not None:
                 return int(v() if callable(v) else v)
         raise BackendError(f"backend {self.name}: position: the engine exposes no sequence length")
+
+    def draft(self, h, next_id, k):
+        """The engine's MTP drafts (``Engine.mtp_draft_next``; capability ``mtp`` when the head is loaded).
+
+        Raises:
+            BackendError: no MTP head loaded. InputError: bad ids / k, residuals not held (imported snapshot).
+        """
+        if not self.capabilities.get("mtp"):
+            return super().draft(h, next_id, k)
+        ids, logits = self.eng.mtp_draft_next(h, int(next_id), int(k), return_logits=True)
+        return np.asarray(ids, np.int64), np.asarray(logits)
+
+    def verify_greedy(self, h, ids):
+        """``forward_tokens`` returning the greedy token after each position (``Engine.verify_greedy``: argmax on
+        the device, only the ids copied to the host); used by speculative generation."""
+        ids = check_ids(ids, self.config.vocab_size, "draft ids")
+        return np.asarray(self.eng.verify_greedy(h, ids), np.int64)

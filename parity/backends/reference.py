@@ -33,6 +33,9 @@ class ReferenceBackend(Backend):
         self.precision = "float64" if np.dtype(getattr(model, "dtype", np.float32)) == np.float64 else "float32"
         self._sessions: dict[int, Any] = {}
         self._next = 0
+        has_mtp = getattr(model, "has_mtp", None)
+        if has_mtp is not None and has_mtp():
+            self.capabilities = {**type(self).capabilities, "mtp": True}
 
     @classmethod
     def open(cls, model_path, *, dtype=np.float32, page_size=None, perturb=None, weights=None, name=None,
@@ -142,3 +145,15 @@ class ReferenceBackend(Backend):
         """The one-shot logits: the model's single full forward (the truth path)."""
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
         return np.asarray(self.model.forward(ids))
+
+    def draft(self, h, next_id, k):
+        """The reference MTP head's greedy drafts after session ``h``'s tokens and ``next_id``
+        (``Session.mtp_draft_next``: recomputed from the history -- the truth of every draft comparison).
+
+        Raises:
+            BackendError: no MTP head, or ``h`` is not a live handle. InputError: bad ids / k, unknown history.
+        """
+        if not self.capabilities.get("mtp"):
+            return super().draft(h, next_id, k)
+        ids, logits = self._sess(h).mtp_draft_next(int(next_id), k)
+        return np.asarray(ids, np.int64), np.asarray(logits)

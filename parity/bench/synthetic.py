@@ -126,6 +126,15 @@ def _tensor_specs(cfg) -> list[tuple[str, tuple[int, ...], str, int]]:
                 out.append((f"{base}.shard_{k}.weight", (rows // parts, dim), kind, shard))
             continue
         out.append((stored, shape, kind, shard))
+    n_mtp = (cfg.extra or {}).get("mtp_num_hidden_layers") or 0
+    if n_mtp:  # the MTP head (config mtp_num_hidden_layers >= 1): top-level mtp.*, fused experts, own shard
+        from reference.checkpoint import mtp_expected_shapes
+        for name, shape in mtp_expected_shapes(cfg).items():
+            if name.endswith(".bias") and not cfg.attention_bias:
+                continue
+            kind = "small" if (name.endswith("norm.weight") or name.endswith("layernorm.weight")
+                               or "hc_norm" in name or "pre_fc_norm" in name) else "normal"
+            out.append((name, shape, kind, cfg.num_hidden_layers + 1))
     return out
 
 

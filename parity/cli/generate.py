@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device (default auto)")
     p.add_argument("--precision", default=None, help="engine precision (bf16|float32; bf16 = BF16 weights with float32 accumulation, equal to float32 "
                         "on a checkpoint stored in BF16) or reference dtype (float32|float64)")
+    p.add_argument("--speculative", metavar="mtp:k=N", default=None,
+                   help="speculative decoding with the checkpoint's MTP head: N drafts per round, verified in one "
+                        "step (greedy: same text as plain greedy; sampling: the speculative-sampling rule)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead")
     p.set_defaults(func=run)
 
@@ -189,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 break
         raise InputError(msg) from None
 
+    k_spec = G.parse_speculative(args.speculative) if args.speculative is not None else None
     if args.prompt is not None:
         raw, where = [args.prompt], ["--prompt"]
     else:
@@ -219,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
 
     lm = G.open_lm(model_dir, backend=args.backend, device=args.device, precision=args.precision,
                    max_seqs=len(prompts))
+    if k_spec is not None and not getattr(lm, "has_mtp", False):
+        raise InputError(f"--speculative mtp: expected a checkpoint with an MTP head (mtp.* tensors, e.g. the bundled "
+                         f"tiny-mtp), found none in {model_dir}")
     if args.backend == "engine" and args.precision == "bf16":
         from reference.checkpoint import Checkpoint
         check_precision("engine", "bf16", Checkpoint.open(model_dir))
@@ -233,7 +240,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json)
+    if k_spec is not None:  # MTP drafts, one prompt after another
+        results = [G.generate_speculative(gen, p, params, k_spec, on_text=(lambda s: on_text(0, s)) if stream else None)
+                   for p in prompts]
+    else:
+        results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json)
     n_prompt = sum(len(p) for p in prompts)
     prefill_s = sum(r.prefill_s for r in results)
     decode_s = results[0].decode_s
@@ -250,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
             obj.update(results[0].to_json())
         else:
             obj["results"] = [r.to_json() for r in results]
+        if args.speculative is not None:
+            obj["speculative"] = [r.extra.get("speculative") for r in results]
         print(json.dumps(obj, ensure_ascii=False))
         return 0
     if stream:

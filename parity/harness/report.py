@@ -59,6 +59,7 @@ class ScenarioRow:
     failures: list = field(default_factory=list)
     skipped: int = 0
     skips: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)  # e.g. {"mtp_truth_provenance": ...} when MTP cases ran
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""

@@ -127,11 +127,15 @@ def summarize_results(name: str, results, seconds: float):
     if skipped:
         detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped: " + "; ".join(reasons[:3]) + (
             f"; and {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
+    notes = {}
+    if any(r.case.startswith("mtp_") for r in ran):  # the MTP truth is a consensus, not an official one
+        from parity.harness.scenarios.speculative_rollback import MTP_TRUTH_PROVENANCE
+        notes["mtp_truth_provenance"] = MTP_TRUTH_PROVENANCE
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[r.to_json() for r in failed],
                        skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]
-                       + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed])
+                       + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed], notes=notes)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost

@@ -7,6 +7,12 @@ state, PLE conv state, n-gram context) must equal a run that never saw the rejec
 are right (the truth's greedy tokens) and wrong (other tokens); the prompt ends just below the QSA
 bound so the drafts cross it; EOS drafts exercise the n-gram reset. Batches of several sequences
 verify different k and accept different j, then decode together.
+With an MTP head (config ``mtp_num_hidden_layers`` and the backend's capability ``mtp``) the ``mtp_*`` cases
+drive the same machinery with the backend's OWN drafts (``draft(h, next_id, k)``), each compared with the
+reference MTP head (:data:`MTP_TRUTH_PROVENANCE`: there is no official MTP implementation) and located at
+the first divergent ``mtp.*`` tap: every acceptance count 0..k on one sequence (rejection at every position,
+the head rolled back with the trunk), rollback across prefill chunks and a snapshot, and the greedy identity
+(speculative greedy with the backend's drafts equals the truth's plain greedy).
 Sources: the cache semantics of modeling_qwen4_exp.py (``Qwen4ExpTextGatedDeltaNet.forward``,
 ``Qwen4ExpTextPLELayer._short_conv``, ``Qwen4ExpTextNGramEmbedding.forward``, QSA ``update_indexer``).
 """
@@ -111,4 +117,212 @@ def cases(config, level: str = "full") -> list[Case]:
             run.compare_state(sq, straight, f"state of batch seq {i} after two speculative rounds")
             run.free(straight)
     out.append(Case("batch_mixed_accepts", batch, batch=True))
+    return out + mtp_cases(config, level)
+
+
+# ----------------------------------------------------------------------------------------------- MTP drafts
+#: where the truth of a draft comes from (reported with every MTP case)
+MTP_TRUTH_PROVENANCE = ("reference MTP head (reference/blocks/mtp.py, the vLLM/SGLang dataflow; options hnorm="
+                        "global, draft_selection=fresh); no official implementation exists")
+MTP_K = 3  # drafts per round (vLLM recipes run MTP3)
+MTP_IDENTITY_TOKENS = {"full": 512, "ci": 48}
+# tap comparison for locating a draft divergence: float32 paths agree to ~1e-5 of a tap's scale (the draft
+# logits' observed 4e-7 relative, through one layer); a wrong grouping, a stale selection or stale state is
+# an O(1e-2..1) relative difference. bf16/fp8 paths round at ~4e-3 per op.
+MTP_TAP_REL = {"bf16": 5e-2, "fp8": 5e-2}
+MTP_TAP_REL_DEFAULT = 1e-3
+
+
+def has_mtp_config(config) -> bool:
+    """True when the config declares an MTP head (``mtp_num_hidden_layers >= 1``, kept in ``config.extra``)."""
+    n = (getattr(config, "extra", None) or {}).get("mtp_num_hidden_layers") or 0
+    return isinstance(n, int) and n >= 1
+
+
+def mtp_truth_draft(run: Run, hist: list[int], next_id: int, k: int):
+    """The reference head's ``(ids [k], logits [k, V])`` after ``hist`` + ``next_id`` (cached per run)."""
+    from reference.session import mtp_draft_from_history
+    key = ("mtp", tuple(hist), int(next_id), int(k))
+    got = run.scratch.get(key)
+    if got is None:
+        got = mtp_draft_from_history(run.truth.model, hist, next_id, k)
+        run.scratch[key] = got
+    return got
+
+
+def _draft_rows(arch, name: str, k: int):
+    """``(rows [k, ...], positions [k])`` of the last ``k`` rows of tap ``name`` (a draft call's steps come last:
+    after any catch-up rows), or None when fewer were recorded."""
+    if not arch.has(name):
+        return None
+    pos = np.asarray(arch.positions(name))
+    if pos.shape[0] < k:
+        return None
+    return np.asarray(arch.get(name))[-k:], pos[-k:]
+
+
+def mtp_locate(run: Run, s, next_id: int, k: int, step: int) -> str:
+    """Name the first divergent ``mtp.*`` tap up to draft step ``step``: the backend's repeated draft and the
+    reference head recorded with taps; step by step, in forward order, the backend's rows are checked for the
+    step's position (``n - 1 + j``: a head holding another number of pairs runs elsewhere) and values (index
+    taps exactly, floats to :data:`MTP_TAP_REL` of the truth's scale)."""
+    from reference.session import mtp_draft_from_history
+    from taps.recorder import Recorder
+    from taps import registry
+    n = len(s.hist)
+    try:
+        with run.be.taps(None) as rb:
+            run.be.draft(s.h, next_id, k)
+        with Recorder(None) as rt:
+            mtp_draft_from_history(run.truth.model, s.hist, next_id, k)
+    except Exception as e:  # locating is best effort: the failure itself is already established
+        return f"mtp draft step {step}: taps not recorded ({type(e).__name__}: {e})"
+    a, b = rb.archive(), rt.archive()
+    rel = MTP_TAP_REL.get(getattr(run.be, "precision", "float32"), MTP_TAP_REL_DEFAULT)
+    for j in range(step + 1):
+        p = n - 1 + j
+        for name in registry.mtp_tap_names():
+            ty = _draft_rows(b, name, k)
+            if ty is None:
+                continue
+            tx = _draft_rows(a, name, k)
+            if tx is None:
+                return f"mtp draft step {j} (position {p}): tap {name} not recorded by the backend"
+            x, px = tx[0][j], int(tx[1][j])
+            y = ty[0][j]
+            if px != p:
+                return (f"mtp draft step {j}: first divergent tap {name} ran at head position {px}, expected {p} "
+                        f"(the head holds {px - j} pairs, the sequence {n}: its state was not rolled back)")
+            if x.shape != y.shape:
+                return f"mtp draft step {j} (position {p}): tap {name} shape {x.shape} != {y.shape}"
+            spec = registry.spec_for(name)
+            if spec is not None and spec.kind == "index":  # a selection is a set (its order is a tie rule)
+                if sorted(int(v) for v in np.ravel(x) if v >= 0) != sorted(int(v) for v in np.ravel(y) if v >= 0):
+                    return (f"mtp draft step {j} (position {p}): first divergent tap {name} "
+                            f"({x.reshape(-1)[:8].tolist()} vs truth {y.reshape(-1)[:8].tolist()})")
+                continue
+            x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            fin = np.isfinite(y64)
+            scale = max(float(np.abs(y64[fin]).max()) if fin.any() else 0.0, 1e-30)
+            err = float(np.abs(x64[fin] - y64[fin]).max()) if fin.any() else 0.0
+            if not np.array_equal(np.isfinite(x64), fin) or err > rel * scale:
+                return (f"mtp draft step {j} (position {p}): first divergent tap {name} (max |diff| {err:.3g}, "
+                        f"truth scale {scale:.3g})")
+    return f"mtp draft step {step}: logits differ but no mtp.* tap before them does (the lm_head / logits)"
+
+
+def mtp_check(run: Run, s, next_id: int, k: int, desc: str) -> list[int]:
+    """Draft ``k`` tokens with the backend's head after ``s`` + ``next_id``; compare the draft logits with the
+    reference head's (KL + top-1 as every scenario check; steps after a near-tie flip are conditioned on
+    another token and not compared) and check the sequence's position is unchanged. Returns the backend's
+    drafts. Raises CaseFailure located at the first divergent ``mtp.*`` tap."""
+    from parity.harness.kl import compare_logits, verdict
+    from parity.harness.scenarios.common import NEAR_TIE_LOGIT_GAP
+    op = run._next_op()
+    ids, logits = run.be.draft(s.h, next_id, k)
+    ids, logits = np.asarray(ids).reshape(-1), np.asarray(logits)
+    t_ids, t_logits = mtp_truth_draft(run, s.hist, next_id, k)
+    if ids.shape != (k,) or logits.shape != (k, run.sizes.vocab):
+        run.fail(op, f"{desc}: seq {s.label}: draft shapes {ids.shape}, {logits.shape}: expected ({k},), "
+                     f"({k}, {run.sizes.vocab})", "mtp draft shape", seq=s.label)
+    upto = k
+    for j in range(k):
+        if int(ids[j]) != int(t_ids[j]):
+            gap = float(t_logits[j, int(t_ids[j])]) - float(t_logits[j, int(ids[j])])
+            if run.min_top1 >= 1.0 and gap > NEAR_TIE_LOGIT_GAP:
+                run.fail(op, f"{desc}: seq {s.label}: draft {j} is {int(ids[j])}, the reference head's "
+                             f"{int(t_ids[j])} (truth logit gap {gap:.3g}); truth: {MTP_TRUTH_PROVENANCE}",
+                         mtp_locate(run, s, next_id, k, j), seq=s.label)
+            upto = j + 1
+            break
+    cmp = compare_logits(np.asarray(t_logits[:upto]), logits[:upto])
+    run.checks += 1
+    wk = cmp.worst_kl()
+    we = float(np.max(cmp.max_abs_err)) if cmp.n else 0.0
+    run.worst_kl = max(run.worst_kl, wk) if np.isfinite(wk) else float("inf")
+    run.worst_err = max(run.worst_err, we) if np.isfinite(we) else float("inf")
+    ok, why = verdict(cmp, run.th, top1=False)
+    if not ok:
+        both = np.maximum(cmp.kl_ab, cmp.kl_ba)
+        bad = np.isnan(both) | (both > run.th.max_kl)
+        j = int(np.argmax(bad)) if bad.any() else 0
+        run.fail(op, f"{desc}: seq {s.label}: draft logits vs the reference head: {why} (first at draft step {j}); "
+                     f"truth: {MTP_TRUTH_PROVENANCE}", mtp_locate(run, s, next_id, k, j), seq=s.label)
+    run._check_position(op, s, desc + " (a draft must not change the sequence)")
+    return [int(t) for t in ids]
+
+
+def _next_greedy(run: Run, hist: list[int]) -> int:
+    return int(np.argmax(run.truth.logits(hist)[-1]))
+
+
+def mtp_cases(config, level: str = "full") -> list[Case]:
+    """The cases driven by the backend's own MTP drafts (``needs=('mtp',)``); none without an MTP head."""
+    if not has_mtp_config(config):
+        return []
+    k = MTP_K
+
+    def accept_each(run: Run):
+        L = _prompt_len(run.sizes)
+        s = run.new("mtp")
+        run.prefill(s, token_stream(run.config, L, seed=1500))
+        for j in range(k + 1):  # round j accepts j drafts: rejection at every position 0..k
+            x = _next_greedy(run, s.hist)
+            own = mtp_check(run, s, x, k, f"round {j}: MTP drafts after position {len(s.hist)}")
+            right = greedy_drafts(run, s.hist + [x], k)
+            drafts = right[:j] + own[j:]  # the backend's own drafts from the first rejected one on
+            if j < k and drafts[j] == right[j]:
+                drafts[j] = (right[j] + 1) % run.sizes.vocab
+            run.verify(s, [x] + drafts, desc=f"round {j}: verify [x] + {k} drafts ({j} right)")
+            run.rollback(s, k - j, desc=f"round {j}: accept {j}/{k}, roll back {k - j}")
+        x = _next_greedy(run, s.hist)
+        mtp_check(run, s, x, k, "MTP drafts after every acceptance count")
+        straight = run.new("mtp-straight")
+        run.prefill(straight, s.hist)
+        mtp_check(run, straight, x, k, "MTP drafts of a run that never saw the rejected drafts")
+    out = [Case("mtp_accept_each_j", accept_each, needs=("mtp",))]
+
+    def chunk_snapshot(run: Run):
+        r = run.sizes.ratio
+        s = run.new("mtp-chunked")
+        run.prefill(s, token_stream(run.config, 2 * run.sizes.bound + 1, seed=1600, eos_every=7), chunk_size=r + 1)
+        x = _next_greedy(run, s.hist)
+        mtp_check(run, s, x, k, f"MTP drafts after a prefill in chunks of {r + 1}")
+        snap = run.snapshot(s)
+        wrong = wrong_drafts(run, s.hist + [x], k, seed=1601)
+        run.verify(s, [x] + wrong, desc="verify wrong drafts")
+        run.rollback(s, k, desc="reject every draft (keep x)")
+        x2 = _next_greedy(run, s.hist)
+        mtp_check(run, s, x2, k, "MTP drafts after rejecting every draft")
+        run.decode([s], [x2], desc="decode the trunk's token")
+        run.restore(s, snap, desc="restore the snapshot taken before the rejected round")
+        mtp_check(run, s, x, k, "MTP drafts after restoring the snapshot")
+        t = run.new("mtp-restored")
+        run.restore(t, snap, desc="restore the snapshot into another sequence")
+        mtp_check(run, t, x, k, "MTP drafts of the restored copy")
+    out.append(Case("mtp_rollback_across_chunk_and_snapshot", chunk_snapshot, needs=("mtp",)))
+
+    n_tok = MTP_IDENTITY_TOKENS.get(level, MTP_IDENTITY_TOKENS["full"])
+
+    def identity(run: Run):
+        s = run.new("mtp-speculative")
+        run.prefill(s, token_stream(run.config, _prompt_len(run.sizes), seed=1700))
+        start = len(s.hist)
+        x = _next_greedy(run, s.hist)
+        while len(s.hist) - start < n_tok:
+            kk = min(k, n_tok - (len(s.hist) - start))
+            drafts = [int(t) for t in np.asarray(run.be.draft(s.h, x, kk)[0]).reshape(-1)]
+            lg = run.verify(s, [x] + drafts, desc=f"speculative round at position {len(s.hist)}")
+            acc = 0
+            while acc < kk and int(np.argmax(lg[acc])) == drafts[acc]:  # the backend's own acceptance
+                acc += 1
+            run.rollback(s, kk - acc, desc=f"accept {acc}/{kk}")
+            x = int(np.argmax(lg[acc]))
+        gen = s.hist[start:]
+        truth = run.truth.logits(s.hist)
+        plain = [int(t) for t in np.argmax(truth[start - 1:-1], axis=-1)]
+        bad = [i for i, (a, b) in enumerate(zip(gen, plain)) if a != b]
+        run.check(not bad, f"speculative greedy with the backend's MTP drafts differs from plain greedy at generated "
+                           f"token {bad[0] if bad else -1} of {len(gen)}", "speculative greedy identity")
+    out.append(Case(f"mtp_greedy_identity_{n_tok}", identity, needs=("mtp",)))
     return out
