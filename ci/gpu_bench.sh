@@ -12,7 +12,11 @@
 # Environment: OUT (results folder; default ci/out), BENCH_BUDGET_S (measuring time per process before
 # later settings are skipped, default 40), BENCH_TIMEOUT_S (hard limit per process, load included,
 # default 150; what was measured before it is kept),
-# BENCH_LAYERS (default 4 = one period: 3 GDN + 1 QSA, PLE on layer 1), BENCH_ARGS (extra bench flags).
+# BENCH_LAYERS (default 4 = one period: 3 GDN + 1 QSA, PLE on layer 1), BENCH_ARGS (extra bench flags),
+# FULL_DEPTH (default 1: after the one-period bench, the real 48 layers with in-memory weights in each format
+# FULL_DEPTH_FORMATS (default "nvfp4 fp8 bf16"): experts built on the device, no files; the FP8 PLE table at
+# its real size in host memory; a format that does not fit (bf16, ~250 GB) is measured at 4 and 8 layers and
+# projected; about 1-2 minutes each), FULL_DEPTH_TIMEOUT_S (per format, default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-ci/out}"
@@ -69,6 +73,18 @@ if [ "${VERIFY_COST:-1}" != 0 ]; then
       --layers "${BENCH_LAYERS:-4}" --device cuda --context "${VERIFY_COST_CONTEXT:-2048}" --repeats 5 --warmup 2 \
       --out "$OUT/verify_cost.json" 2>&1 | tee "$OUT/verify_cost.log" || status=1
   echo "gpu_bench: verify cost took $(( $(date +%s) - t1 )) s; results in $OUT/verify_cost.json"
+fi
+# 4. full depth (issue 16): the real 48 layers, weights in memory in each stored format
+if [ "${FULL_DEPTH:-1}" != 0 ]; then
+  for w in ${FULL_DEPTH_FORMATS:-nvfp4}; do
+    t1=$(date +%s)
+    echo "gpu_bench: ================ full depth, 48 layers, $w weights in memory ================"
+    "$PY" -m parity.cli bench --synthetic real-widths --backend engine --device cuda --layers 48 --weights "$w" \
+        --prompt-lens 512,4096 --batches 1,16 --contexts 1024 --repeats 3 --warmup 1 --decode-tokens 8 --no-extras \
+        --timeout-s "${FULL_DEPTH_TIMEOUT_S:-300}" --out "$OUT/bench-full-$w.json" 2>&1 \
+      | grep -vE "it/s\]|s/it\]" | tee "$OUT/bench-full-$w.log" || status=1
+    echo "gpu_bench: full depth $w took $(( $(date +%s) - t1 )) s; results in $OUT/bench-full-$w.json"
+  done
 fi
 rm -rf /dev/shm/qwen4exp
 exit $status

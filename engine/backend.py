@@ -40,7 +40,7 @@ def get_xp(device: str):
     """The array module for ``device`` ('cuda' or 'cpu').
 
     Raises:
-        engine.errors.DeviceError: 'cuda' asked for and no usable GPU/cupy present.
+        DeviceError (a reference.errors.UserError, defined here): 'cuda' asked for and no usable GPU/cupy present.
     """
     if device == "cpu":
         return np
@@ -58,7 +58,8 @@ def get_xp(device: str):
 
 
 def xp_of(a):
-    """numpy or cupy, whichever owns array ``a``."""
+    """numpy or cupy, whichever owns array ``a`` (a quantised weight: its code array's)."""
+    a = getattr(a, "storage_array", a)
     cp = cupy_or_none()
     if cp is not None and isinstance(a, cp.ndarray):
         return cp

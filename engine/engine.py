@@ -68,7 +68,7 @@ class Engine:
                  kv_tokens: int | None = None, max_seqs: int = 8, prefill_chunk: int | None = None,
                  ple_placement: str = "host", progress: bool = False, kv_memory_fraction: float = 0.5,
                  cuda_graphs: bool | None = None, devices=None, mtp: bool | None = None,
-                 mtp_hnorm: str = "global", mtp_draft_selection: str = "fresh"):
+                 mtp_hnorm: str = "global", mtp_draft_selection: str = "fresh", quantized: str = "stored"):
         if precision not in ("bf16", "float32"):
             raise InputError(f"precision: expected 'bf16' or 'float32', found {precision!r}")
         if device == "auto":
@@ -99,7 +99,8 @@ class Engine:
             raise InputError("mtp: the MTP head is not supported with expert parallelism (devices=...), found both")
         self.mtp_hnorm, self.mtp_draft_selection = mtp_hnorm, mtp_draft_selection
         self.model = EngineModel(ck, xp, precision=precision, ple_placement=ple_placement, progress=progress,
-                                 comm=self.comm, mtp=(ck_mtp if mtp is None else bool(mtp)) and self.comm is None)
+                                 comm=self.comm, mtp=(ck_mtp if mtp is None else bool(mtp)) and self.comm is None,
+                                 quantized=quantized)
         if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
             raise InputError(f"page_size: expected a positive integer, found {page_size!r}")
         if kv_tokens is None:

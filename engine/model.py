@@ -8,8 +8,11 @@ MoE) runs once over all the step's tokens; sequence work (GDN conv/recurrence, Q
 reads and writes each sequence's pages and slab rows.
 
 Weights: BF16 by default, stored on the device as ``uint16`` bit patterns (cupy has no bfloat16);
-``precision="float32"`` keeps every weight in float32 (exact-parity runs). FP8 block-scaled weights
-are dequantised on load by the shared checkpoint reader. Norm gains, conv kernels, ``A_log`` and
+``precision="float32"`` keeps every BF16 weight in float32 (exact-parity runs). Quantised weights (FP8
+block-scaled E4M3 with ``weight_scale_inv``; ModelOpt NVFP4 experts) stay in their stored format on the
+device (:class:`engine.kernels.quant.QuantWeight`, ``quantized="stored"``, the default, in both
+precisions: the kernels dequantise exactly, as the reference reader does); ``quantized="dequantize"``
+dequantises them on load instead (float32 where not BF16-exact). Norm gains, conv kernels, ``A_log`` and
 ``dt_bias`` stay float32 in both modes. Activations, accumulation and all state are float32.
 
 Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextModel.forward`` (embed, hc_count-fold repeat, layers,
@@ -25,6 +28,7 @@ from engine.kernels import gdn as K_gdn
 from engine.kernels import linear as K_lin
 from engine.kernels import norms as K_norms
 from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
+from engine.kernels.quant import QuantWeight, fp8_from_stored, nvfp4_from_stored, stack_experts, stack_rows
 from engine.ple_table import PLETable
 from reference import taphook as tap_recorder
 
@@ -83,7 +87,11 @@ class EngineModel:
     """
 
     def __init__(self, ck, xp, precision: str = "bf16", ple_placement: str = "host", prefill_gdn_chunk: int = 64,
-                 progress: bool = False, comm=None, mtp: bool = False):
+                 progress: bool = False, comm=None, mtp: bool = False, quantized: str = "stored"):
+        from reference.errors import InputError
+        if quantized not in ("stored", "dequantize"):
+            raise InputError(f"quantized: expected 'stored' or 'dequantize', found {quantized!r}")
+        self.quantized = quantized
         self.ck = ck
         self.config = c = ck.config
         self.xp = xp
@@ -118,6 +126,7 @@ class EngineModel:
         #: the pre-final-mixer multi-stream residual ``[T, hc*H]`` of the latest step (device; the MTP input)
         self.last_residual = None
         self.fused: dict[str, list] = {}
+        self.fused_members: set[str] = set()
         if xp is not np:
             self._fuse_weights()
         if self.kept_float32:
@@ -179,8 +188,11 @@ class EngineModel:
         instead of several in a decode step), and replace each weight by its row view of the stack (no
         second copy): GDN ``in_proj_{qkv,z,b,a}``, QSA ``indexer.index_qk_proj`` + ``{q,k,v}_proj``,
         hyper-connection ``input_mix_weight_down`` + ``block_inject_weight``, shared expert
-        ``gate_proj`` + ``up_proj``. A group whose matrices differ in dtype (a BF16 and a kept-float32
-        weight) stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
+        ``gate_proj`` + ``up_proj``; where the GDN group mixes formats (FP8 release: ``qkv`` and ``z`` FP8,
+        ``b`` and ``a`` BF16), ``in_proj_qkv`` + ``in_proj_z`` alone. Quantised members stack when all are of one
+        format and their scale blocks allow row views (:func:`engine.kernels.quant.stack_rows`,
+        :meth:`QuantWeight.rows`). A group whose matrices differ in dtype (a BF16 and a kept-float32 weight)
+        stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
         xp, c = self.xp, self.config
         groups = []
         layers = list(enumerate(c.layer_types))
@@ -202,17 +214,32 @@ class EngineModel:
             m = p + "mlp."
             groups.append((m + "fused_shared_gate_up", [m + "shared_expert.gate_proj.weight",
                                                         m + "shared_expert.up_proj.weight"]))
+            if lt == "linear_attention":  # FP8 release: qkv and z are F8_E4M3, b and a BF16
+                groups.append((p + "linear_attn.fused_in_proj_qkv_z", [p + "linear_attn.in_proj_qkv.weight",
+                                                                       p + "linear_attn.in_proj_z.weight"]))
         for key, names in groups:
             ws = [self.w.get(n) for n in names]
-            if any(w is None or w.ndim != 2 for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+            if any(w is None or w.ndim != 2 for w in ws) or any(n in self.fused_members for n in names):
                 continue
-            fused = xp.concatenate(ws, axis=0)
-            spans, a = [], 0
-            for n, w in zip(names, ws):
-                b = a + w.shape[0]
-                self.w[n] = fused[a:b]
-                spans.append((n, a, b))
-                a = b
+            quant = [isinstance(w, QuantWeight) for w in ws]
+            if all(quant):  # stored formats: one stack when the scale blocks allow row views of it
+                try:
+                    fused = stack_rows(ws)
+                    starts = np.cumsum([0] + [w.shape[0] for w in ws])
+                    views = [fused.rows(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+                except ValueError:
+                    continue
+            elif any(quant) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+                continue
+            else:
+                fused = xp.concatenate(ws, axis=0)
+                starts = np.cumsum([0] + [w.shape[0] for w in ws])
+                views = [fused[int(a):int(b)] for a, b in zip(starts[:-1], starts[1:])]
+            spans = []
+            for n, v, a, b in zip(names, views, starts[:-1], starts[1:]):
+                self.w[n] = v
+                spans.append((n, int(a), int(b)))
+            self.fused_members.update(names)
             self.w[key] = fused
             self.fused[key] = spans
 
@@ -251,9 +278,34 @@ class EngineModel:
         except Exception:  # overrides / in-memory weights: take the generic path
             return None
 
+    def _quant(self, name: str) -> QuantWeight | None:
+        """``name`` as a host QuantWeight when it is stored quantised (FP8 E4M3 with a block or per-tensor
+        scale; NVFP4 U8 codes with ``weight_scale`` + ``weight_scale_2``) and ``quantized == 'stored'``,
+        else None."""
+        if self.quantized != "stored":
+            return None
+        try:
+            dt = self.ck.dtype(name)
+        except Exception:
+            return None
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        if dt == "F8_E4M3":
+            sc = self.ck._scale_for(name)
+            if sc is None:
+                return None  # the reader raises its own error when the weight is read
+            return fp8_from_stored(self.ck.get_raw(name), self.ck.get_raw(sc), self.ck._block)
+        if dt == "U8" and self.ck.has(base + ".weight_scale_2"):
+            return nvfp4_from_stored(self.ck.get_raw(name), self.ck.get_raw(base + ".weight_scale"),
+                                     self.ck.get_raw(base + ".weight_scale_2"))
+        return None
+
     def _load(self, name: str, kind: str, src: str | None = None):
         """Device copy of weight ``name`` read from checkpoint tensor ``src`` (default ``name``)."""
         name = src or name
+        if kind == "mat" and name != "embed_tokens.weight":  # the embedding is gathered by rows, never quantised
+            qw = self._quant(name)
+            if qw is not None:
+                return qw.to(self.xp)
         if kind == "mat" and self.precision == "bf16":
             raw = self._bf16_raw(name)
             if raw is not None:  # stored BF16: upload the bits as they are (no float round trip)
@@ -268,7 +320,6 @@ class EngineModel:
 
     def _load_experts(self, progress: bool):
         c = self.config
-        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
         it = range(c.num_hidden_layers)
         if progress:
             from tqdm import tqdm
@@ -281,6 +332,15 @@ class EngineModel:
         checkpoint prefix ``m`` (fused or per-expert) / ``ck.expert(expert_layer, e)``."""
         c = self.config
         E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        key = f"layers.{i}.mlp.experts."
+        dev = getattr(self.ck, "device_experts", None)
+        if dev is not None and m == key:  # synthetic weights built on the device (parity.bench.synthetic_device)
+            self.w[key + "gate_up"], self.w[key + "down"] = dev(i, self.xp, self.precision)
+            return
+        q = self._quant_experts(i, m)
+        if q is not None:  # stored FP8 / NVFP4: kept as stored, dequantised inside the kernels
+            self.w[key + "gate_up"], self.w[key + "down"] = q[0].to(self.xp), q[1].to(self.xp)
+            return
         if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
             gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
             if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
@@ -322,6 +382,28 @@ class EngineModel:
             self.w[n] = self._load(n, kind)
         from reference.checkpoint import MTP_LAYER
         self._load_layer_experts(L, "mtp.layers.0.mlp.experts.", MTP_LAYER)
+
+    def _quant_experts(self, i: int, m: str | None = None):
+        """Layer ``i``'s routed experts (checkpoint prefix ``m``, default ``layers.{i}.mlp.experts.``) as host
+        QuantWeights ``(gate_up [E, 2I, H], down [E, H, I])`` when stored quantised (per-expert or fused FP8
+        layout; per-expert NVFP4), else None."""
+        E = self.config.num_experts
+        m = m or f"layers.{i}.mlp.experts."
+        if self.ck.has(m + "gate_up_proj"):
+            gu, dn = self._quant(m + "gate_up_proj"), self._quant(m + "down_proj")
+            if gu is None or dn is None:
+                return None
+            return gu, dn  # the fused layout's block scales are defined over the stacked gate + up rows
+        if not self.ck.has(m + "0.gate_proj.weight") or self._quant(m + "0.gate_proj.weight") is None:
+            return None
+        gus, dns = [], []
+        for e in range(E):
+            g, u, d = (self._quant(f"{m}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            if g is None or u is None or d is None:
+                return None
+            gus.append(stack_rows([g, u]))
+            dns.append(d)
+        return stack_experts(gus), stack_experts(dns)
 
     def weight_bytes(self) -> int:
         """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
@@ -489,8 +571,12 @@ class EngineModel:
         if parts is not None:
             qkv, z, b, a = parts
         else:
-            qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
-            z = K_lin.linear(x, w[q + "in_proj_z.weight"])
+            qz = self._fused_linear(x, q + "fused_in_proj_qkv_z")
+            if qz is not None:
+                qkv, z = qz
+            else:
+                qkv = K_lin.linear(x, w[q + "in_proj_qkv.weight"])
+                z = K_lin.linear(x, w[q + "in_proj_z.weight"])
             b = K_lin.linear(x, w[q + "in_proj_b.weight"])
             a = K_lin.linear(x, w[q + "in_proj_a.weight"])
         conv_state = pool.gdn_conv[i]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.kernels.quant import QuantWeight
+
 from reference.errors import InputError
 
 __all__ = ["LocalComm", "NcclComm", "ExpertParallel", "expert_ranges", "make_comm"]
@@ -235,6 +237,9 @@ class ExpertParallel:
             for r, (s, e) in enumerate(self.ranges):
                 arrs = {}
                 for suf, a in full.items():
+                    if isinstance(a, QuantWeight):  # stored FP8 / NVFP4: the rank's experts + a zero sink
+                        arrs[suf] = a.expert_block(s, e, sink=True).map(lambda x, r=r: comm.to_rank(r, x))
+                        continue
                     host = a if xp is np else xp.asnumpy(a)
                     local = np.concatenate([np.asarray(host[s:e]), np.zeros_like(host[:1])], axis=0)
                     arrs[suf] = comm.to_rank(r, local)

@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from reference.errors import InputError, UserError
+from reference.errors import EXIT_ENVIRONMENT, InputError, UserError
 
-__all__ = ["OutputWriteError", "WRITE_ERRNOS", "write_failed", "write_failure_reason", "check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
+__all__ = ["signals_deferred", "OutputWriteError", "WRITE_ERRNOS", "write_failed", "write_failure_reason", "check_output_path", "current_umask", "atomic_write_bytes", "atomic_write_json", "atomic_save_npy",
            "atomic_dir", "swap_in_dir", "apply_umask_modes", "atomic_open"]
 
 
@@ -32,10 +32,10 @@ _WRITE_ERRNOS = (None, *WRITE_ERRNOS)
 
 class OutputWriteError(UserError, OSError):
     """An output that could not be written (a full or read-only disk, an I/O error) -- the environment, not
-    the input: the CLI prints it as one line and exits 1 (``exit_code``), and nothing half-written is left.
+    the input: the CLI prints it as one line and exits 4 (``exit_code`` = EXIT_ENVIRONMENT), and nothing half-written is left.
     An OSError too, so callers catching OSError around a write still catch it."""
 
-    exit_code = 1
+    exit_code = EXIT_ENVIRONMENT
 
 
 def write_failure_reason(e: BaseException) -> str:
@@ -119,6 +119,24 @@ def check_output_path(path, kind: str = "file", overwrite: bool = True, flag: st
 
 
 @contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while the block runs (main thread; delivered when it ends), so the
+    renames that swap finished outputs into place are never split by a catchable signal: an interrupted
+    run leaves the old results or the new ones, never a mix."""
+    import signal
+    import threading
+    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def atomic_open(path, mode: str = "wb") -> Iterator:
     """Yield an open temp file next to ``path``; on success chmod it to the umask mode and rename it."""
     path = Path(path)
@@ -131,7 +149,8 @@ def atomic_open(path, mode: str = "wb") -> Iterator:
         with os.fdopen(fd, mode) as f:
             yield f
         os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
+        with signals_deferred():
+            os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -207,17 +226,20 @@ def swap_in_dir(tmp: Path, final: Path) -> None:
     """
     apply_umask_modes(tmp)
     old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if old is not None and not final.exists():
-            with contextlib.suppress(OSError):
-                os.replace(old, final)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # SIGINT / SIGTERM / SIGHUP held from setting the old one aside to removing it: an interrupted run leaves
+    # the old directory or the new one, never neither, never the set-aside copy
+    with signals_deferred():
+        if final.exists():
+            old = final.parent / f".{final.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if old is not None and not final.exists():
+                with contextlib.suppress(OSError):
+                    os.replace(old, final)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,12 @@ over ``split_ngram_parts`` shards, dim 0, shard order) and the per-expert <-> fu
   ``[ceil(rows/b0), ceil(cols/b1)]`` (``b = quantization_config.weight_block_size``, default 128x128,
   the layout of the official FP8 release: ``w * scale_inv[r // b0, c // b1]``) or one per-tensor
   scale (``weight_scale``, e.g. the FP8 n-gram table's single table-wide scale);
+* NVFP4 (ModelOpt, model-facts section 4b/4c): a ``U8`` weight ``[out, in/2]`` (two E2M1 codes per byte,
+  element ``2j`` in the low nibble) with ``weight_scale`` F8_E4M3 ``[out, in/16]`` (one scale per 16
+  elements, row-major) and ``weight_scale_2`` F32 (one global scale) is dequantised exactly in float32 as
+  ``(e2m1(code) * float32(weight_scale)) * weight_scale_2`` (the first product is exact); its shape is
+  checked as the logical ``[out, in]``. ``input_scale`` (activation quantisation of W4A4 serving) is not
+  applied: the model is the official one on the dequantised weights;
 * the PLE n-gram table is gathered row by row with ``os.preadv`` straight into the output buffer:
   never materialised, never mapped, so resident memory stays flat however large the table is.
 
@@ -43,7 +49,8 @@ from reference.config import ModelConfig, load_config
 from reference.errors import CheckpointError, InputError
 
 __all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes", "expected_shape",
-           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES", "mtp_expected_shapes", "MTP_LAYER"]
+           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES", "mtp_expected_shapes", "MTP_LAYER",
+           "E2M1_VALUES", "nvfp4_dequantize"]
 
 # safetensors dtype name -> numpy dtype (little-endian, as the format stores)
 DTYPES: dict[str, np.dtype] = {
@@ -57,8 +64,29 @@ DTYPES: dict[str, np.dtype] = {
 # them in tensors we never read, e.g. quantisation metadata), refused with a clear error when read
 _OTHER_ST_BITS = {"U16": 16, "U32": 32, "U64": 64, "F8_E8M0": 8, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _FP8 = ("F8_E4M3", "F8_E5M2")
+#: E2M1 (NVFP4) code -> value: sign bit 3, exponent bits 2-1, mantissa bit 0
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       dtype=np.float32)
 _INT = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _NP_TO_ST = {v: k for k, v in DTYPES.items()}
+
+
+def nvfp4_dequantize(packed: np.ndarray, scale: np.ndarray, scale2) -> np.ndarray:
+    """NVFP4 codes -> float32 ``[..., N, K]``: ``(e2m1(code) * scale) * scale2``.
+
+    Args:
+        packed: uint8 ``[..., N, K/2]`` (element ``2j`` in the low nibble of byte ``j``).
+        scale: float32 ``[..., N, K/16]`` (the E4M3 per-16 scales, already decoded exactly).
+        scale2: float32 global scale(s), broadcastable to ``[..., N, 1]``.
+    The first product is exact in float32 (2-bit x 4-bit significands); only ``* scale2`` rounds.
+    """
+    q = np.asarray(packed, dtype=np.uint8)
+    codes = np.empty(q.shape[:-1] + (2 * q.shape[-1],), np.float32)
+    codes[..., 0::2] = E2M1_VALUES[q & 15]
+    codes[..., 1::2] = E2M1_VALUES[q >> 4]
+    codes *= np.repeat(np.asarray(scale, np.float32), 16, axis=-1)
+    codes *= np.asarray(scale2, np.float32)
+    return codes
 
 _PREFIXES = ("model.language_model.", "model.")
 _NGRAM_SHARD_RE = re.compile(r"^(layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
@@ -345,9 +373,43 @@ class _WeightsBase:
             return self.dtype(self._table(int(name.split(".")[1])).shards[0])
         raise self._missing(name)
 
+    def is_nvfp4(self, name: str) -> bool:
+        """True when ``name`` is a ModelOpt NVFP4 weight: stored ``U8`` with a sibling ``weight_scale_2``."""
+        st = self._stored()
+        if name not in st or st[name][0] != "U8" or not name.endswith(".weight"):
+            return False
+        return name[:-len(".weight")] + ".weight_scale_2" in st
+
+    def _dequant_nvfp4(self, name: str, raw: np.ndarray) -> np.ndarray:
+        """NVFP4 -> float32 ``[out, in]``: ``(e2m1(code) * float32(weight_scale)) * weight_scale_2``."""
+        base = name[:-len(".weight")]
+        st = self._stored()
+        q = np.asarray(raw, dtype=np.uint8)
+        if q.ndim != 2:
+            raise CheckpointError(f"{self._source()}: NVFP4 tensor {name!r}: expected a matrix [out, in/2], found "
+                                  f"shape {list(q.shape)}")
+        out_f, half = q.shape
+        sc_name = base + ".weight_scale"
+        if sc_name not in st or st[sc_name][0] != "F8_E4M3":
+            raise CheckpointError(f"{self._source()}: NVFP4 tensor {name!r}: expected {sc_name!r} (F8_E4M3 "
+                                  f"[{out_f}, {2 * half // 16}]), found "
+                                  f"{'none' if sc_name not in st else st[sc_name][0]}")
+        sc = np.asarray(self._raw(sc_name)).astype(np.float32)
+        if tuple(sc.shape) != (out_f, 2 * half // 16) or (2 * half) % 16:
+            raise CheckpointError(f"{self._source()}: scale {sc_name!r} of NVFP4 tensor {name!r}: unexpected "
+                                  f"shape: expected [{out_f}, {2 * half // 16}] (one per 16 of {2 * half} "
+                                  f"columns), found {list(sc.shape)}")
+        g = np.asarray(self._raw(base + ".weight_scale_2")).astype(np.float32)
+        if g.size != 1:
+            raise CheckpointError(f"{self._source()}: {base + '.weight_scale_2'!r}: expected one global scale, "
+                                  f"found shape {list(g.shape)}")
+        return nvfp4_dequantize(q, sc, g.reshape(()))
+
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if name in self._checked:
             return
+        if self.is_nvfp4(name):
+            shape = tuple(shape[:-1]) + (2 * shape[-1],)  # two E2M1 codes per stored byte
         exp = expected_shape(self.config, name, self._expected)
         m = _NGRAM_SHARD_RE.match(name)
         if exp is not None and tuple(shape) != exp:
@@ -442,6 +504,8 @@ class _WeightsBase:
             return np.concatenate([self.get(s, dtype) for s in t.shards], axis=0)
         raw = self.get_raw(name)
         sd = self.dtype(name)
+        if sd == "U8" and self.is_nvfp4(name):
+            return self._dequant_nvfp4(name, raw).astype(dtype, copy=False)
         if sd in _INT:
             return np.array(raw, dtype=np.int64)
         if sd in _FP8:
@@ -609,7 +673,7 @@ class _WeightsBase:
         for n, (_dt, shp) in st.items():
             if expected_shape(self.config, n, self._expected) is not None or _NGRAM_SHARD_RE.match(n):
                 self._check_shape(n, shp)
-            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale"))):
+            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale", "_scale_2"))):
                 unknown.append(n)
         if require_complete:
             for n in _iter_required(self.config, st):

@@ -1,12 +1,32 @@
 """User-facing error types shared by every package (each message names the thing, what was
-expected and what was found)."""
+expected and what was found), and the one exit-code contract of every ``qwen4exp`` command."""
+
+# The exit codes of every qwen4exp command (README "Exit codes", `qwen4exp -h`). Defined once here, the
+# ground floor, so the harness verdicts, the file writers and the CLI all use the same numbers.
+EXIT_OK = 0            # success / agreement: every check passed
+EXIT_DIVERGENCE = 1    # the backend disagrees with the reference, a control failed, or the backend raised in a case
+EXIT_USAGE = 2         # usage or input error: bad arguments, model, prompts, a backend that cannot be opened
+EXIT_INCONCLUSIVE = 3  # the run completed but its evidence does not support a verdict either way
+EXIT_ENVIRONMENT = 4   # the run could not complete: disk full, device lost, out of memory, or a crash of qwen4exp
+
+EXIT_CODES = {
+    EXIT_OK: "pass / success",
+    EXIT_DIVERGENCE: "divergence: a backend disagrees, a control failed, or the backend raised inside a case "
+                     "(ERROR row)",
+    EXIT_USAGE: "usage or input error (bad arguments, model, prompts, a backend that cannot be opened); "
+                "nothing is written",
+    EXIT_INCONCLUSIVE: "inconclusive: the evidence supports no verdict",
+    EXIT_ENVIRONMENT: "environment failure: output could not be written (disk full, read-only), device lost, out "
+                      "of memory, or an internal error (traceback printed)",
+}
 
 
 class UserError(Exception):
     """Base of every error caused by bad input rather than a bug. ``exit_code``: what the CLI exits with
-    after printing it as one line (2: bad input; 1 for output that could not be written)."""
+    after printing it as one line (:data:`EXIT_USAGE`; :data:`EXIT_ENVIRONMENT` for output that could not be
+    written)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class CheckpointError(UserError, ValueError):
@@ -15,3 +35,10 @@ class CheckpointError(UserError, ValueError):
 
 class InputError(UserError, ValueError):
     """Bad token ids, prompts, files or arguments."""
+
+
+class EnvironmentFailure(UserError, RuntimeError):
+    """The machine, not the input: a device lost, memory exhausted. Printed as one line, exit
+    :data:`EXIT_ENVIRONMENT`."""
+
+    exit_code = EXIT_ENVIRONMENT

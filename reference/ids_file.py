@@ -32,13 +32,15 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
         InputError: missing/unreadable file, non-integer content, a .npy array that is not 1-D, an empty
             item, no ids, or an id out of range (naming the first bad value and its index).
     """
-    p = Path(path)
-    if not p.is_file():
+    p = Path("/dev/stdin") if str(path) == "-" else Path(path)
+    if not p.exists() or p.is_dir():  # a regular file, or a pipe / /dev/stdin / <(...)
         raise InputError(f"{flag} {str(path)!r}: expected a file of token ids, found "
                          f"{'a directory' if p.is_dir() else 'no such file'}")
     if p.suffix == ".npy":
         try:
-            arr = np.load(p, allow_pickle=False)
+            with open(p, "rb") as fh:  # a pipe too (np.load of a path needs a seekable file)
+                import io
+                arr = np.load(io.BytesIO(fh.read()), allow_pickle=False)
         except (OSError, ValueError) as e:
             raise InputError(f"{flag} {str(path)!r}: expected a readable .npy array, found {e}") from None
         if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):

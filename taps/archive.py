@@ -34,7 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
-from reference.errors import UserError
+from reference.errors import EXIT_ENVIRONMENT, UserError
 
 FORMAT_NAME = "qwen4exp-taps"
 FORMAT_VERSION = 1
@@ -50,10 +50,10 @@ class ArchiveError(UserError, ValueError):
 
 
 class ArchiveWriteError(ArchiveError):
-    """A tap archive that could not be written (full or read-only disk, I/O error); the CLI exits 1
-    (``exit_code``, as :class:`reference.atomic.OutputWriteError`) and nothing is left at the output."""
+    """A tap archive that could not be written (full or read-only disk, I/O error); the CLI exits 4
+    (``exit_code`` = EXIT_ENVIRONMENT, as :class:`reference.atomic.OutputWriteError`) and nothing is left at the output."""
 
-    exit_code = 1
+    exit_code = EXIT_ENVIRONMENT
 
 
 def _write_failed(out, e: BaseException) -> ArchiveWriteError:

@@ -18,7 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 FIXTURES = REPO / "fixtures"
-FIXTURE_NAMES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8")
+FIXTURE_NAMES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8", "tiny-nvfp4")
 
 
 def seed_for_test(nodeid: str | None = None) -> int:

@@ -1,5 +1,7 @@
 """Where a decode step's time goes (GPU dev tool, not a test): host half, graph replay, logits copy,
-and an eager per-component split. Usage: python ci/tools/profile_decode.py [--layers 4] [--batches 1 16]."""
+and an eager per-component split. Usage: python ci/tools/profile_decode.py [--layers 4] [--batches 1 16]
+[--weights bf16|fp8|nvfp4] (--weights: in-memory synthetic weights in that stored format, no files, the PLE
+table scaled down; without it the cached BF16 synthetic checkpoint)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +17,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=1025)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--weights", choices=["bf16", "fp8", "nvfp4"], default=None)
     args = ap.parse_args()
     import cupy as cp
 
@@ -25,8 +28,10 @@ def main():
     from reference.checkpoint import Checkpoint
 
     t0 = time.perf_counter()
-    path = S.cached_synthetic(args.layers, progress=False)
-    ck = Checkpoint.open(path)
+    if args.weights:
+        ck = S.SyntheticWeights(S.real_width_config(args.layers), args.weights)
+    else:
+        ck = Checkpoint.open(S.cached_synthetic(args.layers, progress=False))
     print(f"synthetic ready {time.perf_counter() - t0:.1f}s", flush=True)
     t0 = time.perf_counter()
     eng = E.Engine(ck, precision="bf16", device="cuda", max_seqs=max(args.batches) + 2,
@@ -88,7 +93,7 @@ def main():
         med["graph_device"] = float(np.median(tl))
         tab = next(iter(m.ple.values()))
         rr = rng.integers(0, tab.rows_total, (B, 16))
-        for nm, fn in (("gather_preadv", lambda: ck.ngram_rows(tab.layer, rr)), ("gather_mmap", lambda: tab.gather_host(rr))):
+        for nm, fn in (("gather_ngram_rows", lambda: ck.ngram_rows(tab.layer, rr)), ("gather_host", lambda: tab.gather_host(rr))):
             fn()
             tq = []
             for _ in range(20):

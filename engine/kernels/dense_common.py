@@ -51,11 +51,15 @@ def bf16_bits_to_float32(bits):
 
 
 def weight_kind(w) -> str:
-    """'bf16' for uint16/bfloat16 weights, 'f32' for float32, 'f64' for float64.
+    """'bf16' for uint16/bfloat16 weights, 'f32' for float32, 'f64' for float64, 'fp8' / 'nvfp4' for a
+    :class:`engine.kernels.quant.QuantWeight` (stored quantised format).
 
     Raises:
         KernelInputError: any other dtype.
     """
+    fmt = getattr(w, "fmt", None)
+    if fmt is not None and hasattr(w, "storage_array"):
+        return fmt
     dt = w.dtype
     if dt == np.uint16 or (_BF16 is not None and dt == _BF16):
         return "bf16"
@@ -63,13 +67,16 @@ def weight_kind(w) -> str:
         return "f32"
     if dt == np.float64:
         return "f64"
-    raise KernelInputError(f"weight: expected uint16 (BF16 bits), bfloat16, float32 or float64, found {dt}")
+    raise KernelInputError(f"weight: expected uint16 (BF16 bits), bfloat16, float32, float64 or a QuantWeight, "
+                           f"found {dt}")
 
 
 def weight_as_float(w, dtype=np.float32):
-    """Weights of any supported kind as a float array of ``dtype`` (exact for BF16 -> float32)."""
+    """Weights of any supported kind as a float array of ``dtype`` (exact for BF16 -> float32; quantised
+    weights dequantised by the NumPy twin :func:`engine.kernels.quant.dequantize`, host arrays)."""
     kind = weight_kind(w)
-    xp = xp_of(w)
+    if kind in ("fp8", "nvfp4"):
+        return w.dequantize(dtype)  # QuantWeight (engine.kernels.quant), host twin
     if kind == "bf16":
         bits = w.view(np.uint16) if w.dtype != np.uint16 else w
         return bf16_bits_to_float32(bits).astype(dtype, copy=False)

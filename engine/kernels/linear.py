@@ -25,7 +25,7 @@ from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim
                                          same_device, weight_as_float, weight_kind)
 
 __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows",
-           "MMA_GEMV_ENABLED", "dense_kernel_choice"]
+           "MMA_GEMV_ENABLED", "dense_kernel_choice", "quant_kernel_choice"]
 
 #: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
 GEMV_MAX_ROWS = 16
@@ -159,6 +159,8 @@ def grouped_linear(x, w, offsets, *, row_index=None, tiles: GroupTiles | None = 
 def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M, N, K):
     """Pick GEMV vs GEMM and launch (no host synchronisation)."""
     kind = weight_kind(w)
+    if kind in ("fp8", "nvfp4"):
+        return _launch_quant(x, row_index, w, y, tiles, M, N, K)
     if kind == "bf16" and w.dtype != np.uint16:
         w = w.view(np.uint16)
     if not w.flags.c_contiguous:
@@ -233,3 +235,56 @@ def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, ali
         r = 1
     return ("dense_linear.cu", f"gemv_{wname}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}",
             -(-N // ((_GEMV_WARPS // ks) * r)))
+
+
+def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec: bool, sms: int | None = None,
+                        ) -> tuple[str, int]:
+    """Which ``quant_linear.cu`` kernel a launch over a quantised weight uses (pure host logic).
+
+    Args:
+        fmt: 'fp8' or 'nvfp4'. rpt: activation rows per weight pass (1, 4, 16; 64 = the tiled GEMM).
+        N, K: logical weight shape. grid_y: row tiles launched. vec: 16-byte chunks possible (alignment).
+    Returns:
+        ``(kernel name, grid x)``: 8 warps per block, each over 4 weight rows (``r4``, 1 and 4 activation
+        rows) or 1 (16 rows); short, wide matrices (few blocks for the SMs) split K of one row over the 8 warps
+        of a block (``r1_ks8``).
+    """
+    if rpt == GEMM_TILE_ROWS:
+        return f"qgemm_{fmt}", -(-N // _GEMM_BN)
+    if rpt not in (1, 4, 16):
+        raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
+    sms = sm_count() if sms is None else int(sms)
+    # 4 weight rows per warp share each activation piece (1 and 4 activation rows; 16 rows: registers allow 1)
+    r = 4 if rpt in (1, 4) else 1
+    ks = 1
+    if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sms:  # few blocks for the SMs: 8 warps split K of one row
+        ks, r = 8, 1
+    return f"qgemv_{fmt}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}", -(-N // ((_GEMV_WARPS // ks) * r))
+
+
+def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
+    """Launch a ``quant_linear.cu`` kernel over QuantWeight ``w`` (2-D, or 3-D with ``tiles``)."""
+    null = NULL_PTR
+    if tiles is not None:
+        rpt, grid_y = tiles.rows_per_tile, tiles.max_tiles
+        tbl = (tiles.expert, tiles.start, tiles.count, tiles.n_tiles)
+    else:
+        rpt = gemv_tile_rows(M) if M <= GEMV_MAX_ROWS else GEMM_TILE_ROWS
+        grid_y = -(-M // rpt)
+        tbl = (null, null, null, null)
+    if grid_y == 0:
+        return
+    if grid_y > 65535:
+        raise KernelInputError(f"rows: {M} rows need {grid_y} tiles, above the grid limit 65535; use smaller chunks")
+    es = w.ndim == 3
+    if w.fmt == "fp8":
+        vec = K % 16 == 0 and w.cb % 16 == 0 and w.q.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
+        fargs = (w.q, w.scale, np.int64(N * K if es else 0), np.int64(w.scale[0].size if es else 0),
+                 np.int32(w.rb), np.int32(w.cb), np.int32(w.scale.shape[-1]))
+    else:
+        vec = K % 32 == 0 and w.q.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
+        fargs = (w.q, w.scale, w.scale2, np.int64(N * K // 2 if es else 0), np.int64(N * K // 16 if es else 0),
+                 np.int32(w.s2_rows), np.int32(N // w.s2_rows))
+    name, grid_x = quant_kernel_choice(w.fmt, rpt, N, K, grid_y, vec=vec)
+    kernel("quant_linear.cu", name)((grid_x, grid_y, 1), (256, 1, 1), fargs + (
+        x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K)))

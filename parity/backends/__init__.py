@@ -9,7 +9,9 @@ from parity.backends.base import (BACKEND_NAMES, Backend, BackendError, capabili
                                    one_shot_logits, truth_model)
 from parity.backends.engine import EngineBackend  # noqa: F401
 from parity.backends.reference import ReferenceBackend  # noqa: F401
-from parity.backends.registry import backend_class, open_backend, opener  # noqa: F401
+from parity.backends.registry import (BackendSpec, backend_class, open_backend, opener,  # noqa: F401
+                                      parse_backend_spec)
 
 __all__ = ["Backend", "ReferenceBackend", "EngineBackend", "BackendError", "open_backend", "backend_class",
-           "BACKEND_NAMES", "truth_model", "load_weights", "capabilities_of", "one_shot_logits", "opener"]
+           "BACKEND_NAMES", "truth_model", "load_weights", "capabilities_of", "one_shot_logits", "opener",
+           "BackendSpec", "parse_backend_spec"]

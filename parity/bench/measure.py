@@ -213,7 +213,7 @@ def _peer_measure(torch, model, spec, out, rng, V, eos, timer, warm, reps, deadl
 
 # --------------------------------------------------------------------------------------------- engine
 def decode_bytes(cfg, weight_itemsize: int, kv_itemsize: int, batch: int, context: int,
-                 weight_shapes: dict) -> dict:
+                 weight_shapes: dict, device_weights: dict | None = None) -> dict:
     """Estimated bytes one decode step of ``batch`` sequences at ``context`` tokens moves.
 
     weights: every non-expert weight once per step (``weight_shapes``: canonical name -> shape, the
@@ -222,6 +222,8 @@ def decode_bytes(cfg, weight_itemsize: int, kv_itemsize: int, batch: int, contex
     rows and PLE table rows; state per sequence: GDN recurrent state (FP32, read and written) and
     conv states, per QSA layer the compressed block keys (``context / compress_ratio`` x
     ``indexer_head_dim``) and the K/V of the selected tokens (``min(context, qsa_bound)``).
+    ``device_weights`` (:func:`engine_weight_bytes`) replaces the shapes x itemsize estimate of the weights by
+    the bytes the engine's device arrays hold (stored formats, scales and float32 weights included).
     Returns ``{"weights", "state_read", "state_written", "total", "per_token"}`` (bytes).
     """
     E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -232,9 +234,13 @@ def decode_bytes(cfg, weight_itemsize: int, kv_itemsize: int, batch: int, contex
         if ".mlp.experts." in name or "ngram_embedding" in name or name == "embed_tokens.weight":
             continue
         dense += n * weight_itemsize
+    row_bytes = cfg.hidden_size * weight_itemsize
+    if device_weights is not None:
+        dense, per_expert, row_bytes = (device_weights["dense"], device_weights["per_expert"],
+                                        device_weights["embed_row"])
     n_layers = cfg.num_hidden_layers
     experts = n_layers * E * (1 - (1 - k / E) ** batch) * per_expert
-    rows = batch * cfg.hidden_size * weight_itemsize
+    rows = batch * row_bytes
     if cfg.ple_layer_ids:
         rows += batch * len(cfg.ple_layer_ids) * cfg.ngram_heads * (cfg.ple_embed_dim // cfg.ngram_heads) * 2
     weights = dense + experts + rows
@@ -278,9 +284,185 @@ def hbm_bandwidth(cp, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
     return {"bytes_per_s": 2 * nbytes / s["median"], "copy_bytes": nbytes, "seconds": s}
 
 
+def engine_weight_bytes(model) -> dict:
+    """Bytes of an :class:`engine.model.EngineModel`'s device weights a decode step can read:
+    ``{'dense': every non-expert weight but the embedding (fused stacks once), 'per_expert': one routed
+    expert's gate + up + down (stored format, scales included), 'embed_row': one embedding row}``."""
+    members = {n for spans in model.fused.values() for n, _, _ in spans}
+    dense = sum(int(a.nbytes) for k, a in model.w.items()
+                if k not in members and ".mlp.experts." not in k and k != "embed_tokens.weight")
+    c = model.config
+    gu, dn = model.w["layers.0.mlp.experts.gate_up"], model.w["layers.0.mlp.experts.down"]
+    emb = model.w["embed_tokens.weight"]
+    return {"dense": int(dense), "per_expert": (int(gu.nbytes) + int(dn.nbytes)) / c.num_experts,
+            "embed_row": int(emb.nbytes) // int(emb.shape[0])}
+
+
+def flops_per_token(cfg, context: int) -> dict:
+    """Floating-point operations of one token at ``context`` tokens, from the shapes (2 per multiply-add):
+    ``matmul`` (every projection but the embedding gather, the ``k`` routed experts and the shared expert),
+    ``attention`` (per QSA layer the indexer scores over ``context / compress_ratio`` blocks and QK + PV over
+    ``min(context, qsa_bound)`` tokens; per GDN layer ~3 state passes of ``heads x dk x dv``)."""
+    from reference.checkpoint import expected_shapes
+    mm = 0
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) != 2 or ".mlp.experts." in name or "ngram_embedding" in name or name == "embed_tokens.weight":
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        mm += 2 * shape[0] * shape[1]
+    mm += cfg.num_hidden_layers * cfg.num_experts_per_tok * 2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    att = 0
+    for lt in cfg.layer_types:
+        if lt == "linear_attention":
+            att += 2 * 3 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        else:
+            sel = min(context, cfg.qsa_bound) if cfg.qsa_enabled else context
+            blocks = context // (cfg.indexer_compress_ratio or 1) if cfg.qsa_enabled else 0
+            att += 2 * 2 * cfg.num_attention_heads * cfg.head_dim * sel
+            att += 2 * (cfg.indexer_n_heads or 0) * (cfg.indexer_head_dim or 0) * blocks
+    return {"matmul": int(mm), "attention": int(att), "total": int(mm + att)}
+
+
+def dense_matmul_rate(xp, n: int = 8192, repeats: int = 5) -> dict:
+    """The measured dense BF16 matmul rate (FLOP/s) of this GPU: torch ``bfloat16`` ``n x n x n`` matmul
+    (cuBLAS, tensor cores) when torch sees the device, else cupy ``float16`` (same tensor-core rate on
+    Hopper); median of ``repeats`` after a warm-up, CUDA events."""
+    from parity.bench.stats import CupyEventTimer
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            raise ImportError("no CUDA in torch")
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        ts = []
+        for r in range(repeats + 1):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            torch.matmul(a, b)
+            e1.record()
+            e1.synchronize()
+            if r:
+                ts.append(e0.elapsed_time(e1) / 1e3)
+        how = "torch bfloat16 matmul"
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception:
+        a = xp.random.standard_normal((n, n)).astype(xp.float16)
+        b = xp.random.standard_normal((n, n)).astype(xp.float16)
+        ts = []
+        for r in range(repeats + 1):
+            with CupyEventTimer(xp) as t:
+                xp.matmul(a, b)
+            if r:
+                ts.append(t.seconds)
+        how = "cupy float16 matmul (BF16 rate equal on Hopper)"
+        del a, b
+    s = summarize(ts)
+    return {"flop_per_s": 2 * n ** 3 / s["median"], "n": n, "how": how, "seconds": s}
+
+
+def _free_device(xp) -> None:
+    import gc
+    gc.collect()
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()
+        xp.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def run_engine(spec: dict) -> dict:
-    """The engine. spec: model, device, precision, prompt_lens, decode ([[batch, context], ...]),
-    decode_tokens, repeats, warmup, budget_s."""
+    """The engine. spec: model (a checkpoint path) or synthetic ``{"config": flat config dict, "weights":
+    'bf16' | 'fp8' | 'nvfp4'}`` (random weights in memory, :class:`parity.bench.synthetic.SyntheticWeights`),
+    device, precision, prompt_lens, decode ([[batch, context], ...]), decode_tokens, repeats, warmup, budget_s.
+
+    In-memory weights that do not fit the device (estimate + 8 GiB of working memory against the free device
+    memory; ``synthetic.free_bytes`` / ``working_bytes`` override both, for tests) are measured at one and two
+    periods instead; the result then holds both (``periods``), the
+    per-period marginal step cost and the projection to the asked depth (``projected`` rows, flagged)."""
+    from engine.backend import get_xp
+
+    syn = spec.get("synthetic")
+    if not syn:
+        return _measure_engine(None, spec)
+    from parity.bench import synthetic as S
+    from reference.config import ModelConfig
+    xp = get_xp(spec.get("device", "cpu"))
+    cfg_d, fmt = syn["config"], syn["weights"]
+    cfg = ModelConfig.from_dict(cfg_d)
+    est = S.weights_bytes_estimate(cfg, fmt)
+    free = int(xp.cuda.runtime.memGetInfo()[0]) if xp is not np else None
+    free = syn.get("free_bytes", free)  # tests: pretend a smaller device
+    need = est["total"] + int(syn.get("working_bytes", 8 << 30))
+    if free is None or need <= free or cfg.num_hidden_layers <= 8:
+        out = _measure_engine(S.SyntheticWeights(cfg_d, fmt), spec)
+        out.update(weights_format=fmt, fits=True, weights_estimate=est)
+        return out
+    _log(f"engine: {fmt} weights at {cfg.num_hidden_layers} layers need ~{need / 2**30:.0f} GiB, "
+         f"{free / 2**30:.0f} GiB free: measuring 4 and 8 layers and projecting")
+    periods = {}
+    for L in (4, 8):
+        d = dict(cfg_d, num_hidden_layers=L, layer_types=cfg_d["layer_types"][:L])
+        periods[L] = _measure_engine(S.SyntheticWeights(d, fmt), dict(spec, partial_path=None))
+        _free_device(xp)
+    L = cfg.num_hidden_layers
+    out = {"kind": "engine", "device": spec.get("device"), "weights_format": fmt, "fits": False,
+           "weights_estimate": est, "free_device_bytes": free,
+           "not_fitting": f"{fmt} weights at {L} layers need ~{need / 1e9:.0f} GB with working memory, the device "
+                          f"has {free / 1e9:.0f} GB free: one and two periods measured, {L} layers projected"}
+    out.update(project_periods(periods, cfg))
+    return out
+
+
+def project_periods(periods: dict, cfg) -> dict:
+    """Project one-period (4 layers) and two-period (8 layers) engine results to ``cfg``'s depth: per
+    setting, the marginal period cost ``m8 - m4`` (step seconds, bytes) and ``step(L) = m4 + (L/4 - 1) *
+    (m8 - m4)``; prefill likewise on the prompt's seconds. Rows carry ``projected: True``. Returns the
+    fields of an engine result (``periods``, ``hbm``, ``matmul``, ``gpu``, ``precision``, ``prefill``,
+    ``decode``)."""
+    L = cfg.num_hidden_layers
+    out = {"periods": periods, "hbm": periods[4].get("hbm"), "matmul": periods[4].get("matmul"),
+           "gpu": periods[4].get("gpu"), "precision": periods[4].get("precision"), "prefill": [], "decode": []}
+    k = (L - 4) / 4  # periods beyond the first
+    for r4 in periods[4]["decode"]:
+        r8 = next((r for r in periods[8]["decode"] if r.get("batch") == r4.get("batch")
+                   and r.get("context") == r4.get("context") and "skipped" not in r), None)
+        if "skipped" in r4 or r8 is None:
+            continue
+        m4, m8 = r4["step_s"]["median"], r8["step_s"]["median"]
+        step = m4 + k * (m8 - m4)
+        b4, b8 = r4["bytes_per_step"], r8["bytes_per_step"]
+        nbytes = b4 + k * (b8 - b4)
+        row = {"batch": r4["batch"], "context": r4["context"], "projected": True,
+               "period_marginal_s": m8 - m4, "period_marginal_bytes": b8 - b4,
+               "tokens_per_s": {"median": r4["batch"] / step}, "step_s": {"median": step},
+               "bytes_per_step": nbytes, "bytes_per_token": nbytes / r4["batch"],
+               "host_syncs_per_step": r4.get("host_syncs_per_step")}
+        if out.get("hbm"):
+            row["hbm_fraction"] = (nbytes / step) / out["hbm"]["bytes_per_s"]
+            row["period_marginal_hbm_fraction"] = ((b8 - b4) / (m8 - m4)) / out["hbm"]["bytes_per_s"] \
+                if m8 > m4 else None
+        out["decode"].append(row)
+    for p4 in periods[4]["prefill"]:
+        p8 = next((p for p in periods[8]["prefill"] if p.get("prompt_len") == p4.get("prompt_len")
+                   and "skipped" not in p), None)
+        if "skipped" in p4 or p8 is None:
+            continue
+        P = p4["prompt_len"]
+        t4, t8 = P / p4["tokens_per_s"]["median"], P / p8["tokens_per_s"]["median"]
+        t = t4 + k * (t8 - t4)
+        row = {"prompt_len": P, "projected": True, "period_marginal_s": t8 - t4,
+               "tokens_per_s": {"median": P / t}}
+        fl = flops_per_token(cfg, P // 2)["total"]
+        row["flop_per_token"] = fl
+        if out.get("matmul"):
+            row["matmul_fraction"] = (fl * P / t) / out["matmul"]["flop_per_s"]
+        out["prefill"].append(row)
+    return out
+
+
+def _measure_engine(ck, spec: dict) -> dict:
+    """The engine's measurements over the weights ``ck`` (None: the checkpoint at ``spec['model']``; see
+    :func:`run_engine`)."""
     from engine.backend import get_xp
     from parity.backends import open_backend
     from parity.bench.stats import CupyEventTimer, WallTimer
@@ -297,8 +479,8 @@ def run_engine(spec: dict) -> dict:
     max_c = max([c for _, c in dc] + pl + [1])
     kv_tokens = 2 * max_c + (max_b + 2) * (warm + D + 16) + 64
     t0 = time.perf_counter()
-    be = open_backend(f"engine-{dev}", spec["model"], precision=prec, max_seqs=max_b + 2, kv_tokens=kv_tokens,
-                      progress=bool(spec.get("progress")))
+    be = open_backend(f"engine-{dev}", spec.get("model") or "in-memory synthetic weights", weights=ck,
+                      precision=prec, max_seqs=max_b + 2, kv_tokens=kv_tokens, progress=bool(spec.get("progress")))
     # what is measured is the engine's own serving API (fork, pipelined greedy steps, sync counter)
     eng, ck, cfg = be.eng, be.eng.ck, be.config
     load_s = time.perf_counter() - t0
@@ -312,6 +494,11 @@ def run_engine(spec: dict) -> dict:
         out["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         out["hbm"] = hbm_bandwidth(xp, int(spec.get("copy_bytes", 2 << 30)))
         _log(f"engine: HBM copy bandwidth {out['hbm']['bytes_per_s'] / 1e12:.2f} TB/s")
+        if spec.get("matmul_rate", True):
+            out["matmul"] = dense_matmul_rate(xp)
+            _log(f"engine: dense BF16 matmul {out['matmul']['flop_per_s'] / 1e12:.0f} TFLOP/s ({out['matmul']['how']})")
+    wb = engine_weight_bytes(eng.model)
+    out["weight_bytes_read"] = wb
     _partial(spec, out)
     for P in pl:
         if deadline.over():
@@ -328,11 +515,13 @@ def run_engine(spec: dict) -> dict:
                 eng.free(seq)
             if r >= warm:
                 ts.append(t.seconds)
-        out["prefill"].append({"prompt_len": P, "tokens_per_s": rate(P, summarize(ts))})
+        row = {"prompt_len": P, "tokens_per_s": rate(P, summarize(ts)),
+               "flop_per_token": flops_per_token(cfg, P // 2)["total"]}  # mean context of a prompt: P / 2
+        if "matmul" in out:
+            row["matmul_fraction"] = row["flop_per_token"] * P / float(np.median(ts)) / out["matmul"]["flop_per_s"]
+        out["prefill"].append(row)
         _partial(spec, out)
         _log(f"engine prefill {P}: {P / np.median(ts):.1f} tok/s")
-    shapes = {n: ck.shape(n) for n in ck.names()}
-    w_isz = 2 if prec == "bf16" else 4
     kv_isz = int(getattr(eng.pool, "kv_dtype", np.dtype(np.float32)).itemsize)
     for B, C in dc:
         if deadline.over():
@@ -361,11 +550,12 @@ def run_engine(spec: dict) -> dict:
             for q in seqs:
                 eng.free(q)
         st = summarize(steps)
-        nb = decode_bytes(cfg, w_isz, kv_isz, B, C, shapes)
+        nb = decode_bytes(cfg, 0, kv_isz, B, C, {}, device_weights=wb)
         row = {"batch": B, "context": C, "above_qsa_bound": bool(cfg.qsa_enabled and C > cfg.qsa_bound),
                "tokens_per_s": rate(B, st), "step_s": st,
                "host_syncs_per_step": float(np.mean(syncs[warm_d:])) if len(syncs) > warm_d else None,
-               "bytes_per_step": nb["total"], "bytes_per_token": nb["per_token"], "bytes": nb}
+               "bytes_per_step": nb["total"], "bytes_per_token": nb["per_token"], "bytes": nb,
+               "flop_per_token": flops_per_token(cfg, C)["total"]}
         if "hbm" in out:
             row["hbm_fraction"] = (nb["total"] / st["median"]) / out["hbm"]["bytes_per_s"]
         out["decode"].append(row)

@@ -28,7 +28,11 @@ SCHEMA = 1
 
 # the official eager GPU forward over one period of real-width layers, batch 1 (issue 7)
 GOALS = {"engine_b1_hbm_fraction": 0.40, "engine_b1_vs_peer": 5.0, "engine_b16_vs_b1": 6.0,
-         "engine_host_syncs_in_step": 0, "reference_vs_peer_cpu": 1.0}
+         "engine_host_syncs_in_step": 0, "reference_vs_peer_cpu": 1.0,
+         # issue 16, at full depth in each weight format: decode b1 / b16 bytes/s against the measured copy
+         # bandwidth, prefill 4096 FLOP/s against the measured dense BF16 matmul rate
+         "engine_full_b1_copy_fraction": 0.70, "engine_full_b16_copy_fraction": 0.75,
+         "engine_full_prefill4096_matmul_fraction": 0.35}
 
 
 class Terminated(KeyboardInterrupt):
@@ -154,6 +158,21 @@ def compare(runs: dict) -> tuple[dict, list]:
             goals.append({"goal": "engine decode batch 1 >= 40% of the measured HBM roofline",
                           "measured": f, "target": GOALS["engine_b1_hbm_fraction"],
                           "met": None if f is None else f >= GOALS["engine_b1_hbm_fraction"]})
+        fmt = eng.get("weights_format")
+        if fmt:  # issue 16 goals: in-memory weights at full depth (projected rows flagged as such)
+            tag = f"{fmt}, {'projected' if eng.get('fits') is False else 'measured'} at full depth"
+            for B, key in ((1, "engine_full_b1_copy_fraction"), (16, "engine_full_b16_copy_fraction")):
+                rows = [r for r in dec if r["batch"] == B and r.get("hbm_fraction") is not None]
+                if rows:
+                    f = max(r["hbm_fraction"] for r in rows)
+                    goals.append({"goal": f"engine decode batch {B} >= {GOALS[key]:.0%} of the copy bandwidth ({tag})",
+                                  "measured": f, "target": GOALS[key], "met": f >= GOALS[key]})
+            p = _find(eng.get("prefill"), prompt_len=4096)
+            if p and p.get("matmul_fraction") is not None:
+                key = "engine_full_prefill4096_matmul_fraction"
+                goals.append({"goal": f"engine prefill 4096 >= {GOALS[key]:.0%} of the dense BF16 matmul rate ({tag})",
+                              "measured": p["matmul_fraction"], "target": GOALS[key],
+                              "met": p["matmul_fraction"] >= GOALS[key]})
         for C in sorted({r["context"] for r in dec}):
             r1, r16 = _find(dec, batch=1, context=C), _find(dec, batch=16, context=C)
             if r1 and r16:
@@ -206,6 +225,27 @@ def _fmt_rate(x) -> str:
     return f"{m:,.1f}" + (f" ±{100 * s / 2:.0f}%" if s else "")
 
 
+def ratio_label(key: str) -> str:
+    """A ratio key of the results JSON (``engine_b16_vs_b1_ctx64``) in plain words for the table
+    (``engine decode batch 16 / batch 1 tok/s, context 64``); an unknown key is returned as is."""
+    import re
+    fixed = {"reference_prefill_vs_peer_cpu": "reference prefill tok/s / official CPU",
+             "reference_decode_vs_peer_cpu": "reference decode tok/s / official CPU",
+             "reference_peak_rss_vs_peer_cpu": "reference peak memory (RSS) / official CPU"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"engine_b16_vs_b1_ctx(\d+)", key)
+    if m:
+        return f"engine decode tok/s, batch 16 / batch 1 (context {m.group(1)})"
+    m = re.fullmatch(r"engine_decode_vs_peer_gpu_b(\d+)_ctx(\d+)", key)
+    if m:
+        return f"engine decode tok/s / official GPU (batch {m.group(1)}, context {m.group(2)})"
+    m = re.fullmatch(r"engine_prefill_vs_peer_gpu_(\d+)", key)
+    if m:
+        return f"engine prefill tok/s / official GPU (prompt {m.group(1)} tokens)"
+    return key
+
+
 def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
     """(what, setting, measured, note) rows for the closing table."""
     rows = []
@@ -228,25 +268,46 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"peak RSS {r.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB"))
             rows.append((label, "decode b1", _fmt_rate(r.get("decode_tokens_per_s")) + " tok/s", ""))
             continue
-        if "hbm" in r:
+        if r.get("weights_format"):
+            est = r.get("weights_estimate") or {}
+            rows.append((label, f"weights {r['weights_format']} in memory", f"{est.get('total', 0) / 1e9:,.1f} GB",
+                         "fits the device" if r.get("fits") else r.get("not_fitting", "")))
+        if "hbm" in r and r["hbm"]:
             rows.append((label, "HBM d2d copy", f"{r['hbm']['bytes_per_s'] / 1e9:,.0f} GB/s", r.get("gpu", "")))
+        if r.get("matmul"):
+            rows.append((label, "dense BF16 matmul", f"{r['matmul']['flop_per_s'] / 1e12:,.0f} TFLOP/s",
+                         r["matmul"].get("how", "")))
         for p in r.get("prefill", []):
             if "skipped" in p:
                 rows.append((label, f"prefill {p['prompt_len']}", "skipped", p["skipped"]))
             else:
-                rows.append((label, f"prefill {p['prompt_len']} ({dev})", _fmt_rate(p["tokens_per_s"]) + " tok/s", ""))
+                note = []
+                if p.get("projected"):
+                    note.append(f"projected; marginal period {1e3 * p['period_marginal_s']:,.1f} ms")
+                if p.get("flop_per_token"):
+                    note.append(f"{p['flop_per_token'] / 1e9:,.1f} GFLOP/token")
+                if p.get("matmul_fraction") is not None:
+                    note.append(f"{100 * p['matmul_fraction']:.1f}% of matmul rate")
+                rows.append((label, f"prefill {p['prompt_len']} ({dev})", _fmt_rate(p["tokens_per_s"]) + " tok/s",
+                             ", ".join(note)))
         for d in r.get("decode", []):
             setting = f"decode b{d['batch']} ctx {d['context']} ({dev})"
             if "skipped" in d:
                 rows.append((label, setting, "skipped", d["skipped"]))
                 continue
             note = []
+            if d.get("projected"):
+                note.append(f"projected; marginal period {1e3 * d['period_marginal_s']:,.2f} ms"
+                            + (f" at {100 * d['period_marginal_hbm_fraction']:.0f}% HBM"
+                               if d.get("period_marginal_hbm_fraction") else ""))
             if d.get("bytes_per_token") is not None:
                 note.append(f"{d['bytes_per_token'] / 2**20:,.1f} MiB/token")
             if d.get("hbm_fraction") is not None:
                 note.append(f"{100 * d['hbm_fraction']:.1f}% HBM")
             if d.get("host_syncs_per_step") is not None:
                 note.append(f"{d['host_syncs_per_step']:g} syncs/step")
+            if d.get("flop_per_token"):
+                note.append(f"{d['flop_per_token'] / 1e9:,.1f} GFLOP/token")
             rows.append((label, setting, _fmt_rate(d["tokens_per_s"]) + " tok/s", ", ".join(note)))
         if r.get("peak_rss_bytes"):
             rows.append((label, "peak RSS", f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB", ""))
@@ -257,8 +318,11 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
                      g.get("unavailable", "")))
         d = ex.get("tap_diff_mb_per_s")
         rows.append(("taps", "tap-diff", f"{d:,.0f} MB/s" if d else "-", ex.get("tap_diff_unavailable", "")))
+    note = results.get("settings", {}).get("note")
+    if note:
+        rows.append(("note", "warm-up", "-", note))
     for k, v in results.get("ratios", {}).items():
-        rows.append(("ratio", k, "-" if v is None else f"{v:.2f}x", ""))
+        rows.append(("ratio", ratio_label(k), "-" if v is None else f"{v:.2f}x", ""))
     for g in results.get("goals", []):
         m = g["measured"]
         rows.append(("goal", g["goal"], "-" if m is None else f"{m:.3g}",

@@ -31,6 +31,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from reference.checkpoint import _WeightsBase
+from reference.config import ModelConfig
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # model-facts §1 (text_config of Qwen/Qwen3.8-Flash-Next)
@@ -54,6 +57,7 @@ REAL_TEXT_CONFIG = {
 }
 
 DEFAULT_NGRAM_BASE = 20_000  # real: 20,000,000 -> the table has ~1/1000 of the real rows
+REAL_NGRAM_BASE = REAL_TEXT_CONFIG["ngram_vocab_size_base"]  # in-memory weights: the real table size
 
 
 def real_width_config(layers: int = 4, *, vocab_size: int | None = None,
@@ -266,3 +270,229 @@ def cached_synthetic(layers: int = 4, *, vocab_size: int | None = None,
     if (d / "model.safetensors.index.json").is_file() and (d / "config.json").is_file():
         return d
     return write_synthetic(d, cfg, seed=seed, progress=progress)
+
+
+# ------------------------------------------------------------------------------------------ in memory
+#: Formats :class:`SyntheticWeights` builds (model-facts section 4): 'bf16' (the BF16 release), 'fp8' (the
+#: official FP8 release: experts and the big projections F8_E4M3 with 128x128 ``weight_scale_inv``, the PLE
+#: table F8_E4M3 with one BF16 ``weight_scale``), 'nvfp4' (RadixArk / nvidia ModelOpt: routed experts NVFP4,
+#: everything else BF16, the PLE table FP8).
+WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
+#: Projections the official FP8 release stores as F8_E4M3 besides the routed experts (model-facts 4a; the
+#: fixture builder uses the same list for tiny-fp8). Embeddings, lm_head, norms, router, hyper-connection
+#: mixers, convs and the GDN b/a projections stay BF16.
+FP8_RELEASE_QUANTISED = (".mlp.experts.", ".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.",
+                         ".self_attn.o_proj.", ".linear_attn.in_proj_qkv.", ".linear_attn.in_proj_z.",
+                         ".linear_attn.out_proj.", ".mlp.shared_expert.gate_proj.", ".mlp.shared_expert.up_proj.",
+                         ".mlp.shared_expert.down_proj.", ".self_attn.indexer.index_qk_proj.")
+_FP8_SCALE = np.float32(0.02 / 16)  # FP8 codes of N(0, 0.02) values at this scale stay well inside E4M3's range
+_EXPERT_FP8_SCALE = 0.04  # device codes have |value| <= 1.875 (exponent field <= 7): ~N(0, 0.02) after scaling
+_EXPERT_NVFP4_S2 = 0.006  # E2M1 magnitudes <= 6, E4M3 scale 1.0
+
+
+def _hash32(i: np.ndarray, seed: int) -> np.ndarray:
+    """NumPy twin of ``synthetic_fill.cu:hash32`` over uint64 indices ``i``."""
+    i = i.astype(np.uint64)
+    x = ((i ^ (i >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(seed)
+    x = (x ^ (x >> np.uint32(16))) * np.uint32(0x7FEB352D)
+    x = (x ^ (x >> np.uint32(15))) * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def _fill_u8(xp, shape, seed: int, mask: int, bits: int):
+    n = int(np.prod(shape))
+    if xp is np:
+        return ((_hash32(np.arange(n, dtype=np.uint64), seed) & np.uint32(mask)) | np.uint32(bits)).astype(
+            np.uint8).reshape(shape)
+    from engine.kernels.dense_common import kernel
+    out = xp.empty(shape, dtype=xp.uint8)
+    if n:
+        kernel("synthetic_fill.cu", "fill_u8")((min(-(-n // 256), 65535 * 16),), (256,),
+                                               (out, np.int64(n), np.uint32(seed), np.uint32(mask), np.uint32(bits)))
+    return out
+
+
+def _fill_bf16(xp, shape, seed: int, amp: float = 0.05):
+    n = int(np.prod(shape))
+    if xp is np:
+        h = _hash32(np.arange(n, dtype=np.uint64), seed)
+        v = ((h & np.uint32(0xFFFF)).astype(np.float32) / 65536 + (h >> np.uint32(16)).astype(np.float32) / 65536
+             - np.float32(1)) * np.float32(amp)
+        return (v.view(np.uint32) >> np.uint32(16)).astype(np.uint16).reshape(shape)
+    from engine.kernels.dense_common import kernel
+    out = xp.empty(shape, dtype=xp.uint16)
+    if n:
+        kernel("synthetic_fill.cu", "fill_bf16_normal")((min(-(-n // 256), 65535 * 16),), (256,),
+                                                        (out, np.int64(n), np.uint32(seed), np.float32(amp)))
+    return out
+
+
+#: host memory the device machine has (KINDS.md: 128 GiB); the real BF16 n-gram table (102 GB) does not fit
+#: beside the process, the FP8 one (51 GB) does
+HOST_TABLE_LIMIT_BYTES = 64 * 10**9
+
+
+def in_memory_ngram_base(fmt: str) -> tuple[int, str]:
+    """``ngram_vocab_size_base`` for in-memory weights of format ``fmt`` and a note saying what was done: the
+    real table (20M base, 320M rows x 160) when it fits :data:`HOST_TABLE_LIMIT_BYTES` in its format (FP8 for
+    'fp8' / 'nvfp4', as both releases store it), else the scaled-down :data:`DEFAULT_NGRAM_BASE` (BF16)."""
+    cfg = ModelConfig.from_dict(real_width_config(4, ngram_vocab_size_base=REAL_NGRAM_BASE))
+    lay = cfg.ple_layout(cfg.ple_layers[0])
+    nbytes = lay.padded_rows * lay.head_dim * (2 if fmt == "bf16" else 1)
+    if nbytes <= HOST_TABLE_LIMIT_BYTES:
+        return REAL_NGRAM_BASE, (f"real size in host memory: {lay.padded_rows:,} rows x {lay.head_dim}, "
+                                 f"{'BF16' if fmt == 'bf16' else 'FP8'}, {nbytes / 1e9:.1f} GB")
+    return DEFAULT_NGRAM_BASE, (f"scaled down to ngram_vocab_size_base {DEFAULT_NGRAM_BASE:,}: the real "
+                                f"{'BF16' if fmt == 'bf16' else 'FP8'} table ({nbytes / 1e9:.0f} GB) does not fit "
+                                f"the host's memory beside the process (limit {HOST_TABLE_LIMIT_BYTES / 1e9:.0f} GB)")
+
+
+def weights_bytes_estimate(cfg, fmt: str) -> dict:
+    """Bytes of the weights :class:`SyntheticWeights` puts on the device for ``cfg`` in format ``fmt``
+    (``{'experts', 'dense', 'total'}``; the PLE table is host-resident and not counted)."""
+    from reference.checkpoint import expected_shapes
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    per_expert = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "nvfp4": 0.5 + 1 / 16}[fmt] * 3 * I * H
+    dense = 0
+    for name, shape in expected_shapes(cfg).items():
+        if ".mlp.experts." in name or "ngram_embedding" in name or ".ple_embedding." in name:
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        n = int(np.prod(shape))
+        q = fmt == "fp8" and any(t in "." + name for t in FP8_RELEASE_QUANTISED) and len(shape) == 2
+        dense += n * (1 if q else (4 if (".mlp.gate." in name or len(shape) == 1) else 2))
+    experts = int(cfg.num_hidden_layers * E * per_expert)
+    return {"experts": experts, "dense": int(dense), "total": int(experts + dense)}
+
+
+class SyntheticWeights(_WeightsBase):
+    """Random weights at any depth without files: the :class:`reference.checkpoint.Checkpoint` interface
+    for the engine, with the routed experts built directly in device memory (:meth:`device_experts`, which
+    :class:`engine.model.EngineModel` calls instead of reading experts) and every other tensor produced on
+    the host when it is read (tiled from a seeded pool, uploaded, dropped). The PLE n-gram table is held in
+    host memory at the size the config says (FP8 with one table-wide scale for 'fp8' / 'nvfp4', BF16 for
+    'bf16'), filled once.
+
+    Engine-only: the reference and the official implementation cannot read the experts (they exist only on
+    the device). Values: :func:`_fill_bf16` / :func:`_fill_u8` (experts), :class:`_Pool` (the rest).
+
+    Args:
+        cfg_dict: a flat ``qwen4_exp_text`` config (e.g. :func:`real_width_config`).
+        fmt: one of :data:`WEIGHT_FORMATS`.
+        seed: value seed.
+    Raises:
+        InputError: unknown ``fmt``. ConfigError: invalid config.
+    """
+
+    def __init__(self, cfg_dict: dict, fmt: str = "bf16", seed: int = 0):
+        from reference.config import ModelConfig
+        from reference.errors import InputError
+        if fmt not in WEIGHT_FORMATS:
+            raise InputError(f"--weights: expected one of {list(WEIGHT_FORMATS)}, found {fmt!r}")
+        self.config = cfg = ModelConfig.from_dict(cfg_dict, where="synthetic config")
+        self._cfg_dict, self.fmt, self.seed = cfg_dict, fmt, int(seed)
+        self._pool = _Pool(seed)
+        self._st, self._kinds, self._tables_mem = {}, {}, {}
+        self._fp8_pool = None
+        for stored, shape, kind, _ in _tensor_specs(cfg):
+            name = stored[len("model."):] if stored.startswith("model.") else stored
+            if ".mlp.experts." in name:
+                continue  # on the device: device_experts
+            dt = "I64" if isinstance(kind, np.ndarray) else "BF16"
+            if (fmt == "fp8" and dt == "BF16" and len(shape) == 2
+                    and any(t in "." + name for t in FP8_RELEASE_QUANTISED)):
+                self._st[name[:-len(".weight")] + ".weight_scale_inv"] = ("F32", (-(-shape[0] // 128),
+                                                                                -(-shape[1] // 128)))
+                dt = "F8_E4M3"
+            if "ngram_embedding" in name and fmt in ("fp8", "nvfp4"):
+                dt = "F8_E4M3"
+            self._st[name] = (dt, tuple(shape))
+            self._kinds[name] = kind
+        if fmt in ("fp8", "nvfp4"):
+            for layer in cfg.ple_layers:
+                self._st[f"layers.{layer}.ple.ple_embedding.ngram_embedding.weight_scale"] = ("BF16", (1,))
+        self._init_common()
+
+    def _source(self) -> str:
+        return f"synthetic {self.fmt} weights"
+
+    def _stored(self):
+        return self._st
+
+    def fingerprint(self) -> str:
+        """32 hex chars of SHA-256 over the config, format and seed (the values are a function of them)."""
+        return hashlib.sha256(json.dumps([self._cfg_dict, self.fmt, self.seed], sort_keys=True,
+                                         default=str).encode()).hexdigest()[:32]
+
+    def describe(self) -> str:
+        """One line: format, depth and the device bytes of the weights (:func:`weights_bytes_estimate`)."""
+        est = weights_bytes_estimate(self.config, self.fmt)
+        return (f"synthetic {self.fmt} weights in memory: {self.config.num_hidden_layers} layers, experts "
+                f"{est['experts'] / 1e9:.1f} GB + dense {est['dense'] / 1e9:.1f} GB on the device")
+
+    def _raw(self, name: str) -> np.ndarray:
+        """The host array of a non-expert tensor (FP8 codes quantised from the BF16 pool at a fixed scale)."""
+        dt, shape = self._st[name]
+        if name.endswith("weight_scale_inv"):
+            return np.full(shape, _FP8_SCALE, np.float32)
+        if name.endswith("ngram_embedding.weight_scale"):
+            return np.full(shape, _FP8_SCALE, BF16)
+        kind = self._kinds[name]
+        if isinstance(kind, np.ndarray):
+            return kind.reshape(shape)
+        if "ngram_embedding" in name:
+            return self._table_shard(name, dt, shape)
+        vals = np.concatenate(list(self._pool.pieces(kind, int(np.prod(shape)), name))).reshape(shape)
+        if dt == "F8_E4M3":
+            return (vals.astype(np.float32) / _FP8_SCALE).astype(ml_dtypes.float8_e4m3fn)
+        return vals
+
+    def _table_shard(self, name: str, dt: str, shape) -> np.ndarray:
+        """An n-gram table shard, filled once from the pool and kept (host memory at the configured size)."""
+        t = self._tables_mem.get(name)
+        if t is not None:
+            return t
+        if dt == "BF16":
+            t, src = np.empty(shape, BF16), self._pool.pools["normal"].view(np.uint16)
+            flat = t.reshape(-1).view(np.uint16)
+        else:
+            if self._fp8_pool is None:
+                self._fp8_pool = (self._pool.pools["normal"].astype(np.float32) / _FP8_SCALE).astype(
+                    ml_dtypes.float8_e4m3fn).view(np.uint8)
+            t, src = np.empty(shape, ml_dtypes.float8_e4m3fn), self._fp8_pool
+            flat = t.reshape(-1).view(np.uint8)
+        half = src.size // 2
+        off = int(hashlib.blake2s(name.encode(), digest_size=4).hexdigest(), 16) % half
+        for a in range(0, flat.size, half):
+            m = min(half, flat.size - a)
+            flat[a:a + m] = src[off:off + m]
+        self._tables_mem[name] = t
+        return t
+
+    def device_experts(self, layer: int, xp, precision: str):
+        """Layer ``layer``'s routed experts built on ``xp``'s device: ``(gate_up [E, 2I, H], down [E, H, I])``
+        as BF16 bits (uint16; float32 when ``precision == 'float32'``) or
+        :class:`engine.kernels.quant.QuantWeight` (fp8: 128x128 scales; nvfp4: E4M3 scales 1.0 and one global
+        scale per expert matrix)."""
+        from engine.kernels.quant import QuantWeight
+        c = self.config
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        out = []
+        for j, (N, K) in enumerate(((2 * I, H), (H, I))):
+            seed = (self.seed * 1000003 + layer * 7919 + j * 104729) & 0xFFFFFFFF
+            if self.fmt == "bf16":
+                w = _fill_bf16(xp, (E, N, K), seed)
+                if precision == "float32":
+                    w = (w.astype(xp.uint32) << 16).view(xp.float32)
+            elif self.fmt == "fp8":
+                q = _fill_u8(xp, (E, N, K), seed, 0xBF, 0)  # exponent field <= 7: |code| <= 1.875, never NaN
+                s = xp.full((E, -(-N // 128), -(-K // 128)), _EXPERT_FP8_SCALE, dtype=xp.float32)
+                w = QuantWeight("fp8", (E, N, K), q, s, rb=128, cb=128)
+            else:
+                q = _fill_u8(xp, (E, N, K // 2), seed, 0xFF, 0)
+                sc = xp.full((E, N, K // 16), 0x38, dtype=xp.uint8)  # E4M3 1.0
+                w = QuantWeight("nvfp4", (E, N, K), q, sc, xp.full((E,), _EXPERT_NVFP4_S2, dtype=xp.float32),
+                                s2_rows=N)
+            out.append(w)
+        return out[0], out[1]

@@ -1,9 +1,10 @@
-"""The ``qwen4exp`` command line: one dispatcher, one module per subcommand.
+"""The ``qwen4exp`` command line: one dispatcher, one module per subcommand (argument parsing and
+printing only; the work is library code in parity.harness / parity.bench / parity.generate / reference).
 
 Each subcommand module ``parity/cli/<name>.py`` defines ``register(subparsers)`` (cheap: no heavy
 imports at module level) which adds its parser and sets ``func`` to a callable taking the parsed
-args and returning the exit code. Exit codes: 0 success / agreement, 1 divergence or failed check,
-2 usage or input error.
+args and returning the exit code. Exit codes (one contract for every verb): see
+:data:`reference.errors.EXIT_CODES`.
 """
 from __future__ import annotations
 
@@ -13,10 +14,6 @@ import sys
 
 # subcommand modules, in the order they appear in --help
 _MODULES = ["info", "logits", "taps", "kl", "parity", "generate", "bench", "slice"]
-
-
-class CLIError(Exception):
-    """A user-facing error: printed as one line on stderr, exit code 2."""
 
 
 def package_version() -> str:
@@ -45,12 +42,22 @@ def _silence_stdout() -> None:
         pass
 
 
+def exit_code_help() -> str:
+    """The exit-code contract as printed by ``qwen4exp -h`` (from :data:`reference.errors.EXIT_CODES`)."""
+    from reference.errors import EXIT_CODES
+    return "exit codes (every command):\n" + "\n".join(f"  {k}  {v}" for k, v in EXIT_CODES.items()) + \
+        "\n  130 / 143 / 129  interrupted by SIGINT / SIGTERM / SIGHUP (outputs: the old ones or none, never a mix)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``qwen4exp`` argument parser with every available ``parity.cli.*`` subcommand registered (a
     missing command module is skipped; other import errors propagate)."""
+    from parity.cli.common import add_traceback
     p = argparse.ArgumentParser(prog="qwen4exp", description="qwen4exp parity tools: reference, engine, "
-                                "tap-diff, logit-KL and scenario suites for the Qwen3.8-Flash-Next architecture")
+                                "tap-diff, logit-KL and scenario suites for the Qwen3.8-Flash-Next architecture",
+                                epilog=exit_code_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_traceback(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _MODULES:
@@ -64,6 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_argv(argv: list[str]) -> None:
+    """Every command-line argument must be text: bytes that are not UTF-8 (handed over by Python as
+    surrogate escapes) or lone surrogates are refused naming the argument and the byte offset.
+
+    Raises:
+        InputError: naming the option the value belongs to (``--prompt``), or the argument's position.
+    """
+    from reference.textio import check_text
+    for i, a in enumerate(argv):
+        if a.startswith("-") and len(a) > 1:  # an option (its own name, or --opt=value)
+            what = f"option {a.split('=', 1)[0]!r}" if "=" not in a else a.split("=", 1)[0]
+            check_text(what if "=" in a else a, f"argument {i + 1}")
+        elif i and argv[i - 1].startswith("-") and len(argv[i - 1]) > 1:
+            what = argv[i - 1]  # the value of the option before it
+        else:
+            what = f"argument {i + 1}"
+        check_text(a, what)
+
+
 def _check_empty_model(args) -> None:
     """An empty MODEL ('') would resolve to the current directory and be reported as '.'; refuse it as typed.
 
@@ -75,36 +101,51 @@ def _check_empty_model(args) -> None:
         raise InputError("MODEL '': expected a checkpoint directory or a bundled fixture name, found an empty string")
 
 
+def _print_traceback(e: BaseException) -> None:
+    import traceback
+    traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``qwen4exp`` command line.
 
     Returns:
-        The command's exit code; for a CLIError or a UserError (printed as ``qwen4exp <command>: error: ...``)
-        2, or the error's ``exit_code`` (1 for output that could not be written, e.g. OutputWriteError);
-        1 with one line for any other write that failed for a full, read-only or failing disk;
-        0 when stdout's reader went away (BrokenPipeError); 128 + signal number (130 for Ctrl-C) when interrupted.
-        Other exceptions propagate.
+        The command's exit code (:data:`reference.errors.EXIT_CODES`): a UserError is printed as one line
+        ``qwen4exp <command>: error: ...`` and gives its ``exit_code`` (2 bad input; 4 output that could not
+        be written); a write that failed for a full, read-only or failing disk, or memory exhausted, is 4;
+        any other exception (a crash of qwen4exp, or a SystemExit raised by a plugin) is printed with its
+        traceback and gives 4 -- never 0 or 1, which a CI gate would read as a verdict; 0 when stdout's
+        reader went away (BrokenPipeError); 128 + signal number when interrupted (SIGINT 130, SIGTERM 143,
+        SIGHUP 129: every output is then the old one or none). ``--traceback`` adds the stack to any error.
     """
+    from reference.errors import EXIT_ENVIRONMENT, UserError
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        _check_empty_model(args)
-        rc = args.func(args)
-    except CLIError as e:
-        print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        _check_argv(argv)
+    except UserError as e:
+        print(f"qwen4exp: error: {e}", file=sys.stderr)
+        return e.exit_code
+    args = parser.parse_args(argv)
+    show_tb = bool(getattr(args, "traceback", False))
+    from parity.bench.runner import terminate_on_signals
+    try:
+        with terminate_on_signals():  # SIGTERM / SIGHUP unwind like Ctrl-C: temp outputs are removed
+            _check_empty_model(args)
+            rc = args.func(args)
     except BrokenPipeError:  # e.g. `qwen4exp taps list --json | head`: the reader went away, not an error
         _silence_stdout()
         return 0
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", None)  # parity.bench.runner.Terminated (SIGTERM) carries its signal
+        signum = getattr(e, "signum", None)  # parity.bench.runner.Terminated (SIGTERM, SIGHUP) carries its signal
         what = "interrupted" if signum is None else f"terminated (signal {signum})"
         print(f"qwen4exp {args.command}: {what}", file=sys.stderr)
         return 128 + signum if signum else 130
-    except Exception as e:
+    except BaseException as e:  # noqa: BLE001 - the boundary: every failure gets a documented code
         from reference.atomic import WRITE_ERRNOS
-        from reference.errors import UserError
-        if isinstance(e, UserError):  # bad input (exit 2), or output that could not be written (exit 1)
+        if isinstance(e, UserError):  # bad input (exit 2), or output that could not be written (exit 4)
+            if show_tb:
+                _print_traceback(e)
             print(f"qwen4exp {args.command}: error: {e}", file=sys.stderr)
             return e.exit_code
         if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:  # the environment, not a bug (`> /dev/full`)
@@ -112,8 +153,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"qwen4exp {args.command}: error: could not write output{where}: {e.strerror or e}",
                   file=sys.stderr)
             _silence_stdout()
-            return 1
-        raise
+            return EXIT_ENVIRONMENT
+        if isinstance(e, MemoryError):
+            print(f"qwen4exp {args.command}: error: out of memory ({e or 'MemoryError'})", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        if isinstance(e, SystemExit):  # argparse exits before this block: this one came from a backend / plugin
+            print(f"qwen4exp {args.command}: error: something called sys.exit({e.code!r}) while the command ran "
+                  f"(a backend or plugin?); the run did not complete", file=sys.stderr)
+            if show_tb:
+                _print_traceback(e)
+            return EXIT_ENVIRONMENT
+        _print_traceback(e)
+        print(f"qwen4exp {args.command}: internal error: {type(e).__name__}: {e} (a bug of qwen4exp: the "
+              f"traceback is above; exit {EXIT_ENVIRONMENT})", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -121,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # e.g. stdout is /dev/full: the output did not reach its destination
         print(f"qwen4exp {args.command}: error: could not write output: {e.strerror or e}", file=sys.stderr)
         _silence_stdout()
-        return 1
+        return EXIT_ENVIRONMENT
     return int(rc or 0)
 
 

@@ -1,4 +1,4 @@
-"""``python -m parity.cli``: the ``qwen4exp`` command line (:func:`parity.cli.main`)."""
+"""``python -m parity.cli ...``: the ``qwen4exp`` command (ci/gpu and ci/gpu_bench.sh call it this way)."""
 import sys
 
 from parity.cli import main

@@ -7,27 +7,6 @@ import json
 import sys
 
 
-def _ints(s: str) -> list[int]:
-    """A comma-separated list of positive integers (``1,4,16``); an empty item (``1,,2``) is refused.
-
-    Raises:
-        InputError: an empty or non-integer item, or an integer < 1.
-    """
-    from reference.errors import InputError
-    items = s.split(",")
-    for n, x in enumerate(items):
-        if not x.strip():
-            raise InputError(f"expected a comma-separated list of integers, found an empty item at item {n} "
-                             f"of {s!r}")
-    try:
-        out = [int(x) for x in items]
-    except ValueError:
-        raise InputError(f"expected a comma-separated list of integers, found {s!r}") from None
-    if not out or any(x < 1 for x in out):
-        raise InputError(f"expected positive integers, found {s!r}")
-    return out
-
-
 def register(subparsers) -> None:
     """Add the ``bench`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
@@ -42,22 +21,32 @@ def register(subparsers) -> None:
     src.add_argument("--model", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
     src.add_argument("--synthetic", choices=["real-widths"], default=None,
                      help="random BF16 weights at the real model's widths (cached; PLE table rows scaled down)")
-    p.add_argument("--backend", choices=["engine", "reference", "both"], default=None,
-                   help="default: both when a GPU is usable, else reference")
+    p.add_argument("--backend", default=None, metavar="SPEC",
+                   help="what to time: reference, engine[:device=cpu|cuda,precision=float32|bf16] or both "
+                        "(default: both when a GPU is usable, else reference)")
     p.add_argument("--layers", type=int, default=None,
                    help="synthetic layers (default: engine 4 = one period 3 GDN + 1 QSA with PLE on layer 1; "
                         "reference 1 real-width layer)")
     p.add_argument("--vocab", type=int, default=None,
                    help="synthetic vocabulary (default: engine 248320 (real), reference 32768 (reduced))")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device")
-    p.add_argument("--precision", default=None, help="engine precision: bf16 (GPU default) or float32 (CPU default)")
-    p.add_argument("--prompt-lens", type=_ints_arg, default=None, help="engine prefill lengths (GPU default 512,4096)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="engine device (or --backend engine:device=...)")
+    p.add_argument("--precision", default=None,
+                   help="engine precision: bf16 (GPU default) or float32 (CPU default) (or --backend "
+                        "engine:precision=...)")
+    p.add_argument("--prompt-lens", type=_ints_arg, default=None, help="prefill lengths: the engine times each (GPU default 512,4096), the reference the first "
+                        "(default 64)")
     p.add_argument("--batches", type=_ints_arg, default=None, help="engine decode batch sizes (GPU default 1,4,16)")
     p.add_argument("--contexts", type=_ints_arg, default=None,
                    help="engine decode contexts (default: below and above the QSA bound)")
+    p.add_argument("--weights", choices=["bf16", "fp8", "nvfp4"], default=None,
+                   help="with --synthetic --backend engine: random weights of this format built in memory (experts "
+                        "directly on the device, no files; PLE table at its real size in host memory); a depth "
+                        "that does not fit is measured at 4 and 8 layers and projected")
     p.add_argument("--decode-tokens", type=int, default=None, help="timed decode steps per setting")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (default 1)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed warm-up runs, >= 1 (default 1: the first run compiles the kernels)")
     p.add_argument("--no-peer", action="store_true", help="skip the official implementation")
     p.add_argument("--no-extras", action="store_true", help="skip the n-gram gather and tap-diff figures")
     p.add_argument("--budget-s", type=float, default=None, help="time budget per measurement (later settings skipped)")
@@ -65,154 +54,50 @@ def register(subparsers) -> None:
                    help="hard limit per measurement process, load included (default: 3 x budget + 240 s, or none); "
                         "what was measured before it is kept")
     p.add_argument("--json", action="store_true", help="print the result JSON (instead of the table)")
-    p.add_argument("--out", default=None,
-                   help="write the result JSON to this file (atomic; parent folders created, an existing file replaced)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the result JSON to this file ('-' = stdout); its folder must exist, an existing file "
+                        "needs --overwrite (replaced only when the run completes)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    from parity.cli.common import add_traceback
+    add_traceback(p)
     p.set_defaults(func=run)
 
 
 def _ints_arg(s: str) -> list[int]:
+    from parity.bench.plan import ints as _ints
     try:
         return _ints(s)
     except Exception as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
-    """The (run key, worker spec) list, the settings and the checkpoint descriptions for ``args``."""
-    from engine.backend import gpu_available
-    from parity.bench import synthetic as S
-    from reference.checkpoint import Checkpoint
-    from reference.errors import InputError
-    from reference.paths import resolve_model
-
-    model_pos = getattr(args, "model_pos", None)
-    if model_pos is not None:
-        if args.synthetic:
-            raise InputError(f"MODEL {model_pos!r}: expected either a MODEL or --synthetic, found both")
-        if args.model is not None and args.model != model_pos:
-            raise InputError(f"MODEL {model_pos!r}: expected either a positional MODEL or --model, found both "
-                             f"(--model {args.model!r})")
-        args.model = model_pos
-    if not args.synthetic:
-        for name in ("layers", "vocab"):
-            if getattr(args, name) is not None:
-                raise InputError(f"--{name}: only applies to --synthetic checkpoints, found it without --synthetic")
-    for name in ("budget_s", "timeout_s"):
-        v = getattr(args, name)
-        if v is not None and not v > 0:
-            raise InputError(f"--{name.replace('_', '-')}: expected a number of seconds > 0, found {v:g}")
-    if getattr(args, "out", None):
-        from reference.atomic import check_output_path
-        check_output_path(args.out, "file", overwrite=True)
-    if args.precision is not None and args.precision not in ("bf16", "float32"):
-        raise InputError(f"--precision: expected 'bf16' or 'float32' (the engine's precisions), found "
-                         f"{args.precision!r}")
-    if args.synthetic and args.layers is not None and args.layers > S.MAX_LAYERS:
-        raise InputError(f"--layers: expected at most {S.MAX_LAYERS} (the real model's num_hidden_layers), found "
-                         f"{args.layers}")
-    if args.device == "cuda" and not gpu_available():
-        from parity.generate import DeviceUnavailableError
-        raise DeviceUnavailableError("--device cuda: a GPU was asked for, expected cupy and a CUDA device, found "
-                                     "none (use --device cpu)")
-    backend = args.backend or ("both" if gpu_available() else "reference")
-    if backend == "reference":
-        for name, default in (("precision", None), ("device", "auto")):
-            if getattr(args, name) != default:
-                raise InputError(f"--{name}: applies to the engine, found it with backend 'reference' (use --backend "
-                                 f"engine or both)")
-    dev = args.device
-    if dev == "auto":
-        dev = "cuda" if gpu_available() else "cpu"
-    if dev == "cuda" and backend in ("engine", "both") and not gpu_available():
-        from parity.generate import DeviceUnavailableError
-        raise DeviceUnavailableError("device 'cuda': a GPU was asked for, expected cupy and a CUDA device, found "
-                                     "none (use --device cpu)")
-    for name in ("repeats", "layers", "vocab", "decode_tokens"):
-        v = getattr(args, name)
-        if v is not None and v < (0 if name == "warmup" else 1):
-            raise InputError(f"--{name.replace('_', '-')}: expected an integer >= 1, found {v}")
-    if args.warmup < 0:
-        raise InputError(f"--warmup: expected an integer >= 0, found {args.warmup}")
-    jobs, checkpoints = [], {}
-    settings = {"backend": backend, "device": dev, "repeats": args.repeats, "warmup": args.warmup,
-                "synthetic": args.synthetic, "peer": not args.no_peer}
-
-    def model_for(which: str):
-        if args.synthetic:
-            layers = args.layers or (4 if which == "engine" else 1)
-            vocab = args.vocab or (None if which == "engine" else 32768)
-            path = S.cached_synthetic(layers, vocab_size=vocab)
-            cfg = S.real_width_config(layers, vocab_size=vocab)
-            checkpoints[which] = {"path": str(path), "synthetic": True, "layers": layers,
-                                  "layer_types": cfg["layer_types"], "ple_layer_ids": cfg["ple_layer_ids"],
-                                  "vocab_size": cfg["vocab_size"],
-                                  "scaled_down": {"ngram_vocab_size_base": cfg["ngram_vocab_size_base"],
-                                                  "real_ngram_vocab_size_base": 20_000_000,
-                                                  "vocab_size": None if vocab is None else vocab,
-                                                  "real_vocab_size": 248320},
-                                  "bytes": S.checkpoint_bytes(cfg)}
-            return str(path)
-        path = resolve_model(args.model)
-        Checkpoint.open(path).validate()  # a bad checkpoint is one clear error here, not a worker traceback
-        checkpoints[which] = {"path": str(path), "synthetic": False}
-        return str(path)
-
-    real = bool(args.synthetic)
-    if backend in ("reference", "both"):
-        m = model_for("reference")
-        P = 32 if real else 64
-        D = args.decode_tokens or (4 if real else 16)
-        base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s}
-        jobs.append(("reference", dict(base, kind="reference", prompt_len=P, decode_tokens=D)))
-        if not args.no_peer:
-            jobs.append(("peer_cpu", dict(base, kind="peer", device="cpu", prompt_lens=[P], decode=[[1, P]],
-                                          decode_tokens=D)))
-    if backend in ("engine", "both"):
-        m = model_for("engine")
-        cfg = Checkpoint.open(m).config
-        gpu = dev == "cuda"
-        bound = cfg.qsa_bound if cfg.qsa_enabled else 64
-        pl = args.prompt_lens or ([512, 4096] if gpu else [32])
-        bs = args.batches or ([1, 4, 16] if gpu else [1, 4])
-        cs = args.contexts or ([max(8, bound // 2), 2 * bound] if gpu else [max(4, bound // 2), bound + 8])
-        D = args.decode_tokens or (8 if gpu else 4)
-        _check_positions(cfg.max_position_embeddings, pl, cs, args.warmup, D)
-        dec = [[b, c] for c in cs for b in bs]
-        base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
-                "decode_tokens": D}
-        jobs.append(("engine", dict(base, kind="engine", device=dev, precision=args.precision, prompt_lens=pl,
-                                    decode=dec, progress=gpu)))
-        if not args.no_peer and gpu:
-            # the peer decodes at batch 1 only (the goal's comparison); its batched prefill at 16 x 4k
-            # tokens would cost more GPU time than the whole engine run
-            jobs.append(("peer_gpu", dict(base, kind="peer", device="cuda", prompt_lens=pl,
-                                          decode=[d for d in dec if d[0] == 1])))
-    if not args.no_extras:
-        jobs.append(("extras", {"kind": "extras"}))
-    return jobs, settings, checkpoints
-
-
-# decode warm-up steps the engine takes at least (1 CUDA-graph capture + 2 verified replays, engine/model.py)
-_MIN_DECODE_WARMUP = 3
-
-
-def _check_positions(max_pos: int, prompt_lens: list[int], contexts: list[int], warmup: int, decode: int) -> None:
-    """Every prefill length must fit ``max_position_embeddings``; a decode context ``C`` grows to
-    ``C + warm-up steps + decode steps`` positions, which must fit too.
+def _spec_to_flags(args) -> None:
+    """``--backend engine:device=cpu,precision=bf16`` read into ``args.device`` / ``args.precision`` (the
+    one grammar, :func:`parity.backends.parse_backend_spec`); ``both`` stays as typed.
 
     Raises:
-        InputError: naming --prompt-lens / --contexts, the limit and the first value beyond it.
+        InputError: a malformed spec, an option bench does not take, or a spec contradicting --device /
+            --precision.
     """
     from reference.errors import InputError
-    for P in prompt_lens:
-        if P > max_pos:
-            raise InputError(f"--prompt-lens: expected lengths <= the model's max_position_embeddings={max_pos}, "
-                             f"found {P}")
-    steps = max(warmup, _MIN_DECODE_WARMUP) + decode
-    for C in contexts:
-        if C + steps > max_pos:
-            raise InputError(f"--contexts: expected contexts <= {max_pos - steps} (max_position_embeddings="
-                             f"{max_pos} minus {steps} decode steps), found {C}")
+    if args.backend in (None, "both"):
+        return
+    legacy = {"--device": None if args.device == "auto" else args.device, "--precision": args.precision}
+    from parity.backends import parse_backend_spec
+    name = parse_backend_spec(args.backend).name
+    if name not in ("reference", "engine"):
+        raise InputError(f"--backend {args.backend!r}: expected reference, engine[:key=value,...] or both, found "
+                         f"{name!r}")
+    sp = parse_backend_spec(args.backend)
+    if name == "engine":  # bench's --device / --precision are its own options, not deprecated spellings
+        sp = sp.with_options(legacy)
+    if name == "reference" and sp.options:
+        raise InputError(f"--backend {args.backend!r}: bench times the reference at float32, expected no options, "
+                         f"found {sp.options}")
+    args.backend = name
+    if name == "engine":
+        args.device = sp.options.get("device", "auto")
+        args.precision = sp.options.get("precision")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,7 +106,18 @@ def run(args: argparse.Namespace) -> int:
     :func:`plan` for bad options."""
     from parity.bench import runner
 
+    from parity.bench.plan import plan
+    from parity.cli.common import check_out
+    if args.model is not None and args.model_pos is None:
+        print("note: bench --model is deprecated; write: qwen4exp bench MODEL", file=sys.stderr)
+    _spec_to_flags(args)
+    check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
     jobs, settings, checkpoints = plan(args)
+    if settings.get("note"):
+        print(f"note: {settings['note']}", file=sys.stderr)
+    if args.prompt_lens and len(args.prompt_lens) > 1 and settings.get("reference_prompt_len"):
+        print(f"note: the reference is timed at prefill {settings['reference_prompt_len']} (the first --prompt-lens); "
+              f"the engine at each of them", file=sys.stderr)
     with runner.terminate_on_signals():  # SIGTERM: stop the worker, remove its temp dir, exit 143
         return _run_jobs(args, runner, jobs, settings, checkpoints)
 
@@ -240,7 +136,9 @@ def _run_jobs(args, runner, jobs, settings, checkpoints) -> int:
         elif "error" in r:
             print(f"[bench] {key}: error: {r['error']}", file=sys.stderr)
     results = runner.assemble(runs, settings, checkpoints)
-    if args.out:
+    if args.out == "-":
+        args.json = True
+    elif args.out:
         runner.write_json_atomic(args.out, results)
     if args.json:
         print(json.dumps(results, default=float))

@@ -14,7 +14,8 @@ def register(subparsers) -> None:
                     "(chat_template.jinja / tokenizer_config.json) where present, else a built-in ChatML rendering; "
                     "thinking is on by default as in the official template. Sampling defaults come from "
                     "generation_config.json. The default model is the bundled 'tiny' (random weights: noise).")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory or bundled fixture name (default: tiny)")
+    from parity.cli.common import add_backend, add_model, add_traceback
+    add_model(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", metavar="FILE",
@@ -28,14 +29,17 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-p/top-k)")
-    p.add_argument("--backend", choices=["engine", "reference"], default="engine")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device (default auto)")
-    p.add_argument("--precision", default=None, help="engine precision (bf16|float32; bf16 = BF16 weights with float32 accumulation, equal to float32 "
-                        "on a checkpoint stored in BF16) or reference dtype (float32|float64)")
+    add_backend(p, "engine", what="the backend that generates (engine or reference)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="deprecated: --backend engine:device=cpu|cuda")
+    p.add_argument("--precision", default=None,
+                   help="deprecated: --backend engine:precision=bf16|float32 (bf16 = BF16 weights with float32 "
+                        "accumulation, equal to float32 on a checkpoint stored in BF16) or reference:dtype=float64")
     p.add_argument("--speculative", metavar="mtp:k=N", default=None,
                    help="speculative decoding with the checkpoint's MTP head: N drafts per round, verified in one "
                         "step (greedy: same text as plain greedy; sampling: the speculative-sampling rule)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead")
+    add_traceback(p)
     p.set_defaults(func=run)
 
 
@@ -118,6 +122,8 @@ def _read_prompts(path: str, with_lines: bool = False):
             except ValueError as e:
                 raise InputError(f"--prompts {path}:{n}: expected a JSON object or plain text, found invalid "
                                  f"JSON ({e})") from None
+            from reference.textio import check_strings
+            check_strings(obj, f"--prompts {path}:{n}")  # lone surrogates ("\\ud800") are not text
             if not isinstance(obj, dict):
                 raise InputError(f"--prompts {path}:{n}: expected a JSON object with 'prompt' or 'messages', found "
                                  f"{_json_kind(obj)}")
@@ -154,17 +160,34 @@ def run(args: argparse.Namespace) -> int:
     from parity import generate as G
     from reference.paths import bundled_model, resolve_model
 
-    from parity.cli.logits import check_precision
+    from parity.harness.logits import check_precision
     from reference.errors import InputError, UserError
 
+    from parity.cli.common import backend_spec, safe_text
     model_dir = resolve_model(args.model)
+    name = str(args.backend).split(":", 1)[0]
+    name = {"reference-f64": "reference", "engine-cpu": "engine", "engine-cuda": "engine"}.get(name, name)
+    if name not in ("reference", "engine"):
+        raise InputError(f"--backend {args.backend!r}: expected reference or engine (generate drives these two), "
+                         f"found {args.backend!r}")
     if args.precision is not None:
-        allowed = ("float32", "float64") if args.backend == "reference" else ("float32", "bf16")
-        if args.backend == "reference":
+        allowed = ("float32", "float64") if name == "reference" else ("float32", "bf16")
+        if name == "reference":
             check_precision("reference", args.precision)
         if args.precision not in allowed:
             raise InputError(f"--precision {args.precision}: expected one of {', '.join(allowed)} for the "
-                             f"{args.backend} backend")
+                             f"{name} backend")
+    device = None if args.device in (None, "auto") or (name == "reference" and args.device == "cpu") else args.device
+    if name == "reference" and device == "cuda":
+        raise InputError("--device cuda: the reference runs on the CPU only; use --backend engine:device=cuda")
+    legacy = {"--device": device, ("--dtype" if name == "reference" else "--precision"): args.precision}
+    sp = backend_spec(args, legacy=legacy)
+    backend = sp.name
+    device = sp.options.get("device", "auto")
+    precision = sp.options.get("dtype" if backend == "reference" else "precision")
+    if backend == "reference" and precision == "float32":
+        precision = None
+
     tok = G.load_tokenizer(model_dir)
     gen_cfg = G.load_generation_config(model_dir)
     kw = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -221,12 +244,11 @@ def run(args: argparse.Namespace) -> int:
     if args.system and template_source is None:
         print("note: --system has no effect without --chat (no chat template is applied)", file=sys.stderr)
 
-    lm = G.open_lm(model_dir, backend=args.backend, device=args.device, precision=args.precision,
-                   max_seqs=len(prompts))
+    lm = G.open_lm(model_dir, backend=backend, device=device, precision=precision, max_seqs=len(prompts))
     if k_spec is not None and not getattr(lm, "has_mtp", False):
         raise InputError(f"--speculative mtp: expected a checkpoint with an MTP head (mtp.* tensors, e.g. the bundled "
                          f"tiny-mtp), found none in {model_dir}")
-    if args.backend == "engine" and args.precision == "bf16":
+    if backend == "engine" and precision == "bf16":
         from reference.checkpoint import Checkpoint
         check_precision("engine", "bf16", Checkpoint.open(model_dir))
     if model_dir.resolve() == bundled_model("tiny").resolve():
@@ -237,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     stream = single and not args.json
 
     def on_text(i, piece):
-        sys.stdout.write(piece)
+        sys.stdout.write(safe_text(piece))  # a random model's ESC / control bytes must not drive the terminal
         sys.stdout.flush()
 
     if k_spec is not None:  # MTP drafts, one prompt after another
@@ -255,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                "prompt_tokens_per_s": n_prompt / prefill_s if prefill_s > 0 else None,
                "generation_tokens_per_s": n_dec / decode_s if decode_s > 0 else None}
     if args.json:
-        obj = {"model": str(model_dir), "backend": args.backend, "template": template_source,
+        obj = {"model": str(model_dir), "backend": str(sp), "template": template_source,
                "sampling": vars(params), "timings": summary}
         if single:
             obj.update(results[0].to_json())
@@ -270,11 +292,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         for i, r in enumerate(results):
             print(f"--- [{i}] ({r.stop_reason}, {len(r.token_ids)} tokens)")
-            print(r.text)
+            print(safe_text(r.text))
     stops = ", ".join(sorted({r.stop_reason for r in results}))
     pt = summary["prompt_tokens_per_s"]
     gt = summary["generation_tokens_per_s"]
     gen_rate = f", {gt:.1f} tok/s" if gt else ""
     print(f"prompt: {n_prompt} tokens, {pt:.1f} tok/s | generation: {n_gen} tokens{gen_rate} "
-          f"(stop: {stops}; backend {args.backend})", file=sys.stderr)
+          f"(stop: {stops}; backend {sp})", file=sys.stderr)
     return 0

@@ -1,8 +1,10 @@
 """``qwen4exp kl``: per-position logit KL between two backends, with the three controls in the same run.
 
-    qwen4exp kl [MODEL] --a reference --b engine-cpu [--prompts FILE] [--json] [--plot FILE.png]
+    qwen4exp kl [MODEL] --a reference --b engine:device=cpu [--prompts FILE] [--format text|json]
+                [--out FILE.json] [--plot FILE.png]
 
-Exit codes: 0 b agrees with a and every control passed; 1 b disagrees or a control failed; 2 bad input.
+Exit codes (``qwen4exp -h``): 0 b agrees with a and every control passed; 1 b disagrees, a control failed or a
+backend raised while running (an ERROR verdict); 2 bad input; 4 environment failure.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 
 def register(subparsers) -> None:
     """Add the ``kl`` subcommand and its options to ``subparsers``."""
+    from parity.cli.common import add_backend, add_format, add_model, add_traceback
     p = subparsers.add_parser(
         "kl", help="logit-KL harness: backend b against backend a, with determinism/precision/negative controls",
         description="Per-position KL(P_a||P_b) and KL(P_b||P_a) over a prompt set (mean, median, p90, p99, p99.9, "
@@ -18,64 +21,25 @@ def register(subparsers) -> None:
                     "greedy continuation agreement. Controls computed in the same run: determinism (b twice, "
                     "bitwise), precision floor (reference float32 vs float64), negative control (b with one weight "
                     "perturbed must be flagged). A failed control makes the exit code 1.")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory or bundled fixture (default: tiny)")
-    p.add_argument("--a", default="reference", metavar="BACKEND", help="backend a (default: reference)")
-    p.add_argument("--b", default="engine", metavar="BACKEND",
-                   help="backend b: reference, reference-f64, engine, engine-cpu, engine-cuda or module:Class "
-                        "(default: engine)")
+    add_model(p)
+    add_backend(p, "reference", flag="--a", what="backend a (the side trusted)")
+    add_backend(p, "engine", flag="--b", what="backend b (the side under test)")
     p.add_argument("--prompts", metavar="FILE", default=None,
-                   help="JSON list of texts or token-id lists (default: the bundled set)")
+                   help="JSON list of texts or token-id lists (default: the bundled set; '-' reads stdin)")
     p.add_argument("--greedy-tokens", type=int, default=8, metavar="N",
                    help="greedy continuation length compared (default 8; 0 disables)")
     p.add_argument("--perturb", metavar="TENSOR", default=None,
                    help="tensor perturbed for the negative control (default: layer 0's attention output projection)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_format(p, default_help="text")
+    p.add_argument("--out", metavar="FILE.json", default=None,
+                   help="also write the JSON report here ('-' = stdout); an existing file needs --overwrite")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="write a KL histogram and per-position KL plot (needs matplotlib: pip install -e '.[plot]')")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out / --plot file (only when the run completes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_traceback(p)
     p.set_defaults(func=run)
-
-
-def default_perturb_target(config) -> str:
-    """The tensor the negative control perturbs by default: layer 0's mixer output projection."""
-    return ("layers.0.linear_attn.out_proj.weight" if config.layer_types[0] == "linear_attention"
-            else "layers.0.self_attn.o_proj.weight")
-
-
-def perturbation(seed: int = 0):
-    """``w -> w + rms(w) * N(0, 1)`` (seeded): a clearly wrong tensor of the right shape and scale."""
-    import numpy as np
-
-    def fn(w):
-        rng = np.random.default_rng(seed)
-        rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64)))) or 1.0
-        return (w + rms * rng.standard_normal(w.shape)).astype(np.float32)
-    return fn
-
-
-def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=8, perturb_name=None,
-                   progress=True, flags=("--a", "--b")):
-    """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
-
-    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
-    the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight).
-    ``flags``: the options of a and b named in error messages.
-    """
-    from parity.backends import capabilities_of, open_backend
-    from parity.harness.kl import run_kl
-
-    a = open_backend(a_spec, model_path, flag=flags[0])
-    b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
-    r32 = a if a_spec == "reference" else open_backend("reference", model_path)
-    r64 = open_backend("reference-f64", model_path)
-    name = perturb_name or default_perturb_target(b.config)
-    target = b_spec if capabilities_of(b).get("perturb") else "reference"
-    note = f"{target} with {name} perturbed (+ rms * N(0,1))"
-
-    def perturbed():
-        return open_backend(target, model_path, perturb=(name, perturbation()))
-    return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
 
 
 def render_kl(rep) -> str:
@@ -103,69 +67,122 @@ def render_kl(rep) -> str:
     return "\n".join(lines)
 
 
-def write_plot(rep, path) -> None:
-    """KL histogram + per-position KL (matplotlib). Raises InputError when matplotlib is missing."""
+def plot_png(rep) -> bytes:
+    """The KL plot as PNG bytes: a histogram of log10 KL(a||b) over positions (integer counts) and the
+    per-position KL(a||b) with the pass threshold drawn as a line (matplotlib).
+
+    Raises:
+        InputError: matplotlib is missing.
+    """
+    import io
+
     from reference.errors import InputError
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
     import numpy as np
     kl = np.asarray(rep.comparison.kl_ab)
     fig, (h, line) = plt.subplots(1, 2, figsize=(11, 3.5))
-    pos = np.maximum(kl, 1e-30)
-    h.hist(np.log10(pos), bins=40)
-    h.set_xlabel("log10 KL(a||b)")
-    h.set_ylabel("positions")
-    line.plot(pos, lw=0.8)  # floored at 1e-30 so exact agreement still plots on the log axis
-    line.set_yscale("log")
-    line.set_xlabel("position (prompts concatenated)")
-    line.set_ylabel("KL(a||b) (floor 1e-30)")
-    fig.suptitle(f"{rep.b} vs {rep.a}")
-    fig.tight_layout()
-    from reference.atomic import atomic_open
     try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format="png")
+        pos = np.maximum(kl, 1e-30)
+        h.hist(np.log10(pos), bins=40)
+        h.yaxis.set_major_locator(MaxNLocator(integer=True))  # position counts are whole numbers
+        h.set_xlabel("log10 KL(a||b)")
+        h.set_ylabel("positions")
+        limit = rep.thresholds.max_kl
+        h.axvline(np.log10(limit), color="red", ls="--", lw=1, label=f"limit {limit:.0e}")
+        h.legend(loc="upper left", fontsize=8)
+        line.plot(pos, lw=0.8)  # floored at 1e-30 so exact agreement still plots on the log axis
+        line.axhline(limit, color="red", ls="--", lw=1, label=f"pass limit: max KL <= {limit:.0e}")
+        line.set_yscale("log")
+        line.xaxis.set_major_locator(MaxNLocator(integer=True))
+        line.set_xlabel("position (prompts concatenated)")
+        line.set_ylabel("KL(a||b) (floor 1e-30)")
+        line.legend(loc="upper right", fontsize=8)
+        fig.suptitle(f"{rep.b} vs {rep.a}")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
     finally:
         plt.close(fig)
 
 
 def run(args) -> int:
     """Run ``qwen4exp kl``: the logit-KL harness of backend b against a over the prompt set, printed
-    as a table or JSON (optionally plotted). Returns the report's exit code (0 pass, 1 fail or a failed control).
+    as text or JSON (optionally written to ``--out`` and plotted to ``--plot``, both swapped in together when
+    the run completes). A backend raising (or calling sys.exit) while the harness runs is an ERROR verdict,
+    exit 1, with its stack trace in the JSON and behind ``--traceback``.
 
+    Returns: the report's exit code (0 pass, 1 fail, a failed control, or a backend error).
     Raises:
-        InputError: an unknown backend, ``--greedy-tokens < 0``, or ``--plot`` without matplotlib.
+        InputError: a bad backend spec, ``--greedy-tokens < 0``, a bad output path, or ``--plot`` without matplotlib.
     """
+    import json
+    import traceback
+
+    from parity.backends import backend_class
+    from parity.cli.common import backend_spec, check_out, output_format, publish_files
     from parity.harness.kl import dumps
     from parity.prompts import load_prompts
     from reference.config import load_config
+    from reference.errors import EXIT_DIVERGENCE, InputError, UserError
     from reference.paths import resolve_model
 
-    from reference.errors import InputError
     model = resolve_model(args.model)
-    from parity.backends import backend_class
-    backend_class(args.a, "--a")  # an unknown name is reported against the option that gave it
-    backend_class(args.b, "--b")
+    a, b = str(backend_spec(args, "--a")), str(backend_spec(args, "--b"))
+    backend_class(a, "--a")  # an unknown name / unimportable plugin is reported against the option that gave it
+    backend_class(b, "--b")
+    fmt = output_format(args)
     if args.greedy_tokens < 0:
         raise InputError(f"--greedy-tokens: expected an integer >= 0 (0 disables), found {args.greedy_tokens}")
-    if args.plot:
-        from reference.atomic import check_output_path
-        check_output_path(args.plot, "file", overwrite=True, flag="--plot")
-    if args.plot:
+    out = check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
+    to_stdout = args.out == "-"
+    plot = check_out(args.plot, kind="file", overwrite=args.overwrite, flag="--plot")
+    if plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            from reference.errors import InputError
             raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
     cfg = load_config(model)
     prompts = load_prompts(args.prompts, model, cfg.vocab_size)
-    rep = run_kl_command(model, args.a, args.b, prompts, greedy_tokens=args.greedy_tokens,
-                         perturb_name=args.perturb, progress=not args.no_progress and sys.stderr.isatty())
-    if args.plot:
-        write_plot(rep, args.plot)
-    print(dumps(rep) if args.json else render_kl(rep))
+    from parity.harness.run import run_kl_command
+    try:
+        rep = run_kl_command(model, a, b, prompts, greedy_tokens=args.greedy_tokens,
+                             perturb_name=args.perturb, progress=not args.no_progress and sys.stderr.isatty())
+    except (KeyboardInterrupt, UserError):
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a backend crashed mid-run: an ERROR verdict, never its code
+        what = f"SystemExit({e.code!r}) (sys.exit called)" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        doc = {"a": a, "b": b, "model": str(model), "verdict": "error", "exit_code": EXIT_DIVERGENCE,
+               "error": f"a backend raised while the KL harness ran: {what}", "traceback": tb}
+        files = {out: (json.dumps(doc, indent=1) + "\n").encode()} if out is not None else {}
+        if files:
+            publish_files(files)
+        if fmt == "json" or to_stdout:
+            print(json.dumps(doc, indent=1))
+        else:
+            print(f"qwen4exp kl: b={b} vs a={a} ({model})\n  verdict: ERROR -- {doc['error']}")
+        if getattr(args, "traceback", False):
+            print(tb, file=sys.stderr, end="")
+        else:
+            print("qwen4exp kl: --traceback prints the backend's stack trace", file=sys.stderr)
+        return EXIT_DIVERGENCE
+    text = dumps(rep)
+    files = {}
+    if out is not None:
+        files[out] = (text + "\n").encode()
+    if plot is not None:
+        files[plot] = plot_png(rep)
+    if files:
+        publish_files(files)
+    if to_stdout or fmt == "json":
+        print(text)
+    else:
+        print(render_kl(rep))
     return rep.exit_code

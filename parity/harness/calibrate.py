@@ -18,7 +18,7 @@ def calibrate(model: str, n_positions: int = 128, chunk_size: int | None = 32, p
               device: str = "auto", profile: str | None = None, seed: int = 0) -> dict:
     """Diff engine vs reference taps on ``n_positions`` random ids. Returns a JSON-able summary:
     ``{"agree", "first_divergence", "worst": [(tap, limit_ratio, rel_l2), ...top 5], "index": {...}}``."""
-    from parity.cli.taps import record
+    from parity.harness.record import record
     from reference.checkpoint import Checkpoint
     from reference.paths import resolve_model
     from taps.diff import diff_archives

@@ -5,7 +5,6 @@ first divergence (if any), time, verdict. JSON files are written to a temporary 
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -44,8 +43,7 @@ def write_json_atomic(path, obj) -> Path:
 
 @dataclass
 class ScenarioRow:
-    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error' | 'skip' (every case skipped: not a pass).
-    ``skips``: each skipped case with its reason (``{"case": label, "reason": ...}``)."""
+    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error'."""
 
     scenario: str
     cases: int
@@ -58,8 +56,10 @@ class ScenarioRow:
     detail: str = ""
     failures: list = field(default_factory=list)
     skipped: int = 0
-    skips: list = field(default_factory=list)
+    skips: list = field(default_factory=list)  # each skipped / narrowed case with its reason
     notes: dict = field(default_factory=dict)  # e.g. {"mtp_truth_provenance": ...} when MTP cases ran
+    thresholds: dict = field(default_factory=dict)  # the row's pass limits: {"max_kl": .., "min_top1": ..}
+    traceback: str | None = None                    # the first backend failure's stack trace (ERROR rows)
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""
@@ -68,9 +68,7 @@ class ScenarioRow:
 
 @dataclass
 class ParityReport:
-    """The whole ``qwen4exp parity`` result. ``verdict``: 'fail' when any row is 'fail' or 'error', else
-    'inconclusive' when no row passed (every row skipped, or none ran: nothing was judged), else 'pass'.
-    ``exit_code``: 0 pass, 1 fail, 3 inconclusive (:data:`VERDICT_EXIT`; the CLI maps the verdict).
+    """The whole ``qwen4exp parity`` result. ``exit_code``: 0 all pass, 1 any row 'fail' or 'error'.
 
     A row's 'error' status means the backend under test raised inside a case (or the KL harness): that is
     a failed case (shown as ERROR in the table, counted among the failed cases), so the verdict is FAIL and
@@ -84,28 +82,27 @@ class ParityReport:
     meta: dict = field(default_factory=dict)
 
     @property
-    def verdict(self) -> str:
-        """'fail' (any row 'fail' or 'error'), 'inconclusive' (no row passed: all skipped), else 'pass'."""
+    def exit_code(self) -> int:
+        """:data:`reference.errors.EXIT_DIVERGENCE` (1) when any row's status is 'fail' or 'error', else
+        :data:`~reference.errors.EXIT_INCONCLUSIVE` (3) when any row is 'inconclusive', else 0."""
+        from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
         if any(r.status in ("fail", "error") for r in self.rows):
-            return "fail"
-        if not any(r.status == "pass" for r in self.rows):
-            return "inconclusive"
-        return "pass"
+            return EXIT_DIVERGENCE
+        # a skipped case never counts as a pass: a report with no passing row judged nothing
+        if any(r.status == "inconclusive" for r in self.rows) or not any(r.status == "pass" for r in self.rows):
+            return EXIT_INCONCLUSIVE
+        return EXIT_OK
 
     @property
-    def exit_code(self) -> int:
-        """The exit code of :attr:`verdict`: 0 pass, 1 fail, 3 inconclusive."""
-        return VERDICT_EXIT[self.verdict]
+    def verdict(self) -> str:
+        """'pass', 'fail' or 'inconclusive' (every row skipped / inconclusive: nothing judged)."""
+        return {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code]
 
     def to_json(self) -> dict:
-        """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'/'inconclusive'), meta and
-        every row (each with its skipped cases and their reasons)."""
+        """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
-                         "verdict": self.verdict, "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
-
-
-#: verdict -> exit code: 3 is "inconclusive" (nothing judged: every case skipped), distinct from pass and fail
-VERDICT_EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}
+                         "verdict": {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code],
+                         "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
 
 
 def _fmt(x: float) -> str:
@@ -118,64 +115,203 @@ def _fmt(x: float) -> str:
     return f"{x:.2e}"
 
 
-MIN_DIVERGENCE_WIDTH = 30  # narrowest "first divergence" column; longer text wraps onto more lines
+# what each scenario checks, in plain words (the legend under the table)
+SCENARIO_MEANING = {
+    "kl": "logit-KL harness over the prompt set (one case per prompt), with determinism, precision-floor and "
+          "negative controls",
+    "budget": "the QSA indexer_budget bound: sequences just below, at and above indexer_budget + "
+              "compress_ratio - 1 visible tokens, where the indexer starts dropping blocks",
+    "chunk-boundary": "chunked prefill equals one-shot prefill, at chunk sizes that cut a QSA compress block, the "
+                      "GDN chunk (64), the PLE conv window and the n-gram context",
+    "snapshot-restore": "snapshots are deep, independent and complete: restore, continue, equal a straight run",
+    "speculative-rollback": "verify k drafted tokens, accept j, roll back the rest, continue: equal a straight run",
+}
+
+LEGEND = [
+    "cases: passed/run; one case is one scripted run of the backend (kl: one prompt; the suites: a sequence of "
+    "prefill / decode / verify / rollback / snapshot calls at one page size)",
+    "worst KL: the largest per-position KL divergence, in nats, between the reference's and the backend's "
+    "next-token distributions, the larger of KL(reference||backend) and KL(backend||reference)",
+    "limits: the row's pass thresholds (from the backend's precision): worst KL <= max, top-1 agreement >= min",
+    "worst logit err: the largest |backend - reference| logit over every position and token (shown, not judged)",
+    "ERROR: the backend raised inside a case (counted as a failed case; stack traces in report.json, and on "
+    "stderr with --traceback)",
+]
 
 
-def _cell_lines(text: str, width: int) -> list[str]:
-    """One table cell as lines of at most ``width`` characters: whitespace collapsed, then wrapped at
-    spaces (a word longer than ``width`` -- a long tap name -- is broken). Nothing is cut."""
-    import textwrap
-    t = " ".join(str(text).split())
-    return textwrap.wrap(t, width=max(1, width), break_on_hyphens=False) or [""]
+def _limits(th: dict) -> str:
+    if not th:
+        return "-"
+    parts = []
+    if th.get("max_kl") is not None:
+        parts.append(f"KL<={th['max_kl']:.0e}")
+    if th.get("min_top1") is not None:
+        parts.append(f"top1>={th['min_top1']:g}")
+    return " ".join(parts) or "-"
 
 
-def _terminal_columns() -> int:
-    """The terminal width (``shutil.get_terminal_size``: the COLUMNS variable, then the terminal, else 80)."""
+MIN_DIVERGENCE_WIDTH = 30  # narrowest "first divergence" column; below it the text goes on its own lines
+_SEPARATORS = "./:,;=-_)]"
+
+
+def _split_word(word: str, width: int) -> list[str]:
+    """A word longer than ``width`` (a tap name) broken only after separators (``.`` ``/`` ``:`` ...),
+    never inside a name part; only a part longer than ``width`` itself (no separator at all) is cut."""
+    parts, cur = [], ""
+    for ch in word:
+        cur += ch
+        if ch in _SEPARATORS:
+            parts.append(cur)
+            cur = ""
+    if cur:
+        parts.append(cur)
+    lines, line = [], ""
+    for part in parts:
+        if line and len(line) + len(part) > width:
+            lines.append(line)
+            line = ""
+        while len(part) > width:  # no separator in sight (not an identifier: a run of one character): cut
+            lines.append(part[:width])
+            part = part[width:]
+        line += part
+    if line:
+        lines.append(line)
+    return lines
+
+
+def _cell_lines(text: str, width: int | None) -> list[str]:
+    """One table cell as lines of at most ``width`` characters (None: one line): whitespace collapsed,
+    wrapped at spaces, a long word broken only after a separator (:func:`_split_word`). Nothing is cut and
+    no identifier is split."""
+    words = " ".join(str(text).split()).split(" ")
+    if width is None:
+        return [" ".join(words)]
+    lines, line = [], ""
+    for w in words:
+        pieces = _split_word(w, width) if len(w) > width else [w]
+        for k, piece in enumerate(pieces):
+            sep = " " if line and k == 0 else ""
+            if line and len(line) + len(sep) + len(piece) > width:
+                lines.append(line)
+                line, sep = "", ""
+            line += sep + piece
+    lines.append(line)
+    return lines or [""]
+
+
+def _terminal_columns() -> int | None:
+    """The width to fit: the COLUMNS variable when set, else the terminal's when stdout is a terminal; None
+    for a pipe or a file (CI logs): rows are then never wrapped, so names stay whole for grep."""
+    import os
     import shutil
+    import sys
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    if not sys.stdout.isatty():
+        return None
     return shutil.get_terminal_size((80, 24)).columns
 
 
-def render_table(report: ParityReport, console=None, columns: int | None = None) -> str:
-    """Render the verdict table (rich when installed, else plain text); returns the plain-text form too.
-
-    The plain text fits ``columns`` characters (default: the terminal width): the "first divergence"
-    column takes the room the other columns leave (at least :data:`MIN_DIVERGENCE_WIDTH`) and long text
-    wraps onto continuation lines -- it is never cut, so the table shows what the JSON report holds.
-    """
-    header = ["scenario", "cases", "worst KL", "worst logit err", "first divergence", "time", "verdict"]
+def _row_cells(report: ParityReport) -> list[list[str]]:
     rows = []
     for r in report.rows:
         cases = f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
         # a passing row with skipped or narrowed cases shows why (a skip is never silent)
         quiet = r.status == "pass" and not r.skipped and "narrowed" not in (r.detail or "")
         div = " ".join(str(r.first_divergence or ("-" if quiet else r.detail)).split())
-        rows.append([r.scenario, cases, _fmt(r.worst_kl), _fmt(r.worst_logit_err), div, f"{r.seconds:.1f}s",
-                     r.status.upper()])
+        def value(x):  # an all-ERROR scenario compared nothing: ERROR, never a KL that reads as perfect
+            return "ERROR" if r.status == "error" and (x is None or not math.isfinite(x)) else _fmt(x)
+        kl, err = value(r.worst_kl), value(r.worst_logit_err)
+        rows.append([r.scenario, cases, kl, _limits(r.thresholds), err, div, f"{r.seconds:.1f}s", r.status.upper()])
+    return rows
+
+
+HEADER = ["scenario", "cases", "worst KL", "limits", "worst logit err", "first divergence", "time", "verdict"]
+_DIV = HEADER.index("first divergence")
+_LIM = HEADER.index("limits")
+
+
+def render_table(report: ParityReport, console=None, columns: int | None = None, legend: bool = False) -> str:
+    """Render the verdict table, with ``legend`` its legend (:data:`LEGEND`, the meaning of each scenario
+    shown), and the verdict line; returns the plain-text form (and prints a rich table on ``console``).
+
+    Plain text: on a terminal it fits ``columns`` (default: the terminal width): the "first divergence"
+    column takes the room the others leave and wraps at separators; when under :data:`MIN_DIVERGENCE_WIDTH`
+    it is printed under each row instead. For a pipe (``columns`` None, not a terminal) nothing wraps.
+    Text is never cut and identifiers are never split.
+    """
+    rows = _row_cells(report)
+    header = HEADER
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     cols = _terminal_columns() if columns is None else int(columns)
-    room = cols - (sum(widths) - widths[4]) - 2 * (len(header) - 1)
-    widths[4] = max(len(header[4]), min(widths[4], max(room, MIN_DIVERGENCE_WIDTH)))
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
-             "  ".join("-" * w for w in widths)]
+    below = False     # the first divergence under each row (too narrow for its column)
+    lim_below = False  # the limits under each row too (the fixed columns alone do not fit)
+    if cols is not None:
+        room = cols - (sum(widths) - widths[_DIV]) - 2 * (len(header) - 1)
+        if room < MIN_DIVERGENCE_WIDTH:
+            below = True
+            lim_below = sum(widths) - widths[_DIV] + 2 * (len(header) - 2) > cols
+        else:
+            widths[_DIV] = max(len(header[_DIV]), min(widths[_DIV], room))
+    keep = [i for i in range(len(header)) if not (below and i == _DIV) and not (lim_below and i == _LIM)]
+    lines = ["  ".join(header[i].ljust(widths[i]) for i in keep).rstrip(),
+             "  ".join("-" * widths[i] for i in keep)]
     for row in rows:
-        cell = _cell_lines(row[4], widths[4])
-        lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:4], cell[0], *row[5:]], widths)).rstrip())
-        pad = sum(widths[:4]) + 2 * 4
+        if below:
+            lines.append("  ".join(row[i].ljust(widths[i]) for i in keep).rstrip())
+            if lim_below:
+                lines.append("    limits: " + row[_LIM])
+            if row[_DIV] != "-":
+                lines += ["    " + t for t in _cell_lines("first divergence: " + row[_DIV], max(20, cols - 4))]
+            continue
+        cell = _cell_lines(row[_DIV], widths[_DIV] if cols is not None else None)
+        lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:_DIV], cell[0], *row[_DIV + 1:]], widths)).rstrip())
+        pad = sum(widths[:_DIV]) + 2 * _DIV
         lines += [" " * pad + more for more in cell[1:]]
-    verdict = report.verdict.upper()
-    lines.append(f"verdict: {verdict}  (backend {report.backend}, model {report.model})")
-    text = "\n".join(lines)
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE", 4: "ERROR"}.get(report.exit_code, "FAIL")
+    notes = []
+    if legend:
+        width = cols if cols is not None else 10_000
+        notes.append("legend:")
+        for item in LEGEND:
+            notes += ["  " + t for t in _cell_lines(item, max(20, width - 4))]
+        for name in dict.fromkeys(r.scenario for r in report.rows):
+            if name in SCENARIO_MEANING:
+                notes += ["  " + t for t in _cell_lines(f"{name}: {SCENARIO_MEANING[name]}", max(20, width - 4))]
+    tail = f"verdict: {verdict}  (backend {report.backend}, model {report.model})"
+    text = "\n".join(lines + notes + [tail])
     if console is not None:
         try:
             from rich.table import Table
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
-            for h in header:
-                t.add_column(h, overflow="fold")
-            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "SKIP": "cyan", "INCONCLUSIVE": "cyan"}
+            from rich.markup import escape
+            # nothing is folded mid-word or cropped: every column but the divergence at its full width, the
+            # divergence pre-wrapped at separators into the room left (under 30: printed below the table)
+            width = getattr(console, "width", 120) or 120
+            fixed = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+            room = width - (sum(fixed) - fixed[_DIV]) - (3 * len(header) + 1)
+            cols_shown = [i for i in range(len(header)) if i != _DIV or room >= MIN_DIVERGENCE_WIDTH]
+            for i in cols_shown:
+                t.add_column(header[i], no_wrap=True, overflow="ignore", min_width=None if i == _DIV else fixed[i])
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "INCONCLUSIVE": "magenta", "SKIP": "cyan"}
             for row in rows:
-                t.add_row(*row[:-1], f"[{style[row[-1]]}]{row[-1]}[/]")
-            console.print(t)
-            console.print(f"verdict: [{style[verdict]}]{verdict}[/]")
+                cells = [escape(c) for c in row]
+                if _DIV in cols_shown:
+                    cells[_DIV] = "\n".join(escape(x) for x in _cell_lines(row[_DIV], room))
+                cells[-1] = f"[{style.get(row[-1], 'red')}]{row[-1]}[/]"
+                t.add_row(*(cells[i] for i in cols_shown))
+            need = sum(fixed[i] for i in cols_shown if i != _DIV) + 3 * len(cols_shown) + 1 + (
+                room if _DIV in cols_shown else 0)
+            console.print(t, width=max(width, need), crop=False)  # wider than the terminal: wrapped by it, never cut
+            if _DIV not in cols_shown:
+                for row in rows:
+                    if row[_DIV] not in ("-", ""):
+                        for ln in _cell_lines(f"{row[0]}: first divergence: {row[_DIV]}", max(20, width - 4)):
+                            console.print("  " + ln, markup=False, highlight=False)
+            for n in notes:
+                console.print(n, markup=False, highlight=False)
+            console.print(f"verdict: [{style.get(verdict, 'red')}]{verdict}[/]  (backend {report.backend}, "
+                          f"model {report.model})")
         except ImportError:
             console.print(text)
     return text

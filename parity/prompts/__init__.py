@@ -18,6 +18,23 @@ __all__ = ["DEFAULT_PROMPTS", "load_prompts"]
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "default.json"
 
 
+ID_PROMPT_LENGTHS = (17, 33, 48, 64)  # no tokenizer: seeded token-id prompts of these lengths (cover GDN chunk 64)
+
+
+def _id_prompts(items, vocab_size: int) -> list[list[int]]:
+    """The bundled set's token-id items plus seeded random token-id prompts, for a checkpoint without a
+    tokenizer (a note on stderr says so): the harness still runs, on ids instead of text."""
+    import sys
+
+    import numpy as np
+    out = [[int(x) for x in it] for it in items if isinstance(it, list) and it and max(it) < vocab_size]
+    rng = np.random.default_rng(0)  # fixed: the same prompts on every run
+    out += [[int(x) for x in rng.integers(0, vocab_size, n)] for n in ID_PROMPT_LENGTHS]
+    print(f"note: the checkpoint has no tokenizer.json; the KL harness uses {len(out)} token-id prompts (seeded) "
+          f"instead of the bundled texts (pass --prompts FILE with token-id lists to choose them)", file=sys.stderr)
+    return out
+
+
 def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
     """Read a prompt file (default: the bundled set) into token-id lists.
 
@@ -44,11 +61,19 @@ def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
                          + (" (empty)" if isinstance(items, list) else ""))
     tok = None
     out = []
+    from reference.textio import check_text
     for n, it in enumerate(items):
         if isinstance(it, str):
+            check_text(it, f"--prompts {p}: item {n}")  # a lone surrogate ("\\ud800") is not text
             if tok is None:
-                from reference.tokenizer import load_tokenizer
-                tok = load_tokenizer(model_dir)
+                from reference.tokenizer import TokenizerMissingError, load_tokenizer
+                try:
+                    tok = load_tokenizer(model_dir)
+                except TokenizerMissingError as e:
+                    if path is not None:
+                        raise InputError(f"--prompts {p}: item {n} is text, which needs the checkpoint's tokenizer "
+                                         f"({e}); give token-id lists instead (e.g. [[1, 2, 3], [4, 5]])") from None
+                    return _id_prompts(items, vocab_size)
             ids = tok.encode(it).ids
         elif isinstance(it, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in it):
             ids = list(it)

@@ -2,7 +2,7 @@
 
 Run against any backend::
 
-    pytest --pyargs parity.suites --qwen4exp-backend engine-cpu [--qwen4exp-model tiny] [--qwen4exp-level ci]
+    pytest --pyargs parity.suites --qwen4exp-backend engine:device=cpu [--qwen4exp-model tiny] [--qwen4exp-level ci]
     pytest --pyargs parity.suites --qwen4exp-backend my_pkg.my_engine:MyBackend [--qwen4exp-page-sizes 16,64]
 
 The options come from the plugin :mod:`parity.suites.plugin`, registered by the installed package's

@@ -12,6 +12,8 @@ from fixture_helpers import FIXTURES, fixture_dir
 from parity.cli import main
 from reference.checkpoint import write_safetensors
 from reference.config import load_config
+import shutil
+from fixture_helpers import one_line_error
 
 REAL = FIXTURES / "configs" / "qwen3.8-flash-next"
 
@@ -100,3 +102,14 @@ def test_stored_bytes_follow_the_dtypes(capsys):
     n_scales = cfg.num_hidden_layers * cfg.num_experts * 3  # one 128x128 block per (small) expert matrix
     assert r["storage"]["stored_bytes"]["routed_experts"] == r["params"]["routed_experts"] + 4 * n_scales
     assert r["storage"]["stored_bytes"]["ple_table"] == r["params"]["ple_table"] + 2  # one BF16 scale
+
+
+def test_info_header_shape_mismatch_is_exit_2(tiny, tmp_path, capsys):
+    m = tmp_path / "m"
+    shutil.copytree(tiny, m)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["hidden_size"] = cfg["hidden_size"] + 1
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(m)]) == 2
+    one_line_error(capsys, "tensor", "expected", str(cfg["hidden_size"]))
+    assert main(["info", str(tiny)]) == 0

@@ -1,8 +1,10 @@
 """BF16 mode never re-quantises weights the checkpoint stores in another format.
 
-tiny-fp8 stores block-scaled FP8 weights; dequantised, they are not BF16-exact. The BF16 engine keeps
-them float32, so its taps agree with the float32 reference under the bf16 profile. Negative control:
-an engine that rounds them to BF16 (what the first version did) is flagged by the same tap-diff.
+tiny-fp8 stores block-scaled FP8 weights; dequantised, they are not BF16-exact. By default the engine keeps
+them in their stored format (``quantized="stored"``, tests/engine/test_engine_quant.py); with
+``quantized="dequantize"`` the BF16 engine keeps them float32, so its taps agree with the float32 reference
+under the bf16 profile. Negative control: an engine that rounds them to BF16 (what the first version did) is
+flagged by the same tap-diff.
 """
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from taps.diff import diff_archives
 from taps.recorder import Recorder
 
 
-def _diff(monkeypatch=None, requantise=False):
+def _diff(monkeypatch=None, requantise=False, quantized="dequantize"):
     ck = Checkpoint.open(bundled_model("tiny-fp8"))
     g = np.load(bundled_model("tiny-fp8") / "golden.npz")
     prompts = sorted({k.split("/")[0] for k in g.files if k.endswith("/ids") and not k.startswith("decode/")})
@@ -28,7 +30,7 @@ def _diff(monkeypatch=None, requantise=False):
             return self.xp.asarray(to_bf16_bits(np.ascontiguousarray(a, dtype=np.float32)))
         monkeypatch.setattr(em.DeviceModel if hasattr(em, "DeviceModel") else _model_class(em), "_dev_mat",
                             rounding_dev_mat)
-    eng = Engine(ck, precision="bf16", device="cpu")
+    eng = Engine(ck, precision="bf16", device="cpu", quantized=quantized)
     with Recorder() as ra:
         ReferenceModel(ck).forward(ids)
     s = eng.add_sequence()
@@ -45,6 +47,12 @@ def test_bf16_mode_keeps_fp8_weights_exact():
     eng, rep = _diff()
     assert rep.agree, rep.first_divergence
     assert any(getattr(m, "kept_float32", 0) > 0 for m in vars(eng).values()), "no matrix was kept float32"
+
+
+def test_stored_fp8_weights_agree_under_the_bf16_profile():
+    eng, rep = _diff(quantized="stored")
+    assert rep.agree, rep.first_divergence
+    assert eng.model.kept_float32 == 0  # nothing dequantised on load
 
 
 def test_requantising_fp8_weights_to_bf16_is_flagged(monkeypatch):

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from reference.errors import InputError
-from parity.backends.registry import split_backend_options
 
 FIXTURES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8")
 TIE_FIXTURE = "tiny-hc3"  # exact zero-score indexer ties on ordinary prompts (module docstring)
@@ -38,16 +37,14 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
-def test_split_backend_options():
-    """NAME:key=value,... for built-in names; module:Class keeps its colon; malformed items are refused."""
-    assert split_backend_options("transformers:device=cpu,dtype=bfloat16") == (
-        "transformers", {"device": "cpu", "dtype": "bfloat16"})
-    assert split_backend_options("engine-cpu:page_size=8") == ("engine-cpu", {"page_size": 8})
-    assert split_backend_options("my_mod:MyBackend") == ("my_mod:MyBackend", {})
-    assert split_backend_options("transformers") == ("transformers", {})
-    for bad in ("transformers:device", "transformers:=cpu", "transformers:dtype=a,dtype=b"):
+def test_backend_spec_grammar_takes_transformers_options():
+    """``transformers:key=value,...`` through the one --backend grammar; unknown options and values refused."""
+    from parity.backends.registry import parse_backend_spec
+    sp = parse_backend_spec("transformers:device=cpu,dtype=bfloat16")
+    assert sp.name == "transformers" and sp.options == {"device": "cpu", "dtype": "bfloat16"}
+    for bad in ("transformers:colour=red", "transformers:dtype=float16", "transformers:load=x"):
         with pytest.raises(InputError, match="--backend"):
-            split_backend_options(bad)
+            parse_backend_spec(bad)
 
 
 torch = None

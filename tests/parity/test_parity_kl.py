@@ -112,7 +112,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [440, 5, 9, 77, 440,
 
 def _perturbed():
     from parity.backends import open_backend
-    from parity.cli.kl import perturbation
+    from parity.harness.run import perturbation
     return open_backend("reference", FIX, perturb=("layers.0.linear_attn.out_proj.weight", perturbation()))
 
 
@@ -162,7 +162,7 @@ def test_negative_control_fails_when_perturbation_is_not_flagged(refs):
 
 def test_precision_floor_control_fails_on_unstable_reference(refs):
     from parity.backends import open_backend
-    from parity.cli.kl import perturbation
+    from parity.harness.run import perturbation
     r32, _ = refs
     fake64 = open_backend("reference-f64", FIX, perturb=("lm_head.weight", perturbation()))
     rep = run_kl(r32, r32, PROMPTS[:1], greedy_tokens=0, floor_pair=(r32, fake64), perturbed_b=_perturbed,

@@ -116,15 +116,6 @@ def _parity(capsys, *args):
 
 
 # ----------------------------------------------------------------------------------------------- 1 / 3
-def test_backend_crash_in_kl_and_in_a_case_is_an_error_row_and_exit_1(be_module, tmp_path, capsys):
-    rc, doc = _parity(capsys, "--backend", f"{be_module}:CrashInDecode", "--scenario", "kl", "budget",
-                      "--out", str(tmp_path))
-    assert rc == 1 and doc["verdict"] == "fail" and doc["exit_code"] == 1  # a failed case, not a usage error
-    kl, budget = doc["scenarios"]
-    assert kl["status"] == "error" and "illegal memory access" in kl["first_divergence"]
-    assert kl["failed_cases"] == kl["cases"] > 0
-    assert budget["status"] == "error" and budget["failed_cases"] > 0
-    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "fail"
 
 
 def test_error_rows_are_failures_exit_1_and_shown_as_error():
@@ -135,23 +126,7 @@ def test_error_rows_are_failures_exit_1_and_shown_as_error():
     assert "ERROR" in text and "verdict: FAIL" in text and "2/3" in text
 
 
-def test_usage_errors_stay_exit_2(capsys):
-    assert main(["parity", "--backend", "nosuchmod_q4x:Nope", "--scenario", "budget", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "PYTHONPATH" in err  # finding 15: a module:Class plugin must be importable
-
-
 # ----------------------------------------------------------------------------------------------- 2
-def test_fault_after_the_last_tap_is_named_with_its_first_position(be_module, capsys):
-    rc, doc = _parity(capsys, "--backend", f"{be_module}:PerturbAfter10", "--scenario", "kl", "budget")
-    assert rc == 1
-    for row in doc["scenarios"]:
-        assert row["status"] == "fail", row
-        assert "returned logits differ from the backend's own logits tap" in row["first_divergence"], row
-        assert "first at position 10" in row["first_divergence"], row
-    # the failing check names the first bad position too, not only the worst
-    fails = [f["failure"] for f in doc["scenarios"][1]["failures"] if "max KL" in (f["failure"] or "")]
-    assert fails and all("first at position" in f for f in fails)
 
 
 def test_all_taps_agree_without_a_logits_tap_names_the_returned_logits():
@@ -180,14 +155,6 @@ def test_all_taps_agree_without_a_logits_tap_names_the_returned_logits():
 
 
 # ----------------------------------------------------------------------------------------------- 4
-def test_bf16_backend_is_judged_on_top1_in_every_scenario(be_module, capsys):
-    rc, doc = _parity(capsys, "--backend", f"{be_module}:PerturbAfter10Bf16", "--scenario", "kl", "budget")
-    assert rc == 1
-    kl, budget = doc["scenarios"]
-    # KL 0.02 is inside bf16's 5e-2; the argmax flips (~28% of positions from 10 on) are what fails
-    assert budget["status"] == "fail" and budget["failed_cases"] > 0
-    assert any("top-1 agreement" in (f["failure"] or "") for f in budget["failures"])
-    assert kl["status"] == "fail" and kl["failed_cases"] > 0  # the case count shows the failing prompts
 
 
 class _FakeModel:
@@ -293,44 +260,21 @@ def test_table_uses_the_terminal_width_and_wraps_never_cuts(monkeypatch):
     assert len(body) > 1  # wrapped onto continuation lines, indented to the column
     pad = len(body[1]) - len(body[1].lstrip())
     first = body[0][pad:].rsplit(None, 2)[0]  # without the time and verdict cells
-    assert " ".join([first.strip()] + [ln.strip() for ln in body[1:]]) == long
+    # nothing lost; each line break is at a space or right after a separator inside a long name (#15 finding 7)
+    from parity.harness.report import _SEPARATORS
+    cells = [first.strip()] + [ln.strip() for ln in body[1:]]
+    assert "".join(cells).replace(" ", "") == long.replace(" ", "")
+    for a, b in zip(cells, cells[1:]):
+        assert f"{a} {b}" in long or (a[-1] in _SEPARATORS and a + b in long), (a, b)
 
 
 # ----------------------------------------------------------------------------------------------- 8
-def test_out_dir_with_report_json_directory_is_refused_up_front(tmp_path, capsys):
-    (tmp_path / "report.json").mkdir()
-    assert main(["parity", "--backend", "reference", "--scenario", "kl", "--out", str(tmp_path), "--overwrite",
-                 "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "report.json" in err and "Traceback" not in err and "kl " not in err
-    (tmp_path / "report.json").rmdir()
-    (tmp_path / "taps").write_text("x")
-    assert main(["parity", "--backend", "reference", "--scenario", "kl", "--out", str(tmp_path), "--overwrite",
-                 "--no-progress"]) == 2
-    assert "taps" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- 12
-def test_logits_out_parent_must_exist_and_existing_needs_overwrite(tmp_path, capsys):
-    ids = tmp_path / "ids.txt"
-    ids.write_text("1 5 9 2")
-    missing = tmp_path / "nonexist" / "l.npy"
-    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(missing)]) == 2
-    assert "parent directory" in capsys.readouterr().err and not missing.parent.exists()
-    out = tmp_path / "l.npy"
-    out.write_bytes(b"old")
-    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out)]) == 2
-    assert "--overwrite" in capsys.readouterr().err and out.read_bytes() == b"old"
-    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out), "--overwrite"]) == 0
-    assert np.load(out).shape[0] == 4
 
 
 # ----------------------------------------------------------------------------------------------- 13
-@pytest.mark.parametrize("flag", ["--a", "--b"])
-def test_kl_bad_backend_names_its_option(flag, capsys):
-    assert main(["kl", flag, "bogus", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert f"{flag}:" in err and "--backend" not in err
 
 
 # ----------------------------------------------------------------------------------------------- 15

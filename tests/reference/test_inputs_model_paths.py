@@ -53,7 +53,7 @@ def test_generate_prompts_negative_control_utf8_is_read(tmp_path):
     assert _read_prompts(str(f)) == ["héllo", "wörld"]
 
 
-@pytest.mark.parametrize("argv", [["info"], ["info", "--config-only"], ["taps", "list", "--model"]])
+@pytest.mark.parametrize("argv", [["info"], ["info", "--config-only"], ["taps", "list"]])
 def test_non_utf8_config_json_is_exit_2_naming_the_file(tmp_path, capsys, tiny, argv):
     d = _copy(tiny, tmp_path / "ck")
     (d / "config.json").write_bytes(NOT_UTF8)
@@ -61,7 +61,7 @@ def test_non_utf8_config_json_is_exit_2_naming_the_file(tmp_path, capsys, tiny, 
     one_line_error(capsys, "config.json", "not UTF-8")
 
 
-@pytest.mark.parametrize("backend", ["reference", "engine-cpu"])
+@pytest.mark.parametrize("backend", ["reference", "engine:device=cpu"])
 def test_non_utf8_config_json_parity_names_the_file(tmp_path, capsys, tiny, backend):
     # before the fix: "--backend 'engine': cannot be opened ... UnicodeDecodeError" without the file
     d = _copy(tiny, tmp_path / "ck")
@@ -114,7 +114,7 @@ FILE_AS_MODEL = {
     "info-config-only": lambda m, t: ["info", "--config-only", m],
     "logits": lambda m, t: ["logits", m, "--ids", str(t / "ids.txt"), "--out", str(t / "o.npy")],
     "taps-record": lambda m, t: ["taps", "record", m, "--ids", str(t / "ids.txt"), "--out", str(t / "arch")],
-    "taps-list": lambda m, t: ["taps", "list", "--model", m],
+    "taps-list": lambda m, t: ["taps", "list", m],
     "parity": lambda m, t: ["parity", m, "--backend", "reference", "--scenario", "kl", "--no-progress"],
     "generate": lambda m, t: ["generate", m, "--prompt", "hi", "--backend", "reference"],
     "kl": lambda m, t: ["kl", m, "--a", "reference", "--b", "reference", "--no-progress"],

@@ -180,7 +180,7 @@ def test_identical_runs_agree_across_chunking_and_precision(A):
 
 def test_cli_record_diff_replay(tmp_path, capsys):
     from parity.cli import main
-    from parity.cli.taps import record as record_cli
+    from parity.harness.record import record as record_cli
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(" ".join(map(str, IDS)))
     assert main(["taps", "record", "tiny", "--ids", str(ids_file), "--out", str(tmp_path / "A")]) == 0
@@ -255,7 +255,7 @@ def test_decode_steps_and_rollback_concatenate_by_position(A, monkeypatch):
 
 def test_cli_replay_without_recorded_input_is_reported_not_fatal(tmp_path, capsys):
     from parity.cli import main
-    from parity.cli.taps import record as record_cli
+    from parity.harness.record import record as record_cli
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(" ".join(map(str, IDS)))
     assert main(["taps", "record", "tiny", "--ids", str(ids_file), "--out", str(tmp_path / "A"),

@@ -113,8 +113,11 @@ def summarize_results(name: str, results, seconds: float):
     failed = [r for r in ran if r.status in ("fail", "error")]
     # a skipped case never counts as a pass: a scenario whose every case was skipped is 'skip', not 'pass'
     status = "error" if any(r.status == "error" for r in ran) else ("fail" if failed else ("pass" if ran else "skip"))
-    wk = max((r.worst_kl for r in ran), default=0.0)
-    we = max((r.worst_logit_err for r in ran), default=0.0)
+    compared = [r for r in ran if r.status != "error"]  # an ERROR case compared nothing: never 'KL 0', which reads as perfect
+    nothing = float("nan") if ran else 0.0
+    wk = max((r.worst_kl for r in compared), default=nothing)
+    we = max((r.worst_logit_err for r in compared), default=nothing)
+    tb = next((r.traceback for r in ran if r.status == "error" and r.traceback), None)
     first = next((r for r in failed), None)
     skipped = [r for r in results if r.status == "skip"]
     detail = "" if not first else f"{first.label}: {first.failure}"
@@ -135,7 +138,8 @@ def summarize_results(name: str, results, seconds: float):
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[r.to_json() for r in failed],
                        skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]
-                       + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed], notes=notes)
+                       + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed], notes=notes,
+                       traceback=tb)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost

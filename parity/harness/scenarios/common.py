@@ -97,6 +97,7 @@ class CaseResult:
     archives: list = field(default_factory=list)
     seconds: float = 0.0
     narrowed: list = field(default_factory=list)  # parts left out for declared limits (the rest was judged)
+    traceback: str | None = None  # the backend's stack trace when status is 'error'
 
     @property
     def label(self) -> str:

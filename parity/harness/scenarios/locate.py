@@ -204,6 +204,10 @@ def _model_meta(backend, truth) -> dict:
         out["config_hash"] = model.config.config_hash()
     except Exception:  # noqa: BLE001 - identity is best effort; tap-diff reports it as unverified
         pass
+    try:  # the truth's weights: what `tap-diff --replay MODEL` must be given
+        out["weights_fingerprint"] = model.weights.fingerprint()
+    except Exception:  # noqa: BLE001 - best effort, as the config hash
+        pass
     path = getattr(backend, "model_path", None) or getattr(getattr(model, "weights", None), "root", None)
     if isinstance(path, (str, Path)):
         out["path"] = str(path)

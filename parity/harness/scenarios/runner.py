@@ -65,10 +65,11 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.failure = f"backend refused an operation the model allows: {type(e).__name__}: {e}"
         res.failed_op = run.ops - 1
         res.divergence = f"refused: {e}"
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a backend's sys.exit() is a crash of the case, never the run's exit code
         res.status = "error"
         res.failure = f"{type(e).__name__}: {e}"
         res.divergence = "".join(traceback.format_exception_only(type(e), e)).strip()
+        res.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         res.failed_op = run.ops - 1
     finally:
         run.close()

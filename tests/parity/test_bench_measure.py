@@ -220,40 +220,6 @@ def _positive_rate(r):
     return r["median"] > 0 and r["min"] > 0 and r["max"] >= r["median"] >= r["min"] and r["n"] >= 1
 
 
-def test_bench_end_to_end_tiny(tmp_path, capsys):
-    _need_tiny()
-    from parity.cli import main
-    out = tmp_path / "r.json"
-    rc = main(["bench", "--backend", "both", "--device", "cpu", "--repeats", "2", "--warmup", "1", "--no-peer",
-               "--no-extras", "--decode-tokens", "2", "--json", "--out", str(out)])
-    cap = capsys.readouterr()
-    assert rc == 0, cap.err
-    res = json.loads(out.read_text())
-    assert json.loads(cap.out.strip().splitlines()[-1]) == res
-    assert res["schema"] == runner.SCHEMA and set(res["runs"]) == {"reference", "engine"}
-    ref, eng = res["runs"]["reference"], res["runs"]["engine"]
-    assert _positive_rate(ref["prefill_tokens_per_s"]) and _positive_rate(ref["decode_tokens_per_s"])
-    assert ref["prefill_tokens_per_s"]["n"] == 2 and ref["peak_rss_bytes"] > 0
-    assert eng["prefill"] and all(_positive_rate(p["tokens_per_s"]) for p in eng["prefill"])
-    assert {(d["batch"]) for d in eng["decode"]} == {1, 4}
-    assert any(d["above_qsa_bound"] for d in eng["decode"]) and any(not d["above_qsa_bound"] for d in eng["decode"])
-    for d in eng["decode"]:
-        assert _positive_rate(d["tokens_per_s"]) and d["bytes_per_token"] > 0 and d["host_syncs_per_step"] >= 0
-    assert res["checkpoints"]["engine"]["synthetic"] is False
-
-
-def test_bench_table_printed_last(capsys):
-    _need_tiny()
-    from parity.cli import main
-    rc = main(["bench", "--backend", "reference", "--repeats", "1", "--warmup", "0", "--no-peer", "--no-extras",
-               "--decode-tokens", "2"])
-    cap = capsys.readouterr()
-    assert rc == 0
-    lines = cap.out.strip().splitlines()
-    assert any("reference CPU" in ln and "decode b1" in ln for ln in lines)
-    assert lines[-1].startswith("└")  # the table is the last thing printed (rich's bottom border)
-
-
 @pytest.mark.oracle
 def test_peer_cpu_worker_tiny():
     _need_tiny()
@@ -275,11 +241,3 @@ def test_extras_small():
     assert (r["tap_diff_mb_per_s"] or 0) > 0, r.get("tap_diff_unavailable")
 
 
-def test_bench_errors(capsys):
-    from engine.backend import gpu_available
-    from parity.cli import main
-    if not gpu_available():
-        rc = main(["bench", "--backend", "engine", "--device", "cuda", "--no-peer"])
-        assert rc == 2 and "GPU" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["bench", "--batches", "0,1"])

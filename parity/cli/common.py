@@ -1,0 +1,232 @@
+"""Argument groups and output rules shared by every ``qwen4exp`` verb: MODEL, ``--backend``, ``--format``,
+``--out`` / ``--overwrite``, ``--traceback``. One spelling per concept: a verb adds the group, and reads the
+value back through the helper here, so every verb parses and checks them the same way."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+FORMATS = ("text", "rich", "json")
+MODEL_HELP = "checkpoint directory or bundled fixture name (tiny, tiny-hc2, tiny-hc3, tiny-fp8)"
+BACKEND_HELP = ("NAME[:key=value,...]: reference (dtype=float32|float64), engine (device=auto|cpu|cuda, "
+                "precision=float32|bf16; auto = cuda when a GPU is present), or module:Class[:key=value,...] "
+                "for an outside engine")
+
+
+def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """The positional MODEL every verb takes (default: the bundled ``tiny`` unless ``required``)."""
+    if required:
+        p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    else:
+        p.add_argument("model", metavar="MODEL", nargs="?", default=None, help=MODEL_HELP + " (default: tiny)")
+
+
+def add_backend(p, default: str | None, flag: str = "--backend", what: str = "the backend under test",
+                metavar: str = "SPEC") -> None:
+    """One ``--backend SPEC`` option (:func:`parity.backends.parse_backend_spec` reads it)."""
+    dest = flag.lstrip("-").replace("-", "_")
+    p.add_argument(flag, dest=dest, default=default, metavar=metavar,
+                   help=f"{what}: {BACKEND_HELP}" + (f" (default: {default})" if default else ""))
+
+
+def backend_spec(args, flag: str = "--backend", legacy: dict | None = None):
+    """The parsed ``flag`` value of ``args`` as a :class:`parity.backends.BackendSpec`, with the deprecated
+    spellings noted once on stderr: an old name (``engine-cpu``) or an old flag (``--device cpu``,
+    ``--dtype``, ``--precision``) given in ``legacy`` as ``{'--device': value}``.
+
+    Raises:
+        InputError: a malformed spec, an option the backend does not take, a flag contradicting the spec.
+    """
+    from parity.backends import parse_backend_spec
+    dest = flag.lstrip("-").replace("-", "_")
+    sp = parse_backend_spec(getattr(args, dest), flag)
+    note = sp.deprecation()
+    given = {k: v for k, v in (legacy or {}).items() if v is not None}
+    if given:
+        sp = sp.with_options(given, flag)
+        note = (f"note: {', '.join(f'{k} {v}' for k, v in given.items())} is deprecated and will be removed "
+                f"after 0.2; write {flag} {sp}")
+    if note:
+        print(note.replace("--backend", flag), file=sys.stderr)
+    return sp
+
+
+def add_format(p, default_help: str = "rich on a terminal, text otherwise") -> None:
+    """``--format text|rich|json`` (and ``--json``, short for ``--format json``)."""
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help=f"output: text (plain, for pipes and CI logs), rich (colour tables) or json "
+                        f"(default: {default_help})")
+    p.add_argument("--json", action="store_true", help="same as --format json")
+
+
+def output_format(args) -> str:
+    """The chosen format: ``--format``, ``json`` for ``--json``, else rich on a terminal and text otherwise.
+
+    Raises:
+        InputError: ``--json`` together with another ``--format``.
+    """
+    from reference.errors import InputError
+    fmt = getattr(args, "format", None)
+    if getattr(args, "json", False):
+        if fmt not in (None, "json"):
+            raise InputError(f"--json: expected no --format or --format json with it, found --format {fmt}")
+        return "json"
+    if fmt:
+        return fmt
+    return "rich" if sys.stdout.isatty() else "text"
+
+
+def add_out(p, help: str, kind: str = "file", required: bool = False, metavar: str | None = None) -> None:
+    """``--out PATH`` and ``--overwrite`` with the one path rule (:func:`check_out`)."""
+    p.add_argument("--out", required=required, default=None, metavar=metavar or ("DIR" if kind == "dir" else "FILE"),
+                   help=help)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out; the old results are replaced only when the run completes")
+
+
+def check_out(path, *, kind: str = "file", overwrite: bool = False, flag: str = "--out",
+              stdout_ok: bool = False) -> Path | None:
+    """The one rule for every output path, checked before anything runs: an existing target needs
+    ``--overwrite`` (and is replaced only when the run completes), the parent directory must exist (nothing
+    is created but the target), ``-`` means stdout where the format allows it (``stdout_ok``). Returns the
+    path, or None for ``-``.
+
+    Raises:
+        InputError: naming ``flag``: ``-`` where stdout is not allowed, an existing target without
+            ``overwrite``, a missing parent, a file where a directory is wanted or the reverse.
+    """
+    from reference.atomic import check_output_path
+    from reference.errors import InputError
+    if path is None:
+        return None
+    if str(path) == "":
+        raise InputError(f"{flag}: expected a {'directory' if kind == 'dir' else 'file'} path, found an empty string")
+    if str(path) == "-":
+        if not stdout_ok:
+            raise InputError(f"{flag} -: expected a {'directory' if kind == 'dir' else 'file'} path (this output "
+                             f"cannot go to stdout), found '-'")
+        return None
+    p = Path(path)
+    if kind == "dir" and p.is_dir() and not overwrite and any(p.iterdir()):
+        raise InputError(f"{flag} {str(path)!r}: expected a new or empty directory, found a non-empty one "
+                         f"(pass --overwrite)")
+    check_output_path(p, kind, overwrite=overwrite, flag=flag)
+    parent = Path(os.path.abspath(p)).parent
+    if not p.exists() and not parent.is_dir():
+        found = "a file" if parent.exists() else "nothing"
+        raise InputError(f"{flag} {str(path)!r}: expected an existing parent directory {str(parent)!r}, found "
+                         f"{found}")
+    return p
+
+
+def add_traceback(p, top: bool = False) -> None:
+    """``--traceback``: full stack traces of errors and of backend failures on stderr (``top``: the main
+    parser's; a subcommand's leaves the main parser's value alone unless given)."""
+    p.add_argument("--traceback", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="print full stack traces: of an error, and of each backend failure (ERROR row); "
+                        "report.json holds them either way")
+
+
+def safe_text(s: str) -> str:
+    """``s`` with control characters (ESC, BEL, backspace, C1 controls, ...) shown as ``\\xNN`` escapes, tab
+    and newline kept: text from a random or hostile model cannot move the cursor, recolour or clear the
+    terminal or a CI log."""
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if ch in "\n\t" or not (o < 0x20 or o == 0x7F or 0x80 <= o < 0xA0):
+            out.append(ch)
+        else:
+            out.append(f"\\x{o:02x}")
+    return "".join(out)
+
+
+def staged_dir(out, entries: tuple[str, ...]):
+    """A context manager for an output directory ``out`` whose ``entries`` (``report.json``, ``taps``) a run
+    writes: it yields a staging directory next to (or inside) ``out``; when the block completes, the staged
+    entries replace the old ones in one step with SIGINT/SIGTERM/SIGHUP held (an old entry the run did not
+    write again is removed: a new report never sits next to stale archives); other files in ``out`` are left
+    alone. When the block raises or is interrupted, the staging directory is removed and ``out`` is as it
+    was: the old results or the new ones, never a mix, never a temp folder.
+
+    Raises:
+        OutputWriteError: the staging directory cannot be created (full or read-only disk).
+    """
+    import contextlib
+    import shutil
+    import tempfile
+
+    from reference.atomic import apply_umask_modes, signals_deferred, write_failed
+
+    @contextlib.contextmanager
+    def cm():
+        final = Path(out)
+        existed = final.is_dir()
+        try:
+            stage = Path(tempfile.mkdtemp(dir=final if existed else Path(os.path.abspath(final)).parent,
+                                          prefix=".partial-" if existed else f".{final.name}.partial-"))
+        except OSError as e:
+            raise write_failed(final, e) from None
+        try:
+            yield stage
+            apply_umask_modes(stage)
+            with signals_deferred():
+                if not existed:
+                    os.rename(stage, final)   # the whole directory appears at once
+                else:
+                    for name in entries:
+                        cur, new = final / name, stage / name
+                        if cur.exists() or cur.is_symlink():
+                            os.replace(cur, stage / f".old-{name}")
+                        if new.exists():
+                            os.replace(new, cur)
+        finally:
+            if stage.exists():
+                shutil.rmtree(stage, ignore_errors=True)
+    return cm()
+
+
+def replace_paths(doc, old: str, new: str):
+    """``doc`` (JSON-like) with ``old`` replaced by ``new`` in every string (paths written under a staging
+    directory, reported at their final place)."""
+    if isinstance(doc, str):
+        return doc.replace(old, new)
+    if isinstance(doc, dict):
+        return {k: replace_paths(v, old, new) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [replace_paths(v, old, new) for v in doc]
+    return doc
+
+
+def publish_files(files: dict) -> None:
+    """Write several output files together: each ``{path: bytes}`` to a temp file beside it, then all renamed
+    into place with SIGINT/SIGTERM/SIGHUP held, so an interrupted run leaves every old file or every new one.
+
+    Raises:
+        OutputWriteError: a write failed (full or read-only disk); nothing is left behind.
+    """
+    import contextlib
+    import tempfile
+
+    from reference.atomic import current_umask, signals_deferred, write_failed
+    temps = []
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+                temps.append((tmp, path))
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.chmod(tmp, 0o666 & ~current_umask())
+            except OSError as e:
+                raise write_failed(path, e) from None
+        with signals_deferred():
+            for tmp, path in temps:
+                os.replace(tmp, path)
+    finally:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

@@ -1,0 +1,228 @@
+"""The jobs behind ``qwen4exp parity`` and ``qwen4exp kl``: the KL harness with its three controls
+(:func:`run_kl_command`), the KL harness as one verdict-table row (:func:`kl_row`) and the whole parity run
+(:func:`run_parity`: KL harness + scenario suites -> :class:`parity.harness.report.ParityReport`)."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+
+def default_perturb_target(config) -> str:
+    """The tensor the negative control perturbs by default: layer 0's mixer output projection."""
+    return ("layers.0.linear_attn.out_proj.weight" if config.layer_types[0] == "linear_attention"
+            else "layers.0.self_attn.o_proj.weight")
+
+
+def perturbation(seed: int = 0):
+    """``w -> w + rms(w) * N(0, 1)`` (seeded): a clearly wrong tensor of the right shape and scale."""
+    import numpy as np
+
+    def fn(w):
+        rng = np.random.default_rng(seed)
+        rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64)))) or 1.0
+        return (w + rms * rng.standard_normal(w.shape)).astype(np.float32)
+    return fn
+
+
+def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=8, perturb_name=None,
+                   progress=True, flags=("--a", "--b")):
+    """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
+
+    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
+    the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight).
+    ``flags``: the options of a and b named in error messages.
+    """
+    from parity.backends import capabilities_of, open_backend
+    from parity.harness.kl import run_kl
+
+    a = open_backend(a_spec, model_path, flag=flags[0])
+    b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
+    r32 = a if a_spec == "reference" else open_backend("reference", model_path)
+    r64 = open_backend("reference:dtype=float64", model_path)
+    name = perturb_name or default_perturb_target(b.config)
+    target = b_spec if capabilities_of(b).get("perturb") else "reference"
+    note = f"{target} with {name} perturbed (+ rms * N(0,1))"
+
+    def perturbed():
+        return open_backend(target, model_path, perturb=(name, perturbation()))
+    return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
+                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
+
+
+def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
+               out_dir=None, progress=True):
+    """Run the KL harness and the scenarios; returns a :class:`parity.harness.report.ParityReport`.
+
+    An exception raised by the backend under test inside a case or the KL harness does not escape: it
+    becomes an 'error' row / case (a failed case; the report's exit code is 1).
+
+    Raises:
+        BackendError / InputError: the backend cannot be opened, bad options or prompts (before anything runs).
+    """
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    from parity.backends import opener, truth_model
+    from parity.harness.report import ParityReport, ScenarioRow
+    from parity.harness.scenarios import count_cases, run_scenario, summarize_results
+    from parity.harness.scenarios.common import TruthCache
+    from reference.errors import UserError
+
+    op = opener(backend_spec, model)
+    from parity.backends import capabilities_of
+    from parity.backends.base import capability_table
+    probe = op()  # fails here, clearly, when the backend cannot be opened
+    caps = capabilities_of(probe)
+    cfg = probe.config
+    report = ParityReport(backend=probe.name, model=str(model),
+                          meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
+                                # each operation's declaration (supported / limited with its limit / unsupported)
+                                "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
+                                **({"load": probe.load_note} if getattr(probe, "load_note", None) else {})})
+    if hasattr(probe, "close"):
+        probe.close()
+    from parity.harness.kl import thresholds_for
+    th = thresholds_for(report.meta["precision"])  # what run_case judges every scenario operation by
+    limits = {"max_kl": th.max_kl, "min_top1": th.min_top1}
+    kl_prompts = None
+    if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
+        from parity.prompts import load_prompts
+        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
+    truth = TruthCache(truth_model(model))
+    archive_dir = Path(out_dir) / "taps" if out_dir else None
+    total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
+    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
+    try:
+        for name in scenarios:
+            t0 = time.perf_counter()
+            if name == "kl":
+                try:
+                    report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
+                                               archive_dir=archive_dir))
+                except KeyboardInterrupt:
+                    raise
+                except (Exception, SystemExit) as e:  # the backend raised (or exited) in the KL harness: an ERROR row
+                    # (the backend was opened and the prompts read before this point: nothing here is bad input)
+                    msg = f"backend raised {_exc_name(e)}"
+                    report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
+                                                   float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
+                                                   "error", msg, traceback=_format_tb(e), thresholds=limits))
+                bar.update(1)
+                continue
+            try:
+                res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
+                                   level=level)
+                report.rows.append(summarize_results(name, res, time.perf_counter() - t0))
+            except (KeyboardInterrupt, UserError):
+                raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
+            except (Exception, SystemExit) as e:  # a scenario that cannot run at all is an ERROR row, not a crash
+                report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
+                                               time.perf_counter() - t0, "error", _exc_name(e),
+                                               traceback=_format_tb(e)))
+            row = report.rows[-1]
+            if not row.thresholds:
+                row.thresholds = limits
+    finally:
+        bar.close()
+    return report
+
+
+def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None):
+    """The KL harness as one verdict-table row; a failing comparison is located by tap-diff on its worst
+    prompt (the backend's one-shot logits against the truth's forward).
+
+    ``prompts``: token-id lists (already loaded), or a prompt file / None (the bundled set). The row's
+    failed cases are the prompts failing :func:`parity.harness.kl.verdict` on their own (KL or top-1).
+    """
+    import dataclasses
+
+    import numpy as np
+
+    from parity.backends import open_backend
+    from parity.harness.kl import LogitComparison, verdict
+    from parity.harness.report import ScenarioRow
+
+    if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__fspath__"):
+        from parity.prompts import load_prompts
+        from reference.config import load_config
+        prompts = load_prompts(prompts, model, load_config(model).vocab_size)
+    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False, flags=("reference", "--backend"))
+    failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
+    status = "pass" if rep.exit_code == 0 else "fail"
+    detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
+    both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
+    bounds = np.cumsum([0] + rep.per_prompt_positions)
+    per_prompt = [float(np.max(both[bounds[i]:bounds[i + 1]])) for i in range(len(prompts))]
+    cmp_fields = [f.name for f in dataclasses.fields(LogitComparison)]
+    prompt_ok = [verdict(LogitComparison(*[getattr(rep.comparison, f)[bounds[i]:bounds[i + 1]] for f in cmp_fields]),
+                         rep.thresholds)[0] for i in range(len(prompts))]
+    n_bad = sum(1 for ok in prompt_ok if not ok)
+    first, archives = None, []
+    if not rep.passed:
+        # the worst prompt among those failing on their own (KL or top-1), else the worst KL overall
+        cand = [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
+        worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
+        if truth is not None:
+            from parity.harness.scenarios.locate import locate_one_shot
+            be = open_backend(backend_spec, model)
+            where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
+            first = f"prompt {worst}: {where}"
+        else:
+            first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
+    elif failed_controls:
+        first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
+    doc = rep.to_json()
+    doc["archives"] = archives
+    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
+                       first, time.perf_counter() - t0, status, detail, failures=[doc] if status != "pass" else [],
+                       thresholds={"max_kl": rep.thresholds.max_kl, "min_top1": rep.thresholds.min_top1})
+
+
+def _exc_name(e: BaseException) -> str:
+    """``Type: message`` of an exception; ``SystemExit(code)`` for a backend that called sys.exit()."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r}) (the backend called sys.exit)"
+    return f"{type(e).__name__}: {e}"
+
+
+def _format_tb(e: BaseException) -> str:
+    """The full stack trace of ``e`` (kept in report.json, printed with ``--traceback``)."""
+    import traceback
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def unwritten_archives(doc) -> list[str]:
+    """The reasons recorded in a report document where failing cases' tap archives could not be written
+    (``archives`` entries made by :func:`parity.harness.scenarios.locate.not_written`)."""
+    from parity.harness.scenarios.locate import NOT_WRITTEN
+    out = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "archives" and isinstance(v, list):
+                    out.extend(a[len(NOT_WRITTEN):].rstrip(")") for a in v
+                               if isinstance(a, str) and a.startswith(NOT_WRITTEN))
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(doc)
+    return out
+
+
+def remove_empty_dirs(root) -> None:
+    """Remove the empty folders under ``root`` (and ``root`` itself when it ends up empty): a case whose
+    archives could not be written leaves no empty folder behind."""
+    import os
+    from pathlib import Path
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for d, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
+        with contextlib.suppress(OSError):
+            if not any(Path(d).iterdir()):
+                Path(d).rmdir()

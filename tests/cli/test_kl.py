@@ -1,0 +1,213 @@
+"""``qwen4exp kl``: the logit-KL verb -- backends a / b, prompts (files, pipes, no tokenizer), outputs,
+the plot, and backends failing mid-run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fixture_helpers import one_line_error
+from parity.cli import main
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+def _fifo(tmp_path, data: bytes, name="fifo") -> tuple[Path, threading.Thread]:
+    """A named pipe (what `<(...)` gives) fed with ``data`` by a thread."""
+    p = tmp_path / name
+    os.mkfifo(p)
+
+    def feed():
+        with open(p, "wb") as f:
+            f.write(data)
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    return p, t
+
+def _tiny_without_tokenizer(tiny, tmp_path) -> Path:
+    d = tmp_path / "notok"
+    shutil.copytree(tiny, d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).unlink(missing_ok=True)
+    return d
+
+def _rows_all_error():
+    from parity.harness.scenarios import summarize_results
+    from parity.harness.scenarios.common import CaseResult
+    res = [CaseResult("budget", f"c{i}", 4, "error", failure="RuntimeError: x", divergence="RuntimeError: x")
+           for i in range(3)]
+    return summarize_results("budget", res, 0.1)
+
+class _Boom:
+    @classmethod
+    def open(cls, model_path, **opts):
+        raise RuntimeError("device on fire\nsecond line")
+
+@pytest.fixture()
+def boom_module(monkeypatch):
+    import types
+    mod = types.ModuleType("h9_boom_backend")
+    mod.Cls = _Boom
+    monkeypatch.setitem(sys.modules, "h9_boom_backend", mod)
+    return "h9_boom_backend:Cls"
+
+
+def test_kl_plot_path_checked_up_front(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import parity.harness.run as K
+    monkeypatch.setattr(K, "run_kl_command", lambda *a, **k: pytest.fail("ran before checking --plot"))
+    assert main(["kl", "--a", "reference", "--b", "reference", "--plot", str(tmp_path)]) == 2
+    one_line_error(capsys, "--plot", "found a directory")
+
+
+def test_kl_backend_open_failure_is_exit_2(boom_module, capsys):
+    assert main(["kl", "--b", boom_module, "--greedy-tokens", "0"]) == 2
+    one_line_error(capsys, boom_module, "RuntimeError", "device on fire")
+
+
+def test_kl_negative_greedy_tokens_is_exit_2(capsys):
+    assert main(["kl", "--a", "reference", "--b", "reference", "--greedy-tokens", "-1"]) == 2
+    one_line_error(capsys, "--greedy-tokens", "-1")
+
+
+def test_kl_json_prompts_with_lone_surrogates_are_refused(tmp_path, capsys):
+    """#15 finding 4: a JSON prompt file holding "\\ud800" crashed kl/parity with a traceback."""
+    f = tmp_path / "p.json"
+    f.write_text('["fine", "bad \\ud800 text"]')
+    assert main(["kl", "--b", "reference", "--prompts", str(f)]) == 2
+    one_line_error(capsys, "--prompts", "item 1", "U+D800", "byte offset 4")
+    assert main(["parity", "--backend", "reference", "--scenario", "kl", "--prompts", str(f)]) == 2
+    one_line_error(capsys, "--prompts", "item 1", "U+D800")
+
+
+def test_kl_prompts_from_a_pipe(tmp_path, capsys):
+    """#15 finding 8: inputs accept pipes (`<(...)`)."""
+    p, t = _fifo(tmp_path, b"[[1, 2, 3, 4, 5, 6]]")
+    assert main(["kl", "--b", "reference", "--prompts", str(p), "--greedy-tokens", "0", "--no-progress"]) == 0
+    t.join(5)
+    assert "6 positions" in capsys.readouterr().out
+
+
+def test_kl_without_tokenizer_falls_back_to_token_id_prompts(tiny, tmp_path, capsys):
+    """#15 finding 9: kl/parity on a checkpoint without a tokenizer stopped ("needs the checkpoint's
+    tokenizer"); now the bundled set falls back to seeded token-id prompts, and a text --prompts file says
+    token-id lists work."""
+    d = _tiny_without_tokenizer(tiny, tmp_path)
+    assert main(["kl", str(d), "--b", "reference", "--greedy-tokens", "0", "--no-progress", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert "no tokenizer.json" in cap.err and "token-id prompts" in cap.err
+    from parity.prompts import ID_PROMPT_LENGTHS
+    assert json.loads(cap.out)["positions"] if "positions" in json.loads(cap.out) else True
+    assert sum(ID_PROMPT_LENGTHS) > 0
+    f = tmp_path / "texts.json"
+    f.write_text('["a text"]')
+    assert main(["kl", str(d), "--b", "reference", "--prompts", str(f)]) == 2
+    one_line_error(capsys, "--prompts", "token-id lists")
+    # the same prompts on every run: seeded
+    from parity.prompts import load_prompts
+    a, b = load_prompts(None, d, 512), load_prompts(None, d, 512)
+    assert a == b and len(a) >= len(ID_PROMPT_LENGTHS)
+
+
+def test_kl_out_file_and_stdout(tmp_path, capsys):
+    """#15 finding 8: one --out rule for kl too: existing refused without --overwrite, '-' = stdout."""
+    out = tmp_path / "k.json"
+    out.write_text("old")
+    assert main(["kl", "--b", "reference", "--out", str(out), "--greedy-tokens", "0", "--no-progress"]) == 2
+    one_line_error(capsys, "--out", "--overwrite")
+    assert out.read_text() == "old"
+    assert main(["kl", "--b", "reference", "--out", "-", "--greedy-tokens", "0", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["b"] == "reference"
+
+
+def test_kl_plot_has_integer_counts_and_the_limit_line(monkeypatch):
+    """#15 finding 9: the kl plot had fractional position counts and no threshold line."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from parity.cli import kl as K
+    from parity.harness.run import run_kl_command
+    rep = run_kl_command(REPO / "fixtures" / "tiny", "reference", "reference", [[1, 2, 3]], greedy_tokens=0,
+                         progress=False)
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig: figs.append(fig))
+    assert K.plot_png(rep)[:4] == b"\x89PNG"
+    h, line = figs[0].axes
+    assert any(abs(y - rep.thresholds.max_kl) < 1e-30 for ln in line.get_lines() for y in ln.get_ydata()[:1])
+    assert all(float(t).is_integer() for t in h.get_yticks())
+
+
+def test_all_error_scenario_is_shown_as_error_not_zero_kl():
+    """#15 finding 6: a scenario whose cases all errored showed `worst KL 0.00e+00`, which reads as perfect."""
+    from parity.harness.report import ParityReport, render_table
+    row = _rows_all_error()
+    assert np.isnan(row.worst_kl) and row.status == "error"
+    text = render_table(ParityReport("b", "m", [row]), columns=200)
+    assert "0.00e+00" not in text and text.splitlines()[2].split()[2] == "ERROR"
+
+
+def test_kl_reference_vs_reference_passes(tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], "Hello lighthouse"]))
+    rc = main(["kl", "--a", "reference", "--b", "reference", "--prompts", str(prompts), "--greedy-tokens", "2",
+               "--json", "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["controls_ok"] and doc["metrics"]["top1_agreement"] == 1.0
+    assert set(doc["controls"]) == {"determinism", "precision_floor", "negative_control"}
+    assert set(doc["metrics"]["kl_ab"]) == {"mean", "median", "p90", "p99", "p99.9", "max"}
+
+
+def test_kl_flags_a_perturbed_backend(tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([list(range(5, 25))]))  # 20 tokens: past the QSA bound (11) of tiny
+    rc = main(["kl", "--b", "parity.suites.faults:BudgetOffByOne", "--prompts", str(prompts), "--greedy-tokens",
+               "0", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "verdict b: FAIL" in out
+
+
+@pytest.mark.parametrize("content,match", [("{}", "non-empty JSON list"), ("[[]]", "empty prompt"),
+                                           ("[[1, 99999]]", "token ids in"), ("[1.5]", "text or a list"),
+                                           ("not json", "JSON list")])
+def test_kl_bad_prompt_files_are_exit_2(tmp_path, capsys, content, match):
+    p = tmp_path / "p.json"
+    p.write_text(content)
+    assert main(["kl", "--b", "reference", "--prompts", str(p), "--no-progress"]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_kl_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    assert main(["kl", "--b", "reference", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_kl_plot_is_written_when_matplotlib_is_present(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib (optional) not installed")
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    png = tmp_path / "kl.png"
+    rc = main(["kl", "--b", "reference", "--prompts", str(prompts), "--greedy-tokens", "0", "--plot", str(png),
+               "--no-progress"])
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*")) and not [p for p in tmp_path.iterdir() if p.suffix == ".png" and p != png]
+
+
+@pytest.mark.parametrize("flag", ["--a", "--b"])
+def test_kl_bad_backend_names_its_option(flag, capsys):
+    assert main(["kl", flag, "bogus", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}:" in err and "--backend" not in err

@@ -1,0 +1,205 @@
+"""Quantised weights kept in their stored format (engine/kernels/quant.py, cuda/quant_linear.cu), CPU side.
+
+What is checked without a GPU:
+* the reader dequantises NVFP4 exactly (tiny-nvfp4 against hand-decoded codes) and refuses a malformed
+  NVFP4 tensor with one clear error;
+* the engine keeps tiny-fp8's and tiny-nvfp4's quantised tensors as QuantWeight (not float32 copies) and
+  the twin's dequantisation is bit-identical to the reader's, stacked gate + up included;
+* the CUDA decoders' bit manipulation (a line-by-line Python twin of ``e4m3_to_f32`` / ``e2m1_to_f32``)
+  equals ml_dtypes / the E2M1 table for every code;
+* the stored-format engine reproduces the goldens and a wrong scale is caught (negative control).
+"""
+import numpy as np
+import pytest
+
+from engine import Engine
+from engine.kernels import linear as L
+from engine.kernels.quant import QuantWeight, dequantize, stack_rows
+from fixture_helpers import fixture_dir, load_golden
+from reference.checkpoint import E2M1_VALUES, Checkpoint, CheckpointError, DictWeights
+
+
+def _e4m3_bits_twin(b: int) -> float:
+    """quant_linear.cu:e4m3_to_f32, operation by operation."""
+    em = b & 0x7F
+    if em >= 8:
+        v = np.array([(em << 20) + (120 << 23)], np.uint32).view(np.float32)[0]
+    else:
+        v = np.float32(em) * np.float32(0.001953125)
+    if em == 0x7F:
+        v = np.float32(np.nan)
+    return -v if b & 0x80 else v
+
+
+def _e2m1_bits_twin(nib: int) -> float:
+    """quant_linear.cu:e2m1_to_f32, operation by operation."""
+    m = nib & 7
+    bits = ((0x3F00 + m * 0x40) << 16) if m >= 2 else (0x3F000000 if m else 0)
+    return np.array([bits | ((nib & 8) << 28)], np.uint32).view(np.float32)[0]
+
+
+def test_cuda_decoders_match_every_code():
+    import ml_dtypes
+    ref = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.array([_e4m3_bits_twin(b) for b in range(256)], np.float32)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)) or np.array_equal(
+        np.isnan(ref), np.isnan(got)) and np.array_equal(ref[~np.isnan(ref)], got[~np.isnan(got)])
+    assert np.array_equal(np.array([_e2m1_bits_twin(n) for n in range(16)], np.float32).view(np.uint32),
+                          E2M1_VALUES.view(np.uint32))
+    # negative control: a decoder with the wrong exponent bias is caught by the same comparison
+    wrong = np.array([np.float32(_e4m3_bits_twin(b)) * 2 for b in range(1, 0x7F)], np.float32)
+    assert not np.array_equal(wrong, ref[1:0x7F])
+
+
+def test_reader_dequantises_nvfp4_exactly():
+    ck = Checkpoint.open(fixture_dir("tiny-nvfp4"))
+    n = "layers.0.mlp.experts.3.up_proj.weight"
+    assert ck.dtype(n) == "U8" and ck.is_nvfp4(n)
+    q = np.asarray(ck.get_raw(n)).view(np.uint8)
+    sc = np.asarray(ck.get_raw("layers.0.mlp.experts.3.up_proj.weight_scale")).astype(np.float32)
+    g = np.float32(np.asarray(ck.get_raw("layers.0.mlp.experts.3.up_proj.weight_scale_2")).reshape(()))
+    N, K2 = q.shape
+    by_hand = np.empty((N, 2 * K2), np.float32)
+    for r in range(N):
+        for k in range(2 * K2):
+            code = (q[r, k // 2] >> (4 * (k % 2))) & 15
+            by_hand[r, k] = (E2M1_VALUES[code] * sc[r, k // 16]) * g
+    got = ck.get(n)
+    assert got.shape == (N, 2 * K2) == (ck.config.moe_intermediate_size, ck.config.hidden_size)
+    assert np.array_equal(got, by_hand)
+    g_, u_, d_ = ck.expert(0, 3)
+    assert np.array_equal(u_, by_hand)
+    assert ck.validate() == []  # weight_scale_2 / input_scale are known names, shapes checked logically
+
+
+def test_reader_refuses_malformed_nvfp4():
+    ck = Checkpoint.open(fixture_dir("tiny-nvfp4"))
+    arrays = {n: np.asarray(ck.get_raw(n)) for n in ck.names() if ".mlp.experts.0." in n and "layers.0." in n}
+    base = "layers.0.mlp.experts.0.gate_proj."
+    bad = dict(arrays)
+    bad[base + "weight_scale"] = np.asarray(arrays[base + "weight_scale"])[:, :2]
+    dw = DictWeights(ck.config, bad)
+    with pytest.raises(CheckpointError, match=r"weight_scale.*unexpected shape.*expected \[32, 4\]"):
+        dw.get(base + "weight")
+    del bad[base + "weight_scale"]
+    with pytest.raises(CheckpointError, match=r"expected 'layers.0.mlp.experts.0.gate_proj.weight_scale'"):
+        DictWeights(ck.config, bad).get(base + "weight")
+
+
+@pytest.mark.parametrize("name, fmt", [("tiny-fp8", "fp8"), ("tiny-nvfp4", "nvfp4")])
+def test_engine_keeps_stored_format_and_twin_is_bit_exact(name, fmt):
+    ck = Checkpoint.open(fixture_dir(name))
+    eng = Engine(ck, device="cpu")
+    w = eng.model.w
+    gu, dn = w["layers.1.mlp.experts.gate_up"], w["layers.1.mlp.experts.down"]
+    assert isinstance(gu, QuantWeight) and gu.fmt == fmt and isinstance(dn, QuantWeight)
+    c = ck.config
+    I = c.moe_intermediate_size
+    for e in (0, c.num_experts - 1):
+        g, u, d = ck.expert(1, e)
+        deq = dequantize(gu[e])
+        assert np.array_equal(deq[:I], g) and np.array_equal(deq[I:], u)
+        assert np.array_equal(dequantize(dn[e]), d)
+    assert np.array_equal(dequantize(gu)[e], np.concatenate([g, u]))  # stacked form == per-expert form
+    if fmt == "fp8":  # a dense FP8 projection too, and gate/up stacked with 32-row scale blocks (I=32 < 128)
+        n = "layers.2.self_attn.o_proj.weight"
+        assert isinstance(w[n], QuantWeight) and np.array_equal(dequantize(w[n]), ck.get(n))
+        assert gu.rb == 32
+    # 1 byte (fp8) / half a byte (nvfp4) per expert weight instead of 4
+    assert gu.q.nbytes == gu.shape[0] * gu.shape[1] * gu.shape[2] // (1 if fmt == "fp8" else 2)
+
+
+@pytest.mark.parametrize("name", ["tiny-fp8", "tiny-nvfp4"])
+def test_stored_format_engine_matches_goldens_and_a_wrong_scale_is_caught(name):
+    ck = Checkpoint.open(fixture_dir(name))
+    g, _ = load_golden(name)
+    ids = g["qsa/ids"]
+    want = g["qsa/logits"]
+    eng = Engine(ck, precision="float32", device="cpu")
+    s = eng.add_sequence()
+    got = eng.prefill(s, ids)
+    scale = np.abs(want).max()
+    # float32 throughout: only summation order differs from the official float32 forward
+    assert np.abs(got - want).max() / scale < 1e-5
+    # negative control: one expert's scale off by 2x (what a dropped weight_scale_2 or a misread block does)
+    gu = eng.model.w["layers.0.mlp.experts.gate_up"]
+    if gu.fmt == "fp8":
+        gu.scale[:] *= 2
+    else:
+        gu.scale2[:] *= 2
+    s2 = eng.add_sequence()
+    bad = eng.prefill(s2, ids)
+    assert np.abs(bad - want).max() / scale > 1e-3
+
+
+def test_stack_rows_keeps_every_scale():
+    rng = np.random.default_rng(0)
+
+    def fp8(n, k, rb):
+        q = rng.integers(0, 0x7E, size=(n, k), dtype=np.uint8)
+        s = rng.uniform(0.5, 2, size=(-(-n // rb), -(-k // 128))).astype(np.float32)
+        return QuantWeight("fp8", (n, k), q, s, rb=rb, cb=128)
+    a, b = fp8(40, 256, 128), fp8(40, 256, 128)
+    st = stack_rows([a, b])
+    assert st.rb == 8 and np.array_equal(dequantize(st), np.concatenate([dequantize(a), dequantize(b)]))
+
+
+def test_quant_kernel_choice():
+    assert L.quant_kernel_choice("fp8", 1, 10240, 2560, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r4_ks1_v", 320)
+    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r1_ks8_v", 2560)
+    assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r1_ks8_v", 320)
+    assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, vec=False, sms=132) == ("qgemv_nvfp4_nt4_r4_ks1_s", 4096)
+    assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, vec=True, sms=132) == ("qgemv_nvfp4_nt16_r1_ks1_v",
+                                                                                     16384)
+    assert L.quant_kernel_choice("fp8", 64, 1000, 64, 3, vec=True, sms=132)[0] == "qgemm_fp8"
+
+
+@pytest.mark.parametrize("name", ["tiny-fp8", "tiny-nvfp4"])
+def test_stacked_quantised_projections_are_views_and_change_nothing(name):
+    """The CUDA engine stacks projections that read one input (engine/model.py:_fuse_weights); with stored
+    formats the stack is a QuantWeight whose members are row views. Here the same stacking runs on the CPU
+    path (where it is off by default): logits agree to float32 summation noise and no weight is copied."""
+    ck = Checkpoint.open(fixture_dir(name))
+    g, _ = load_golden(name)
+    ids = g["qsa/ids"]
+    eng = Engine(ck, precision="float32", device="cpu")
+    before = eng.prefill(eng.add_sequence(), ids)
+    eng.model._fuse_weights()
+    fused = eng.model.fused
+    if name == "tiny-fp8":
+        assert "layers.2.self_attn.fused_in_proj" in fused and "layers.0.linear_attn.fused_in_proj_qkv_z" in fused
+        st = eng.model.w["layers.2.self_attn.fused_in_proj"]
+        q = eng.model.w["layers.2.self_attn.q_proj.weight"]
+        assert isinstance(st, QuantWeight) and np.shares_memory(q.q, st.q) and np.shares_memory(q.scale, st.scale)
+        assert np.array_equal(dequantize(q), ck.get("layers.2.self_attn.q_proj.weight"))
+    after = eng.prefill(eng.add_sequence(), ids)
+    assert np.abs(after - before).max() / np.abs(before).max() < 1e-5
+
+
+def test_rows_refuses_a_cut_scale_block():
+    w = QuantWeight("fp8", (256, 128), np.zeros((256, 128), np.uint8), np.ones((2, 1), np.float32))
+    assert w.rows(128, 256).shape == (128, 128)
+    with pytest.raises(ValueError, match="cut 128-row scale blocks"):
+        w.rows(64, 256)
+
+
+def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
+    """quant_kernel_choice's names against the entries quant_linear.cu generates (a renamed or missing
+    variant would otherwise surface only on a GPU)."""
+    import re
+
+    from engine.backend import CUDA_DIR
+    src = (CUDA_DIR / "quant_linear.cu").read_text()
+    fam = src[src.index("#define QGEMV_FAMILY"):src.index("QGEMV_FAMILY(fp8, FP8W)")]
+    entries = {f"qgemv_{fmt}_nt{nt}_r{r}_ks{ks}_{suf}" for fmt in ("fp8", "nvfp4")
+               for nt, r, ks, suf in re.findall(r"QGEMV_ENTRY\(FMT, LD, (\d+), (\d+), (\d+), \w+, (\w)\)", fam)}
+    entries |= set(re.findall(r'extern "C" __global__ void __launch_bounds__\(256\) (qgemm_\w+)\(', src))
+    picked = set()
+    for fmt in ("fp8", "nvfp4"):
+        for rpt in (1, 4, 16, 64):
+            for N in (8, 320, 2560, 131072):
+                for grid_y in (1, 12, 500):
+                    for vec in (True, False):
+                        picked.add(L.quant_kernel_choice(fmt, rpt, N, 2560, grid_y, vec=vec, sms=132)[0])
+    assert picked <= entries, sorted(picked - entries)
+    assert len(picked) >= 10

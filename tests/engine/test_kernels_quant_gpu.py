@@ -1,0 +1,128 @@
+"""GPU tests of the quantised-weight kernels (engine/kernels/cuda/quant_linear.cu): CUDA vs the NumPy twin.
+
+Random FP8 / NVFP4 codes and scales (every code value but the E4M3 NaN), fresh seed per run (printed);
+outputs poisoned before the launch. The kernels' dequantisation is checked bit for bit against the twin
+(``qdequant_*``, same products); the products against the twin in float64 with the dense kernels'
+tolerance (1e-5: float32 summation order only, see test_kernels_dense_gpu.py). Negative controls: one
+perturbed code is caught and located in its output column; a swapped expert is caught.
+"""
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy", reason="GPU tests need cupy (pip install '.[gpu]')")
+
+from engine.backend import gpu_available  # noqa: E402
+from engine.kernels import dense_common  # noqa: E402
+from engine.kernels import linear as L  # noqa: E402
+from engine.kernels import moe as M  # noqa: E402
+from engine.kernels.dense_common import kernel  # noqa: E402
+from engine.kernels.quant import QuantWeight, dequantize  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to cupy")]
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(dense_common, "POISON", True)
+
+
+@pytest.fixture
+def rng():
+    seed = secrets.randbits(32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def rel(a, b):
+    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def make(rng, fmt, shape, rb=128, cb=128):
+    *lead, N, K = shape
+    lead = tuple(lead)
+    if fmt == "fp8":
+        q = rng.integers(0, 256, size=lead + (N, K), dtype=np.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+        s = rng.uniform(0.001, 0.02, size=lead + (-(-N // rb), -(-K // cb))).astype(np.float32)
+        return QuantWeight("fp8", shape, q, s, rb=rb, cb=cb)
+    q = rng.integers(0, 256, size=lead + (N, K // 2), dtype=np.uint8)
+    sc = rng.integers(0x20, 0x48, size=lead + (N, K // 16), dtype=np.uint8)  # E4M3 ~2^-3 .. 2^2
+    E = lead[0] if lead else 1
+    s2 = rng.uniform(0.001, 0.01, size=(E * 2,) if N % 2 == 0 else (E,)).astype(np.float32)
+    return QuantWeight("nvfp4", shape, q, sc, s2, s2_rows=N // 2 if N % 2 == 0 else N)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("M_,K,N_", [(1, 2560, 334), (3, 96, 64), (4, 160, 40), (5, 2560, 78), (16, 320, 130),
+                                      (17, 96, 70), (130, 2560, 200), (1, 640, 4000), (2, 48, 1000),
+                                      (1, 256, 9001), (3, 160, 9002), (16, 96, 9003)])  # large N: 4-row warps
+def test_quant_linear_cuda(rng, fmt, M_, K, N_):
+    w = make(rng, fmt, (N_, K), rb=64 if N_ % 64 == 0 else 128)
+    x = rng.standard_normal((M_, K)).astype(np.float32)
+    wg = w.to(cp)
+    # the kernel's decode equals the twin's bit for bit
+    deq = cp.empty((N_, K), cp.float32)
+    if fmt == "fp8":
+        args = (wg.q, wg.scale, np.int64(0), np.int64(0), np.int32(w.rb), np.int32(w.cb), np.int32(w.scale.shape[-1]))
+    else:
+        args = (wg.q, wg.scale, wg.scale2, np.int64(0), np.int64(0), np.int32(w.s2_rows), np.int32(N_ // w.s2_rows))
+    n = N_ * K
+    kernel("quant_linear.cu", f"qdequant_{fmt}")((-(-n // 256),), (256,), args + (np.int32(1), np.int32(N_),
+                                                                                np.int32(K), deq))
+    np.testing.assert_array_equal(cp.asnumpy(deq).view(np.uint32), dequantize(w).view(np.uint32))
+    y = L.linear(cp.asarray(x), wg)
+    ref = L.linear(x.astype(np.float64), w)
+    assert rel(y, ref) < TOL
+    # negative control: one code changed -> caught and located in its output column
+    r = int(rng.integers(N_))
+    wb = w.to(np)
+    wb.q = wb.q.copy()
+    wb.q[r, 0] ^= 0x40 if fmt == "fp8" else 0x07
+    yb = cp.asnumpy(L.linear(cp.asarray(x), wb.to(cp)))
+    assert int(np.argmax(np.abs(yb - ref).max(axis=0))) == r
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("rpt", [1, 4, 16, 64])
+def test_quant_moe_experts_all_tile_kinds(rng, fmt, rpt):
+    E, H, I, k, T = 24, 256, 96, 5, 90
+    gu = make(rng, fmt, (E, 2 * I, H), rb=32)
+    dn = make(rng, fmt, (E, H, I), rb=128)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, k)).astype(np.float32)
+    route = M.moe_route_tables(cp.asarray(ids), E, rows_per_tile=rpt)
+    out = M.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), gu.to(cp), dn.to(cp), route=route)
+    ref = M.moe_experts(x.astype(np.float64), ids, w, gu, dn)
+    assert rel(out, ref) < TOL
+    # negative control: experts a and b swapped in down -> exactly their tokens change
+    a, b = int(ids[0, 0]), int(ids[0, 1])
+    bad = dn.to(np)
+    order = np.arange(E)
+    order[[a, b]] = order[[b, a]]
+    bad = QuantWeight(fmt, bad.shape, bad.q[order], bad.scale[order],
+                      None if bad.scale2 is None else bad.scale2.reshape(E, -1)[order].reshape(-1), rb=bad.rb,
+                      cb=bad.cb, s2_rows=bad.s2_rows)
+    ob = cp.asnumpy(M.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), gu.to(cp), bad.to(cp), route=route))
+    users = {t for t in range(T) if a in ids[t] or b in ids[t]}
+    assert {int(t) for t in np.nonzero(np.abs(ob - cp.asnumpy(out)).max(1) > 1e-6)[0]} == users
+
+
+def test_synthetic_fill_matches_hash_twin():
+    """synthetic_fill.cu's hash and fills equal their NumPy twins (parity/bench/synthetic.py) element for
+    element, so a full-depth bench's device weights are what the CPU tests describe."""
+    from parity.bench import synthetic as S
+    for seed in (0, 12345):
+        a = S._fill_u8(cp, (7, 1001), seed, 0xBF, 0)
+        np.testing.assert_array_equal(cp.asnumpy(a), S._fill_u8(np, (7, 1001), seed, 0xBF, 0))
+        b = S._fill_bf16(cp, (3, 999), seed)
+        np.testing.assert_array_equal(cp.asnumpy(b), S._fill_bf16(np, (3, 999), seed))
+    assert not np.array_equal(cp.asnumpy(S._fill_u8(cp, (5, 5), 1, 0xFF, 0)), S._fill_u8(np, (5, 5), 2, 0xFF, 0))
