@@ -48,7 +48,7 @@ def test_parse_speculative():
     (["tiny-mtp", "--prompt", "x", "--greedy", "--speculative", "draft:k=3"], ["--speculative", "mtp:k=N"]),
 ])
 def test_speculative_refusals_are_one_line(capsys, argv, needles):
-    rc = main(["generate", *argv, "--device", "cpu"])
+    rc = main(["generate", *argv, "--backend", "engine:device=cpu"])
     assert rc == 2
     one_line_error(capsys, *needles)
 
