@@ -418,6 +418,16 @@ class EngineModel:
         if rec is not None and rec.wants(name):
             rec.emit(name, self.syncs.host(value), positions=positions)
 
+    def _emit_hc_norm(self, rec, prefix: str, h, positions):
+        """The ``<prefix>hc_norm.out`` tap. ``hc_pre`` normalises inside its fused kernel, so the tap is the
+        engine's ``rms_norm`` kernel on the same input and weight (computed only while recording): it names a
+        wrong gain or eps at the norm; a fault inside the fused kernel alone shows at ``<prefix>out``."""
+        name = prefix + "hc_norm.out"
+        if rec is not None and rec.wants(name):
+            c = self.config
+            self._emit(rec, name, K_norms.rms_norm(h, self.w[prefix + "hc_norm.weight"], eps=c.rms_norm_eps,
+                                                   group_size=c.hidden_size), positions)
+
     def _hc_pre(self, prefix: str, h, rec, positions):
         """Input side of the hyper-connection ``prefix`` (``layers.{i}.attn_hyper_connection.``) on the
         residual ``h`` [T, hc*H]; emits its ``.out`` and ``.injection_weights`` taps."""
@@ -425,6 +435,7 @@ class EngineModel:
         pre = K_norms.hc_pre(h, self.w[prefix + "hc_norm.weight"], self.w[prefix + "input_mix_weight_down.weight"],
                              self.w[prefix + "input_mix_weight_up.weight"], self.w[prefix + "block_inject_weight.weight"],
                              hc_count=c.hc_count, eps=c.rms_norm_eps, down_inject=self.w.get(prefix + "fused_down_inject"))
+        self._emit_hc_norm(rec, prefix, h, positions)
         self._emit(rec, prefix + "out", pre.mixed, positions)
         self._emit(rec, prefix + "injection_weights", pre.injection_weights, positions)
         return pre
@@ -551,6 +562,7 @@ class EngineModel:
                              self.w["hyper_connection_mixer.input_mix_weight_up.weight"], None,
                              hc_count=c.hc_count, eps=eps)
         final = fin.mixed
+        self._emit_hc_norm(rec, "hyper_connection_mixer.", h, positions)
         self._emit(rec, "hyper_connection_mixer.out", final, positions)
         if st.last_rows is not None:
             final = final[xp.asarray(st.last_rows)]
@@ -581,6 +593,8 @@ class EngineModel:
             a = K_lin.linear(x, w[q + "in_proj_a.weight"])
         conv_state = pool.gdn_conv[i]
         rec_state = pool.gdn_rec[i]
+        if rec is not None and rec.wants(q + "conv_state"):  # read before the conv updates the state in place
+            self._emit(rec, q + "conv_state", self._conv_history(conv_state, qkv, segs, st), positions)
         if mode == "decode":
             slots = st.slabs_dev
             conv = K_gdn.causal_conv_decode(qkv, w[q + "conv1d.weight"], conv_state, slots)
@@ -607,9 +621,21 @@ class EngineModel:
         self._emit(rec, q + "core_out", core, positions)
         normed = K_norms.gated_rms_norm(core, z.reshape(T, Hv, Dv), w[q + "norm.weight"], eps=c.rms_norm_eps,
                                         activation=c.output_gate)
+        self._emit(rec, q + "norm.out", normed, positions)
         out = K_lin.linear(normed.reshape(T, vd), w[q + "out_proj.weight"])
         self._emit(rec, q + "out", out, positions)
         return out
+
+    def _conv_history(self, conv_state, x, segs, st):
+        """Tap ``linear_attn.conv_state`` ``[T, K-1, C]``: the K-1 conv input rows each position reads (the
+        carried slab rows, then this step's inputs ``x [T, C]``), before the conv kernel updates the slab."""
+        xp = self.xp
+        if st.mode == "decode":
+            return conv_state[st.slabs_dev].copy()
+        S = conv_state.shape[1]
+        z = xp.concatenate([conv_state[segs[0].seq.slab], x.astype(conv_state.dtype)], axis=0)
+        idx = xp.arange(x.shape[0])[:, None] + xp.arange(S)[None, :]
+        return z[idx]
 
     # ------------------------------------------------------------------ MoE / PLE / QSA (kernels of E-dense / E-seq)
     def _moe(self, i, x, rec, positions):
@@ -675,6 +701,11 @@ class EngineModel:
         value = K_lin.linear(emb, w[q + "value_proj.weight"])
         pg = K_ple.ple_gate(key, value, h, w[q + "norm_key.weight"], w[q + "norm_query.weight"],
                             w[q + "norm_conv.weight"], hc_count=c.hc_count, eps=c.rms_norm_eps)
+        if rec is not None:  # ple_gate normalises inside its kernel: the two input norms by the rms_norm kernel
+            for nm, v in (("norm_key", key), ("norm_query", h)):
+                if rec.wants(q + nm + ".out"):
+                    self._emit(rec, q + nm + ".out", K_norms.rms_norm(v, w[q + nm + ".weight"], eps=c.rms_norm_eps,
+                                                                        group_size=c.hidden_size), positions)
         W = h.shape[1]
         conv_slab = pool.ple_conv[i]
         if st.mode == "verify":
@@ -687,6 +718,8 @@ class EngineModel:
                               dilation=c.ngram_size)
         out = pg.gated + conv.reshape(B * Tn, W)
         self._emit(rec, q + "gate", pg.gate, positions)
+        self._emit(rec, q + "norm_conv.out", pg.gated_normed, positions)
+        self._emit(rec, q + "conv_out", conv.reshape(B * Tn, W), positions)
         self._emit(rec, q + "out", out, positions)
         return out
 
@@ -723,6 +756,7 @@ class EngineModel:
             k_lin = K_lin.linear(x, w[q + "k_proj.weight"])
             v_lin = K_lin.linear(x, w[q + "v_proj.weight"])
         q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"], eps=eps)
+        self._emit(rec, q + "indexer.q_layernorm.out", q_idx, positions)
         q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
         pool.idx_k[i][slots] = qk[:, ih * ihd:]
         K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev,
@@ -734,14 +768,30 @@ class EngineModel:
         if st.qsa_select_hook is not None:
             sel = st.qsa_select_hook(sel)
         if rec is not None:
+            if rec.wants(q + "indexer.block_keys"):  # latest complete block's key, read at its last token's slot
+                bpos = ((pos_dev + 1) // r) * r - 1
+                bslots = K_qsa.token_slots(pool.block_tables, rows, xp.maximum(bpos, 0), ps)
+                bk = pool.blk_k[i][bslots] * (bpos >= 0)[:, None].astype(pool.blk_k[i].dtype)
+                self._emit(rec, q + "indexer.block_keys", bk, positions)
             self._emit(rec, q + "indexer.block_scores", scores, positions)
-            self._emit(rec, q + "indexer.selected_blocks", sel.astype(np.int64), positions)
+            want_b, want_t = rec.wants(q + "indexer.selected_blocks"), rec.wants(q + "indexer.selected_tokens")
+            if want_b or want_t:  # one host copy of the selection serves both taps
+                sel_h = np.asarray(self.syncs.host(sel)).astype(np.int64)
+                if want_b:
+                    rec.emit(q + "indexer.selected_blocks", sel_h, positions=positions)
+                if want_t:
+                    from reference.blocks.qsa import selected_tokens
+                    rec.emit(q + "indexer.selected_tokens",
+                             selected_tokens(sel_h, np.asarray(self.syncs.host(positions)), r, c.indexer_budget + r - 1),
+                             positions=positions)
         # --- attention projections, K/V into the pages, sparse attention, sigmoid output gate
         qg = qg.reshape(T, nh, 2 * hd)
         gate = qg[:, :, hd:].reshape(T, nh * hd)
         qq = K_norms.rms_norm(xp.ascontiguousarray(qg[:, :, :hd]), w[q + "q_norm.weight"], eps=eps)
         kk = K_norms.rms_norm(k_lin.reshape(T, nkv, hd), w[q + "k_norm.weight"], eps=eps)
         vv = v_lin.reshape(T, nkv, hd)
+        self._emit(rec, q + "q_norm.out", qq, positions)
+        self._emit(rec, q + "k_norm.out", kk, positions)
         qq = apply_rope(qq, pos_dev, self.inv_freq, rd)
         kk = apply_rope(kk, pos_dev, self.inv_freq, rd)
         pool.kv_k[i][slots] = kk

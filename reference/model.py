@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.blocks.gdn import gdn_block
+from reference.blocks.gdn import conv_history, gdn_block
 from reference.blocks.hyper_connection import hc_combine, hyper_connection
 from reference.blocks.linear import FUSED_MAX_ROWS, BF16Matrix, linear
 from reference.blocks.moe import moe_block
@@ -63,6 +63,24 @@ class _Capture:
     def result(self) -> dict:
         """Every kept tap: ``{name: array}``, the copies of several emits concatenated along axis 0."""
         return {k: (np.concatenate(v, axis=0) if len(v) > 1 else v[0]) for k, v in self.values.items()}
+
+
+def _taps_kw(taps) -> dict:
+    """``{'taps': taps}`` only while recording: a block called without it keeps its plain signature (tests
+    patch blocks with plain-signature stand-ins)."""
+    return {} if taps is None else {"taps": taps}
+
+
+def latest_block_keys(block_keys: np.ndarray, pos: np.ndarray, r: int) -> np.ndarray:
+    """The tap ``layers.{i}.self_attn.indexer.block_keys``: for each absolute position ``p`` the pooled,
+    normed, rotated key of the latest complete block visible to it (block ``(p + 1) // r - 1``), zeros
+    while no block is complete. ``block_keys [NB, D]`` -> ``[T, D]``. A stale, zeroed or mis-pooled block key
+    differs here before it moves a score."""
+    b = (np.asarray(pos, dtype=np.int64) + 1) // r - 1
+    out = np.zeros((len(b), block_keys.shape[1]), dtype=block_keys.dtype)
+    ok = (b >= 0) & (b < block_keys.shape[0])
+    out[ok] = block_keys[b[ok]]
+    return out
 
 
 class ReferenceModel:
@@ -278,22 +296,29 @@ class ReferenceModel:
         rows = ngram_hash_rows(st.context, ids, cfg.ple_eos_token_id, lay.multipliers, lay.head_vocab_sizes,
                                lay.head_offsets, cfg.heads_per_ngram)
         emb = np.asarray(self.weights.ngram_rows(i, rows), dtype=self.dtype).reshape(len(ids), -1)
+        taps = {} if rec is not None else None
         out, gate, new_conv = ple_block(x, emb, self._ple_w(i), st.conv, cfg.hc_count, cfg.hidden_size,
-                                        cfg.ngram_size, cfg.rms_norm_eps)
+                                        cfg.ngram_size, cfg.rms_norm_eps, **_taps_kw(taps))
         ctx = np.concatenate([st.context, ids])[-(cfg.ngram_size - 1):]
         if rec is not None:
             p = f"layers.{i}.ple."
             rec.emit(p + "ple_embedding.ngram_ids", rows, positions=pos)
             rec.emit(p + "ple_embedding.out", emb, positions=pos)
+            rec.emit(p + "norm_key.out", taps["norm_key"], positions=pos)
+            rec.emit(p + "norm_query.out", taps["norm_query"], positions=pos)
             rec.emit(p + "gate", gate, positions=pos)
+            rec.emit(p + "norm_conv.out", taps["norm_conv"], positions=pos)
+            rec.emit(p + "conv_out", taps["conv_out"], positions=pos)
             rec.emit(p + "out", out, positions=pos)
         return x + out, (new_conv, ctx)
 
     def _hc_step(self, prefix, x, pos, rec, combine=True):
         cfg = self.config
+        taps = {} if rec is not None else None
         mixed, inj = hyper_connection(x, *self._hc_w(prefix, combine), cfg.hc_count, cfg.hidden_size,
-                                      cfg.rms_norm_eps)
+                                      cfg.rms_norm_eps, **_taps_kw(taps))
         if rec is not None:
+            rec.emit(prefix + ".hc_norm.out", taps["hc_norm"], positions=pos)
             rec.emit(prefix + ".out", mixed, positions=pos)
             if inj is not None:
                 rec.emit(prefix + ".injection_weights", inj, positions=pos)
@@ -303,8 +328,11 @@ class ReferenceModel:
         out, taps, conv, recur = gdn_block(x, self._gdn_w(i), st.conv, st.recurrent, self.config, mode)
         if rec is not None:
             p = f"layers.{i}.linear_attn."
+            if rec.wants(p + "conv_state") if hasattr(rec, "wants") else True:
+                rec.emit(p + "conv_state", conv_history(st.conv, taps["conv_in"]), positions=pos)
             rec.emit(p + "conv_out", taps["conv_out"], positions=pos)
             rec.emit(p + "core_out", taps["core_out"], positions=pos)
+            rec.emit(p + "norm.out", taps["norm"], positions=pos)
             rec.emit(p + "out", out, positions=pos)
         return out, (conv, recur)
 
@@ -318,7 +346,8 @@ class ReferenceModel:
         cfg = self.config
         w = self._attn_w(i)
         r = cfg.indexer_compress_ratio
-        q_idx, raw = indexer_project(x, w, cos, sin, cfg)
+        taps = {} if rec is not None else None
+        q_idx, raw = indexer_project(x, w, cos, sin, cfg, **_taps_kw(taps))
         keys = st.index_keys.append(raw)
         L = keys.shape[0]
         nb_old, nb_new = st.block_keys.n, L // r
@@ -333,7 +362,7 @@ class ReferenceModel:
         if sel_out is not None:
             sel_out["selection"] = (sel[-1].copy(), int(n_complete[-1]))
         mask = selection_mask(sel, pos, n_complete, L, r)
-        q, gate, k, v = attention_project(x, w, cos, sin, cfg)
+        q, gate, k, v = attention_project(x, w, cos, sin, cfg, **_taps_kw(taps))
         K = st.k.append(k)
         V = st.v.append(v)
         core = sparse_attention(q, K, V, mask, cfg.head_dim ** -0.5)
@@ -344,8 +373,16 @@ class ReferenceModel:
             p = _pfx(i) + "self_attn."
             if scores.shape[1] == 0:  # no complete block yet: one -inf column (the engine's width rule)
                 scores = np.full((len(pos), 1), -np.inf, dtype=scores.dtype)
+            rec.emit(p + "indexer.q_layernorm.out", taps["q_layernorm"], positions=pos)
+            rec.emit(p + "indexer.block_keys", latest_block_keys(st.block_keys.data, pos, r), positions=pos)
             rec.emit(p + "indexer.block_scores", scores, positions=pos)
             rec.emit(p + "indexer.selected_blocks", sel, positions=pos)
+            rec.emit(p + "q_norm.out", taps["q_norm"], positions=pos)
+            rec.emit(p + "k_norm.out", taps["k_norm"], positions=pos)
+            if getattr(rec, "wants", lambda n: True)(p + "indexer.selected_tokens"):
+                from reference.blocks.qsa import selected_tokens
+                rec.emit(p + "indexer.selected_tokens",
+                         selected_tokens(sel, pos, r, cfg.indexer_budget + r - 1), positions=pos)
             rec.emit(p + "core_out", core, positions=pos)
             rec.emit(p + "out", out, positions=pos)
         return out
@@ -560,7 +597,7 @@ class ReferenceModel:
         cfg = self.config
         if tap_name == "embed_tokens.out":
             return []
-        if tap_name == "hyper_connection_mixer.out":
+        if tap_name in ("hyper_connection_mixer.out", "hyper_connection_mixer.hc_norm.out"):
             return [f"layers.{cfg.num_hidden_layers - 1}.mlp_hyper_connection.combine"]
         if tap_name == "logits":
             return ["hyper_connection_mixer.out"]
@@ -582,13 +619,15 @@ class ReferenceModel:
         mixer = "linear_attn" if lt == "linear_attention" else "self_attn"
         if rest.startswith("ple.") or rest == "attn_hyper_connection.in":
             return [self._prev_residual(i)]
-        if rest in ("attn_hyper_connection.out", "attn_hyper_connection.injection_weights"):
+        if rest in ("attn_hyper_connection.out", "attn_hyper_connection.injection_weights",
+                    "attn_hyper_connection.hc_norm.out"):
             return [f"layers.{i}.attn_hyper_connection.in"]
         if rest.startswith(("linear_attn.", "self_attn.")):
             return [f"layers.{i}.attn_hyper_connection.out"]
         if rest == "attn_hyper_connection.combine":
             return [f"layers.{i}.attn_hyper_connection.in", f"layers.{i}.{mixer}.out"]
-        if rest in ("mlp_hyper_connection.out", "mlp_hyper_connection.injection_weights"):
+        if rest in ("mlp_hyper_connection.out", "mlp_hyper_connection.injection_weights",
+                    "mlp_hyper_connection.hc_norm.out"):
             return [f"layers.{i}.attn_hyper_connection.combine"]
         if rest.startswith("mlp."):
             return [f"layers.{i}.mlp_hyper_connection.out"]
@@ -628,7 +667,7 @@ class ReferenceModel:
         try:
             if tap_name == "embed_tokens.out":
                 cap.emit("embed_tokens.out", self._embed(ids))
-            elif tap_name == "hyper_connection_mixer.out":
+            elif tap_name in ("hyper_connection_mixer.out", "hyper_connection_mixer.hc_norm.out"):
                 self._hc_step("hyper_connection_mixer", arrs[need[0]], pos, cap, combine=False)
             elif tap_name == "logits":
                 cap.emit("logits", self._lm_head(arrs[need[0]]))

@@ -178,6 +178,29 @@ class DiffReport:
         """0 when :attr:`agree`, else 1."""
         return 0 if self.agree else 1
 
+    @property
+    def missing_in_a(self) -> list[str]:
+        """Taps recorded by B only (forward order): with A the truth, B's *extra* taps."""
+        return [r.name for r in self.results if r.status == "missing-in-a"]
+
+    @property
+    def missing_in_b(self) -> list[str]:
+        """Taps recorded by A only (forward order): with A the truth, the taps B is *missing*."""
+        return [r.name for r in self.results if r.status == "missing-in-b"]
+
+    def coverage_note(self, a_label: str = "a", b_label: str = "b", show: int = 4) -> str:
+        """One clause listing the taps only one side recorded (empty when both recorded the same set), e.g.
+        ``missing in b: layers.1.ple.conv_out, layers.2.self_attn.indexer.block_keys (+3 more)``: a one-line
+        summary must not hide that a block was never compared."""
+        def names(xs):
+            return ", ".join(xs[:show]) + (f" (+{len(xs) - show} more)" if len(xs) > show else "")
+        parts = []
+        if self.missing_in_b:
+            parts.append(f"missing in {b_label}: {names(self.missing_in_b)}")
+        if self.missing_in_a:
+            parts.append(f"extra in {b_label} (not in {a_label}): {names(self.missing_in_a)}")
+        return "; ".join(parts)
+
     def result(self, name: str) -> TapResult | None:
         """The :class:`TapResult` of tap ``name``, or None when it is not in the report."""
         for r in self.results:
@@ -192,6 +215,7 @@ class DiffReport:
              "first_divergence": self.first_divergence, "last_agreeing": self.last_agreeing,
              "explained_by_flip": self.explained_by_flip, "replay": self.replay,
              "elapsed_s": self.elapsed_s, "bytes_read": self.bytes_read,
+             "missing_in_a": self.missing_in_a, "missing_in_b": self.missing_in_b,
              "taps": [asdict(r) for r in self.results]}
         fd = self.result(self.first_divergence) if self.first_divergence else None
         if fd is not None:

@@ -99,12 +99,16 @@ def parse_layers(spec, what: str = "layers") -> set[int] | None:
 def _shape_env(config, n_positions: int) -> dict:
     env = {f: getattr(config, f) for f in ("hidden_size", "hc_count", "num_attention_heads", "head_dim",
                                             "num_experts", "num_experts_per_tok", "ple_embed_dim",
-                                            "linear_num_value_heads", "linear_value_head_dim", "vocab_size")}
+                                            "linear_num_value_heads", "linear_value_head_dim", "vocab_size",
+                                            "num_key_value_heads", "linear_conv_kernel_dim", "indexer_n_heads",
+                                            "indexer_head_dim")}
     env["key_dim"] = config.linear_key_dim
     env["value_dim"] = config.linear_value_dim
     env["ngram_heads"] = config.ngram_heads
     if config.indexer_compress_ratio:
         env["block_topk"] = config.block_topk
+        env["indexer_budget"] = config.indexer_budget
+        env["indexer_compress_ratio"] = config.indexer_compress_ratio
         env["n_blocks"] = max(1, math.ceil(n_positions / config.indexer_compress_ratio))
     return env
 

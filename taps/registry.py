@@ -8,7 +8,10 @@ tell a real selection error from a near-tie flip.
 Forward order (the order tap-diff walks): ``embed_tokens.out``; then per layer ``i``: the PLE taps
 (PLE layers only), the attention hyper-connection, the mixer block (``linear_attn`` or
 ``self_attn``), the attention combine, the MLP hyper-connection, the MoE, the MLP combine; then
-``hyper_connection_mixer.out`` and ``logits``.
+``hyper_connection_mixer.hc_norm.out``, ``hyper_connection_mixer.out`` and ``logits``. Every RMSNorm has an
+``<module>.out`` tap (``hc_norm``, ``ple.norm_key/norm_query/norm_conv``, ``linear_attn.norm``,
+``self_attn.q_norm/k_norm``, ``self_attn.indexer.q_layernorm``; the indexer's ``k_layernorm`` is read through
+the pooled ``indexer.block_keys``), so a norm fault is named at the norm, not at its first consumer.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-REGISTRY_VERSION = 1
+REGISTRY_VERSION = 2  # 2: norm outputs, pooled block keys, PLE conv output, GDN conv state
 
 ACTIVATION, INDEX, SCALAR = "activation", "index", "scalar"
 
@@ -44,18 +47,34 @@ _SPECS: list[TapSpec] = [
             INDEX, "hashed n-gram row ids (head offsets added) into the PLE table", "ple"),
     TapSpec("layers.{i}.ple.ple_embedding.out", "layers.{i}.ple.ple_embedding", "[T, ple_embed_dim]", "float",
             ACTIVATION, "gathered n-gram embeddings, heads concatenated", "ple"),
+    TapSpec("layers.{i}.ple.norm_key.out", "layers.{i}.ple.norm_key", "[T, hc_count * hidden_size]", "float",
+            ACTIVATION, "RMSNorm of key_proj(n-gram embeddings), grouped per stream", "ple"),
+    TapSpec("layers.{i}.ple.norm_query.out", "layers.{i}.ple.norm_query", "[T, hc_count * hidden_size]", "float",
+            ACTIVATION, "RMSNorm of the residual entering the PLE layer, grouped per stream", "ple"),
     TapSpec("layers.{i}.ple.gate", "layers.{i}.ple", "[T, hc_count]", "float", ACTIVATION,
             "signed-square-root PLE gate per stream (before the sigmoid)", "ple"),
+    TapSpec("layers.{i}.ple.norm_conv.out", "layers.{i}.ple.norm_conv", "[T, hc_count * hidden_size]", "float",
+            ACTIVATION, "RMSNorm of the sigmoid-gated value: the dilated conv's input", "ple"),
+    TapSpec("layers.{i}.ple.conv_out", "layers.{i}.ple.conv1d", "[T, hc_count * hidden_size]", "float",
+            ACTIVATION, "silu(dilated causal conv over the carried conv state and norm_conv.out): the term added "
+            "to the gated value", "ple"),
     TapSpec("layers.{i}.ple.out", "layers.{i}.ple", "[T, hc_count * hidden_size]", "float", ACTIVATION,
             "PLE output added to the residual: gated value + silu(dilated conv)", "ple"),
     # --- attention half
     TapSpec("layers.{i}.attn_hyper_connection.in", "layers.{i}.attn_hyper_connection",
             "[T, hc_count * hidden_size]", "float", ACTIVATION, "multi-stream residual entering the layer's "
             "attention half (after PLE where present)"),
+    TapSpec("layers.{i}.attn_hyper_connection.hc_norm.out", "layers.{i}.attn_hyper_connection.hc_norm",
+            "[T, hc_count * hidden_size]", "float", ACTIVATION, "RMSNorm of the residual streams (grouped per "
+            "stream) that the mix and the injection weights read"),
     TapSpec("layers.{i}.attn_hyper_connection.out", "layers.{i}.attn_hyper_connection", "[T, hidden_size]",
             "float", ACTIVATION, "mixed block input (mean over streams of sigmoid mix * normed streams)"),
     TapSpec("layers.{i}.attn_hyper_connection.injection_weights", "layers.{i}.attn_hyper_connection",
             "[T, hc_count]", "float", ACTIVATION, "block injection weights 2*sigmoid(W x / hc_count)"),
+    TapSpec("layers.{i}.linear_attn.conv_state", "layers.{i}.linear_attn",
+            "[T, linear_conv_kernel_dim - 1, 2*key_dim + value_dim]", "float", ACTIVATION,
+            "the K-1 conv input rows (carried conv state, then this step's in_proj_qkv rows) the causal conv "
+            "reads before each position", "linear_attention", replay_input="layers.{i}.attn_hyper_connection.out"),
     TapSpec("layers.{i}.linear_attn.conv_out", "layers.{i}.linear_attn", "[T, 2*key_dim + value_dim]", "float",
             ACTIVATION, "q|k|v after the causal depthwise conv and silu", "linear_attention",
             replay_input="layers.{i}.attn_hyper_connection.out"),
@@ -63,9 +82,20 @@ _SPECS: list[TapSpec] = [
             "[T, linear_num_value_heads, linear_value_head_dim]", "float", ACTIVATION,
             "gated delta rule output (before the gated RMSNorm)", "linear_attention",
             replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.linear_attn.norm.out", "layers.{i}.linear_attn.norm",
+            "[T, linear_num_value_heads, linear_value_head_dim]", "float", ACTIVATION,
+            "gated RMSNorm of the delta rule output (the out_proj input)", "linear_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
     TapSpec("layers.{i}.linear_attn.out", "layers.{i}.linear_attn", "[T, hidden_size]", "float", ACTIVATION,
             "Gated DeltaNet output (out_proj)", "linear_attention",
             replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.indexer.q_layernorm.out", "layers.{i}.self_attn.indexer.q_layernorm",
+            "[T, indexer_n_heads, indexer_head_dim]", "float", ACTIVATION, "RMSNorm of the indexer queries "
+            "(before RoPE)", "indexed_attention", replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.indexer.block_keys", "layers.{i}.self_attn.indexer.k_layernorm",
+            "[T, indexer_head_dim]", "float", ACTIVATION, "pooled block key (mean of ratio raw keys, k_layernorm, "
+            "RoPE at the block start) of the latest complete block visible to the query, block (p+1)//ratio - 1; "
+            "zeros while none is complete", "indexed_attention", replay_input="layers.{i}.attn_hyper_connection.out"),
     TapSpec("layers.{i}.self_attn.indexer.block_scores", "layers.{i}.self_attn.indexer", "[T, n_blocks]",
             "float", ACTIVATION, "relu-summed indexer score of every complete compressed block visible to the "
             "query (-inf where the block is not complete/visible)", "indexed_attention",
@@ -74,6 +104,17 @@ _SPECS: list[TapSpec] = [
             "int64", INDEX, "selected block indices in canonical order (score descending, then lower block "
             "index), -1 padded", "indexed_attention", companion="layers.{i}.self_attn.indexer.block_scores",
             replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.indexer.selected_tokens", "layers.{i}.self_attn.indexer",
+            "[T, indexer_budget + indexer_compress_ratio - 1]", "int64", INDEX, "positions the query attends "
+            "(selected blocks' tokens + the incomplete tail), ascending, -1 padded; compared as sets, so an "
+            "engine selecting tokens rather than blocks is comparable", "indexed_attention",
+            replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.q_norm.out", "layers.{i}.self_attn.q_norm",
+            "[T, num_attention_heads, head_dim]", "float", ACTIVATION, "RMSNorm of the attention queries (before "
+            "RoPE)", "indexed_attention", replay_input="layers.{i}.attn_hyper_connection.out"),
+    TapSpec("layers.{i}.self_attn.k_norm.out", "layers.{i}.self_attn.k_norm",
+            "[T, num_key_value_heads, head_dim]", "float", ACTIVATION, "RMSNorm of the attention keys (before "
+            "RoPE)", "indexed_attention", replay_input="layers.{i}.attn_hyper_connection.out"),
     TapSpec("layers.{i}.self_attn.core_out", "layers.{i}.self_attn", "[T, num_attention_heads * head_dim]",
             "float", ACTIVATION, "sparse attention output before the sigmoid output gate", "indexed_attention",
             replay_input="layers.{i}.attn_hyper_connection.out"),
@@ -83,6 +124,9 @@ _SPECS: list[TapSpec] = [
     TapSpec("layers.{i}.attn_hyper_connection.combine", "layers.{i}.attn_hyper_connection",
             "[T, hc_count * hidden_size]", "float", ACTIVATION, "residual after injecting the attention output"),
     # --- MLP half
+    TapSpec("layers.{i}.mlp_hyper_connection.hc_norm.out", "layers.{i}.mlp_hyper_connection.hc_norm",
+            "[T, hc_count * hidden_size]", "float", ACTIVATION, "RMSNorm of the residual streams entering the MoE "
+            "half"),
     TapSpec("layers.{i}.mlp_hyper_connection.out", "layers.{i}.mlp_hyper_connection", "[T, hidden_size]",
             "float", ACTIVATION, "mixed MoE input"),
     TapSpec("layers.{i}.mlp_hyper_connection.injection_weights", "layers.{i}.mlp_hyper_connection",
@@ -100,6 +144,8 @@ _SPECS: list[TapSpec] = [
             replay_input="layers.{i}.mlp_hyper_connection.out"),
     TapSpec("layers.{i}.mlp_hyper_connection.combine", "layers.{i}.mlp_hyper_connection",
             "[T, hc_count * hidden_size]", "float", ACTIVATION, "decoder layer output (multi-stream residual)"),
+    TapSpec("hyper_connection_mixer.hc_norm.out", "hyper_connection_mixer.hc_norm", "[T, hc_count * hidden_size]",
+            "float", ACTIVATION, "RMSNorm of the final residual streams"),
     TapSpec("hyper_connection_mixer.out", "hyper_connection_mixer", "[T, hidden_size]", "float", ACTIVATION,
             "final mixer output (the last hidden state)"),
     TapSpec("logits", "lm_head", "[T, vocab_size]", "float", ACTIVATION, "LM head logits"),
@@ -125,6 +171,8 @@ _MTP_SPECS: list[TapSpec] = [
              None if s.companion is None else "mtp." + s.companion.replace("{i}", "0"),
              None if s.replay_input is None else "mtp." + s.replay_input.replace("{i}", "0"))
      for s in _SPECS if s.pattern.startswith("layers.{i}.") and s.layer_type in (None, "indexed_attention")] + [
+    TapSpec("mtp.hyper_connection_mixer.hc_norm.out", "mtp.hyper_connection_mixer.hc_norm",
+            "[T, hc_count * hidden_size]", "float", ACTIVATION, "RMSNorm of the MTP head's final residual streams"),
     TapSpec("mtp.hyper_connection_mixer.out", "mtp.hyper_connection_mixer", "[T, hidden_size]", "float",
             ACTIVATION, "the MTP head's mixer output (input of the shared lm_head)"),
     TapSpec("mtp.logits", "lm_head", "[T, vocab_size]", "float", ACTIVATION,
@@ -173,7 +221,7 @@ def tap_names(config) -> list[str]:
             if s.layer_type in ("linear_attention", "indexed_attention") and s.layer_type != lt:
                 continue
             out.append(s.pattern.replace("{i}", str(i)))
-    out += ["hyper_connection_mixer.out", "logits"]
+    out += ["hyper_connection_mixer.hc_norm.out", "hyper_connection_mixer.out", "logits"]
     return out
 
 
@@ -201,10 +249,12 @@ def order_key(name: str) -> tuple:
         k = _SPEC_INDEX.get(f"layers.{{i}}.{m.group(2)}")
         if k is not None:
             return (1, int(m.group(1)), k, "")
-    if name == "hyper_connection_mixer.out":
+    if name == "hyper_connection_mixer.hc_norm.out":
         return (2, 0, 0, "")
-    if name == "logits":
+    if name == "hyper_connection_mixer.out":
         return (2, 0, 1, "")
+    if name == "logits":
+        return (2, 0, 2, "")
     if name in _MTP_INDEX:  # the MTP head runs after the trunk
         return (3, 0, _MTP_INDEX[name], "")
     return (4, 0, 0, name)

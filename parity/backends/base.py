@@ -22,6 +22,10 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
     be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
     be.draft(h, next_id, k) -> (ids [k], logits [k, V])   # capability 'mtp': the backend's own MTP drafts
+    be.prefill_batch([h1, h2], [ids1, ids2]) -> [[T1, V], [T2, V]]   # ragged requests at once (optional)
+    child = be.fork(h)                      # a sequence copy (optional; default snapshot + restore)
+    be.last_logits(h) -> [V]                # the held logits of the last position (optional)
+    be.dense_logits(ids) -> [T, V]          # QSA selection off (optional; capability 'dense_logits')
     with be.taps(out_dir=None, include=...) as rec: ...   # record taps (taps.recorder.Recorder)
     be.close()
 
@@ -188,6 +192,84 @@ def one_shot_logits(be, ids) -> np.ndarray:
     return Backend.logits(be, ids)
 
 
+class LastLogits:
+    """What a backend adapter holds for :meth:`Backend.last_logits`: per sequence, the logits row of its last
+    consumed position, kept through verify/rollback (the rows of the latest verify), snapshots (each snapshot
+    object carries the row of its position), restores and forks. Keys are handle identities."""
+
+    def __init__(self):
+        self.last: dict = {}      # key -> row [V] or None
+        self.verify: dict = {}    # key -> (start position, rows [k, V], row before the verify)
+        self.snaps: dict = {}     # id(snapshot) -> (snapshot, row); the snapshot is kept so its id stays unique
+
+    @staticmethod
+    def key(h):
+        """The dictionary key of a handle (ints as they are, objects by identity)."""
+        return h if isinstance(h, (int, np.integer)) else id(h)
+
+    def fed(self, h, rows, start: int, verify: bool = False) -> None:
+        """Sequence ``h`` consumed positions ``start..start+k-1`` whose logits are ``rows [k, V]``."""
+        k = self.key(h)
+        rows = np.asarray(rows)
+        if rows.ndim == 1:
+            rows = rows[None]
+        if verify:
+            self.verify[k] = (start, rows.copy(), self.last.get(k))
+        else:
+            self.verify.pop(k, None)
+        if rows.shape[0]:
+            self.last[k] = rows[-1].copy()
+
+    def rolled_back(self, h, position: int) -> None:
+        """``h`` is back at ``position``: its last row comes from the latest verify's rows (or before them)."""
+        k = self.key(h)
+        v = self.verify.get(k)
+        if v is None:
+            self.last[k] = None
+            return
+        start, rows, before = v
+        self.last[k] = before if position <= start else rows[position - start - 1]
+
+    def snapshot(self, h, snap) -> None:
+        """``snap`` was taken of ``h``: it carries ``h``'s last row."""
+        self.snaps[id(snap)] = (snap, self.last.get(self.key(h)))
+
+    def restored(self, h, snap) -> None:
+        """``snap`` was restored into ``h`` (an unknown snapshot, e.g. one read from a file, carries none)."""
+        k = self.key(h)
+        hit = self.snaps.get(id(snap))
+        self.last[k] = None if hit is None or hit[0] is not snap else hit[1]
+        self.verify.pop(k, None)
+
+    def forked(self, parent, child) -> None:
+        """``child`` is a copy of ``parent``."""
+        pk, ck = self.key(parent), self.key(child)
+        self.last[ck] = self.last.get(pk)
+        if pk in self.verify:
+            self.verify[ck] = self.verify[pk]
+
+    def forget(self, h) -> None:
+        """``h`` consumed tokens whose logits the adapter never saw (e.g. a device-side greedy step)."""
+        k = self.key(h)
+        self.last[k] = None
+        self.verify.pop(k, None)
+
+    def freed(self, h) -> None:
+        """``h`` is gone."""
+        k = self.key(h)
+        self.last.pop(k, None)
+        self.verify.pop(k, None)
+
+    def get(self, h, name: str) -> np.ndarray:
+        """The held row of ``h``. Raises BackendError when none is held (nothing consumed, or a restore of
+        a snapshot that carries none)."""
+        row = self.last.get(self.key(h))
+        if row is None:
+            raise BackendError(f"backend {name}: last_logits: sequence holds no logits for its last position "
+                               f"(nothing consumed yet, or restored from a snapshot that carries none)")
+        return row.copy()
+
+
 class Backend:
     """Base class of the backend protocol (see the module docstring). Subclasses implement the
     sequence operations; :meth:`logits` and :meth:`taps` have generic defaults.
@@ -218,6 +300,13 @@ class Backend:
         "state_arrays": False,     # state_arrays(h) supported
         "snapshot_file": False,    # parity.backends.snapshot_file can serialise its snapshots
         "mtp": False,              # draft(h, next_id, k) supported (the checkpoint's MTP head)
+        # --- issue 14 (additive): the optional operations and the self-consistency claims
+        "prefill_batch": "loop",   # 'native': ragged requests in one forward; 'loop': the default one by one
+        "fork": True,              # fork(h): the default is a snapshot restored into a new sequence
+        "last_logits": False,      # last_logits(h): the logits a full prefix-cache hit samples from
+        "deterministic": False,    # an identical call sequence gives bitwise identical logits
+        "batch_invariant": False,  # a row's logits do not depend on the batch, verify width or chunking
+        "dense_logits": False,     # dense_logits(ids): the same model with QSA selection off (every block)
     }
 
     @classmethod
@@ -287,6 +376,53 @@ class Backend:
             BackendError: the backend does not expose its state.
         """
         raise BackendError(f"backend {self.name}: state_arrays: not supported by this backend")
+
+    # --- optional operations (issue 14); defaults built on the required ones
+    def prefill_batch(self, hs: Sequence, id_lists: Sequence[Sequence[int]], chunk_size: int | None = None) -> list:
+        """Prefill several sequences with ragged prompts (``id_lists[i]`` for ``hs[i]``, lengths may differ) as
+        one request batch; returns one ``[T_i, V]`` logits array per sequence, in order.
+
+        The default feeds them one by one (``capabilities['prefill_batch'] == 'loop'``); a backend with a
+        packed/ragged prefill overrides it and declares ``'native'``.
+        Raises:
+            InputError: ``len(hs) != len(id_lists)`` or a sequence given twice; bad ids as :meth:`prefill`.
+        """
+        hs, id_lists = list(hs), list(id_lists)
+        if len(hs) != len(id_lists):
+            raise InputError(f"prefill_batch: expected one id list per sequence, found {len(hs)} sequences and "
+                             f"{len(id_lists)} id lists")
+        if len({id(h) for h in hs}) != len(hs):
+            raise InputError("prefill_batch: expected distinct sequences, found one sequence twice")
+        return [np.asarray(self.prefill(h, ids, chunk_size=chunk_size)) for h, ids in zip(hs, id_lists)]
+
+    def fork(self, h):
+        """A new sequence holding a copy of ``h``'s state (a sequence copy, e.g. OpenAI ``n > 1``); both
+        continue independently. Default: ``restore(new_sequence(), snapshot(h))``."""
+        child = self.new_sequence()
+        try:
+            self.restore(child, self.snapshot(h))
+        except BaseException:
+            self.free(child)
+            raise
+        return child
+
+    def last_logits(self, h) -> np.ndarray:
+        """Logits ``[V]`` of the last position sequence ``h`` consumed, as the backend holds them (a full
+        prefix-cache hit, none of the prompt left to prefill, samples its first token from these).
+
+        Raises:
+            BackendError: not supported (``capabilities['last_logits']`` false).
+        """
+        raise BackendError(f"backend {self.name}: last_logits: not supported by this backend")
+
+    def dense_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """One-shot logits ``[T, V]`` with QSA's top-k selection off (every complete block kept): below the
+        budget bound the model is dense, so this must equal :meth:`logits` there.
+
+        Raises:
+            BackendError: not supported (``capabilities['dense_logits']`` false).
+        """
+        raise BackendError(f"backend {self.name}: dense_logits: not supported by this backend")
 
     # --- generic helpers
     def logits(self, ids: Sequence[int]) -> np.ndarray:

@@ -11,7 +11,7 @@ import numpy as np
 from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, LastLogits, load_weights, truth_model  # noqa: F401
 
 
 class EngineBackend(Backend):
@@ -22,7 +22,11 @@ class EngineBackend(Backend):
     """
 
     capabilities = {"page_sizes": "any", "batched_decode": True, "perturb": True, "state_arrays": True,
-                    "snapshot_file": True}
+                    "snapshot_file": True, "prefill_batch": "loop", "fork": True, "last_logits": True,
+                    # no bitwise claims: batched decode / verify rows differ from one-by-one by accumulation
+                    # order (measured 8e-7 on engine-cpu, tiny); the self-consistency suite holds it to its own
+                    # measured reordering noise instead
+                    "deterministic": False, "batch_invariant": False, "dense_logits": False}
 
     def __init__(self, eng, name, model_path, precision):
         self.eng = eng
@@ -31,6 +35,7 @@ class EngineBackend(Backend):
         self.precision = precision
         self.config = getattr(eng, "config", None)
         self._live: set = set()
+        self._held = LastLogits()
         pool = getattr(eng, "pool", None)
         if not all(hasattr(pool, a) for a in ("slab_arrays", "page_arrays", "slots")):
             self.capabilities = {**type(self).capabilities, "state_arrays": False}
@@ -79,6 +84,7 @@ class EngineBackend(Backend):
         """Release engine sequence ``h`` (``Engine.free``)."""
         self.eng.free(h)
         self._live.discard(id(h))
+        self._held.freed(h)
 
     def prefill(self, h, ids, chunk_size=None):
         """Logits ``[T, V]`` of ``ids`` fed to sequence ``h`` (``Engine.prefill``).
@@ -87,7 +93,10 @@ class EngineBackend(Backend):
             InputError: ``ids`` not a non-empty 1-D list of integer ids in ``[0, vocab_size)``.
         """
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
-        return np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
+        start = self.position(h)
+        out = np.asarray(self.eng.prefill(h, ids, chunk_size=chunk_size))
+        self._held.fed(h, out, start)
+        return out
 
     def prefill_last(self, h, ids):
         """Logits ``[V]`` of the last of ``ids`` fed to sequence ``h`` (``Engine.prefill(last_only=True)``).
@@ -96,7 +105,10 @@ class EngineBackend(Backend):
             InputError: bad ids.
         """
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
-        return np.asarray(self.eng.prefill(h, ids, last_only=True)).reshape(-1)
+        start = self.position(h)
+        row = np.asarray(self.eng.prefill(h, ids, last_only=True)).reshape(-1)
+        self._held.fed(h, row, start + len(ids) - 1)
+        return row
 
     def decode_greedy(self, hs, ids):
         """Greedy decode: int64 ``[B]`` next tokens, the row argmax taken on the engine's device
@@ -106,6 +118,8 @@ class EngineBackend(Backend):
             InputError: bad ids.
         """
         ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
+        for h in hs:  # the logits stay on the device: the held row of each sequence is gone
+            self._held.forget(h)
         return np.asarray(self.eng.decode_greedy(list(hs), np.asarray(ids, dtype=np.int64)))
 
     @property
@@ -120,7 +134,11 @@ class EngineBackend(Backend):
             InputError: bad ids.
         """
         ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
-        return np.asarray(self.eng.decode(list(hs), ids))
+        starts = [self.position(h) for h in hs]
+        out = np.asarray(self.eng.decode(list(hs), ids))
+        for h, st, row in zip(hs, starts, out):
+            self._held.fed(h, row, st)
+        return out
 
     def forward_tokens(self, h, ids):
         """Logits ``[k, V]`` of the ``k`` drafted ``ids`` on sequence ``h`` (``Engine.verify``).
@@ -129,15 +147,34 @@ class EngineBackend(Backend):
             InputError: bad ids.
         """
         ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
-        return np.asarray(self.eng.verify(h, ids))
+        start = self.position(h)
+        out = np.asarray(self.eng.verify(h, ids))
+        self._held.fed(h, out, start, verify=True)
+        return out
 
     def rollback(self, h, n):
         """Forget the last ``n`` tokens of sequence ``h`` (``Engine.rollback``)."""
         self.eng.rollback(h, int(n))
+        if n:
+            self._held.rolled_back(h, self.position(h))
 
     def snapshot(self, h):
         """Sequence ``h``'s snapshot (``Engine.snapshot``)."""
-        return self.eng.snapshot(h)
+        snap = self.eng.snapshot(h)
+        self._held.snapshot(h, snap)
+        return snap
+
+    def fork(self, h):
+        """A child sequence sharing ``h``'s pages copy-on-write with its own slab state (``Engine.fork``)."""
+        c = self.eng.fork(h)
+        self._live.add(id(c))
+        self._held.forked(h, c)
+        return c
+
+    def last_logits(self, h):
+        """The logits row ``[V]`` of ``h``'s last consumed position (held by this adapter through verify/rollback,
+        snapshots, restores and forks). Raises BackendError when none is held."""
+        return self._held.get(h, self.name)
 
     def restore(self, h, snap):
         """Restore a live engine snapshot (pages shared again), or a host-array export of one (from
@@ -150,6 +187,7 @@ class EngineBackend(Backend):
             self.eng.import_snapshot(h, snap)
         else:
             self.eng.restore(h, snap)
+        self._held.restored(h, snap)
 
     _STATE_NAMES = {"gdn_conv": "gdn.{i}.conv", "gdn_rec": "gdn.{i}.recurrent", "ple_conv": "ple.{i}.conv",
                     "ple_ctx": "ple.{i}.context", "kv_k": "qsa.{i}.k", "kv_v": "qsa.{i}.v",

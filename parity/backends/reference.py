@@ -11,7 +11,7 @@ import numpy as np
 from reference.session import check_ids
 from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, LastLogits, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -23,7 +23,12 @@ class ReferenceBackend(Backend):
     """
 
     capabilities = {"page_sizes": None, "batched_decode": True, "perturb": True, "state_arrays": True,
-                    "snapshot_file": True}
+                    "snapshot_file": True, "prefill_batch": "loop", "fork": True, "last_logits": True,
+                    # one NumPy code path per session, no threads in the reductions: an identical call sequence is
+                    # bitwise identical, and a decode row / verify row never depends on the batch or the width
+                    # (each session steps alone, verify feeds token by token); chunked prefill is NOT claimed
+                    # bitwise equal to one prefill (the chunked delta rule sums in another order)
+                    "deterministic": True, "batch_invariant": True, "dense_logits": True}
 
     def __init__(self, model, name: str = "reference", model_path=None):
         self.model = model
@@ -33,6 +38,7 @@ class ReferenceBackend(Backend):
         self.precision = "float64" if np.dtype(getattr(model, "dtype", np.float32)) == np.float64 else "float32"
         self._sessions: dict[int, Any] = {}
         self._next = 0
+        self._held = LastLogits()
         has_mtp = getattr(model, "has_mtp", None)
         if has_mtp is not None and has_mtp():
             self.capabilities = {**type(self).capabilities, "mtp": True}
@@ -74,6 +80,7 @@ class ReferenceBackend(Backend):
     def free(self, h) -> None:
         """Drop the session of ``h`` (an unknown handle is ignored)."""
         self._sessions.pop(h, None)
+        self._held.freed(h)
 
     def prefill(self, h, ids, chunk_size=None):
         """Logits ``[T, V]`` of ``ids`` fed to session ``h`` (``chunk_size``: chunked prefill).
@@ -83,7 +90,11 @@ class ReferenceBackend(Backend):
             BackendError: ``h`` is not a live handle of this backend.
         """
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
-        return np.asarray(self._sess(h).prefill(ids, chunk_size=chunk_size))
+        sess = self._sess(h)
+        start = sess.position
+        out = np.asarray(sess.prefill(ids, chunk_size=chunk_size))
+        self._held.fed(h, out, start)
+        return out
 
     def prefill_last(self, h, ids):
         """Logits ``[V]`` of the last of ``ids`` fed to session ``h`` (the other rows are never formed).
@@ -92,7 +103,11 @@ class ReferenceBackend(Backend):
             InputError: bad ids. BackendError: ``h`` is not a live handle of this backend.
         """
         ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
-        return np.asarray(self._sess(h).prefill(ids, last_only=True)).reshape(-1)
+        sess = self._sess(h)
+        start = sess.position
+        row = np.asarray(sess.prefill(ids, last_only=True)).reshape(-1)
+        self._held.fed(h, row, start + len(ids) - 1)
+        return row
 
     def decode(self, hs, ids):
         """Logits ``[B, V]``: ``ids[i]`` decoded on session ``hs[i]``, one session after another.
@@ -105,7 +120,13 @@ class ReferenceBackend(Backend):
             raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
                              f"{len(ids)} tokens")
         ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
-        return np.stack([np.asarray(self._sess(h).decode(t)) for h, t in zip(hs, ids)])
+        rows = []
+        for h, t in zip(hs, ids):
+            sess = self._sess(h)
+            start = sess.position
+            rows.append(np.asarray(sess.decode(t)))
+            self._held.fed(h, rows[-1], start)
+        return np.stack(rows)
 
     def forward_tokens(self, h, ids):
         """Logits ``[k, V]`` of the ``k`` drafted ``ids`` on session ``h`` (``Session.forward_tokens``).
@@ -115,21 +136,31 @@ class ReferenceBackend(Backend):
             BackendError: ``h`` is not a live handle of this backend.
         """
         ids = check_ids(ids, self.config.vocab_size, "draft ids").tolist()
-        return np.asarray(self._sess(h).forward_tokens(ids))
+        sess = self._sess(h)
+        start = sess.position
+        out = np.asarray(sess.forward_tokens(ids))
+        self._held.fed(h, out, start, verify=True)
+        return out
 
     def rollback(self, h, n):
         """Forget the last ``n`` tokens of session ``h`` (``Session.rollback``). Raises BackendError when ``h`` is not
         a live handle."""
-        self._sess(h).rollback(int(n))
+        sess = self._sess(h)
+        sess.rollback(int(n))
+        if n:
+            self._held.rolled_back(h, sess.position)
 
     def snapshot(self, h):
         """Session ``h``'s snapshot (``Session.snapshot``). Raises BackendError when ``h`` is not a live handle."""
-        return self._sess(h).snapshot()
+        snap = self._sess(h).snapshot()
+        self._held.snapshot(h, snap)
+        return snap
 
     def restore(self, h, snap):
         """Restore ``snap`` into session ``h`` (``Session.restore``). Raises BackendError when ``h`` is not a live
         handle."""
         self._sess(h).restore(snap)
+        self._held.restored(h, snap)
 
     def position(self, h):
         """Tokens in session ``h``'s state. Raises BackendError when ``h`` is not a live handle."""
@@ -140,6 +171,40 @@ class ReferenceBackend(Backend):
         ``h`` is not a live handle."""
         from parity.backends.snapshot_file import flatten_state
         return flatten_state(self._sess(h).state)
+
+    def fork(self, h):
+        """A new session holding a deep copy of session ``h``'s state and its verify checkpoints (so a
+        rollback of the latest verify works on the child too). Raises BackendError when ``h`` is not live."""
+        src = self._sess(h)
+        c = self.new_sequence()
+        sess = self._sessions[c]
+        sess.state = src.state.copy()
+        sess._checkpoints = {q: cp.copy() for q, cp in src._checkpoints.items()}
+        self._held.forked(h, c)
+        return c
+
+    def last_logits(self, h):
+        """The logits row ``[V]`` of session ``h``'s last consumed position (kept by this adapter through
+        verify/rollback, snapshots, restores and forks). Raises BackendError when none is held."""
+        self._sess(h)
+        return self._held.get(h, self.name)
+
+    def dense_logits(self, ids):
+        """One-shot logits with QSA selection off: a forward whose selection keeps every complete block
+        visible to each query (the model's ``selection_hook``)."""
+        ids = check_ids(ids, self.config.vocab_size, "ids").tolist()
+        old = self.model.selection_hook
+
+        def every_block(layer, pos, scores, sel):
+            n = (np.asarray(pos) + 1) // self.config.indexer_compress_ratio
+            width = max(int(n.max()) if n.size else 0, 1)
+            allb = np.broadcast_to(np.arange(width), (len(pos), width))
+            return np.where(allb < n[:, None], allb, -1)
+        self.model.selection_hook = every_block
+        try:
+            return np.asarray(self.model.forward(ids))
+        finally:
+            self.model.selection_hook = old
 
     def logits(self, ids):
         """The one-shot logits: the model's single full forward (the truth path)."""

@@ -13,6 +13,7 @@ from reference.errors import InputError, UserError
 from parity.backends.base import BACKEND_NAMES, Backend, BackendError  # noqa: F401
 from parity.backends.engine import EngineBackend
 from parity.backends.reference import ReferenceBackend
+from parity.backends.refusal import EngineRefused
 
 
 def _load_module_class(spec: str, flag: str = "--backend"):
@@ -52,6 +53,10 @@ BACKEND_OPTIONS: dict[str, dict[str, Any]] = {
     "reference": {"dtype": ("float32", "float64"), "page_size": int},
     "engine": {"device": ("auto", "cpu", "cuda"), "precision": ("float32", "bf16"), "page_size": int,
                "max_seqs": int, "kv_tokens": int},
+    # outside engines (docs/outside-engines.md); str: checked by the backend's open()
+    "llama.cpp": {"gguf": str, "reparam": str, "kv": ("f32", "f16"), "fa": ("off", "on", "auto"), "threads": int,
+                  "seqs": int, "ctx": int, "rs": str, "sdist": str, "convert_timeout": int, "page_size": int},
+    "openai": {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
     # the official implementation (parity/backends/transformers.py); device also takes cuda:N, perturb a
     # module path (layers.2.mlp): both are checked by TransformersBackend.open
     "transformers": {"device": str, "dtype": ("float32", "bfloat16"), "load": ("auto", "pretrained", "reader"),
@@ -163,7 +168,7 @@ def _parse_options(text: str, whole: str, flag: str) -> dict:
 
 
 def _current_names() -> str:
-    return ", ".join(n for n in BACKEND_NAMES if n not in BACKEND_ALIASES)
+    return ", ".join([*(n for n in BACKEND_NAMES if n not in BACKEND_ALIASES), "llama.cpp", "openai"])
 
 
 def parse_backend_spec(text, flag: str = "--backend") -> BackendSpec:
@@ -227,7 +232,7 @@ def backend_class(spec, flag: str = "--backend") -> tuple[type, dict]:
     the option named in error messages (``--a`` / ``--b`` for ``qwen4exp kl``).
 
     Names: 'reference' (options dtype), 'engine' (device: cuda when a GPU is present, else cpu; precision),
-    'transformers' (the official model: device, dtype, load, perturb), 'module:Class', and the deprecated
+    'transformers' (the official model: device, dtype, load, perturb), 'llama.cpp' and 'openai' (outside engines, docs/outside-engines.md), 'module:Class', and the deprecated
     'reference-f64', 'engine-cpu', 'engine-cuda'.
     Raises:
         InputError: unknown name or option. BackendError: 'module:Class' not importable.
@@ -245,6 +250,12 @@ def backend_class(spec, flag: str = "--backend") -> tuple[type, dict]:
             except ImportError:
                 device = "cpu"
         return EngineBackend, {**opts, "device": device}
+    if sp.name == "llama.cpp":
+        from parity.backends.llamacpp import LlamaCppBackend
+        return LlamaCppBackend, opts
+    if sp.name == "openai":
+        from parity.backends.openai import OpenAIBackend
+        return OpenAIBackend, opts
     if sp.name == "transformers":
         from parity.backends.transformers import TransformersBackend
         return TransformersBackend, opts
@@ -265,8 +276,8 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
     kw = {**defaults, **opts}
     try:
         be = cls.open(Path(model_path), **kw)
-    except (UserError, KeyboardInterrupt):
-        raise
+    except (UserError, KeyboardInterrupt, EngineRefused):
+        raise  # EngineRefused: the engine's defect (verdict REFUSED), not a usage error
     except (Exception, SystemExit) as e:  # a backend that cannot be opened is a clear exit-2 error, not a traceback
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise BackendError(f"{flag} {spec!r}: cannot be opened on {model_path}: {type(e).__name__}"

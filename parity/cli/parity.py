@@ -28,10 +28,11 @@ def register(subparsers) -> None:
     add_model(p)
     add_backend(p, "engine")
     p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",
-                   help="scenarios to run: budget, chunk-boundary, snapshot-restore, speculative-rollback, kl "
-                        "(default: all)")
-    p.add_argument("--level", choices=["full", "ci"], default="full",
-                   help="full: every combination (default); ci: the same situations, fewer combinations")
+                   help="scenarios to run: budget, chunk-boundary, snapshot-restore, speculative-rollback, "
+                        "self-consistency, kl (default: all)")
+    p.add_argument("--level", choices=["full", "ci", "long"], default="full",
+                   help="full: every combination (default); ci: the same situations, fewer combinations; long: "
+                        "the real caps (bound crossing, chunks over 8192, positions past 32768) for a real-width model")
     p.add_argument("--page-sizes", default=None, metavar="N,N,...",
                    help="paged-cache page sizes (default: the compress ratio, twice it and ratio+1)")
     p.add_argument("--prompts", metavar="FILE", default=None,

@@ -43,7 +43,8 @@ def write_json_atomic(path, obj) -> Path:
 
 @dataclass
 class ScenarioRow:
-    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error'."""
+    """One verdict-table row. ``status``: 'pass' | 'fail' | 'error' | 'inconclusive' | 'skip' | 'refused' (an
+    outside engine refused the checkpoint; ``detail`` holds the offer, ``first_divergence`` its own message)."""
 
     scenario: str
     cases: int
@@ -86,7 +87,7 @@ class ParityReport:
         """:data:`reference.errors.EXIT_DIVERGENCE` (1) when any row's status is 'fail' or 'error', else
         :data:`~reference.errors.EXIT_INCONCLUSIVE` (3) when any row is 'inconclusive', else 0."""
         from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
-        if any(r.status in ("fail", "error") for r in self.rows):
+        if any(r.status in ("fail", "error", "refused") for r in self.rows):  # refused: the engine's defect
             return EXIT_DIVERGENCE
         # a skipped case never counts as a pass: a report with no passing row judged nothing
         if any(r.status == "inconclusive" for r in self.rows) or not any(r.status == "pass" for r in self.rows):
@@ -95,13 +96,16 @@ class ParityReport:
 
     @property
     def verdict(self) -> str:
-        """'pass', 'fail' or 'inconclusive' (every row skipped / inconclusive: nothing judged)."""
-        return {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code]
+        """'pass' | 'fail' | 'inconclusive' | 'refused' (an outside engine refused a valid checkpoint: its
+        converter or loader rejected it -- the engine's defect, exit 1 like a divergence)."""
+        if any(r.status == "refused" for r in self.rows):
+            return "refused"
+        return {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}.get(self.exit_code, "fail")
 
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
-                         "verdict": {0: "pass", 1: "fail", 2: "error", 3: "inconclusive"}[self.exit_code],
+                         "verdict": self.verdict,
                          "meta": self.meta, "scenarios": [r.to_json() for r in self.rows]})
 
 
@@ -126,6 +130,10 @@ SCENARIO_MEANING = {
     "snapshot-restore": "snapshots are deep, independent and complete: restore, continue, equal a straight run",
     "speculative-rollback": "verify k drafted tokens, accept j, roll back the rest, continue: equal a straight run",
 }
+
+REFUSED_LEGEND = ("REFUSED: the outside engine's converter or loader rejected a checkpoint the reference runs -- "
+                  "the engine's defect, in its own words (exit 1); the row's detail names a function-preserving "
+                  "re-parameterisation when one exists (docs/outside-engines.md)")
 
 LEGEND = [
     "cases: passed/run; one case is one scripted run of the backend (kl: one prompt; the suites: a sequence of "
@@ -268,12 +276,14 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:_DIV], cell[0], *row[_DIV + 1:]], widths)).rstrip())
         pad = sum(widths[:_DIV]) + 2 * _DIV
         lines += [" " * pad + more for more in cell[1:]]
-    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE", 4: "ERROR"}.get(report.exit_code, "FAIL")
+    verdict = "REFUSED" if report.verdict == "refused" else \
+        {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE", 4: "ERROR"}.get(report.exit_code, "FAIL")
     notes = []
     if legend:
         width = cols if cols is not None else 10_000
         notes.append("legend:")
-        for item in LEGEND:
+        extra = [REFUSED_LEGEND] if report.verdict == "refused" else []
+        for item in LEGEND + extra:
             notes += ["  " + t for t in _cell_lines(item, max(20, width - 4))]
         for name in dict.fromkeys(r.scenario for r in report.rows):
             if name in SCENARIO_MEANING:
@@ -293,7 +303,8 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
             cols_shown = [i for i in range(len(header)) if i != _DIV or room >= MIN_DIVERGENCE_WIDTH]
             for i in cols_shown:
                 t.add_column(header[i], no_wrap=True, overflow="ignore", min_width=None if i == _DIV else fixed[i])
-            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "INCONCLUSIVE": "magenta", "SKIP": "cyan"}
+            style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "INCONCLUSIVE": "magenta", "REFUSED": "magenta",
+                     "SKIP": "dim"}
             for row in rows:
                 cells = [escape(c) for c in row]
                 if _DIV in cols_shown:

@@ -46,8 +46,49 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
 
     def perturbed():
         return open_backend(target, model_path, perturb=(name, perturbation()))
-    return run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                  perturbed_b=perturbed, perturbed_note=note, progress=progress)
+    rep = run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
+                 perturbed_b=perturbed, perturbed_note=note, progress=progress)
+    rep.backend = b  # the instance that ran (and holds the history of) every prompt: locating replays on it
+    return rep
+
+
+def topk_report(report, be, model, prompts):
+    """``qwen4exp parity`` of an OpenAI-compatible server: one kl-topk row (see parity.backends.openai and
+    parity.harness.topk); the scenarios need sequences the API does not expose, so each is a skipped row
+    with that reason (a skip never counts as a pass: the kl-topk row carries the verdict)."""
+    from parity.backends import truth_model
+    from parity.harness.report import ScenarioRow
+    from parity.harness.scenarios import SCENARIOS
+    from parity.harness.topk import run_topk
+    from parity.prompts import load_prompts
+    t0 = time.perf_counter()
+    ps = load_prompts(prompts, model, be.config.vocab_size)
+    try:
+        res = run_topk(be, truth_model(model), ps)
+        status = "pass" if res["passed"] else "fail"
+        f = res["first"]
+        first = None if f is None else (f"prompt {f['prompt']} ({f['pattern']}): first divergent position "
+                                        f"{f['position']} ({'greedy continuation' if f['greedy_region'] else 'prompt'}"
+                                        f"; KL on the top-{be.topk} {f['kl']:.3g}, top-1 "
+                                        f"{'same' if f['top1'] else 'differs'})")
+        if res["prompts"] == 0:
+            first = f"no prompt survives the text round trip ({res['skipped_unsendable']} skipped)"
+        detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= {res['threshold_kl']:g}; "
+                  f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
+                  f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
+                  f"{res['skipped_unsendable']} prompts not sendable as text")
+        report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else 1, res["worst_kl"],
+                                       float("nan"), first, time.perf_counter() - t0, status, detail,
+                                       failures=[res] if status != "pass" else []))
+    except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
+        report.rows.append(ScenarioRow("kl-topk", 1, 1, float("nan"), float("nan"), f"backend raised "
+                                       f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e)))
+    report.meta["openai"] = {"convention": be.convention, "requests": be.requests}
+    for name in SCENARIOS:
+        report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None, 0.0, "skip",
+                                       "skipped: needs sequences (snapshot/rollback/decode) an OpenAI server does "
+                                       "not expose", skipped=1))
+    return report
 
 
 def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
@@ -73,14 +114,26 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     op = opener(backend_spec, model)
     from parity.backends import capabilities_of
     from parity.backends.base import capability_table
-    probe = op()  # fails here, clearly, when the backend cannot be opened
+    from parity.backends.refusal import EngineRefused
+    t_open = time.perf_counter()
+    try:
+        probe = op()  # fails here, clearly, when the backend cannot be opened
+    except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
+        report = ParityReport(backend=str(backend_spec), model=str(model), meta={"refused": e.to_json()})
+        report.rows.append(ScenarioRow("open", 1, 1, float("nan"), float("nan"),
+                                       f"REFUSED by {e.engine} {e.stage}: {e.message}",
+                                       time.perf_counter() - t_open, "refused", e.offer))
+        return report
     caps = capabilities_of(probe)
     cfg = probe.config
     report = ParityReport(backend=probe.name, model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
                                 # each operation's declaration (supported / limited with its limit / unsupported)
                                 "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
-                                **({"load": probe.load_note} if getattr(probe, "load_note", None) else {})})
+                                **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
+                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
+    if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
+        return topk_report(report, probe, model, prompts)
     if hasattr(probe, "close"):
         probe.close()
     from parity.harness.kl import thresholds_for
@@ -90,7 +143,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
         from parity.prompts import load_prompts
         kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
-    truth = TruthCache(truth_model(model))
+    from parity.harness.scenarios import TRUTHLESS
+    # the self-consistency suite needs no reference: a run of it alone never loads the truth
+    truth = TruthCache(truth_model(model)) if any(s not in TRUTHLESS for s in scenarios) else None
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
     bar = tqdm(total=total, desc="parity", unit="case", disable=not progress, leave=False, file=sys.stderr)
@@ -166,7 +221,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
         if truth is not None:
             from parity.harness.scenarios.locate import locate_one_shot
-            be = open_backend(backend_spec, model)
+            # the SAME instance, after the same call history: state that leaks between requests shows (a freshly
+            # opened backend would pass and report "all taps agree")
+            be = getattr(rep, "backend", None) or open_backend(backend_spec, model)
             where, archives = locate_one_shot(be, truth.model, prompts[worst], archive_dir=archive_dir)
             first = f"prompt {worst}: {where}"
         else:

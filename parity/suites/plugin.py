@@ -18,7 +18,7 @@ OPTIONS = {
     "--qwen4exp-backend": (None, "backend to test: reference, reference-f64, engine, engine-cpu, engine-cuda or "
                                  "module:Class (default: reference)"),
     "--qwen4exp-model": (None, "checkpoint directory or bundled fixture name (default: tiny)"),
-    "--qwen4exp-level": ("full", "scenario level: full (every combination) or ci (fewer combinations)"),
+    "--qwen4exp-level": ("full", "scenario level: full (every combination), ci (fewer combinations) or long (the real caps)"),
     "--qwen4exp-page-sizes": (None, "comma-separated paged-cache page sizes (default: from the config)"),
 }
 DEFAULT_BACKEND = "reference"
@@ -30,7 +30,7 @@ def pytest_addoption(parser):
     for name, (default, help_) in OPTIONS.items():
         kw = dict(action="store", default=default, help=help_)
         if name == "--qwen4exp-level":
-            kw["choices"] = ["full", "ci"]
+            kw["choices"] = ["full", "ci", "long"]
         group.addoption(name, **kw)
 
 

@@ -17,7 +17,7 @@ from reference.blocks.norms import gated_rms_norm, sigmoid, silu, softplus
 from reference.blocks.ple import dilated_causal_conv
 from reference.numba_kernels import delta_rule_recurrent, unit_lower_solve
 
-__all__ = ["l2norm", "delta_rule_chunked", "delta_rule_recurrent", "delta_rule_recurrent_numpy", "gdn_block",
+__all__ = ["conv_history", "l2norm", "delta_rule_chunked", "delta_rule_recurrent", "delta_rule_recurrent_numpy", "gdn_block",
            "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64  # the official torch_chunk_gated_delta_rule default
@@ -101,7 +101,9 @@ def gdn_block(x: np.ndarray, w: dict, conv_state: np.ndarray, rec_state: np.ndar
         mode: ``'recurrent'``, ``'chunked'`` or ``'auto'`` (recurrent for one token, chunked otherwise:
             the official choice).
     Returns:
-        ``(out [T, H], taps dict(conv_out [T, conv_dim], core_out [T, Hv, dv]), new_conv_state, new_rec_state)``.
+        ``(out [T, H], taps dict(conv_in [T, conv_dim]: the conv input (``in_proj_qkv`` output; with the
+        carried state it gives the ``conv_state`` tap, see :func:`conv_history`), conv_out [T, conv_dim],
+        core_out [T, Hv, dv], norm [T, Hv, dv]: the gated RMSNorm output), new_conv_state, new_rec_state)``.
     Source: ``Qwen4ExpTextGatedDeltaNet.forward``.
     """
     T = x.shape[0]
@@ -128,4 +130,14 @@ def gdn_block(x: np.ndarray, w: dict, conv_state: np.ndarray, rec_state: np.ndar
         core, new_rec = delta_rule_chunked(q, k, v, g, beta, rec_state)
     normed = gated_rms_norm(core, z.reshape(T, Hv, dv), w["norm"], cfg.rms_norm_eps, cfg.output_gate)
     out = linear(normed.reshape(T, Hv * dv), w["out_proj"])
-    return out, {"conv_out": conv, "core_out": core}, new_conv, new_rec
+    return out, {"conv_in": mixed, "conv_out": conv, "core_out": core, "norm": normed}, new_conv, new_rec
+
+
+def conv_history(state: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The ``K-1`` rows a causal conv reads before each position: ``[T, K-1, C]`` from the carried
+    ``state [K-1, C]`` and the new inputs ``x [T, C]`` (row ``t`` = ``concat(state, x)[t : t+K-1]``).
+    The tap ``layers.{i}.linear_attn.conv_state``: a stale or unrolled-back conv state differs here first."""
+    S = state.shape[0]
+    z = np.concatenate([state.astype(x.dtype, copy=False), x], axis=0)
+    idx = np.arange(x.shape[0])[:, None] + np.arange(S)[None, :]
+    return z[idx]

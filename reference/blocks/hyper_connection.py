@@ -15,7 +15,7 @@ __all__ = ["hyper_connection", "hc_combine"]
 
 
 def hyper_connection(x: np.ndarray, norm_w: np.ndarray, down_w: np.ndarray, up_w: np.ndarray,
-                     inject_w: np.ndarray | None, hc_count: int, hidden_size: int, eps: float):
+                     inject_w: np.ndarray | None, hc_count: int, hidden_size: int, eps: float, taps: dict | None = None):
     """Mix the ``hc_count`` residual streams into one block input (and the injection weights).
 
     ``n = RMSNorm_grouped(x)``; ``m = sigmoid(up(silu(down(n) / hc)))``;
@@ -26,6 +26,7 @@ def hyper_connection(x: np.ndarray, norm_w: np.ndarray, down_w: np.ndarray, up_w
         norm_w: ``[hc*H]`` zero-centred grouped-norm weight (group = ``hidden_size``).
         down_w: ``[hc_lowrank, hc*H]``; up_w: ``[hc*H, hc_lowrank]`` (arrays or ``BF16Matrix``).
         inject_w: ``[hc, hc*H]`` or None (the final mixer has no combine).
+        taps: when a dict, receives ``hc_norm`` (the normed streams ``n`` ``[T, hc*H]``).
     Returns:
         ``(mixed [T, H], injection_weights [T, hc] or None)`` in ``x.dtype``.
     Source: ``Qwen4ExpTextGatedResidual.forward``.
@@ -33,6 +34,8 @@ def hyper_connection(x: np.ndarray, norm_w: np.ndarray, down_w: np.ndarray, up_w
     T = x.shape[0]
     hc = x.dtype.type(hc_count)
     n = rms_norm(x, norm_w, eps, group_size=hidden_size)
+    if taps is not None:
+        taps["hc_norm"] = n
     m = sigmoid(linear(silu(linear(n, down_w) / hc), up_w))
     mixed = (m * n).reshape(T, hc_count, hidden_size).mean(axis=1)
     if inject_w is None:

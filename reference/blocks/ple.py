@@ -119,7 +119,7 @@ def dilated_causal_conv(x: np.ndarray, state: np.ndarray, weight: np.ndarray, di
 
 
 def ple_block(hidden: np.ndarray, embeddings: np.ndarray, w: dict, conv_state: np.ndarray, hc_count: int,
-              hidden_size: int, ngram_size: int, eps: float):
+              hidden_size: int, ngram_size: int, eps: float, taps: dict | None = None):
     """One PLE layer (its output is added to the residual by the caller).
 
     Args:
@@ -128,6 +128,8 @@ def ple_block(hidden: np.ndarray, embeddings: np.ndarray, w: dict, conv_state: n
         w: weights ``key_proj [hc*H, E]``, ``value_proj [H, E]``, ``norm_key``/``norm_query``/``norm_conv``
            ``[hc*H]``, ``conv1d [hc*H, K]``.
         conv_state: ``[(K-1)*ngram_size, hc*H]``.
+        taps: when a dict, receives ``norm_key``, ``norm_query``, ``norm_conv`` (the three RMSNorm outputs,
+            ``[T, hc*H]``) and ``conv_out`` (``silu`` of the dilated conv, ``[T, hc*H]``).
     Returns:
         ``(out [T, hc*H], gate [T, hc], new_conv_state)``.
     Source: ``Qwen4ExpTextPLELayer.forward``.
@@ -140,4 +142,7 @@ def ple_block(hidden: np.ndarray, embeddings: np.ndarray, w: dict, conv_state: n
     gated = (sigmoid(gate)[:, :, None] * value[:, None, :]).reshape(T, hc_count * hidden_size)
     gated_normed = rms_norm(gated, w["norm_conv"], eps, group_size=hidden_size)
     conv, new_state = dilated_causal_conv(gated_normed, conv_state, w["conv1d"], ngram_size)
-    return gated + silu(conv), gate, new_state
+    conv = silu(conv)
+    if taps is not None:
+        taps.update(norm_key=key, norm_query=query, norm_conv=gated_normed, conv_out=conv)
+    return gated + conv, gate, new_state

@@ -34,12 +34,13 @@ def canonical_topk(scores: np.ndarray, k: int) -> np.ndarray:
     return order[..., :k].astype(np.int64)
 
 
-def indexer_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg):
+def indexer_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg, taps: dict | None = None):
     """Indexer queries (normed, rotated at their positions) and raw keys.
 
     Args:
         x: ``[T, H]``; w: ``index_qk_proj [(n_heads + 1) * D, H]``, ``q_layernorm [D]``;
         cos/sin: ``[T, rotary_dim]`` at the tokens' positions.
+        taps: when a dict, receives ``q_layernorm`` (the normed queries before RoPE).
     Returns:
         ``(q [T, indexer_n_heads, D], raw_keys [T, D])``.
     Source: ``Qwen4ExpTextQSAIndexer.forward`` (first part).
@@ -48,6 +49,8 @@ def indexer_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cf
     D, nh = cfg.indexer_head_dim, cfg.indexer_n_heads
     qk = linear(x, w["index_qk_proj"])
     q = rms_norm(qk[:, :nh * D].reshape(T, nh, D), w["q_layernorm"], cfg.rms_norm_eps)
+    if taps is not None:
+        taps["q_layernorm"] = q
     q = apply_rope(q, cos, sin)
     return q, qk[:, nh * D:].reshape(T, D)
 
@@ -118,10 +121,31 @@ def selection_mask(selected: np.ndarray, positions: np.ndarray, n_complete: np.n
     return mask
 
 
-def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg):
+def selected_tokens(selected: np.ndarray, positions: np.ndarray, r: int, width: int) -> np.ndarray:
+    """Token-level selection ``[T, width]`` int64: the positions each query attends -- the selected
+    blocks' tokens plus the incomplete tail ``n_complete*r .. p`` -- ascending, ``-1`` padded (the
+    registry's ``indexer.selected_tokens``; compared as sets, so an engine that selects tokens rather than
+    blocks is comparable). ``width``: ``indexer_budget + compress_ratio - 1``, the most a query can attend.
+
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (``selected_token_indices``: selected blocks, then the tail).
+    """
+    selected = np.asarray(selected).reshape(len(positions), -1)
+    out = np.full((len(positions), width), -1, dtype=np.int64)
+    ar = np.arange(r)
+    for t, p in enumerate(np.asarray(positions, dtype=np.int64)):
+        nc = (int(p) + 1) // r
+        blocks = selected[t][selected[t] >= 0].astype(np.int64)
+        toks = np.concatenate([(blocks[:, None] * r + ar[None, :]).reshape(-1), np.arange(nc * r, int(p) + 1)])
+        toks = np.sort(toks)[:width]
+        out[t, :len(toks)] = toks
+    return out
+
+
+def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, cfg, taps: dict | None = None):
     """Queries, output gate, keys and values of the gated attention.
 
     ``q_proj`` rows per head: ``head_dim`` query values then ``head_dim`` gate values.
+    ``taps``: when a dict, receives ``q_norm`` / ``k_norm`` (the RMSNorm outputs before RoPE).
     Returns:
         ``(q [T, nH, hd], gate [T, nH*hd], k [T, nKV, hd], v [T, nKV, hd])``; q and k normed and rotated.
     Source: ``Qwen4ExpTextAttention.forward``.
@@ -136,8 +160,12 @@ def attention_project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray, 
 
     qg = lin("q_proj").reshape(T, nH, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nH * hd)
-    q = apply_rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), cos, sin)
-    k = apply_rope(rms_norm(lin("k_proj").reshape(T, nKV, hd), w["k_norm"], cfg.rms_norm_eps), cos, sin)
+    qn = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+    kn = rms_norm(lin("k_proj").reshape(T, nKV, hd), w["k_norm"], cfg.rms_norm_eps)
+    if taps is not None:
+        taps.update(q_norm=qn, k_norm=kn)
+    q = apply_rope(qn, cos, sin)
+    k = apply_rope(kn, cos, sin)
     v = lin("v_proj").reshape(T, nKV, hd)
     return q, gate, k, v
 

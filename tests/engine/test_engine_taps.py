@@ -58,4 +58,4 @@ def test_negative_control_perturbed_weight_is_located():
     got = _engine_taps(ck.with_override(w, ck.get(w) * 1.05), ids, "float32")
     rep = diff_archives(ref, got, "fp32")
     assert not rep.agree
-    assert rep.first_divergence == "layers.3.linear_attn.out"  # z only enters the gated norm before out_proj
+    assert rep.first_divergence == "layers.3.linear_attn.norm.out"  # z only enters the gated norm (its own tap)

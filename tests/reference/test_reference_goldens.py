@@ -98,11 +98,11 @@ def test_negative_control_rope_off_by_one(monkeypatch):
     f = np.concatenate([m._inv_freq, m._inv_freq])  # the text-position table is cat(freqs, freqs)
     orig = refmodel.attention_project
 
-    def shifted(x, w, cos, sin, cfg):
+    def shifted(x, w, cos, sin, cfg, **kw):  # kw: the taps dict while recording
         cos1 = cos * np.cos(f) - sin * np.sin(f)  # angle + one position
         sin1 = sin * np.cos(f) + cos * np.sin(f)
-        q, gate, _, _ = orig(x, w, cos1, sin1, cfg)
-        _, _, k, v = orig(x, w, cos, sin, cfg)
+        q, gate, _, _ = orig(x, w, cos1, sin1, cfg, **kw)
+        _, _, k, v = orig(x, w, cos, sin, cfg, **kw)
         return q, gate, k, v
 
     monkeypatch.setattr(refmodel, "attention_project", shifted)

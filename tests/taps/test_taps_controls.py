@@ -120,12 +120,16 @@ def wrong_tie_break():
 
 CONTROLS = {
     # fault: (how, expected first-divergence tap, expected first position)
-    "perturbed weight (layer 3 GDN in_proj_qkv)": (perturbed_weight, "layers.3.linear_attn.conv_out", 0),
-    "swapped attention heads (layer 2 q_proj)": (swapped_heads, "layers.2.self_attn.core_out", 1),
+    # in_proj_qkv rows enter the conv history first (position 0 reads only the carried zero state)
+    "perturbed weight (layer 3 GDN in_proj_qkv)": (perturbed_weight, "layers.3.linear_attn.conv_state", 1),
+    "swapped attention heads (layer 2 q_proj)": (swapped_heads, "layers.2.self_attn.q_norm.out", 0),
     "off-by-one RoPE position (chunks after the first)": (rope_off_by_one,
-                                                         "layers.2.self_attn.indexer.block_scores", CHUNK),
+                                                         # the first block pooled in a later chunk completes
+                                                         # ratio - 1 tokens after the chunk's start
+                                                         "layers.2.self_attn.indexer.block_keys",
+                                                         CHUNK + CFG.indexer_compress_ratio - 1),
     "dropped PLE context token": (dropped_ple_context, "layers.1.ple.ple_embedding.ngram_ids", CHUNK),
-    "stale GDN conv state": (stale_gdn_conv, "layers.0.linear_attn.conv_out", CHUNK),
+    "stale GDN conv state": (stale_gdn_conv, "layers.0.linear_attn.conv_state", CHUNK),
 }
 
 
@@ -196,13 +200,13 @@ def test_cli_record_diff_replay(tmp_path, capsys):
     assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny",
                  "--json"]) == 1
     d = json.loads(capsys.readouterr().out)
-    assert d["first_divergence"] == "layers.3.linear_attn.conv_out"
+    assert d["first_divergence"] == "layers.3.linear_attn.conv_state"
     assert d["first_divergence_detail"]["layer"] == 3
     assert d["first_divergence_detail"]["module"] == "layers.3.linear_attn"
     assert d["replay"]["verdict"] == "block"
     assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force"]) == 1
     out = capsys.readouterr().out
-    assert "FIRST DIVERGENCE: layers.3.linear_attn.conv_out" in out and "\x1b[" not in out  # plain off a tty
+    assert "FIRST DIVERGENCE: layers.3.linear_attn.conv_state" in out and "\x1b[" not in out  # plain off a tty
     # a recording cap that the up-front estimate exceeds: clean error, nothing written
     assert main(["taps", "record", "tiny", "--ids", str(ids_file), "--out", str(tmp_path / "C"),
                  "--cap", "1000"]) == 2
@@ -264,5 +268,5 @@ def test_cli_replay_without_recorded_input_is_reported_not_fatal(tmp_path, capsy
     capsys.readouterr()
     assert main(["tap-diff", str(tmp_path / "A"), str(tmp_path / "B"), "--force", "--replay", "tiny"]) == 1
     out = capsys.readouterr().out
-    assert "FIRST DIVERGENCE: layers.3.linear_attn.conv_out" in out
+    assert "FIRST DIVERGENCE: layers.3.linear_attn.conv_state" in out
     assert "replay unavailable" in out and "layers.3.attn_hyper_connection.out" in out

@@ -1,4 +1,5 @@
-"""The four scenario suites: budget, chunk_boundary, snapshot_restore, speculative_rollback.
+"""The scenario suites: budget, chunk_boundary, snapshot_restore, speculative_rollback (against the truth)
+and self_consistency (the backend against itself; ``truth`` may be None).
 
 ``run_scenario(name, open_backend, truth)`` runs every case of one scenario against a backend, at
 each paged-cache page size the backend supports (sizes that do and do not divide the compress
@@ -14,7 +15,9 @@ from reference.errors import InputError
 
 __all__ = ["SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results", "normalize_name"]
 
-SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback")
+SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback", "self_consistency")
+#: the suites that need no truth (run without the reference)
+TRUTHLESS = ("self_consistency",)
 
 
 def normalize_name(name: str) -> str:
@@ -31,18 +34,24 @@ def scenario_names() -> list[str]:
     return list(SCENARIOS)
 
 
-LEVELS = ("full", "ci")
+LEVELS = ("full", "ci", "long")
 
 
 def cases_for(name: str, config, level: str = "full"):
     """The :class:`parity.harness.scenarios.common.Case` list of scenario ``name`` for a model config.
 
-    ``level``: 'full' (every combination) or 'ci' (the same situations with fewer redundant combinations).
+    ``level``: 'full' (every combination), 'ci' (the same situations with fewer redundant combinations) or
+    'long' (:mod:`parity.harness.scenarios.long`: the real caps -- prompts crossing the bound, chunks over
+    8192, positions past 32768 -- for a real-width model; self-consistency runs its 'ci' cases).
     """
     if level not in LEVELS:
         raise InputError(f"level: expected one of {LEVELS}, found {level!r}")
-    mod = importlib.import_module(f"parity.harness.scenarios.{normalize_name(name)}")
-    return mod.cases(config, level=level)
+    name = normalize_name(name)
+    if level == "long" and name not in TRUTHLESS:
+        from parity.harness.scenarios import long
+        return long.cases(name, config)
+    mod = importlib.import_module(f"parity.harness.scenarios.{name}")
+    return mod.cases(config, level="ci" if level == "long" else level)
 
 
 def _page_plan(backend_caps, config, page_sizes):

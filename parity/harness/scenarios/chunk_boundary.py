@@ -5,7 +5,9 @@ Chunk sizes cut inside a QSA compress block (``compress_ratio + 1``), at the GDN
 ``Qwen4ExpTextPLELayer._short_conv``), at the n-gram context (``ngram_size - 1``,
 ``Qwen4ExpTextNGramEmbedding.forward``), at 1 and at length - 1. The prompt holds EOS ids (the PLE
 n-gram reset), one of them right before a chunk boundary. A batch case prefills several sequences
-piecewise, interleaved, then decodes them together.
+piecewise, interleaved, then decodes them together. Streams holding the EOS ids after the first (not a
+reset) are prefilled in chunks; ragged prompts go through one ``prefill_batch`` call and must leave the
+state a one-by-one prefill leaves.
 """
 from __future__ import annotations
 
@@ -79,4 +81,44 @@ def cases(config, level: str = "full") -> list[Case]:
         for step in range(2):
             run.decode(seqs, [ids[L + step] for ids, L, _c in streams], desc=f"batched decode step {step}")
     out.append(Case("batch_interleaved_pieces", interleaved, batch=True))
+    return out + more_cases(config, level)
+
+
+# ------------------------------------------------------------------ issue 14: second EOS id, ragged batch
+def more_cases(config, level: str = "full") -> list[Case]:
+    """Token streams holding the EOS ids after the first (they end generation but do NOT reset the PLE
+    n-gram history: the official reset id is ``eos_token_id[0]``), prefilled in chunks and decoded; ragged
+    prompts prefilled in one ``prefill_batch`` call vs one by one (state compared)."""
+    s = sizes(config)
+    n = prompt_length(config)
+    out = []
+
+    def second_eos(run: Run):
+        ids = token_stream(run.config, n + 3, seed=360, eos_every=17)
+        for i, e in enumerate(run.sizes.other_eos or ()):
+            for j in range(2 + i, n + 3, 5):  # every 5th token an EOS id that is not the reset id
+                ids[j] = e
+        run.plan(ids)
+        a = run.new("second-eos")
+        c = s.ratio + 1
+        run.prefill(a, ids[:n], chunk_size=c, desc=f"prefill {n} tokens holding non-reset EOS ids {list(run.sizes.other_eos)}"
+                                                    f" in chunks of {c}")
+        for t in ids[n:]:
+            run.decode([a], [t])
+    out.append(Case("eos_ids_after_the_first_do_not_reset", second_eos))
+
+    def ragged(run: Run):
+        lens = [n, s.bound + 1, 1, s.ratio + 2]  # ragged; the last one ends in a partial tile of a packed batch
+        streams = [token_stream(run.config, L + 2, seed=420 + k, eos_every=9) for k, L in enumerate(lens)]
+        run.plan(*streams)
+        seqs = [run.new(f"ragged{k}-len{L}") for k, L in enumerate(lens)]
+        run.prefill_batch(seqs, [st[:L] for st, L in zip(streams, lens)])
+        for step in range(2):
+            run.decode(seqs, [st[L + step] for st, L in zip(streams, lens)], desc=f"batched decode step {step}")
+        for k, (sq, st) in enumerate(zip(seqs, streams)):
+            alone = run.new(f"alone{k}")
+            run.prefill(alone, sq.hist)
+            run.compare_state(sq, alone, f"state of ragged request {k} vs the same prompt prefilled alone")
+            run.free(alone)
+    out.append(Case("ragged_prefill_batch_vs_one_by_one", ragged, batch=True))
     return out

@@ -133,6 +133,7 @@ class Sizes:
     has_qsa: bool
     has_ple: bool
     has_gdn: bool
+    other_eos: tuple = ()  # EOS ids after the first: end generation but do NOT reset the n-gram history
 
 
 GDN_CHUNK = 64  # torch_chunk_gated_delta_rule(chunk_size=64), modeling_qwen4_exp.py
@@ -146,7 +147,25 @@ def sizes(config) -> Sizes:
     return Sizes(bound=budget + ratio - 1, ratio=ratio, budget=budget, gdn_chunk=GDN_CHUNK,
                  ple_window=config.ple_conv_state_len, ngram_ctx=config.ngram_size - 1, vocab=config.vocab_size,
                  eos=config.ple_eos_token_id, has_qsa=has_qsa, has_ple=bool(config.ple_layer_ids),
-                 has_gdn="linear_attention" in config.layer_types)
+                 has_gdn="linear_attention" in config.layer_types,
+                 other_eos=tuple(int(e) for e in config.eos_token_ids[1:] if e != config.ple_eos_token_id))
+
+
+#: rank of a state array's kind inside its layer, in dataflow order (PLE before the mixer; the n-gram context
+#: before the conv it feeds; conv before recurrent; indexer keys before the block keys pooled from them and
+#: the attention K/V they select)
+_STATE_RANK = {"context": 0, "conv": 1, "index_keys": 2, "block_keys": 3, "k": 4, "v": 5, "recurrent": 4}
+_STATE_KIND = {"ple": 0, "gdn": 1, "qsa": 1}
+
+
+def state_order(name: str) -> tuple:
+    """Sort key walking state arrays (``ple.1.context``, ``gdn.0.conv``, ``qsa.2.k`` ...) in dataflow order:
+    layer by layer, PLE state before the layer's mixer state, and inside a block in the order the forward
+    reads them (see :data:`_STATE_RANK`); names of another form sort last, by name."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[1].isdigit() and parts[0] in _STATE_KIND:
+        return (0, int(parts[1]), _STATE_KIND[parts[0]], _STATE_RANK.get(parts[2], 9), name)
+    return (1, 0, 0, 0, name)
 
 
 def page_sizes_for(config) -> list[int]:
@@ -239,7 +258,7 @@ class Run:
     """
 
     def __init__(self, backend, truth: TruthCache, thresholds: KLThresholds, record_at: int | None = None,
-                 unbatch_at: int | None = None, record_seq: str | None = None):
+                 unbatch_at: int | None = None, record_seq: str | None = None, record_batched: bool = False):
         self.be = backend
         self.truth = truth
         self.th = thresholds
@@ -252,6 +271,7 @@ class Run:
         self.record_at = record_at
         self.unbatch_at = unbatch_at
         self.record_seq = record_seq
+        self.record_batched = record_batched  # record a batched decode AS a batch (the failing seq's position)
         self.recorded = None  # (archive, seq label, positions, history)
         self.recorded_out = None  # the logits rows the backend RETURNED for the recorded positions
         self.min_top1 = scenario_min_top1(getattr(backend, "precision", "float32"))
@@ -479,7 +499,7 @@ class Run:
         self.current_op = "batched_decode"
         if narrow and self.unbatch_at != op and self.record_at != op:
             d += f" (one sequence at a time: {bd.reason()})"
-        if self.unbatch_at == op or narrow or (self.record_at == op and len(seqs) > 1):
+        if self.unbatch_at == op or narrow or (self.record_at == op and len(seqs) > 1 and not self.record_batched):
             rows = []
             for s, t, st in zip(seqs, ids, starts):
                 if self.record_at == op and s.label == self.record_seq:
@@ -492,9 +512,10 @@ class Run:
             if not narrow or self.unbatch_at == op or self.record_at == op:
                 d += " (replayed one sequence at a time)"
         else:
-            with self._recording(op, [starts[0]], seqs[0]):
+            i = next((j for j, s in enumerate(seqs) if s.label == self.record_seq), 0)
+            with self._recording(op, [starts[i]], seqs[i]):
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
-            self._keep_returned(op, out[:1])
+            self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):
             self.fail(op, f"{d}: expected {len(seqs)} rows of logits, found shape {out.shape}", "decode batch shape")
         for i, (s, st) in enumerate(zip(seqs, starts)):
@@ -516,6 +537,64 @@ class Run:
                             lambda start: desc or f"verify {n} drafted tokens at position {start}")
         s.last_verify = (n, len(s.hist))
         return out
+
+    def prefill_batch(self, seqs: Sequence[Seq], id_lists: Sequence[Sequence[int]], chunk_size: int | None = None,
+                      desc: str | None = None):
+        """Prefill ragged prompts on several sequences in one ``prefill_batch`` call and check every
+        returned ``[T_i, V]`` against the truth and every position; returns the list of logits.
+
+        Raises:
+            CaseFailure: a wrong count/shape, a disagreement with the truth, or a wrong position.
+        """
+        op = self._next_op()
+        seqs = list(seqs)
+        lists = [[int(t) for t in ids] for ids in id_lists]
+        starts = [len(s.hist) for s in seqs]
+        for s, ids in zip(seqs, lists):
+            s.hist.extend(ids)
+        d = desc or (f"ragged prefill_batch of {len(seqs)} requests (lengths {[len(x) for x in lists]})"
+                     + (f" in chunks of {chunk_size}" if chunk_size else ""))
+        rec_i = next((i for i, s in enumerate(seqs) if s.label == self.record_seq), 0)
+        pos = range(starts[rec_i], starts[rec_i] + len(lists[rec_i]))
+        with self._recording(op, pos, seqs[rec_i]):
+            outs = list(self.be.prefill_batch([s.h for s in seqs], lists, chunk_size=chunk_size))
+        if len(outs) != len(seqs):
+            self.fail(op, f"{d}: expected {len(seqs)} logits arrays, found {len(outs)}", "prefill_batch result count")
+        if self.record_at == op:
+            self._keep_returned(op, outs[rec_i])
+        for s, out, st, ids in zip(seqs, outs, starts, lists):
+            self._compare(op, d, s, out, st, len(ids))
+            self._check_position(op, s, d)
+        return outs
+
+    def fork(self, s: Seq, label: str) -> Seq:
+        """``fork`` sequence ``s`` into a new tracked sequence ``label`` holding the same history; checks its
+        position."""
+        op = self._next_op()
+        c = Seq(label, self.be.fork(s.h))
+        c.hist = list(s.hist)
+        c.last_logits = s.last_logits
+        self.seqs.append(c)
+        self._check_position(op, c, f"fork of {s.label}")
+        return c
+
+    def check_last_logits(self, s: Seq, desc: str):
+        """The backend's held logits of ``s``'s last position (``last_logits``: what a full prefix-cache hit
+        samples its first token from) must match the truth's row at that position (KL and top-1 as every
+        other row). The failure names the held logits directly: they come from no forward to tap.
+
+        Raises:
+            CaseFailure: the held row disagrees with the truth, or has the wrong shape.
+        """
+        op = self._next_op()
+        row = np.asarray(self.be.last_logits(s.h))
+        p = len(s.hist) - 1
+        try:
+            self._compare(op, desc, s, row.reshape(1, -1) if row.ndim == 1 else row, p, 1)
+        except CaseFailure as f:
+            f.divergence = (f"held last-position logits (restored with the snapshot) at position {p}: they differ "
+                            f"from the truth there; no forward produced them, so no tap can")
+            raise
 
     def rollback(self, s: Seq, n: int, desc: str | None = None):
         """Roll ``s`` back by ``n`` tokens and check its position. Raises CaseFailure on a wrong position."""
@@ -586,7 +665,7 @@ class Run:
         op = self._next_op()
         sa, sb = self.be.state_arrays(a.h), self.be.state_arrays(b.h)
         self.checks += 1
-        for name in sorted(set(sa) | set(sb)):
+        for name in sorted(set(sa) | set(sb), key=state_order):  # the first stale array upstream is named
             if name not in sa or name not in sb:
                 self.fail(op, f"{desc}: state {name} present in only one of {a.label}, {b.label}", f"state {name}")
             x, y = np.asarray(sa[name]), np.asarray(sb[name])

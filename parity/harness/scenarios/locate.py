@@ -1,9 +1,11 @@
 """Name the first divergence of a failing scenario case (automatic tap-diff).
 
-Steps (all deterministic replays of the case):
+Steps (all replays of the case on the same backend instance):
 
+0. the case is replayed as it was: a replay that passes or fails differently names the fault
+   nondeterministic; one that fails earlier names state leaking between runs (and that failure is located);
 1. a failing *batched* decode is replayed one sequence at a time: if every row is then correct,
-   the fault is in batching and that is the answer;
+   the fault is in batching (the batched call is then recorded as a batch and tap-diffed too);
 2. the case is replayed with taps recorded around the failing operation, for the failing sequence
    and positions only;
 3. the truth (the reference's single full forward over that sequence's history) is recorded for the
@@ -114,6 +116,13 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
         return "backend emitted no taps (tap-diff needs a backend that emits the registry's taps)"
     profile = "bf16" if precision in ("bf16", "fp8") else "fp32"
     rep = _diff(truth_arc, be_arc, profile=profile, force=True)
+    cover = rep.coverage_note("the truth", "the backend") if hasattr(rep, "coverage_note") else ""
+    return _line(rep, truth_arc, be_arc, precision, returned, positions, truth_logits, thresholds) + \
+        (f" [{cover}]" if cover else "")
+
+
+def _line(rep, truth_arc, be_arc, precision, returned, positions, truth_logits, thresholds) -> str:
+    """The divergence clause of :func:`diff_archives` (without the tap-coverage note)."""
     if rep.first_divergence is None:
         msg, compared = _returned_vs_tap(be_arc, returned, positions or [], precision)
         if msg is not None:
@@ -153,18 +162,67 @@ def _first_bad_vs_truth(returned, positions, truth_logits, thresholds) -> int | 
 
 
 def locate(scenario: str, case, backend, truth, th, failed_op: int | None, failed_seq: str | None, *,
-           archive_dir=None, page_size=None) -> tuple[str, list[str]]:
-    """Replay a failing case to name its first divergence. Returns (divergence line, archive paths)."""
+           archive_dir=None, page_size=None, first_failure: str | None = None) -> tuple[str, list[str]]:
+    """Replay a failing case to name its first divergence. Returns (divergence line, archive paths).
+
+    ``first_failure``: the first run's failure message; a replay on the same instance failing otherwise (or
+    passing) is reported as nondeterminism, one failing EARLIER as state leaking between runs (that earlier
+    failure is then located). All replays run on the same backend instance, after its whole history."""
     if failed_op is None:
         return "no failing operation recorded", []
     archives: list[str] = []
+    prefix = ""
+    # 0. determinism: a second identical run on the same instance must fail the same way
+    again = _replay(case, backend, truth, th)
+    if isinstance(again, CaseFailure) and again.op < failed_op:
+        # it fails EARLIER now: state left behind by the first run leaks into the second (slot reuse, a
+        # cache shared across requests); locate that earlier, reproducible failure
+        prefix = (f"state leaks between runs: an identical replay on the same backend instance fails earlier "
+                  f"(op {again.op}, first run op {failed_op}); at the replay's failure: ")
+        failed_op, failed_seq = again.op, again.seq
+        again2 = _replay(case, backend, truth, th)
+        if not (isinstance(again2, CaseFailure) and again2.op == failed_op and again2.seq == failed_seq):
+            return prefix + "not reproducible again: nondeterministic", archives
+    elif not (isinstance(again, CaseFailure) and again.op == failed_op and again.seq == failed_seq
+              and (first_failure is None or not _deterministic(backend) or again.what == first_failure)):
+        got = ("passes" if isinstance(again, Run) else
+               f"fails at op {again.op}: {again.what}" if isinstance(again, CaseFailure) else
+               f"raises {type(again).__name__}: {again}")
+        return (f"nondeterministic: a second identical run of the case on the same backend instance differs "
+                f"(first run failed at op {failed_op}, seq {failed_seq or '?'}; the replay {got})"), archives
     # 1. batching?
     probe = _replay(case, backend, truth, th, unbatch_at=failed_op)
     if isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > failed_op):
-        return (f"batching: sequence {failed_seq or '?'} is correct when decoded alone at op {failed_op}, "
-                f"wrong in the batch"), archives
+        where = (f"batching: sequence {failed_seq or '?'} is correct when decoded alone at op {failed_op}, "
+                 f"wrong in the batch")
+        inside = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
+                                  record_batched=True)
+        return prefix + where + (f"; in the batch, {inside[0]}" if inside[0] else ""), inside[1]
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:  # no taps: the failing check itself locates it
+        what = probe.what if isinstance(probe, CaseFailure) else f"op {failed_op}"
+        return prefix + f"{what} (backend records no taps: located by operation and position only)", archives
+    out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size)
+    return (prefix + out[0] if out[0] else prefix + "could not record the failing operation"), out[1]
+
+
+def _deterministic(backend) -> bool:
+    """Whether the backend claims bitwise-identical reruns (then even the failure message must repeat; for
+    others, whose reductions may reorder run to run, the failing operation and sequence must)."""
+    from parity.backends import capabilities_of
+    return bool(capabilities_of(backend).get("deterministic"))
+
+
+def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
+                     record_batched: bool = False) -> tuple[str, list[str]]:
+    """Steps 2-4 of :func:`locate`: record the failing op (``record_batched``: a batched decode as the batch,
+    the failing sequence's position only), record the truth, tap-diff. Returns (line, archive paths)."""
+    archives: list[str] = []
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:
+        return "", archives  # nothing to record: the caller's line stands alone
     # 2. record the backend
-    rep = _replay(case, backend, truth, th, record_at=failed_op, record_seq=failed_seq)
+    rep = _replay(case, backend, truth, th, record_at=failed_op, record_seq=failed_seq, record_batched=record_batched)
     run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
     if run is None or run.recorded is None:
         if isinstance(rep, Exception) and not isinstance(rep, CaseFailure):
@@ -252,6 +310,15 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl") 
     from taps.recorder import Recorder
 
     ids = [int(t) for t in ids]
+    from parity.backends.base import capabilities_of
+    if capabilities_of(backend).get("taps", True) is False:  # no taps: the first divergent position only
+        from parity.backends import one_shot_logits
+        from parity.harness.kl import thresholds_for
+        th = thresholds_for(getattr(backend, "precision", "float32"))
+        first = _first_bad_vs_truth(one_shot_logits(backend, ids), list(range(len(ids))),
+                                    truth_model.forward(ids), th)
+        return (f"first divergent position {first} of {len(ids)} (backend records no taps: located by "
+                f"position only)"), []
     try:
         with backend.taps(None, meta={"token_ids": ids}) as rec_b:
             from parity.backends import one_shot_logits

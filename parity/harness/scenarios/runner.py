@@ -79,6 +79,7 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.divergence = f"not located: {capability(backend, 'taps').reason()} (no tap replay)"
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
-                                              archive_dir=archive_dir, page_size=page_size)
+                                              archive_dir=archive_dir, page_size=page_size,
+                                              first_failure=res.failure)
     res.seconds = time.perf_counter() - t0
     return res

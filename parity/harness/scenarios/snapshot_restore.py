@@ -5,8 +5,10 @@ run; restore into a fresh handle, twice (the snapshot must not be consumed or al
 prefix reused by a second request with several, exactly one, or no prompt tokens left to prefill; a
 snapshot written to disk and read back (:mod:`parity.backends.snapshot_file`: versioned; a snapshot of another
 model or format version is refused); restoring a snapshot that lacks PLE or indexer state is refused;
-a batch of sequences restored at different positions decoding together. Snapshot positions sit at
-the QSA bound, inside a compress block and at the PLE conv window.
+a batch of sequences restored at different positions decoding together; verify and rollback right
+after a restore; the held logits of the restored position in a full prefix hit (none left to prefill);
+fork, then both children diverge. Snapshot positions sit at the QSA bound, inside a compress block and at
+the PLE conv window.
 """
 from __future__ import annotations
 
@@ -157,4 +159,66 @@ def cases(config, level: str = "full") -> list[Case]:
         for step in range(3):
             run.decode(seqs, [c[step] for c in conts], desc=f"batched decode after restores, step {step}")
     out.append(Case("batch_restore_different_positions", batch, batch=True))
+    return out + more_cases(config, level)
+
+
+# ------------------------------------------------------------------ issue 14: combinations
+def more_cases(config, level: str = "full") -> list[Case]:
+    """Verify and rollback right after a restore; the held logits of the restored position when a prefix hit
+    leaves none of the prompt to prefill; fork then diverge both children."""
+    s = sizes(config)
+    out = []
+
+    def verify_after_restore(run: Run):
+        from parity.harness.scenarios.speculative_rollback import wrong_drafts
+        p = s.bound - 1
+        ids = token_stream(run.config, p, seed=2300, eos_every=6)
+        a = run.new("prefix")
+        run.prefill(a, ids)
+        snap = run.snapshot(a)
+        c = run.new("restored")
+        run.restore(c, snap, desc="restore, then speculate")
+        for rnd, (k, j) in enumerate(((4, 1), (3, 0), (2, 2))):
+            drafts = wrong_drafts(run, c.hist, k, seed=2400 + rnd)
+            run.verify(c, drafts, desc=f"verify {k} drafts on the restored sequence (round {rnd})")
+            run.rollback(c, k - j, desc=f"round {rnd}: accept {j}/{k} after a restore")
+            nxt = token_stream(run.config, 1, seed=2500 + rnd)[0]
+            run.decode([c], [nxt], desc=f"decode after the rollback of round {rnd}")
+            straight = run.new(f"straight{rnd}")
+            run.prefill(straight, c.hist)
+            run.compare_state(c, straight, f"state after verify/rollback on a restored sequence (round {rnd})")
+            run.free(straight)
+    out.append(Case("verify_and_rollback_after_restore", verify_after_restore))
+
+    def none_left(run: Run):
+        P = token_stream(run.config, s.bound + 2, seed=2600, eos_every=7)
+        d = token_stream(run.config, 2, seed=2601)
+        run.plan(P + d)
+        owner = run.new("prefix-owner")
+        run.prefill(owner, P)
+        snap = run.snapshot(owner)
+        run.decode([owner], d[:1], desc="the owner moves on after the snapshot")
+        r2 = run.new("request2")
+        run.restore(r2, snap, desc="prefix cache hit covering the whole prompt")
+        run.check_last_logits(r2, "the restored position's logits (none of the prompt left to prefill)")
+        run.decode([r2], d[:1], desc="first decode after a full hit")
+        run.decode([r2, owner], [d[1], d[1]])
+    out.append(Case("shared_prefix_hit_none_left_restored_logits", none_left, needs=("last_logits",)))
+
+    def fork_diverge(run: Run):
+        p = s.bound + 1
+        ids = token_stream(run.config, p, seed=2700, eos_every=5)
+        xa, xb = token_stream(run.config, 3, seed=2701), token_stream(run.config, 3, seed=2702)
+        a = run.new("parent")
+        run.prefill(a, ids)
+        b = run.fork(a, "child")
+        run.decode([a, b], [xa[0], xb[0]], desc="parent and child decode different tokens in one batch")
+        run.prefill(a, xa[1:], desc="parent prefills on")
+        run.prefill(b, xb[1:], desc="child prefills on")
+        for sq in (a, b):
+            straight = run.new(f"straight-{sq.label}")
+            run.prefill(straight, sq.hist)
+            run.compare_state(sq, straight, f"state of the {sq.label} after fork and divergence")
+            run.free(straight)
+    out.append(Case("fork_then_diverge_both", fork_diverge, needs=("fork",)))
     return out

@@ -6,7 +6,8 @@ and -- when the backend exposes them -- all state arrays (KV, indexer keys, GDN 
 state, PLE conv state, n-gram context) must equal a run that never saw the rejected tokens. Drafts
 are right (the truth's greedy tokens) and wrong (other tokens); the prompt ends just below the QSA
 bound so the drafts cross it; EOS drafts exercise the n-gram reset. Batches of several sequences
-verify different k and accept different j, then decode together.
+verify different k and accept different j, then decode together. A snapshot and a fork taken right
+after a rollback must hold the accepted prefix's state.
 With an MTP head (config ``mtp_num_hidden_layers`` and the backend's capability ``mtp``) the ``mtp_*`` cases
 drive the same machinery with the backend's OWN drafts (``draft(h, next_id, k)``), each compared with the
 reference MTP head (:data:`MTP_TRUTH_PROVENANCE`: there is no official MTP implementation) and located at
@@ -117,7 +118,52 @@ def cases(config, level: str = "full") -> list[Case]:
             run.compare_state(sq, straight, f"state of batch seq {i} after two speculative rounds")
             run.free(straight)
     out.append(Case("batch_mixed_accepts", batch, batch=True))
-    return out + mtp_cases(config, level)
+    return out + rollback_then_cases(config, level) + mtp_cases(config, level)
+
+
+# ------------------------------------------------------------------ issue 14: snapshot / fork after a rollback
+def rollback_then_cases(config, level: str = "full") -> list[Case]:
+    """A snapshot taken right after a rollback (it must hold the accepted prefix's state, not the rejected
+    drafts'), restored elsewhere; a fork right after a rollback, both children diverging."""
+    out = []
+
+    def snap_after_rollback(run: Run):
+        L = _prompt_len(run.sizes)
+        a = run.new("speculating")
+        run.prefill(a, token_stream(run.config, L, seed=3000, eos_every=5))
+        drafts = wrong_drafts(run, a.hist, K, seed=3001)
+        run.verify(a, drafts, desc=f"verify {K} wrong drafts")
+        run.rollback(a, K - 1, desc=f"accept 1/{K}")
+        snap = run.snapshot(a)
+        run.prefill(a, token_stream(run.config, 3, seed=3002), desc="the sequence runs on after the snapshot")
+        c = run.new("restored")
+        run.restore(c, snap, desc="restore the snapshot taken right after the rollback")
+        for t in token_stream(run.config, 2, seed=3003):
+            run.decode([c], [t])
+        straight = run.new("straight")
+        run.prefill(straight, c.hist)
+        run.compare_state(c, straight, "state restored from a snapshot taken after a rollback")
+    out.append(Case("snapshot_after_rollback", snap_after_rollback))
+
+    def fork_after_rollback(run: Run):
+        L = _prompt_len(run.sizes)
+        a = run.new("parent")
+        run.prefill(a, token_stream(run.config, L, seed=3100, eos_every=6))
+        drafts = wrong_drafts(run, a.hist, K, seed=3101)
+        run.verify(a, drafts, desc=f"verify {K} wrong drafts")
+        run.rollback(a, K - 2, desc=f"accept 2/{K}")
+        b = run.fork(a, "child")
+        xa, xb = token_stream(run.config, 2, seed=3102), token_stream(run.config, 2, seed=3103)
+        run.decode([a, b], [xa[0], xb[0]], desc="parent and child diverge")
+        run.decode([b, a], [xb[1], xa[1]])
+        for sq in (a, b):
+            straight = run.new(f"straight-{sq.label}")
+            run.prefill(straight, sq.hist)
+            run.compare_state(sq, straight, f"state of the {sq.label} forked after a rollback")
+            run.free(straight)
+    out.append(Case("fork_after_rollback", fork_after_rollback, needs=("fork",)))
+    return out
+
 
 
 # ----------------------------------------------------------------------------------------------- MTP drafts

@@ -1,0 +1,395 @@
+"""Turning a qwen4exp checkpoint into a GGUF with the converter of the *installed* llama.cpp.
+
+The converter (``convert_hf_to_gguf.py`` + ``conversion/`` + ``gguf-py/``) ships only in
+llama-cpp-python's source distribution (``vendor/llama.cpp``), not in its wheel. It is found, in order:
+the ``sdist=PATH`` backend option, ``$QWEN4EXP_LLAMACPP_SDIST``, ``<cache>/sdist/llama_cpp_python-<v>.tar.gz``,
+else ``pip download llama-cpp-python==<v> --no-binary :all: --no-deps`` into ``<cache>/sdist`` (bounded
+time). Its three parts are extracted once into ``<cache>/llama.cpp-<v>/``; ``<cache>`` is
+``$QWEN4EXP_CACHE`` or ``~/.cache/qwen4exp``. The vendored ``gguf-py`` is used (put first on the path),
+so the converter and the loader are of one version.
+
+Re-parameterisations (:data:`REPARAMS`) rewrite a checkpoint into one that computes the *same function*
+(each is checked by running the official model -- transformers when installed, else the reference --
+on both checkpoints) but gets past a limitation of llama.cpp's converter/loader. They are applied only
+when asked for (``llama.cpp:reparam=auto`` or a ``+``-joined list) and are recorded in the report.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from parity.backends.base import BackendError
+from parity.backends.refusal import EngineRefused
+
+#: seconds one conversion may take before it is abandoned (the real 360 GB checkpoint needs hours:
+#: raise it with ``convert_timeout=``)
+CONVERT_TIMEOUT_S = 900
+PIP_DOWNLOAD_TIMEOUT_S = 600
+
+#: name -> one-line description of each function-preserving re-parameterisation
+REPARAMS = {
+    "tokenizer-label": "the converter identifies a BPE pre-tokenizer only by the hash of known upstream "
+                       "tokenizers; when it does not know the checkpoint's, the GGUF is labelled 'qwen35' "
+                       "(the label llama.cpp gives the Qwen3.5/3.8 tokenizer). Token ids -> logits, the "
+                       "function judged here, does not involve the tokenizer",
+    "ple-dequant": "the FP8 n-gram table (ngram_embedding shards + one weight_scale) is stored dequantised "
+                   "in float32 (shard * scale, exact: a 4-bit by 8-bit significand product)",
+    "ple-pad": "llama.cpp assumes ple_embed_dim == hidden_size; each n-gram head's row is zero-padded to "
+               "hidden_size / n_heads and key_proj/value_proj get matching zero columns (exact zeros add "
+               "exact zeros), ple_embed_dim := hidden_size",
+}
+
+
+def cache_root() -> Path:
+    """``$QWEN4EXP_CACHE`` or ``~/.cache/qwen4exp``."""
+    return Path(os.environ.get("QWEN4EXP_CACHE") or Path.home() / ".cache" / "qwen4exp")
+
+
+def installed_version() -> str:
+    """The installed llama-cpp-python version. Raises BackendError when it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise BackendError(f"llama.cpp backend: expected llama-cpp-python installed (pip install "
+                           f"'qwen4exp-parity[llamacpp]'), found {e}") from e
+    return str(llama_cpp.__version__)
+
+
+def find_sdist(version: str, path=None) -> Path:
+    """The source distribution of llama-cpp-python ``version`` (see the module docstring for the order).
+
+    Raises:
+        BackendError: not found and ``pip download`` failed (message names every place looked at).
+    """
+    looked = []
+    for cand, why in ((path, "sdist= option"), (os.environ.get("QWEN4EXP_LLAMACPP_SDIST"), "$QWEN4EXP_LLAMACPP_SDIST")):
+        if cand:
+            p = Path(cand)
+            if not p.is_file():
+                raise BackendError(f"llama.cpp backend: {why} {str(p)!r}: expected llama-cpp-python's source "
+                                   f"distribution (.tar.gz), found {'a directory' if p.is_dir() else 'nothing there'}")
+            return p
+    d = cache_root() / "sdist"
+    p = d / f"llama_cpp_python-{version}.tar.gz"
+    looked.append(str(p))
+    if p.is_file():
+        return p
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-binary", ":all:",
+           "--no-deps", "-d", str(d)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)
+        ok = r.returncode == 0 and p.is_file()
+        why = (r.stderr.strip().splitlines() or ["?"])[-1] if not ok else ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        raise BackendError(f"llama.cpp backend: expected llama-cpp-python {version}'s source distribution (it "
+                           f"holds the converter), found none at {looked} and `pip download` failed ({why}); "
+                           f"pass llama.cpp:sdist=PATH or set QWEN4EXP_LLAMACPP_SDIST")
+    return p
+
+
+def converter_dir(version: str, sdist=None) -> Path:
+    """``<cache>/llama.cpp-<version>/`` holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``
+    extracted from the sdist (once; extracted to a temporary folder, then renamed)."""
+    dst = cache_root() / f"llama.cpp-{version}"
+    if (dst / "convert_hf_to_gguf.py").is_file():
+        return dst
+    src = find_sdist(version, sdist)
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
+    try:
+        with tarfile.open(src, "r:gz") as tf:
+            members = [m for m in tf.getmembers() if m.name.startswith(prefix)
+                       and m.name[len(prefix):].startswith(wanted) and (m.isfile() or m.isdir())]
+            if not any(m.name.endswith("convert_hf_to_gguf.py") for m in members):
+                raise BackendError(f"llama.cpp backend: {str(src)!r}: expected {prefix}convert_hf_to_gguf.py in "
+                                   f"the source distribution, found none")
+            for m in members:
+                m.name = m.name[len(prefix):]
+                tf.extract(m, tmp, filter="data")
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another process extracted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+# --- re-parameterisations --------------------------------------------------------------------------------
+
+def _text_cfg(raw: dict) -> dict:
+    return raw.get("text_config", raw)
+
+
+def applicable_reparams(model_dir) -> list[str]:
+    """The re-parameterisations of :data:`REPARAMS` that change something on this checkpoint (in order)."""
+    from safetensors import safe_open
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    cfg = _text_cfg(raw)
+    out = ["tokenizer-label"]
+    has_scale = False
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            has_scale = has_scale or any(k.endswith("ngram_embedding.weight_scale") for k in s.keys())
+    if has_scale:
+        out.append("ple-dequant")
+    if cfg.get("ple_layer_ids") and cfg.get("ple_embed_dim") != cfg.get("hidden_size"):
+        n_heads = (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"]
+        if cfg["hidden_size"] % n_heads == 0 and cfg["ple_embed_dim"] % n_heads == 0 \
+                and cfg["hidden_size"] >= cfg["ple_embed_dim"]:
+            out.append("ple-pad")  # only where a function-preserving padding exists
+    return out
+
+
+def parse_reparams(value, model_dir) -> list[str]:
+    """``reparam=`` option: 'none' / '' -> [], 'auto' -> :func:`applicable_reparams`, else a '+'-joined list.
+
+    Raises:
+        BackendError: an unknown name.
+    """
+    if value in (None, "", "none"):
+        return []
+    names = []
+    for n in [n for n in str(value).split("+") if n]:
+        names += applicable_reparams(model_dir) if n == "auto" else [n]
+    bad = [n for n in names if n not in REPARAMS]
+    if bad:
+        raise BackendError(f"llama.cpp:reparam={value!r}: expected 'none', 'auto' or a '+'-joined list of "
+                           f"{', '.join(REPARAMS)}, found {bad}")
+    return [n for n in REPARAMS if n in names]
+
+
+def reparameterise(src, dst, names) -> Path:
+    """Write ``src`` rewritten by the checkpoint re-parameterisations ``names`` ('ple-dequant',
+    'ple-pad'; 'tokenizer-label' acts on the converter, not the files) to the directory ``dst``, shard by
+    shard (each shard is loaded whole: fine for CI-sized checkpoints, the only ones that need 'ple-pad').
+
+    Raises:
+        BackendError: 'ple-pad' cannot preserve the function (hidden_size not a multiple of the n-gram head
+            count, so no padded row width exists).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    cfg = _text_cfg(raw)
+    pad = "ple-pad" in names
+    if pad:
+        n_heads = (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"]
+        hid, P = cfg["hidden_size"], cfg["ple_embed_dim"]
+        if hid % n_heads or P % n_heads or hid < P:
+            raise BackendError(f"llama.cpp:reparam=ple-pad: expected hidden_size ({hid}) to be a multiple of the "
+                               f"n-gram head count ({n_heads}) and >= ple_embed_dim ({P}), found otherwise: no "
+                               f"function-preserving padding exists for this checkpoint")
+        r, r2 = P // n_heads, hid // n_heads
+        cols = (np.arange(n_heads)[:, None] * r2 + np.arange(r)[None, :]).reshape(-1)  # old col h*r+j -> h*r2+j
+        cfg["ple_embed_dim"] = hid
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
+    try:
+        for f in src.iterdir():
+            if f.suffix == ".safetensors" or f.name == "config.json":
+                continue
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        for f in sorted(src.glob("*.safetensors")):
+            ts = load_file(str(f))
+            out = {}
+            scales = {k[: -len("weight_scale")]: v for k, v in ts.items() if k.endswith("ngram_embedding.weight_scale")}
+            for k, v in ts.items():
+                if "ple-dequant" in names and k.endswith("ngram_embedding.weight_scale"):
+                    continue
+                if "ple-dequant" in names and ".ngram_embedding.shard_" in k and v.dtype in (
+                        torch.float8_e4m3fn, torch.float8_e5m2):
+                    base = k[: k.index("ngram_embedding.") + len("ngram_embedding.")]
+                    sc = scales.get(base)
+                    if sc is None:  # the scale lives in another shard file
+                        sc = _find_tensor(src, base + "weight_scale")
+                    v = v.to(torch.float32) * sc.to(torch.float32).reshape(())
+                if pad and ".ngram_embedding.shard_" in k:
+                    z = torch.zeros((v.shape[0], r2), dtype=v.dtype)
+                    z[:, :r] = v
+                    v = z
+                if pad and (k.endswith(".ple.key_proj.weight") or k.endswith(".ple.value_proj.weight")):
+                    z = torch.zeros((v.shape[0], hid), dtype=v.dtype)
+                    z[:, torch.as_tensor(cols)] = v
+                    v = z
+                out[k] = v.contiguous()
+            save_file(out, str(tmp / f.name), metadata={"format": "pt"})
+        if "ple-dequant" in names and (src / "model.safetensors.index.json").is_file():
+            idx = json.loads((src / "model.safetensors.index.json").read_text(encoding="utf-8"))
+            idx["weight_map"] = {k: v for k, v in idx["weight_map"].items()
+                                 if not k.endswith("ngram_embedding.weight_scale")}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=1), encoding="utf-8")
+        (tmp / "config.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _find_tensor(model_dir, name):
+    from safetensors import safe_open
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            if name in s.keys():
+                return s.get_tensor(name)
+    raise BackendError(f"llama.cpp:reparam=ple-dequant: expected tensor {name!r} in {str(model_dir)!r}, found none")
+
+
+def check_same_function(a, b, ids=None) -> dict:
+    """Run the official model (transformers, float32, CPU) -- or, when it is not installed or cannot load
+    the checkpoint, the reference -- on checkpoints ``a`` and ``b``; returns ``{"by", "max_abs_diff",
+    "ok"}``. ``ok``: the logits agree to a float32 summation-order floor (zero padding can change the
+    order of a BLAS reduction; 1e-5 relative to the logit scale covers it, a real change does not pass).
+    """
+    ids = list(ids) if ids is not None else [3, 17, 99, 5, 250, 7, 8, 9, 10, 11, 12, 13, 14, 200, 41, 6]
+    by, la, lb = None, None, None
+    try:
+        import torch
+        import transformers
+
+        def run(p):
+            m = transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+            m.eval()
+            with torch.no_grad():
+                return m(torch.tensor([ids])).logits[0].float().numpy()
+        la, lb, by = run(a), run(b), f"transformers {transformers.__version__} (official model)"
+    except Exception as e:  # not installed, or cannot load (e.g. FP8 on CPU): the reference instead
+        from parity.backends.base import truth_model
+        la, lb = truth_model(a).forward(ids), truth_model(b).forward(ids)
+        by = f"reference (official model unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    d = float(np.max(np.abs(np.asarray(la, np.float64) - np.asarray(lb, np.float64))))
+    scale = float(np.max(np.abs(la))) or 1.0
+    return {"by": by, "max_abs_diff": d, "ok": d <= 1e-5 * scale}
+
+
+# --- conversion ------------------------------------------------------------------------------------------
+
+_WRAPPER = r"""
+import runpy, sys
+conv, label = sys.argv[1], sys.argv[2]
+sys.argv = [conv + '/convert_hf_to_gguf.py'] + sys.argv[3:]
+sys.path.insert(0, conv)
+sys.path.insert(1, conv + '/gguf-py')
+if label:
+    import conversion.base as b
+    orig = b.TextModel.get_vocab_base_pre
+    def pre(self, tok):
+        try:
+            return orig(self, tok)
+        except NotImplementedError:
+            return label
+    b.TextModel.get_vocab_base_pre = pre
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)|AssertionError|KeyError)\b.*")
+
+
+def refusal_message(stderr: str) -> str:
+    """The converter's own message: the exception line of its traceback (else its last line)."""
+    lines = [ln.rstrip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _EXC_LINE.match(ln.strip()):
+            return ln.strip()
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def fingerprint(model_dir) -> str:
+    """Identity of a checkpoint directory's files (names, sizes, mtimes; config.json by content)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update((Path(model_dir) / "config.json").read_bytes())
+    return h.hexdigest()[:20]
+
+
+def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", timeout=CONVERT_TIMEOUT_S) -> dict:
+    """Convert ``model_dir`` to GGUF (cached under ``<cache>/gguf/``); returns ``{"gguf", "reparams",
+    "checks", "converter"}``.
+
+    ``outtype`` f32: the fixtures' BF16/F32 weights are kept exactly, so what is judged is llama.cpp's
+    arithmetic, not a rounding of the weights.
+    Raises:
+        EngineRefused: the converter exits with an error (its own exception line is the message).
+        BackendError: the converter cannot be found or a re-parameterisation cannot preserve the function.
+    """
+    model_dir = Path(model_dir).resolve()
+    conv = converter_dir(version, sdist)
+    reparams = list(reparams)
+    key = f"{fingerprint(model_dir)}-{'+'.join(reparams) or 'asis'}-{outtype}-{version}"
+    root = cache_root() / "gguf" / key
+    gguf = root / "model.gguf"
+    info = root / "info.json"
+    if gguf.is_file() and info.is_file():
+        return json.loads(info.read_text(encoding="utf-8"))
+    root.mkdir(parents=True, exist_ok=True)
+    src, checks = model_dir, []
+    file_reparams = [r for r in reparams if r != "tokenizer-label"]
+    if file_reparams:
+        src = reparameterise(model_dir, root / "checkpoint", file_reparams)
+        chk = check_same_function(model_dir, src)
+        checks.append({"reparams": file_reparams, **chk})
+        if not chk["ok"]:
+            raise BackendError(f"llama.cpp:reparam={'+'.join(file_reparams)}: expected the re-parameterised "
+                               f"checkpoint to compute the same function, found max |dlogit| {chk['max_abs_diff']:.3g} "
+                               f"({chk['by']})")
+    label = "qwen35" if "tokenizer-label" in reparams else ""
+    tmp = root / "model.gguf.part"
+    cmd = [sys.executable, "-c", _WRAPPER, str(conv), label, str(src), "--outfile", str(tmp), "--outtype", outtype]
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the vendored gguf-py, same version
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise BackendError(f"llama.cpp converter: expected to finish within {timeout} s, found it still running "
+                           f"(raise convert_timeout=)") from e
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        msg = refusal_message(r.stderr)
+        if msg.startswith("ModuleNotFoundError"):  # our environment, not llama.cpp's defect
+            raise BackendError(f"llama.cpp converter: expected its Python dependencies installed, found {msg}")
+        raise EngineRefused(f"llama.cpp {version}", "converter", msg, offer_for(msg, model_dir, reparams))
+    os.replace(tmp, gguf)
+    doc = {"gguf": str(gguf), "reparams": reparams, "checks": checks, "converter": str(conv)}
+    info.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    return doc
+
+
+#: refusal message pattern -> the re-parameterisation that gets past it
+_FIXES = (("BPE pre-tokenizer was not recognized", "tokenizer-label"),
+          ("ngram_embedding.weight_scale", "ple-dequant"),
+          (".ple_key.weight' has wrong shape", "ple-pad"))
+
+
+def offer_for(message: str, model_dir, used) -> str:
+    """The hint attached to a refusal: the re-parameterisation that gets past it, when one exists."""
+    for pat, fix in _FIXES:
+        if pat in message:
+            if fix in used:
+                break
+            if fix in applicable_reparams(model_dir):
+                return f"llama.cpp:reparam={fix} (or auto) offers a function-preserving re-parameterisation: {REPARAMS[fix]}"
+            break
+    return "no function-preserving re-parameterisation gets past this"
