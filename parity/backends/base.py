@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,7 +49,7 @@ import numpy as np
 from reference.errors import InputError, UserError
 
 
-BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda")
+BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda", "transformers")
 
 
 class BackendError(UserError, RuntimeError):
@@ -83,6 +84,90 @@ class BackendRaised(UserError, RuntimeError):
         super().__init__(f"backend {str(spec)!r} raised {describe_exception(exc)}{' ' + during if during else ''}")
         self.spec = str(spec)
         self.traceback = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class CapabilityLimit(BackendError):
+    """An operation asked for outside the limit the backend DECLARED for it (``capabilities[op]`` 'limited').
+
+    The scenario runner turns it into a skipped case (with this message as the reason) only when the
+    operation is declared limited or unsupported; raised for an operation declared supported it is a
+    refusal, and the case fails."""
+
+
+#: the operations a backend may declare supported, limited (with its limit) or unsupported
+OPERATIONS = ("rollback", "snapshot", "verify", "fork", "batched_prefill", "batched_decode", "taps", "perturb",
+              "state_arrays", "snapshot_file", "mtp")
+SUPPORTED, LIMITED, UNSUPPORTED = "supported", "limited", "unsupported"
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One operation's declared support. ``status``: 'supported' | 'limited' | 'unsupported'; ``limit``: what
+    the limit is, in words (limited/unsupported); ``max_tokens``: for rollback / verify, the most tokens one
+    call may take (None: no count limit); ``within``: 'last_verify' when rollback only undoes the tokens of the
+    last forward_tokens call."""
+
+    op: str
+    status: str
+    limit: str | None = None
+    max_tokens: int | None = None
+    within: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        """True unless unsupported (a limited operation runs, narrowed)."""
+        return self.status != UNSUPPORTED
+
+    def reason(self) -> str:
+        """The skip reason this declaration gives, e.g. ``rollback limited: at most 2 tokens``."""
+        if self.status == SUPPORTED:
+            return f"{self.op} supported"
+        lim = self.limit or (f"at most {self.max_tokens} tokens" if self.max_tokens is not None else "")
+        return f"{self.op} {self.status}" + (f": {lim}" if lim else "")
+
+    def to_json(self) -> dict:
+        """The declaration as a JSON-ready dict (report.json ``meta.capabilities``)."""
+        return {k: v for k, v in {"status": self.status, "limit": self.limit, "max_tokens": self.max_tokens,
+                                  "within": self.within}.items() if v is not None}
+
+
+def capability(be_or_caps, op: str) -> Capability:
+    """A backend's declaration for operation ``op`` (one of :data:`OPERATIONS`), normalised.
+
+    Accepted declarations (``capabilities[op]``): a bool (True supported, False unsupported: the historical
+    form, kept), a status string, a dict ``{"status": ..., "limit": "...", "max_tokens": n, "within": ...}``,
+    a ``(status, limit)`` pair, or a :class:`Capability`. A missing key takes the protocol default
+    (:attr:`Backend.capabilities`). ``be_or_caps``: a backend or its capabilities dict.
+
+    Raises:
+        BackendError: a declaration of none of these forms, an unknown status, or a bad max_tokens.
+    """
+    caps = be_or_caps if isinstance(be_or_caps, dict) else capabilities_of(be_or_caps)
+    v = caps.get(op, Backend.capabilities.get(op, True))
+    if isinstance(v, Capability):
+        return v
+    if isinstance(v, bool) or v is None:
+        return Capability(op, SUPPORTED if v else UNSUPPORTED)
+    if isinstance(v, str):
+        v = {"status": v}
+    elif isinstance(v, (tuple, list)) and len(v) == 2:
+        v = {"status": v[0], "limit": v[1]}
+    if not isinstance(v, dict):
+        raise BackendError(f"capabilities[{op!r}]: expected a bool, 'supported'/'limited'/'unsupported', a dict "
+                           f"with 'status' or a (status, limit) pair, found {v!r}")
+    st = v.get("status", LIMITED if ("limit" in v or "max_tokens" in v) else SUPPORTED)
+    if st not in (SUPPORTED, LIMITED, UNSUPPORTED):
+        raise BackendError(f"capabilities[{op!r}]: status: expected supported, limited or unsupported, found {st!r}")
+    mt = v.get("max_tokens")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+        raise BackendError(f"capabilities[{op!r}]: max_tokens: expected a non-negative integer, found {mt!r}")
+    return Capability(op, st, v.get("limit"), mt, v.get("within"))
+
+
+def capability_table(be) -> dict[str, dict]:
+    """Every operation's normalised declaration, JSON-ready (for report.json)."""
+    caps = capabilities_of(be)
+    return {op: capability(caps, op).to_json() for op in OPERATIONS}
 
 
 def load_weights(model_path, perturb=None):
@@ -229,10 +314,18 @@ class Backend:
     name = "backend"
     precision = "float32"
 
-    #: capabilities every backend declares; override in subclasses
+    #: capabilities every backend declares; override in subclasses. Each operation of :data:`OPERATIONS` is
+    #: True / False, or 'limited' with its limit (see :func:`capability`); the suites skip or narrow the cases
+    #: that need an operation a backend does not fully support, and show each skip with its reason.
     capabilities: dict = {
         "page_sizes": None,        # None: paging is not a concept of this backend (page_size is a no-op)
         "batched_decode": True,
+        "verify": True,            # forward_tokens(h, ids)
+        "rollback": True,          # rollback(h, n)
+        "snapshot": True,          # snapshot(h) / restore(same h, snap)
+        "fork": True,              # restore(other h, snap): a snapshot restored into another (fresh) handle
+        "batched_prefill": True,   # prefill of many tokens in one call, and chunk_size=
+        "taps": True,              # taps() records the registry's taps
         "perturb": False,          # open(..., perturb=(name, fn)) supported
         "state_arrays": False,     # state_arrays(h) supported
         "snapshot_file": False,    # parity.backends.snapshot_file can serialise its snapshots

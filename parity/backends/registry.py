@@ -57,6 +57,10 @@ BACKEND_OPTIONS: dict[str, dict[str, Any]] = {
     "llama.cpp": {"gguf": str, "reparam": str, "kv": ("f32", "f16"), "fa": ("off", "on", "auto"), "threads": int,
                   "seqs": int, "ctx": int, "rs": str, "sdist": str, "convert_timeout": int, "page_size": int},
     "openai": {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
+    # the official implementation (parity/backends/transformers.py); device also takes cuda:N, perturb a
+    # module path (layers.2.mlp): both are checked by TransformersBackend.open
+    "transformers": {"device": str, "dtype": ("float32", "bfloat16"), "load": ("auto", "pretrained", "reader"),
+                     "perturb": str, "page_size": int},
 }
 # old spellings, accepted for one version (0.2.x) with a deprecation note: name -> (name, options)
 BACKEND_ALIASES: dict[str, tuple[str, dict]] = {
@@ -228,7 +232,7 @@ def backend_class(spec, flag: str = "--backend") -> tuple[type, dict]:
     the option named in error messages (``--a`` / ``--b`` for ``qwen4exp kl``).
 
     Names: 'reference' (options dtype), 'engine' (device: cuda when a GPU is present, else cpu; precision),
-    'llama.cpp' and 'openai' (outside engines, docs/outside-engines.md), 'module:Class', and the deprecated
+    'transformers' (the official model: device, dtype, load, perturb), 'llama.cpp' and 'openai' (outside engines, docs/outside-engines.md), 'module:Class', and the deprecated
     'reference-f64', 'engine-cpu', 'engine-cuda'.
     Raises:
         InputError: unknown name or option. BackendError: 'module:Class' not importable.
@@ -252,6 +256,9 @@ def backend_class(spec, flag: str = "--backend") -> tuple[type, dict]:
     if sp.name == "openai":
         from parity.backends.openai import OpenAIBackend
         return OpenAIBackend, opts
+    if sp.name == "transformers":
+        from parity.backends.transformers import TransformersBackend
+        return TransformersBackend, opts
     if sp.plugin:
         return _load_module_class(sp.name, flag), opts
     raise InputError(f"{flag}: expected one of {_current_names()} (NAME[:key=value,...]) or 'module:Class', "

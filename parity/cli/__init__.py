@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # subcommand modules, in the order they appear in --help
-_MODULES = ["info", "logits", "taps", "kl", "parity", "generate", "bench"]
+_MODULES = ["info", "logits", "taps", "kl", "parity", "generate", "bench", "slice"]
 
 
 def package_version() -> str:

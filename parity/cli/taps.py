@@ -4,6 +4,7 @@
   qwen4exp taps record MODEL [--backend SPEC] --ids FILE --out DIR [--overwrite] [--taps GLOB ...]
                        [--layers SPEC] [--positions SPEC] [--chunk-size N] [--cap BYTES] [--scenario NAME]
       SPEC: reference[:dtype=float64], engine[:device=cpu|cuda,precision=float32|bf16] or module:Class
+  qwen4exp taps check DIR [--model MODEL] [--json]      (validate an archive: docs/tap-archive.md)
   qwen4exp taps diff A B [--profile fp32|bf16|FILE] [--format text|json] [--all] [--force] [--replay MODEL]
                    [--taps GLOB ...] [--memory-mb N]
 
@@ -76,6 +77,12 @@ def register(subparsers) -> None:
                     help="replace an existing --out (only when the new archive is complete)")
     add_traceback(pr)
     pr.set_defaults(func=_cmd_record, command="taps record")
+
+    pc = sub.add_parser("check", help="validate a tap archive against its format (docs/tap-archive.md)")
+    pc.add_argument("dir", help="tap archive directory")
+    pc.add_argument("--model", default=None, help="also check shapes, layers and identity against this model")
+    pc.add_argument("--json", action="store_true", help="machine-readable output")
+    pc.set_defaults(func=_cmd_check, command="taps check")
 
     pd = sub.add_parser("diff", help="diff two tap archives: first divergence, flips, replay bisect")
     _add_diff_args(pd)
@@ -248,3 +255,26 @@ def _check_replay_model(args, ck) -> None:
         raise InputError(f"--replay {args.replay!r}: expected the weights archive B was recorded with (weights "
                          f"fingerprint {want_w}), found fingerprint {ck.fingerprint()} (same config, other weights; "
                          f"--replay-other-weights replays anyway)")
+
+
+# ---------------------------------------------------------------- check
+def _cmd_check(args) -> int:
+    """``taps check DIR``: 0 the archive conforms (warnings printed), 1 it does not (every problem listed),
+    2 DIR is not a directory / a bad --model."""
+    from taps.check import check_archive
+    config = None
+    if args.model:
+        from reference.config import load_config
+        from reference.paths import resolve_model
+        config = load_config(resolve_model(args.model))
+    rep = check_archive(args.dir, config)
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=1))
+    else:
+        for w in rep.warnings:
+            print(f"warning: {w}")
+        for e in rep.problems:
+            print(f"problem: {e}")
+        print(f"{args.dir}: {'valid' if rep.ok else 'INVALID'} tap archive ({rep.taps} taps, {rep.rows} rows, "
+              f"{len(rep.problems)} problems, {len(rep.warnings)} warnings)")
+    return 0 if rep.ok else 1

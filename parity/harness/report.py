@@ -58,6 +58,7 @@ class ScenarioRow:
     detail: str = ""
     failures: list = field(default_factory=list)
     skipped: int = 0
+    skips: list = field(default_factory=list)  # each skipped / narrowed case with its reason
     notes: dict = field(default_factory=dict)  # e.g. {"mtp_truth_provenance": ...} when MTP cases ran
     thresholds: dict = field(default_factory=dict)  # the row's pass limits (KLThresholds.to_json())
     traceback: str | None = None                    # the first backend failure's stack trace (ERROR rows)
@@ -91,7 +92,8 @@ class ParityReport:
         from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
         if any(r.status in ("fail", "error", "refused") for r in self.rows):  # refused: the engine's defect
             return EXIT_DIVERGENCE
-        if any(r.status == "inconclusive" for r in self.rows):
+        # a skipped case never counts as a pass: a report with no passing row judged nothing
+        if any(r.status == "inconclusive" for r in self.rows) or not any(r.status == "pass" for r in self.rows):
             return EXIT_INCONCLUSIVE
         return EXIT_OK
 
@@ -237,7 +239,9 @@ def _row_cells(report: ParityReport) -> list[list[str]]:
         cases = (f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
                  + (f" ({r.known} known)" if r.known else "")
                  + (f" ({r.tie_equivalent} tie-eq pos)" if r.tie_equivalent else ""))
-        div = " ".join(str(r.first_divergence or ("-" if r.status == "pass" else r.detail)).split())
+        # a passing row with skipped or narrowed cases shows why (a skip is never silent)
+        quiet = r.status == "pass" and not r.skipped and "narrowed" not in (r.detail or "")
+        div = " ".join(str(r.first_divergence or ("-" if quiet else r.detail)).split())
         def value(x):  # an all-ERROR scenario compared nothing: ERROR, never a KL that reads as perfect
             return "ERROR" if r.status == "error" and (x is None or not math.isfinite(x)) else _fmt(x)
         kl, err = value(r.worst_kl), value(r.worst_logit_err)

@@ -121,6 +121,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
 
     op = opener(backend_spec, model)
     from parity.backends import capabilities_of
+    from parity.backends.base import capability_table
     from parity.backends.refusal import EngineRefused
     t_open = time.perf_counter()
     try:
@@ -135,7 +136,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     cfg = probe.config
     report = ParityReport(backend=_current_spelling(probe.name), model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
-                                "capabilities": {k: v for k, v in caps.items()},
+                                # each operation's declaration (supported / limited with its limit / unsupported)
+                                "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
+                                **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
                                 **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
     if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
         return topk_report(report, probe, model, prompts)

@@ -126,7 +126,8 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     ran = [r for r in results if r.status != "skip"]
     known = [r for r in ran if r.status in ("fail", "error") and r.known]
     failed = [r for r in ran if r.status in ("fail", "error") and not r.known]
-    status = "error" if any(r.status == "error" for r in failed) else ("fail" if failed else "pass")
+    # a skipped case never counts as a pass: a scenario whose every case was skipped is 'skip', not 'pass'
+    status = "error" if any(r.status == "error" for r in failed) else ("fail" if failed else ("pass" if ran else "skip"))
     # an ERROR case compared nothing: never 'KL 0', which reads as perfect; nor does a case whose logits had the
     # wrong shape (worst_kl None): when no case produced figures the row shows '-' (None)
     compared = [r for r in ran if r.status != "error" and r.worst_kl is not None]
@@ -139,8 +140,13 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     detail = "" if not first else f"{first.label}: {first.failure}"
     where = None if not first else (f"{first.case}" + (f" [page {first.page_size}]" if first.page_size else "")
                                     + f": {first.divergence}")
+    reasons = list(dict.fromkeys(r.failure for r in skipped))
+    narrowed = [r for r in ran if r.narrowed]
+    if narrowed:
+        detail = (detail + "; " if detail else "") + f"{len(narrowed)} narrowed: {narrowed[0].narrowed[0]}"
     if skipped:
-        detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped ({skipped[0].failure})"
+        detail = (detail + "; " if detail else "") + f"{len(skipped)} skipped: " + "; ".join(reasons[:3]) + (
+            f"; and {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
     if known:
         detail = (detail + "; " if detail else "") + (f"{len(known)} failing only through a known root cause "
                                                       f"({known[0].root_cause['id']})")
@@ -155,7 +161,9 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
                        worst_logit_err=we, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[{**r.to_json(), "label": r.label}
                                                                 for r in failed + known],
-                       skipped=len(skipped), known=len(known), tie_equivalent=tie_eq, notes=notes, traceback=tb)
+                       skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]
+                       + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed], known=len(known),
+                       tie_equivalent=tie_eq, notes=notes, traceback=tb)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost

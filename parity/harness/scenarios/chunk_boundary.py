@@ -120,5 +120,5 @@ def more_cases(config, level: str = "full") -> list[Case]:
             run.prefill(alone, sq.hist)
             run.compare_state(sq, alone, f"state of ragged request {k} vs the same prompt prefilled alone")
             run.free(alone)
-    out.append(Case("ragged_prefill_batch_vs_one_by_one", ragged, batch=True))
+    out.append(Case("ragged_prefill_batch_vs_one_by_one", ragged, batch=True, needs=("batched_prefill",)))
     return out

@@ -22,7 +22,7 @@ import numpy as np
 from parity.harness.kl import compare_logits, KLThresholds, position_faults, verdict
 from reference.errors import InconclusiveError, UserError
 
-__all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfined", "page_sizes_for", "sizes",
+__all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfined", "CaseSkip", "page_sizes_for", "sizes",
            "token_stream", "Sizes"]
 
 
@@ -48,6 +48,16 @@ class CaseFailure(Exception):
         self.divergence = divergence
 
 
+class CaseSkip(Exception):
+    """Raised inside a case when it needs an operation the backend declares unsupported, or beyond the limit
+    it declares (:func:`parity.backends.base.capability`); ``reason`` says which and why. The case is recorded
+    as skipped -- never as a pass -- even when its earlier checks passed."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class Case:
     """One scenario case: ``fn(run)``; ``needs``: backend capabilities it requires (e.g. 'snapshot_file')."""
@@ -60,7 +70,8 @@ class Case:
 
 @dataclass
 class CaseResult:
-    """Outcome of one case at one page size. ``status``: 'pass' | 'fail' | 'error' | 'skip'."""
+    """Outcome of one case at one page size. ``status``: 'pass' | 'fail' | 'error' | 'skip' (``failure`` then
+    holds the skip reason; a skipped case is never counted as passed)."""
 
     scenario: str
     case: str
@@ -80,6 +91,7 @@ class CaseResult:
     divergence: str | None = None
     archives: list = field(default_factory=list)
     seconds: float = 0.0
+    narrowed: list = field(default_factory=list)  # parts left out for declared limits (the rest was judged)
     traceback: str | None = None  # the backend's stack trace when status is 'error'
 
     @property
@@ -240,14 +252,16 @@ class Seq:
         self.hist: list[int] = []
         self.last_logits: np.ndarray | None = None
         self.rows: dict[int, np.ndarray] = {}  # the rows the backend returned, by position (tie resolution)
+        self.last_verify: tuple[int, int] | None = None  # (drafted tokens, history length) right after a verify
 
 
 @dataclass
 class Snap:
-    """A backend snapshot plus the history it holds."""
+    """A backend snapshot plus the history it holds (and the tracked sequence it was taken from)."""
 
     obj: Any
     hist: list[int]
+    src: Any = None
 
 
 class Run:
@@ -289,11 +303,49 @@ class Run:
         self.scratch: dict = {}
         #: confine the case below the QSA bound (``--below-bound``): an operation reaching past it skips the case
         self.limit: int | None = None
+        from parity.backends.base import capabilities_of
+        self.caps = capabilities_of(backend)
+        self.current_op = None  # the protocol operation in progress (names a CapabilityLimit's operation)
+        self.narrowed: list[str] = []  # parts left out for declared limits (see narrow)
 
     def _confine(self, s: "Seq", n: int) -> None:
         if self.limit is not None and len(s.hist) + n > self.limit:
             raise CaseConfined(f"reaches position {len(s.hist) + n - 1} > the QSA bound {self.limit - 1} "
                                f"(run confined below the bound)")
+
+    # --- capabilities
+    def cap(self, op: str):
+        """The backend's normalised declaration for ``op`` (:func:`parity.backends.base.capability`)."""
+        from parity.backends.base import capability
+        return capability(self.caps, op)
+
+    def refusal(self, op: str, what: str, ok=None) -> str | None:
+        """Why this use of ``op`` cannot run on the backend (None when it can): ``op`` unsupported, or limited
+        and ``ok(cap)`` false (outside the declared limit); ``what`` describes the use."""
+        c = self.cap(op)
+        if not c.usable:
+            return f"{what}: needs {c.reason()}"
+        if c.status == "limited" and ok is not None and not ok(c):
+            return f"{what}: outside the declared limit ({c.reason()})"
+        return None
+
+    def need(self, op: str, what: str, ok=None) -> None:
+        """Skip the case (:class:`CaseSkip`) when :meth:`refusal` gives a reason."""
+        why = self.refusal(op, what, ok)
+        if why:
+            raise CaseSkip(why)
+
+    def rollback_refusal(self, s: "Seq", n: int, what: str | None = None) -> str | None:
+        """Why rolling ``s`` back by ``n`` tokens now is outside the backend's declaration (None: it is not)."""
+        lv = s.last_verify
+        return self.refusal("rollback", what or f"rollback {n} tokens",
+                            lambda c: (c.max_tokens is None or n <= c.max_tokens) and (
+                                c.within != "last_verify" or (lv is not None and lv[1] == len(s.hist) and n <= lv[0])))
+
+    def narrow(self, reason: str) -> None:
+        """Record a part of the case left out for a declared limit (the case still judges the rest; the
+        result lists every narrowing, so a narrowed pass is never shown as a full one)."""
+        self.narrowed.append(reason)
 
     # --- bookkeeping
     def _next_op(self) -> int:
@@ -453,7 +505,17 @@ class Run:
             CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
         """
         n = len(ids)
-        return self._segment(s, ids, lambda h, t: self.be.prefill(h, t, chunk_size=chunk_size),
+        call = lambda h, t: self.be.prefill(h, t, chunk_size=chunk_size)  # noqa: E731
+        bp = self.cap("batched_prefill")
+        if chunk_size:
+            self.need("batched_prefill", f"prefill {n} tokens in chunks of {chunk_size}",
+                      lambda c: c.max_tokens is None or min(chunk_size, n) <= c.max_tokens)
+        elif n > 1 and (not bp.usable or (bp.max_tokens is not None and n > bp.max_tokens)):
+            # narrowed: a backend without (or limited in) multi-token prefill gets the prompt one token at a time
+            call = lambda h, t: np.concatenate([np.asarray(self.be.decode([h], [x])) for x in t])  # noqa: E731
+            desc = desc or f"prefill {n} tokens one at a time ({bp.reason()})"
+        self.current_op = "batched_prefill"
+        return self._segment(s, ids, call,
                              lambda start: desc or f"prefill {n} tokens at position {start}"
                              + (f" in chunks of {chunk_size}" if chunk_size else ""))
 
@@ -474,7 +536,13 @@ class Run:
             s.hist.append(t)
         d = desc or f"decode batch of {len(seqs)}"
         every = self.record_all is not None and len(seqs) > 1 and any(s.label == self.record_all for s in seqs)
-        if self.unbatch_at == op or (self.record_at == op and len(seqs) > 1 and not self.record_batched) or every:
+        bd = self.cap("batched_decode")
+        narrow = len(seqs) > 1 and (not bd.usable or (bd.max_tokens is not None and len(seqs) > bd.max_tokens))
+        self.current_op = "batched_decode"
+        if narrow and self.unbatch_at != op and self.record_at != op:
+            d += f" (one sequence at a time: {bd.reason()})"
+        if self.unbatch_at == op or narrow or (self.record_at == op and len(seqs) > 1 and not self.record_batched) \
+                or every:
             rows = []
             for s, t, st in zip(seqs, ids, starts):
                 if (self.record_at == op and s.label == self.record_seq) or s.label == self.record_all:
@@ -484,7 +552,8 @@ class Run:
                 else:
                     rows.append(np.asarray(self.be.decode([s.h], [t]))[0])
             out = np.stack(rows)
-            d += " (replayed one sequence at a time)"
+            if not narrow or self.unbatch_at == op or self.record_at == op:
+                d += " (replayed one sequence at a time)"
         else:
             i = next((j for j, s in enumerate(seqs) if s.label == self.record_seq), 0)
             with self._recording(op, [starts[i]], seqs[i]):
@@ -507,8 +576,12 @@ class Run:
             CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
         """
         n = len(ids)
-        return self._segment(s, ids, self.be.forward_tokens,
-                             lambda start: desc or f"verify {n} drafted tokens at position {start}")
+        self.need("verify", f"verify {n} drafted tokens", lambda c: c.max_tokens is None or n <= c.max_tokens)
+        self.current_op = "verify"
+        out = self._segment(s, ids, self.be.forward_tokens,
+                            lambda start: desc or f"verify {n} drafted tokens at position {start}")
+        s.last_verify = (n, len(s.hist))
+        return out
 
     def prefill_batch(self, seqs: Sequence[Seq], id_lists: Sequence[Sequence[int]], chunk_size: int | None = None,
                       desc: str | None = None):
@@ -570,8 +643,13 @@ class Run:
 
     def rollback(self, s: Seq, n: int, desc: str | None = None):
         """Roll ``s`` back by ``n`` tokens and check its position. Raises CaseFailure on a wrong position."""
-        op = self._next_op()
         d = desc or f"rollback {n} tokens"
+        why = self.rollback_refusal(s, n, d)
+        if why:
+            raise CaseSkip(why)
+        op = self._next_op()
+        self.current_op = "rollback"
+        s.last_verify = None
         self.be.rollback(s.h, n)
         if n:
             del s.hist[-n:]
@@ -579,14 +657,20 @@ class Run:
 
     def snapshot(self, s: Seq) -> Snap:
         """Snapshot ``s``: the backend's snapshot plus a copy of the history it holds."""
+        self.need("snapshot", f"snapshot of seq {s.label}")
         self._next_op()
-        return Snap(self.be.snapshot(s.h), list(s.hist))
+        self.current_op = "snapshot"
+        return Snap(self.be.snapshot(s.h), list(s.hist), s)
 
     def restore(self, s: Seq, snap: Snap, desc: str | None = None):
         """Restore ``snap`` into ``s`` (history included) and check the position. Raises CaseFailure on a wrong
         position."""
+        if snap.src is not None and snap.src is not s:
+            self.need("fork", f"restore a snapshot of seq {snap.src.label} into seq {s.label}")
         op = self._next_op()
+        self.current_op = "fork" if snap.src is not None and snap.src is not s else "snapshot"
         self.be.restore(s.h, snap.obj)
+        s.last_verify = None
         s.hist = list(snap.hist)
         self._check_position(op, s, desc or "restore")
 
@@ -621,8 +705,7 @@ class Run:
         ~4e-3 rounding per op, compounded over the layers), still far below a stale state's O(1)."""
         if rel is None:
             rel = 2e-2 if getattr(self.be, "precision", "float32") in ("bf16", "fp8") else 1e-4
-        from parity.backends import capabilities_of
-        if not capabilities_of(self.be).get("state_arrays"):
+        if not self.cap("state_arrays").usable:
             return
         op = self._next_op()
         sa, sb = self.be.state_arrays(a.h), self.be.state_arrays(b.h)

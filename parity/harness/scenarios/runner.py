@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 import traceback
 
-from parity.backends import capabilities_of
+from parity.backends.base import CapabilityLimit, SUPPORTED, capability
 from parity.harness.kl import thresholds_for
-from parity.harness.scenarios.common import Case, CaseConfined, CaseFailure, CaseResult, Run, TruthCache
+from parity.harness.scenarios.common import Case, CaseConfined, CaseFailure, CaseResult, CaseSkip, Run, TruthCache
 from parity.harness.scenarios.locate import locate
 from reference.errors import InconclusiveError, UserError
 
@@ -22,14 +22,23 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     ``below_bound``: confine the case below the QSA bound (a case reaching past it is skipped). ``known``: root-cause
     ids of a ``--known`` baseline (a failure through one of them is marked ``known``).
     Returns a :class:`CaseResult`; never raises for a backend fault (errors become status 'error').
+
+    Partial capabilities (:func:`parity.backends.base.capability`): a case needing (``case.needs``) an
+    operation the backend declares unsupported is skipped before it runs; inside a case, a use of an
+    operation outside its declared limit is skipped (:class:`CaseSkip`), and so is a
+    :class:`CapabilityLimit` the backend raises for an operation it declared limited or unsupported -- for
+    one it declared supported that is a refusal and the case fails. A skip carries its reason in
+    ``failure`` and never counts as a pass. Failures are located by tap replay only when the backend
+    declares taps usable.
     """
     t0 = time.perf_counter()
     th = thresholds if thresholds is not None else thresholds_for(getattr(backend, "precision", "float32"))
     res = CaseResult(scenario, case.name, page_size, "pass")
-    missing = [c for c in case.needs if not capabilities_of(backend).get(c)]
+    missing = [capability(backend, c) for c in case.needs]
+    missing = [c for c in missing if not c.usable]
     if missing:
         res.status = "skip"
-        res.failure = f"backend lacks {missing}"
+        res.failure = "needs " + "; ".join(c.reason() for c in missing)
         return res
     run = Run(backend, truth, th)
     if below_bound:
@@ -42,6 +51,20 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     except CaseConfined as c:
         res.status = "skip"
         res.failure = str(c)
+    except CaseSkip as sk:
+        res.status = "skip"
+        res.failure = sk.reason
+    except CapabilityLimit as e:
+        c = capability(backend, run.current_op) if run.current_op else None
+        if c is not None and c.status != SUPPORTED:
+            res.status = "skip"
+            res.failure = f"{c.reason()}: the backend refused: {e}"
+        else:
+            res.status = "fail"
+            res.failure = (f"backend refused an operation it declares supported ({run.current_op}): "
+                           f"{type(e).__name__}: {e}")
+            res.failed_op = run.ops - 1
+            res.divergence = f"refused: {e}"
     except CaseFailure as f:
         res.status = "fail"
         res.failure = f.what
@@ -77,6 +100,9 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     res.tie_equivalent = [list(x) for x in run.tie_equivalent]
     if getattr(run, "shape_mismatch", False):  # logits of the wrong shape: no KL figure describes this case
         res.worst_kl = res.worst_logit_err = None
+    res.narrowed = list(run.narrowed)
+    if res.status == "fail" and res.divergence is None and locate_on_fail and not capability(backend, "taps").usable:
+        res.divergence = f"not located: {capability(backend, 'taps').reason()} (no tap replay)"
     if res.status == "fail" and res.divergence is None and locate_on_fail:
         res.divergence, res.archives = locate(scenario, case, backend, truth, th, res.failed_op, res.failed_seq,
                                               archive_dir=archive_dir, page_size=page_size,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.harness.scenarios.common import Case, Run, sizes, token_stream
+from parity.harness.scenarios.common import Case, CaseSkip, Run, sizes, token_stream
 
 NAME = "speculative_rollback"
 
@@ -66,13 +66,20 @@ def cases(config, level: str = "full") -> list[Case]:
         def accept_each(run: Run, fixed=fixed, tag=tag):
             L = _prompt_len(run.sizes)
             prompt = token_stream(run.config, L, seed=500)
+            judged = 0
             for j in range(K + 1):
                 kind = fixed or ("right", "wrong", "eos")[j % 3]
                 a = run.new(f"{kind}-accept{j}")
                 run.prefill(a, prompt)
                 drafts = _draft(run, kind, a.hist, K, seed=600 + j)
                 run.verify(a, drafts, desc=f"verify {K} {kind} drafts")
+                why = run.rollback_refusal(a, K - j, f"accept {j}/{K}, roll back {K - j}")
+                if why:  # narrowed: this j is beyond the backend's declared rollback limit, the others still run
+                    run.narrow(why)
+                    run.free(a)
+                    continue
                 run.rollback(a, K - j, desc=f"accept {j}/{K}, roll back {K - j}")
+                judged += 1
                 nxt = token_stream(run.config, 1, seed=800 + j)[0]
                 run.decode([a], [nxt], desc=f"decode after accepting {j}/{K} {kind} drafts")
                 straight = run.new(f"{kind}-straight{j}")
@@ -85,6 +92,8 @@ def cases(config, level: str = "full") -> list[Case]:
                 run.decode([a], [d2[0]], desc="decode after second round")
                 run.free(straight)
                 run.free(a)
+            if not judged:
+                raise CaseSkip("; ".join(run.narrowed))
         out.append(Case(f"accept_each_j_{tag}_drafts", accept_each))
 
     def batch(run: Run):
