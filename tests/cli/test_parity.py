@@ -161,10 +161,17 @@ def test_parity_out_under_proc_is_exit_2(capsys, monkeypatch):
     one_line_error(capsys, "--out", "/proc/nope")
 
 
+def _passing_report():
+    """A stand-in run result with one passing row (a report with nothing passed is INCONCLUSIVE, exit 3)."""
+    from parity.harness.report import ParityReport, ScenarioRow
+    return ParityReport(backend="reference", model="tiny",
+                        rows=[ScenarioRow("budget", 1, 0, 0.0, 0.0, None, 0.1, "pass", "")])
+
+
 def test_parity_reused_out_dir_needs_overwrite_and_clears_old_archives(tmp_path, capsys, monkeypatch):
     import parity.harness.run as P
     from parity.harness.report import ParityReport
-    monkeypatch.setattr(P, "run_parity", lambda *a, **k: ParityReport(backend="reference", model="tiny"))
+    monkeypatch.setattr(P, "run_parity", lambda *a, **k: _passing_report())
     (tmp_path / "taps" / "budget" / "case0").mkdir(parents=True)
     (tmp_path / "report.json").write_text("{}")
     (tmp_path / "mine.txt").write_text("keep")
@@ -282,7 +289,7 @@ def test_page_sizes_parser_and_pytest_plugin():
 def test_dir_outputs_need_an_existing_parent(tmp_path, capsys, monkeypatch):
     import parity.harness.run as P
     from parity.harness.report import ParityReport
-    monkeypatch.setattr(P, "run_parity", lambda *a, **k: ParityReport(backend="reference", model="tiny"))
+    monkeypatch.setattr(P, "run_parity", lambda *a, **k: _passing_report())
     out = tmp_path / "nonexist" / "deep" / "dir"
     assert main(["parity", "--backend", "reference", "--scenario", "budget", "--out", str(out)]) == 2
     one_line_error(capsys, "--out", "existing parent directory", str(tmp_path / "nonexist" / "deep"))
