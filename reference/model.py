@@ -395,12 +395,12 @@ class ReferenceModel:
             rec.emit(p + "indexer.block_keys", latest_block_keys(st.block_keys.data, pos, r), positions=pos)
             rec.emit(p + "indexer.block_scores", scores, positions=pos)
             rec.emit(p + "indexer.selected_blocks", sel, positions=pos)
-            rec.emit(p + "q_norm.out", taps["q_norm"], positions=pos)
-            rec.emit(p + "k_norm.out", taps["k_norm"], positions=pos)
-            if getattr(rec, "wants", lambda n: True)(p + "indexer.selected_tokens"):
+            if getattr(rec, "wants", lambda n: True)(p + "indexer.selected_tokens"):  # registry (forward) order
                 from reference.blocks.qsa import selected_tokens
                 rec.emit(p + "indexer.selected_tokens",
                          selected_tokens(sel, pos, r, cfg.indexer_budget + r - 1), positions=pos)
+            rec.emit(p + "q_norm.out", taps["q_norm"], positions=pos)
+            rec.emit(p + "k_norm.out", taps["k_norm"], positions=pos)
             rec.emit(p + "core_out", core, positions=pos)
             rec.emit(p + "out", out, positions=pos)
         return out

@@ -109,9 +109,9 @@ def test_cli_plan_in_memory_writes_no_file_and_has_no_peer(tmp_path, monkeypatch
     assert spec["synthetic"]["config"]["ngram_vocab_size_base"] == 20_000_000  # the real table size
     assert cks["engine"]["in_memory"] == "fp8" and not list(tmp_path.rglob("*.safetensors"))
     with pytest.raises(InputError, match="--weights fp8: only applies to --synthetic"):
-        B.plan(_args(synthetic=None, layers=None))
+        plan(_args(synthetic=None, layers=None))
     with pytest.raises(InputError, match="expected --backend engine"):
-        B.plan(_args(backend="both"))
+        plan(_args(backend="both"))
 
 
 def _worker_spec(layers, **syn):
