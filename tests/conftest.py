@@ -54,3 +54,9 @@ def tiny() -> Path:
     if not (p / "config.json").exists():
         pytest.skip("fixture tiny not built (run fixtures/build.py)")
     return p
+
+
+@pytest.fixture
+def be_module() -> str:
+    """The module holding the faulty test backends (tests/parity_fakes.py): ``--backend parity_fakes:Class``."""
+    return "parity_fakes"

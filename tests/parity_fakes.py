@@ -1,0 +1,80 @@
+"""Faulty backends behind the parity protocol, importable as ``parity_fakes:Class`` (tests/ is on sys.path):
+the reference with a hook on every returned row, one that crashes in decode, and ones that perturb the
+returned logits from position 10 (taps untouched)."""
+from __future__ import annotations
+
+import numpy as np
+
+from parity.backends import Backend, ReferenceBackend
+
+
+class _Wrap(Backend):
+    """The reference behind the protocol, with a hook ``_fix(logits, first_position)`` on every returned row."""
+
+    precision = "float32"
+    capabilities = {"page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
+                    "snapshot_file": False}
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        self = cls()
+        opts.pop("page_size", None)
+        self.ref = ReferenceBackend.open(model_path, **opts)
+        self.config = self.ref.config
+        self.model_path = model_path
+        self.name = "t:" + cls.__name__
+        return self
+
+    def new_sequence(self):
+        return self.ref.new_sequence()
+
+    def free(self, h):
+        self.ref.free(h)
+
+    def prefill(self, h, ids, chunk_size=None):
+        p0 = self.ref.position(h)
+        return self._fix(self.ref.prefill(h, ids, chunk_size=chunk_size), p0)
+
+    def decode(self, hs, ids):
+        p = [self.ref.position(h) for h in hs]
+        out = self.ref.decode(hs, ids)
+        return np.stack([self._fix(out[i:i + 1], p[i])[0] for i in range(len(hs))])
+
+    def forward_tokens(self, h, ids):
+        p0 = self.ref.position(h)
+        return self._fix(self.ref.forward_tokens(h, ids), p0)
+
+    def rollback(self, h, n):
+        self.ref.rollback(h, n)
+
+    def snapshot(self, h):
+        return self.ref.snapshot(h)
+
+    def restore(self, h, s):
+        self.ref.restore(h, s)
+
+    def position(self, h):
+        return self.ref.position(h)
+
+    def _fix(self, lg, p0):
+        return lg
+
+
+class CrashInDecode(_Wrap):
+    def decode(self, hs, ids):
+        raise RuntimeError("CUDA error: illegal memory access")
+
+
+class PerturbAfter10(_Wrap):
+    """+0.5 on every 7th vocab entry of the RETURNED logits from position 10 (taps untouched)."""
+
+    def _fix(self, lg, p0):
+        lg = np.array(lg, dtype=np.float32, copy=True)
+        for r in range(lg.shape[0]):
+            if p0 + r >= 10:
+                lg[r, ::7] += 0.5
+        return lg
+
+
+class PerturbAfter10Bf16(PerturbAfter10):
+    precision = "bf16"
