@@ -639,11 +639,17 @@ class Engine:
 
 def _reuse_hook(xp, sel0, nc0: int, ncj: int, width: int):
     """A QSA selection hook for draft step j under ``draft_selection='reuse_step0'``: step 0's selected blocks
-    ``sel0 [1, k0]`` plus blocks ``nc0 .. ncj-1`` (completed after step 0), ``-1`` padded to ``width``."""
+    ``sel0 [1, k0]`` plus blocks ``nc0 .. ncj-1`` (completed after step 0), ``-1`` padded to ``width``.
+
+    The valid entries form a prefix (the layout :func:`engine.kernels.qsa.qsa_topk` returns and the CUDA
+    attention reads): step 0 selected ``min(nc0, k0)`` blocks, so the new blocks start there, over the -1
+    padding step 0 had when fewer than ``k0`` blocks were complete."""
+    n0 = min(int(nc0), int(sel0.shape[1]))
+
     def hook(sel):
         new = xp.full((sel.shape[0], width), -1, dtype=sel.dtype)
-        new[:, :sel0.shape[1]] = sel0
+        new[:, :n0] = sel0[:, :n0]
         if ncj > nc0:
-            new[:, sel0.shape[1]:sel0.shape[1] + (ncj - nc0)] = xp.arange(nc0, ncj, dtype=sel.dtype)
+            new[:, n0:n0 + (ncj - nc0)] = xp.arange(nc0, ncj, dtype=sel.dtype)
         return new
     return hook

@@ -42,6 +42,8 @@ def rel_err(a, b) -> float:
     """``max |a - b| / max(max |b|, 1e-30)`` computed in float64 (a scalar over all elements)."""
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")  # a NaN would compare False against every tolerance (a false pass)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 

@@ -273,7 +273,7 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
     Args:
         q: ``[T, Hq, D]`` float32 (q_normed, roped). kv_k, kv_v: ``[num_slots, Hkv, D]`` float32.
         block_tables: ``[max_seqs, max_pages]`` int32. rows, n_visible: ``[T]`` int.
-        selected: ``[T, k]`` int32 from :func:`qsa_topk` (-1 padded). ratio, page_size: ints.
+        selected: ``[T, k]`` int32 from :func:`qsa_topk` (valid blocks first, -1 padded; the CUDA path reads the valid prefix). ratio, page_size: ints.
         scale: softmax scale (``head_dim ** -0.5``).
     Returns:
         ``[T, Hq, D]`` float32 (before the sigmoid output gate: the registry's ``self_attn.core_out``).

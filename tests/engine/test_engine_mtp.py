@@ -215,12 +215,18 @@ def test_gpu_draft_logits_and_greedy_identity(name):
     ck = Checkpoint.open(fixture_dir(name))
     g = _golden(name)
     for prec in ("float32", "bf16"):
-        eng = Engine(ck, precision=prec, device="cuda")
-        ids, n = g["chat/ids"], int(g["draft/chat/n"])
-        s = eng.add_sequence()
-        eng.prefill(s, ids[:n])
-        d, dl = eng.mtp_draft_next(s, ids[n], 3, return_logits=True)
-        assert _rel(dl, g["draft/chat/fresh/logits"]) < TOL
+        # both draft selections: reuse_step0 hands the attention a selection row wider than the complete
+        # blocks fill (the CUDA kernel once read its -1 padding as block -1: NaN / 4e-2 drafts)
+        for opt in ("fresh", "reuse_step0"):
+            eng = Engine(ck, precision=prec, device="cuda", mtp_draft_selection=opt)
+            for p in ("qsa", "chat"):
+                ids, n = g[f"{p}/ids"], int(g[f"draft/{p}/n"])
+                s = eng.add_sequence()
+                eng.prefill(s, ids[:n])
+                d, dl = eng.mtp_draft_next(s, ids[n], 3, return_logits=True)
+                assert _rel(dl, g[f"draft/{p}/{opt}/logits"]) < TOL, (prec, opt, p)
+                eng.free(s)
+        ids = g["chat/ids"]
         s2 = eng.add_sequence()
         assert eng.generate_speculative(s2, ids, 128, 3) == _plain_greedy(eng, ids, 128)
 

@@ -198,13 +198,17 @@ extern "C" __global__ void qsa_attn_partial(const float* __restrict__ q, const f
     const float NEG_INF = -__int_as_float(0x7f800000);
     const long long nv = n_visible[t];
     const long long nc = nv / ratio;
-    const long long kk = nc < (long long)ksel ? nc : (long long)ksel;
+    const int* sel_row = sel + (long long)t * ksel;
+    // the selected blocks: the row's valid (>= 0) prefix, at most min(nc, ksel) entries (a selection hook may
+    // pass a wider row than the complete blocks fill, -1 padded)
+    const long long cap = nc < (long long)ksel ? nc : (long long)ksel;
+    long long kk = 0;
+    while (kk < cap && sel_row[kk] >= 0) ++kk;
     const long long nsel = kk * ratio;
     const long long total = nsel + (nv - nc * ratio);
     const long long lo = (long long)sp * tps;
     const long long hi = lo + tps < total ? lo + tps : total;
     const int* btr = bt + rows[t] * (long long)max_pages;
-    const int* sel_row = sel + (long long)t * ksel;
     float qr[QSA_DPL], acc[QSA_DPL], m = NEG_INF, l = 0.f;
 #pragma unroll
     for (int i = 0; i < QSA_DPL; ++i) {
