@@ -27,13 +27,12 @@ from reference.blocks.moe import moe_block
 from reference.blocks.mtp import check_mtp_options, mtp_fuse
 from reference.checkpoint import MTP_LAYER
 from reference.blocks.ple import ple_block
-from reference.blocks.qsa import (attention_project, indexer_project, indexer_select, pool_block_keys,
-                                  selection_mask, sparse_attention)
+from reference.blocks.qsa import attention_project, indexer_project, indexer_select, pool_block_keys
 from reference.blocks.norms import sigmoid
 from reference.blocks.rope import inv_freq, rope_cos_sin
 from reference.taphook import layer_of
 from reference.errors import InputError
-from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows
+from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows, selected_attention
 from reference.session import Session, SessionState, check_ids
 from reference import taphook as _taphook
 
@@ -378,11 +377,11 @@ class ReferenceModel:
             n_complete = np.full(len(pos), int(reuse[1]), dtype=n_complete.dtype)
         if sel_out is not None:
             sel_out["selection"] = (sel[-1].copy(), int(n_complete[-1]))
-        mask = selection_mask(sel, pos, n_complete, L, r)
         q, gate, k, v = attention_project(x, w, cos, sin, cfg, **_taps_kw(taps))
         K = st.k.append(self._st("kv", k))
         V = st.v.append(self._st("kv", v))
-        core = sparse_attention(q, K, V, mask, cfg.head_dim ** -0.5)
+        # the attended tokens only (the NumPy twin is sparse_attention under selection_mask: tests hold them equal)
+        core = selected_attention(q, K, V, sel, pos, n_complete, r, cfg.head_dim ** -0.5)
         out = linear(core * sigmoid(gate), w["o_proj.weight"])
         if "o_proj.bias" in w:
             out = out + w["o_proj.bias"]

@@ -6,6 +6,8 @@
   wrap-around arithmetic (one sequence / a batch; the engine's host hash calls the batch form).
 * :func:`unit_lower_solve` -- the triangular solve of the chunked delta rule.
 * :func:`block_topk_select` -- the QSA per-query block top-k in the canonical order.
+* :func:`selected_attention` -- QSA softmax attention over each query's selected tokens only (cost
+  ``T * budget``, not ``T * L``: histories past 32768 positions).
 * :func:`bf16_matmul_t` -- ``x @ W.T`` straight from a BF16 weight's stored bits (no float32 copy of ``W``).
 
 Every kernel is ``@njit(cache=True)`` and called with at most two signatures (float32 / float64), so
@@ -15,10 +17,10 @@ tests hold it to.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 __all__ = ["delta_rule_recurrent", "ngram_hash_rows", "ngram_hash_rows_batch", "unit_lower_solve", "block_topk_select",
-           "bf16_matmul_t"]
+           "selected_attention", "bf16_matmul_t"]
 
 
 @njit(cache=True, fastmath=False)
@@ -171,16 +173,58 @@ def unit_lower_solve(A: np.ndarray, B: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
+def _topk_row(scores, n_complete, k, out, t):  # pragma: no cover - compiled
+    nc = n_complete[t]
+    kk = min(k, nc)
+    if kk <= 0:
+        return
+    row = scores[t, :nc]
+    neg = -row
+    if kk < nc and not np.isnan(neg).any():
+        # the kk-th best score; everything strictly better is in, then the ties AT it by lower index, then
+        # a stable sort of the kept kk: exactly the canonical order (score descending, lower index first)
+        # at O(nc + kk log kk) instead of sorting all nc blocks
+        thr = np.partition(neg, kk - 1)[kk - 1]
+        keep = np.empty(kk, np.int64)
+        n_in = 0
+        for j in range(nc):
+            if neg[j] < thr:
+                keep[n_in] = j
+                n_in += 1
+        for j in range(nc):
+            if n_in == kk:
+                break
+            if neg[j] == thr:
+                keep[n_in] = j
+                n_in += 1
+        # sort the kept blocks by index first (mergesort is stable): equal scores then stay in index order
+        keep = np.sort(keep)
+        order = np.argsort(neg[keep], kind="mergesort")
+        for j in range(kk):
+            out[t, j] = keep[order[j]]
+    else:
+        # stable sort of -score over the visible blocks (NaN last): score descending, lower index first
+        order = np.argsort(neg, kind="mergesort")
+        for j in range(kk):
+            out[t, j] = order[j]
+
+
+@njit(cache=True)
 def _block_topk_kernel(scores, n_complete, k, out):  # pragma: no cover - compiled
-    T = scores.shape[0]
-    for t in range(T):
-        nc = n_complete[t]
-        kk = min(k, nc)
-        if kk > 0:
-            # stable sort of -score over the visible blocks: score descending, lower index first on ties
-            order = np.argsort(-scores[t, :nc], kind="mergesort")
-            for j in range(kk):
-                out[t, j] = order[j]
+    for t in range(scores.shape[0]):
+        _topk_row(scores, n_complete, k, out, t)
+
+
+# a second kernel (own name: Numba's cache keys on the function, not on its flags) running the rows in parallel
+@njit(cache=True, parallel=True)
+def _block_topk_kernel_par(scores, n_complete, k, out):  # pragma: no cover - compiled
+    for t in prange(scores.shape[0]):
+        _topk_row(scores, n_complete, k, out, t)
+
+
+#: queries at and above which the parallel kernels run (below: one thread; a parallel region costs a barrier
+#: that a descheduled sibling thread stretches on a loaded machine -- see _bf16_matmul_kernel)
+PARALLEL_MIN_ROWS = 256
 
 
 def block_topk_select(scores: np.ndarray, n_complete: np.ndarray, k: int) -> np.ndarray:
@@ -190,11 +234,126 @@ def block_topk_select(scores: np.ndarray, n_complete: np.ndarray, k: int) -> np.
         scores: ``[T, NB]`` float; n_complete: ``[T]`` int (``n_t <= NB``); k: ``block_topk``.
     Returns:
         ``[T, k]`` int64, ``-1`` padded. Same result as ``reference.blocks.qsa.canonical_topk`` on the visible
-        blocks (tests hold them equal).
+        blocks (tests hold them equal, exact ties at the cut included).
     """
     out = np.full((scores.shape[0], k), -1, dtype=np.int64)
-    _block_topk_kernel(np.ascontiguousarray(scores), np.asarray(n_complete, dtype=np.int64), np.int64(k), out)
+    kern = _block_topk_kernel_par if scores.shape[0] >= PARALLEL_MIN_ROWS else _block_topk_kernel
+    kern(np.ascontiguousarray(scores), np.asarray(n_complete, dtype=np.int64), np.int64(k), out)
     return out
+
+
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
+def _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out, t):  # pragma: no cover - compiled
+    nH, hd = q.shape[1], q.shape[2]
+    L, nKV = K.shape[0], K.shape[1]
+    rep = nH // nKV
+    NB = L // r
+    ksel = sel.shape[1]
+    p = pos[t]
+    tail0 = n_complete[t] * r
+    # the attended token set, ascending: selected blocks (valid ids, each once; a block token inside the
+    # tail range is the tail's) then the tail n_complete*r .. p -- the set selection_mask marks
+    blocks = np.empty(ksel, np.int64)
+    nb = 0
+    for j in range(ksel):
+        b = sel[t, j]
+        if 0 <= b < NB:
+            blocks[nb] = b
+            nb += 1
+    blocks = np.sort(blocks[:nb])
+    idx = np.empty(nb * r + max(0, p - tail0 + 1), np.int64)
+    n = 0
+    prev = -1
+    for j in range(nb):
+        b = blocks[j]
+        if b == prev:
+            continue
+        prev = b
+        for i in range(r):
+            tok = b * r + i
+            if tok < tail0 or tok > p:
+                idx[n] = tok
+                n += 1
+    for tok in range(max(tail0, 0), min(p, L - 1) + 1):
+        idx[n] = tok
+        n += 1
+    s = np.empty(max(n, 1), q.dtype)
+    for h in range(nH):
+        g = h // rep
+        if n == 0:  # nothing visible (inconsistent inputs): NaN, as the masked softmax gives
+            for d in range(hd):
+                out[t, h, d] = np.nan
+            continue
+        for j in range(n):
+            acc = zero
+            kr = K[idx[j], g]
+            for d in range(hd):
+                acc += q[t, h, d] * kr[d]
+            s[j] = acc * scaling
+        m = s[0]
+        for j in range(1, n):
+            if s[j] > m:
+                m = s[j]
+        tot = zero
+        for j in range(n):
+            e = np.exp(s[j] - m)
+            s[j] = e
+            tot += e
+        for d in range(hd):
+            out[t, h, d] = zero
+        for j in range(n):
+            w = s[j] / tot
+            vr = V[idx[j], g]
+            for d in range(hd):
+                out[t, h, d] += w * vr[d]
+
+
+# (the row function: reassociation -- SIMD dot products over head_dim -- and FMA only, as _FM below; no
+# finite-math assumption)
+@njit(cache=True)
+def _selected_attention_kernel(q, K, V, sel, pos, n_complete, r, scaling, zero, out):  # pragma: no cover
+    for t in range(q.shape[0]):
+        _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out, t)
+
+
+@njit(cache=True, parallel=True)
+def _selected_attention_kernel_par(q, K, V, sel, pos, n_complete, r, scaling, zero, out):  # pragma: no cover
+    for t in prange(q.shape[0]):
+        _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out, t)
+
+
+def selected_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, selected: np.ndarray, positions: np.ndarray,
+                       n_complete: np.ndarray, r: int, scaling: float) -> np.ndarray:
+    """QSA softmax attention of each query over its attended tokens only: the tokens of its selected blocks
+    plus its incomplete tail ``n_complete*r .. p`` (GQA: head ``h`` reads KV head ``h // (nH // nKV)``).
+
+    The same quantity as ``reference.blocks.qsa.sparse_attention`` with ``selection_mask(selected, positions,
+    n_complete, L, r)`` (its NumPy twin; tests hold them equal), at a cost of ``T * (budget + r)`` key reads
+    instead of ``T * L`` and no ``[T, L]`` mask: what lets the truth run histories past 32768 positions.
+
+    Args:
+        q: ``[T, nH, hd]`` (normed, rotated); K, V: ``[L, nKV, hd]`` the caches, index = absolute position.
+        selected: ``[T, block_topk]`` int, ``-1`` padded; positions, n_complete: ``[T]`` int. r: compress ratio.
+        scaling: ``head_dim ** -0.5``.
+    Returns:
+        ``[T, nH * hd]`` in ``q.dtype`` (float32 or float64).
+    Raises:
+        ValueError: mismatched shapes or dtypes.
+    Source: ``eager_attention_forward`` under the indexer's mask (``Qwen4ExpTextAttention.forward``).
+    """
+    dt = q.dtype
+    if q.ndim != 3 or K.ndim != 3 or K.shape != V.shape or K.shape[2] != q.shape[2] or q.shape[1] % K.shape[1]:
+        raise ValueError(f"selected_attention: expected q [T, nH, hd], K = V [L, nKV, hd] with nKV | nH, found "
+                         f"{q.shape}, {K.shape}, {V.shape}")
+    T = q.shape[0]
+    out = np.empty(q.shape, dtype=dt)
+    if T == 0:
+        return out.reshape(T, -1)
+    kern = _selected_attention_kernel_par if T >= PARALLEL_MIN_ROWS else _selected_attention_kernel
+    kern(np.ascontiguousarray(q), np.ascontiguousarray(K, dtype=dt), np.ascontiguousarray(V, dtype=dt),
+         np.ascontiguousarray(selected, dtype=np.int64).reshape(T, -1), np.asarray(positions, dtype=np.int64),
+         np.asarray(n_complete, dtype=np.int64), np.int64(r), dt.type(scaling), dt.type(0), out)
+    return out.reshape(T, -1)
 
 
 # Float32 reassociation (SIMD reductions) and FMA contraction only: the products are exact (a float32

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from reference.blocks import qsa as _ref_qsa
 from reference.blocks import rope as _ref_rope
 from reference.errors import InputError
-from reference.numba_kernels import block_topk_select
+from reference.numba_kernels import block_topk_select, selected_attention
 
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
@@ -295,7 +295,7 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
     _int_arr(xp, n_visible, "n_visible", T)
     if selected.ndim != 2 or selected.shape[0] != T:
         raise InputError(f"qsa attention: selected: expected shape [{T}, block_topk], found {list(selected.shape)}")
-    if xp is np:  # NumPy twin: per table row, gather K/V, then the reference's selection_mask + sparse_attention
+    if xp is np:  # NumPy twin: per table row, gather K/V, then the reference's attention over the selection
         dt = np.float64 if q.dtype == np.float64 else np.float32
         out = np.empty((T, Hq, D), dtype=dt)
         nv = np.asarray(n_visible, dtype=np.int64)
@@ -304,9 +304,10 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
             ts = np.nonzero(rw == r)[0]
             length = int(nv[ts].max())
             sl = _slots_np(block_tables, r, np.arange(length, dtype=np.int64), page_size)
-            mask = _ref_qsa.selection_mask(np.asarray(selected[ts], np.int64), nv[ts] - 1, nv[ts] // ratio, length,
-                                           ratio)
-            o = _ref_qsa.sparse_attention(q[ts].astype(dt), kv_k[sl].astype(dt), kv_v[sl].astype(dt), mask, scale)
+            # the reference's attention over the attended tokens only (its twin is sparse_attention under
+            # selection_mask): cost T * budget, so histories past 32768 positions stay affordable on the CPU
+            o = selected_attention(q[ts].astype(dt), kv_k[sl].astype(dt), kv_v[sl].astype(dt),
+                                   np.asarray(selected[ts], np.int64), nv[ts] - 1, nv[ts] // ratio, ratio, scale)
             out[ts] = o.reshape(len(ts), Hq, D)
         return out
     import cupy as cp

@@ -1,35 +1,93 @@
-"""The model ``--level long`` is meant for: one period of the real architecture at real widths.
+"""The model ``--level long`` is meant for: one period of the architecture with every LENGTH-related value real.
 
-3 GDN layers + 1 QSA layer, PLE on layer 1, hidden 2560, the real attention/GDN/indexer/hyper-connection
-widths and the real ``indexer_budget`` 2048 / ``indexer_compress_ratio`` 4 (bound 2051), random BF16 weights
-written by :func:`parity.bench.synthetic.cached_synthetic`. Scaled down (stated wherever a result is shown):
-the vocabulary (``LONG_VOCAB``: the truth caches ``[T, V]`` logits for T past 32768), the n-gram table rows
-and the number of experts (``LONG_EXPERTS`` of the real width 640, top-10 kept) -- the expert count sets
-the checkpoint size, not any width or cap the long cases exercise.
+3 GDN layers + 1 QSA layer, PLE on layer 1 (0-based), random BF16 weights written by
+:func:`parity.bench.synthetic.cached_synthetic`. Two widths:
+
+* ``reduced`` (default, :data:`REDUCED_WIDTHS`): what ``--level long`` exists for is length -- RoPE at positions
+  past 32768, the QSA bound / block selection, chunk boundaries past 8192, GDN state over long histories,
+  snapshot/rollback at long positions. Every config value those depend on stays real: ``rope_theta`` 1e7,
+  ``partial_rotary_factor`` 0.25 with ``head_dim`` 256 (rotary dim 64, mrope sections [11, 11, 10]),
+  ``indexer_budget`` 2048 / ``indexer_compress_ratio`` 4 (bound 2051, block top-k 512), the whole indexer
+  (4 heads of 128), the GDN head dims (128 / 128, chunk 64) and conv kernel, the hyper-connection count, the
+  PLE n-gram settings. The widths are cut (hidden 256, 4 query / 2 KV heads, GDN 2 / 6 heads, experts of
+  width 64): they set the cost of every token, not any cap or length a long case reaches, and the real
+  widths are covered by the other levels (bench, KL harness on real-width checkpoints). At real width the
+  NumPy truth of one 32776-token history takes far beyond the GPU run's budget (measured: ~30 s per
+  2060 tokens on 16 cores).
+* ``real``: the real widths (hidden 2560 ...; the previous default), for a run without a time budget.
+
+Scaled down in both (stated wherever a result is shown): the vocabulary (:data:`LONG_VOCAB`: the truth and
+every prefill return ``[T, V]`` float32 logits for T past 32768), the n-gram table rows and the number of
+experts -- neither a width nor a cap the long cases exercise.
+
+    python -m parity.bench.long_model [--width reduced|real] [--experts N]   # prints the checkpoint path
 """
 from __future__ import annotations
 
-LONG_VOCAB = 8192
-LONG_EXPERTS = 64
+LONG_VOCAB = 2048
+LONG_EXPERTS = 16
 LONG_NGRAM_BASE = 2000
+WIDTHS = ("reduced", "real")
+
+#: The cut widths of ``--width reduced`` (see the module docstring): every value a length depends on is absent
+#: here, i.e. stays at :data:`parity.bench.synthetic.REAL_TEXT_CONFIG`.
+REDUCED_WIDTHS = {
+    "hidden_size": 256, "ple_embed_dim": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 6, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64, "hc_lowrank": 32,
+}
+#: Fields ``--width reduced`` must leave at their real values (tests hold the config to it).
+LENGTH_FIELDS = ("head_dim", "rope_parameters", "partial_rotary_factor", "indexer_budget", "indexer_compress_ratio",
+                 "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim", "hc_count", "ple_conv_kernel_size", "ngram_size",
+                 "heads_per_ngram", "max_position_embeddings", "rms_norm_eps")
 
 
-def long_model_config(num_experts: int = LONG_EXPERTS) -> dict:
-    """The config dict of the long-level model (see the module docstring)."""
+def _check_width(width: str) -> str:
+    from reference.errors import InputError
+    if width not in WIDTHS:
+        raise InputError(f"--width: expected one of {', '.join(WIDTHS)}, found {width!r}")
+    return width
+
+
+def _overrides(width: str, num_experts: int) -> dict:
+    out = dict(REDUCED_WIDTHS) if _check_width(width) == "reduced" else {}
+    out.update(num_experts=int(num_experts), num_experts_per_tok=min(10, int(num_experts)))
+    return out
+
+
+def long_model_config(num_experts: int = LONG_EXPERTS, width: str = "reduced") -> dict:
+    """The config dict of the long-level model (see the module docstring).
+
+    Raises:
+        InputError: unknown ``width``.
+    """
     from parity.bench.synthetic import real_width_config
     return real_width_config(4, vocab_size=LONG_VOCAB, ngram_vocab_size_base=LONG_NGRAM_BASE,
-                             overrides={"num_experts": int(num_experts),
-                                        "num_experts_per_tok": min(10, int(num_experts))})
+                             overrides=_overrides(width, num_experts))
 
 
-def long_model(num_experts: int = LONG_EXPERTS, progress: bool = False):
-    """Path of the long-level checkpoint, written once into the synthetic cache (``$QWEN4EXP_CACHE``)."""
-    from parity.bench.synthetic import cached_synthetic, real_width_config  # noqa: F401
-    cfg = long_model_config(num_experts)
+def long_model(num_experts: int = LONG_EXPERTS, progress: bool = False, width: str = "reduced"):
+    """Path of the long-level checkpoint, written once into the synthetic cache (``$QWEN4EXP_CACHE``).
+
+    Raises:
+        InputError: unknown ``width``.
+    """
+    from parity.bench.synthetic import cached_synthetic
     return cached_synthetic(4, vocab_size=LONG_VOCAB, ngram_vocab_size_base=LONG_NGRAM_BASE,
-                            overrides={k: cfg[k] for k in ("num_experts", "num_experts_per_tok")}, progress=progress)
+                            overrides=_overrides(width, num_experts), progress=progress)
 
 
-if __name__ == "__main__":  # python -m parity.bench.long_model [num_experts] -> prints the path
-    import sys
-    print(long_model(int(sys.argv[1]) if len(sys.argv) > 1 else LONG_EXPERTS, progress=False))
+def main(argv=None) -> int:
+    """``python -m parity.bench.long_model [--width reduced|real] [--experts N]``: print the checkpoint path."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m parity.bench.long_model", description=__doc__.split("\n")[0])
+    p.add_argument("--width", choices=WIDTHS, default="reduced")
+    p.add_argument("--experts", type=int, default=LONG_EXPERTS)
+    a = p.parse_args(argv)
+    print(long_model(a.experts, progress=False, width=a.width))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

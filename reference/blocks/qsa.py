@@ -91,12 +91,19 @@ def indexer_select(q: np.ndarray, block_keys: np.ndarray, positions: np.ndarray,
     Source: ``Qwen4ExpTextQSAIndexer.forward`` (``scores``, ``topk``).
     """
     r, D = cfg.indexer_compress_ratio, cfg.indexer_head_dim
+    T, nh = q.shape[0], q.shape[1]
     NB = block_keys.shape[0]
     n_complete = (positions + 1) // r
-    raw = np.einsum("thd,bd->tbh", q, block_keys, optimize=True)
-    scores = np.maximum(raw, 0).sum(axis=-1) / q.dtype.type(math.sqrt(D))
-    visible = np.arange(NB)[None, :] < n_complete[:, None]
-    scores = np.where(visible, scores, -np.inf).astype(q.dtype, copy=False)
+    scores = np.empty((T, NB), dtype=q.dtype)
+    # in query blocks: the per-head product [Tb, NB, n_heads] stays ~16M entries (at T = NB * r = 32768 the
+    # whole product would be 4 GiB)
+    step = max(1, (1 << 24) // max(1, nh * NB))
+    for s0 in range(0, T, step):
+        sl = slice(s0, min(T, s0 + step))
+        raw = np.einsum("thd,bd->tbh", q[sl], block_keys, optimize=True)
+        sc = np.maximum(raw, 0).sum(axis=-1) / q.dtype.type(math.sqrt(D))
+        visible = np.arange(NB)[None, :] < n_complete[sl, None]
+        scores[sl] = np.where(visible, sc, -np.inf)
     sel = block_topk_select(scores, n_complete, cfg.block_topk)  # Numba twin of canonical_topk per row
     return scores, sel, n_complete
 

@@ -194,6 +194,66 @@ def test_block_topk_kernel_equals_canonical():
         assert np.array_equal(got, want)
 
 
+
+@pytest.mark.parametrize("rows", [40, 300])  # below / above PARALLEL_MIN_ROWS: the serial and the parallel kernel
+def test_block_topk_partition_path_ties_at_the_cut_and_nan(rows):
+    """The partition path (k < visible blocks) keeps exactly the canonical set and order when exact ties
+    straddle the cut; a row holding NaN takes the full stable sort (NaN last) as before."""
+    from reference.numba_kernels import PARALLEL_MIN_ROWS, block_topk_select
+    assert (rows >= PARALLEL_MIN_ROWS) == (rows == 300)
+    rng = np.random.default_rng(5)
+    for dt in (np.float32, np.float64):
+        s = np.round(rng.standard_normal((rows, 64)), 1).astype(dt)  # ~40 distinct values: many exact ties
+        s[:, 10:20] = s[:, :1]  # a tie group of 11 that the cut at k=8 splits
+        s[3, 7] = np.nan
+        s[0] = 0.0
+        s[0, 40] = 1.0
+        nc = rng.integers(0, 65, rows)
+        nc[:4] = [64, 9, 8, 64]
+        s[np.arange(64)[None, :] >= nc[:, None]] = -np.inf
+        got = block_topk_select(s, nc, 8)
+        want = np.full_like(got, -1)
+        for t in range(rows):
+            c = canonical_topk(s[t:t + 1, :nc[t]], min(8, nc[t]))[0]
+            want[t, :len(c)] = c
+        assert np.array_equal(got, want)
+        assert got[0].tolist() == [40, 0, 1, 2, 3, 4, 5, 6]  # row 0: one best block, then 63 exact ties
+        # negative control: the cut's ties taken from the top index down are a different selection
+        assert (63 - np.argsort(-s[0, ::-1], kind="stable")[:8]).tolist() != got[0].tolist()
+
+
+@pytest.mark.parametrize("T,L", [(7, 41), (300, 300), (1, 1200)])  # serial / parallel kernel; decode past a bound
+def test_selected_attention_equals_masked_dense(T, L):
+    """``selected_attention`` (the model's QSA attention) is ``sparse_attention`` under ``selection_mask``: the
+    same token set (selected blocks, -1 padding, duplicates, the tail, a reused smaller n_complete) within
+    float32 summation order; a one-block shift of the selection is far outside that."""
+    from reference.blocks.qsa import selection_mask, sparse_attention
+    from reference.numba_kernels import selected_attention
+    rng = np.random.default_rng(T)
+    r, k = 4, 6
+    for dt, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
+        q = rng.standard_normal((T, 4, 32)).astype(dt)
+        K, V = (rng.standard_normal((L, 2, 32)).astype(dt) for _ in range(2))
+        pos = np.arange(L - T, L)
+        nc = (pos + 1) // r
+        sel = np.full((T, k), -1, np.int64)
+        for t in range(T):
+            n = min(k - 1, nc[t])
+            sel[t, :n] = rng.choice(nc[t], n, replace=False) if nc[t] else []
+        sel[0, -1] = sel[0, 0]  # a duplicate block id counts once
+        nc_used = nc.copy()
+        nc_used[-1] = max(0, nc[-1] - 2)  # a reused (older) n_complete: a longer tail
+        a = selected_attention(q, K, V, sel, pos, nc_used, r, 32 ** -0.5)
+        b = sparse_attention(q, K, V, selection_mask(sel, pos, nc_used, L, r), 32 ** -0.5)
+        assert a.shape == b.shape == (T, 4 * 32)
+        err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        assert err <= tol, err  # tol: float32 (float64) rounding of a 32-wide dot product and a <=L-term softmax
+        shifted = np.where(sel >= 0, np.maximum(sel - 1, 0), -1)
+        c = selected_attention(q, K, V, shifted, pos, nc_used, r, 32 ** -0.5)
+        if (shifted != sel).any():
+            assert float(np.max(np.abs(c - b)) / np.max(np.abs(b))) > 100 * tol
+
+
 def test_norms():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 12))
