@@ -27,12 +27,12 @@ from reference.blocks.moe import moe_block
 from reference.blocks.mtp import check_mtp_options, mtp_fuse
 from reference.checkpoint import MTP_LAYER
 from reference.blocks.ple import ple_block
-from reference.blocks.qsa import attention_project, indexer_project, indexer_select, pool_block_keys
+from reference.blocks.qsa import attention_project, indexer_project, indexer_select, pool_block_keys, qsa_attention
 from reference.blocks.norms import sigmoid
 from reference.blocks.rope import inv_freq, rope_cos_sin
 from reference.taphook import layer_of
 from reference.errors import InputError
-from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows, selected_attention
+from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows
 from reference.session import Session, SessionState, check_ids
 from reference import taphook as _taphook
 
@@ -380,8 +380,7 @@ class ReferenceModel:
         q, gate, k, v = attention_project(x, w, cos, sin, cfg, **_taps_kw(taps))
         K = st.k.append(self._st("kv", k))
         V = st.v.append(self._st("kv", v))
-        # the attended tokens only (the NumPy twin is sparse_attention under selection_mask: tests hold them equal)
-        core = selected_attention(q, K, V, sel, pos, n_complete, r, cfg.head_dim ** -0.5)
+        core = qsa_attention(q, K, V, sel, pos, n_complete, r, cfg.head_dim ** -0.5)
         out = linear(core * sigmoid(gate), w["o_proj.weight"])
         if "o_proj.bias" in w:
             out = out + w["o_proj.bias"]

@@ -242,10 +242,13 @@ def block_topk_select(scores: np.ndarray, n_complete: np.ndarray, k: int) -> np.
     return out
 
 
-@njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
-def _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out, t):  # pragma: no cover - compiled
-    nH, hd = q.shape[1], q.shape[2]
-    L, nKV = K.shape[0], K.shape[1]
+# reassociation (SIMD dot products over head_dim) and FMA contraction only, as _FM below; no finite-math assumption
+_FM_ATT = {"reassoc", "contract", "nsz"}
+
+
+@njit(cache=True, fastmath=_FM_ATT)
+def _selected_attention_row(q2, K2, V2, sel, pos, n_complete, r, nH, nKV, L, scaling, zero, out, t):  # pragma: no cover
+    hd = q2.shape[1]
     rep = nH // nKV
     NB = L // r
     ksel = sel.shape[1]
@@ -277,49 +280,61 @@ def _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out
     for tok in range(max(tail0, 0), min(p, L - 1) + 1):
         idx[n] = tok
         n += 1
-    s = np.empty(max(n, 1), q.dtype)
-    for h in range(nH):
-        g = h // rep
-        if n == 0:  # nothing visible (inconsistent inputs): NaN, as the masked softmax gives
+    if n == 0:  # nothing visible (inconsistent inputs): NaN, as the masked softmax gives
+        for h in range(nH):
             for d in range(hd):
                 out[t, h, d] = np.nan
-            continue
+        return
+    sc = np.empty((rep, n), q2.dtype)
+    acc = np.empty(hd, q2.dtype)
+    for g in range(nKV):
+        # the scores of the rep query heads reading KV head g: one pass over its keys
         for j in range(n):
-            acc = zero
-            kr = K[idx[j], g]
+            kr = K2[idx[j] * nKV + g]
+            for hh in range(rep):
+                qr = q2[t * nH + g * rep + hh]
+                a = zero
+                for d in range(hd):
+                    a += qr[d] * kr[d]
+                sc[hh, j] = a * scaling
+        for hh in range(rep):
+            m = sc[hh, 0]
+            for j in range(1, n):
+                if sc[hh, j] > m:
+                    m = sc[hh, j]
+            tot = zero
+            for j in range(n):
+                e = np.exp(sc[hh, j] - m)
+                sc[hh, j] = e
+                tot += e
             for d in range(hd):
-                acc += q[t, h, d] * kr[d]
-            s[j] = acc * scaling
-        m = s[0]
-        for j in range(1, n):
-            if s[j] > m:
-                m = s[j]
-        tot = zero
-        for j in range(n):
-            e = np.exp(s[j] - m)
-            s[j] = e
-            tot += e
-        for d in range(hd):
-            out[t, h, d] = zero
-        for j in range(n):
-            w = s[j] / tot
-            vr = V[idx[j], g]
+                acc[d] = zero
+            for j in range(n):
+                w = sc[hh, j] / tot
+                vr = V2[idx[j] * nKV + g]
+                for d in range(hd):
+                    acc[d] += w * vr[d]
+            h = g * rep + hh
             for d in range(hd):
-                out[t, h, d] += w * vr[d]
+                out[t, h, d] = acc[d]
 
 
-# (the row function: reassociation -- SIMD dot products over head_dim -- and FMA only, as _FM below; no
-# finite-math assumption)
 @njit(cache=True)
 def _selected_attention_kernel(q, K, V, sel, pos, n_complete, r, scaling, zero, out):  # pragma: no cover
-    for t in range(q.shape[0]):
-        _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out, t)
+    T, nH, hd = q.shape
+    L, nKV = K.shape[0], K.shape[1]
+    q2, K2, V2 = q.reshape(T * nH, hd), K.reshape(L * nKV, hd), V.reshape(L * nKV, hd)
+    for t in range(T):
+        _selected_attention_row(q2, K2, V2, sel, pos, n_complete, r, nH, nKV, L, scaling, zero, out, t)
 
 
 @njit(cache=True, parallel=True)
 def _selected_attention_kernel_par(q, K, V, sel, pos, n_complete, r, scaling, zero, out):  # pragma: no cover
-    for t in prange(q.shape[0]):
-        _selected_attention_row(q, K, V, sel, pos, n_complete, r, scaling, zero, out, t)
+    T, nH, hd = q.shape
+    L, nKV = K.shape[0], K.shape[1]
+    q2, K2, V2 = q.reshape(T * nH, hd), K.reshape(L * nKV, hd), V.reshape(L * nKV, hd)
+    for t in prange(T):
+        _selected_attention_row(q2, K2, V2, sel, pos, n_complete, r, nH, nKV, L, scaling, zero, out, t)
 
 
 def selected_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, selected: np.ndarray, positions: np.ndarray,

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from reference.blocks import qsa as _ref_qsa
 from reference.blocks import rope as _ref_rope
 from reference.errors import InputError
-from reference.numba_kernels import block_topk_select, selected_attention
+from reference.numba_kernels import block_topk_select
 
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
@@ -304,10 +304,10 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
             ts = np.nonzero(rw == r)[0]
             length = int(nv[ts].max())
             sl = _slots_np(block_tables, r, np.arange(length, dtype=np.int64), page_size)
-            # the reference's attention over the attended tokens only (its twin is sparse_attention under
-            # selection_mask): cost T * budget, so histories past 32768 positions stay affordable on the CPU
-            o = selected_attention(q[ts].astype(dt), kv_k[sl].astype(dt), kv_v[sl].astype(dt),
-                                   np.asarray(selected[ts], np.int64), nv[ts] - 1, nv[ts] // ratio, ratio, scale)
+            # the reference's attention (dense under the mask; over the attended tokens only past
+            # DENSE_MAX_KEYS keys, so histories past 32768 positions stay affordable on the CPU)
+            o = _ref_qsa.qsa_attention(q[ts].astype(dt), kv_k[sl].astype(dt), kv_v[sl].astype(dt),
+                                       np.asarray(selected[ts], np.int64), nv[ts] - 1, nv[ts] // ratio, ratio, scale)
             out[ts] = o.reshape(len(ts), Hq, D)
         return out
     import cupy as cp

@@ -171,7 +171,7 @@ def _with_overrides(model, ids, overrides: dict):
 
 
 def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor=None,
-               backend=None) -> TieJudgement:
+               backend=None, be_sel: SelectionLog | None = None) -> TieJudgement:
     """Find the tie resolution the backend took on one prompt and the truth under it.
 
     Args:
@@ -180,6 +180,9 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
             bad: ``[T]`` positions failing the canonical truth.
         th: the run's thresholds (their score floor sets the tie band); floor: unused (kept for callers).
         backend: the backend (for its selection taps), or None.
+        be_sel: the selections the backend took over ``ids`` as the case ran them (recorded from its taps op by
+            op: a chunked prefill may resolve a near tie otherwise than one full prefill), or None: read them from
+            one full prefill of ``backend``.
     Returns:
         :class:`TieJudgement`; ``logits`` is None when the prompt has no tied cut at or before a failing position.
     """
@@ -190,7 +193,8 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
     bad_pos = np.nonzero(bad)[0]
     if not len(bad_pos) or not ties.cuts or min(c["position"] for c in ties.cuts) > int(bad_pos[-1]):
         return out
-    be_sel = backend_selections(backend, ids) if backend is not None else None
+    if be_sel is None:
+        be_sel = backend_selections(backend, ids) if backend is not None else None
     if be_sel is not None:
         out.how = "taps"
         q_in, q_out = _diff_in_ties("qsa", log.qsa_sel, be_sel.qsa_sel, ties, log.qsa_scores)

@@ -15,10 +15,16 @@ import numpy as np
 from reference.blocks.linear import linear
 from reference.blocks.norms import rms_norm
 from reference.blocks.rope import apply_rope
-from reference.numba_kernels import block_topk_select
+from reference.numba_kernels import block_topk_select, selected_attention
 
 __all__ = ["canonical_topk", "indexer_project", "pool_block_keys", "indexer_select", "selection_mask",
-           "attention_project", "sparse_attention"]
+           "attention_project", "sparse_attention", "qsa_attention", "DENSE_MAX_KEYS"]
+
+#: Key counts above which :func:`qsa_attention` runs over the attended tokens only (the Numba
+#: ``selected_attention``): the masked dense form costs ``T * L`` and a ``[T, L]`` mask, which histories past 32768
+#: positions cannot afford. At and below it the dense form keeps its numbers (every fixture, every prompt of
+#: the other levels and the floor's prompts): the two agree to float32 summation order (tests).
+DENSE_MAX_KEYS = 8192
 
 
 def canonical_topk(scores: np.ndarray, k: int) -> np.ndarray:
@@ -208,3 +214,24 @@ def sparse_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, mask: np.ndarr
         o = p.reshape(nKV, -1, Kh.shape[1]) @ Vh  # [nKV, rep*Tb, hd]
         out[sl] = o.reshape(nH, -1, hd).transpose(1, 0, 2)
     return out.reshape(T, nH * hd)
+
+
+def qsa_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, selected: np.ndarray, positions: np.ndarray,
+                  n_complete: np.ndarray, r: int, scaling: float) -> np.ndarray:
+    """The QSA attention of each query over its selected blocks' tokens plus its incomplete tail
+    ``n_complete*r .. p``: :func:`sparse_attention` under :func:`selection_mask` for at most
+    :data:`DENSE_MAX_KEYS` keys, else the same quantity over the attended tokens only
+    (:func:`reference.numba_kernels.selected_attention`).
+
+    Args:
+        q: ``[T, nH, hd]``; K, V: ``[L, nKV, hd]`` (index = absolute position); selected: ``[T, block_topk]`` int
+        (-1 padded); positions, n_complete: ``[T]`` int; r: compress ratio; scaling: ``head_dim ** -0.5``.
+    Returns:
+        ``[T, nH * hd]``.
+    Source: ``Qwen4ExpTextAttention.forward`` (the indexer's mask) / ``eager_attention_forward``.
+    """
+    L = K.shape[0]
+    if L <= DENSE_MAX_KEYS:
+        return sparse_attention(q, K, V, selection_mask(np.asarray(selected, np.int64), np.asarray(positions),
+                                                        np.asarray(n_complete), L, r), scaling)
+    return selected_attention(q, K, V, selected, positions, n_complete, r, scaling)

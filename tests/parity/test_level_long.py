@@ -1,11 +1,33 @@
-"""``--level long`` (parity/harness/scenarios/long.py): sizes from the config, one stream, and -- slow, on a
-real-width period on the engine's CPU path, at reduced prompt counts -- the bound-crossing case passes and a
-budget bound off by one at the REAL bound (2051) is caught. The H200 run (ci/gpu step 4b) runs every long case."""
+"""``--level long`` (parity/harness/scenarios/long.py): sizes from the config, one stream, the long model keeps every
+length setting real; slow (opt-in): on the engine's CPU path the bound-crossing case passes and a budget bound off
+by one at the REAL bound (2051) is caught; faults that exist only past the real caps -- a QSA position cap at 32768,
+a PLE buffer of 8192 under a longer chunk -- are caught by the long cases and located at the block holding them.
+The H200 run (ci/gpu step 4b) runs every long case."""
 from __future__ import annotations
 
 import pytest
 
 from parity.harness.scenarios import cases_for, long
+
+
+def test_long_model_keeps_every_length_setting_real():
+    """--width reduced cuts widths only: every field a length depends on (RoPE, the QSA budget/ratio/top-k and the
+    whole indexer, GDN head dims, conv kernels, hyper-connection count, n-gram settings) equals the real config;
+    --width real is the real-width period; a bad width is one clear error."""
+    from parity.bench.long_model import LENGTH_FIELDS, REDUCED_WIDTHS, long_model_config
+    from parity.bench.synthetic import REAL_TEXT_CONFIG
+    from reference.config import ModelConfig
+    from reference.errors import InputError
+    red, real = long_model_config(), long_model_config(width="real")
+    for k in LENGTH_FIELDS:
+        assert red[k] == REAL_TEXT_CONFIG[k] == real[k], k
+    c, cr = ModelConfig.from_dict(red), ModelConfig.from_dict(real)
+    for attr in ("rotary_dim", "block_topk", "qsa_bound", "rope_theta", "layer_types", "ple_layer_ids"):
+        assert getattr(c, attr) == getattr(cr, attr), attr
+    assert c.hidden_size == REDUCED_WIDTHS["hidden_size"] < cr.hidden_size == REAL_TEXT_CONFIG["hidden_size"]
+    assert c.rotary_dim == 64 and c.block_topk == 512
+    with pytest.raises(InputError, match="--width"):
+        long_model_config(width="half")
 
 
 def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
@@ -56,3 +78,57 @@ def test_level_long_cpu_path_reduced(monkeypatch, request):
     # a one-block error at the real bound moves no logit beyond the thresholds on random weights; the
     # selection check names it
     assert r.status == "fail" and "selected_blocks" in (r.divergence or ""), (r.failure, r.divergence)
+
+
+_LONG: dict = {}  # the long model's truth and floor thresholds, shared by the slow tests of this module
+
+
+def _long_truth():
+    """``(path, TruthCache, floor-based thresholds)`` of the long model (built once per session)."""
+    if not _LONG:
+        from parity.backends import truth_model
+        from parity.bench.long_model import long_model
+        from parity.harness.floor import thresholds_for_run
+        from parity.harness.scenarios.common import TruthCache
+        path = long_model()
+        truth = TruthCache(truth_model(path))
+        th, _, coarse = thresholds_for_run(truth.model.weights, truth.model)
+        assert coarse is None, coarse  # the float32 floor of the long model resolves a useful fault
+        _LONG.update(path=path, truth=truth, th=th)
+    return _LONG["path"], _LONG["truth"], _LONG["th"]
+
+
+def _slow(request):
+    import os
+    if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("QWEN4EXP_RUN_SLOW"):
+        pytest.skip("slow: run with -m slow or QWEN4EXP_RUN_SLOW=1")
+
+
+# The faults that exist only past the REAL caps (parity/suites/faults.py; their cap-16 twins are the tiny fixtures'
+# R28 controls): the long case that reaches the cap must fail and name the block holding the fault. The history
+# cap keeps each run to the stream its case needs (16400: the chunk case; none: positions past 32768). Ordered
+# longest first: the shorter stream is a prefix of the longer one, answered from the same truth forward.
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,case,max_tokens,located", [
+    ("QsaPositionCap", "long_positions_past_32768", None, "self_attn."),
+    ("PleChunkCap", "long_chunks_of_8197_over_8192", "16400", "ple."),
+], ids=["qsa-position-cap-32768", "ple-chunk-cap-8192"])
+def test_level_long_fault_past_a_real_cap_is_caught_and_located(monkeypatch, request, fault, case, max_tokens,
+                                                                located):
+    """Measured 2026-12-02 on the 2 shared cores of the dev machine: see docs/parity.md (--level long)."""
+    _slow(request)
+    from parity.harness.scenarios.runner import run_case
+    from parity.suites import faults
+    if max_tokens:
+        monkeypatch.setenv("QWEN4EXP_LONG_MAX_TOKENS", max_tokens)
+    else:
+        monkeypatch.delenv("QWEN4EXP_LONG_MAX_TOKENS", raising=False)
+    path, truth, th = _long_truth()
+    cls = getattr(faults, fault)
+    assert cls.cap in (8192, 32768)  # the real caps, not the tiny fixtures' 16
+    bad = cls.open(path)
+    found = [c for c in cases_for("chunk_boundary", bad.config, "long") if c.name == case]
+    assert found, [c.name for c in cases_for("chunk_boundary", bad.config, "long")]
+    r = run_case("chunk_boundary", found[0], bad, truth, thresholds=th)
+    assert r.status == "fail", (fault, r.status, r.failure)
+    assert located in (r.divergence or ""), (fault, r.failure, r.divergence)

@@ -253,6 +253,8 @@ class Seq:
         self.last_logits: np.ndarray | None = None
         self.rows: dict[int, np.ndarray] = {}  # the rows the backend returned, by position (tie resolution)
         self.last_verify: tuple[int, int] | None = None  # (drafted tokens, history length) right after a verify
+        #: the QSA / MoE selections the backend took, ``{tap name: {position: row}}`` (Run.keep_selections)
+        self.sel: dict[str, dict[int, np.ndarray]] = {}
 
 
 @dataclass
@@ -307,6 +309,10 @@ class Run:
         self.caps = capabilities_of(backend)
         self.current_op = None  # the protocol operation in progress (names a CapabilityLimit's operation)
         self.narrowed: list[str] = []  # parts left out for declared limits (see narrow)
+        #: record the backend's selection taps at every prefill / verify / one-sequence decode, so a near-tie
+        #: resolution is judged on the selections the case's own operations took (a chunked prefill may resolve
+        #: a near tie otherwise than the one full prefill parity.harness.ties replays); set by the long cases
+        self.keep_selections = False
 
     def _confine(self, s: "Seq", n: int) -> None:
         if self.limit is not None and len(s.hist) + n > self.limit:
@@ -412,7 +418,7 @@ class Run:
         bad = np.zeros(end, dtype=bool)
         bad[start:end] = position_faults(cmp, self.th)
         try:
-            tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be)
+            tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be, be_sel=self._selection_log(s, end))
         except Exception:  # noqa: BLE001 - the canonical verdict stands
             return False, why
         if tj.outside:
@@ -449,6 +455,47 @@ class Run:
             if every:
                 run.recorded_all.append((op, arc, list(positions), list(seq.hist)))
         return cm()
+
+    def _keeping(self, s: "Seq", positions):
+        """Context manager: with :attr:`keep_selections` (and taps usable, and no tap recording of this run),
+        records the backend's selection taps at ``positions`` into ``s.sel``; else a no-op."""
+        import contextlib
+        if not self.keep_selections or self.record_at is not None or self.record_all is not None \
+                or not self.cap("taps").usable:
+            return contextlib.nullcontext()
+        from parity.harness.ties import SELECTION_TAPS
+        run = self
+
+        @contextlib.contextmanager
+        def cm():
+            with run.be.taps(None, include=list(SELECTION_TAPS), positions=list(positions)) as rec:
+                yield rec
+            arc = rec.archive()
+            for name in arc.names():
+                if not name.endswith(("indexer.selected_blocks", "gate.topk_ids")):
+                    continue
+                rows = np.asarray(arc.get(name)).astype(np.int64)
+                got = s.sel.setdefault(name, {})
+                for p, row in zip(np.asarray(arc.positions(name)).tolist(), rows.reshape(rows.shape[0], -1)):
+                    got[int(p)] = row
+        return cm()
+
+    def _selection_log(self, s: "Seq", end: int):
+        """The selections ``s``'s operations took at positions ``0..end-1`` as a
+        :class:`parity.harness.floor.SelectionLog`, or None when any position is missing (the tie judge then
+        reads them from one full prefill)."""
+        if not s.sel:
+            return None
+        from parity.harness.floor import SelectionLog
+        from reference.taphook import layer_of
+        log = SelectionLog()
+        for name, rows in s.sel.items():
+            if any(p not in rows for p in range(end)):
+                return None
+            a = np.stack([rows[p] for p in range(end)])
+            i = layer_of(name)
+            (log.qsa_sel if name.endswith("indexer.selected_blocks") else log.moe_ids)[i] = a
+        return log
 
     def _keep_returned(self, op: int, out) -> None:
         """Keep the logits the backend returned at the recorded operation (for the recorded sequence), so
@@ -490,7 +537,7 @@ class Run:
         start = len(s.hist)
         s.hist.extend(ids)
         d = d_of(start)
-        with self._recording(op, range(start, start + len(ids)), s):
+        with self._recording(op, range(start, start + len(ids)), s), self._keeping(s, range(start, start + len(ids))):
             out = call(s.h, ids)
         self._keep_returned(op, out)
         self._compare(op, d, s, out, start, len(ids))
@@ -556,7 +603,9 @@ class Run:
                 d += " (replayed one sequence at a time)"
         else:
             i = next((j for j, s in enumerate(seqs) if s.label == self.record_seq), 0)
-            with self._recording(op, [starts[i]], seqs[i]):
+            import contextlib
+            keep = self._keeping(seqs[0], [starts[0]]) if len(seqs) == 1 else contextlib.nullcontext()
+            with self._recording(op, [starts[i]], seqs[i]), keep:
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
             self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):
@@ -671,6 +720,7 @@ class Run:
         self.current_op = "fork" if snap.src is not None and snap.src is not s else "snapshot"
         self.be.restore(s.h, snap.obj)
         s.last_verify = None
+        s.sel = {}  # the restored positions' selections were taken on another history: the tie judge re-reads them
         s.hist = list(snap.hist)
         self._check_position(op, s, desc or "restore")
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from parity.harness.scenarios.common import Case, Run, sizes, token_stream
 
 PLE_CHUNK_CAP = 8192      # R28: a PLE buffer shorter than the prefill chunk
@@ -95,9 +97,17 @@ def check_selection(run: Run, s, token: int, desc: str) -> None:
     the selection can. Backends emitting no taps are checked on logits only."""
     from parity.harness.scenarios.common import CaseFailure  # noqa: F401
     p = len(s.hist)
-    with run.be.taps(None, include=["*indexer.selected_blocks"], positions=[p]) as rec:
-        run.decode([s], [token], desc=desc)
+    from parity.harness.ties import SELECTION_TAPS
+    keep, run.keep_selections = run.keep_selections, False  # one tap recording at a time: this one, kept below
+    try:
+        with run.be.taps(None, include=list(SELECTION_TAPS), positions=[p]) as rec:
+            run.decode([s], [token], desc=desc)
+    finally:
+        run.keep_selections = keep
     got = rec.archive()
+    if keep:
+        for name in got.names():
+            s.sel.setdefault(name, {})[p] = np.asarray(got.get(name)).astype(np.int64).reshape(-1)
     key = (run.config.config_hash(), _plan(run.config)["stream"])
     truth = _SELECTION.get(key)
     if truth is None or not got.names() or p not in set(int(x) for x in _around_bound(run)):
@@ -124,6 +134,7 @@ def cases(scenario: str, config) -> list[Case]:
     if scenario == "budget":
         if "cross" in keep:
             def cross(run: Run):
+                run.keep_selections = True  # near ties judged on the selections these ops took
                 L = s.bound + 2 * s.ratio + 1
                 ids = _stream(run, L + 3)
                 a = run.new("long-cross")
@@ -133,6 +144,7 @@ def cases(scenario: str, config) -> list[Case]:
             out.append(Case(f"long_prompt_crossing_bound_{s.bound + 2 * s.ratio + 1}", cross))
         if "across" in keep:
             def across(run: Run):
+                run.keep_selections = True  # near ties judged on the selections these ops took
                 ids = _stream(run, s.bound + 4)
                 a = run.new("long-across")
                 run.prefill(a, ids[:s.bound - 2])
@@ -142,6 +154,7 @@ def cases(scenario: str, config) -> list[Case]:
     elif scenario == "chunk_boundary":
         if "chunk" in keep:
             def chunked(run: Run):
+                run.keep_selections = True  # near ties judged on the selections these ops took
                 n = 2 * big + 1
                 ids = _stream(run, n + 2)
                 a = run.new(f"chunks-of-{big}")
@@ -151,6 +164,7 @@ def cases(scenario: str, config) -> list[Case]:
             out.append(Case(f"long_chunks_of_{big}_over_{PLE_CHUNK_CAP}", chunked))
         if "past" in keep:
             def past(run: Run):
+                run.keep_selections = True  # near ties judged on the selections these ops took
                 P = QSA_POSITION_CAP - 2
                 ids = _stream(run, QSA_POSITION_CAP + 8)
                 a = run.new("past-32768")
@@ -164,6 +178,7 @@ def cases(scenario: str, config) -> list[Case]:
     elif scenario == "snapshot_restore":
         if "snap" in keep:
             def snap(run: Run):
+                run.keep_selections = True  # near ties judged on the selections these ops took
                 p = s.bound + 3
                 ids = _stream(run, p + 12)
                 a = run.new("long-snap")
@@ -180,6 +195,7 @@ def cases(scenario: str, config) -> list[Case]:
     elif scenario == "speculative_rollback":
         if "spec" in keep:
             def spec(run: Run):
+                run.keep_selections = True  # near ties judged on the selections these ops took
                 L = s.bound - 1
                 ids = _stream(run, L)
                 a = run.new("long-spec")
