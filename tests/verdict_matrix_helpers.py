@@ -343,6 +343,8 @@ def backend(kind: str, name: str):
         return _official(d, w)
     if kind == "reverse-ties":
         return _no_taps(_Hooked(w, _reverse_ties, kind))
+    if kind == "reverse-ties-taps":   # the same, with selection taps (as the official backend has): judged by them
+        return _Hooked(w, _reverse_ties, kind)
     if kind == "tie-outside":
         return _Hooked(w, _tie_outside, kind)
     if kind == "bf16-scores":
@@ -363,7 +365,7 @@ def backend(kind: str, name: str):
     raise KeyError(kind)
 
 
-BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "tie-outside", "bf16-scores", "hc-mean-bf16",
+BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "reverse-ties-taps", "tie-outside", "bf16-scores", "hc-mean-bf16",
             "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
 
 
