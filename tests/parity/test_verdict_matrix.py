@@ -4,7 +4,8 @@ asserted (docs/parity.md, "Verdict matrix"). Built at test time from seeded rand
 
 Expected verdicts and why:
 
-* correct float32 / bf16 engines (engine CPU path; its bf16 keeps activations float32) PASS everywhere;
+* correct float32 / bf16 engines (engine CPU path; its bf16 keeps activations float32) PASS everywhere, and so
+  do, on a GPU (``gpu`` marker), the engine's CUDA path in float32 and bf16 and the official model on CUDA;
 * the store-rounding bf16 engine is correct by construction, but on these random-weight models its floor
   (0.09..0.4 of the logit scale) is too coarse to resolve a fault of useful size: INCONCLUSIVE, never FAIL;
 * the official implementation (transformers, CPU; one short prompt per model, see
@@ -30,7 +31,7 @@ FAULTS = ("tie-outside", "hc-mean-bf16", "verify-fp16", "batched-bf16", "stale-s
 
 def expected(kind: str, model: str) -> str:
     """The asserted verdict of one cell (see the module docstring)."""
-    if kind in ("float32", "bf16"):
+    if kind in ("float32", "bf16") or kind in M.GPU_BACKENDS:
         return "PASS"
     if kind == "bf16-stores":
         return "INCONCLUSIVE"
@@ -62,7 +63,7 @@ def _check(kind, model):
     assert r["verdict"] == want, detail
     if kind == "bf16-scores" and want == "PASS":   # a PASS only because no pick moved: never a miss
         assert not rep.ties["outside_tie_set"], detail
-    if kind in ("float32", "bf16", "official", "reverse-ties", "reverse-ties-taps") and want == "PASS":
+    if kind in ("float32", "bf16", "official", "reverse-ties", "reverse-ties-taps", *M.GPU_BACKENDS) and want == "PASS":
         # correct engines sit well inside the tolerance (margin for other summation orders)
         assert rep.comparison.summary()["max_logit_err_rel"] <= r["thresholds"].tol_rel / 2, detail
     if want == "FAIL" and kind.startswith("fault-"):
@@ -83,6 +84,25 @@ def test_verdict_matrix_full(kind, model):
     if kind == "official":
         pytest.importorskip("transformers")
     _check(kind, model)
+
+
+GPU_CELLS = [(k, m) for m in M.MODELS for k in M.GPU_BACKENDS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,model", GPU_CELLS, ids=[f"{k}@{m}" for k, m in GPU_CELLS])
+def test_verdict_matrix_gpu(kind, model):
+    """The GPU cells (``ci/gpu`` step 1 runs them: ``pytest -m gpu tests/``): the engine's CUDA path in float32
+    and bf16 and the official model on CUDA, on every matrix model, each PASS (official CUDA: whatever way its
+    CUDA top-k breaks exact ties, judged tie-equivalent). Their CPU twins, through the same code with
+    device=cpu, are the float32 / bf16 / official cells above."""
+    why = M.gpu_skip_reason(kind)
+    if why:
+        pytest.skip(f"{kind}: {why}: GPU verdict-matrix cell skipped")
+    r = _check(kind, model)
+    if kind == "official-cuda":   # the tie direction of torch's CUDA top-k, shown (the issue: lower index)
+        print(f"official-cuda@{model}: tie-equivalent positions "
+              f"{[t['positions'] for t in r['kl'].ties['tie_equivalent']]}")
 
 
 def test_the_false_pass_of_the_issue_now_fails():
