@@ -4,9 +4,10 @@
 Models are built at test time from seeded random weights (rounded to BF16, so the engine's bf16 mode stores
 exactly these weights), with chosen configs: small and large logit scales, one indexer head (many exact
 zero ties at the QSA cut), hc_count 2 and 3, PLE on every layer, a list of EOS ids. Backends: the engine's
-CPU path in float32 and bf16 (correct; on CUDA too, the GPU cells), a store-rounding bf16 engine (the reference rounding every
-activation store to BF16: correct by construction), the official implementation (transformers, CPU; and CUDA), a
-correct backend without taps breaking exact ties by the higher index (judged by the tie search), and
+CPU path in float32 and bf16 (correct; on CUDA too: the GPU cells), a store-rounding bf16 engine (the
+reference rounding every activation store to BF16: correct by construction), the official implementation
+(transformers; CPU, and CUDA in the GPU cells), a correct backend breaking exact ties by the higher index
+(without taps: judged by the tie search; with them: judged by its selection taps), and
 faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
 state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
 stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
@@ -397,8 +398,8 @@ def gpu_skip_reason(kind: str) -> str | None:
     return None if torch.cuda.is_available() else "torch sees no CUDA device"
 
 
-BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "reverse-ties-taps", "tie-outside", "bf16-scores", "hc-mean-bf16",
-            "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
+BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "reverse-ties-taps", "tie-outside",
+            "bf16-scores", "hc-mean-bf16", "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
 
 
 # ----------------------------------------------------------------------------------------------- judging

@@ -61,7 +61,8 @@ def test_a_pick_outside_the_tie_set_still_fails_through_the_scenarios():
     bad = [r for r in res if r.status == "fail"]
     assert len(bad) >= 2, [(r.label, r.status) for r in res]   # measured: 3 of the 4 cases reach its position
     for r in bad:
-        assert "first divergence layers.3.self_attn.indexer.selected_blocks at position 15" in r.divergence, r.divergence
+        where = "first divergence layers.3.self_attn.indexer.selected_blocks at position 15"
+        assert where in r.divergence, r.divergence
         assert r.root_cause["tap"] == "layers.3.self_attn.indexer.selected_blocks", r.root_cause
         assert not r.tie_equivalent
     # where a tie precedes the fault the tie rule itself names it (else the canonical verdict fails it)
