@@ -565,10 +565,12 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     prec = getattr(b, "precision", "float32")
     thresholds_for(prec)  # an unknown precision is an input error before anything runs
     controls = {}
+    measured_here = None   # the weights, when the floor is measured in this run
     if floor is None:
         w = weights if weights is not None else (_weights_of(floor_pair[1]) if floor_pair else None) or _weights_of(a)
         if w is not None:
             floor = measure_floor(w, prompts, stores_of(b))
+            measured_here = w
     th = thresholds if thresholds is not None else thresholds_for(prec, floor)
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
@@ -659,12 +661,17 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                                        "detail": "not measured (no reference weights): nominal thresholds"}
         inconclusive.append("no measured precision floor")
     else:
-        ok = bool(np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL)
+        from parity.harness.floor import floor_breakdown, unresolvable
+        why = unresolvable(th, floor)
+        if why and measured_here is not None and not floor.by_kind:
+            floor = floor_breakdown(measured_here, prompts, floor)   # which stores make it coarse
+            why = unresolvable(th, floor)
+        ok = why is None
         controls["precision_floor"] = {
             "ok": ok, "inconclusive": not ok, **floor.to_json(), "tol_rel": th.tol_rel,
             "detail": (f"{floor.precision} floor {th.floor_rel:.3g} of the logit scale (float32 floor "
                        f"{floor.f32_logit_rel:.3g}); tolerance {th.multiple:g}x = {th.tol_rel:.3g}")
-            + ("" if ok else f" >= {USEFUL_FAULT_REL:g}: this model at {prec} cannot resolve a fault of useful size")}
+            + ("" if ok else f"; {why}")}
         if not ok:
             inconclusive.append(controls["precision_floor"]["detail"])
     if perturbed_b is None:
