@@ -76,16 +76,14 @@ already multiplied by the output gate). :data:`NO_COUNTERPART` lists them.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from reference.errors import InputError
 
-from parity.backends.base import Backend, BackendError, CapabilityLimit
+from parity.backends.base import Backend, BackendError, CapabilityLimit, Handles
 from reference.session import check_ids
 
 #: registry taps this backend cannot produce (see the module docstring)
@@ -146,8 +144,7 @@ class TransformersBackend(Backend):
         self.model_path = model_path
         self.load_note = load_note
         self.precision = "bf16" if torch_dtype == torch.bfloat16 else "float32"
-        self._seqs: dict[int, _Seq] = {}
-        self._next = 0
+        self._seqs = Handles(self)
         self._tap_pos = 0
         self._hooks: list = []
         self._crop_ok = crop_ok
@@ -376,18 +373,11 @@ class TransformersBackend(Backend):
 
     # ------------------------------------------------------------------------------------------- sequences
     def _seq(self, h) -> _Seq:
-        try:
-            return self._seqs[h]
-        except (KeyError, TypeError):
-            raise BackendError(f"backend {self.name}: sequence handle {h!r}: expected a live handle of this "
-                               f"backend, found none (freed or foreign)") from None
+        return self._seqs.get_live(h)
 
     def new_sequence(self):
         """A new empty sequence (no cache until its first forward); returns its int handle."""
-        h = self._next
-        self._next += 1
-        self._seqs[h] = _Seq()
-        return h
+        return self._seqs.add(_Seq())
 
     def free(self, h) -> None:
         """Drop sequence ``h`` and its cache (an unknown handle is ignored)."""
