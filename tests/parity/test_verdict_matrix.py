@@ -258,6 +258,11 @@ def test_the_store_floor_is_continuous_noise_and_names_its_stores():
     assert set(fb.by_kind) == set(STORE_KINDS)
     assert th.multiple * fb.by_kind["kv"] < USEFUL_FAULT_REL <= th.multiple * fb.by_kind["residual"]
     assert "resolvable with only kv rounded" in unresolvable(th, fb)
+    one = measure_floor(w, ids[:1], {"kv": "bf16"})
+    assert floor_breakdown(w, ids[:1], one) is one   # one store kind: nothing to break down
+    from parity.harness.floor import _parse_label, stores_label
+    mixed = {"kv": "bf16", "residual": "bf16", "block_io": "fp8"}
+    assert dict(_parse_label(stores_label(mixed))) == mixed
 
 
 def test_locate_through_state_names_where_the_error_entered():
