@@ -10,7 +10,9 @@ correct backend without taps breaking exact ties by the higher index (judged by 
 faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
 state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
 stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
-mixer, LM head) sized to move the logits by ~3e-3 of max |logit|.
+mixer, LM head) sized to move the logits by ~3e-3 of max |logit|. A BF16-KV engine (``bf16-kv``: the reference
+with its KV cache in BF16, activations float32) and the hook faults on it (``kv+<fault>``) or on the all-BF16
+store engine (``stores+<fault>``) judge the faults against a reduced-precision floor and its near-tie band.
 
 A cell's verdict: the KL harness (prefill + greedy decode, controls) plus two scenario cases (verify 4
 drafts then decode; a batched decode of 3 sequences) under the same measured thresholds.

@@ -12,9 +12,15 @@ and the prompts of the run (docs/parity.md, "Thresholds"):
   engines keep it), against float64. It is the noise of a correct engine at that precision on this model.
 
 Both floors are measured with every discrete selection (QSA block top-k, MoE expert top-k) FORCED to the
-float64 run's, so a floor is continuous rounding noise and never the jump of a selection flip. Selections
-are judged separately, with ties (:func:`tie_report`): a backend may pick differently only inside a tie
-set at the cut (exact ties, or scores within the floor of the cut value).
+float64 run's, so a floor is continuous rounding noise and never the jump of a selection flip (on the
+verdict-matrix models the all-BF16 store rounding left to pick for itself flips 1..30 rows and errs 1.5..4x
+more). Selections are judged separately, with ties (:func:`tie_report`): a backend may pick differently only
+inside a tie set at the cut (exact ties, or scores within the tie band of this floor's score floor,
+:func:`parity.harness.ties.tie_band`).
+
+A store floor is dominated by the stores on the residual path: on the verdict-matrix models every store kind
+in BF16 gives 0.087..0.40 of the logit scale, the KV stores alone ~1.5e-3 (:func:`floor_breakdown`; the
+reason of a run too coarse to resolve a useful fault names them, :func:`unresolvable`).
 
 Logit errors are measured relative to the model's logit scale, :func:`parity.harness.kl.logit_scale`
 (the per-position standard deviation of the truth's logits).
