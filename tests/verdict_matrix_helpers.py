@@ -11,7 +11,9 @@ reference rounding every activation store to BF16: correct by construction), the
 faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
 state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
 stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
-mixer, LM head) sized to move the logits by ~3e-3 of max |logit|.
+mixer, LM head) sized to move the logits by ~3e-3 of max |logit|. A BF16-KV engine (``bf16-kv``: the reference
+with its KV cache in BF16, activations float32) and the hook faults on it (``kv+<fault>``) or on the all-BF16
+store engine (``stores+<fault>``) judge the faults against a reduced-precision floor and its near-tie band.
 
 A cell's verdict: the KL harness (prefill + greedy decode, controls) plus two scenario cases (verify 4
 drafts then decode; a batched decode of 3 sequences) under the same measured thresholds.
@@ -22,6 +24,7 @@ import functools
 
 import numpy as np
 
+from parity.harness.floor import STORE_KINDS
 from reference.checkpoint import DictWeights
 from reference.config import ModelConfig
 from reference_helpers import random_weights, tiny_config_dict
@@ -115,6 +118,47 @@ def _tie_outside(model):
     model.selection_hook = hook
 
 
+def swap_at_margin(lo: float, hi: float, done: dict | None = None):
+    """A ``selection_hook`` setup: at the first position (first QSA call that shows one) with a visible, unkept
+    block whose margin below the k-th kept block is in ``[lo, hi]`` of the layer's largest |score| (over the
+    rows of the call: a prefill sees the whole layer), keep that block instead of the k-th. ``done`` (a dict)
+    receives ``{"pos", "layer", "block", "out", "margin"}`` of the swap (every later call repeats it there). Inside the tie band (``hi`` well under it) the
+    pick is tie-equivalent; beyond it (``lo`` well over it) it is a pick outside the tie set."""
+    done = {} if done is None else done
+
+    def setup(model):
+        cfg = model.config
+
+        def hook(layer, pos, scores, sel):
+            sel = np.array(sel)
+            if done:   # every later forward (taps, decode) makes the same swap at the same cut
+                for t, p in enumerate(np.asarray(pos)):
+                    if layer == done["layer"] and int(p) == done["pos"]:
+                        sel[t] = np.sort([done["block"] if x == done["out"] else int(x) for x in sel[t]])
+                return sel
+            sc = np.asarray(scores, np.float64)
+            fin = np.isfinite(sc)
+            scale = float(np.max(np.abs(sc[fin]))) if fin.any() else 0.0
+            n = (np.asarray(pos) + 1) // cfg.indexer_compress_ratio
+            for t in range(sel.shape[0]):
+                if n[t] <= cfg.block_topk or scale <= 0:
+                    continue
+                row = sc[t, :n[t]]
+                order = np.argsort(-row, kind="stable")
+                kth = row[order[cfg.block_topk - 1]]
+                for b in order[cfg.block_topk:]:
+                    m = (kth - row[b]) / scale
+                    if lo <= m <= hi:
+                        r = [int(b) if x == order[cfg.block_topk - 1] else int(x) for x in sel[t]]
+                        sel[t] = np.sort(r)
+                        done.update(pos=int(pos[t]), layer=int(layer), block=int(b), out=int(order[cfg.block_topk - 1]),
+                                    margin=float(m))
+                        return sel
+            return sel
+        model.selection_hook = hook
+    return setup
+
+
 def _reverse_ties(model):
     """Break exact ties at the QSA cut by the HIGHER block index (the canonical rule takes the lower): a valid
     resolution, as the official implementation's torch.topk on CPU is."""
@@ -178,17 +222,26 @@ def _hc_mean_bf16(model):
     model._hc_step = types.MethodType(step, model)
 
 
+def _also_round(model, extra):
+    """A ``store_round`` hook applying the model's own (the backend's declared stores, or none) and then ``extra``."""
+    base = model.store_round
+    if base is None:
+        return extra
+    return lambda kind, a: extra(kind, base(kind, a))
+
+
 def _verify_fp16(be):
-    """forward_tokens (verify) with every activation store rounded to FP16; other paths float32."""
+    """forward_tokens (verify) with every activation store rounded to FP16; other paths as declared."""
     from parity.harness.floor import rounder
     orig = be.forward_tokens
 
     def fwd(h, ids):
-        be.model.store_round = rounder("fp16")
+        own = be.model.store_round
+        be.model.store_round = _also_round(be.model, rounder("fp16"))
         try:
             return orig(h, ids)
         finally:
-            be.model.store_round = None
+            be.model.store_round = own
     be.forward_tokens = fwd
     return be
 
@@ -199,12 +252,13 @@ def _batched_bf16(be):
     orig = be.decode
 
     def dec(hs, ids):
+        own = be.model.store_round
         if len(hs) > 1:
-            be.model.store_round = rounder({"residual": "bf16"})
+            be.model.store_round = _also_round(be.model, rounder({"residual": "bf16"}))
         try:
             return orig(hs, ids)
         finally:
-            be.model.store_round = None
+            be.model.store_round = own
     be.decode = dec
     return be
 
@@ -335,36 +389,50 @@ def _official(d, w, device: str = "cpu"):
     return Official()
 
 
+#: the declared stores a hook fault can sit on: ``<base>+<fault>`` is that fault in an engine storing these in
+#: BF16 (``kv``: a BF16 KV cache with float32 activations, as llama.cpp-style engines keep them; ``stores``: every
+#: store kind of parity.harness.floor.STORE_KINDS)
+STORE_SETS = {"kv": (("kv", "bf16"),), "stores": tuple((k, "bf16") for k in sorted(STORE_KINDS))}
+#: the faults that are hooks (they layer on any declared stores); -> the precision they declare on float32 stores
+HOOK_FAULTS = {"tie-outside": "float32", "bf16-scores": "bf16", "hc-mean-bf16": "bf16", "verify-fp16": "bf16",
+               "batched-bf16": "bf16", "stale-state": "float32"}
+
+
+def _hook_fault(fault, w, name: str, stores: dict):
+    """Hook fault ``fault`` (a key of :data:`HOOK_FAULTS`, or None: no fault) on a reference backend that rounds
+    (and declares) ``stores``."""
+    from parity.harness.floor import rounder
+
+    def setup(m):
+        if stores:
+            m.store_round = rounder(stores)
+        {"tie-outside": _tie_outside, "hc-mean-bf16": _hc_mean_bf16}.get(fault, lambda _m: None)(m)
+    be = _Hooked(w, setup, name, "bf16" if stores else HOOK_FAULTS[fault], stores)
+    wrap = {"bf16-scores": _bf16_scores, "verify-fp16": _verify_fp16, "batched-bf16": _batched_bf16,
+            "stale-state": _stale_state}.get(fault)
+    return wrap(be) if wrap else be
+
+
 def backend(kind: str, name: str):
     """Open backend ``kind`` (see :data:`BACKENDS`) on matrix model ``name``."""
     from parity.backends.engine import EngineBackend
-    from parity.harness.floor import STORE_KINDS, rounder
     d, w = model(name)
     if kind in ("float32", "bf16", "cuda-float32", "cuda-bf16"):   # the engine: one path, the device its option
         dev = "cuda" if kind.startswith("cuda-") else "cpu"
         return EngineBackend.open(None, weights=w, device=dev, precision=kind.split("-")[-1])
-    if kind == "bf16-stores":
-        def setup(m):
-            m.store_round = rounder("bf16")
-        return _Hooked(w, setup, "bf16-stores", "bf16", {k: "bf16" for k in STORE_KINDS})
+    if kind in ("bf16-stores", "bf16-kv"):   # correct by construction: the reference rounding its declared stores
+        return _hook_fault(None, w, kind, dict(STORE_SETS["stores" if kind == "bf16-stores" else "kv"]))
     if kind in ("official", "official-cuda"):
         return _official(d, w, "cuda" if kind == "official-cuda" else "cpu")
     if kind == "reverse-ties":
         return _no_taps(_Hooked(w, _reverse_ties, kind))
     if kind == "reverse-ties-taps":   # the same, with selection taps (as the official backend has): judged by them
         return _Hooked(w, _reverse_ties, kind)
-    if kind == "tie-outside":
-        return _Hooked(w, _tie_outside, kind)
-    if kind == "bf16-scores":
-        return _bf16_scores(_Hooked(w, lambda m: None, kind, "bf16"))
-    if kind == "hc-mean-bf16":
-        return _Hooked(w, _hc_mean_bf16, kind, "bf16")
-    if kind == "verify-fp16":
-        return _verify_fp16(_Hooked(w, lambda m: None, kind, "bf16"))
-    if kind == "batched-bf16":
-        return _batched_bf16(_Hooked(w, lambda m: None, kind, "bf16"))
-    if kind == "stale-state":
-        return _stale_state(_Hooked(w, lambda m: None, kind))
+    if kind in HOOK_FAULTS:
+        return _hook_fault(kind, w, kind, {})
+    if "+" in kind and kind.split("+", 1)[1] in HOOK_FAULTS:
+        base, fault = kind.split("+", 1)
+        return _hook_fault(fault, w, kind, dict(STORE_SETS[base]))
     if kind.startswith("fault-"):
         be = _ref(_weight_fault(w, BLOCK_FAULTS[kind[len("fault-"):]]))
         be.name = kind
@@ -398,8 +466,9 @@ def gpu_skip_reason(kind: str) -> str | None:
     return None if torch.cuda.is_available() else "torch sees no CUDA device"
 
 
-BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "reverse-ties-taps", "tie-outside",
-            "bf16-scores", "hc-mean-bf16", "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
+BACKENDS = ("float32", "bf16", "bf16-stores", "bf16-kv", "official", "reverse-ties", "reverse-ties-taps",
+            *HOOK_FAULTS, *(f"fault-{b}" for b in BLOCK_FAULTS), "kv+tie-outside", "kv+hc-mean-bf16",
+            "kv+verify-fp16", "kv+batched-bf16", "kv+stale-state", "kv+bf16-scores", "stores+tie-outside")
 
 
 # ----------------------------------------------------------------------------------------------- judging
@@ -430,10 +499,17 @@ def _cases():
 
 @functools.lru_cache(maxsize=None)
 def floor_of(name: str, stores_key: tuple):
-    """The floor of matrix model ``name`` for the stores ``stores_key`` (cached: shared by every backend)."""
-    from parity.harness.floor import floor_prompts, measure_floor
+    """The floor of matrix model ``name`` for the stores ``stores_key`` (cached: shared by every backend); a floor
+    too coarse for a useful fault carries its per-store-kind breakdown, as parity.harness.floor.thresholds_for_run
+    measures it."""
+    from parity.harness.floor import floor_breakdown, floor_prompts, measure_floor, unresolvable
+    from parity.harness.kl import thresholds_for
     _, w = model(name)
-    return measure_floor(w, floor_prompts(w.config, prompts(name)), dict(stores_key))
+    fps = floor_prompts(w.config, prompts(name))
+    fl = measure_floor(w, fps, dict(stores_key))
+    if unresolvable(thresholds_for("bf16" if stores_key else "float32", fl)):
+        fl = floor_breakdown(w, fps, fl)
+    return fl
 
 
 @functools.lru_cache(maxsize=None)
@@ -455,8 +531,8 @@ OFFICIAL_PROMPTS = {"wide-budget": lambda p: [p[0][:90]]}
 def judge(kind: str, name: str, locate: bool = False) -> dict:
     """Judge backend ``kind`` on model ``name``: ``{"verdict", "kl": KLReport, "cases": [CaseResult], ...}``
     (``locate``: locate failing cases by tap-diff too)."""
-    from parity.harness.floor import stores_of
-    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, USEFUL_FAULT_REL, run_kl
+    from parity.harness.floor import stores_of, unresolvable
+    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, run_kl
     from parity.harness.scenarios.common import TruthCache
     from parity.harness.scenarios.runner import run_case
     _, w = model(name)
@@ -476,7 +552,7 @@ def judge(kind: str, name: str, locate: bool = False) -> dict:
     truth = TruthCache(a.model)
     cases = [run_case("matrix", c, b, truth, thresholds=th, locate_on_fail=locate) for c in _cases()]
     statuses = [rep.status] + [{"pass": PASS, "fail": FAIL, "error": FAIL}.get(c.status, PASS) for c in cases]
-    coarse = not th.tol_rel < USEFUL_FAULT_REL
+    coarse = unresolvable(th, fl) is not None
     if FAIL in statuses:
         v = FAIL
     elif INCONCLUSIVE in statuses or coarse:

@@ -29,7 +29,7 @@ import numpy as np
 
 from parity.harness.floor import SelectionLog, TieReport, logged_logits, tie_report
 
-__all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections"]
+__all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections", "outside_pick"]
 
 SELECTION_TAPS = ("layers.*.self_attn.indexer.selected_blocks", "layers.*.mlp.gate.topk_ids")
 MAX_RESOLUTIONS = 256  # resolutions tried per tied position (each one forward: beyond it a backend needs selection taps)
@@ -284,3 +284,24 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
     if changed:
         out.positions, out.logits = changed, cur_logits
     return out
+
+
+def outside_pick(truth_model, ids: Sequence[int], be_logits: np.ndarray, th, backend) -> str | None:
+    """The pick outside the tie set of a backend with selection taps over one prompt, whatever its logits, or
+    None (no taps, or every differing pick inside a tie set).
+
+    For a run whose tolerance cannot resolve a fault of useful size (a coarse store floor), a pick outside the
+    tie set may leave the logits within tolerance; the selections are then read for every prompt so that such
+    a pick still FAILs. Judged as :func:`judge_ties` judges a failing prompt (every row treated as failing);
+    where the truth has no tied cut at all, every differing pick is outside.
+    Cost: the backend's selection taps over ``ids`` (twice) and the truth's forward(s)."""
+    be_sel = backend_selections(backend, ids)
+    if be_sel is None:
+        return None
+    tj = judge_ties(truth_model, ids, be_logits, np.ones(len(ids), dtype=bool), th, backend=backend)
+    if tj.outside or tj.how == "taps":
+        return tj.outside
+    _, log = logged_logits(truth_model, ids)   # no tied cut: judge_ties returned before reading the taps
+    none = TieReport()
+    return (_diff_in_ties("qsa", log.qsa_sel, be_sel.qsa_sel, none, log.qsa_scores)[1]
+            or _diff_in_ties("moe", log.moe_ids, be_sel.moe_ids, none, log.moe_probs)[1])
