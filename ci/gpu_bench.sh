@@ -73,7 +73,8 @@ if [ "${VERIFY_COST:-1}" != 0 ]; then
   t1=$(date +%s)
   timeout "${VERIFY_COST_TIMEOUT_S:-240}" "$PY" -m parity.bench.verify_cost --synthetic real-widths \
       --layers "${BENCH_LAYERS:-4}" --device cuda --context "${VERIFY_COST_CONTEXT:-2048}" --repeats 5 --warmup 2 \
-      --out "$OUT/verify_cost.json" 2>&1 | tee "$OUT/verify_cost.log" || status=1
+      --out "$OUT/verify_cost.json" 2>"$OUT/verify_cost.err" | tee "$OUT/verify_cost.log" || status=1
+  tail -n 5 "$OUT/verify_cost.err" | tr '\r' '\n' | tail -n 3  # the writer's progress bar is one \r line
   echo "gpu_bench: verify cost took $(( $(date +%s) - t1 )) s; results in $OUT/verify_cost.json"
 fi
 # 4. full depth (issue 16): the real 48 layers, weights in memory in each stored format

@@ -9,6 +9,7 @@ kernels so both compilers accept them.
 from __future__ import annotations
 
 import functools
+import re
 import os
 from pathlib import Path
 
@@ -77,9 +78,34 @@ def to_numpy(a) -> np.ndarray:
 def load_module(filename: str, options: tuple[str, ...] = ()):
     """Compile ``engine/kernels/cuda/<filename>`` with NVRTC for the current GPU (cached) and return
     the ``cupy.RawModule``. Compile options always include ``-std=c++17``; the architecture is the
-    device's own (cupy picks it)."""
+    device's own (cupy picks it). Local headers (``#include "x.cuh"``) are inlined (:func:`cuda_source`)."""
     cp = cupy_or_none()
     if cp is None:
         raise RuntimeError("load_module needs cupy and a GPU")
-    src = (CUDA_DIR / filename).read_text()
-    return cp.RawModule(code=src, options=("-std=c++17",) + tuple(options))
+    return cp.RawModule(code=cuda_source(filename), options=("-std=c++17",) + tuple(options))
+
+
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
+
+
+def cuda_source(filename: str) -> str:
+    """The text of ``engine/kernels/cuda/<filename>`` with each ``#include "x.cuh"`` of a header beside it
+    replaced by that header's text (once per header; nested includes too). NVRTC gets this text, so cupy's
+    compile cache (keyed on the source text) sees a header change; nvcc reads the same files directly.
+
+    Raises:
+        FileNotFoundError: the source or an included header is not in ``engine/kernels/cuda``.
+    """
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        text = (CUDA_DIR / name).read_text()
+
+        def sub(m):
+            inc = m.group(1)
+            if inc in seen:
+                return f"// {inc}: already included"
+            seen.add(inc)
+            return f"// ---- {inc} (inlined)\n" + expand(inc) + f"\n// ---- end of {inc}"
+        return _LOCAL_INCLUDE.sub(sub, text)
+    return expand(filename)

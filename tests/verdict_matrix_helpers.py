@@ -4,13 +4,16 @@
 Models are built at test time from seeded random weights (rounded to BF16, so the engine's bf16 mode stores
 exactly these weights), with chosen configs: small and large logit scales, one indexer head (many exact
 zero ties at the QSA cut), hc_count 2 and 3, PLE on every layer, a list of EOS ids. Backends: the engine's
-CPU path in float32 and bf16 (correct), a store-rounding bf16 engine (the reference rounding every
-activation store to BF16: correct by construction), the official implementation (transformers, CPU), a
-correct backend without taps breaking exact ties by the higher index (judged by the tie search), and
+CPU path in float32 and bf16 (correct; on CUDA too: the GPU cells), a store-rounding bf16 engine (the
+reference rounding every activation store to BF16: correct by construction), the official implementation
+(transformers; CPU, and CUDA in the GPU cells), a correct backend breaking exact ties by the higher index
+(without taps: judged by the tie search; with them: judged by its selection taps), and
 faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
 state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
 stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
-mixer, LM head) sized to move the logits by ~3e-3 of max |logit|.
+mixer, LM head) sized to move the logits by ~3e-3 of max |logit|. A BF16-KV engine (``bf16-kv``: the reference
+with its KV cache in BF16, activations float32) and the hook faults on it (``kv+<fault>``) or on the all-BF16
+store engine (``stores+<fault>``) judge the faults against a reduced-precision floor and its near-tie band.
 
 A cell's verdict: the KL harness (prefill + greedy decode, controls) plus two scenario cases (verify 4
 drafts then decode; a batched decode of 3 sequences) under the same measured thresholds.
@@ -21,6 +24,7 @@ import functools
 
 import numpy as np
 
+from parity.harness.floor import STORE_KINDS
 from reference.checkpoint import DictWeights
 from reference.config import ModelConfig
 from reference_helpers import random_weights, tiny_config_dict
@@ -114,6 +118,47 @@ def _tie_outside(model):
     model.selection_hook = hook
 
 
+def swap_at_margin(lo: float, hi: float, done: dict | None = None):
+    """A ``selection_hook`` setup: at the first position (first QSA call that shows one) with a visible, unkept
+    block whose margin below the k-th kept block is in ``[lo, hi]`` of the layer's largest |score| (over the
+    rows of the call: a prefill sees the whole layer), keep that block instead of the k-th. ``done`` (a dict)
+    receives ``{"pos", "layer", "block", "out", "margin"}`` of the swap (every later call repeats it there). Inside the tie band (``hi`` well under it) the
+    pick is tie-equivalent; beyond it (``lo`` well over it) it is a pick outside the tie set."""
+    done = {} if done is None else done
+
+    def setup(model):
+        cfg = model.config
+
+        def hook(layer, pos, scores, sel):
+            sel = np.array(sel)
+            if done:   # every later forward (taps, decode) makes the same swap at the same cut
+                for t, p in enumerate(np.asarray(pos)):
+                    if layer == done["layer"] and int(p) == done["pos"]:
+                        sel[t] = np.sort([done["block"] if x == done["out"] else int(x) for x in sel[t]])
+                return sel
+            sc = np.asarray(scores, np.float64)
+            fin = np.isfinite(sc)
+            scale = float(np.max(np.abs(sc[fin]))) if fin.any() else 0.0
+            n = (np.asarray(pos) + 1) // cfg.indexer_compress_ratio
+            for t in range(sel.shape[0]):
+                if n[t] <= cfg.block_topk or scale <= 0:
+                    continue
+                row = sc[t, :n[t]]
+                order = np.argsort(-row, kind="stable")
+                kth = row[order[cfg.block_topk - 1]]
+                for b in order[cfg.block_topk:]:
+                    m = (kth - row[b]) / scale
+                    if lo <= m <= hi:
+                        r = [int(b) if x == order[cfg.block_topk - 1] else int(x) for x in sel[t]]
+                        sel[t] = np.sort(r)
+                        done.update(pos=int(pos[t]), layer=int(layer), block=int(b), out=int(order[cfg.block_topk - 1]),
+                                    margin=float(m))
+                        return sel
+            return sel
+        model.selection_hook = hook
+    return setup
+
+
 def _reverse_ties(model):
     """Break exact ties at the QSA cut by the HIGHER block index (the canonical rule takes the lower): a valid
     resolution, as the official implementation's torch.topk on CPU is."""
@@ -177,17 +222,26 @@ def _hc_mean_bf16(model):
     model._hc_step = types.MethodType(step, model)
 
 
+def _also_round(model, extra):
+    """A ``store_round`` hook applying the model's own (the backend's declared stores, or none) and then ``extra``."""
+    base = model.store_round
+    if base is None:
+        return extra
+    return lambda kind, a: extra(kind, base(kind, a))
+
+
 def _verify_fp16(be):
-    """forward_tokens (verify) with every activation store rounded to FP16; other paths float32."""
+    """forward_tokens (verify) with every activation store rounded to FP16; other paths as declared."""
     from parity.harness.floor import rounder
     orig = be.forward_tokens
 
     def fwd(h, ids):
-        be.model.store_round = rounder("fp16")
+        own = be.model.store_round
+        be.model.store_round = _also_round(be.model, rounder("fp16"))
         try:
             return orig(h, ids)
         finally:
-            be.model.store_round = None
+            be.model.store_round = own
     be.forward_tokens = fwd
     return be
 
@@ -198,12 +252,13 @@ def _batched_bf16(be):
     orig = be.decode
 
     def dec(hs, ids):
+        own = be.model.store_round
         if len(hs) > 1:
-            be.model.store_round = rounder({"residual": "bf16"})
+            be.model.store_round = _also_round(be.model, rounder({"residual": "bf16"}))
         try:
             return orig(hs, ids)
         finally:
-            be.model.store_round = None
+            be.model.store_round = own
     be.decode = dec
     return be
 
@@ -258,9 +313,15 @@ def _weight_fault(w, tensor: str, rel: float = FAULT_REL, seed: int = 5):
     return w.with_override(tensor, (x + eps * noise).astype(np.float32))
 
 
-def _official(d, w):
-    """The official Qwen4ExpForCausalLM (transformers, CPU, float32, eager) on ``w`` as a recompute backend."""
+def _official(d, w, device: str = "cpu"):
+    """The official Qwen4ExpForCausalLM (transformers, float32, eager) on ``w`` as a recompute backend, on
+    ``device`` ('cpu' or 'cuda': torch's CUDA kernels, its CUDA top-k included). On CUDA, TF32 is turned off
+    for matmuls and cuDNN convolutions: TF32 keeps 10 mantissa bits, so a TF32 run is a reduced-precision
+    engine, not the float32 yardstick this cell judges."""
     import torch
+    if device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
@@ -268,7 +329,7 @@ def _official(d, w):
     tcfg = Qwen4ExpTextConfig(**{k: v for k, v in d.items() if k != "model_type"})
     tcfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    m = Qwen4ExpForCausalLM(tcfg).eval()
+    m = Qwen4ExpForCausalLM(tcfg).eval()   # filled on the CPU, then moved (the buffers move with it)
     sd = dict(m.named_parameters())   # buffers (n-gram multipliers ...) are derived from the config
     from reference.checkpoint import canonical_name
     with torch.no_grad():
@@ -277,9 +338,10 @@ def _official(d, w):
             if not w.has(src):
                 raise KeyError(f"official: no weight for {k}")
             v.copy_(torch.from_numpy(np.asarray(w.get(src, dtype=np.float32)).reshape(v.shape)))
+    m = m.to(device)
 
     class Official(Backend):
-        name = "official-cpu"
+        name = f"official-{device}"
         precision = "float32"
         capabilities = {"page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
                         "snapshot_file": False, "stores": {}}
@@ -291,7 +353,8 @@ def _official(d, w):
 
         def _fwd(self, ids):
             with torch.no_grad():
-                return m(torch.as_tensor(np.asarray(ids, np.int64))[None], use_cache=False).logits[0].numpy()
+                x = torch.as_tensor(np.asarray(ids, np.int64), device=device)[None]
+                return m(x, use_cache=False).logits[0].float().cpu().numpy()
 
         def new_sequence(self):
             self.n += 1
@@ -326,35 +389,50 @@ def _official(d, w):
     return Official()
 
 
+#: the declared stores a hook fault can sit on: ``<base>+<fault>`` is that fault in an engine storing these in
+#: BF16 (``kv``: a BF16 KV cache with float32 activations, as llama.cpp-style engines keep them; ``stores``: every
+#: store kind of parity.harness.floor.STORE_KINDS)
+STORE_SETS = {"kv": (("kv", "bf16"),), "stores": tuple((k, "bf16") for k in sorted(STORE_KINDS))}
+#: the faults that are hooks (they layer on any declared stores); -> the precision they declare on float32 stores
+HOOK_FAULTS = {"tie-outside": "float32", "bf16-scores": "bf16", "hc-mean-bf16": "bf16", "verify-fp16": "bf16",
+               "batched-bf16": "bf16", "stale-state": "float32"}
+
+
+def _hook_fault(fault, w, name: str, stores: dict):
+    """Hook fault ``fault`` (a key of :data:`HOOK_FAULTS`, or None: no fault) on a reference backend that rounds
+    (and declares) ``stores``."""
+    from parity.harness.floor import rounder
+
+    def setup(m):
+        if stores:
+            m.store_round = rounder(stores)
+        {"tie-outside": _tie_outside, "hc-mean-bf16": _hc_mean_bf16}.get(fault, lambda _m: None)(m)
+    be = _Hooked(w, setup, name, "bf16" if stores else HOOK_FAULTS[fault], stores)
+    wrap = {"bf16-scores": _bf16_scores, "verify-fp16": _verify_fp16, "batched-bf16": _batched_bf16,
+            "stale-state": _stale_state}.get(fault)
+    return wrap(be) if wrap else be
+
+
 def backend(kind: str, name: str):
     """Open backend ``kind`` (see :data:`BACKENDS`) on matrix model ``name``."""
     from parity.backends.engine import EngineBackend
-    from parity.harness.floor import STORE_KINDS, rounder
     d, w = model(name)
-    if kind == "float32":
-        return EngineBackend.open(None, weights=w, device="cpu", precision="float32")
-    if kind == "bf16":
-        return EngineBackend.open(None, weights=w, device="cpu", precision="bf16")
-    if kind == "bf16-stores":
-        def setup(m):
-            m.store_round = rounder("bf16")
-        return _Hooked(w, setup, "bf16-stores", "bf16", {k: "bf16" for k in STORE_KINDS})
-    if kind == "official":
-        return _official(d, w)
+    if kind in ("float32", "bf16", "cuda-float32", "cuda-bf16"):   # the engine: one path, the device its option
+        dev = "cuda" if kind.startswith("cuda-") else "cpu"
+        return EngineBackend.open(None, weights=w, device=dev, precision=kind.split("-")[-1])
+    if kind in ("bf16-stores", "bf16-kv"):   # correct by construction: the reference rounding its declared stores
+        return _hook_fault(None, w, kind, dict(STORE_SETS["stores" if kind == "bf16-stores" else "kv"]))
+    if kind in ("official", "official-cuda"):
+        return _official(d, w, "cuda" if kind == "official-cuda" else "cpu")
     if kind == "reverse-ties":
         return _no_taps(_Hooked(w, _reverse_ties, kind))
-    if kind == "tie-outside":
-        return _Hooked(w, _tie_outside, kind)
-    if kind == "bf16-scores":
-        return _bf16_scores(_Hooked(w, lambda m: None, kind, "bf16"))
-    if kind == "hc-mean-bf16":
-        return _Hooked(w, _hc_mean_bf16, kind, "bf16")
-    if kind == "verify-fp16":
-        return _verify_fp16(_Hooked(w, lambda m: None, kind, "bf16"))
-    if kind == "batched-bf16":
-        return _batched_bf16(_Hooked(w, lambda m: None, kind, "bf16"))
-    if kind == "stale-state":
-        return _stale_state(_Hooked(w, lambda m: None, kind))
+    if kind == "reverse-ties-taps":   # the same, with selection taps (as the official backend has): judged by them
+        return _Hooked(w, _reverse_ties, kind)
+    if kind in HOOK_FAULTS:
+        return _hook_fault(kind, w, kind, {})
+    if "+" in kind and kind.split("+", 1)[1] in HOOK_FAULTS:
+        base, fault = kind.split("+", 1)
+        return _hook_fault(fault, w, kind, dict(STORE_SETS[base]))
     if kind.startswith("fault-"):
         be = _ref(_weight_fault(w, BLOCK_FAULTS[kind[len("fault-"):]]))
         be.name = kind
@@ -363,8 +441,34 @@ def backend(kind: str, name: str):
     raise KeyError(kind)
 
 
-BACKENDS = ("float32", "bf16", "bf16-stores", "official", "reverse-ties", "tie-outside", "bf16-scores", "hc-mean-bf16",
-            "verify-fp16", "batched-bf16", "stale-state", *(f"fault-{b}" for b in BLOCK_FAULTS))
+#: the GPU cells (tests/parity/test_verdict_matrix.py, marked gpu; their CPU twins are float32, bf16, official)
+GPU_BACKENDS = ("cuda-float32", "cuda-bf16", "official-cuda")
+
+
+def gpu_skip_reason(kind: str) -> str | None:
+    """Why GPU cell ``kind`` cannot run here (None: it can): cupy / a CUDA device for the engine, torch with
+    CUDA for the official model."""
+    if kind.startswith("cuda-"):
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return "cupy not installed"
+        from engine.backend import gpu_available
+        return None if gpu_available() else "no CUDA device visible to cupy"
+    try:
+        import torch
+    except ImportError:
+        return "torch not installed"
+    try:
+        import transformers.models.qwen4_exp  # noqa: F401
+    except ImportError:
+        return "transformers with qwen4_exp not installed"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+BACKENDS = ("float32", "bf16", "bf16-stores", "bf16-kv", "official", "reverse-ties", "reverse-ties-taps",
+            *HOOK_FAULTS, *(f"fault-{b}" for b in BLOCK_FAULTS), "kv+tie-outside", "kv+hc-mean-bf16",
+            "kv+verify-fp16", "kv+batched-bf16", "kv+stale-state", "kv+bf16-scores", "stores+tie-outside")
 
 
 # ----------------------------------------------------------------------------------------------- judging
@@ -395,10 +499,17 @@ def _cases():
 
 @functools.lru_cache(maxsize=None)
 def floor_of(name: str, stores_key: tuple):
-    """The floor of matrix model ``name`` for the stores ``stores_key`` (cached: shared by every backend)."""
-    from parity.harness.floor import floor_prompts, measure_floor
+    """The floor of matrix model ``name`` for the stores ``stores_key`` (cached: shared by every backend); a floor
+    too coarse for a useful fault carries its per-store-kind breakdown, as parity.harness.floor.thresholds_for_run
+    measures it."""
+    from parity.harness.floor import floor_breakdown, floor_prompts, measure_floor, unresolvable
+    from parity.harness.kl import thresholds_for
     _, w = model(name)
-    return measure_floor(w, floor_prompts(w.config, prompts(name)), dict(stores_key))
+    fps = floor_prompts(w.config, prompts(name))
+    fl = measure_floor(w, fps, dict(stores_key))
+    if unresolvable(thresholds_for("bf16" if stores_key else "float32", fl)):
+        fl = floor_breakdown(w, fps, fl)
+    return fl
 
 
 @functools.lru_cache(maxsize=None)
@@ -420,8 +531,8 @@ OFFICIAL_PROMPTS = {"wide-budget": lambda p: [p[0][:90]]}
 def judge(kind: str, name: str, locate: bool = False) -> dict:
     """Judge backend ``kind`` on model ``name``: ``{"verdict", "kl": KLReport, "cases": [CaseResult], ...}``
     (``locate``: locate failing cases by tap-diff too)."""
-    from parity.harness.floor import stores_of
-    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, USEFUL_FAULT_REL, run_kl
+    from parity.harness.floor import stores_of, unresolvable
+    from parity.harness.kl import FAIL, INCONCLUSIVE, PASS, run_kl
     from parity.harness.scenarios.common import TruthCache
     from parity.harness.scenarios.runner import run_case
     _, w = model(name)
@@ -435,13 +546,13 @@ def judge(kind: str, name: str, locate: bool = False) -> dict:
         from parity.harness.run import perturbation
         return _ref(w, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=scale)))
     ps = prompts(name)
-    if kind == "official":
+    if kind.startswith("official"):
         ps = OFFICIAL_PROMPTS.get(name, lambda p: p[1:])(ps)
     rep = run_kl(a, b, ps, greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False, thresholds=th)
     truth = TruthCache(a.model)
     cases = [run_case("matrix", c, b, truth, thresholds=th, locate_on_fail=locate) for c in _cases()]
     statuses = [rep.status] + [{"pass": PASS, "fail": FAIL, "error": FAIL}.get(c.status, PASS) for c in cases]
-    coarse = not th.tol_rel < USEFUL_FAULT_REL
+    coarse = unresolvable(th, fl) is not None
     if FAIL in statuses:
         v = FAIL
     elif INCONCLUSIVE in statuses or coarse:

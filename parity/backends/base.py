@@ -39,10 +39,8 @@ forward over the same tokens.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -298,6 +296,39 @@ class LastLogits:
             raise BackendError(f"backend {name}: last_logits: sequence holds no logits for its last position "
                                f"(nothing consumed yet, or restored from a snapshot that carries none)")
         return row.copy()
+
+
+class Handles(dict):
+    """A backend's live sequences: int handle -> its per-sequence object (handles are never reused).
+
+    ``handles.get_live(h)`` returns the object or raises :class:`BackendError` naming the handle; ``add(obj)``
+    stores a new object and returns its handle; ``pop(h, None)`` frees (an unknown handle is ignored).
+    """
+
+    def __init__(self, owner):
+        super().__init__()
+        self._owner = owner  # its ``name`` (which a registry may set after opening) goes into the error
+        self._next = 0
+
+    def add(self, obj) -> int:
+        """Store ``obj`` under a new handle and return it."""
+        h = self._next
+        self._next += 1
+        self[h] = obj
+        return h
+
+    def get_live(self, h):
+        """The object of live handle ``h``. Raises BackendError: ``h`` is freed, foreign or not hashable."""
+        try:
+            return self[h]
+        except (KeyError, TypeError):
+            raise dead_handle(self._owner.name, h) from None
+
+
+def dead_handle(backend_name: str, h) -> BackendError:
+    """The error for a sequence handle that is not live in backend ``backend_name``."""
+    return BackendError(f"backend {backend_name}: sequence handle {h!r}: expected a live handle of this "
+                        f"backend, found none (freed or foreign)")
 
 
 class Backend:

@@ -1,17 +1,11 @@
 """The engine backend: :class:`engine.Engine` (CPU NumPy path or CUDA) behind the parity protocol."""
 from __future__ import annotations
 
-import contextlib
-import importlib
-from pathlib import Path
-from typing import Any, Callable, Sequence
-
 import numpy as np
 
 from reference.session import check_ids
-from reference.errors import InputError, UserError
 
-from parity.backends.base import Backend, BackendError, LastLogits, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendError, LastLogits, load_weights  # noqa: F401
 
 
 class EngineBackend(Backend):

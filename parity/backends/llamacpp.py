@@ -34,7 +34,7 @@ from reference.errors import InputError
 
 from reference.session import check_ids
 
-from parity.backends.base import Backend, BackendError
+from parity.backends.base import Backend, BackendError, dead_handle
 from parity.backends.refusal import EngineRefused
 
 #: llama.cpp graph node (``cb(t, name, il)`` names it "name-il") -> our tap ({i}: il). A name llama.cpp
@@ -230,8 +230,7 @@ class LlamaCppBackend(Backend):
     # --- sequences -------------------------------------------------------------------------------------
     def _seq(self, h) -> int:
         if h not in self._pos:
-            raise BackendError(f"backend {self.name}: sequence handle {h!r}: expected a live handle of this "
-                               f"backend, found none (freed or foreign)")
+            raise dead_handle(self.name, h)
         return h
 
     def new_sequence(self):

@@ -1,17 +1,12 @@
 """The reference backend: :class:`reference.session.Session` behind the parity protocol."""
 from __future__ import annotations
 
-import contextlib
-import importlib
-from pathlib import Path
-from typing import Any, Callable, Sequence
-
 import numpy as np
 
 from reference.session import check_ids
-from reference.errors import InputError, UserError
+from reference.errors import InputError
 
-from parity.backends.base import Backend, BackendError, LastLogits, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, Handles, LastLogits, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -36,8 +31,7 @@ class ReferenceBackend(Backend):
         self.name = name
         self.model_path = model_path
         self.precision = "float64" if np.dtype(getattr(model, "dtype", np.float32)) == np.float64 else "float32"
-        self._sessions: dict[int, Any] = {}
-        self._next = 0
+        self._sessions = Handles(self)
         self._held = LastLogits()
         has_mtp = getattr(model, "has_mtp", None)
         if has_mtp is not None and has_mtp():
@@ -64,18 +58,11 @@ class ReferenceBackend(Backend):
         return cls(model, nm, model_path)
 
     def _sess(self, h):
-        try:
-            return self._sessions[h]
-        except (KeyError, TypeError):
-            raise BackendError(f"backend {self.name}: sequence handle {h!r}: expected a live handle of this "
-                               f"backend, found none (freed or foreign)") from None
+        return self._sessions.get_live(h)
 
     def new_sequence(self):
         """A new reference session; returns its int handle."""
-        h = self._next
-        self._next += 1
-        self._sessions[h] = self.model.new_session()
-        return h
+        return self._sessions.add(self.model.new_session())
 
     def free(self, h) -> None:
         """Drop the session of ``h`` (an unknown handle is ignored)."""

@@ -1,10 +1,9 @@
 """Backend names and the one opener every verb uses (``--backend NAME`` or ``module:Class``)."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 

@@ -5,7 +5,8 @@ as a yardstick for bf16 engines.
 
 Options (``--backend transformers:key=value,...``, or ``open(..., key=value)``):
 
-* ``device``: ``cpu`` (default) or ``cuda`` (``cuda:N``).
+* ``device``: ``cpu`` (default) or ``cuda`` (``cuda:N``; in float32, TF32 is turned off for the process: a
+  float32 yardstick computes in float32).
 * ``dtype``: ``float32`` (default) or ``bfloat16`` (precision ``bf16``).
 * ``load``: ``pretrained`` -- ``<architecture>.from_pretrained`` (the class named by ``config.json``'s
   ``architectures``: ``Qwen4ExpForCausalLM``, or the ``Qwen4ExpForConditionalGeneration`` wrapper of release
@@ -76,16 +77,14 @@ already multiplied by the output gate). :data:`NO_COUNTERPART` lists them.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from reference.errors import InputError
 
-from parity.backends.base import Backend, BackendError, CapabilityLimit
+from parity.backends.base import Backend, BackendError, CapabilityLimit, Handles
 from reference.session import check_ids
 
 #: registry taps this backend cannot produce (see the module docstring)
@@ -146,8 +145,7 @@ class TransformersBackend(Backend):
         self.model_path = model_path
         self.load_note = load_note
         self.precision = "bf16" if torch_dtype == torch.bfloat16 else "float32"
-        self._seqs: dict[int, _Seq] = {}
-        self._next = 0
+        self._seqs = Handles(self)
         self._tap_pos = 0
         self._hooks: list = []
         self._crop_ok = crop_ok
@@ -207,6 +205,11 @@ class TransformersBackend(Backend):
         else:
             model, note = _load_reader(model_path, cfg, tdt, quant)
         model = model.to(dev).eval()
+        if dev.startswith("cuda") and tdt == torch.float32:
+            # float32 means float32: torch lets cuDNN convolutions (the GDN / PLE causal conv1d) use TF32 by
+            # default, whose 10-bit mantissa would make this float32 yardstick a reduced-precision engine
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         crop_ok = "linear_attention" not in cfg.layer_types
         be = cls(model, cfg, tdt, dev, name or "transformers", model_path, note, crop_ok)
         if perturb is not None:
@@ -376,18 +379,11 @@ class TransformersBackend(Backend):
 
     # ------------------------------------------------------------------------------------------- sequences
     def _seq(self, h) -> _Seq:
-        try:
-            return self._seqs[h]
-        except (KeyError, TypeError):
-            raise BackendError(f"backend {self.name}: sequence handle {h!r}: expected a live handle of this "
-                               f"backend, found none (freed or foreign)") from None
+        return self._seqs.get_live(h)
 
     def new_sequence(self):
         """A new empty sequence (no cache until its first forward); returns its int handle."""
-        h = self._next
-        self._next += 1
-        self._seqs[h] = _Seq()
-        return h
+        return self._seqs.add(_Seq())
 
     def free(self, h) -> None:
         """Drop sequence ``h`` and its cache (an unknown handle is ignored)."""

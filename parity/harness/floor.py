@@ -12,9 +12,15 @@ and the prompts of the run (docs/parity.md, "Thresholds"):
   engines keep it), against float64. It is the noise of a correct engine at that precision on this model.
 
 Both floors are measured with every discrete selection (QSA block top-k, MoE expert top-k) FORCED to the
-float64 run's, so a floor is continuous rounding noise and never the jump of a selection flip. Selections
-are judged separately, with ties (:func:`tie_report`): a backend may pick differently only inside a tie
-set at the cut (exact ties, or scores within the floor of the cut value).
+float64 run's, so a floor is continuous rounding noise and never the jump of a selection flip (on the
+verdict-matrix models the all-BF16 store rounding left to pick for itself flips 1..30 rows and errs 1.5..4x
+more). Selections are judged separately, with ties (:func:`tie_report`): a backend may pick differently only
+inside a tie set at the cut (exact ties, or scores within the tie band of this floor's score floor,
+:func:`parity.harness.ties.tie_band`).
+
+A store floor is dominated by the stores on the residual path: on the verdict-matrix models every store kind
+in BF16 gives 0.087..0.40 of the logit scale, the KV stores alone ~1.5e-3 (:func:`floor_breakdown`; the
+reason of a run too coarse to resolve a useful fault names them, :func:`unresolvable`).
 
 Logit errors are measured relative to the model's logit scale, :func:`parity.harness.kl.logit_scale`
 (the per-position standard deviation of the truth's logits).
@@ -28,7 +34,7 @@ import numpy as np
 
 __all__ = ["STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
            "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
-           "with_tap_profile"]
+           "with_tap_profile", "floor_breakdown", "unresolvable"]
 
 #: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
 STORE_KINDS = ("residual", "block_io", "kv")
@@ -287,12 +293,15 @@ class Floor:
     positions: int
     ties: TieReport = field(default_factory=TieReport)
     stores: tuple = ()
+    #: ``{store kind: logit_rel}``: the floor of each store kind rounded alone (:func:`floor_breakdown`), or
+    #: empty when not measured; it says which stores make a floor coarse
+    by_kind: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """JSON-ready fields (tie cuts summarised)."""
         return {"precision": self.precision, "logit_rel": self.logit_rel, "kl": self.kl, "score_rel": self.score_rel,
                 "f32_logit_rel": self.f32_logit_rel, "f32_score_rel": self.f32_score_rel,
-                "positions": self.positions, "stores": list(self.stores),
+                "positions": self.positions, "stores": list(self.stores), "by_kind": dict(self.by_kind),
                 "ties": self.ties.summary()}
 
 
@@ -348,17 +357,62 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
             r_rel, r_kl = max(r_rel, e), max(r_kl, k)
             r_srel = max(r_srel, _score_rel(sr.qsa_scores, log.qsa_scores), _score_rel(sr.moe_probs, log.moe_probs))
         n += len(ids)
-    cfg = weights.config
-    ties = TieReport()
-    tie_tol = max(f32_srel, UNIT_ROUNDOFF["float32"])
+    if mr is None:
+        fl = Floor("float32", f32_rel, f32_kl, f32_srel, f32_rel, f32_srel, n, TieReport(), ())
+    else:
+        fl = Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, TieReport(), tuple(sorted(stores)))
+    # the truth's ties are reported at the band a backend of these stores is judged with (parity.harness.ties):
+    # exact ties, and floor-level near ties within 2 x multiple x this floor's score floor
+    from parity.harness.kl import thresholds_for
+    from parity.harness.ties import tie_band
+    band = tie_band(thresholds_for("float32" if mr is None else "bf16", fl))
     for i, log in enumerate(logs):
-        rep = tie_report(log, cfg, tie_tol)
+        rep = tie_report(log, weights.config, band)
         for c in rep.cuts:
             c["prompt"] = i
-        ties.cuts.extend(rep.cuts)
-    if mr is None:
-        return Floor("float32", f32_rel, f32_kl, f32_srel, f32_rel, f32_srel, n, ties, ())
-    return Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, ties, tuple(sorted(stores)))
+        fl.ties.cuts.extend(rep.cuts)
+    return fl
+
+
+def floor_breakdown(weights, prompts: Sequence[Sequence[int]], floor: Floor) -> Floor:
+    """``floor`` with :attr:`Floor.by_kind` measured: the floor of each of its store kinds rounded alone (same
+    prompts, selections forced to float64's). Says which stores make a floor coarse (on the verdict-matrix
+    models the BF16 KV stores alone are ~1e-3 of the logit scale, the residual and block stores 0.05..0.3).
+    Cost: one :func:`measure_floor` per store kind. A float32 floor or a one-kind floor is returned as is."""
+    import dataclasses
+    if len(floor.stores) < 2:
+        return floor
+    fmt = dict(_parse_label(floor.precision))
+    by = {k: measure_floor(weights, prompts, {k: fmt[k]}).logit_rel for k in floor.stores}
+    return dataclasses.replace(floor, by_kind=by)
+
+
+def _parse_label(label: str):
+    """``[(kind, format)]`` of a :func:`stores_label` ('bf16[kv,residual]+fp8[block_io]')."""
+    out = []
+    for part in label.split("+"):
+        if "[" in part:
+            f, ks = part.rstrip("]").split("[", 1)
+            out += [(k, f) for k in ks.split(",") if k]
+    return out
+
+
+def unresolvable(th, floor: Floor | None = None) -> str | None:
+    """Why a run under thresholds ``th`` cannot resolve a fault of useful size
+    (:data:`parity.harness.kl.USEFUL_FAULT_REL`), or None when it can: the tolerance is at or above that size.
+    The reason names the floor and, when ``floor.by_kind`` is measured (:func:`floor_breakdown`), each store
+    kind's own floor and which of them alone would be resolvable."""
+    from parity.harness.kl import USEFUL_FAULT_REL
+    if np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL:
+        return None
+    prec = floor.precision if floor is not None else th.precision
+    why = (f"tolerance {th.tol_rel:.3g} of the logit scale ({th.multiple:g}x the {prec} floor {th.floor_rel:.3g}) >= "
+           f"{USEFUL_FAULT_REL:g}: this model at this precision cannot resolve a fault of useful size")
+    if floor is not None and floor.by_kind:
+        parts = ", ".join(f"{k} alone {v:.3g}" for k, v in sorted(floor.by_kind.items()))
+        ok = sorted(k for k, v in floor.by_kind.items() if th.multiple * v < USEFUL_FAULT_REL)
+        why += f" (store floors: {parts}" + (f"; resolvable with only {', '.join(ok)} rounded)" if ok else ")")
+    return why
 
 
 def with_tap_profile(th, weights, ids, stores: dict | None = None):
@@ -392,16 +446,14 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
         resolve a fault of useful size (:data:`parity.harness.kl.USEFUL_FAULT_REL`) -- then a passing row
         is INCONCLUSIVE, never PASS.
     """
-    from parity.harness.kl import USEFUL_FAULT_REL, thresholds_for
-    fl = measure_floor(weights, floor_prompts(weights.config, prompts), stores_of(backend))
+    from parity.harness.kl import thresholds_for
+    fps = floor_prompts(weights.config, prompts)
+    fl = measure_floor(weights, fps, stores_of(backend))
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
     th = with_tap_profile(th, weights, floor_prompts(weights.config, None)[-1], stores_of(backend))
-    why = None
-    if not (np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL):
-        why = (f"tolerance {th.tol_rel:.3g} of the logit scale ({th.multiple:g}x the {fl.precision} floor "
-               f"{th.floor_rel:.3g}) >= {USEFUL_FAULT_REL:g}: this model at this precision cannot resolve a fault "
-               f"of useful size")
-    return th, fl, why
+    if unresolvable(th, fl):   # a coarse floor: say which stores make it so (one floor per store kind)
+        fl = floor_breakdown(weights, fps, fl)
+    return th, fl, unresolvable(th, fl)
 
 
 def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, multiple: float = 8.0,

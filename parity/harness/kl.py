@@ -581,10 +581,12 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     prec = getattr(b, "precision", "float32")
     thresholds_for(prec)  # an unknown precision is an input error before anything runs
     controls = {}
+    measured_here = None   # the weights, when the floor is measured in this run
     if floor is None:
         w = weights if weights is not None else (_weights_of(floor_pair[1]) if floor_pair else None) or _weights_of(a)
         if w is not None:
             floor = measure_floor(w, prompts, stores_of(b))
+            measured_here = w
     th = thresholds if thresholds is not None else thresholds_for(prec, floor)
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
@@ -592,6 +594,9 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     tie_rows, outside, per_prompt, unresolved = [], [], [], []
     from parity.harness.ties import MAX_RESOLUTIONS as MAX_RESOLUTIONS_NOTE
     truth_model = getattr(a, "model", None) if floor is not None else None
+    from parity.harness.floor import unresolvable
+    # a coarse floor: the logits may not show a pick outside the tie set, so the selections are read on every prompt
+    coarse = floor is not None and unresolvable(th, floor) is not None
     for i, ids in enumerate(tqdm(prompts, desc=f"kl {name_b} vs {name_a}", disable=not progress, leave=False)):
         ids = [int(t) for t in ids]
         la = one_shot_logits(a, ids)
@@ -630,6 +635,11 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                     unresolved.append(f"prompt {i}: rows from position {int(np.argmax(still))} follow a tie with more "
                                       f"than {MAX_RESOLUTIONS_NOTE} resolutions (position {min(tj.truncated)}): the "
                                       f"backend's choice cannot be searched; a backend with selection taps can be judged")
+        elif coarse and truth_model is not None and hasattr(truth_model, "selection_hook"):
+            from parity.harness.ties import outside_pick
+            o = outside_pick(truth_model, path, be, th, b)
+            if o:
+                outside.append(f"prompt {i}: {o}")
         cmps.append(c.select(slice(0, len(ids))))
         dc = None
         if len(path) > len(ids):
@@ -675,12 +685,16 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                                        "detail": "not measured (no reference weights): nominal thresholds"}
         inconclusive.append("no measured precision floor")
     else:
-        ok = bool(np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL)
+        from parity.harness.floor import floor_breakdown, unresolvable
+        why = unresolvable(th, floor)
+        if why and measured_here is not None and not floor.by_kind:
+            floor = floor_breakdown(measured_here, prompts, floor)   # which stores make it coarse
+            why = unresolvable(th, floor)
+        ok = why is None
         controls["precision_floor"] = {
             "ok": ok, "inconclusive": not ok, **floor.to_json(), "tol_rel": th.tol_rel,
             "detail": (f"{floor.precision} floor {th.floor_rel:.3g} of the logit scale (float32 floor "
-                       f"{floor.f32_logit_rel:.3g}); tolerance {th.multiple:g}x = {th.tol_rel:.3g}")
-            + ("" if ok else f" >= {USEFUL_FAULT_REL:g}: this model at {prec} cannot resolve a fault of useful size")}
+                       f"{floor.f32_logit_rel:.3g}); " + (f"tolerance {th.multiple:g}x = {th.tol_rel:.3g}" if ok else why))}
         if not ok:
             inconclusive.append(controls["precision_floor"]["detail"])
     if perturbed_b is None:

@@ -55,3 +55,21 @@ def test_negative_control_broken_source_fails(tmp_path):
     bad.write_text('extern "C" __global__ void k(float* x) { x[0] = undeclared_symbol; }\n')
     r = _compile(bad, "sm_90", tmp_path)
     assert r.returncode != 0 and "undeclared_symbol" in r.stderr
+
+
+def test_nvrtc_source_inlines_the_shared_header(tmp_path, monkeypatch):
+    """NVRTC compiles engine.backend.cuda_source's text: every local header inlined once (so cupy's cache,
+    keyed on the text, sees a header change); a missing header is an error naming it."""
+    import engine.backend as B
+    for src in SOURCES:
+        text = B.cuda_source(src.name)
+        assert B._LOCAL_INCLUDE.search(text) is None, src.name
+        if '#include "common.cuh"' in src.read_text():
+            assert text.count("float block_sum(") == 1 and "(inlined)" in text, src.name
+    (tmp_path / "a.cu").write_text('#include "h.cuh"\n#include "h.cuh"\nK\n')
+    (tmp_path / "h.cuh").write_text("#pragma once\nH\n")
+    (tmp_path / "b.cu").write_text('#include "missing.cuh"\n')
+    monkeypatch.setattr(B, "CUDA_DIR", tmp_path)
+    assert B.cuda_source("a.cu").count("\nH\n") == 1
+    with pytest.raises(FileNotFoundError, match="missing.cuh"):
+        B.cuda_source("b.cu")

@@ -195,3 +195,17 @@ class HalfBackend:
     def open(cls, model_path, **opts):
         from reference.config import load_config
         return cls(load_config(model_path))
+
+
+def test_a_dead_handle_is_one_clear_error_naming_it():
+    """Freed, never issued and unhashable handles: BackendError naming the backend and the handle; handles are
+    never reused (a freed handle cannot alias a new sequence)."""
+    be = open_backend("reference", FIX)
+    h = be.new_sequence()
+    be.prefill(h, [1, 2, 3])
+    be.free(h)
+    for bad in (h, 12345, [h]):
+        with pytest.raises(BackendError, match=r"backend reference: sequence handle .*expected a live handle"):
+            be.decode([bad], [4])
+    assert be.new_sequence() != h
+    be.free(h)  # freeing again is a no-op

@@ -12,6 +12,8 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "common.cuh"
+
 typedef unsigned short bf16_bits_t;
 
 __device__ __forceinline__ float bf16_lo(unsigned int v) { return __uint_as_float(v << 16); }
@@ -31,24 +33,6 @@ __device__ __forceinline__ void load8(const float* w, float* f) {
     float4 a = reinterpret_cast<const float4*>(w)[0];
     float4 b = reinterpret_cast<const float4*>(w)[1];
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-
-// Resolve the tile handled by this block. Returns false when the block has nothing to do.
-__device__ __forceinline__ bool resolve_tile(int tile, int TM, int M, const int* tile_expert, const int* tile_start,
-                                             const int* tile_count, const int* n_tiles, int& start, int& count,
-                                             long long& e) {
-    if (tile_start != nullptr) {
-        if (tile >= *n_tiles) return false;
-        start = tile_start[tile];
-        count = tile_count[tile];
-        e = tile_expert[tile];
-    } else {
-        start = tile * TM;
-        if (start >= M) return false;
-        count = min(TM, M - start);
-        e = 0;
-    }
-    return count > 0;
 }
 
 // 8 weights . 8 activations (two float4)

@@ -41,24 +41,9 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc (sm_80+).
 
-typedef unsigned short bf16_bits_t;
+#include "common.cuh"
 
-__device__ __forceinline__ bool mma_resolve_tile(int tile, int TM, int M, const int* tile_expert,
-                                                 const int* tile_start, const int* tile_count, const int* n_tiles,
-                                                 int& start, int& count, long long& e) {
-    if (tile_start != nullptr) {
-        if (tile >= *n_tiles) return false;
-        start = tile_start[tile];
-        count = tile_count[tile];
-        e = tile_expert[tile];
-    } else {
-        start = tile * TM;
-        if (start >= M) return false;
-        count = min(TM, M - start);
-        e = 0;
-    }
-    return count > 0;
-}
+typedef unsigned short bf16_bits_t;
 
 // 16 bytes of weights, streamed (not kept in L1)
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
@@ -141,7 +126,7 @@ __device__ __forceinline__ void mma_gemv_body(const float* __restrict__ X, const
     constexpr int U = 4 / MT;       // steps of 32 k per group: 2 * MT * U = 8 16-byte loads per lane
     int start, count;
     long long e;
-    if (!mma_resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+    if (!resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = warp / KS, ks = warp % KS;
     const int n0 = (blockIdx.x * RG + rg) * 16 * MT;
@@ -269,7 +254,7 @@ __device__ __forceinline__ void mma_gemv_body_sx(const float* __restrict__ X, co
     __shared__ uint4 sx[2][U][NTILES][32][3];   // [buffer][step][n-tile][lane][hi, mid, lo]
     int start, count;
     long long e;
-    if (!mma_resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+    if (!resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * 8 + warp) * 16 * MT;  // (warps past N still take part in the barriers)
     const int g = lane >> 2, t = lane & 3;

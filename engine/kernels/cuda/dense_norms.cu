@@ -9,23 +9,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    // blockDim.x is a multiple of 32, at most 1024
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    __syncthreads();  // red may still be read from a previous call
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = (threadIdx.x < nw) ? red[threadIdx.x] : 0.f;
-    if (warp == 0) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (lane == 0) red[32] = s;
-    }
-    __syncthreads();
-    return red[32];
-}
+#include "common.cuh"
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }

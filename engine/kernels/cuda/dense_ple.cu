@@ -10,22 +10,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
-__device__ __forceinline__ float block_sum_p(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = (threadIdx.x < nw) ? red[threadIdx.x] : 0.f;
-    if (warp == 0) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (lane == 0) red[32] = s;
-    }
-    __syncthreads();
-    return red[32];
-}
+#include "common.cuh"
 
 // One block per (row r, stream s). key: [R, hc*H] (key_proj output), value: [R, H], hidden: [R, hc*H].
 extern "C" __global__ void ple_gate(const float* __restrict__ key, const float* __restrict__ value,
@@ -46,13 +31,13 @@ extern "C" __global__ void ple_gate(const float* __restrict__ key, const float* 
     const float* wcs = wc + (long long)s * H;
     float sk = 0.f, sq = 0.f;
     for (int i = threadIdx.x; i < H; i += blockDim.x) { sk += k[i] * k[i]; sq += q[i] * q[i]; }
-    sk = block_sum_p(sk, red);
-    sq = block_sum_p(sq, red);
+    sk = block_sum(sk, red);
+    sq = block_sum(sq, red);
     const float ik = 1.f / sqrtf(sk / (float)H + eps), iq = 1.f / sqrtf(sq / (float)H + eps);
     float d = 0.f;
     for (int i = threadIdx.x; i < H; i += blockDim.x)
         d += ((k[i] * ik) * (1.f + wks[i])) * ((q[i] * iq) * (1.f + wqs[i]));
-    d = block_sum_p(d, red);
+    d = block_sum(d, red);
     float g = d / sqrtf((float)H);
     const float sgn = (float)((g > 0.f) - (g < 0.f));
     g = sqrtf(fmaxf(fabsf(g), 1e-6f)) * sgn;
@@ -64,7 +49,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ key, const float* 
         gated[base + i] = gv;
         sv += gv * gv;
     }
-    sv = block_sum_p(sv, red);
+    sv = block_sum(sv, red);
     const float iv = 1.f / sqrtf(sv / (float)H + eps);
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
         float gv = sig * v[i];

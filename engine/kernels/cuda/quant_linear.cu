@@ -23,6 +23,8 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "common.cuh"
+
 typedef unsigned char u8;
 
 // E4M3 (fn: no infinities, S.1111.111 is NaN) -> float32, exact.
@@ -112,23 +114,6 @@ __device__ __forceinline__ float dot8(const float* w, float4 a, float4 b) {
     return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
 }
 
-__device__ __forceinline__ bool q_resolve_tile(int tile, int TM, int M, const int* tile_expert, const int* tile_start,
-                                               const int* tile_count, const int* n_tiles, int& start, int& count,
-                                               long long& e) {
-    if (tile_start != nullptr) {
-        if (tile >= *n_tiles) return false;
-        start = tile_start[tile];
-        count = tile_count[tile];
-        e = tile_expert[tile];
-    } else {
-        start = tile * TM;
-        if (start >= M) return false;
-        count = min(TM, M - start);
-        e = 0;
-    }
-    return count > 0;
-}
-
 // R weight rows per warp ((8 / KS) * R rows per block of 8 warps), KS warps split K. VEC: 16-byte chunks,
 // U chunks per row fetched before any is decoded; each 8-element piece of the activation rows is loaded
 // once and reused for the R rows (the activations are float32: 8x (NVFP4) / 4x (FP8) the weight bytes, so
@@ -143,7 +128,7 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
     constexpr int U = (NT == 1 && R == 1) ? 4 : ((NT == 1 || (NT == 4 && R == 1)) ? 2 : 1);  // chunks in flight
     int start, count;
     long long e;
-    if (!q_resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+    if (!resolve_tile(blockIdx.y, NT, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = warp / KS, ks = warp % KS;
     const int n0 = (blockIdx.x * RG + rg) * R;
@@ -319,7 +304,7 @@ __device__ __forceinline__ void qgemm_body(const LD& ld, const float* __restrict
     constexpr int BM = 64, BN = 64, BK = 16;
     int start, count;
     long long e;
-    if (!q_resolve_tile(blockIdx.y, BM, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+    if (!resolve_tile(blockIdx.y, BM, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
     __shared__ float As[BK][BM + 4];
     __shared__ float Bs[BK][BN + 4];
     const int tid = threadIdx.x;
