@@ -93,7 +93,10 @@ def _diff_in_ties(kind, truth_sel: dict, be_sel: dict, ties: TieReport, scores: 
         bs = be_sel.get(layer)
         if bs is None or bs.shape[0] != ts.shape[0]:
             continue
-        for t in range(ts.shape[0]):
+        rows = range(ts.shape[0])
+        if bs.shape == ts.shape:  # equal sorted rows are equal sets: only the others are walked (32768 rows)
+            rows = np.nonzero((np.sort(np.asarray(ts), axis=1) != np.sort(np.asarray(bs), axis=1)).any(axis=1))[0]
+        for t in (int(x) for x in rows):
             a = set(int(x) for x in ts[t] if x >= 0)
             b = set(int(x) for x in bs[t] if x >= 0)
             if a == b:
@@ -219,7 +222,7 @@ def _judge_taps(truth_model, ids, canon, log: SelectionLog, be_sel: SelectionLog
 
 
 def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor=None,
-               backend=None, be_sel: SelectionLog | None = None) -> TieJudgement:
+               backend=None, be_sel: SelectionLog | None = None, canon_log=None) -> TieJudgement:
     """Find the tie resolution the backend took on one prompt and the truth under it.
 
     Args:
@@ -231,11 +234,13 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
         be_sel: the selections the backend took over ``ids`` as the case ran them (recorded from its taps op by
             op: a chunked prefill may resolve a near tie otherwise than one full prefill), or None: read them from
             one full prefill of ``backend``.
+        canon_log: ``(logits [T, V], SelectionLog)`` of the truth's canonical forward over ``ids`` when already
+            computed (:meth:`parity.harness.scenarios.common.TruthCache.logged`), or None: computed here.
     Returns:
         :class:`TieJudgement`; ``logits`` is None when the prompt has no tied cut at or before a failing position.
     """
     from parity.harness.kl import compare_logits, position_faults
-    canon, log = logged_logits(truth_model, ids)
+    canon, log = canon_log if canon_log is not None else logged_logits(truth_model, ids)
     ties = tie_report(log, truth_model.config, tie_band(th))
     out = TieJudgement(cuts=ties)
     bad_pos = np.nonzero(bad)[0]

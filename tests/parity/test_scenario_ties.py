@@ -111,3 +111,48 @@ def test_official_tie_break_passes_the_budget_scenario(device):
             assert r.tie_equivalent and 12 in r.tie_equivalent[0][2], r.tie_equivalent
     finally:
         be.close()
+
+
+def test_truth_logged_prefix_and_vectorised_tie_scan_equal_direct_ones():
+    """TruthCache.logged answers a prefix from one logged forward over a longer history exactly as a logged
+    forward of the prefix would (rows and visible blocks; its logits serve logits()), and tie_report's partition
+    pre-scan finds the same cuts as the per-row sort it replaced (a band wide enough to tie many cuts)."""
+    import numpy as np
+    from parity.backends import truth_model
+    from parity.harness.floor import _layer_scale, logged_logits, tie_report
+    from parity.harness.scenarios.common import token_stream
+    from pathlib import Path
+    m = truth_model(Path(__file__).resolve().parents[2] / "fixtures" / "tiny")
+    cfg = m.config
+    ids = token_stream(cfg, 3 * (cfg.indexer_budget + cfg.indexer_compress_ratio), seed=7)
+    tc = TruthCache(m)
+    full, _ = tc.logged(ids)
+    assert tc.logits(ids) is full or np.array_equal(tc.logits(ids), full)
+    n = len(ids) - 13
+    got, glog = tc.logged(ids[:n])
+    want, wlog = logged_logits(m, ids[:n])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))  # float32 order only
+    for i in wlog.qsa_sel:
+        assert glog.qsa_scores[i].shape == wlog.qsa_scores[i].shape
+        assert np.array_equal(glog.qsa_sel[i], wlog.qsa_sel[i])
+    for i in wlog.moe_ids:
+        assert np.array_equal(glog.moe_ids[i], wlog.moe_ids[i])
+
+    def per_row(log, band):  # the former per-row scan, spelled out
+        out = []
+        for kind, scs, sels, k in (("qsa", log.qsa_scores, log.qsa_sel, cfg.block_topk),
+                                   ("moe", log.moe_probs, log.moe_ids, cfg.num_experts_per_tok)):
+            for layer, sc in sorted(scs.items()):
+                tol = band * _layer_scale(sc)
+                for t in range(sc.shape[0]):
+                    fin = np.isfinite(sc[t])
+                    if fin.sum() <= k:
+                        continue
+                    v = np.sort(np.where(fin, sc[t], -np.inf))[::-1]
+                    if v[k - 1] - v[k] <= tol:
+                        out.append((kind, layer, t))
+        return sorted(out)
+    for band in (0.0, 1e-3, 5e-2):
+        rep = tie_report(wlog, cfg, band)
+        assert sorted((c["kind"], c["layer"], c["position"]) for c in rep.cuts) == per_row(wlog, band)
+    assert len(tie_report(wlog, cfg, 5e-2).cuts) > len(tie_report(wlog, cfg, 0.0).cuts)  # the band matters

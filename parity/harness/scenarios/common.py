@@ -228,13 +228,40 @@ class TruthCache:
                 return v[:n]
         out = np.asarray(self.model.forward(list(key)))
         check_truth_finite(out)
+        self._put(key, out)
+        return out
+
+    def _put(self, key: tuple, out: np.ndarray) -> None:
+        n = len(key)
         # drop cached prefixes of the new entry (they are answered by it now)
         for k in [k for k in self._cache if len(k) < n and key[:len(k)] == k]:
             del self._cache[k]
         self._cache[key] = out
         while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > self.max_bytes:
             del self._cache[next(iter(self._cache))]
-        return out
+
+    def logged(self, hist: Sequence[int]):
+        """``(logits [T, V], SelectionLog)`` of the truth's canonical forward over ``hist``
+        (:func:`parity.harness.floor.logged_logits`: every block score and selection), answered from a logged
+        forward over a longer history when one is kept (the model is causal: rows and visible blocks sliced), else
+        computed once (its logits also serve :meth:`logits`). One logged forward is kept (the latest)."""
+        from parity.harness.floor import SelectionLog, logged_logits
+        key = tuple(int(t) for t in hist)
+        n = len(key)
+        got = getattr(self, "_logged", None)
+        if got is None or len(got[0]) < n or got[0][:n] != key:
+            out, log = logged_logits(self.model, list(key))
+            check_truth_finite(out)
+            self._logged = got = (key, out, log)
+            if not any(len(k) >= n and k[:n] == key for k in self._cache):
+                self._put(key, out)
+        _, out, log = got
+        r = self.model.config.indexer_compress_ratio or 1
+        cut = SelectionLog(qsa_scores={i: a[:n, :n // r] for i, a in log.qsa_scores.items()},
+                           qsa_sel={i: a[:n] for i, a in log.qsa_sel.items()},
+                           moe_probs={i: a[:n] for i, a in log.moe_probs.items()},
+                           moe_ids={i: a[:n] for i, a in log.moe_ids.items()})
+        return out[:n], cut
 
     def prime(self, hist: Sequence[int]) -> None:
         """Compute (once) the truth over a history the case will reach piece by piece, so every
@@ -422,7 +449,9 @@ class Run:
         bad = np.zeros(end, dtype=bool)
         bad[start:end] = position_faults(cmp, self.th)
         try:
-            tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be, be_sel=self._selection_log(s, end))
+            logged = getattr(self.truth, "logged", None)
+            tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be, be_sel=self._selection_log(s, end),
+                            canon_log=logged(s.hist[:end]) if logged is not None else None)
         except Exception as e:  # noqa: BLE001 - the canonical verdict stands (named, so it is never silent)
             return False, f"{why} (the tie judgement raised {type(e).__name__}: {e})", None
         if tj.outside:

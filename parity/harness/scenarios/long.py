@@ -73,7 +73,12 @@ def _stream(run: Run, n: int) -> list[int]:
     if key not in _SELECTION and run.sizes.has_qsa:
         from taps.recorder import Recorder
         with Recorder(None, include=["*indexer.selected_blocks"], positions=_around_bound(run)) as rec:
-            run.truth.logits(ids)  # the one truth forward (cached), its selection recorded near the bound
+            # the one truth forward (cached), logged (every selection: the tie judge of a near tie at a cut reads
+            # it instead of a forward of its own), its selection taps recorded near the bound
+            if hasattr(run.truth, "logged"):
+                run.truth.logged(ids)
+            else:
+                run.truth.logits(ids)
         arc = rec.archive()
         if not arc.names():  # the truth had it cached already: record its selection once more
             with Recorder(None, include=["*indexer.selected_blocks"], positions=_around_bound(run)) as rec:
