@@ -233,16 +233,38 @@ def _terminal_columns() -> int | None:
     return shutil.get_terminal_size((80, 24)).columns
 
 
+def skip_notes(report: ParityReport) -> list[str]:
+    """One line per row with skipped or narrowed cases: ``scenario: N skipped: reason; ...; narrowed: ...``
+    (the notes under the verdict table; the cases column counts the skips). Reasons come from the row's
+    ``skips`` (each case with its reason), else from its detail (rows built without per-case skips)."""
+    out = []
+    for r in report.rows:
+        reasons = list(dict.fromkeys(s["reason"] for s in r.skips if "reason" in s))
+        narrowed = list(dict.fromkeys(s["narrowed"] for s in r.skips if "narrowed" in s))
+        if not reasons and not narrowed:
+            if r.skipped or "narrowed" in (r.detail or ""):
+                out.append(f"{r.scenario}: {' '.join(str(r.detail).split())}")
+            continue
+        parts = ([f"{r.skipped} skipped: " + "; ".join(reasons)] if reasons else []) + (
+            [f"narrowed: " + "; ".join(narrowed)] if narrowed else [])
+        out.append(f"{r.scenario}: " + "; ".join(parts))
+    return out
+
+
 def _row_cells(report: ParityReport) -> list[list[str]]:
     rows = []
     for r in report.rows:
         cases = (f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
                  + (f" ({r.known} known)" if r.known else "")
                  + (f" ({r.tie_equivalent} tie-eq pos)" if r.tie_equivalent else ""))
-        # a passing row with skipped or narrowed cases shows why (a skip is never silent)
-        quiet = r.status == "pass" and not r.skipped and "narrowed" not in (r.detail or "")
+        # a passing or skipped row diverged nowhere: '-'; why cases were skipped or narrowed is said under the
+        # table (skip_notes: a skip is never silent, and never reads as a divergence)
+        quiet = r.status in ("pass", "skip")
         div = " ".join(str(r.first_divergence or ("-" if quiet else r.detail)).split())
-        def value(x):  # an all-ERROR scenario compared nothing: ERROR, never a KL that reads as perfect
+        def value(x):  # an all-ERROR scenario compared nothing: ERROR, never a KL that reads as perfect;
+            # a skipped row compared nothing either: '-'
+            if r.status == "skip":
+                return "-"
             return "ERROR" if r.status == "error" and (x is None or not math.isfinite(x)) else _fmt(x)
         kl, err = value(r.worst_kl), value(r.worst_logit_err)
         rows.append([r.scenario, cases, kl, _limits(r.thresholds), err, div, f"{r.seconds:.1f}s", r.status.upper()])
@@ -296,6 +318,12 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
     notes = []
     from parity.harness.causes import group_causes
     causes = group_causes(report.rows)
+    skips = skip_notes(report)
+    if skips:   # the reasons of every skip and narrowing (the cases column counts them)
+        width = cols if cols is not None else 10_000
+        notes.append("skipped / narrowed cases (never counted as passed):")
+        for ln in skips:
+            notes += ["  " + t for t in _cell_lines(ln, max(20, width - 4))]
     if causes:   # one root cause at a time: each listed once with the cases it explains
         notes.append(f"root causes ({len(causes)}):")
         for k, c in enumerate(causes, 1):

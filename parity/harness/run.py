@@ -182,10 +182,11 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
                                               archive_dir=archive_dir, floor=floor, known=known, thresholds=th))
-                except KeyboardInterrupt:
-                    raise
-                except (Exception, SystemExit) as e:  # the backend raised (or exited) in the KL harness: an ERROR row
-                    # (the backend was opened and the prompts read before this point: nothing here is bad input)
+                except (Exception, SystemExit, KeyboardInterrupt) as e:  # the backend raised (or exited) in the KL
+                    # harness: an ERROR row (the backend was opened and the prompts read before this point: nothing
+                    # here is bad input); only a KeyboardInterrupt behind which a signal was received stops the run
+                    if _real_interrupt(e):
+                        raise
                     msg = f"backend raised {_exc_name(e)}"
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
@@ -199,9 +200,12 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
             except NonFiniteTruth as e:  # the truth went NaN/Inf at some history: nothing to judge against
                 invalid = e
                 report.rows.append(_inconclusive_row(name, e, limits))
-            except (KeyboardInterrupt, UserError):
+            except UserError:
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
-            except (Exception, SystemExit) as e:  # a scenario that cannot run at all is an ERROR row, not a crash
+            except (Exception, SystemExit, KeyboardInterrupt) as e:  # a scenario that cannot run at all is an ERROR
+                # row, not a crash; a KeyboardInterrupt stops the run only when a signal was received
+                if _real_interrupt(e):
+                    raise
                 report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
                                                time.perf_counter() - t0, "error", _exc_name(e),
                                                traceback=_format_tb(e)))
@@ -304,10 +308,24 @@ def _inconclusive_row(name: str, e, limits):
                        thresholds=limits)
 
 
+def _real_interrupt(e: BaseException) -> bool:
+    """True for a KeyboardInterrupt (or the CLI's Terminated) behind which SIGINT / SIGTERM / SIGHUP was really
+    received (:func:`reference.atomic.real_interrupt`): the run stops (exit 128 + N). A KeyboardInterrupt the
+    backend's code raised with no signal behind it is the backend raising: an ERROR row, exit 1."""
+    if not isinstance(e, KeyboardInterrupt):
+        return False
+    from reference.atomic import real_interrupt
+    return getattr(e, "signum", None) is not None or real_interrupt()
+
+
 def _exc_name(e: BaseException) -> str:
-    """``Type: message`` of an exception; ``SystemExit(code)`` for a backend that called sys.exit()."""
+    """``Type: message`` of an exception; ``SystemExit(code)`` for a backend that called sys.exit(); a
+    KeyboardInterrupt with no signal behind it says so."""
     if isinstance(e, SystemExit):
         return f"SystemExit({e.code!r}) (the backend called sys.exit)"
+    if isinstance(e, KeyboardInterrupt):
+        from parity.backends.base import describe_exception
+        return f"{describe_exception(e)} (raised by the backend, no signal was received)"
     return f"{type(e).__name__}: {e}"
 
 

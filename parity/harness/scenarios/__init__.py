@@ -131,7 +131,7 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     # an ERROR case compared nothing: never 'KL 0', which reads as perfect; nor does a case whose logits had the
     # wrong shape (worst_kl None): when no case produced figures the row shows '-' (None)
     compared = [r for r in ran if r.status != "error" and r.worst_kl is not None]
-    nothing = (float("nan") if all(r.status == "error" for r in ran) else None) if ran else 0.0
+    nothing = float("nan") if ran and all(r.status == "error" for r in ran) else None  # none ran: '-'
     wk = max((r.worst_kl for r in compared), default=nothing)
     we = max((r.worst_logit_err for r in compared), default=nothing)
     tb = next((r.traceback for r in ran if r.status == "error" and r.traceback), None)

@@ -76,7 +76,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         if real_interrupt():
             raise  # the user's Ctrl-C / a termination signal: the run stops (exit 128+N)
         res.status = "error"  # raised by the backend's code, no signal behind it: a crash of the case
-        res.failure = f"{type(e).__name__}: {e} (raised by the backend, no signal was received)"
+        from parity.backends.base import describe_exception
+        res.failure = f"{describe_exception(e)} (raised by the backend, no signal was received)"
         res.divergence = res.failure
         res.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         res.failed_op = run.ops - 1
