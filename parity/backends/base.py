@@ -220,6 +220,25 @@ def one_shot_logits(be, ids) -> np.ndarray:
     return Backend.logits(be, ids)
 
 
+def prefill_last_of(be, h, ids) -> np.ndarray:
+    """The generation path's prefill: ``be.prefill_last(h, ids)`` when the backend has it (the protocol
+    default is ``prefill(h, ids)[-1]``), else -- a duck-typed backend -- the last row of ``be.prefill``.
+    Returns the last position's logits as the backend returned them (``[V]`` for a correct backend)."""
+    fn = getattr(be, "prefill_last", None)
+    return np.asarray(fn(h, ids) if fn is not None else np.asarray(be.prefill(h, ids))[-1])
+
+
+def decode_greedy_of(be, hs, ids) -> np.ndarray:
+    """The generation path's greedy step: ``be.decode_greedy(hs, ids)`` (the argmax on the backend's device)
+    when the backend has it, else the first maximum (``np.argmax``) of each row of ``be.decode(hs, ids)``,
+    which is what greedy generation samples without it. Returns the next tokens as the backend returned
+    them (int ``[B]`` for a correct backend)."""
+    fn = getattr(be, "decode_greedy", None)
+    if fn is not None:
+        return np.asarray(fn(list(hs), [int(t) for t in ids]))
+    return np.argmax(np.asarray(be.decode(list(hs), [int(t) for t in ids])), axis=-1).astype(np.int64)
+
+
 class LastLogits:
     """What a backend adapter holds for :meth:`Backend.last_logits`: per sequence, the logits row of its last
     consumed position, kept through verify/rollback (the rows of the latest verify), snapshots (each snapshot

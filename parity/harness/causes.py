@@ -52,6 +52,9 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
     from reference.taphook import layer_of
     failure, divergence = failure or "", divergence or ""
     op = "kl decode" if "decode:" in failure and failure.startswith("prompt") else _operation(failure)
+    gen = re.match(r"prompt \d+: (prefill_last|decode_greedy) ", failure.lstrip())
+    if gen:   # the generation path (parity.harness.kl.generation_paths)
+        op = f"kl {gen.group(1)}"
     tap, pos = "logits", None
     m = _TIE.search(failure) if "outside the tie set" in failure else None
     if m:

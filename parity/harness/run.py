@@ -257,7 +257,12 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         # the worst prompt among those failing (KL, top-1, decode rows or a tie pick), else the worst KL overall
         cand = rep.failed_prompts or [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
         worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
-        if truth is not None and worst in rep.decode_failed and rep.greedy:   # located through the decode path
+        gen_only = getattr(rep, "generation_failed", None) or []
+        if worst in gen_only:   # its prefill and decode rows agree: located at the generation operation itself
+            from parity.harness.kl import generation_fault_text
+            f = next(f for f in rep.generation["faults"] if f["prompt"] == worst)
+            first = generation_fault_text(f)
+        elif truth is not None and worst in rep.decode_failed and rep.greedy:   # located through the decode path
             from parity.harness.kl import decode_case
             from parity.harness.scenarios.runner import run_case
             res = run_case("kl", decode_case(prompts[worst], rep.greedy[worst]["b"]), open_backend(backend_spec, model),
