@@ -8,7 +8,7 @@ engine (``--backend my_pkg.my_mod:MyBackend``) are judged the same way.
 The protocol (duck-typed; subclass :class:`Backend` for the defaults and the docs)::
 
     be = Cls.open(model_path, **opts)       # opts: page_size=int, perturb=(tensor_name, fn) (optional)
-    be.name -> str ; be.precision -> 'float64'|'float32'|'bf16'|'fp8' ; be.config -> ModelConfig
+    be.name -> str ; be.precision -> one of PRECISIONS ; be.config -> ModelConfig
     be.capabilities -> dict                 # see Backend.capabilities
     h = be.new_sequence()                   # opaque handle; several may be live at once
     be.prefill(h, ids, chunk_size=None) -> np.ndarray [T, V]   # logits of every prompt position
@@ -48,6 +48,11 @@ from reference.errors import InputError, UserError
 
 
 BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda", "transformers")
+
+
+#: the precisions a backend may declare (its ``precision`` attribute): each picks its pass thresholds
+#: (parity.harness.kl.FLOOR_MULTIPLE has one entry per name)
+PRECISIONS = ("float64", "float32", "bf16", "fp16", "fp8")
 
 
 class BackendError(UserError, RuntimeError):
@@ -356,7 +361,8 @@ class Backend:
 
     Attributes:
         name: shown in reports ('reference', 'engine-cpu', 'my_mod:MyBackend', ...).
-        precision: 'float64' | 'float32' | 'bf16' | 'fp8' -- picks the pass thresholds.
+        precision: one of :data:`PRECISIONS` ('float64' | 'float32' | 'bf16' | 'fp16' | 'fp8') -- picks the pass
+            thresholds; the registry refuses any other value when the backend is opened.
         config: the model's :class:`reference.config.ModelConfig`.
         model_path: the checkpoint directory.
     """
