@@ -20,7 +20,8 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.free(h)
     be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
     be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
-    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
+    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation; without it
+                                            # the argmax of decode(): decode_greedy_of). Both judged by the kl row
     be.draft(h, next_id, k) -> (ids [k], logits [k, V])   # capability 'mtp': the backend's own MTP drafts
     be.prefill_batch([h1, h2], [ids1, ids2]) -> [[T1, V], [T2, V]]   # ragged requests at once (optional)
     child = be.fork(h)                      # a sequence copy (optional; default snapshot + restore)

@@ -248,3 +248,22 @@ def test_self_consistency_skips_verify_and_rollback_declared_unsupported(capsys)
 def test_self_consistency_skip_hides_nothing(capsys, cls, status):
     rc, row = _self_consistency(capsys, cls)
     assert rc == 1 and row["status"] == status, row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_engine_cuda_generation_path_passes(capsys, precision):
+    """The CUDA engine's own generation path (``Engine.prefill(last_only=True)``, ``decode_greedy`` with its
+    device argmax and CUDA graphs) judged by the kl row: PASS, every prompt's last row and greedy token judged."""
+    pytest.importorskip("cupy", reason="cupy not installed")
+    from engine.backend import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    rc = main(["kl", str(MODEL), "--b", f"engine:device=cuda,precision={precision}", "--json", "--no-progress"])
+    kl = json.loads(capsys.readouterr().out)
+    assert kl["generation"]["ok"], kl["generation"]["faults"]
+    # float32: PASS; bf16: PASS or INCONCLUSIVE (a store floor may be too coarse on tiny), never FAIL
+    assert rc == 0 if precision == "float32" else rc in (0, 3), kl["reason"]
+    n = len(kl["greedy"])
+    assert kl["generation"]["prefill_last_rows"] == n
+    assert kl["generation"]["decode_greedy_as_decode"] + kl["generation"]["decode_greedy_tokens"] == 7 * n
