@@ -492,8 +492,8 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
     * prefill_last: each prompt's returned row against ``truth_last[i]`` (the truth's last prompt row ``[V]``,
       the one b's prefill row was judged against), by :func:`verdict` -- the prefill thresholds;
     * decode_greedy: from the argmax of that row, ``greedy_tokens - 1`` greedy steps, the prompts decoded
-      together in batches of :data:`GENERATION_BATCH` (one at a time when b declares batched decode
-      unsupported), as generation does. Where the tokens equal ``decode_tokens[i]`` (b's own greedy
+      together in batches of :data:`GENERATION_BATCH` (at most a declared ``batched_decode`` limit's
+      ``max_tokens``; one at a time when b declares batched decode unsupported), as generation does. Where the tokens equal ``decode_tokens[i]`` (b's own greedy
       continuation through decode(), whose rows are judged) nothing new is claimed; elsewhere each token is
       compared with the argmax of a's forward over the prompt and the tokens before it, a disagreement
       failing outside the near-tie band (:func:`top1_flips`, the kl row's rule).
@@ -507,7 +507,8 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
     from parity.backends.base import capability, decode_greedy_of, prefill_last_of
     faults, rows_judged, toks_judged, toks_same = [], 0, 0, 0
     V = int(np.asarray(truth_last[0]).shape[-1]) if len(truth_last) else 0
-    batch = GENERATION_BATCH if capability(b, "batched_decode").usable else 1
+    bd = capability(b, "batched_decode")   # a declared limit's max_tokens is the largest batch
+    batch = max(1, min(GENERATION_BATCH, bd.max_tokens or GENERATION_BATCH)) if bd.usable else 1
     for g0 in range(0, len(prompts), batch):
         group = list(range(g0, min(g0 + batch, len(prompts))))
         hs, toks, live = [], {}, []

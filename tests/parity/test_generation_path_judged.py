@@ -190,6 +190,23 @@ def test_generation_paths_wrong_shape_is_a_fault_not_an_exception():
     assert not gen["ok"] and gen["faults"][0]["op"] == "prefill_last" and "shape" in gen["faults"][0]["detail"]
 
 
+@pytest.mark.parametrize("declared,largest", [(True, 5), ({"status": "limited", "max_tokens": 2}, 2), (False, 1)])
+def test_decode_greedy_batches_as_declared(declared, largest):
+    """The prompts' greedy steps are batched like generation's, never beyond the declared batched_decode."""
+    row = np.arange(8, dtype=np.float32)
+    seen = []
+
+    class Counting(_Fixed):
+        capabilities = {"batched_decode": declared}
+
+        def decode_greedy(self, hs, ids):
+            seen.append(len(hs))
+            return super().decode_greedy(hs, ids)
+
+    gen = generation_paths(_Fixed(row), Counting(row), [[1, 2]] * 5, [row] * 5, _th(1e-3), greedy_tokens=3)
+    assert gen["ok"] and max(seen) == largest and sum(seen) == 2 * 5
+
+
 # ---------------------------------------------------------------- 5: self-consistency skips unsupported operations
 class NoVerify(Wrap):
     """A correct engine without speculative verify / rollback: declares them unsupported and raises in them
