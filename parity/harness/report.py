@@ -64,6 +64,8 @@ class ScenarioRow:
     traceback: str | None = None                    # the first backend failure's stack trace (ERROR rows)
     known: int = 0           # cases failing only through a --known root cause (not counted as failed)
     tie_equivalent: int = 0  # positions passing only under the backend's tie resolution (parity.harness.ties)
+    #: where: one entry per case (or kl prompt) with tie-equivalent positions: {"case", "op", "seq", "positions"}
+    tie_equivalent_at: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""
@@ -168,7 +170,8 @@ LEGEND = [
     "INCONCLUSIVE: nothing failed, but the run cannot vouch for a pass (a floor too coarse for a useful fault, an "
     "unflagged negative control, or a tie too large to search); known: failing only through a --known root "
     "cause at the positions the baseline recorded, no larger than recorded + one tolerance band, no new top-1 "
-    "flip (excused, not failed; the verdict then says 'with N known divergences'); tie-eq pos: positions passing under the backend's resolution of a tie",
+    "flip (excused, not failed; the verdict then says 'with N known divergences'); tie-eq pos: positions passing "
+    "under the backend's resolution of a tie",
     "ERROR: the backend raised inside a case (counted as a failed case; stack traces in report.json, and on "
     "stderr with --traceback)",
 ]

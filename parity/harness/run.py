@@ -287,11 +287,13 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
             detail += f" (not excused by --known: {why})"
     tie_eq = (rep.ties or {}).get("tie_equivalent_positions", 0)
     n_known = max(n_bad, 1) if doc.get("known") else 0   # the excused prompts (as a suite's excused cases)
+    tie_at = [{"case": f"kl/prompt {t['prompt']}", "op": None, "seq": None, "positions": list(t["positions"])}
+              for t in (rep.ties or {}).get("tie_equivalent", []) if t["positions"]]
     return ScenarioRow("kl", len(prompts), 0 if n_known else n_bad, rep.comparison.worst_kl(),
                        rep.comparison.summary()["max_logit_err"],
                        first, time.perf_counter() - t0, status, detail,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
-                       known=n_known, tie_equivalent=tie_eq,
+                       known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json())
 
 
