@@ -100,7 +100,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
 
     Every verdict uses thresholds from the floor measured once on this model (the KL prompts plus a stream past
     the QSA bound, parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes
-    passing rows 'inconclusive'. ``known``: root-cause ids of a ``--known`` baseline; ``below_bound``: confine
+    passing rows 'inconclusive'. ``known``: the ``--known`` baseline
+    (:class:`parity.harness.causes.KnownCauses`, identity already checked); ``below_bound``: confine
     the scenarios below the QSA bound (parity.harness.causes).
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
@@ -225,7 +226,7 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
 
     ``prompts``: token-id lists (already loaded), or a prompt file / None (the bundled set). The row's
     failed cases are the report's ``failed_prompts`` (prefill or decode rows, or a pick outside a tie set).
-    ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` root-cause ids.
+    ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` baseline.
     """
     import dataclasses
 
@@ -284,17 +285,44 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     doc["archives"] = archives
     doc["root_cause"] = root_cause(rep.reason, first, getattr(getattr(truth, "model", None), "config", None))
     doc["label"] = "kl"
-    if status == "fail" and known and doc["root_cause"]["id"] in known:
-        doc["known"], status = True, "pass"
-        detail = f"failing only through a known root cause ({doc['root_cause']['id']}); " + detail
+    doc["fault"] = _kl_fault(rep, prompts) if status == "fail" else None
+    if status == "fail" and known is not None:   # the same cause at the same places, no larger, no new top-1 flip
+        ok, why = known.judge(doc["root_cause"], doc["fault"], rep.thresholds.tol_rel)
+        if ok:
+            doc["known"], status = True, "pass"
+            detail = f"failing only through a known root cause ({doc['root_cause']['id']}); " + detail
+        else:
+            doc["known_note"] = why
+            detail += f" (not excused by --known: {why})"
     tie_eq = (rep.ties or {}).get("tie_equivalent_positions", 0)
+    n_known = max(n_bad, 1) if doc.get("known") else 0   # the excused prompts (as a suite's excused cases)
     tie_at = [{"case": f"kl/prompt {t['prompt']}", "op": None, "seq": None, "positions": list(t["positions"])}
               for t in (rep.ties or {}).get("tie_equivalent", []) if t["positions"]]
-    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
+    return ScenarioRow("kl", len(prompts), 0 if n_known else n_bad, rep.comparison.worst_kl(),
+                       rep.comparison.summary()["max_logit_err"],
                        first, time.perf_counter() - t0, status, detail,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
-                       known=int(bool(doc.get("known"))), tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
+                       known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json())
+
+
+def _kl_fault(rep, prompts) -> dict:
+    """The KL row's fault (:func:`parity.harness.causes.fault_of`) over every prompt: prefill rows at
+    ``"prompt I position P"``, decode rows at the position they predict from (``len(prompt) + step``)."""
+    import numpy as np
+
+    from parity.harness.causes import fault_of
+    n = len(prompts)
+    sizes = rep.per_prompt_positions
+    bounds = np.cumsum([0] + list(sizes))
+    # decode blocks follow the prefill blocks, one per prompt whose greedy run returned rows (kl.run_kl)
+    with_decode = [g["prompt"] for g in rep.greedy if "decode_faults" in g]
+    out = {}
+    for k in range(len(sizes)):
+        i, off = (k, 0) if k < n else (with_decode[k - n], len(prompts[with_decode[k - n]]))
+        out.update(fault_of(rep.comparison.select(slice(int(bounds[k]), int(bounds[k + 1]))), rep.thresholds,
+                            offset=off, prefix=f"prompt {i} "))
+    return out
 
 
 def _current_spelling(name: str) -> str:
