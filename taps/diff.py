@@ -35,8 +35,9 @@ from reference.errors import UserError
 from taps import registry
 from taps.archive import Archive, TapSource
 
-__all__ = ["DiffRefused", "ProfileError", "Profile", "load_profile", "TapResult", "DiffReport", "diff_archives",
-           "compare_tap", "bench_diff", "replay_check", "render_table", "PROFILES_DIR"]
+__all__ = ["DiffRefused", "ProfileError", "Profile", "JoinedProfile", "load_profile", "profile_name_for",
+           "judging_profile", "profile_toml", "TapResult", "DiffReport", "diff_archives", "compare_tap", "bench_diff",
+           "replay_check", "render_table", "PROFILES_DIR"]
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -117,6 +118,68 @@ def load_profile(spec: str | Path = "fp32") -> Profile:
                                    f"{sorted({**_ACT_KEYS, **_IDX_KEYS})} with a number, found {v!r}")
         overrides.append(dict(o))
     return Profile(name=str(raw.get("name", p.stem)), activation=act, index=idx, overrides=overrides, source=str(p))
+
+
+@dataclass
+class JoinedProfile(Profile):
+    """The loosest of several profiles, tap by tap: per tolerance key the largest bound (``cos_min``: the
+    smallest). A tap beyond a joined profile is therefore beyond EVERY part, e.g. beyond the bundled profile
+    ``qwen4exp taps diff`` uses by default: a divergence named under it is one ``taps diff`` names too."""
+
+    parts: tuple = ()
+
+    def for_tap(self, name: str) -> dict:
+        """The joined tolerance dict for tap ``name``."""
+        tols = [p.for_tap(name) for p in self.parts]
+        out: dict = {}
+        for t in tols:
+            for k, v in t.items():
+                out[k] = v if k not in out else (min(out[k], v) if k == "cos_min" else max(out[k], v))
+        return out
+
+
+def profile_name_for(precision: str) -> str:
+    """The bundled profile ``taps diff`` judges a backend of ``precision`` with: ``bf16`` for a bf16/fp8
+    backend (8 or fewer mantissa bits somewhere on its path), ``fp32`` otherwise."""
+    return "bf16" if precision in ("bf16", "fp8") else "fp32"
+
+
+def judging_profile(precision: str = "float32", measured: Profile | None = None) -> Profile:
+    """The one profile every automatic tap-diff judges with (the parity scenarios' and kl's failure location,
+    their locate-through-state search): the bundled profile of ``precision`` (:func:`profile_name_for`,
+    what ``qwen4exp taps diff`` uses), joined (:class:`JoinedProfile`) with a ``measured`` per-tap floor
+    profile when the run has one (``parity.harness.floor.tap_floor_profile``). Never tighter than the bundled
+    profile: a per-tap floor measured on one prompt can sit below the reference's own float32 error on another
+    (measured: 1.1e-5 allowed where the float32 reference is 2.4e-5 off float64), and naming such a tap would
+    send a porting team to a block that is right."""
+    base = load_profile(profile_name_for(precision))
+    if measured is None:
+        return base
+    return JoinedProfile(name=f"{base.name} joined with {measured.name}", activation=dict(base.activation),
+                         index=dict(base.index), source=f"{base.source} + {measured.source}", parts=(base, measured))
+
+
+def profile_toml(profile: Profile, names) -> str:
+    """``profile`` as a TOML profile file (:func:`load_profile` reads it back) with one exact ``[[tap]]`` per
+    name in ``names``: saved next to a located failure's archives so ``taps diff --profile FILE`` judges them
+    with the very tolerances the locate used."""
+    def fmt(d):
+        return "\n".join(f"{k} = {float(d[k])!r}" for k in sorted(d) if k in _ACT_KEYS or k in _IDX_KEYS)
+    act = {**profile.activation}
+    idx = {**profile.index}
+    if isinstance(profile, JoinedProfile):   # the defaults of a joined profile: the join of its parts' defaults
+        for part in profile.parts:
+            for k, v in part.activation.items():
+                act[k] = min(act.get(k, v), v) if k == "cos_min" else max(act.get(k, v), v)
+            for k, v in part.index.items():
+                idx[k] = max(idx.get(k, v), v)
+    out = [f"name = {json.dumps(profile.name)}", f"description = {json.dumps('saved by ' + (profile.source or 'tap-diff'))}",
+           "", "[activation]", fmt(act), "", "[index]", fmt(idx)]
+    for n in names:
+        if any(c in n for c in "*?["):
+            continue
+        out += ["", "[[tap]]", f"pattern = {json.dumps(n)}", fmt(profile.for_tap(n))]
+    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- results
@@ -601,8 +664,9 @@ def _span(pos: np.ndarray) -> str:
 
 
 def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_budget: int = 256 << 20,
-                stats: dict | None = None) -> TapResult:
-    """Compare tap ``name`` of ``A`` (the reference side) and ``B``, streamed in row chunks.
+                stats: dict | None = None, until_position: int | None = None) -> TapResult:
+    """Compare tap ``name`` of ``A`` (the reference side) and ``B``, streamed in row chunks; ``until_position``:
+    only the positions at or before it (a cause must lie at or before the first failing position).
 
     Raises:
         ArchiveError: the tap is missing from either side.
@@ -611,6 +675,9 @@ def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_
     kind = ia.kind
     tol = profile.for_tap(name)
     common, ra, rb = align_positions(A.positions(name), B.positions(name))
+    if until_position is not None:
+        keep = common <= int(until_position)
+        common, ra, rb = common[keep], ra[keep], rb[keep]
     if len(common) == 0:
         return TapResult(name, kind, "no-overlap", 0,
                          note=(f"cannot be compared: the two recordings share no position of this tap (A has "
@@ -687,13 +754,16 @@ def _open(x) -> TapSource:
 
 
 def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, taps: list[str] | None = None,
-                  memory_budget: int = 256 << 20, progress: bool = False) -> DiffReport:
+                  memory_budget: int = 256 << 20, progress: bool = False,
+                  until_position: int | None = None) -> DiffReport:
     """Diff recordings ``a`` (the reference side) and ``b``: archive paths or :class:`TapSource` objects.
 
     Args:
         profile: a :class:`Profile` or a name/path for :func:`load_profile`.
         force: diff even when the model identity or the token ids differ.
         taps: only taps matching these globs.
+        until_position: compare only positions at or before it (``taps diff --until-position``; the parity
+            harness passes the first failing logit position: a cause lies at or before it).
         memory_budget: approximate bytes held per tap chunk (bounded-memory streaming).
         progress: show a tqdm bar on stderr.
 
@@ -732,7 +802,7 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
         elif n not in names_a:
             results.append(_one_sided(n, B, "a", out_a))
         else:
-            results.append(compare_tap(A, B, n, prof, memory_budget, stats))
+            results.append(compare_tap(A, B, n, prof, memory_budget, stats, until_position))
     if not any(r.status in ("agree", "flip", "diverged", "no-overlap") for r in results):
         raise DiffRefused(f"archives {_label(a)} and {_label(b)}: expected taps recorded at common positions in "
                           f"both, found none to compare ({len(names_a)} taps in A, {len(names_b)} in B"

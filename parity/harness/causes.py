@@ -73,7 +73,8 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
     if config is not None and pos is not None:
         from parity.harness.scenarios.common import sizes
         s = sizes(config)
-        regime = "past the QSA bound" if (s.has_qsa and pos > s.bound) else "below the QSA bound"
+        # position p sees p + 1 tokens; at and below `bound` visible tokens QSA keeps every token
+        regime = "past the QSA bound" if (s.has_qsa and pos + 1 > s.bound) else "below the QSA bound"
     layer = layer_of(tap) if tap.startswith("layers.") else None
     block = tap.split(".")[2] if layer is not None and len(tap.split(".")) > 2 else tap
     return {"id": f"{tap} | {op} | {regime}", "tap": tap, "layer": layer, "block": block, "operation": op,
