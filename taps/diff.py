@@ -144,19 +144,22 @@ def profile_name_for(precision: str) -> str:
     return "bf16" if precision in ("bf16", "fp8") else "fp32"
 
 
-def judging_profile(precision: str = "float32", measured: Profile | None = None) -> Profile:
+def judging_profile(precision: str = "float32", *measured: Profile | None) -> Profile:
     """The one profile every automatic tap-diff judges with (the parity scenarios' and kl's failure location,
-    their locate-through-state search): the bundled profile of ``precision`` (:func:`profile_name_for`,
-    what ``qwen4exp taps diff`` uses), joined (:class:`JoinedProfile`) with a ``measured`` per-tap floor
-    profile when the run has one (``parity.harness.floor.tap_floor_profile``). Never tighter than the bundled
-    profile: a per-tap floor measured on one prompt can sit below the reference's own float32 error on another
-    (measured: 1.1e-5 allowed where the float32 reference is 2.4e-5 off float64), and naming such a tap would
-    send a porting team to a block that is right."""
-    base = load_profile(profile_name_for(precision))
-    if measured is None:
-        return base
-    return JoinedProfile(name=f"{base.name} joined with {measured.name}", activation=dict(base.activation),
-                         index=dict(base.index), source=f"{base.source} + {measured.source}", parts=(base, measured))
+    their locate-through-state search): the join (:class:`JoinedProfile`, the looser bound tap by tap) of the
+    ``measured`` per-tap floor profiles given (``parity.harness.floor.tap_floor_profile``: one measured on the
+    very history being located, and the run's own), else the bundled profile of ``precision``
+    (:func:`profile_name_for`, what ``qwen4exp taps diff`` uses by default). A floor measured on another prompt
+    alone can sit below the reference's own float32 error on this one (measured: 1.1e-5 allowed where the float32
+    reference is 2.4e-5 off float64), and naming such a tap sends a porting team to a block that is right;
+    the floor of the same history cannot."""
+    parts = tuple(m for m in measured if m is not None)
+    if not parts:
+        return load_profile(profile_name_for(precision))
+    if len(parts) == 1:
+        return parts[0]
+    return JoinedProfile(name=" joined with ".join(p.name for p in parts), activation=dict(parts[0].activation),
+                         index=dict(parts[0].index), source=" + ".join(p.source for p in parts), parts=parts)
 
 
 def profile_toml(profile: Profile, names) -> str:
@@ -664,9 +667,8 @@ def _span(pos: np.ndarray) -> str:
 
 
 def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_budget: int = 256 << 20,
-                stats: dict | None = None, until_position: int | None = None) -> TapResult:
-    """Compare tap ``name`` of ``A`` (the reference side) and ``B``, streamed in row chunks; ``until_position``:
-    only the positions at or before it (a cause must lie at or before the first failing position).
+                stats: dict | None = None) -> TapResult:
+    """Compare tap ``name`` of ``A`` (the reference side) and ``B``, streamed in row chunks.
 
     Raises:
         ArchiveError: the tap is missing from either side.
@@ -675,9 +677,6 @@ def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_
     kind = ia.kind
     tol = profile.for_tap(name)
     common, ra, rb = align_positions(A.positions(name), B.positions(name))
-    if until_position is not None:
-        keep = common <= int(until_position)
-        common, ra, rb = common[keep], ra[keep], rb[keep]
     if len(common) == 0:
         return TapResult(name, kind, "no-overlap", 0,
                          note=(f"cannot be compared: the two recordings share no position of this tap (A has "
@@ -762,8 +761,9 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
         profile: a :class:`Profile` or a name/path for :func:`load_profile`.
         force: diff even when the model identity or the token ids differ.
         taps: only taps matching these globs.
-        until_position: compare only positions at or before it (``taps diff --until-position``; the parity
-            harness passes the first failing logit position: a cause lies at or before it).
+        until_position: a tap whose first position beyond tolerance is AFTER it does not count as the first
+            divergence (``taps diff --until-position``; the parity harness passes the first failing logit position:
+            a cause lies at or before it). Every position is still compared, at the tap's whole-recording scale.
         memory_budget: approximate bytes held per tap chunk (bounded-memory streaming).
         progress: show a tqdm bar on stderr.
 
@@ -802,13 +802,13 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
         elif n not in names_a:
             results.append(_one_sided(n, B, "a", out_a))
         else:
-            results.append(compare_tap(A, B, n, prof, memory_budget, stats, until_position))
+            results.append(compare_tap(A, B, n, prof, memory_budget, stats))
     if not any(r.status in ("agree", "flip", "diverged", "no-overlap") for r in results):
         raise DiffRefused(f"archives {_label(a)} and {_label(b)}: expected taps recorded at common positions in "
                           f"both, found none to compare ({len(names_a)} taps in A, {len(names_b)} in B"
                           f"{', after --taps' if taps else ''})")
     rep = DiffReport(a=_label(a), b=_label(b), profile=prof.name, results=results, identity=ident)
-    _conclude(rep)
+    _conclude(rep, until_position)
     rep.elapsed_s = time.perf_counter() - t0
     rep.bytes_read = int(stats.get("bytes", 0))
     return rep
@@ -840,12 +840,17 @@ def _label(x) -> str:
     return getattr(x, "where", None) if isinstance(x, TapSource) else str(x)
 
 
-def _conclude(rep: DiffReport) -> None:
+def _conclude(rep: DiffReport, until_position: int | None = None) -> None:
     """Name the first divergence (forward order), the last agreeing tap before it, and an earlier
-    flip that may explain it."""
+    flip that may explain it. ``until_position``: a tap first beyond tolerance after it is not counted."""
     last_ok = None
     flips: list[TapResult] = []
     for r in rep.results:
+        if r.failed and until_position is not None and r.first_position is not None \
+                and r.first_position > int(until_position):
+            r.note = (r.note + "; " if r.note else "") + (f"first beyond tolerance at position {r.first_position}, "
+                                                          f"after position {int(until_position)}: not counted")
+            continue
         if r.failed:
             rep.first_divergence = r.name
             rep.last_agreeing = last_ok

@@ -35,8 +35,9 @@ def _add_diff_args(pd) -> None:
     pd.add_argument("--taps", action="append", default=None, metavar="GLOB", help="only taps matching (repeatable)")
     pd.add_argument("--memory-mb", type=int, default=256, help="approximate memory per tap chunk (MB)")
     pd.add_argument("--until-position", type=int, default=None, metavar="P",
-                    help="compare only positions <= P (what `qwen4exp parity` does when it locates a failure whose "
-                         "first failing logit position is P)")
+                    help="count a tap as the first divergence only when it is first beyond tolerance at a position "
+                         "<= P (what `qwen4exp parity` does when it locates a failure whose first failing logit "
+                         "position is P: a cause lies at or before it)")
     add_traceback(pd)
     pd.set_defaults(func=_cmd_diff)
 

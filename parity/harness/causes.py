@@ -67,8 +67,10 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
         tap, op = "batching", "batched decode"
     elif divergence.startswith(("refused", "sequence length", "state ")):
         tap = divergence.split(":")[0].split("(")[0].strip()
-    if pos is None and (p := _POS.search(failure)) is not None:
-        pos = int(p.group(1))
+    if pos is None:   # the first failing position (not the operation's start, which the description may name first)
+        p = (re.search(r"first failing position (\d+)", failure) or re.search(r"first at position (\d+)", divergence)
+             or _POS.search(failure))
+        pos = int(p.group(1)) if p is not None else None
     regime = "?"
     if config is not None and pos is not None:
         from parity.harness.scenarios.common import sizes

@@ -88,7 +88,7 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
 
 
 def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, positions=None,
-                  truth_logits=None, thresholds=None) -> str:
+                  truth_logits=None, thresholds=None, profile=None) -> str:
     """First divergence between two tap archives as one line, via ``taps.diff.diff_archives``.
 
     Args:
@@ -97,6 +97,9 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
         returned, positions: optional ``[k, V]`` logits the backend returned for absolute ``positions``;
             when every tap agrees they name the position where the returned logits leave the backend's own
             ``logits`` tap (or, without such a tap, where they leave ``truth_logits`` beyond ``thresholds``).
+            The first failing position (``truth_logits`` vs ``returned``) confines the diff to positions at or
+            before it: a cause lies there.
+        profile: the tap-diff profile (default :func:`judging_profile_of` of ``thresholds``).
     Returns:
         e.g. ``first divergence layers.1.ple.out at position 17 (max_rel 3.1e-01; last agreeing
         layers.1.ple.gate)``, or a line saying why no tap-diff could be made.
@@ -115,20 +118,50 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
                     f"(position bookkeeping wrong?)")
         return "backend emitted no taps (tap-diff needs a backend that emits the registry's taps)"
     first_bad = _first_bad_vs_truth(returned, positions, truth_logits, thresholds)
-    rep = _diff(truth_arc, be_arc, profile=judging_profile_of(thresholds, precision), force=True,
+    rep = _diff(truth_arc, be_arc, profile=profile or judging_profile_of(thresholds, precision), force=True,
                 until_position=first_bad)
     cover = rep.coverage_note("the truth", "the backend") if hasattr(rep, "coverage_note") else ""
     return _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad) + \
         (f" [{cover}]" if cover else "")
 
 
-def judging_profile_of(thresholds, precision: str = "float32"):
-    """The tap-diff profile of every automatic location (:func:`taps.diff.judging_profile`): the bundled profile
-    of ``precision`` that ``qwen4exp taps diff`` uses, joined with the run's measured per-tap floor
-    (``thresholds.tap_profile``) when there is one. One rule for the failing operation, the kl row and the
-    locate-through-state search: a tap counts as diverged only beyond it."""
+_FLOOR_CACHE: dict = {}
+
+
+def judging_profile_of(thresholds, precision: str = "float32", model=None, ids=None, backend=None):
+    """The tap-diff profile of every automatic location (:func:`taps.diff.judging_profile`): ``multiple`` x each
+    tap's own floor measured on THE SAME history ``ids`` (``parity.harness.floor.tap_floor_profile``: the float32
+    truth, or the store-rounding one of ``backend``'s stores, against float64, selections forced to float64's),
+    joined with the run's measured profile (``thresholds.tap_profile``). Without a ``model`` to measure on and
+    no run profile: the bundled profile of ``precision``. One rule for the failing operation, the kl row and
+    the locate-through-state search: a tap counts as diverged only beyond it (saved as ``profile.toml`` beside
+    the archives, so ``qwen4exp taps diff --profile profile.toml`` judges the same way).
+
+    Tolerance: the multiple is the run's (``thresholds.multiple``, 8 for float32), the one the logits are judged
+    at. Measured on the chunk-boundary cases of tiny (the reference prefilling in chunks of 1..79 vs its one-shot
+    forward, the engine on CPU): every tap within 0.41 of this limit, while a 3e-3 lm_head fault is 1.8e5 over it."""
     from taps.diff import judging_profile
-    return judging_profile(precision, getattr(thresholds, "tap_profile", None))
+    here = None
+    weights = getattr(model, "weights", None)
+    mult = float(getattr(thresholds, "multiple", float("nan")))
+    if weights is not None and ids and mult == mult:
+        from parity.harness.floor import stores_of
+        stores = stores_of(backend) if backend is not None else None
+        key = (id(weights), tuple(int(t) for t in ids), tuple(sorted((stores or {}).items())), mult,
+               getattr(thresholds, "score_rel", None))
+        here = _FLOOR_CACHE.get(key)
+        if here is None:
+            try:
+                from parity.harness.floor import tap_floor_profile
+                from parity.harness.ties import tie_band
+                here = tap_floor_profile(weights, list(ids), stores, mult, tie_band(thresholds))
+            except Exception:  # noqa: BLE001 - the run's profile (or the bundled one) still judges
+                here = None
+            if here is not None:
+                if len(_FLOOR_CACHE) > 32:
+                    _FLOOR_CACHE.clear()
+                _FLOOR_CACHE[key] = here
+    return judging_profile(precision, here, getattr(thresholds, "tap_profile", None))
 
 
 def _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad=None) -> str:
@@ -255,18 +288,19 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     except Exception as e:  # noqa: BLE001
         return f"could not record the truth's taps: {type(e).__name__}: {e}", archives
     prec = getattr(backend, "precision", "float32")
+    hk = list(hist[:max(positions) + 1])
+    prof = judging_profile_of(th, prec, truth.model, hk, backend)
     if archive_dir is not None:
         try:   # token ids + model on both sides, so `tap-diff --replay` can use the saved archives
-            meta = {"token_ids": [int(t) for t in hist[:max(positions) + 1]], "model": _model_meta(backend, truth)}
-            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc, meta=meta,
-                             profile=judging_profile_of(th, prec))
+            meta = {"token_ids": [int(t) for t in hk], "model": _model_meta(backend, truth)}
+            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc, meta=meta, profile=prof)
         except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
             archives = [not_written(e)]
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
-        line = diff_archives(truth_arc, be_arc, prec,
-                             returned=run.recorded_out, positions=positions, truth_logits=tl, thresholds=th)
+        line = diff_archives(truth_arc, be_arc, prec, returned=run.recorded_out, positions=positions,
+                             truth_logits=tl, thresholds=th, profile=prof)
     except Exception as e:  # noqa: BLE001
         return where + f"tap-diff failed: {type(e).__name__}: {e}", archives
     entered = None
@@ -279,10 +313,10 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
         op_k, pos_k, text, arcs = entered
         if archive_dir is not None:   # the claimed op's archives, so the claim can be replayed (`taps diff`)
             try:
-                t_k, b_k, hist_k = arcs
+                t_k, b_k, hist_k, prof_k = arcs
                 meta = {"token_ids": [int(t) for t in hist_k], "model": _model_meta(backend, truth)}
                 archives += _save(archive_dir, scenario, case.name, page_size, t_k, b_k, meta=meta,
-                                  profile=judging_profile_of(th, prec), sub=f"entered-op{op_k}")
+                                  profile=prof_k, sub=f"entered-op{op_k}")
             except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
                 archives.append(not_written(e))
         return (f"error entered at op {op_k}, seq {label}, position {pos_k}: {text}; it surfaced at " + where
@@ -296,10 +330,10 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
     is where the error entered (e.g. a GDN recurrent-state fault several positions before the failing decode).
 
     A tap counts as divergent under the same rule as the failing operation's location: beyond the judging
-    profile (:func:`judging_profile_of`: never tighter than what ``qwen4exp taps diff`` uses), so an op whose
+    profile (:func:`judging_profile_of`, each tap's floor measured on that op's own history), so an op whose
     taps differ only at the float32 noise level is never named.
 
-    Returns ``(op, position, divergence line, (truth archive, backend archive, history))`` of the earliest
+    Returns ``(op, position, divergence line, (truth archive, backend archive, history, profile))`` of the earliest
     divergent operation (its archives, so the claim can be saved and replayed), or None (nothing diverges
     before the failing operation, or the replay could not record).
     """
@@ -309,7 +343,7 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
     run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
     if run is None or not run.recorded_all:
         return None
-    profile = judging_profile_of(th, getattr(backend, "precision", "float32"))
+    prec = getattr(backend, "precision", "float32")
     for op, be_arc, positions, hist in run.recorded_all:
         if op >= failed_op:   # the failing operation itself is located by the caller
             break
@@ -319,13 +353,15 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
         with Recorder(None, positions=positions, meta={"backend": "truth", "token_ids": hk}) as rec:
             truth.model.forward(hk)
         t_arc = rec.archive()
+        profile = judging_profile_of(th, prec, truth.model, hk, backend)
         d = _diff(t_arc, be_arc, profile=profile, force=True)
         if d.first_divergence is not None:
             r = d.result(d.first_divergence)
             pos = r.first_position if r is not None and r.first_position is not None else positions[0]
             m = r.metrics if r is not None else {}
             metric = next((f" ({k} {m[k]:.3g})" for k in ("rel_l2", "max_rel") if isinstance(m.get(k), float)), "")
-            return op, int(pos), f"first divergence {d.first_divergence} at position {pos}{metric}", (t_arc, be_arc, hk)
+            return (op, int(pos), f"first divergence {d.first_divergence} at position {pos}{metric}",
+                    (t_arc, be_arc, hk, profile))
     return None
 
 
@@ -422,8 +458,11 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", 
         try:
             archives = _save(archive_dir, label, "worst_prompt", None, truth_arc, be_arc,
                              meta={"token_ids": ids, "model": _model_meta(backend, truth_model)},
-                             profile=judging_profile_of(thresholds, prec))
+                             profile=judging_profile_of(thresholds or thresholds_for(prec), prec, truth_model, ids,
+                                                        backend))
         except Exception as e:  # noqa: BLE001
             archives = [not_written(e)]
+    th = thresholds or thresholds_for(prec)
     return diff_archives(truth_arc, be_arc, prec, returned=returned, positions=list(range(len(ids))),
-                         truth_logits=truth_logits, thresholds=thresholds or thresholds_for(prec)), archives
+                         truth_logits=truth_logits, thresholds=th,
+                         profile=judging_profile_of(th, prec, truth_model, ids, backend)), archives
