@@ -78,6 +78,7 @@ already multiplied by the output gate). :data:`NO_COUNTERPART` lists them.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import numpy as np
@@ -108,14 +109,23 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 LOADS = ("auto", "pretrained", "reader")
 
 
+#: the first transformers release whose qwen4_exp is the specification (pyproject's `oracle` extra pins it)
+MIN_TRANSFORMERS = (5, 23)
+
+
 def _import_torch():
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers
         from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: F401
     except ImportError as e:
         raise BackendError(f"backend transformers: expected torch and transformers with qwen4_exp (the `oracle` "
                            f"extra: pip install 'qwen4exp-parity[oracle]'), found {e}") from e
+    got = tuple(int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
+    if got < MIN_TRANSFORMERS:  # an earlier qwen4_exp is not the specification (its config validation differs)
+        raise BackendError(f"backend transformers: expected transformers >= "
+                           f"{'.'.join(map(str, MIN_TRANSFORMERS))} (the official qwen4_exp), found "
+                           f"{transformers.__version__} (pip install 'qwen4exp-parity[oracle]')")
     return torch
 
 

@@ -347,7 +347,8 @@ def test_root_causes_group_and_known_baseline(tmp_path):
     from parity.harness.causes import group_causes
     causes = group_causes([row])
     assert [c["id"] for c in causes] == [rc["id"]]
-    path = write_known(tmp_path / "known.json", causes)
+    path = write_known(tmp_path / "known.json", causes, {"model": {"config_hash": w.config.config_hash()},
+                                                         "backend_spec": "verify-fp16"})
     known = read_known(path)
     res2 = [run_case("matrix", c, b, truth, thresholds=th, known=known) for c in cases]
     row2 = summarize_results("matrix", res2, 0.0)

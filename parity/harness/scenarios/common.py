@@ -89,6 +89,8 @@ class CaseResult:
     tie_flips: int = 0                # argmax flips inside the near-tie gap (allowed)
     tie_equivalent: list = field(default_factory=list)  # [op, seq, positions]: passed under a tie resolution
     root_cause: dict | None = None    # parity.harness.causes.root_cause of a failure
+    fault: dict | None = None         # its failing positions, error / scale, top-1 flips (causes.fault_of)
+    known_note: str | None = None     # why the --known baseline does not excuse it (what is new)
     known: bool = False               # failed only through a root cause of the --known baseline
     failure: str | None = None
     failed_op: int | None = None
@@ -304,6 +306,7 @@ class Run:
         self.recorded_all: list = []
         self.top1_positions = 0
         self.tie_flips = 0  # argmax flips inside the near-tie gap (allowed; counted for the report)
+        self.fault = None   # the failing comparison's fault (parity.harness.causes.fault_of), for --known
         self.tie_equivalent: list = []  # (op, seq, positions) judged against the tie-resolved truth
         self.seqs: list[Seq] = []
         self.scratch: dict = {}
@@ -400,6 +403,8 @@ class Run:
             first = int(np.argmax(bad)) if bad.any() else 0
             rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
             worst = int(np.argmax(rel))
+            from parity.harness.causes import fault_of
+            self.fault = fault_of(cmp, self.th, offset=start)
             self.fail(op, f"{desc}: seq {s.label}: {why} (first failing position {start + first}, worst logit error at "
                           f"position {start + worst})", seq=s.label)
         self.tie_flips += int(flips.sum())
