@@ -171,7 +171,10 @@ def _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad=None
         msg, compared = _returned_vs_tap(be_arc, returned, positions or [], precision)
         if msg is not None:
             return msg
-        if first_bad is not None:   # no internal tap diverges beyond the tap-diff tolerance: the output layer
+        if first_bad is not None and not compared:
+            return (f"all recorded taps agree within the profile: the divergence is in the returned logits, after "
+                    f"the last tap, first at position {first_bad}")
+        if first_bad is not None:   # no tap, the logits tap included, diverges beyond tolerance: the output layer
             return (f"no recorded tap diverges beyond the tap-diff tolerance ({rep.profile}) at or before the first "
                     f"failing position: the divergence is in the returned logits (the output layer: final norm, "
                     f"lm_head, the logits returned), first at position {first_bad}")
