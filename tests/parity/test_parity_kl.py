@@ -60,7 +60,10 @@ def test_top1_top5_probdiff_on_constructed_case():
     # row 0: b gives a's top token (0) the probability a gave token 1
     pa = np.exp(log_softmax(a))
     assert c.top_prob_diff[0] == pytest.approx(pa[0, 1] - pa[0, 0])
-    assert c.max_abs_err.tolist() == [1.0, 100.0]
+    # the logit error is judged with each row's mean offset removed: row 0's swap has mean 0 (error 1); row 1's
+    # +100 on one of 7 entries has offset 100/7, residual 100 * 6/7
+    assert c.max_abs_err == pytest.approx([1.0, 100.0 * 6 / 7])
+    assert c.offset == pytest.approx([0.0, 100.0 / 7])
 
 
 def test_summary_percentiles_and_nan_propagation():
