@@ -621,7 +621,7 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
     full, forced = _effect(pb_factory, 1.0, truths, prompts, logs)
     pre = f"{note}: " if note else ""
     how = "selections forced to the truth's picks: the continuous effect" if forced else \
-        "selections NOT forced (the perturbed backend exposes no reference model)"
+        "selections not forced (no reference model to force them on)"
     rel_full = _max_rel(full)
     intended = CONTROL_MARGIN * th.tol_rel
     flagged_full = not verdict(full, th)[0]
