@@ -50,7 +50,7 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     forceable = hasattr(getattr(b, "model", None), "selection_hook")
     target = b_spec if capabilities_of(b).get("perturb") and forceable else "reference"
     note = f"{target} with {name} perturbed (+ rms * N(0,1))"
-    if target != b_spec and b_spec != "reference":
+    if target != b_spec and capabilities_of(b).get("perturb"):
         note += f" (not {b_spec}: its selections cannot be forced to the truth's)"
 
     def perturbed(scale=1.0):
