@@ -8,11 +8,15 @@ model's logit scale (:func:`logit_scale`): no constant depends on one checkpoint
 (:func:`run_kl`) runs both backends over a prompt set, judges the prefill rows and the greedy decode rows,
 and computes three controls in the same run:
 
-* **determinism** -- backend b run twice on every prompt: its logits must be bitwise equal;
+* **determinism** -- backend b run twice on every prompt: bitwise equal when b declares ``deterministic``;
+  otherwise its run-to-run spread is measured and must be within the tolerance (else INCONCLUSIVE);
 * **precision floor** -- the floor that sets the thresholds (float32 vs float64 reference, or the rounding
   reference of b's precision); a tolerance above :data:`USEFUL_FAULT_REL` makes the run INCONCLUSIVE;
 * **negative control** -- b with one weight perturbed, sized from the floor to move the logits by
-  :data:`CONTROL_MARGIN` x the tolerance, must be flagged (else INCONCLUSIVE, never a backend FAIL).
+  :data:`CONTROL_MARGIN` x the tolerance with every selection forced to the truth's picks (a continuous
+  effect), must be flagged (else INCONCLUSIVE, never a backend FAIL).
+
+Logit errors are judged with each row's common offset removed (:func:`offset_free_error`): softmax ignores it.
 
 Formula source: standard definitions (KL(P||Q) = sum_v P_v (log P_v - log Q_v)); the distribution is
 the softmax of the LM-head logits as in the official ``Qwen4ExpForCausalLM.forward`` (modeling_qwen4_exp.py).
