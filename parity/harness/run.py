@@ -283,6 +283,8 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
             first = f"prompt {worst}: {where}"
         else:
             first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
+        if rep.status == "INCONCLUSIVE":   # failing rows judged neither way: why comes first, then where they fail
+            first = f"judged neither way: {rep.reason}; failing rows: {first}"
     elif failed_controls:
         first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
     doc = rep.to_json()

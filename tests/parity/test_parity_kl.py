@@ -361,3 +361,14 @@ def test_the_floor_does_not_depend_on_the_selected_scenarios(monkeypatch):
     n_kl = sum(len(p) for p in load_prompts(None, FIX, load_config(FIX).vocab_size))
     assert all(m["floor"]["positions"] > n_kl for m in metas)          # the KL prompts plus the stream, always
     assert len({(m["thresholds"]["tol_rel"], m["floor"]["positions"]) for m in metas}) == 1
+
+
+def test_kl_row_of_a_backend_noisier_than_the_tolerance_is_inconclusive_and_says_why():
+    import time
+
+    from parity.harness.run import kl_row
+    row = kl_row(FIX, "kl_fakes:JitterLarge", PROMPTS, False, time.perf_counter())
+    assert row.status == "inconclusive", (row.status, row.first_divergence)
+    assert "run-to-run spread" in row.detail and "cannot be trusted" in row.detail
+    assert row.first_divergence is None or row.first_divergence.startswith("judged neither way") or \
+        "run-to-run spread" in row.first_divergence
