@@ -5,7 +5,8 @@ as a yardstick for bf16 engines.
 
 Options (``--backend transformers:key=value,...``, or ``open(..., key=value)``):
 
-* ``device``: ``cpu`` (default) or ``cuda`` (``cuda:N``).
+* ``device``: ``cpu`` (default) or ``cuda`` (``cuda:N``; in float32, TF32 is turned off for the process: a
+  float32 yardstick computes in float32).
 * ``dtype``: ``float32`` (default) or ``bfloat16`` (precision ``bf16``).
 * ``load``: ``pretrained`` -- ``<architecture>.from_pretrained`` (the class named by ``config.json``'s
   ``architectures``: ``Qwen4ExpForCausalLM``, or the ``Qwen4ExpForConditionalGeneration`` wrapper of release
@@ -204,6 +205,11 @@ class TransformersBackend(Backend):
         else:
             model, note = _load_reader(model_path, cfg, tdt, quant)
         model = model.to(dev).eval()
+        if dev.startswith("cuda") and tdt == torch.float32:
+            # float32 means float32: torch lets cuDNN convolutions (the GDN / PLE causal conv1d) use TF32 by
+            # default, whose 10-bit mantissa would make this float32 yardstick a reduced-precision engine
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         crop_ok = "linear_attention" not in cfg.layer_types
         be = cls(model, cfg, tdt, dev, name or "transformers", model_path, note, crop_ok)
         if perturb is not None:

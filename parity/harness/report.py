@@ -64,6 +64,8 @@ class ScenarioRow:
     traceback: str | None = None                    # the first backend failure's stack trace (ERROR rows)
     known: int = 0           # cases failing only through a --known root cause (not counted as failed)
     tie_equivalent: int = 0  # positions passing only under the backend's tie resolution (parity.harness.ties)
+    #: where: one entry per case (or kl prompt) with tie-equivalent positions: {"case", "op", "seq", "positions"}
+    tie_equivalent_at: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""

@@ -295,10 +295,12 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         doc["known"], status = True, "pass"
         detail = f"failing only through a known root cause ({doc['root_cause']['id']}); " + detail
     tie_eq = (rep.ties or {}).get("tie_equivalent_positions", 0)
+    tie_at = [{"case": f"kl/prompt {t['prompt']}", "op": None, "seq": None, "positions": list(t["positions"])}
+              for t in (rep.ties or {}).get("tie_equivalent", []) if t["positions"]]
     return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
                        first, time.perf_counter() - t0, status, detail,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
-                       known=int(bool(doc.get("known"))), tie_equivalent=tie_eq,
+                       known=int(bool(doc.get("known"))), tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json())
 
 

@@ -151,6 +151,8 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
         detail = (detail + "; " if detail else "") + (f"{len(known)} failing only through a known root cause "
                                                       f"({known[0].root_cause['id']})")
     tie_eq = sum(len(p) for r in ran for (_op, _seq, p) in r.tie_equivalent)
+    tie_at = [{"case": r.label, "op": op, "seq": seq, "positions": list(p)}
+              for r in ran for (op, seq, p) in r.tie_equivalent]
     if status == "pass" and inconclusive:
         status, detail = "inconclusive", inconclusive + ("; " + detail if detail else "")
     notes = {}
@@ -163,7 +165,7 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
                                                                 for r in failed + known],
                        skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]
                        + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed], known=len(known),
-                       tie_equivalent=tie_eq, notes=notes, traceback=tb)
+                       tie_equivalent=tie_eq, tie_equivalent_at=tie_at, notes=notes, traceback=tb)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost
