@@ -103,13 +103,26 @@ def _kl_rows(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
 
 
 def summarize(values: np.ndarray) -> dict:
-    """mean, median, p90, p99, p99.9, max of a 1-D array (float64; nan-propagating: a nan is a fault)."""
+    """mean, median, p90, p99, p99.9, max of a 1-D array (float64; nan-propagating: a nan is a fault; +inf
+    entries give inf where they reach the percentile, never nan)."""
     v = np.asarray(values, dtype=np.float64).ravel()
     if v.size == 0:
         return {k: float("nan") for k, _ in PERCENTILES}
     out = {}
+    srt = np.sort(v)
     for key, q in PERCENTILES:
-        out[key] = float(np.mean(v)) if q is None else float(np.percentile(v, q))
+        if q is None:
+            out[key] = float(np.mean(v))
+            continue
+        # linear interpolation between order statistics (numpy's default), written out so that a step towards
+        # +inf (a KL of a -inf logit) is inf, never the nan of inf - inf
+        pos = q / 100.0 * (v.size - 1)
+        lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+        frac = pos - lo
+        if np.isposinf(srt[hi]) and (frac > 0 or lo == hi):
+            out[key] = float("inf")
+        else:
+            out[key] = float(srt[lo] + (srt[hi] - srt[lo]) * frac) if hi != lo else float(srt[lo])
     if np.isnan(v).any():
         out = {k: float("nan") for k in out}
     return out

@@ -233,6 +233,8 @@ def test_minus_inf_tail_gives_kl_inf_not_nan():
     n[0, 3] = np.nan
     assert np.isnan(compare_logits(a, n).worst_kl())
     assert np.isinf(kl_per_position(a, b)[1])
+    st = summarize(c.kl_ab)   # percentiles over an inf entry: inf where it is reached, never nan
+    assert st["max"] == np.inf and not any(np.isnan(x) for x in st.values()) and np.isfinite(st["median"])
 
 
 def _kl(refs, cls, **kw):
@@ -372,3 +374,15 @@ def test_kl_row_of_a_backend_noisier_than_the_tolerance_is_inconclusive_and_says
     assert "run-to-run spread" in row.detail and "cannot be trusted" in row.detail
     assert row.first_divergence is None or row.first_divergence.startswith("judged neither way") or \
         "run-to-run spread" in row.first_divergence
+
+
+def test_kl_row_of_a_top_k_truncated_backend_shows_inf_not_nan():
+    import time
+
+    from parity.harness.report import ParityReport, render_table
+    from parity.harness.run import kl_row
+    row = kl_row(FIX, "kl_fakes:TopKTail", PROMPTS[:1], False, time.perf_counter())
+    assert row.status == "fail" and row.worst_kl == np.inf
+    line = next(ln for ln in render_table(ParityReport(backend="b", model=FIX, rows=[row]), columns=None).splitlines()
+                if ln.startswith("kl "))
+    assert " inf " in line and "nan" not in line, line
