@@ -165,8 +165,8 @@ LEGEND = [
     "limits: the row's pass threshold, measured on this model: at every position the worst logit error <= tol x "
     "the logit scale (the std of the reference's logits there), tol a multiple of the precision floor (KL and "
     "top-1 near ties follow from it; docs/parity.md, Thresholds)",
-    "worst logit err: the largest |backend - reference| logit over every position and token (judged relative to "
-    "the logit scale, see limits)",
+    "worst logit err: the largest |backend - reference| logit over every position and token, each row's common "
+    "offset removed (softmax ignores it; judged relative to the logit scale, see limits)",
     "INCONCLUSIVE: nothing failed, but the run cannot vouch for a pass (a floor too coarse for a useful fault, an "
     "unflagged negative control, or a tie too large to search); known: failing only through a --known root "
     "cause at the positions the baseline recorded, no larger than recorded + one tolerance band, no new top-1 "

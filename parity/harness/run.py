@@ -30,9 +30,10 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
                    progress=True, flags=("--a", "--b"), floor=None, thresholds=None):
     """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
 
-    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
-    the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight); it is
-    sized from the floor (parity.harness.kl.negative_control). ``flags``: the options of a and b named in error
+    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities) and exposes its
+    reference model (so its selections can be forced to the truth's picks: the control's effect is then
+    continuous, never a selection flip), else the reference (noted in the report: it then proves the harness,
+    not b's loader, flags a bad weight); it is sized from the floor (parity.harness.kl.negative_control). ``flags``: the options of a and b named in error
     messages; ``floor`` / ``thresholds``: the run's measured floor and thresholds (None: measured by the
     harness on the prompts).
     """
@@ -44,8 +45,13 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     r32 = a if a_spec == "reference" else open_backend("reference", model_path)
     r64 = open_backend("reference:dtype=float64", model_path)
     name = perturb_name or default_perturb_target(b.config)
-    target = b_spec if capabilities_of(b).get("perturb") else "reference"
+    # the control's selections are forced to the truth's picks (a continuous effect, not a selection flip): that
+    # needs the perturbed backend's reference model; b is perturbed itself only when it has one
+    forceable = hasattr(getattr(b, "model", None), "selection_hook")
+    target = b_spec if capabilities_of(b).get("perturb") and forceable else "reference"
     note = f"{target} with {name} perturbed (+ rms * N(0,1))"
+    if target != b_spec and capabilities_of(b).get("perturb"):
+        note += f" (not {b_spec}: its selections cannot be forced to the truth's)"
 
     def perturbed(scale=1.0):
         return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
@@ -98,10 +104,11 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                out_dir=None, progress=True, known=None, below_bound=False):
     """Run the KL harness and the scenarios; returns a :class:`parity.harness.report.ParityReport`.
 
-    Every verdict uses thresholds from the floor measured once on this model (the KL prompts plus a stream past
-    the QSA bound, parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes
-    passing rows 'inconclusive'. ``known``: the ``--known`` baseline
-    (:class:`parity.harness.causes.KnownCauses`, identity already checked); ``below_bound``: confine
+    Every verdict uses thresholds from the floor measured once on this model (the KL prompts -- read whatever
+    ``scenarios`` selects, so the thresholds do not depend on the selection -- plus a stream past the QSA bound,
+    parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes passing rows
+    'inconclusive'. ``known``: the ``--known`` baseline (:class:`parity.harness.causes.KnownCauses`, identity
+    already checked); ``below_bound``: confine
     the scenarios below the QSA bound (parity.harness.causes).
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
@@ -146,12 +153,16 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     if hasattr(probe, "close"):
         probe.close()
     kl_prompts = None
-    if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
-        from parity.prompts import load_prompts
-        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
     from parity.harness.scenarios import TRUTHLESS
     # the self-consistency suite needs no reference: a run of it alone never loads the truth
-    truth = TruthCache(truth_model(model)) if any(s not in TRUTHLESS for s in scenarios) else None
+    needs_truth = any(s not in TRUTHLESS for s in scenarios)
+    if "kl" in scenarios or needs_truth:
+        # the KL prompt set is read whatever --scenario selects: the floor is measured on it (below), so the
+        # thresholds are a function of the model, the backend's stores and the prompt set only, never of which
+        # scenarios run. A bad --prompts file is an input error (exit 2), found before anything runs.
+        from parity.prompts import load_prompts
+        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
+    truth = TruthCache(truth_model(model)) if needs_truth else None
     from parity.harness.scenarios.common import NonFiniteTruth, token_stream
     invalid = None
     if truth is not None:  # the truth must be finite before anything is judged against it (a NaN checkpoint is no verdict)
@@ -246,6 +257,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = rep.status.lower()
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
+    det = rep.controls.get("determinism", {})
+    if det.get("ok") and det.get("claimed") is False and det.get("prompts_differing"):
+        detail += "; " + det["detail"]   # the allowed run-to-run noise, measured: reported, never silent
     both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
     bounds = np.cumsum([0] + rep.per_prompt_positions)
     per_prompt = [float(np.max(both[bounds[i]:bounds[i + 1]])) for i in range(len(prompts))]
@@ -279,6 +293,8 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
             first = f"prompt {worst}: {where}"
         else:
             first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
+        if rep.status == "INCONCLUSIVE":   # failing rows judged neither way: why comes first, then where they fail
+            first = f"judged neither way: {rep.reason}; failing rows: {first}"
     elif failed_controls:
         first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
     doc = rep.to_json()
