@@ -142,7 +142,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                                 # each operation's declaration (supported / limited with its limit / unsupported)
                                 "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
                                 **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
-                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
+                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {}),
+                                # what an outside engine leaves out of the checkpoint, located (never a silent skip)
+                                **({"engine_findings": probe.findings} if getattr(probe, "findings", None) else {})})
     if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
         return topk_report(report, probe, model, prompts)
     if hasattr(probe, "close"):
