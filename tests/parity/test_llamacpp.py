@@ -201,6 +201,9 @@ def test_openai_against_llama_cpp_server_fails_at_the_same_position(server):
     assert "first divergent position 11 " in row.first_divergence, row.first_divergence
     assert rep.meta["openai"]["convention"] == "after-token"  # llama-cpp-python's echo rows (finding)
     assert all(r.status == "skip" for r in rep.rows[1:])
+    # the GGUF's pre-tokenizer label matches the checkpoint's (gpt-2): the server tokenizes every text prompt
+    # as the checkpoint does (labelled qwen35 it retokenized 4 of 5)
+    assert row.failures[0]["retokenized_by_server"] == 0, row.failures[0]
 
 
 def test_openai_passes_where_llama_cpp_agrees(server):
@@ -465,3 +468,50 @@ def test_gdn_attn_output_is_not_recorded_as_self_attn_and_mtp_head_is_reported()
     plain = open_backend("llama.cpp:reparam=auto", bundled_model("tiny"))
     assert plain.findings == [] and capability(plain, "mtp").status == "unsupported"  # no head: nothing to say
     plain.close()
+
+
+def test_tokenizer_label_tokenizes_as_the_checkpoint_and_keeps_the_function(tmp_path):
+    """Checker's tool defect 9: reparam tokenizer-label gives the GGUF the label of the checkpoint's own
+    pre-tokenizer (a plain GPT-2-regex ByteLevel -> 'gpt-2'), so llama.cpp's tokenizer gives the checkpoint
+    tokenizer's ids on every bundled text prompt; the label leaves ids -> logits bit-identical (a copy of
+    the GGUF relabelled in place, 'qwen2', computes exactly the same logits)."""
+    import json as _json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from parity.backends import gguf_convert as gc
+    from parity.backends import open_backend
+    m = bundled_model("tiny")
+    doc = gc.convert(m, gc.installed_version(), reparams=gc.parse_reparams("auto", m))
+    assert doc["tokenizer_label"] == "gpt-2"
+    be = open_backend(f"llama.cpp:gguf={doc['gguf']}", m)
+    ll, vocab = be.ll, be.ll.llama_model_get_vocab(be._model)
+    hf = Tokenizer.from_file(str(m / "tokenizer.json"))
+    texts = [t for t in _json.loads((Path(__file__).parents[2] / "parity/prompts/default.json").read_text())
+             if isinstance(t, str)]
+
+    def llama_ids(text):
+        b = text.encode()
+        buf = (ll.llama_token * (len(b) + 8))()
+        n = ll.llama_tokenize(vocab, b, len(b), buf, len(buf), False, True)
+        return list(buf[:n])
+    differ = [t for t in texts if llama_ids(t) != hf.encode(t, add_special_tokens=False).ids]
+    assert texts and not differ, differ
+    ids = [5, 17, 99, 3, 250, 7, 8, 9]
+    want = be.logits(ids)
+    be.close()
+    sys.path.insert(0, str(gc.converter_dir(gc.installed_version()) / "gguf-py"))
+    try:
+        import gguf
+    finally:
+        sys.path.pop(0)
+    other = tmp_path / "relabelled.gguf"
+    shutil.copy(doc["gguf"], other)
+    r = gguf.GGUFReader(str(other), "r+")
+    f = r.fields["tokenizer.ggml.pre"]
+    f.parts[f.data[0]][:] = np.frombuffer(b"qwen2", np.uint8)  # same length as 'gpt-2': rewritten in place
+    del r
+    be2 = open_backend(f"llama.cpp:gguf={other}", m)
+    assert np.array_equal(be2.logits(ids), want)
+    be2.close()

@@ -100,3 +100,24 @@ def test_report_json_carries_the_spec_given_and_a_reproduce_command(tmp_path, ca
 def test_backend_spelling_keeps_options(given, shown):
     from parity.harness.run import backend_label
     assert backend_label(given) == shown
+
+
+def test_pre_tokenizer_label_follows_the_tokenizer(tmp_path):
+    """reparam tokenizer-label picks the llama.cpp label whose rules are the checkpoint's pre-tokenizer:
+    gpt-2 for a plain ByteLevel (the fixtures), qwen35 for the Qwen3.5 Split; none for another, and then the
+    re-parameterisation is refused rather than given a label that tokenizes differently."""
+    from parity.backends import gguf_convert as gc
+    from parity.backends.base import BackendError
+    assert gc.pre_tokenizer_label(TINY) == "gpt-2"
+    qwen = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": gc.QWEN35_SPLIT_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    for name, pt, want in (("qwen", qwen, "qwen35"), ("meta", {"type": "Metaspace", "replacement": "_"}, None),
+                           ("noregex", {"type": "ByteLevel", "use_regex": False}, None)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": pt}))
+        assert gc.pre_tokenizer_label(d) == want, name
+    (tmp_path / "meta" / "config.json").write_text((TINY / "config.json").read_text())
+    with pytest.raises(BackendError, match="tokenizer-label.*pre-tokenizer"):
+        gc.parse_reparams("tokenizer-label", tmp_path / "meta")
