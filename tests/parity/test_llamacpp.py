@@ -438,6 +438,14 @@ def test_rollback_is_declared_limited_and_judged(qsa_gguf):
     assert whole.status == "fail" and "decode after rolling back 3" in whole.failure, whole
     part = run_case("speculative_rollback", spec(2), be, truth)    # inside the verify batch: exact
     assert part.status == "pass", part
+    # the suite's own case (every draft rejected, below the QSA bound) catches it, at that rollback
+    from parity.harness.scenarios import cases_for
+    case = next(c for c in cases_for("speculative_rollback", be.config, "ci") if c.name == "reject_all_drafts_below_bound")
+    assert run_case("speculative_rollback", case, be, truth).status == "skip"  # 4 drafts > rs=3: beyond the limit
+    be8 = open_backend("llama.cpp:reparam=auto", m)  # the default rs=8 admits it
+    suite = run_case("speculative_rollback", case, be8, truth)
+    assert suite.status == "fail" and "after rolling back a whole verify call" in suite.failure, suite
+    be8.close()
     # beyond the declared limit the case is narrowed, never run and never counted as a pass
     be4 = open_backend("llama.cpp:reparam=auto,rs=2", m)
     over = run_case("speculative_rollback", spec(3), be4, TruthCache(truth_model(m)))

@@ -121,3 +121,40 @@ def test_pre_tokenizer_label_follows_the_tokenizer(tmp_path):
     (tmp_path / "meta" / "config.json").write_text((TINY / "config.json").read_text())
     with pytest.raises(BackendError, match="tokenizer-label.*pre-tokenizer"):
         gc.parse_reparams("tokenizer-label", tmp_path / "meta")
+
+
+def _whole_call_case(cfg):
+    from parity.harness.scenarios import cases_for
+    return next(c for c in cases_for("speculative_rollback", cfg, "ci") if c.name == "reject_all_drafts_below_bound")
+
+
+def test_reject_all_drafts_case_catches_a_whole_call_rollback_error():
+    """The speculative-rollback case that rejects every draft (a rollback of a whole verify call, below the
+    QSA bound) passes on the reference and FAILs, at the decode after that rollback, on the reference with
+    llama.cpp's defect D injected (each GDN recurrent state left one token too early)."""
+    from parity.backends import truth_model
+    from parity.backends.reference import ReferenceBackend
+    from parity.harness.scenarios.common import TruthCache
+    from parity.harness.scenarios.runner import run_case
+
+    class WholeCallRollbackOneTokenEarly(ReferenceBackend):
+        def forward_tokens(self, h, ids):
+            self.__dict__.setdefault("_k", {})[h] = len(ids)
+            return super().forward_tokens(h, ids)
+
+        def rollback(self, h, n):
+            whole = bool(n) and n == self.__dict__.get("_k", {}).get(h)
+            super().rollback(h, n)
+            if whole:
+                sess = self._sess(h)
+                early = self.model.new_session()
+                early.prefill(list(sess.tokens)[:-1])
+                for i, g in sess.state.gdn.items():
+                    g.recurrent = early.state.gdn[i].recurrent.copy()
+
+    truth = TruthCache(truth_model(TINY))
+    good = ReferenceBackend.open(TINY)
+    case = _whole_call_case(good.config)
+    assert run_case("speculative_rollback", case, good, truth).status == "pass"
+    bad = run_case("speculative_rollback", case, WholeCallRollbackOneTokenEarly.open(TINY), truth)
+    assert bad.status == "fail" and "after rolling back a whole verify call" in bad.failure, bad
