@@ -2,13 +2,7 @@
 # GPU generation tests + the engine benchmark at real widths, against the official implementation.
 # Called by ci/gpu on the GPU machine, from the repository root. Budget: about 4 minutes of GPU time.
 #
-# The official peer needs transformers >= 5.23 (qwen4_exp); the GPU image has 5.17. Put the wheel in
-# .whl/ beforehand (on a machine with PyPI access) and carry .whl to the GPU machine:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0
-# Its other needs (huggingface-hub>=1.31, tokenizers>=0.23.1,<0.24, safetensors>=0.8) are in the image.
-# Without the wheel the bench still runs and reports "peer unavailable: <reason>".
-#
+# The official peer needs transformers >= 5.23 (qwen4_exp): ci/gpu_env.sh installs it from .whl/.
 # Environment: OUT (results folder; default ci/out), BENCH_BUDGET_S (measuring time per process before
 # later settings are skipped, default 40), BENCH_TIMEOUT_S (hard limit per process, load included,
 # default 150; what was measured before it is kept),
@@ -24,15 +18,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 status=0
 
-if ls .whl/transformers-*.whl >/dev/null 2>&1; then
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-  else
-    echo "gpu_bench: wheel install failed; the official peer will report itself unavailable" >&2
-  fi
-else
-  echo "gpu_bench: no .whl/transformers-*.whl; the official peer will report itself unavailable" >&2
-fi
+. ci/gpu_env.sh  # the official implementation (transformers >= 5.23 wheel from .whl/)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - <<'PY' || true
 import importlib

@@ -4,9 +4,10 @@
 Models are built at test time from seeded random weights (rounded to BF16, so the engine's bf16 mode stores
 exactly these weights), with chosen configs: small and large logit scales, one indexer head (many exact
 zero ties at the QSA cut), hc_count 2 and 3, PLE on every layer, a list of EOS ids. Backends: the engine's
-CPU path in float32 and bf16 (correct), a store-rounding bf16 engine (the reference rounding every
-activation store to BF16: correct by construction), the official implementation (transformers, CPU), a
-correct backend without taps breaking exact ties by the higher index (judged by the tie search), and
+CPU path in float32 and bf16 (correct; on CUDA too: the GPU cells), a store-rounding bf16 engine (the
+reference rounding every activation store to BF16: correct by construction), the official implementation
+(transformers; CPU, and CUDA in the GPU cells), a correct backend breaking exact ties by the higher index
+(without taps: judged by the tie search; with them: judged by its selection taps), and
 faults of small effect: a QSA pick outside the tie set, indexer scores in BF16, a stale GDN recurrent
 state, the hyper-connection mean rounded to BF16, verify in FP16, batched decode rounding its residual
 stream to BF16, and one weight fault per block (embedding, PLE, hyper-connection, GDN, QSA, MoE, final
@@ -312,9 +313,15 @@ def _weight_fault(w, tensor: str, rel: float = FAULT_REL, seed: int = 5):
     return w.with_override(tensor, (x + eps * noise).astype(np.float32))
 
 
-def _official(d, w):
-    """The official Qwen4ExpForCausalLM (transformers, CPU, float32, eager) on ``w`` as a recompute backend."""
+def _official(d, w, device: str = "cpu"):
+    """The official Qwen4ExpForCausalLM (transformers, float32, eager) on ``w`` as a recompute backend, on
+    ``device`` ('cpu' or 'cuda': torch's CUDA kernels, its CUDA top-k included). On CUDA, TF32 is turned off
+    for matmuls and cuDNN convolutions: TF32 keeps 10 mantissa bits, so a TF32 run is a reduced-precision
+    engine, not the float32 yardstick this cell judges."""
     import torch
+    if device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
@@ -322,7 +329,7 @@ def _official(d, w):
     tcfg = Qwen4ExpTextConfig(**{k: v for k, v in d.items() if k != "model_type"})
     tcfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    m = Qwen4ExpForCausalLM(tcfg).eval()
+    m = Qwen4ExpForCausalLM(tcfg).eval()   # filled on the CPU, then moved (the buffers move with it)
     sd = dict(m.named_parameters())   # buffers (n-gram multipliers ...) are derived from the config
     from reference.checkpoint import canonical_name
     with torch.no_grad():
@@ -331,9 +338,10 @@ def _official(d, w):
             if not w.has(src):
                 raise KeyError(f"official: no weight for {k}")
             v.copy_(torch.from_numpy(np.asarray(w.get(src, dtype=np.float32)).reshape(v.shape)))
+    m = m.to(device)
 
     class Official(Backend):
-        name = "official-cpu"
+        name = f"official-{device}"
         precision = "float32"
         capabilities = {"page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
                         "snapshot_file": False, "stores": {}}
@@ -345,7 +353,8 @@ def _official(d, w):
 
         def _fwd(self, ids):
             with torch.no_grad():
-                return m(torch.as_tensor(np.asarray(ids, np.int64))[None], use_cache=False).logits[0].numpy()
+                x = torch.as_tensor(np.asarray(ids, np.int64), device=device)[None]
+                return m(x, use_cache=False).logits[0].float().cpu().numpy()
 
         def new_sequence(self):
             self.n += 1
@@ -408,16 +417,17 @@ def backend(kind: str, name: str):
     """Open backend ``kind`` (see :data:`BACKENDS`) on matrix model ``name``."""
     from parity.backends.engine import EngineBackend
     d, w = model(name)
-    if kind == "float32":
-        return EngineBackend.open(None, weights=w, device="cpu", precision="float32")
-    if kind == "bf16":
-        return EngineBackend.open(None, weights=w, device="cpu", precision="bf16")
+    if kind in ("float32", "bf16", "cuda-float32", "cuda-bf16"):   # the engine: one path, the device its option
+        dev = "cuda" if kind.startswith("cuda-") else "cpu"
+        return EngineBackend.open(None, weights=w, device=dev, precision=kind.split("-")[-1])
     if kind in ("bf16-stores", "bf16-kv"):   # correct by construction: the reference rounding its declared stores
         return _hook_fault(None, w, kind, dict(STORE_SETS["stores" if kind == "bf16-stores" else "kv"]))
-    if kind == "official":
-        return _official(d, w)
+    if kind in ("official", "official-cuda"):
+        return _official(d, w, "cuda" if kind == "official-cuda" else "cpu")
     if kind == "reverse-ties":
         return _no_taps(_Hooked(w, _reverse_ties, kind))
+    if kind == "reverse-ties-taps":   # the same, with selection taps (as the official backend has): judged by them
+        return _Hooked(w, _reverse_ties, kind)
     if kind in HOOK_FAULTS:
         return _hook_fault(kind, w, kind, {})
     if "+" in kind and kind.split("+", 1)[1] in HOOK_FAULTS:
@@ -431,9 +441,34 @@ def backend(kind: str, name: str):
     raise KeyError(kind)
 
 
-BACKENDS = ("float32", "bf16", "bf16-stores", "bf16-kv", "official", "reverse-ties", *HOOK_FAULTS,
-            *(f"fault-{b}" for b in BLOCK_FAULTS), "kv+tie-outside", "kv+hc-mean-bf16", "kv+verify-fp16",
-            "kv+batched-bf16", "kv+stale-state", "kv+bf16-scores", "stores+tie-outside")
+#: the GPU cells (tests/parity/test_verdict_matrix.py, marked gpu; their CPU twins are float32, bf16, official)
+GPU_BACKENDS = ("cuda-float32", "cuda-bf16", "official-cuda")
+
+
+def gpu_skip_reason(kind: str) -> str | None:
+    """Why GPU cell ``kind`` cannot run here (None: it can): cupy / a CUDA device for the engine, torch with
+    CUDA for the official model."""
+    if kind.startswith("cuda-"):
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return "cupy not installed"
+        from engine.backend import gpu_available
+        return None if gpu_available() else "no CUDA device visible to cupy"
+    try:
+        import torch
+    except ImportError:
+        return "torch not installed"
+    try:
+        import transformers.models.qwen4_exp  # noqa: F401
+    except ImportError:
+        return "transformers with qwen4_exp not installed"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+BACKENDS = ("float32", "bf16", "bf16-stores", "bf16-kv", "official", "reverse-ties", "reverse-ties-taps",
+            *HOOK_FAULTS, *(f"fault-{b}" for b in BLOCK_FAULTS), "kv+tie-outside", "kv+hc-mean-bf16",
+            "kv+verify-fp16", "kv+batched-bf16", "kv+stale-state", "kv+bf16-scores", "stores+tie-outside")
 
 
 # ----------------------------------------------------------------------------------------------- judging
@@ -511,7 +546,7 @@ def judge(kind: str, name: str, locate: bool = False) -> dict:
         from parity.harness.run import perturbation
         return _ref(w, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=scale)))
     ps = prompts(name)
-    if kind == "official":
+    if kind.startswith("official"):
         ps = OFFICIAL_PROMPTS.get(name, lambda p: p[1:])(ps)
     rep = run_kl(a, b, ps, greedy_tokens=GREEDY, floor=fl, perturbed_b=perturbed, progress=False, thresholds=th)
     truth = TruthCache(a.model)

@@ -8,7 +8,7 @@ engine (``--backend my_pkg.my_mod:MyBackend``) are judged the same way.
 The protocol (duck-typed; subclass :class:`Backend` for the defaults and the docs)::
 
     be = Cls.open(model_path, **opts)       # opts: page_size=int, perturb=(tensor_name, fn) (optional)
-    be.name -> str ; be.precision -> 'float64'|'float32'|'bf16'|'fp8' ; be.config -> ModelConfig
+    be.name -> str ; be.precision -> one of PRECISIONS ; be.config -> ModelConfig
     be.capabilities -> dict                 # see Backend.capabilities
     h = be.new_sequence()                   # opaque handle; several may be live at once
     be.prefill(h, ids, chunk_size=None) -> np.ndarray [T, V]   # logits of every prompt position
@@ -20,7 +20,8 @@ The protocol (duck-typed; subclass :class:`Backend` for the defaults and the doc
     be.free(h)
     be.logits(ids) -> [T, V]                # one-shot: a fresh sequence prefilled with ids, freed
     be.prefill_last(h, ids) -> [V]          # prefill keeping only the last row (default: prefill(...)[-1])
-    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation)
+    be.decode_greedy(hs, ids) -> [B] int64  # optional: argmax on the backend's device (generation; without it
+                                            # the argmax of decode(): decode_greedy_of). Both judged by the kl row
     be.draft(h, next_id, k) -> (ids [k], logits [k, V])   # capability 'mtp': the backend's own MTP drafts
     be.prefill_batch([h1, h2], [ids1, ids2]) -> [[T1, V], [T2, V]]   # ragged requests at once (optional)
     child = be.fork(h)                      # a sequence copy (optional; default snapshot + restore)
@@ -48,6 +49,11 @@ from reference.errors import InputError, UserError
 
 
 BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda", "transformers")
+
+
+#: the precisions a backend may declare (its ``precision`` attribute): each picks its pass thresholds
+#: (parity.harness.kl.FLOOR_MULTIPLE has one entry per name)
+PRECISIONS = ("float64", "float32", "bf16", "fp16", "fp8")
 
 
 class BackendError(UserError, RuntimeError):
@@ -220,6 +226,25 @@ def one_shot_logits(be, ids) -> np.ndarray:
     return Backend.logits(be, ids)
 
 
+def prefill_last_of(be, h, ids) -> np.ndarray:
+    """The generation path's prefill: ``be.prefill_last(h, ids)`` when the backend has it (the protocol
+    default is ``prefill(h, ids)[-1]``), else -- a duck-typed backend -- the last row of ``be.prefill``.
+    Returns the last position's logits as the backend returned them (``[V]`` for a correct backend)."""
+    fn = getattr(be, "prefill_last", None)
+    return np.asarray(fn(h, ids) if fn is not None else np.asarray(be.prefill(h, ids))[-1])
+
+
+def decode_greedy_of(be, hs, ids) -> np.ndarray:
+    """The generation path's greedy step: ``be.decode_greedy(hs, ids)`` (the argmax on the backend's device)
+    when the backend has it, else the first maximum (``np.argmax``) of each row of ``be.decode(hs, ids)``,
+    which is what greedy generation samples without it. Returns the next tokens as the backend returned
+    them (int ``[B]`` for a correct backend)."""
+    fn = getattr(be, "decode_greedy", None)
+    if fn is not None:
+        return np.asarray(fn(list(hs), [int(t) for t in ids]))
+    return np.argmax(np.asarray(be.decode(list(hs), [int(t) for t in ids])), axis=-1).astype(np.int64)
+
+
 class LastLogits:
     """What a backend adapter holds for :meth:`Backend.last_logits`: per sequence, the logits row of its last
     consumed position, kept through verify/rollback (the rows of the latest verify), snapshots (each snapshot
@@ -337,7 +362,8 @@ class Backend:
 
     Attributes:
         name: shown in reports ('reference', 'engine-cpu', 'my_mod:MyBackend', ...).
-        precision: 'float64' | 'float32' | 'bf16' | 'fp8' -- picks the pass thresholds.
+        precision: one of :data:`PRECISIONS` ('float64' | 'float32' | 'bf16' | 'fp16' | 'fp8') -- picks the pass
+            thresholds; the registry refuses any other value when the backend is opened.
         config: the model's :class:`reference.config.ModelConfig`.
         model_path: the checkpoint directory.
     """

@@ -301,6 +301,10 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
         except (AttributeError, TypeError):
             raise BackendError(f"{flag} {spec!r}: expected a 'precision' attribute on {type(be).__name__}, "
                                f"found none (and it cannot be set)") from None
+    from parity.backends.base import PRECISIONS
+    if not isinstance(be.precision, str) or be.precision not in PRECISIONS:  # it picks the thresholds
+        raise BackendError(f"{flag} {spec!r}: the 'precision' attribute of {type(be).__name__}: expected one of "
+                           f"{', '.join(PRECISIONS)}, found {be.precision!r}")
     return be
 
 

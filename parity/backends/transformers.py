@@ -5,7 +5,8 @@ as a yardstick for bf16 engines.
 
 Options (``--backend transformers:key=value,...``, or ``open(..., key=value)``):
 
-* ``device``: ``cpu`` (default) or ``cuda`` (``cuda:N``).
+* ``device``: ``cpu`` (default) or ``cuda`` (``cuda:N``; in float32, TF32 is turned off for the process: a
+  float32 yardstick computes in float32).
 * ``dtype``: ``float32`` (default) or ``bfloat16`` (precision ``bf16``).
 * ``load``: ``pretrained`` -- ``<architecture>.from_pretrained`` (the class named by ``config.json``'s
   ``architectures``: ``Qwen4ExpForCausalLM``, or the ``Qwen4ExpForConditionalGeneration`` wrapper of release
@@ -77,6 +78,7 @@ already multiplied by the output gate). :data:`NO_COUNTERPART` lists them.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import numpy as np
@@ -107,14 +109,23 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 LOADS = ("auto", "pretrained", "reader")
 
 
+#: the first transformers release whose qwen4_exp is the specification (pyproject's `oracle` extra pins it)
+MIN_TRANSFORMERS = (5, 23)
+
+
 def _import_torch():
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers
         from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: F401
     except ImportError as e:
         raise BackendError(f"backend transformers: expected torch and transformers with qwen4_exp (the `oracle` "
                            f"extra: pip install 'qwen4exp-parity[oracle]'), found {e}") from e
+    got = tuple(int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
+    if got < MIN_TRANSFORMERS:  # an earlier qwen4_exp is not the specification (its config validation differs)
+        raise BackendError(f"backend transformers: expected transformers >= "
+                           f"{'.'.join(map(str, MIN_TRANSFORMERS))} (the official qwen4_exp), found "
+                           f"{transformers.__version__} (pip install 'qwen4exp-parity[oracle]')")
     return torch
 
 
@@ -204,6 +215,11 @@ class TransformersBackend(Backend):
         else:
             model, note = _load_reader(model_path, cfg, tdt, quant)
         model = model.to(dev).eval()
+        if dev.startswith("cuda") and tdt == torch.float32:
+            # float32 means float32: torch lets cuDNN convolutions (the GDN / PLE causal conv1d) use TF32 by
+            # default, whose 10-bit mantissa would make this float32 yardstick a reduced-precision engine
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         crop_ok = "linear_attention" not in cfg.layer_types
         be = cls(model, cfg, tdt, dev, name or "transformers", model_path, note, crop_ok)
         if perturb is not None:

@@ -65,8 +65,11 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
                          f"{args.layers}")
     if args.device == "cuda" and not gpu_available():
         from parity.generate import DeviceUnavailableError
-        raise DeviceUnavailableError("--device cuda: a GPU was asked for, expected cupy and a CUDA device, found "
-                                     "none (use --device cpu)")
+        # the option the user gave: --device cuda, or the --backend spec it came from (parity.cli.bench)
+        flag = getattr(args, "device_flag", None)
+        raise DeviceUnavailableError(f"{flag or '--device cuda'}: a GPU was asked for, expected cupy and a CUDA "
+                                     f"device, found none (use "
+                                     f"{'--backend engine:device=cpu' if flag else '--device cpu'})")
     backend = args.backend or ("both" if gpu_available() else "reference")
     if backend == "reference":
         for name, default in (("precision", None), ("device", "auto")):

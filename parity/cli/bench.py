@@ -96,6 +96,8 @@ def _spec_to_flags(args) -> None:
     if name == "reference" and sp.options:
         raise InputError(f"--backend {args.backend!r}: bench times the reference at float32, expected no options, "
                          f"found {sp.options}")
+    if name == "engine" and "device" in parse_backend_spec(args.backend).options:
+        args.device_flag = f"--backend {args.backend!r}"   # what the user typed, for the device error's name
     args.backend = name
     if name == "engine":
         args.device = sp.options.get("device", "auto")

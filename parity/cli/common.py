@@ -95,8 +95,10 @@ def check_out(path, *, kind: str = "file", overwrite: bool = False, flag: str = 
               stdout_ok: bool = False) -> Path | None:
     """The one rule for every output path, checked before anything runs: an existing target needs
     ``--overwrite`` (and is replaced only when the run completes), the parent directory must exist (nothing
-    is created but the target), ``-`` means stdout where the format allows it (``stdout_ok``). Returns the
-    path, or None for ``-``.
+    is created but the target; for a symbolic link, the folder of the link's target, where the output goes:
+    :func:`reference.atomic.write_target`), ``-`` means stdout where the format allows it (``stdout_ok``).
+    Every output flag of every verb is checked here (``--out``, ``--plot``, ``parity --write-known``). Returns
+    the path, or None for ``-``.
 
     Raises:
         InputError: naming ``flag``: ``-`` where stdout is not allowed, an existing target without
@@ -118,10 +120,15 @@ def check_out(path, *, kind: str = "file", overwrite: bool = False, flag: str = 
         raise InputError(f"{flag} {str(path)!r}: expected a new or empty directory, found a non-empty one "
                          f"(pass --overwrite)")
     check_output_path(p, kind, overwrite=overwrite, flag=flag)
-    parent = Path(os.path.abspath(p)).parent
-    if not p.exists() and not parent.is_dir():
+    from reference.atomic import write_target
+    # a symlink is written through to its target (write_target): the target's folder must exist, as a plain
+    # path's must (a dangling link into /nonexist never creates /nonexist)
+    real = write_target(p)
+    parent = Path(os.path.abspath(real)).parent
+    if not real.exists() and not parent.is_dir():
         found = "a file" if parent.exists() else "nothing"
-        raise InputError(f"{flag} {str(path)!r}: expected an existing parent directory {str(parent)!r}, found "
+        via = f" (the folder of the symbolic link's target {str(real)!r})" if real != p else ""
+        raise InputError(f"{flag} {str(path)!r}: expected an existing parent directory {str(parent)!r}{via}, found "
                          f"{found}")
     return p
 

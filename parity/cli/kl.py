@@ -58,6 +58,12 @@ def render_kl(rep) -> str:
         n = len(rep.greedy[0]["a"])
         lines.append(f"  greedy agreement (tokens alike before the first difference, of {n} greedy tokens): "
                      + ", ".join(f"prompt {g['prompt']}: {g['agree']}" for g in rep.greedy))
+    gen = getattr(rep, "generation", None)
+    if gen:   # the generation path (parity.harness.kl.generation_paths)
+        lines.append(f"  generation path: prefill_last {gen['prefill_last_rows']} rows; decode_greedy "
+                     f"{gen['decode_greedy_as_decode']} tokens equal to decode()'s argmax, "
+                     f"{gen['decode_greedy_tokens']} judged against a: "
+                     + ("agree" if gen["ok"] else f"{len(gen['faults'])} fault(s)"))
     lines.append(f"  verdict b: {'PASS' if rep.passed else 'FAIL'} ({rep.reason})")
     lines.append("  controls:")
     for k, c in rep.controls.items():

@@ -46,9 +46,14 @@ def register(subparsers) -> None:
     add_out(p, "write report.json and failing cases' tap archives (taps/) here; written aside and swapped in "
                "when the run completes (other files in DIR are left alone)", kind="dir")
     p.add_argument("--known", metavar="FILE", default=None,
-                   help="baseline of known root causes (from --write-known): cases failing only through one are "
-                        "reported as known, not failed, so the other scenarios still judge")
-    p.add_argument("--write-known", metavar="FILE", default=None, help="write this run's root causes as a baseline")
+                   help="baseline of known divergences (from --write-known, for this model and --backend only): a "
+                        "case failing only through a known root cause, at the positions recorded, no larger than "
+                        "recorded + one tolerance band and with no new top-1 flip, is excused (shown as known, the "
+                        "verdict 'PASS (with N known divergences)', exit 0); anything else fails, naming what is new")
+    p.add_argument("--write-known", metavar="FILE", default=None,
+                   help="write this run's root causes (where, how large, top-1 flips; the model's identity and the "
+                        "backend spec) as a --known baseline; FILE's folder must exist, an existing FILE needs "
+                        "--overwrite")
     p.add_argument("--below-bound", action="store_true",
                    help="confine the scenarios below the QSA bound (cases reaching past it are skipped)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -127,11 +132,12 @@ def run(args) -> int:
     report's exit code.
 
     Raises:
-        InputError: bad ``--backend``, ``--page-sizes``, scenario names, ``--format`` or ``--out`` directory.
+        InputError: bad ``--backend``, ``--page-sizes``, scenario names, ``--format``, ``--out`` directory or
+            ``--write-known`` path; a ``--known`` baseline that is unreadable or of another model or backend.
     """
     from pathlib import Path
 
-    from parity.cli.common import backend_spec, output_format, replace_paths, staged_dir
+    from parity.cli.common import backend_spec, check_out, output_format, replace_paths, staged_dir
     from parity.harness.report import write_json_atomic
     from parity.harness.run import remove_empty_dirs, run_parity, unwritten_archives
     from reference.paths import resolve_model
@@ -142,16 +148,22 @@ def run(args) -> int:
     scen = _parse_scenarios(args.scenario)
     if args.out is not None:
         prepare_out_dir(args.out, overwrite=args.overwrite)
+    if args.write_known is not None:   # the one output rule (parity.cli.common.check_out), before anything runs
+        check_out(args.write_known, kind="file", overwrite=args.overwrite, flag="--write-known")
     pages = None
     if args.page_sizes is not None:
         from parity.harness.scenarios import parse_page_sizes
         from reference.config import load_config
         pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
     progress = not args.no_progress and sys.stderr.isatty()
-    known = None
-    if args.known:   # a bad baseline is bad input (exit 2), found before anything runs
+    known, identity = None, None
+    if args.known is not None or args.write_known is not None:
+        from parity.harness.causes import model_identity
+        identity = model_identity(model)
+    if args.known is not None:   # a bad baseline, or one of another model or backend, is bad input (exit 2)
         from parity.harness.causes import read_known
         known = read_known(args.known)
+        known.check_identity(identity, spec, model_path=str(model))
     extra = {"known": known, "below_bound": args.below_bound}
     unwritten = []
     if args.out is not None:
@@ -177,7 +189,10 @@ def run(args) -> int:
         doc = report.to_json()
     if args.write_known:
         from parity.harness.causes import write_known
-        write_known(args.write_known, doc["root_causes"], {"backend": report.backend, "model": str(model)})
+        write_known(args.write_known, doc["root_causes"],
+                    {"model": {**identity, "path": str(model)}, "backend_spec": spec, "backend": report.backend,
+                     "level": args.level, "scenarios": scen,
+                     "tol_rel": (report.meta.get("thresholds") or {}).get("tol_rel")})
     _print_report(report, fmt, doc)
     if getattr(args, "traceback", False):
         for r in report.rows:

@@ -188,7 +188,10 @@ def _cmd_record(args) -> int:
     from parity.backends import backend_class
     backend_class(spec)  # an unknown name / unimportable plugin: said before reading the ids (maybe a pipe)
     check_out(args.out, kind="dir", overwrite=args.overwrite)
-    ids = [int(x) for x in read_ids_file(args.ids)]
+    from reference.config import load_config
+    from reference.paths import resolve_model
+    vocab = load_config(resolve_model(str(args.model))).vocab_size   # ids checked where they are read: --ids FILE named
+    ids = [int(x) for x in read_ids_file(args.ids, vocab_size=vocab)]
     arc = record(args.model, ids, args.out, backend=spec, include=args.taps, layers=args.layers,
                  positions=args.positions, chunk_size=args.chunk_size,
                  cap_bytes=args.cap, scenario=args.scenario, overwrite=args.overwrite)

@@ -538,8 +538,8 @@ class BackendLM:
         be = self.backend
         h = be.new_sequence()
         try:
-            last = getattr(be, "prefill_last", None)
-            logits = np.asarray(last(h, prompt_ids) if last is not None else np.asarray(be.prefill(h, prompt_ids))[-1])
+            from parity.backends.base import prefill_last_of
+            logits = prefill_last_of(be, h, prompt_ids)
         except BaseException:
             be.free(h)
             raise

@@ -327,6 +327,15 @@ def thresholds_for(precision: str, floor=None) -> KLThresholds:
                         f"positions)", max(float(floor.score_rel), UNIT_ROUNDOFF["float32"]))
 
 
+def top1_flips(top1, top1_gap, scale, th: KLThresholds) -> np.ndarray:
+    """``[T]`` bool: the kl row's near-tie rule -- a top-1 disagreement (``top1`` False) is a fault only where the
+    truth's gap between its argmax and the backend's pick (``top1_gap``, logits units) exceeds the near-tie band
+    ``2 * tol_rel * scale`` (an error of at most tol on each of the two logits can flip exactly those)."""
+    tol = th.tol_rel * np.asarray(scale, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return ~np.asarray(top1, dtype=bool) & (np.asarray(top1_gap, dtype=np.float64) > 2.0 * tol)
+
+
 def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
     """``[T]`` bool: positions failing :func:`verdict`'s rules (non-finite, logit error, KL, top-1 gap)."""
     tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
@@ -335,7 +344,7 @@ def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
         bad = ~np.isfinite(both) | ~np.isfinite(cmp.max_abs_err)
         bad |= cmp.max_abs_err > tol
         bad |= both > tol ** 2
-        bad |= ~np.asarray(cmp.top1, dtype=bool) & (np.asarray(cmp.top1_gap) > 2.0 * tol)
+        bad |= top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
     return bad
 
 
@@ -368,7 +377,7 @@ def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True, offset: i
         w = int(np.argmax(klr))
         return False, f"KL {both[w]:.3g} > (tol x scale)^2 = {tol[w] ** 2:.3g} at position {offset + w}"
     if top1:
-        flips = ~np.asarray(cmp.top1, dtype=bool) & (np.asarray(cmp.top1_gap) > 2.0 * tol)
+        flips = top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
         if flips.any():
             w = int(np.argmax(flips))
             return False, (f"top-1 differs at position {offset + w} with truth gap {cmp.top1_gap[w]:.3g} > near-tie "
@@ -413,6 +422,8 @@ class KLReport:
     ties: dict | None = None
     failed_prompts: list = field(default_factory=list)  # prompts failing (prefill or decode rows, or a tie pick)
     decode_failed: list = field(default_factory=list)   # of those, the ones whose prefill rows agree
+    generation: dict | None = None   # generation_paths(): prefill_last / decode_greedy judged
+    generation_failed: list = field(default_factory=list)  # failing only in prefill_last / decode_greedy
 
     def __post_init__(self):
         if not self.status:
@@ -442,6 +453,7 @@ class KLReport:
             "per_prompt_positions": self.per_prompt_positions,
             "greedy": self.greedy, "controls": self.controls, "floor": self.floor, "ties": self.ties,
             "failed_prompts": self.failed_prompts, "decode_failed": self.decode_failed,
+            "generation": self.generation, "generation_failed": self.generation_failed,
             "seconds": round(self.seconds, 3),
         }
 
@@ -465,6 +477,118 @@ def _greedy(backend, ids: Sequence[int], n: int) -> tuple[list[int], np.ndarray 
         return out, (np.stack(rows) if rows else np.zeros((0, logits.shape[-1]), logits.dtype))
     finally:
         backend.free(h)
+
+
+#: sequences the generation-path check keeps live at once (batched like generation; an engine's default
+#: live-sequence capacity is 16, parity/backends/engine.py)
+GENERATION_BATCH = 8
+
+
+def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens: int, decode_tokens=None) -> dict:
+    """Judge b's generation path, the operations ``qwen4exp generate`` uses and the prefill/decode judgement
+    never calls: ``prefill_last`` (:func:`parity.backends.base.prefill_last_of`) and ``decode_greedy``
+    (:func:`parity.backends.base.decode_greedy_of`; a backend without them is judged through those defaults).
+
+    * prefill_last: each prompt's returned row against ``truth_last[i]`` (the truth's last prompt row ``[V]``,
+      the one b's prefill row was judged against), by :func:`verdict` -- the prefill thresholds;
+    * decode_greedy: from the argmax of that row, ``greedy_tokens - 1`` greedy steps, the prompts decoded
+      together in batches of :data:`GENERATION_BATCH` (at most a declared ``batched_decode`` limit's
+      ``max_tokens``; one at a time when b declares batched decode unsupported), as generation does. Where the tokens equal ``decode_tokens[i]`` (b's own greedy
+      continuation through decode(), whose rows are judged) nothing new is claimed; elsewhere each token is
+      compared with the argmax of a's forward over the prompt and the tokens before it, a disagreement
+      failing outside the near-tie band (:func:`top1_flips`, the kl row's rule).
+
+    Returns ``{"ok", "faults": [{"prompt", "op", "position", "detail"}], "prefill_last_rows",
+    "decode_greedy_tokens"`` (judged against the truth), ``"decode_greedy_as_decode"`` (equal to decode()'s
+    argmax)``}`` (positions absolute in the prompt + continuation). A wrong shape or dtype is a fault, never an
+    exception.
+    """
+    from parity.backends import one_shot_logits
+    from parity.backends.base import capability, decode_greedy_of, prefill_last_of
+    faults, rows_judged, toks_judged, toks_same = [], 0, 0, 0
+    V = int(np.asarray(truth_last[0]).shape[-1]) if len(truth_last) else 0
+    bd = capability(b, "batched_decode")   # a declared limit's max_tokens is the largest batch
+    batch = max(1, min(GENERATION_BATCH, bd.max_tokens or GENERATION_BATCH)) if bd.usable else 1
+    for g0 in range(0, len(prompts), batch):
+        group = list(range(g0, min(g0 + batch, len(prompts))))
+        hs, toks, live = [], {}, []
+        try:
+            for i in group:
+                ids = [int(t) for t in prompts[i]]
+                h = b.new_sequence()
+                hs.append(h)
+                row = prefill_last_of(b, h, ids)
+                pos = len(ids) - 1
+                if row.shape != (V,) or not np.issubdtype(row.dtype, np.floating):
+                    faults.append({"prompt": i, "op": "prefill_last", "position": pos,
+                                   "detail": f"returned shape {row.shape} dtype {row.dtype}, expected ({V},) float "
+                                             f"= [vocab_size]"})
+                    continue
+                ok, why = verdict(compare_logits(np.asarray(truth_last[i])[None], row[None]), th, offset=pos)
+                rows_judged += 1
+                if not ok:
+                    faults.append({"prompt": i, "op": "prefill_last", "position": pos, "detail": why})
+                toks[i] = [int(np.argmax(row))]
+                live.append((i, h))
+            for step in range(max(0, greedy_tokens - 1)):
+                if not live:
+                    break
+                dropped = []
+                for k in range(0, len(live), batch):
+                    part = live[k:k + batch]
+                    nxt = decode_greedy_of(b, [h for _, h in part], [toks[i][-1] for i, _ in part]).reshape(-1)
+                    if nxt.shape != (len(part),) or not np.issubdtype(nxt.dtype, np.integer):
+                        for i, _ in part:
+                            faults.append({"prompt": i, "op": "decode_greedy", "position": len(prompts[i]) + step,
+                                           "detail": f"returned shape {nxt.shape} dtype {nxt.dtype} for a batch of "
+                                                     f"{len(part)}, expected ({len(part)},) integer token ids"})
+                        dropped += part
+                        continue
+                    for (i, _), t in zip(part, nxt):
+                        toks[i].append(int(t))
+                live = [x for x in live if x not in dropped]
+        finally:
+            for h in hs:
+                b.free(h)
+        for i in toks:
+            got = toks[i]
+            mine = list(decode_tokens[i]) if decode_tokens is not None and i < len(decode_tokens) else None
+            if len(got) < 2 or (mine is not None and [int(t) for t in mine[:len(got)]] == got):
+                toks_same += len(got) - 1
+                continue   # the same tokens as b's decode() argmax, whose rows are judged
+            ids = [int(t) for t in prompts[i]]
+            truth = np.asarray(one_shot_logits(a, ids + got[:-1]))[len(ids):]   # rows predicting got[1:]
+            pick = np.asarray(got[1:], dtype=np.int64)
+            if (pick < 0).any() or (pick >= V).any():
+                j = int(np.argmax((pick < 0) | (pick >= V)))
+                faults.append({"prompt": i, "op": "decode_greedy", "position": len(ids) + j,
+                               "detail": f"token id {int(pick[j])} at position {len(ids) + j}, expected ids in "
+                                         f"[0, vocab_size {V})"})
+                continue
+            r = np.arange(len(pick))
+            best = _topk_sets(truth, 1)[:, 0]
+            with np.errstate(invalid="ignore"):
+                gap = truth[r, best].astype(np.float64) - truth[r, pick]
+            flips = top1_flips(best == pick, gap, logit_scale(truth), th)
+            toks_judged += len(pick)
+            if flips.any():
+                j = int(np.argmax(flips))
+                tol = th.tol_rel * float(logit_scale(truth[j:j + 1])[0])
+                faults.append({"prompt": i, "op": "decode_greedy", "position": len(ids) + j,
+                               "detail": f"greedy token {int(pick[j])} at position {len(ids) + j + 1} (row of position {len(ids) + j}), the truth's "
+                                         f"argmax {int(best[j])} with gap {gap[j]:.3g} > near-tie 2 x tol x scale = "
+                                         f"{2 * tol:.3g}"})
+    return {"ok": not faults, "faults": faults, "prefill_last_rows": rows_judged, "decode_greedy_tokens": toks_judged,
+            "decode_greedy_as_decode": toks_same}
+
+
+def generation_fault_text(f: dict) -> str:
+    """One generation-path fault of :func:`generation_paths` as the kl row names it: the prompt, the operation
+    and what differs (the prefill / decode rows of that prompt were judged separately)."""
+    other = "prefill()" if f["op"] == "prefill_last" else "decode()"
+    return (f"prompt {f['prompt']}: {f['op']} (the generation path): returned "
+            f"{'logits' if f['op'] == 'prefill_last' else 'tokens'} differ: {f['detail']} (judged apart from the "
+            f"{other} rows)")
 
 
 def _weights_of(be):
@@ -574,7 +698,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     th = thresholds if thresholds is not None else thresholds_for(prec, floor)
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
-    la_all = []
+    la_all, truth_last = [], []
     tie_rows, outside, per_prompt, unresolved = [], [], [], []
     from parity.harness.ties import MAX_RESOLUTIONS as MAX_RESOLUTIONS_NOTE
     truth_model = getattr(a, "model", None) if floor is not None else None
@@ -614,7 +738,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                 still = position_faults(c2, th)
                 eq = [int(p) for p in np.nonzero(bad & ~still)[0]]
                 tie_rows.append({"prompt": i, "how": tj.how, "positions": eq, "selection_positions": tj.positions})
-                c = c2
+                c, truth = c2, tj.logits
                 if still.any() and tj.truncated and int(np.argmax(still)) >= min(tj.truncated):
                     unresolved.append(f"prompt {i}: rows from position {int(np.argmax(still))} follow a tie with more "
                                       f"than {MAX_RESOLUTIONS_NOTE} resolutions (position {min(tj.truncated)}): the "
@@ -624,6 +748,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             o = outside_pick(truth_model, path, be, th, b)
             if o:
                 outside.append(f"prompt {i}: {o}")
+        truth_last.append(np.asarray(truth)[len(ids) - 1])   # the truth b's last prompt row was judged against
         cmps.append(c.select(slice(0, len(ids))))
         dc = None
         if len(path) > len(ids):
@@ -657,6 +782,13 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     if outside:
         passed = False
         reason = outside[0] + ("" if len(outside) == 1 else f" (+{len(outside) - 1} more prompts)") + "; " + reason
+    gen = generation_paths(a, b, prompts, truth_last, th, greedy_tokens, [g["b"] for g in greedy] if greedy else None)
+    generation_failed = sorted({f["prompt"] for f in gen["faults"]} - set(failed_prompts))
+    if gen["faults"]:   # prefill_last / decode_greedy (what generation runs) disagree with the truth
+        first_gen = generation_fault_text(gen["faults"][0])
+        reason = first_gen if passed else reason + "; " + first_gen
+        passed = False
+        failed_prompts = sorted(set(failed_prompts) | {f["prompt"] for f in gen["faults"]})
     ties_doc = {"tie_equivalent": tie_rows, "tie_equivalent_positions": sum(len(r["positions"]) for r in tie_rows),
                 "outside_tie_set": outside}
     if floor is not None:
@@ -706,7 +838,8 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                     per_prompt_positions=[c.n for c in cmps] + [c.n for c in dcmps], greedy=greedy, thresholds=th,
                     passed=passed, reason=reason, controls=controls, seconds=time.perf_counter() - t0,
                     status=status, decode=dec, floor=floor.to_json() if floor is not None else None,
-                    ties=ties_doc, failed_prompts=failed_prompts, decode_failed=decode_failed)
+                    ties=ties_doc, failed_prompts=failed_prompts, decode_failed=decode_failed, generation=gen,
+                    generation_failed=generation_failed)
 
 
 def decode_case(ids: Sequence[int], tokens: Sequence[int]):

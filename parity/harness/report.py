@@ -64,6 +64,8 @@ class ScenarioRow:
     traceback: str | None = None                    # the first backend failure's stack trace (ERROR rows)
     known: int = 0           # cases failing only through a --known root cause (not counted as failed)
     tie_equivalent: int = 0  # positions passing only under the backend's tie resolution (parity.harness.ties)
+    #: where: one entry per case (or kl prompt) with tie-equivalent positions: {"case", "op", "seq", "positions"}
+    tie_equivalent_at: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""
@@ -100,6 +102,20 @@ class ParityReport:
         return EXIT_OK
 
     @property
+    def known_cases(self) -> int:
+        """Cases failing only through a cause of the ``--known`` baseline (excused: not counted as failed)."""
+        return sum(int(r.known or 0) for r in self.rows)
+
+    @property
+    def verdict_line(self) -> str:
+        """The verdict as the table prints it: ``PASS`` / ``FAIL`` / ... and, when the ``--known`` baseline
+        excused any case, ``" (with N known divergences)"`` -- never a bare PASS that reads as a clean one."""
+        v = "REFUSED" if self.verdict == "refused" else \
+            {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE", 4: "ERROR"}.get(self.exit_code, "FAIL")
+        n = self.known_cases
+        return v + (f" (with {n} known divergence{'s' if n != 1 else ''} excused by --known)" if n else "")
+
+    @property
     def verdict(self) -> str:
         """'pass' | 'fail' | 'inconclusive' | 'refused' (an outside engine refused a valid checkpoint: its
         converter or loader rejected it -- the engine's defect, exit 1 like a divergence)."""
@@ -112,7 +128,8 @@ class ParityReport:
         from parity.harness.causes import group_causes
         return jsonable({"backend": self.backend, "model": self.model, "reproduce": self.reproduce,
                          "exit_code": self.exit_code,
-                         "verdict": self.verdict,
+                         "verdict": self.verdict, "verdict_line": self.verdict_line,
+                         "known_cases": self.known_cases,
                          "meta": self.meta, "root_causes": group_causes(self.rows),
                          "tie_equivalent_positions": sum(r.tie_equivalent for r in self.rows), "scenarios": [r.to_json() for r in self.rows]})
 
@@ -155,10 +172,24 @@ LEGEND = [
     "the logit scale, see limits)",
     "INCONCLUSIVE: nothing failed, but the run cannot vouch for a pass (a floor too coarse for a useful fault, an "
     "unflagged negative control, or a tie too large to search); known: failing only through a --known root "
-    "cause; tie-eq pos: positions passing under the backend's resolution of a tie",
+    "cause at the positions the baseline recorded, no larger than recorded + one tolerance band, no new top-1 "
+    "flip (excused, not failed; the verdict then says 'with N known divergences'); tie-eq pos: positions passing "
+    "under the backend's resolution of a tie",
     "ERROR: the backend raised inside a case (counted as a failed case; stack traces in report.json, and on "
     "stderr with --traceback)",
 ]
+
+
+def _where(cause: dict) -> str:
+    """Where a root cause is and how large (its fault, parity.harness.causes.group_causes), in a few words."""
+    fault = cause.get("fault") or {}
+    locs = [k for k in fault if k != "unlocated"]
+    if not locs:
+        return ""
+    e = cause.get("worst_logit_err_rel")
+    return (f"at {', '.join(locs[:3])}" + (f" and {len(locs) - 3} more" if len(locs) > 3 else "")
+            + (f", worst err {float(e):.2g}xscale" if e is not None else "")
+            + (", top-1 flipped" if cause.get("top1_flip") else ""))
 
 
 def _limits(th: dict) -> str:
@@ -236,16 +267,38 @@ def _terminal_columns() -> int | None:
     return shutil.get_terminal_size((80, 24)).columns
 
 
+def skip_notes(report: ParityReport) -> list[str]:
+    """One line per row with skipped or narrowed cases: ``scenario: N skipped: reason; ...; narrowed: ...``
+    (the notes under the verdict table; the cases column counts the skips). Reasons come from the row's
+    ``skips`` (each case with its reason), else from its detail (rows built without per-case skips)."""
+    out = []
+    for r in report.rows:
+        reasons = list(dict.fromkeys(s["reason"] for s in r.skips if "reason" in s))
+        narrowed = list(dict.fromkeys(s["narrowed"] for s in r.skips if "narrowed" in s))
+        if not reasons and not narrowed:
+            if r.skipped or "narrowed" in (r.detail or ""):
+                out.append(f"{r.scenario}: {' '.join(str(r.detail).split())}")
+            continue
+        parts = ([f"{r.skipped} skipped: " + "; ".join(reasons)] if reasons else []) + (
+            [f"narrowed: " + "; ".join(narrowed)] if narrowed else [])
+        out.append(f"{r.scenario}: " + "; ".join(parts))
+    return out
+
+
 def _row_cells(report: ParityReport) -> list[list[str]]:
     rows = []
     for r in report.rows:
         cases = (f"{r.cases - r.failed_cases}/{r.cases}" + (f" (+{r.skipped} skipped)" if r.skipped else "")
                  + (f" ({r.known} known)" if r.known else "")
                  + (f" ({r.tie_equivalent} tie-eq pos)" if r.tie_equivalent else ""))
-        # a passing row with skipped or narrowed cases shows why (a skip is never silent)
-        quiet = r.status == "pass" and not r.skipped and "narrowed" not in (r.detail or "")
+        # a passing or skipped row diverged nowhere: '-'; why cases were skipped or narrowed is said under the
+        # table (skip_notes: a skip is never silent, and never reads as a divergence)
+        quiet = r.status in ("pass", "skip")
         div = " ".join(str(r.first_divergence or ("-" if quiet else r.detail)).split())
-        def value(x):  # an all-ERROR scenario compared nothing: ERROR, never a KL that reads as perfect
+        def value(x):  # an all-ERROR scenario compared nothing: ERROR, never a KL that reads as perfect;
+            # a skipped row compared nothing either: '-'
+            if r.status == "skip":
+                return "-"
             return "ERROR" if r.status == "error" and (x is None or not math.isfinite(x)) else _fmt(x)
         kl, err = value(r.worst_kl), value(r.worst_logit_err)
         rows.append([r.scenario, cases, kl, _limits(r.thresholds), err, div, f"{r.seconds:.1f}s", r.status.upper()])
@@ -294,16 +347,23 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:_DIV], cell[0], *row[_DIV + 1:]], widths)).rstrip())
         pad = sum(widths[:_DIV]) + 2 * _DIV
         lines += [" " * pad + more for more in cell[1:]]
-    verdict = "REFUSED" if report.verdict == "refused" else \
-        {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE", 4: "ERROR"}.get(report.exit_code, "FAIL")
+    verdict = report.verdict_line.split(" (")[0]
     notes = []
     from parity.harness.causes import group_causes
     causes = group_causes(report.rows)
+    skips = skip_notes(report)
+    if skips:   # the reasons of every skip and narrowing (the cases column counts them)
+        width = cols if cols is not None else 10_000
+        notes.append("skipped / narrowed cases (never counted as passed):")
+        for ln in skips:
+            notes += ["  " + t for t in _cell_lines(ln, max(20, width - 4))]
     if causes:   # one root cause at a time: each listed once with the cases it explains
         notes.append(f"root causes ({len(causes)}):")
         for k, c in enumerate(causes, 1):
+            where = _where(c)
             notes.append(f"  [{k}] {c['id']}{' (known)' if c['known'] else ''}: {len(c['cases'])} case(s), "
-                         f"e.g. {c['cases'][0]}")
+                         f"e.g. {c['cases'][0]}" + (f"; {where}" if where else "")
+                         + (f"; not excused by --known: {c['known_note']}" if c.get("known_note") else ""))
     if legend:
         width = cols if cols is not None else 10_000
         notes.append("legend:")
@@ -313,7 +373,7 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         for name in dict.fromkeys(r.scenario for r in report.rows):
             if name in SCENARIO_MEANING:
                 notes += ["  " + t for t in _cell_lines(f"{name}: {SCENARIO_MEANING[name]}", max(20, width - 4))]
-    tail = f"verdict: {verdict}  (backend {report.backend}, model {report.model})"
+    tail = f"verdict: {report.verdict_line}  (backend {report.backend}, model {report.model})"
     text = "\n".join(lines + notes + [tail])
     if console is not None:
         try:
@@ -346,8 +406,8 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
                             console.print("  " + ln, markup=False, highlight=False)
             for n in notes:
                 console.print(n, markup=False, highlight=False)
-            console.print(f"verdict: [{style.get(verdict, 'red')}]{verdict}[/]  (backend {report.backend}, "
-                          f"model {report.model})")
+            console.print(f"verdict: [{style.get(verdict, 'red')}]{escape(report.verdict_line)}[/]  (backend "
+                          f"{report.backend}, model {report.model})")
         except ImportError:
             console.print(text)
     return text

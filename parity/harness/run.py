@@ -103,7 +103,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
 
     Every verdict uses thresholds from the floor measured once on this model (the KL prompts plus a stream past
     the QSA bound, parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes
-    passing rows 'inconclusive'. ``known``: root-cause ids of a ``--known`` baseline; ``below_bound``: confine
+    passing rows 'inconclusive'. ``known``: the ``--known`` baseline
+    (:class:`parity.harness.causes.KnownCauses`, identity already checked); ``below_bound``: confine
     the scenarios below the QSA bound (parity.harness.causes).
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
@@ -187,10 +188,11 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
                                               archive_dir=archive_dir, floor=floor, known=known, thresholds=th))
-                except KeyboardInterrupt:
-                    raise
-                except (Exception, SystemExit) as e:  # the backend raised (or exited) in the KL harness: an ERROR row
-                    # (the backend was opened and the prompts read before this point: nothing here is bad input)
+                except (Exception, SystemExit, KeyboardInterrupt) as e:  # the backend raised (or exited) in the KL
+                    # harness: an ERROR row (the backend was opened and the prompts read before this point: nothing
+                    # here is bad input); only a KeyboardInterrupt behind which a signal was received stops the run
+                    if _real_interrupt(e):
+                        raise
                     msg = f"backend raised {_exc_name(e)}"
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
@@ -204,9 +206,12 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
             except NonFiniteTruth as e:  # the truth went NaN/Inf at some history: nothing to judge against
                 invalid = e
                 report.rows.append(_inconclusive_row(name, e, limits))
-            except (KeyboardInterrupt, UserError):
+            except UserError:
                 raise  # a backend that cannot be opened (at a page size) / bad options: exit 2
-            except (Exception, SystemExit) as e:  # a scenario that cannot run at all is an ERROR row, not a crash
+            except (Exception, SystemExit, KeyboardInterrupt) as e:  # a scenario that cannot run at all is an ERROR
+                # row, not a crash; a KeyboardInterrupt stops the run only when a signal was received
+                if _real_interrupt(e):
+                    raise
                 report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None,
                                                time.perf_counter() - t0, "error", _exc_name(e),
                                                traceback=_format_tb(e)))
@@ -226,7 +231,7 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
 
     ``prompts``: token-id lists (already loaded), or a prompt file / None (the bundled set). The row's
     failed cases are the report's ``failed_prompts`` (prefill or decode rows, or a pick outside a tie set).
-    ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` root-cause ids.
+    ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` baseline.
     """
     import dataclasses
 
@@ -258,7 +263,12 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         # the worst prompt among those failing (KL, top-1, decode rows or a tie pick), else the worst KL overall
         cand = rep.failed_prompts or [i for i, ok in enumerate(prompt_ok) if not ok] or list(range(len(prompts)))
         worst = max(cand, key=lambda i: np.nan_to_num(per_prompt[i], nan=np.inf))
-        if truth is not None and worst in rep.decode_failed and rep.greedy:   # located through the decode path
+        gen_only = getattr(rep, "generation_failed", None) or []
+        if worst in gen_only:   # its prefill and decode rows agree: located at the generation operation itself
+            from parity.harness.kl import generation_fault_text
+            f = next(f for f in rep.generation["faults"] if f["prompt"] == worst)
+            first = generation_fault_text(f)
+        elif truth is not None and worst in rep.decode_failed and rep.greedy:   # located through the decode path
             from parity.harness.kl import decode_case
             from parity.harness.scenarios.runner import run_case
             res = run_case("kl", decode_case(prompts[worst], rep.greedy[worst]["b"]), open_backend(backend_spec, model),
@@ -280,14 +290,24 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     doc["archives"] = archives
     doc["root_cause"] = root_cause(rep.reason, first, getattr(getattr(truth, "model", None), "config", None))
     doc["label"] = "kl"
-    if status == "fail" and known and doc["root_cause"]["id"] in known:
-        doc["known"], status = True, "pass"
-        detail = f"failing only through a known root cause ({doc['root_cause']['id']}); " + detail
+    doc["fault"] = _kl_fault(rep, prompts) if status == "fail" else None
+    if status == "fail" and known is not None:   # the same cause at the same places, no larger, no new top-1 flip
+        ok, why = known.judge(doc["root_cause"], doc["fault"], rep.thresholds.tol_rel)
+        if ok:
+            doc["known"], status = True, "pass"
+            detail = f"failing only through a known root cause ({doc['root_cause']['id']}); " + detail
+        else:
+            doc["known_note"] = why
+            detail += f" (not excused by --known: {why})"
     tie_eq = (rep.ties or {}).get("tie_equivalent_positions", 0)
-    return ScenarioRow("kl", len(prompts), n_bad, rep.comparison.worst_kl(), rep.comparison.summary()["max_logit_err"],
+    n_known = max(n_bad, 1) if doc.get("known") else 0   # the excused prompts (as a suite's excused cases)
+    tie_at = [{"case": f"kl/prompt {t['prompt']}", "op": None, "seq": None, "positions": list(t["positions"])}
+              for t in (rep.ties or {}).get("tie_equivalent", []) if t["positions"]]
+    return ScenarioRow("kl", len(prompts), 0 if n_known else n_bad, rep.comparison.worst_kl(),
+                       rep.comparison.summary()["max_logit_err"],
                        first, time.perf_counter() - t0, status, detail,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
-                       known=int(bool(doc.get("known"))), tie_equivalent=tie_eq,
+                       known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json())
 
 
@@ -300,6 +320,25 @@ def backend_label(spec) -> str:
         return str(parse_backend_spec(spec))
     except Exception:  # noqa: BLE001 - shown as it is
         return str(spec)
+
+
+def _kl_fault(rep, prompts) -> dict:
+    """The KL row's fault (:func:`parity.harness.causes.fault_of`) over every prompt: prefill rows at
+    ``"prompt I position P"``, decode rows at the position they predict from (``len(prompt) + step``)."""
+    import numpy as np
+
+    from parity.harness.causes import fault_of
+    n = len(prompts)
+    sizes = rep.per_prompt_positions
+    bounds = np.cumsum([0] + list(sizes))
+    # decode blocks follow the prefill blocks, one per prompt whose greedy run returned rows (kl.run_kl)
+    with_decode = [g["prompt"] for g in rep.greedy if "decode_faults" in g]
+    out = {}
+    for k in range(len(sizes)):
+        i, off = (k, 0) if k < n else (with_decode[k - n], len(prompts[with_decode[k - n]]))
+        out.update(fault_of(rep.comparison.select(slice(int(bounds[k]), int(bounds[k + 1]))), rep.thresholds,
+                            offset=off, prefix=f"prompt {i} "))
+    return out
 
 
 def _current_spelling(name: str) -> str:
@@ -320,10 +359,24 @@ def _inconclusive_row(name: str, e, limits):
                        thresholds=limits)
 
 
+def _real_interrupt(e: BaseException) -> bool:
+    """True for a KeyboardInterrupt (or the CLI's Terminated) behind which SIGINT / SIGTERM / SIGHUP was really
+    received (:func:`reference.atomic.real_interrupt`): the run stops (exit 128 + N). A KeyboardInterrupt the
+    backend's code raised with no signal behind it is the backend raising: an ERROR row, exit 1."""
+    if not isinstance(e, KeyboardInterrupt):
+        return False
+    from reference.atomic import real_interrupt
+    return getattr(e, "signum", None) is not None or real_interrupt()
+
+
 def _exc_name(e: BaseException) -> str:
-    """``Type: message`` of an exception; ``SystemExit(code)`` for a backend that called sys.exit()."""
+    """``Type: message`` of an exception; ``SystemExit(code)`` for a backend that called sys.exit(); a
+    KeyboardInterrupt with no signal behind it says so."""
     if isinstance(e, SystemExit):
         return f"SystemExit({e.code!r}) (the backend called sys.exit)"
+    if isinstance(e, KeyboardInterrupt):
+        from parity.backends.base import describe_exception
+        return f"{describe_exception(e)} (raised by the backend, no signal was received)"
     return f"{type(e).__name__}: {e}"
 
 

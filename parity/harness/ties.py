@@ -8,8 +8,10 @@ blocks on CPU and CUDA. The reference's canonical rule (higher score, then the l
 resolution. A backend is judged against the reference under the resolution it took:
 
 * **with selection taps** (``indexer.selected_blocks`` / ``gate.topk_ids``): every differing selection must
-  lie inside the truth's tie set at that cut (else FAIL: "pick outside the tie set"); the reference is re-run
-  with the backend's selections forced and the backend's logits are judged against that;
+  lie inside the tie set at that cut of the truth *under the backend's upstream choices* (else FAIL: "pick
+  outside the tie set"): a pick inside a tie changes every later layer and position, so the differences are
+  judged in dataflow order (layer by layer), forcing each group of tie-set picks into the reference and
+  re-running it before the next layer is compared; the backend's logits are judged against the final re-run;
 * **without**: the reference is re-run under each resolution of the tied cuts, position by position (the
   resolution whose row matches the backend's best is kept), and the backend is judged against the result.
 
@@ -25,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from parity.harness.floor import SelectionLog, TieReport, forced_logits, logged_logits, tie_report
+from parity.harness.floor import SelectionLog, TieReport, logged_logits, tie_report
 
 __all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections", "outside_pick"]
 
@@ -170,6 +172,52 @@ def _with_overrides(model, ids, overrides: dict):
         model.selection_hook = model.expert_hook = None
 
 
+def _row_like(be_row, like) -> np.ndarray:
+    """The backend's selection row in the truth's layout (valid ids, -1 padded to the truth row's width)."""
+    valid = [int(x) for x in np.asarray(be_row).reshape(-1) if x >= 0]
+    out = np.full(np.asarray(like).shape, -1, dtype=np.int64)
+    out[:len(valid)] = valid
+    return out
+
+
+def _judge_taps(truth_model, ids, canon, log: SelectionLog, be_sel: SelectionLog, band: float):
+    """Judge the backend's tapped selections causally: ``(outside, forced positions, truth logits or None)``.
+
+    A selection differing inside a tie set changes everything downstream of it (later layers, later positions),
+    so a later layer's pick is judged against the truth *under the backend's earlier choices*, never against
+    the canonical run: in dataflow order (layer by layer; in a layer the QSA blocks before the MoE experts,
+    every position at once, since a layer's scores depend only on the layers before it), the first group with a
+    differing selection is checked against the current truth's tie sets (a pick outside one: FAIL), those picks
+    are forced, and the truth is re-run live (every other selection recomputed) before the next group is
+    compared. At most one re-run per selection layer and kind."""
+    overrides: dict = {}
+    cur_logits, cur_log = canon, log
+    forced_pos: set = set()
+    groups = sorted([(layer, 0, "qsa") for layer in log.qsa_sel] + [(layer, 1, "moe") for layer in log.moe_ids])
+    for _ in range(len(groups) + 1):
+        ties = tie_report(cur_log, truth_model.config, band)
+        step = None
+        for layer, _o, kind in groups:
+            truth_sel = cur_log.qsa_sel if kind == "qsa" else cur_log.moe_ids
+            be = (be_sel.qsa_sel if kind == "qsa" else be_sel.moe_ids)
+            scores = cur_log.qsa_scores if kind == "qsa" else cur_log.moe_probs
+            if layer not in be or layer not in truth_sel:
+                continue
+            inside, outside = _diff_in_ties(kind, {layer: truth_sel[layer]}, {layer: be[layer]}, ties, scores)
+            if outside is not None:
+                return outside, sorted(forced_pos), None
+            if inside:
+                step = [((kind, layer, t), _row_like(be[layer][t], truth_sel[layer][t])) for t in inside]
+                break
+        if step is None:
+            break
+        for key, row in step:
+            overrides[key] = row
+            forced_pos.add(key[2])
+        cur_logits, cur_log = _with_overrides(truth_model, ids, overrides)
+    return None, sorted(forced_pos), (cur_logits if overrides else None)
+
+
 def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.ndarray, th, floor=None,
                backend=None) -> TieJudgement:
     """Find the tie resolution the backend took on one prompt and the truth under it.
@@ -193,14 +241,7 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
     be_sel = backend_selections(backend, ids) if backend is not None else None
     if be_sel is not None:
         out.how = "taps"
-        q_in, q_out = _diff_in_ties("qsa", log.qsa_sel, be_sel.qsa_sel, ties, log.qsa_scores)
-        m_in, m_out = _diff_in_ties("moe", log.moe_ids, be_sel.moe_ids, ties, log.moe_probs)
-        out.outside = q_out or m_out
-        out.positions = sorted(set(q_in) | set(m_in))
-        if out.outside is None and out.positions:
-            forced = SelectionLog(qsa_sel={k: be_sel.qsa_sel.get(k, v) for k, v in log.qsa_sel.items()},
-                                  moe_ids={k: be_sel.moe_ids.get(k, v) for k, v in log.moe_ids.items()})
-            out.logits = forced_logits(truth_model, ids, forced)
+        out.outside, out.positions, out.logits = _judge_taps(truth_model, ids, canon, log, be_sel, tie_band(th))
         return out
     # search: walk the tied positions in order; at each, keep the resolution whose row matches the backend best.
     # Only the tied cuts are overridden: every other selection is recomputed under the resolution so far.

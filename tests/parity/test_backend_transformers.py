@@ -9,7 +9,8 @@ exactly 0.0 (on tiny-hc2 and tiny-fp8 some scenario prompts meet such ties too);
 registry's canonical order (and the reference) take, so the two models select different blocks on ordinary
 prompts. tap-diff locates it at ``layers.2.self_attn.indexer.selected_blocks`` as a tie-break; the
 counterfactual -- the reference made to break ties as ``torch.topk`` does -- agrees with the official model
-to float32 precision.
+to float32 precision. Both are valid resolutions of the tie: ``qwen4exp parity`` judges them tie-equivalent
+(issue 13; tests/parity/test_scenario_ties.py) and passes.
 
 Tolerance: float32 official vs float32 reference differ by accumulation order only: the measured worst
 logit error on the fixtures is ~1e-5 of logits ~20 (README, tests/reference/test_fixtures.py), so 1e-4
@@ -314,19 +315,18 @@ def test_bad_options_are_one_clear_error():
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_parity_cli_all_scenarios_on_every_fixture(capsys):
-    """Every scenario (ci level) and the KL harness pass on tiny; on the fixtures whose prompts
-    meet exact indexer ties parity fails and names the indexer selection (the finding of the module docstring)."""
+    """Every scenario (ci level) and the KL harness pass on every fixture; on the fixtures whose prompts meet
+    exact indexer ties (the finding of the module docstring) the official CPU picks there are tie-equivalent:
+    reported as such (tie-equivalent positions), never a FAIL (issue 13's tie rule, parity.harness.ties)."""
     _need_oracle()
     from parity.cli import main
     for fx in FIXTURES:
         rc = main(["parity", fx, "--backend", "transformers", "--level", "ci", "--json", "--no-progress"])
         doc = json.loads(capsys.readouterr().out)
+        assert rc == 0 and doc["verdict"] == "pass", (fx, [r["detail"] for r in doc["scenarios"]])
         if fx in TIE_SCENARIO_FIXTURES:
-            assert rc == 1 and doc["verdict"] == "fail"
-            divs = [r["first_divergence"] for r in doc["scenarios"] if r["status"] == "fail"]
-            assert divs and all("self_attn.indexer.selected_blocks" in d for d in divs), divs
-        else:
-            assert rc == 0 and doc["verdict"] == "pass", (fx, [r["detail"] for r in doc["scenarios"]])
+            assert doc["tie_equivalent_positions"] > 0, fx
+            assert any(r["tie_equivalent_at"] for r in doc["scenarios"]), fx
 
 
 @pytest.mark.oracle

@@ -4,7 +4,8 @@ asserted (docs/parity.md, "Verdict matrix"). Built at test time from seeded rand
 
 Expected verdicts and why (figures measured, docs/parity.md):
 
-* correct float32 / bf16 engines (engine CPU path; its bf16 keeps activations float32) PASS everywhere;
+* correct float32 / bf16 engines (engine CPU path; its bf16 keeps activations float32) PASS everywhere, and so
+  do, on a GPU (``gpu`` marker), the engine's CUDA path in float32 and bf16 and the official model on CUDA;
 * ``bf16-kv`` (correct: the reference storing its KV cache in BF16, activations float32) PASSes everywhere:
   its floor is 1.2e-3..2.1e-3 of the logit scale, tolerance 4x = 4.8e-3..8.3e-3 < the useful fault size 1e-2;
 * ``bf16-stores`` (correct: every store kind in BF16) is INCONCLUSIVE everywhere, never FAIL: its floor is
@@ -15,7 +16,9 @@ Expected verdicts and why (figures measured, docs/parity.md):
 * the official implementation (transformers, CPU; one short prompt per model, see
   ``OFFICIAL_PROMPTS``) PASSes, its different picks at exact ties judged tie-equivalent by the search;
 * a correct backend without taps breaking exact ties by the higher index PASSes (tie search), except on
-  ``wide-budget`` where a tie of >256 resolutions (position 160) cannot be searched: INCONCLUSIVE;
+  ``wide-budget`` where a tie of >256 resolutions (position 160) cannot be searched: INCONCLUSIVE; the same
+  backend with selection taps (``reverse-ties-taps``, as the official backend has) PASSes everywhere, its
+  picks judged layer by layer against the truth re-run under its upstream choices;
 * every fault on float32 stores FAILs, except BF16 indexer scores where no cut is close enough for BF16 to flip
   a pick (its selections then equal the truth's and it PASSes, truthfully): on ``wide-budget`` (16 of up to 45
   blocks crowd the cut) and ``large-scale`` it flips picks outside the tie band and FAILs;
@@ -43,7 +46,7 @@ FAULTS = ("tie-outside", "hc-mean-bf16", "verify-fp16", "batched-bf16", "stale-s
 
 def expected(kind: str, model: str) -> str:
     """The asserted verdict of one cell (see the module docstring)."""
-    if kind in ("float32", "bf16", "bf16-kv", "official", "kv+verify-fp16", "kv+bf16-scores"):
+    if kind in ("float32", "bf16", "bf16-kv", "official", "kv+verify-fp16", "kv+bf16-scores") or kind in M.GPU_BACKENDS:
         return "PASS"
     if kind == "bf16-stores":
         return "INCONCLUSIVE"
@@ -51,6 +54,8 @@ def expected(kind: str, model: str) -> str:
         return "INCONCLUSIVE" if model in ("large-scale", "wide-budget") else "FAIL"
     if kind == "reverse-ties":
         return "INCONCLUSIVE" if model == "wide-budget" else "PASS"
+    if kind == "reverse-ties-taps":   # judged by its selection taps: no resolution limit
+        return "PASS"
     if kind == "bf16-scores":   # measured: BF16 flips a pick outside the tie band on these two models
         return "FAIL" if model in ("wide-budget", "large-scale") else "PASS"
     return "FAIL"
@@ -61,7 +66,7 @@ CI_CELLS = [("float32", "small-scale"), ("bf16", "small-scale"), ("bf16-stores",
             ("verify-fp16", "small-scale"), ("batched-bf16", "large-scale"), ("stale-state", "small-scale"),
             ("fault-qsa", "small-scale"), ("fault-gdn", "large-scale"), ("float32", "one-head"),
             ("bf16-kv", "wide-budget"), ("kv+tie-outside", "one-head"), ("kv+hc-mean-bf16", "ple-all-hc3"),
-            ("kv+batched-bf16", "small-scale"), ("stores+tie-outside", "one-head")]
+            ("kv+batched-bf16", "small-scale"), ("stores+tie-outside", "one-head"), ("reverse-ties-taps", "one-head")]
 ALL_CELLS = [(k, m) for m in M.MODELS for k in M.BACKENDS]
 
 
@@ -77,7 +82,7 @@ def _check(kind, model):
     if want == "INCONCLUSIVE" and kind.startswith(("bf16-stores", "stores+")):
         # a coarse store floor says which stores make it coarse (and that the KV stores alone would resolve)
         assert "kv alone" in rep.reason and "resolvable with only kv rounded" in rep.reason, detail
-    if kind in ("float32", "bf16", "official", "reverse-ties") and want == "PASS":
+    if kind in ("float32", "bf16", "official", "reverse-ties", "reverse-ties-taps", *M.GPU_BACKENDS) and want == "PASS":
         # correct engines sit well inside the tolerance (margin for other summation orders)
         assert rep.comparison.summary()["max_logit_err_rel"] <= r["thresholds"].tol_rel / 2, detail
     if want == "FAIL" and kind.endswith("tie-outside"):   # failed for the pick itself (named), at any band
@@ -100,6 +105,25 @@ def test_verdict_matrix_full(kind, model):
     if kind == "official":
         pytest.importorskip("transformers")
     _check(kind, model)
+
+
+GPU_CELLS = [(k, m) for m in M.MODELS for k in M.GPU_BACKENDS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,model", GPU_CELLS, ids=[f"{k}@{m}" for k, m in GPU_CELLS])
+def test_verdict_matrix_gpu(kind, model):
+    """The GPU cells (``ci/gpu`` step 1 runs them: ``pytest -m gpu tests/``): the engine's CUDA path in float32
+    and bf16 and the official model on CUDA, on every matrix model, each PASS (official CUDA: whatever way its
+    CUDA top-k breaks exact ties, judged tie-equivalent). Their CPU twins, through the same code with
+    device=cpu, are the float32 / bf16 / official cells above."""
+    why = M.gpu_skip_reason(kind)
+    if why:
+        pytest.skip(f"{kind}: {why}: GPU verdict-matrix cell skipped")
+    r = _check(kind, model)
+    if kind == "official-cuda":   # the tie direction of torch's CUDA top-k, shown (the issue: lower index)
+        print(f"official-cuda@{model}: tie-equivalent positions "
+              f"{[t['positions'] for t in r['kl'].ties['tie_equivalent']]}")
 
 
 def test_the_false_pass_of_the_issue_now_fails():
@@ -323,7 +347,8 @@ def test_root_causes_group_and_known_baseline(tmp_path):
     from parity.harness.causes import group_causes
     causes = group_causes([row])
     assert [c["id"] for c in causes] == [rc["id"]]
-    path = write_known(tmp_path / "known.json", causes)
+    path = write_known(tmp_path / "known.json", causes, {"model": {"config_hash": w.config.config_hash()},
+                                                         "backend_spec": "verify-fp16"})
     known = read_known(path)
     res2 = [run_case("matrix", c, b, truth, thresholds=th, known=known) for c in cases]
     row2 = summarize_results("matrix", res2, 0.0)

@@ -77,7 +77,7 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
         archive_dir: where failing cases' tap archives go (None: not written).
         progress: a tqdm-like object with ``update()`` / ``set_postfix_str()`` (optional).
         thresholds: the run's :class:`parity.harness.kl.KLThresholds` (None: nominal, see ``run_case``).
-        below_bound, known: see ``run_case`` (confine below the QSA bound; the ``--known`` root-cause ids).
+        below_bound, known: see ``run_case`` (confine below the QSA bound; the ``--known`` baseline).
     Returns:
         list of :class:`parity.harness.scenarios.common.CaseResult`.
     """
@@ -131,13 +131,14 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     # an ERROR case compared nothing: never 'KL 0', which reads as perfect; nor does a case whose logits had the
     # wrong shape (worst_kl None): when no case produced figures the row shows '-' (None)
     compared = [r for r in ran if r.status != "error" and r.worst_kl is not None]
-    nothing = (float("nan") if all(r.status == "error" for r in ran) else None) if ran else 0.0
+    nothing = float("nan") if ran and all(r.status == "error" for r in ran) else None  # none ran: '-'
     wk = max((r.worst_kl for r in compared), default=nothing)
     we = max((r.worst_logit_err for r in compared), default=nothing)
     tb = next((r.traceback for r in ran if r.status == "error" and r.traceback), None)
     first = next((r for r in failed), None)
     skipped = [r for r in results if r.status == "skip"]
-    detail = "" if not first else f"{first.label}: {first.failure}"
+    detail = "" if not first else f"{first.label}: {first.failure}" + (
+        f" (not excused by --known: {first.known_note})" if first.known_note else "")
     where = None if not first else (f"{first.case}" + (f" [page {first.page_size}]" if first.page_size else "")
                                     + f": {first.divergence}")
     reasons = list(dict.fromkeys(r.failure for r in skipped))
@@ -151,6 +152,8 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
         detail = (detail + "; " if detail else "") + (f"{len(known)} failing only through a known root cause "
                                                       f"({known[0].root_cause['id']})")
     tie_eq = sum(len(p) for r in ran for (_op, _seq, p) in r.tie_equivalent)
+    tie_at = [{"case": r.label, "op": op, "seq": seq, "positions": list(p)}
+              for r in ran for (op, seq, p) in r.tie_equivalent]
     if status == "pass" and inconclusive:
         status, detail = "inconclusive", inconclusive + ("; " + detail if detail else "")
     notes = {}
@@ -163,7 +166,7 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
                                                                 for r in failed + known],
                        skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]
                        + [{"case": r.label, "narrowed": n} for r in narrowed for n in r.narrowed], known=len(known),
-                       tie_equivalent=tie_eq, notes=notes, traceback=tb)
+                       tie_equivalent=tie_eq, tie_equivalent_at=tie_at, notes=notes, traceback=tb)
 
 
 MAX_PAGE_SIZES = 16  # each page size re-opens the backend and re-runs every case: a bound on the plan's cost

@@ -84,6 +84,8 @@ class CaseResult:
     tie_flips: int = 0                # argmax flips inside the near-tie gap (allowed)
     tie_equivalent: list = field(default_factory=list)  # [op, seq, positions]: passed under a tie resolution
     root_cause: dict | None = None    # parity.harness.causes.root_cause of a failure
+    fault: dict | None = None         # its failing positions, error / scale, top-1 flips (causes.fault_of)
+    known_note: str | None = None     # why the --known baseline does not excuse it (what is new)
     known: bool = False               # failed only through a root cause of the --known baseline
     failure: str | None = None
     failed_op: int | None = None
@@ -298,6 +300,7 @@ class Run:
         self.recorded_all: list = []
         self.top1_positions = 0
         self.tie_flips = 0  # argmax flips inside the near-tie gap (allowed; counted for the report)
+        self.fault = None   # the failing comparison's fault (parity.harness.causes.fault_of), for --known
         self.tie_equivalent: list = []  # (op, seq, positions) judged against the tie-resolved truth
         self.seqs: list[Seq] = []
         self.scratch: dict = {}
@@ -370,17 +373,19 @@ class Run:
         ref = self.truth.logits(s.hist[:end])[start:end]
         cmp = compare_logits(ref, logits)
         self.checks += 1
-        wk = cmp.worst_kl()
-        we = float(np.max(cmp.max_abs_err)) if cmp.n else 0.0
+        ok, why = verdict(cmp, self.th, offset=start)
+        shown = cmp  # the comparison the worst-error figures report: vs the tie-resolved truth when it judged
+        if not ok:
+            ok, why, resolved = self._tie_resolved(op, s, logits, start, end, cmp, why)
+            shown = resolved if ok else cmp
+        wk = shown.worst_kl()
+        we = float(np.max(shown.max_abs_err)) if shown.n else 0.0
         self.worst_kl = max(self.worst_kl, wk) if np.isfinite(wk) else float("inf")
         self.worst_err = max(self.worst_err, we) if np.isfinite(we) else float("inf")
-        wr = float(np.max(cmp.rel_err())) if cmp.n else 0.0
+        wr = float(np.max(shown.rel_err())) if shown.n else 0.0
         self.worst_rel = max(self.worst_rel, wr) if np.isfinite(wr) else float("inf")
-        ok, why = verdict(cmp, self.th, offset=start)
-        flips = ~np.asarray(cmp.top1, dtype=bool)
+        flips = ~np.asarray(shown.top1, dtype=bool)
         self.top1_positions += int(flips.size)
-        if not ok:
-            ok, why = self._tie_resolved(op, s, logits, start, end, cmp, why)
         if ok:
             for i in range(k):
                 s.rows[start + i] = logits[i]
@@ -389,6 +394,8 @@ class Run:
             first = int(np.argmax(bad)) if bad.any() else 0
             rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
             worst = int(np.argmax(rel))
+            from parity.harness.causes import fault_of
+            self.fault = fault_of(cmp, self.th, offset=start)
             self.fail(op, f"{desc}: seq {s.label}: {why} (first failing position {start + first}, worst logit error at "
                           f"position {start + worst})", seq=s.label)
         self.tie_flips += int(flips.sum())
@@ -397,10 +404,12 @@ class Run:
     def _tie_resolved(self, op, s: Seq, logits, start: int, end: int, cmp, why: str):
         """A failing comparison may be tie-equivalent (parity.harness.ties): judge the rows against the truth
         under the tie resolution the backend took (its selection taps, or a search over the tied cuts of
-        ``s.hist[:end]``). Returns ``(ok, reason)``; a pick outside the tie set is the reason of a failure."""
+        ``s.hist[:end]``). Returns ``(ok, reason, comparison)``: the comparison against the tie-resolved truth
+        when it judged the rows tie-equivalent (else None); a pick outside the tie set is the reason of a failure.
+        The tie-equivalent positions are recorded in ``tie_equivalent`` (reported apart from agreement)."""
         model = getattr(self.truth, "model", None)
         if model is None or not hasattr(model, "selection_hook"):
-            return False, why
+            return False, why, None
         from parity.harness.kl import compare_logits
         from parity.harness.ties import judge_ties
         V = logits.shape[1]
@@ -413,19 +422,19 @@ class Run:
         bad[start:end] = position_faults(cmp, self.th)
         try:
             tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be)
-        except Exception:  # noqa: BLE001 - the canonical verdict stands
-            return False, why
+        except Exception as e:  # noqa: BLE001 - the canonical verdict stands (named, so it is never silent)
+            return False, f"{why} (the tie judgement raised {type(e).__name__}: {e})", None
         if tj.outside:
-            return False, tj.outside + "; " + why
+            return False, tj.outside + "; " + why, None
         if tj.logits is None:
-            return False, why
+            return False, why, None
         c2 = compare_logits(tj.logits[start:end], logits)
         ok2, why2 = verdict(c2, self.th, offset=start)
         if not ok2:
-            return False, why
+            return False, why, None
         pos = [start + int(i) for i in np.nonzero(position_faults(cmp, self.th))[0]]
         self.tie_equivalent.append((op, s.label, pos))
-        return True, why2
+        return True, why2, c2
 
     def finish(self) -> None:
         """End-of-case checks (none left: every row is judged where it is compared; kept for the runner)."""

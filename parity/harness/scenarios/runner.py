@@ -19,8 +19,9 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
 
     ``thresholds``: the run's :class:`parity.harness.kl.KLThresholds` (from the floor measured on this model,
     :func:`parity.harness.floor.thresholds_for_run`); None: the nominal thresholds of the backend's precision.
-    ``below_bound``: confine the case below the QSA bound (a case reaching past it is skipped). ``known``: root-cause
-    ids of a ``--known`` baseline (a failure through one of them is marked ``known``).
+    ``below_bound``: confine the case below the QSA bound (a case reaching past it is skipped). ``known``: the
+    ``--known`` baseline (:class:`parity.harness.causes.KnownCauses`): a failure it excuses is marked ``known``,
+    one it does not carries ``known_note`` (what is new).
     Returns a :class:`CaseResult`; never raises for a backend fault (errors become status 'error').
 
     Partial capabilities (:func:`parity.backends.base.capability`): a case needing (``case.needs``) an
@@ -76,7 +77,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         if real_interrupt():
             raise  # the user's Ctrl-C / a termination signal: the run stops (exit 128+N)
         res.status = "error"  # raised by the backend's code, no signal behind it: a crash of the case
-        res.failure = f"{type(e).__name__}: {e} (raised by the backend, no signal was received)"
+        from parity.backends.base import describe_exception
+        res.failure = f"{describe_exception(e)} (raised by the backend, no signal was received)"
         res.divergence = res.failure
         res.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         res.failed_op = run.ops - 1
@@ -110,6 +112,9 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     if res.status in ("fail", "error"):
         from parity.harness.causes import root_cause
         res.root_cause = root_cause(res.failure, res.divergence, backend.config, scenario)
-        res.known = bool(known) and res.root_cause["id"] in known
+        res.fault = run.fault
+        if known is not None:   # excused only by the same cause at the same places, no larger, no new top-1 flip
+            res.known, why = known.judge(res.root_cause, res.fault, th.tol_rel)
+            res.known_note = why or None
     res.seconds = time.perf_counter() - t0
     return res

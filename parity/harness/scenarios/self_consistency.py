@@ -140,7 +140,8 @@ def cases(config, level: str = "full") -> list[Case]:
                     for pos, k in enumerate(order):
                         _same(run, batched[j][k], rows[pos], f"decode step {j}: seq {k} at batch row {pos} vs row {k}",
                               f"batch-dependence: decode row order (seq {k}, step {j})")
-    out.append(Case("batch_invariance_decode", batch_decode, batch=True))
+    # restore(same h, snap) replays the batch; a batch of several sequences needs batched decode
+    out.append(Case("batch_invariance_decode", batch_decode, batch=True, needs=("snapshot", "batched_decode")))
 
     def batch_prefill(run: Run):
         be = run.be
@@ -161,6 +162,7 @@ def cases(config, level: str = "full") -> list[Case]:
         be = run.be
         P = token_stream(run.config, max(2, s.bound - 2), seed=7500, eos_every=6)
         drafts = token_stream(run.config, 4, seed=7501)
+        run.need("verify", f"a verify of {len(drafts)} tokens", _max_tokens(len(drafts)))
         h = be.new_sequence()
         run.scratch.setdefault("free", []).append(h)
         be.prefill(h, P)
@@ -175,7 +177,7 @@ def cases(config, level: str = "full") -> list[Case]:
             narrow = np.asarray(be.forward_tokens(h, drafts[:k]))
             _same(run, wide[:k], narrow, f"verify of {k} tokens vs the first {k} rows of a verify of {len(drafts)}",
                   f"verify-width dependence: verify width {k} vs {len(drafts)}")
-    out.append(Case("verify_rows_vs_decode_rows", verify_vs_decode))
+    out.append(Case("verify_rows_vs_decode_rows", verify_vs_decode, needs=("verify", "snapshot")))
 
     def dense_sparse(run: Run):
         be = run.be
@@ -193,6 +195,8 @@ def cases(config, level: str = "full") -> list[Case]:
         be = run.be
         n_tok = SPEC_TOKENS.get(level, 512)
         prompt = token_stream(run.config, max(2, s.bound - 3), seed=7700, eos_every=9)
+        run.need("verify", f"a verify of {SPEC_K + 1} tokens", _max_tokens(SPEC_K + 1))
+        run.need("rollback", f"a rollback of up to {SPEC_K} tokens after a verify", _max_tokens(SPEC_K))
         tol = tolerance(run)
         # plain greedy
         h = be.new_sequence()
@@ -237,11 +241,17 @@ def cases(config, level: str = "full") -> list[Case]:
                          f"plain {plain[diff]} (plain top-2 gap {gaps[diff]:.3g} > tolerance {tol:.3g})",
                      f"spec-vs-greedy drift: first differing token {diff} (verify rows vs decode rows: see "
                      f"verify_rows_vs_decode_rows)")
-    out.append(Case(f"speculative_vs_plain_greedy_{SPEC_TOKENS.get(level, 512)}_tokens", spec_vs_greedy))
+    out.append(Case(f"speculative_vs_plain_greedy_{SPEC_TOKENS.get(level, 512)}_tokens", spec_vs_greedy,
+                    needs=("verify", "rollback")))
 
     for c in out:  # every case frees the sequences it opened directly on the backend
         c.fn = _freeing(c.fn)
     return out
+
+
+def _max_tokens(n: int):
+    """The limit test of :meth:`Run.need` for a call of ``n`` tokens (a declared ``max_tokens`` at least ``n``)."""
+    return lambda c: c.max_tokens is None or n <= c.max_tokens
 
 
 def _freeing(fn):
