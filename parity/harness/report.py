@@ -86,6 +86,8 @@ class ParityReport:
     model: str
     rows: list[ScenarioRow] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    #: the command line that produced this report, shell-quoted (set by the CLI; None for an API call)
+    reproduce: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -124,7 +126,8 @@ class ParityReport:
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         from parity.harness.causes import group_causes
-        return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
+        return jsonable({"backend": self.backend, "model": self.model, "reproduce": self.reproduce,
+                         "exit_code": self.exit_code,
                          "verdict": self.verdict, "verdict_line": self.verdict_line,
                          "known_cases": self.known_cases,
                          "meta": self.meta, "root_causes": group_causes(self.rows),

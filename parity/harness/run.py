@@ -86,7 +86,10 @@ def topk_report(report, be, model, prompts):
                   f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
                   f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
                   f"{res['skipped_unsendable']} prompts not sendable as text")
-        report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else 1, res["worst_kl"],
+        # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its
+        # request patterns does); no prompt sendable is one failed case
+        n_bad = len(res["failed_prompts"]) if res["prompts"] else 1
+        report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else n_bad, res["worst_kl"],
                                        float("nan"), first, time.perf_counter() - t0, status, detail,
                                        failures=[res] if status != "pass" else []))
     except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
@@ -135,19 +138,21 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     try:
         probe = op()  # fails here, clearly, when the backend cannot be opened
     except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
-        report = ParityReport(backend=str(backend_spec), model=str(model), meta={"refused": e.to_json()})
+        report = ParityReport(backend=backend_label(backend_spec), model=str(model), meta={"refused": e.to_json()})
         report.rows.append(ScenarioRow("open", 1, 1, float("nan"), float("nan"),
                                        f"REFUSED by {e.engine} {e.stage}: {e.message}",
                                        time.perf_counter() - t_open, "refused", e.offer))
         return report
     caps = capabilities_of(probe)
     cfg = probe.config
-    report = ParityReport(backend=_current_spelling(probe.name), model=str(model),
+    report = ParityReport(backend=backend_label(backend_spec), model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
                                 # each operation's declaration (supported / limited with its limit / unsupported)
                                 "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
                                 **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
-                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
+                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {}),
+                                # what an outside engine leaves out of the checkpoint, located (never a silent skip)
+                                **({"engine_findings": probe.findings} if getattr(probe, "findings", None) else {})})
     if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
         return topk_report(report, probe, model, prompts)
     if hasattr(probe, "close"):
@@ -320,6 +325,17 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
                        known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json())
+
+
+def backend_label(spec) -> str:
+    """The backend as the report names it: the whole ``--backend`` spec, options included, in its current
+    spelling (``llama.cpp:reparam=auto`` stays that, ``engine-cpu`` -> ``engine:device=cpu``), so that
+    re-running with it reproduces the verdict; a spec the grammar does not parse is shown as given."""
+    from parity.backends import parse_backend_spec
+    try:
+        return str(parse_backend_spec(spec))
+    except Exception:  # noqa: BLE001 - shown as it is
+        return str(spec)
 
 
 def _kl_fault(rep, prompts) -> dict:
