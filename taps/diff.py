@@ -176,8 +176,9 @@ def profile_toml(profile: Profile, names) -> str:
                 act[k] = min(act.get(k, v), v) if k == "cos_min" else max(act.get(k, v), v)
             for k, v in part.index.items():
                 idx[k] = max(idx.get(k, v), v)
-    out = [f"name = {json.dumps(profile.name)}", f"description = {json.dumps('saved by ' + (profile.source or 'tap-diff'))}",
-           "", "[activation]", fmt(act), "", "[index]", fmt(idx)]
+    desc = json.dumps("saved by " + (profile.source or "tap-diff"))
+    out = [f"name = {json.dumps(profile.name)}", f"description = {desc}", "", "[activation]", fmt(act), "",
+           "[index]", fmt(idx)]
     for n in names:
         if any(c in n for c in "*?["):
             continue
