@@ -35,8 +35,9 @@ from reference.errors import UserError
 from taps import registry
 from taps.archive import Archive, TapSource
 
-__all__ = ["DiffRefused", "ProfileError", "Profile", "load_profile", "TapResult", "DiffReport", "diff_archives",
-           "compare_tap", "bench_diff", "replay_check", "render_table", "PROFILES_DIR"]
+__all__ = ["DiffRefused", "ProfileError", "Profile", "JoinedProfile", "load_profile", "profile_name_for",
+           "judging_profile", "profile_toml", "TapResult", "DiffReport", "diff_archives", "compare_tap", "bench_diff",
+           "replay_check", "render_table", "PROFILES_DIR"]
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -117,6 +118,72 @@ def load_profile(spec: str | Path = "fp32") -> Profile:
                                    f"{sorted({**_ACT_KEYS, **_IDX_KEYS})} with a number, found {v!r}")
         overrides.append(dict(o))
     return Profile(name=str(raw.get("name", p.stem)), activation=act, index=idx, overrides=overrides, source=str(p))
+
+
+@dataclass
+class JoinedProfile(Profile):
+    """The loosest of several profiles, tap by tap: per tolerance key the largest bound (``cos_min``: the
+    smallest). A tap beyond a joined profile is therefore beyond EVERY part, e.g. beyond the bundled profile
+    ``qwen4exp taps diff`` uses by default: a divergence named under it is one ``taps diff`` names too."""
+
+    parts: tuple = ()
+
+    def for_tap(self, name: str) -> dict:
+        """The joined tolerance dict for tap ``name``."""
+        tols = [p.for_tap(name) for p in self.parts]
+        out: dict = {}
+        for t in tols:
+            for k, v in t.items():
+                out[k] = v if k not in out else (min(out[k], v) if k == "cos_min" else max(out[k], v))
+        return out
+
+
+def profile_name_for(precision: str) -> str:
+    """The bundled profile ``taps diff`` judges a backend of ``precision`` with: ``bf16`` for a bf16/fp8
+    backend (8 or fewer mantissa bits somewhere on its path), ``fp32`` otherwise."""
+    return "bf16" if precision in ("bf16", "fp8") else "fp32"
+
+
+def judging_profile(precision: str = "float32", *measured: Profile | None) -> Profile:
+    """The one profile every automatic tap-diff judges with (the parity scenarios' and kl's failure location,
+    their locate-through-state search): the join (:class:`JoinedProfile`, the looser bound tap by tap) of the
+    ``measured`` per-tap floor profiles given (``parity.harness.floor.tap_floor_profile``: one measured on the
+    very history being located, and the run's own), else the bundled profile of ``precision``
+    (:func:`profile_name_for`, what ``qwen4exp taps diff`` uses by default). A floor measured on another prompt
+    alone can sit below the reference's own float32 error on this one (measured: 1.1e-5 allowed where the float32
+    reference is 2.4e-5 off float64), and naming such a tap sends a porting team to a block that is right;
+    the floor of the same history cannot."""
+    parts = tuple(m for m in measured if m is not None)
+    if not parts:
+        return load_profile(profile_name_for(precision))
+    if len(parts) == 1:
+        return parts[0]
+    return JoinedProfile(name=" joined with ".join(p.name for p in parts), activation=dict(parts[0].activation),
+                         index=dict(parts[0].index), source=" + ".join(p.source for p in parts), parts=parts)
+
+
+def profile_toml(profile: Profile, names) -> str:
+    """``profile`` as a TOML profile file (:func:`load_profile` reads it back) with one exact ``[[tap]]`` per
+    name in ``names``: saved next to a located failure's archives so ``taps diff --profile FILE`` judges them
+    with the very tolerances the locate used."""
+    def fmt(d):
+        return "\n".join(f"{k} = {float(d[k])!r}" for k in sorted(d) if k in _ACT_KEYS or k in _IDX_KEYS)
+    act = {**profile.activation}
+    idx = {**profile.index}
+    if isinstance(profile, JoinedProfile):   # the defaults of a joined profile: the join of its parts' defaults
+        for part in profile.parts:
+            for k, v in part.activation.items():
+                act[k] = min(act.get(k, v), v) if k == "cos_min" else max(act.get(k, v), v)
+            for k, v in part.index.items():
+                idx[k] = max(idx.get(k, v), v)
+    desc = json.dumps("saved by " + (profile.source or "tap-diff"))
+    out = [f"name = {json.dumps(profile.name)}", f"description = {desc}", "", "[activation]", fmt(act), "",
+           "[index]", fmt(idx)]
+    for n in names:
+        if any(c in n for c in "*?["):
+            continue
+        out += ["", "[[tap]]", f"pattern = {json.dumps(n)}", fmt(profile.for_tap(n))]
+    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- results
@@ -687,13 +754,17 @@ def _open(x) -> TapSource:
 
 
 def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, taps: list[str] | None = None,
-                  memory_budget: int = 256 << 20, progress: bool = False) -> DiffReport:
+                  memory_budget: int = 256 << 20, progress: bool = False,
+                  until_position: int | None = None) -> DiffReport:
     """Diff recordings ``a`` (the reference side) and ``b``: archive paths or :class:`TapSource` objects.
 
     Args:
         profile: a :class:`Profile` or a name/path for :func:`load_profile`.
         force: diff even when the model identity or the token ids differ.
         taps: only taps matching these globs.
+        until_position: a tap whose first position beyond tolerance is AFTER it does not count as the first
+            divergence (``taps diff --until-position``; the parity harness passes the first failing logit position:
+            a cause lies at or before it). Every position is still compared, at the tap's whole-recording scale.
         memory_budget: approximate bytes held per tap chunk (bounded-memory streaming).
         progress: show a tqdm bar on stderr.
 
@@ -738,7 +809,7 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
                           f"both, found none to compare ({len(names_a)} taps in A, {len(names_b)} in B"
                           f"{', after --taps' if taps else ''})")
     rep = DiffReport(a=_label(a), b=_label(b), profile=prof.name, results=results, identity=ident)
-    _conclude(rep)
+    _conclude(rep, until_position)
     rep.elapsed_s = time.perf_counter() - t0
     rep.bytes_read = int(stats.get("bytes", 0))
     return rep
@@ -770,12 +841,17 @@ def _label(x) -> str:
     return getattr(x, "where", None) if isinstance(x, TapSource) else str(x)
 
 
-def _conclude(rep: DiffReport) -> None:
+def _conclude(rep: DiffReport, until_position: int | None = None) -> None:
     """Name the first divergence (forward order), the last agreeing tap before it, and an earlier
-    flip that may explain it."""
+    flip that may explain it. ``until_position``: a tap first beyond tolerance after it is not counted."""
     last_ok = None
     flips: list[TapResult] = []
     for r in rep.results:
+        if r.failed and until_position is not None and r.first_position is not None \
+                and r.first_position > int(until_position):
+            r.note = (r.note + "; " if r.note else "") + (f"first beyond tolerance at position {r.first_position}, "
+                                                          f"after position {int(until_position)}: not counted")
+            continue
         if r.failed:
             rep.first_divergence = r.name
             rep.last_agreeing = last_ok

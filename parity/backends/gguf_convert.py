@@ -39,15 +39,48 @@ PIP_DOWNLOAD_TIMEOUT_S = 600
 #: name -> one-line description of each function-preserving re-parameterisation
 REPARAMS = {
     "tokenizer-label": "the converter identifies a BPE pre-tokenizer only by the hash of known upstream "
-                       "tokenizers; when it does not know the checkpoint's, the GGUF is labelled 'qwen35' "
-                       "(the label llama.cpp gives the Qwen3.5/3.8 tokenizer). Token ids -> logits, the "
-                       "function judged here, does not involve the tokenizer",
+                       "tokenizers; when it does not know the checkpoint's, the GGUF gets the llama.cpp label "
+                       "whose split rules ARE the checkpoint's pre-tokenizer (tokenizer.json: a plain "
+                       "ByteLevel with its GPT-2 regex -> 'gpt-2'; the Qwen3.5/3.8 Split regex -> 'qwen35'), "
+                       "so llama.cpp tokenizes text as the checkpoint does. Token ids -> logits, the function "
+                       "judged here, does not involve the tokenizer",
     "ple-dequant": "the FP8 n-gram table (ngram_embedding shards + one weight_scale) is stored dequantised "
                    "in float32 (shard * scale, exact: a 4-bit by 8-bit significand product)",
     "ple-pad": "llama.cpp assumes ple_embed_dim == hidden_size; each n-gram head's row is zero-padded to "
                "hidden_size / n_heads and key_proj/value_proj get matching zero columns (exact zeros add "
                "exact zeros), ple_embed_dim := hidden_size",
 }
+
+
+#: the Split regex of the Qwen3.5/3.8 tokenizer.json (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35 rules, label 'qwen35')
+QWEN35_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
+                      r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def pre_tokenizer_label(model_dir) -> str | None:
+    """The llama.cpp pre-tokenizer label (``tokenizer.ggml.pre``) whose rules equal the checkpoint's
+    ``tokenizer.json`` pre-tokenizer, or None when none is known to.
+
+    'gpt-2': a ByteLevel pre-tokenizer with ``use_regex`` (its built-in GPT-2 split regex; llama-vocab.cpp's
+    LLAMA_VOCAB_PRE_TYPE_GPT2 uses the same regex). 'qwen35': a Split on :data:`QWEN35_SPLIT_REGEX` followed
+    by a ByteLevel without regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35). Anything else: None.
+    """
+    f = Path(model_dir) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    try:
+        pt = json.loads(f.read_text(encoding="utf-8")).get("pre_tokenizer") or {}
+    except ValueError:
+        return None
+    if pt.get("type") == "ByteLevel" and pt.get("use_regex", True):
+        return "gpt-2"
+    steps = pt.get("pretokenizers") if pt.get("type") == "Sequence" else None
+    if steps and len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel" \
+            and not steps[1].get("use_regex", True):
+        pat = (steps[0].get("pattern") or {}).get("Regex")
+        if pat == QWEN35_SPLIT_REGEX:
+            return "qwen35"
+    return None
 
 
 def cache_root() -> Path:
@@ -142,7 +175,7 @@ def applicable_reparams(model_dir) -> list[str]:
     from safetensors import safe_open
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     cfg = _text_cfg(raw)
-    out = ["tokenizer-label"]
+    out = ["tokenizer-label"] if pre_tokenizer_label(model_dir) else []
     has_scale = False
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as s:
@@ -172,6 +205,10 @@ def parse_reparams(value, model_dir) -> list[str]:
     if bad:
         raise BackendError(f"llama.cpp:reparam={value!r}: expected 'none', 'auto' or a '+'-joined list of "
                            f"{', '.join(REPARAMS)}, found {bad}")
+    if "tokenizer-label" in names and pre_tokenizer_label(model_dir) is None:
+        raise BackendError(f"llama.cpp:reparam=tokenizer-label: expected a tokenizer.json pre-tokenizer that a "
+                           f"llama.cpp label reproduces (plain ByteLevel -> gpt-2, the Qwen3.5 Split -> qwen35), "
+                           f"found another in {str(model_dir)!r}: no label would tokenize text as the checkpoint does")
     return [n for n in REPARAMS if n in names]
 
 
@@ -339,7 +376,10 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
     model_dir = Path(model_dir).resolve()
     conv = converter_dir(version, sdist)
     reparams = list(reparams)
-    key = f"{fingerprint(model_dir)}-{'+'.join(reparams) or 'asis'}-{outtype}-{version}"
+    label = (pre_tokenizer_label(model_dir) or "") if "tokenizer-label" in reparams else ""
+    # the label is part of the key: a GGUF labelled otherwise (an older cache) is not this conversion
+    names = [f"tokenizer-label={label}" if r == "tokenizer-label" else r for r in reparams]
+    key = f"{fingerprint(model_dir)}-{'+'.join(names) or 'asis'}-{outtype}-{version}"
     root = cache_root() / "gguf" / key
     gguf = root / "model.gguf"
     info = root / "info.json"
@@ -356,7 +396,6 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
             raise BackendError(f"llama.cpp:reparam={'+'.join(file_reparams)}: expected the re-parameterised "
                                f"checkpoint to compute the same function, found max |dlogit| {chk['max_abs_diff']:.3g} "
                                f"({chk['by']})")
-    label = "qwen35" if "tokenizer-label" in reparams else ""
     tmp = root / "model.gguf.part"
     cmd = [sys.executable, "-c", _WRAPPER, str(conv), label, str(src), "--outfile", str(tmp), "--outtype", outtype]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the vendored gguf-py, same version
@@ -372,7 +411,8 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
             raise BackendError(f"llama.cpp converter: expected its Python dependencies installed, found {msg}")
         raise EngineRefused(f"llama.cpp {version}", "converter", msg, offer_for(msg, model_dir, reparams))
     os.replace(tmp, gguf)
-    doc = {"gguf": str(gguf), "reparams": reparams, "checks": checks, "converter": str(conv)}
+    doc = {"gguf": str(gguf), "reparams": reparams, "checks": checks, "converter": str(conv),
+           **({"tokenizer_label": label} if label else {})}
     info.write_text(json.dumps(doc, indent=1), encoding="utf-8")
     return doc
 

@@ -48,7 +48,7 @@ TAP_MAP = {
     "indexer_top_k": "layers.{i}.self_attn.indexer.selected_tokens",  # cells -> positions, masked cells dropped
     "indexer_score_tokens": None,                      # read for indexer_top_k (its -inf = not visible)
     "attn_pregate": "layers.{i}.self_attn.core_out",
-    "attn_output": "layers.{i}.self_attn.out",
+    "attn_output": "layers.{i}.self_attn.out",         # attention layers only (see LAYER_TYPE_DROPS)
     "hc_combine": "layers.{i}.attn_hyper_connection.combine",
     "ffn_moe_logits": "layers.{i}.mlp.gate.router_logits",
     "ffn_out": "layers.{i}.mlp.out",
@@ -72,6 +72,46 @@ NO_COUNTERPART = {
     "layers.{i}.mlp.gate.topk_ids": "ffn_moe_topk is ggml_top_k's order, not ours (prob desc, then id)",
     "layers.{i}.mlp.gate.topk_weights": "weights are an unnamed intermediate",
 }
+
+
+#: (llama.cpp node, our layer type) -> why that node is not recorded in layers of that type: llama.cpp
+#: gives one name to different quantities depending on the layer
+LAYER_TYPE_DROPS = {
+    ("attn_output", "linear_attention"): "in a GDN layer llama.cpp's attn_output is the gated delta rule's "
+        "core output (delta-net-base.cpp), before the gated norm, with the value heads reordered by the "
+        "converter: our layers.{i}.linear_attn.core_out, which has no counterpart (NO_COUNTERPART); a GDN "
+        "layer has no self_attn",
+}
+
+
+def _mtp_layers(cfg) -> int:
+    n = (getattr(cfg, "extra", None) or {}).get("mtp_num_hidden_layers") or 0
+    return n if isinstance(n, int) else 0
+
+
+def mtp_capability(cfg, version: str):
+    """The ``mtp`` declaration: unsupported, and when the checkpoint HAS an MTP head the reason names the
+    engine's defect (its converter drops the head: ``no_mtp = True`` in conversion/qwen4exp.py), so the
+    skipped mtp_* cases say why instead of skipping silently."""
+    n = _mtp_layers(cfg)
+    if not n:
+        return False
+    return {"status": "unsupported",
+            "limit": f"llama.cpp {version} does not load the checkpoint's MTP head (mtp_num_hidden_layers={n}): "
+                     f"its converter drops it (conversion/qwen4exp.py: no_mtp = True) -- the engine's defect"}
+
+
+def engine_findings(cfg, version: str) -> list[dict]:
+    """Parts of the checkpoint llama.cpp ``version`` does not run, each located (``id``, ``where``,
+    ``message``); reported in report.json ``meta.engine_findings`` (docs/outside-engines.md, defect F)."""
+    out = []
+    n = _mtp_layers(cfg)
+    if n:
+        out.append({"id": "llama.cpp:mtp-head-dropped", "where": "converter: conversion/qwen4exp.py no_mtp = True",
+                    "message": f"the checkpoint's MTP head (mtp_num_hidden_layers={n}, mtp.* tensors) is not "
+                               f"converted, so llama.cpp {version} cannot draft with it; the mtp_* cases of "
+                               f"speculative-rollback are skipped for that reason"})
+    return out
 
 
 def _ll():
@@ -172,6 +212,9 @@ class LlamaCppBackend(Backend):
         if kv == "f16":
             self.precision = "bf16"
         self._sink = None
+        self.cells = CellMap()      # KV cache cell -> (sequence, position), for the indexer's selections
+        self._scores: list = []     # indexer_score_tokens of the first QSA layer, one array per ubatch
+        self._score_node = None
         self._cb = ll.ggml_backend_sched_eval_callback(self._eval_cb)  # kept alive with the backend
         cp.cb_eval = self._cb
         self._ctx = ll.llama_init_from_model(self._model, cp)
@@ -185,10 +228,18 @@ class LlamaCppBackend(Backend):
         self._next = 0
         self.capabilities = {
             "page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
-            "snapshot_file": False,
-            # llama_memory_seq_rm of a recurrent state works only within the last n_rs_seq tokens
-            "rollback": False, "rollback_limit": self.n_rs, "taps": True,
+            "snapshot_file": False, "taps": True,
+            # llama_memory_seq_rm of a recurrent state works only within the last n_rs_seq tokens: declared
+            # limited with that count, which the suites read (Run.rollback_refusal narrows longer rollbacks);
+            # within it rollback runs and is judged -- llama.cpp's own defect there (docs/outside-engines.md,
+            # defect D) must show as a FAIL, never as a skip
+            "rollback": {"status": "limited", "max_tokens": self.n_rs,
+                         "limit": f"at most {self.n_rs} tokens (n_rs_seq, option rs=: the recurrent-state "
+                                  f"snapshots llama.cpp keeps)"},
+            "mtp": mtp_capability(cfg, self.version),
         }
+        #: what this engine leaves out of the checkpoint, located (report.json meta.engine_findings)
+        self.findings = engine_findings(cfg, self.version)
 
     @classmethod
     def open(cls, model_path, *, gguf=None, reparam="none", threads=1, seqs=8, ctx=4096, rs=8, kv="f32", fa="off", sdist=None,
@@ -240,6 +291,7 @@ class LlamaCppBackend(Backend):
                                f"found one more requested")
         s = self._free_ids.pop()
         self.ll.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self.cells.drop(s)
         self._pos[s] = 0
         return s
 
@@ -247,6 +299,7 @@ class LlamaCppBackend(Backend):
         """Clear and release sequence ``h`` (an unknown handle is ignored)."""
         if h in self._pos:
             self.ll.llama_memory_seq_rm(self._mem, h, -1, -1)
+            self.cells.drop(h)
             del self._pos[h]
             self._free_ids.append(h)
 
@@ -269,7 +322,12 @@ class LlamaCppBackend(Backend):
             batch.n_tokens = n
             if self._sink is not None:
                 self._sink.begin(items)
+            self._scores = []
             rc = ll.llama_decode(self._ctx, batch)
+            if rc == 0:
+                for sc in self._scores:  # ubatch by ubatch, in compute order: the cells this call wrote
+                    self.cells.update(sc, items)
+            self._scores = []
             if self._sink is not None:
                 self._sink.end()
             if rc != 0:
@@ -326,6 +384,8 @@ class LlamaCppBackend(Backend):
         if n == 0:
             return
         ok = self.ll.llama_memory_seq_rm(self._mem, s, self._pos[s] - n, -1)
+        if ok:
+            self.cells.drop(s, from_pos=self._pos[s] - n)
         if not ok:
             raise BackendError(f"backend {self.name}: rollback of {n} token(s): llama_memory_seq_rm returned false "
                                f"(llama.cpp keeps n_rs_seq={self.n_rs} recurrent-state snapshots)")
@@ -349,6 +409,7 @@ class LlamaCppBackend(Backend):
         pos, data = snap
         ll = self.ll
         ll.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self.cells.drop(s)  # llama.cpp puts the restored tokens in cells of its choosing: positions unknown
         if data:
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
             if ll.llama_state_seq_set_data(self._ctx, buf, len(data), s) == 0:
@@ -375,14 +436,23 @@ class LlamaCppBackend(Backend):
 
     def _eval_cb(self, t, ask, user_data):  # noqa: ARG002 -- called by ggml for every graph node
         sink = self._sink
-        if sink is None:
-            return not ask  # ask: "want this node's data?" no; after compute: continue
         try:
+            name = _tensor_name(t)
+            # the first QSA layer's token scores are read on every call, taps or not: their finite entries
+            # are the cells each query sees, which keep the cell -> position map (CellMap) current
+            score = name.startswith("indexer_score_tokens-") and name == (self._score_node or name)
             if ask:
-                return sink.wants(_tensor_name(t))
+                if score and self._score_node is None:
+                    self._score_node = name
+                return bool(score or (sink is not None and sink.wants(name)))
+            if score:
+                self._scores.append(np.isfinite(_tensor_array(t)))
+            if sink is None:
+                return True
             sink.take(t)
         except Exception as e:  # never raise into C; the failure is reported when the block ends
-            sink.error = sink.error or e
+            if sink is not None:
+                sink.error = sink.error or e
         return True
 
     def close(self) -> None:
@@ -452,6 +522,7 @@ class _TapSink:
         self.pad = "ple-pad" in (be.conversion.get("reparams") or [])
         self.nodes: dict[str, list] = {}
         self.items = None
+        self.unmapped = 0   # selected_tokens rows left out: cells of unknown position (after a restore)
 
     def _parse(self, name):
         base, dash, il = name.rpartition("-")
@@ -489,6 +560,8 @@ class _TapSink:
             tmpl = TAP_MAP.get(base)
             if tmpl is None:
                 continue
+            if 0 <= il < len(cfg.layer_types) and (base, cfg.layer_types[il]) in LAYER_TYPE_DROPS:
+                continue
             for k, a in enumerate(arrs):
                 ours = tmpl[k] if isinstance(tmpl, list) else tmpl
                 if isinstance(tmpl, list) and k >= len(tmpl):
@@ -498,7 +571,10 @@ class _TapSink:
                     continue
                 if base == "indexer_top_k":
                     sc = self.nodes.get(f"indexer_score_tokens-{il}")
-                    v = self._selected_tokens(a, sc[0] if sc else None, T, cfg)
+                    v = self._selected_tokens(a, sc[0] if sc else None, items, cfg, self.be.cells)
+                    if v is None:  # a selection among cells whose positions are unknown: not comparable
+                        self.unmapped += 1
+                        continue
                 else:
                     v = a.reshape(T, -1) if a.size % T == 0 else None
                     if v is None:
@@ -513,17 +589,96 @@ class _TapSink:
         self.nodes = {}
 
     @staticmethod
-    def _selected_tokens(top, scores, T, cfg):
-        """indexer_top_k [.., T, width] cells (cell == position for a sequence alone in the cache) ->
-        ascending positions with the masked (-inf score) cells dropped, -1 padded to budget + ratio - 1."""
+    def _selected_tokens(top, scores, items, cfg, cells):
+        """indexer_top_k [.., T, width] KV cache cells -> the ascending positions of the query's sequence
+        (through ``cells``, a :class:`CellMap`), masked (-inf score) cells dropped, -1 padded to budget +
+        ratio - 1. None when a selection cannot be mapped: it holds some, not all, of the visible cells whose
+        positions are unknown (after a restore; taking all of them maps as a set)."""
+        T = len(items)
         top = top.reshape(T, -1)
         width = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
         out = np.full((T, width), -1, np.int64)
-        sc = None if scores is None else scores.reshape(T, -1)
-        for t in range(T):
-            cells = top[t].astype(np.int64)
+        sc = None if scores is None else np.isfinite(scores.reshape(T, -1))
+        for t, (seq, _tok, p) in enumerate(items):
+            sel = top[t].astype(np.int64)
             if sc is not None:
-                cells = cells[np.isfinite(sc[t, cells])]
-            cells = np.sort(cells)[:width]
-            out[t, :len(cells)] = cells
+                sel = sel[sc[t, sel]]
+                visible = np.flatnonzero(sc[t])
+            else:
+                visible = sel
+            known = cells.positions(seq)
+            pos = [known[c] for c in sel.tolist() if c in known]
+            unknown_sel = {c for c in sel.tolist() if c not in known}
+            if unknown_sel:
+                unknown_vis = {c for c in visible.tolist() if c not in known}
+                if unknown_sel != unknown_vis:
+                    return None
+                # every cell of unknown position is selected: as a set they are the positions not mapped
+                pos += sorted(set(range(p + 1)) - set(known[c] for c in visible.tolist() if c in known))
+            pos = np.sort(np.asarray(pos, np.int64))[:width]
+            out[t, :len(pos)] = pos
         return out
+
+
+class CellMap:
+    """Which (sequence, position) each llama.cpp KV cache cell holds: the indexer's ``indexer_top_k`` names
+    cells of the unified cache, not positions, and sequences sharing the cache interleave their cells.
+
+    Kept from the first QSA layer's ``indexer_score_tokens`` of every ubatch: its finite entries in row t are
+    the cells query t sees, i.e. the cells of positions 0..p_t of t's sequence (this backend keeps every
+    sequence contiguous from 0; the causal mask includes the query's own cell). Rows whose visible sets
+    overlap are one sequence; the smallest set adds the cell of position |V| - 1, each next row one more.
+    A row whose sequence or new cell cannot be told (several unknown cells: after a restore, which places
+    tokens in cells of llama.cpp's choosing) maps nothing: those cells stay unknown, never guessed."""
+
+    def __init__(self):
+        self._pos: dict[int, dict[int, int]] = {}   # seq -> {cell: position}
+
+    def positions(self, seq) -> dict[int, int]:
+        """``{cell: position}`` of sequence ``seq`` (the cells known)."""
+        return self._pos.get(seq, {})
+
+    def drop(self, seq, from_pos: int = 0) -> None:
+        """Forget ``seq``'s cells at positions >= ``from_pos`` (freed by llama_memory_seq_rm)."""
+        m = self._pos.get(seq)
+        if m:
+            for c in [c for c, p in m.items() if p >= from_pos]:
+                del m[c]
+
+    def update(self, visible: np.ndarray, items) -> None:
+        """One ubatch: ``visible`` bool [.., n_tokens, n_kv] (finite token scores), ``items`` the call's
+        [(seq, token, pos)] (the ubatch's rows are some of them, possibly reordered by llama.cpp)."""
+        vis = np.asarray(visible, bool)
+        vis = vis.reshape(-1, vis.shape[-1])
+        sets = [frozenset(np.flatnonzero(r).tolist()) for r in vis]
+        groups: list[list[int]] = []  # rows of one sequence: their visible sets overlap
+        for t in sorted(range(len(sets)), key=lambda i: len(sets[i])):
+            g = next((g for g in groups if sets[g[-1]] & sets[t]), None)
+            (g.append(t) if g is not None else groups.append([t]))
+        fresh = [s for s, _tok, p in items if p == 0]
+        want = {}
+        for s, _tok, p in items:
+            want.setdefault(s, set()).add(p)
+        for g in groups:
+            cells_g = sets[g[-1]]
+            owners = {s for s, m in self._pos.items() if any(c in m for c in cells_g)}
+            if len(owners) == 1:
+                seq = owners.pop()
+            elif not owners and len(sets[g[0]]) == 1 and len(fresh) == 1:
+                seq = fresh[0]  # a sequence's first token: the only fresh one in the call
+            elif not owners and len(want) == 1:
+                seq = next(iter(want))  # the call's only sequence (its cells are not known yet: restored)
+            else:
+                continue
+            m = self._pos.setdefault(seq, {})
+            prev: frozenset = frozenset()
+            for t in g:
+                new = [c for c in sets[t] - prev if c not in m or m[c] >= len(sets[t]) - 1]
+                p = len(sets[t]) - 1
+                if len(new) == 1 and p in want.get(seq, ()):
+                    c = new[0]
+                    for o, om in self._pos.items():  # a reused cell belongs to this sequence only
+                        if o != seq and c in om:
+                            del om[c]
+                    m[c] = p
+                prev = sets[t]

@@ -136,12 +136,14 @@ class OpenAIBackend:
         toks, tops = lp.get("tokens") or [], lp.get("top_logprobs") or []
         if len(toks) < len(ids) or "".join(toks[:len(ids)]) != "".join(
                 self._tok.decode([t], skip_special_tokens=False) for t in ids).replace("\ufffd", ""):
-            # the server tokenized the text its own way: judge the ids it ran (its /extras/tokenize)
+            # the echoed strings differ (the server's token strings, e.g. byte pieces, or its own tokenization
+            # of the text): judge the ids it ran (its /extras/tokenize); counted as retokenized only when
+            # those ids differ from the prompt's
             try:
                 srv = [int(t) for t in self._request("POST", "/extras/tokenize", {"input": text})["tokens"]]
             except (BackendError, KeyError, TypeError, ValueError):
                 srv = None
-            if srv and len(toks) >= len(srv):
+            if srv and len(toks) >= len(srv) and srv != ids:
                 ids = srv
                 self.retokenized = getattr(self, "retokenized", 0) + 1
         if len(toks) < len(ids):

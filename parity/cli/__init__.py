@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qwen4exp{_command_of(argv)}: error: {e}", file=sys.stderr)
         return e.exit_code
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # the command line as given (report.json ``reproduce``)
     show_tb = bool(getattr(args, "traceback", False))
     from parity.bench.runner import terminate_on_signals
     try:

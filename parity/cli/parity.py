@@ -171,6 +171,7 @@ def run(args) -> int:
             with staged_dir(args.out, ("report.json", "taps")) as stage:
                 report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                                     out_dir=stage, progress=progress, **extra)
+                report.reproduce = _reproduce(args)
                 doc = replace_paths(report.to_json(), str(stage), str(Path(args.out)))
                 unwritten = unwritten_archives(doc)
                 if unwritten:  # an incomplete result set is never swapped in: the old results stay
@@ -184,6 +185,7 @@ def run(args) -> int:
     else:
         report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                             progress=progress, **extra)
+        report.reproduce = _reproduce(args)
         doc = report.to_json()
     if args.write_known:
         from parity.harness.causes import write_known
@@ -206,6 +208,14 @@ def run(args) -> int:
               f"verdict above is {report.to_json()['verdict']}, exit {EXIT_ENVIRONMENT})", file=sys.stderr)
         return EXIT_ENVIRONMENT
     return report.exit_code
+
+
+def _reproduce(args) -> str | None:
+    """The command line of this run, shell-quoted (``qwen4exp parity ...``, the argv as given), or None when
+    the CLI was driven without one."""
+    import shlex
+    argv = getattr(args, "argv", None)
+    return None if argv is None else shlex.join(["qwen4exp", *argv])
 
 
 class _Incomplete(Exception):

@@ -6,7 +6,7 @@
       SPEC: reference[:dtype=float64], engine[:device=cpu|cuda,precision=float32|bf16] or module:Class
   qwen4exp taps check DIR [--model MODEL] [--json]      (validate an archive: docs/tap-archive.md)
   qwen4exp taps diff A B [--profile fp32|bf16|FILE] [--format text|json] [--all] [--force] [--replay MODEL]
-                   [--taps GLOB ...] [--memory-mb N]
+                   [--taps GLOB ...] [--memory-mb N] [--until-position P]
 
 Exit codes (``qwen4exp -h``): 0 agree / success, 1 diverged, 2 usage or input error, 4 environment failure.
 """
@@ -34,6 +34,10 @@ def _add_diff_args(pd) -> None:
                          "those weights, not B's)")
     pd.add_argument("--taps", action="append", default=None, metavar="GLOB", help="only taps matching (repeatable)")
     pd.add_argument("--memory-mb", type=int, default=256, help="approximate memory per tap chunk (MB)")
+    pd.add_argument("--until-position", type=int, default=None, metavar="P",
+                    help="count a tap as the first divergence only when it is first beyond tolerance at a position "
+                         "<= P (what `qwen4exp parity` does when it locates a failure whose first failing logit "
+                         "position is P: a cause lies at or before it)")
     add_traceback(pd)
     pd.set_defaults(func=_cmd_diff)
 
@@ -218,7 +222,8 @@ def _cmd_diff(args) -> int:
             raise InputError(f"--replay {args.replay!r}: expected a model to replay in, found: {e}") from None
         _check_replay_model(args, replay_ck)
     rep = diff_archives(args.a, args.b, profile=args.profile, force=args.force, taps=args.taps,
-                        memory_budget=args.memory_mb << 20, progress=sys.stderr.isatty() and not args.json)
+                        memory_budget=args.memory_mb << 20, progress=sys.stderr.isatty() and not args.json,
+                        until_position=args.until_position)
     if args.replay and rep.first_divergence:
         import numpy as np
         from reference.model import ReferenceModel

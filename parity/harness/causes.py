@@ -86,13 +86,16 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
         tap, op = "batching", "batched decode"
     elif divergence.startswith(("refused", "sequence length", "state ")):
         tap = divergence.split(":")[0].split("(")[0].strip()
-    if pos is None and (p := _POS.search(failure)) is not None:
-        pos = int(p.group(1))
+    if pos is None:   # the first failing position (not the operation's start, which the description may name first)
+        p = (re.search(r"first failing position (\d+)", failure) or re.search(r"first at position (\d+)", divergence)
+             or _POS.search(failure))
+        pos = int(p.group(1)) if p is not None else None
     regime = "?"
     if config is not None and pos is not None:
         from parity.harness.scenarios.common import sizes
         s = sizes(config)
-        regime = "past the QSA bound" if (s.has_qsa and pos > s.bound) else "below the QSA bound"
+        # position p sees p + 1 tokens; at and below `bound` visible tokens QSA keeps every token
+        regime = "past the QSA bound" if (s.has_qsa and pos + 1 > s.bound) else "below the QSA bound"
     layer = layer_of(tap) if tap.startswith("layers.") else None
     block = tap.split(".")[2] if layer is not None and len(tap.split(".")) > 2 else tap
     return {"id": f"{tap} | {op} | {regime}", "tap": tap, "layer": layer, "block": block, "operation": op,

@@ -86,6 +86,8 @@ class ParityReport:
     model: str
     rows: list[ScenarioRow] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    #: the command line that produced this report, shell-quoted (set by the CLI; None for an API call)
+    reproduce: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -124,7 +126,8 @@ class ParityReport:
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
         from parity.harness.causes import group_causes
-        return jsonable({"backend": self.backend, "model": self.model, "exit_code": self.exit_code,
+        return jsonable({"backend": self.backend, "model": self.model, "reproduce": self.reproduce,
+                         "exit_code": self.exit_code,
                          "verdict": self.verdict, "verdict_line": self.verdict_line,
                          "known_cases": self.known_cases,
                          "meta": self.meta, "root_causes": group_causes(self.rows),
@@ -165,8 +168,8 @@ LEGEND = [
     "limits: the row's pass threshold, measured on this model: at every position the worst logit error <= tol x "
     "the logit scale (the std of the reference's logits there), tol a multiple of the precision floor (KL and "
     "top-1 near ties follow from it; docs/parity.md, Thresholds)",
-    "worst logit err: the largest |backend - reference| logit over every position and token (judged relative to "
-    "the logit scale, see limits)",
+    "worst logit err: the largest |backend - reference| logit over every position and token, each row's common "
+    "offset removed (softmax ignores it; judged relative to the logit scale, see limits)",
     "INCONCLUSIVE: nothing failed, but the run cannot vouch for a pass (a floor too coarse for a useful fault, an "
     "unflagged negative control, or a tie too large to search); known: failing only through a --known root "
     "cause at the positions the baseline recorded, no larger than recorded + one tolerance band, no new top-1 "

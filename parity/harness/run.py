@@ -30,9 +30,10 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
                    progress=True, flags=("--a", "--b"), floor=None, thresholds=None):
     """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
 
-    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities), else
-    the reference (noted in the report: it then proves the harness, not b's loader, flags a bad weight); it is
-    sized from the floor (parity.harness.kl.negative_control). ``flags``: the options of a and b named in error
+    The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities) and exposes its
+    reference model (so its selections can be forced to the truth's picks: the control's effect is then
+    continuous, never a selection flip), else the reference (noted in the report: it then proves the harness,
+    not b's loader, flags a bad weight); it is sized from the floor (parity.harness.kl.negative_control). ``flags``: the options of a and b named in error
     messages; ``floor`` / ``thresholds``: the run's measured floor and thresholds (None: measured by the
     harness on the prompts).
     """
@@ -44,8 +45,13 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     r32 = a if a_spec == "reference" else open_backend("reference", model_path)
     r64 = open_backend("reference:dtype=float64", model_path)
     name = perturb_name or default_perturb_target(b.config)
-    target = b_spec if capabilities_of(b).get("perturb") else "reference"
+    # the control's selections are forced to the truth's picks (a continuous effect, not a selection flip): that
+    # needs the perturbed backend's reference model; b is perturbed itself only when it has one
+    forceable = hasattr(getattr(b, "model", None), "selection_hook")
+    target = b_spec if capabilities_of(b).get("perturb") and forceable else "reference"
     note = f"{target} with {name} perturbed (+ rms * N(0,1))"
+    if target != b_spec and capabilities_of(b).get("perturb"):
+        note += f" (not {b_spec}: its selections cannot be forced to the truth's)"
 
     def perturbed(scale=1.0):
         return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
@@ -80,7 +86,10 @@ def topk_report(report, be, model, prompts):
                   f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
                   f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
                   f"{res['skipped_unsendable']} prompts not sendable as text")
-        report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else 1, res["worst_kl"],
+        # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its
+        # request patterns does); no prompt sendable is one failed case
+        n_bad = len(res["failed_prompts"]) if res["prompts"] else 1
+        report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else n_bad, res["worst_kl"],
                                        float("nan"), first, time.perf_counter() - t0, status, detail,
                                        failures=[res] if status != "pass" else []))
     except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
@@ -98,10 +107,11 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                out_dir=None, progress=True, known=None, below_bound=False):
     """Run the KL harness and the scenarios; returns a :class:`parity.harness.report.ParityReport`.
 
-    Every verdict uses thresholds from the floor measured once on this model (the KL prompts plus a stream past
-    the QSA bound, parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes
-    passing rows 'inconclusive'. ``known``: the ``--known`` baseline
-    (:class:`parity.harness.causes.KnownCauses`, identity already checked); ``below_bound``: confine
+    Every verdict uses thresholds from the floor measured once on this model (the KL prompts -- read whatever
+    ``scenarios`` selects, so the thresholds do not depend on the selection -- plus a stream past the QSA bound,
+    parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes passing rows
+    'inconclusive'. ``known``: the ``--known`` baseline (:class:`parity.harness.causes.KnownCauses`, identity
+    already checked); ``below_bound``: confine
     the scenarios below the QSA bound (parity.harness.causes).
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
@@ -128,30 +138,36 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     try:
         probe = op()  # fails here, clearly, when the backend cannot be opened
     except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
-        report = ParityReport(backend=str(backend_spec), model=str(model), meta={"refused": e.to_json()})
+        report = ParityReport(backend=backend_label(backend_spec), model=str(model), meta={"refused": e.to_json()})
         report.rows.append(ScenarioRow("open", 1, 1, float("nan"), float("nan"),
                                        f"REFUSED by {e.engine} {e.stage}: {e.message}",
                                        time.perf_counter() - t_open, "refused", e.offer))
         return report
     caps = capabilities_of(probe)
     cfg = probe.config
-    report = ParityReport(backend=_current_spelling(probe.name), model=str(model),
+    report = ParityReport(backend=backend_label(backend_spec), model=str(model),
                           meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
                                 # each operation's declaration (supported / limited with its limit / unsupported)
                                 "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
                                 **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
-                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {})})
+                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {}),
+                                # what an outside engine leaves out of the checkpoint, located (never a silent skip)
+                                **({"engine_findings": probe.findings} if getattr(probe, "findings", None) else {})})
     if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
         return topk_report(report, probe, model, prompts)
     if hasattr(probe, "close"):
         probe.close()
     kl_prompts = None
-    if "kl" in scenarios:  # a bad --prompts file is an input error (exit 2), found before anything runs
-        from parity.prompts import load_prompts
-        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
     from parity.harness.scenarios import TRUTHLESS
     # the self-consistency suite needs no reference: a run of it alone never loads the truth
-    truth = TruthCache(truth_model(model)) if any(s not in TRUTHLESS for s in scenarios) else None
+    needs_truth = any(s not in TRUTHLESS for s in scenarios)
+    if "kl" in scenarios or needs_truth:
+        # the KL prompt set is read whatever --scenario selects: the floor is measured on it (below), so the
+        # thresholds are a function of the model, the backend's stores and the prompt set only, never of which
+        # scenarios run. A bad --prompts file is an input error (exit 2), found before anything runs.
+        from parity.prompts import load_prompts
+        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
+    truth = TruthCache(truth_model(model)) if needs_truth else None
     from parity.harness.scenarios.common import NonFiniteTruth, token_stream
     invalid = None
     if truth is not None:  # the truth must be finite before anything is judged against it (a NaN checkpoint is no verdict)
@@ -246,6 +262,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = rep.status.lower()
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
+    det = rep.controls.get("determinism", {})
+    if det.get("ok") and det.get("claimed") is False and det.get("prompts_differing"):
+        detail += "; " + det["detail"]   # the allowed run-to-run noise, measured: reported, never silent
     both = np.maximum(rep.comparison.kl_ab, rep.comparison.kl_ba)
     bounds = np.cumsum([0] + rep.per_prompt_positions)
     per_prompt = [float(np.max(both[bounds[i]:bounds[i + 1]])) for i in range(len(prompts))]
@@ -279,6 +298,8 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
             first = f"prompt {worst}: {where}"
         else:
             first = f"prompt {worst}: worst KL {per_prompt[worst]:.3g}"
+        if rep.status == "INCONCLUSIVE":   # failing rows judged neither way: why comes first, then where they fail
+            first = f"judged neither way: {rep.reason}; failing rows: {first}"
     elif failed_controls:
         first = "controls failed: " + "; ".join(rep.controls[k]["detail"] for k in failed_controls)
     doc = rep.to_json()
@@ -304,6 +325,17 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
                        known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json())
+
+
+def backend_label(spec) -> str:
+    """The backend as the report names it: the whole ``--backend`` spec, options included, in its current
+    spelling (``llama.cpp:reparam=auto`` stays that, ``engine-cpu`` -> ``engine:device=cpu``), so that
+    re-running with it reproduces the verdict; a spec the grammar does not parse is shown as given."""
+    from parity.backends import parse_backend_spec
+    try:
+        return str(parse_backend_spec(spec))
+    except Exception:  # noqa: BLE001 - shown as it is
+        return str(spec)
 
 
 def _kl_fault(rep, prompts) -> dict:

@@ -60,13 +60,14 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
     llama_cpp.server does) answers the second from it; both answers are judged.
 
     Returns a JSON-ready dict with ``passed``, ``first`` (prompt, pattern, position) of the first failing
-    position, ``worst_kl``, tail masses, the measured row convention, the patterns run and the count of
+    position, ``failed_prompts`` (indices of the prompts with a failing position in any pattern: the row's
+    failed cases), ``worst_kl``, tail masses, the measured row convention, the patterns run and the count of
     prompts skipped as unsendable."""
     from parity.harness.kl import thresholds_for
     th = thresholds or thresholds_for("float32")
     t0 = time.perf_counter()
     out = {"prompts": 0, "skipped_unsendable": 0, "positions": 0, "worst_kl": 0.0, "first": None,
-           "max_tail_server": 0.0, "top1_mismatch": 0, "greedy_unmappable": 0, "patterns": {}}
+           "max_tail_server": 0.0, "top1_mismatch": 0, "greedy_unmappable": 0, "patterns": {}, "failed_prompts": []}
     ids_ok = set(be._str2id.values())
 
     def judge(pi, ids, pattern):
@@ -86,6 +87,8 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
             out["worst_kl"] = max(out["worst_kl"], float(np.nanmax(c["kl"])))
             out["max_tail_server"] = max(out["max_tail_server"], float(np.nanmax(c["tail_server"])))
         out["top1_mismatch"] += int(np.sum(~c["top1"]))
+        if not ok.all() and pi not in out["failed_prompts"]:  # a case is a prompt (any of its patterns failing)
+            out["failed_prompts"].append(pi)
         if out["first"] is None and not ok.all():
             p = int(np.argmax(~ok))
             out["first"] = {"prompt": pi, "pattern": pattern, "position": p, "kl": float(c["kl"][p]),

@@ -201,6 +201,9 @@ def test_openai_against_llama_cpp_server_fails_at_the_same_position(server):
     assert "first divergent position 11 " in row.first_divergence, row.first_divergence
     assert rep.meta["openai"]["convention"] == "after-token"  # llama-cpp-python's echo rows (finding)
     assert all(r.status == "skip" for r in rep.rows[1:])
+    # the GGUF's pre-tokenizer label matches the checkpoint's (gpt-2): the server tokenizes every text prompt
+    # as the checkpoint does (labelled qwen35 it retokenized 4 of 5)
+    assert row.failures[0]["retokenized_by_server"] == 0, row.failures[0]
 
 
 def test_openai_passes_where_llama_cpp_agrees(server):
@@ -323,3 +326,200 @@ def test_bad_options_are_one_clear_error(spec, match):
     from parity.backends import open_backend
     with pytest.raises(UserError, match=match):
         open_backend(spec, bundled_model("tiny"))
+
+
+# --- outside-engine checker: cells -> positions, rollback judged, GDN attn_output, MTP head reported -------
+
+@pytest.fixture(scope="module")
+def qsa_gguf(tmp_path_factory):
+    """The re-parameterised tiny's GGUF with the QSA compress ratios the converter should have written
+    ([0, 0, 4, 0, 0, 4]: defect A drops them), patched in place with the vendored gguf-py: llama.cpp then
+    builds its QSA graph (indexer_* nodes), which the selected_tokens tap reads."""
+    import shutil
+
+    from parity.backends import gguf_convert as gc
+    m = bundled_model("tiny")
+    doc = gc.convert(m, gc.installed_version(), reparams=gc.parse_reparams("auto", m))
+    sys.path.insert(0, str(gc.converter_dir(gc.installed_version()) / "gguf-py"))
+    try:
+        import gguf
+    finally:
+        sys.path.pop(0)
+    dst = tmp_path_factory.mktemp("qsa") / "tiny-qsa.gguf"
+    shutil.copy(doc["gguf"], dst)
+    r = gguf.GGUFReader(str(dst), "r+")
+    f = r.fields["qwen4exp.attention.compress_ratios"]
+    from reference.config import load_config
+    cfg = load_config(m)
+    want = [cfg.indexer_compress_ratio if t == "indexed_attention" else 0 for t in cfg.layer_types]
+    for i, part in enumerate(f.data):
+        f.parts[part][0] = want[i]
+    del r
+    return dst
+
+
+SEL = "layers.2.self_attn.indexer.selected_tokens"
+
+
+def _selection(be, h, tok):
+    with be.taps(None, include=[SEL]) as rec:
+        be.decode([h], [tok])
+    a = rec.archive()
+    return (a.get(SEL).tolist(), a.positions(SEL).tolist()) if a.has(SEL) else None
+
+
+def test_selected_tokens_are_positions_when_sequences_share_the_cache(qsa_gguf):
+    """Checker's tool defect 5: indexer_top_k names KV cache CELLS; with another sequence in the unified
+    cache (and a batched decode interleaving their cells) a sequence's cells are not its positions. The tap
+    must give the same positions as the sequence run alone in a fresh context."""
+    from parity.backends import open_backend
+    m = bundled_model("tiny")
+    ids = [5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # decode at position 14: past the budget
+    be = open_backend(f"llama.cpp:gguf={qsa_gguf}", m)
+    h = be.new_sequence()
+    be.prefill(h, ids)
+    alone = _selection(be, h, 40)
+    be.close()
+    be = open_backend(f"llama.cpp:gguf={qsa_gguf}", m)
+    a = be.new_sequence()
+    be.prefill(a, [1, 2, 3, 4, 6])
+    b = be.new_sequence()
+    be.prefill(b, ids[:10])
+    be.decode([a, b], [7, ids[10]])  # one call, two sequences: their new cells interleave
+    be.prefill(b, ids[11:])
+    shared = _selection(be, b, 40)
+    cells = be.cells.positions(b)
+    # the case really shares: b's cells are not its positions (the old tap reported the cells, 5..20)
+    assert any(c != p for c, p in cells.items()) and sorted(cells.values()) == list(range(len(ids) + 1))
+    assert alone is not None and shared == alone, (shared, alone)
+    # past the budget the selection is a proper subset of the 15 visible positions, all in 0..14
+    sel = [p for p in alone[0][0] if p >= 0]
+    assert len(sel) < len(ids) + 1 and all(0 <= p <= len(ids) for p in sel)
+    # after a restore llama.cpp chooses the cells itself: a selection of some of those cells is left out
+    # (never guessed); one of all of them still maps (as a set)
+    snap = be.snapshot(b)
+    c = be.new_sequence()
+    be.restore(c, snap)
+    assert _selection(be, c, 40) is None
+    d = be.new_sequence()
+    be.restore(d, be.snapshot(a))
+    got = _selection(be, d, 9)
+    assert got is not None and [p for p in got[0][0] if p >= 0] == list(range(7)), got  # a: 6 tokens + this one
+    be.close()
+
+
+def test_rollback_is_declared_limited_and_judged(qsa_gguf):
+    """Checker's tool defect 8: rollback is declared limited (n_rs_seq tokens), a limit the suites read, so
+    the speculative cases RUN against llama.cpp and its defect D (rolling back a whole llama_decode call
+    restores the recurrent state one token too early) FAILs, located at the decode after the rollback;
+    a rollback inside the last verify batch (exact in llama.cpp) passes: the negative control."""
+    from parity.backends import open_backend, truth_model
+    from parity.backends.base import capability
+    from parity.harness.scenarios.common import Case, TruthCache
+    from parity.harness.scenarios.runner import run_case
+    m = bundled_model("tiny")
+    be = open_backend("llama.cpp:reparam=auto,rs=3", m)
+    cap = capability(be, "rollback")
+    assert (cap.status, cap.max_tokens) == ("limited", 3) and "rollback_limit" not in be.capabilities
+    truth = TruthCache(truth_model(m))
+
+    def spec(n_back):
+        def fn(run):
+            a = run.new("a")
+            run.prefill(a, [5, 17, 99, 3, 250])
+            run.verify(a, [7, 8, 9], desc="verify 3 drafts")
+            if run.rollback_refusal(a, n_back):
+                run.narrow(run.rollback_refusal(a, n_back))
+                return
+            run.rollback(a, n_back, desc=f"roll back {n_back}")
+            run.decode([a], [10], desc=f"decode after rolling back {n_back}")
+        return Case(f"rollback_{n_back}", fn)
+    whole = run_case("speculative_rollback", spec(3), be, truth)   # the whole verify call: llama.cpp wrong
+    assert whole.status == "fail" and "decode after rolling back 3" in whole.failure, whole
+    part = run_case("speculative_rollback", spec(2), be, truth)    # inside the verify batch: exact
+    assert part.status == "pass", part
+    # the suite's own case (every draft rejected, below the QSA bound) catches it, at that rollback
+    from parity.harness.scenarios import cases_for
+    case = next(c for c in cases_for("speculative_rollback", be.config, "ci") if c.name == "reject_all_drafts_below_bound")
+    assert run_case("speculative_rollback", case, be, truth).status == "skip"  # 4 drafts > rs=3: beyond the limit
+    be8 = open_backend("llama.cpp:reparam=auto", m)  # the default rs=8 admits it
+    suite = run_case("speculative_rollback", case, be8, truth)
+    assert suite.status == "fail" and "after rolling back a whole verify call" in suite.failure, suite
+    be8.close()
+    # beyond the declared limit the case is narrowed, never run and never counted as a pass
+    be4 = open_backend("llama.cpp:reparam=auto,rs=2", m)
+    over = run_case("speculative_rollback", spec(3), be4, TruthCache(truth_model(m)))
+    assert over.narrowed and "at most 2 tokens" in over.narrowed[0], over
+    be.close()
+    be4.close()
+
+
+def test_gdn_attn_output_is_not_recorded_as_self_attn_and_mtp_head_is_reported():
+    """Checker's tool defects 10 and F: llama.cpp's attn_output-i in a GDN layer (the delta-net core output)
+    is not recorded as layers.i.self_attn.out; the dropped MTP head is a located finding, not a silent skip."""
+    from parity.backends import open_backend
+    from parity.backends.base import capability
+    m = bundled_model("tiny-mtp")
+    be = open_backend("llama.cpp:reparam=auto", m)
+    with be.taps(None) as rec:
+        be.logits([5, 17, 99, 3])
+    a = rec.archive()
+    gdn = [i for i, t in enumerate(be.config.layer_types) if t == "linear_attention"]
+    attn = [i for i, t in enumerate(be.config.layer_types) if t != "linear_attention"]
+    assert not any(a.has(f"layers.{i}.self_attn.out") for i in gdn)
+    assert all(a.has(f"layers.{i}.self_attn.out") for i in attn)    # control: attention layers still are
+    assert a.has(f"layers.{gdn[0]}.linear_attn.out")
+    c = capability(be, "mtp")
+    assert c.status == "unsupported" and "MTP head" in c.limit and "no_mtp" in c.limit
+    assert [f["id"] for f in be.findings] == ["llama.cpp:mtp-head-dropped"]
+    be.close()
+    plain = open_backend("llama.cpp:reparam=auto", bundled_model("tiny"))
+    assert plain.findings == [] and capability(plain, "mtp").status == "unsupported"  # no head: nothing to say
+    plain.close()
+
+
+def test_tokenizer_label_tokenizes_as_the_checkpoint_and_keeps_the_function(tmp_path):
+    """Checker's tool defect 9: reparam tokenizer-label gives the GGUF the label of the checkpoint's own
+    pre-tokenizer (a plain GPT-2-regex ByteLevel -> 'gpt-2'), so llama.cpp's tokenizer gives the checkpoint
+    tokenizer's ids on every bundled text prompt; the label leaves ids -> logits bit-identical (a copy of
+    the GGUF relabelled in place, 'qwen2', computes exactly the same logits)."""
+    import json as _json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from parity.backends import gguf_convert as gc
+    from parity.backends import open_backend
+    m = bundled_model("tiny")
+    doc = gc.convert(m, gc.installed_version(), reparams=gc.parse_reparams("auto", m))
+    assert doc["tokenizer_label"] == "gpt-2"
+    be = open_backend(f"llama.cpp:gguf={doc['gguf']}", m)
+    ll, vocab = be.ll, be.ll.llama_model_get_vocab(be._model)
+    hf = Tokenizer.from_file(str(m / "tokenizer.json"))
+    texts = [t for t in _json.loads((Path(__file__).parents[2] / "parity/prompts/default.json").read_text())
+             if isinstance(t, str)]
+
+    def llama_ids(text):
+        b = text.encode()
+        buf = (ll.llama_token * (len(b) + 8))()
+        n = ll.llama_tokenize(vocab, b, len(b), buf, len(buf), False, True)
+        return list(buf[:n])
+    differ = [t for t in texts if llama_ids(t) != hf.encode(t, add_special_tokens=False).ids]
+    assert texts and not differ, differ
+    ids = [5, 17, 99, 3, 250, 7, 8, 9]
+    want = be.logits(ids)
+    be.close()
+    sys.path.insert(0, str(gc.converter_dir(gc.installed_version()) / "gguf-py"))
+    try:
+        import gguf
+    finally:
+        sys.path.pop(0)
+    other = tmp_path / "relabelled.gguf"
+    shutil.copy(doc["gguf"], other)
+    r = gguf.GGUFReader(str(other), "r+")
+    f = r.fields["tokenizer.ggml.pre"]
+    f.parts[f.data[0]][:] = np.frombuffer(b"qwen2", np.uint8)  # same length as 'gpt-2': rewritten in place
+    del r
+    be2 = open_backend(f"llama.cpp:gguf={other}", m)
+    assert np.array_equal(be2.logits(ids), want)
+    be2.close()

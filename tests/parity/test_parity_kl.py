@@ -60,7 +60,10 @@ def test_top1_top5_probdiff_on_constructed_case():
     # row 0: b gives a's top token (0) the probability a gave token 1
     pa = np.exp(log_softmax(a))
     assert c.top_prob_diff[0] == pytest.approx(pa[0, 1] - pa[0, 0])
-    assert c.max_abs_err.tolist() == [1.0, 100.0]
+    # the logit error is judged with each row's mean offset removed: row 0's swap has mean 0 (error 1); row 1's
+    # +100 on one of 7 entries has offset 100/7, residual 100 * 6/7
+    assert c.max_abs_err == pytest.approx([1.0, 100.0 * 6 / 7])
+    assert c.offset == pytest.approx([0.0, 100.0 / 7])
 
 
 def test_summary_percentiles_and_nan_propagation():
@@ -206,3 +209,199 @@ def test_topk_sets_partition_equals_the_stable_sort():
             assert np.array_equal(_topk_sets(a, k), np.argsort(-a, axis=-1, kind="stable")[:, :k]), (dt, k)
     assert _topk_sets(a, 5)[6].tolist() == [0, 1, 2, 3, 4]
     assert (299 - np.argsort(-a[6, ::-1], kind="stable")[:5]).tolist() != [0, 1, 2, 3, 4]  # negative control
+
+
+# ------------------------------------------------------- per-row offset, -inf rows, run-to-run noise, controls
+def test_a_per_row_offset_is_no_error_and_its_size_is_reported():
+    """logits + c (per row) and log-probabilities are the same distribution: no logit error, the offset a figure.
+    Negative controls: an offset that differs across a row's entries, and an offset plus a real error, fail."""
+    rng = np.random.default_rng(3)
+    a = rng.normal(0, 3, (6, 200))
+    th = thresholds_for("float32")
+    c = compare_logits(a, a + rng.normal(0, 5, (6, 1)))            # a different offset on every row
+    assert verdict(c, th)[0] and c.max_abs_err.max() < 1e-12       # float64 rounding of (a + c) - a - c
+    assert c.summary()["max_removed_offset"] == pytest.approx(np.abs(c.offset).max()) and c.offset_rel() > 0.1
+    lp = compare_logits(a, log_softmax(a))
+    ok, why = verdict(lp, th)
+    assert ok and "offset" in why                                  # reported, not a failure
+    ramp = a + 3.0 + np.linspace(0, 1e-3, 200) * np.abs(a).max()   # the offset varies across the entries
+    assert not verdict(compare_logits(a, ramp), th)[0]
+    # residual of a ramp of range r about its mean: r / 2 (the offset removal keeps at least half any real error)
+    assert compare_logits(a, ramp).max_abs_err == pytest.approx(0.5e-3 * np.abs(a).max(), rel=1e-6)
+    noisy = a + 3.0
+    noisy[2] += 1e-3 * np.abs(a[2]).max() * rng.standard_normal(200)
+    bad, why = verdict(compare_logits(a, noisy), th)
+    assert not bad and "logit error" in why and "position 2" in why
+
+
+def test_minus_inf_tail_gives_kl_inf_not_nan():
+    """A top-k truncated row (-inf tail) has KL = inf (probability 0 where the truth has > 0), never nan; both
+    sides excluding the same tokens agree; a nan logit stays nan."""
+    rng = np.random.default_rng(4)
+    a = rng.normal(0, 2, (3, 100))
+    b = a.copy()
+    b[1, np.argsort(b[1])[:-10]] = -np.inf
+    c = compare_logits(a, b)
+    assert np.isinf(c.kl_ab[1]) and np.isfinite(c.kl_ba[1]) and c.worst_kl() == np.inf
+    assert np.isinf(c.max_abs_err[1]) and c.max_abs_err[0] == 0.0
+    ok, why = verdict(c, thresholds_for("float32"))
+    assert not ok and "KL inf at position 1" in why
+    same = compare_logits(b, b + 1.0)   # the same -inf entries on both sides, a per-row offset
+    assert same.worst_kl() < 1e-12 and same.max_abs_err.max() < 1e-12 and same.offset == pytest.approx(1.0)
+    n = a.copy()
+    n[0, 3] = np.nan
+    assert np.isnan(compare_logits(a, n).worst_kl())
+    assert np.isinf(kl_per_position(a, b)[1])
+    st = summarize(c.kl_ab)   # percentiles over an inf entry: inf where it is reached, never nan
+    assert st["max"] == np.inf and not any(np.isnan(x) for x in st.values()) and np.isfinite(st["median"])
+
+
+def _kl(refs, cls, **kw):
+    from kl_fakes import __dict__ as fakes
+    r32, r64 = refs
+    b = fakes[cls].open(FIX)
+    return run_kl(r32, b, PROMPTS, greedy_tokens=kw.pop("greedy_tokens", 2), floor_pair=(r32, r64),
+                  perturbed_b=_perturbed, progress=False, **kw)
+
+
+@pytest.mark.parametrize("cls", ["RowShift", "LogProbs"])
+def test_harness_passes_a_softmax_invariant_shift(refs, cls):
+    rep = _kl(refs, cls)
+    assert rep.status == "PASS" and rep.exit_code == 0, rep.reason
+    assert rep.comparison.summary()["max_removed_offset"] > 1.0   # the removed offset is reported as a figure
+
+
+@pytest.mark.parametrize("cls, where", [("RampShift", "prompt 0"), ("ShiftPlusNoiseAt5", "position 5")])
+def test_harness_fails_an_offset_with_a_real_error(refs, cls, where):
+    rep = _kl(refs, cls)
+    assert rep.status == "FAIL" and rep.exit_code == 1 and where in rep.reason, rep.reason
+
+
+def test_harness_top_k_tail_fails_with_kl_inf(refs):
+    rep = _kl(refs, "TopKTail", greedy_tokens=0)
+    assert rep.status == "FAIL" and "KL inf" in rep.reason and rep.comparison.worst_kl() == np.inf
+
+
+def test_run_to_run_noise_of_a_backend_not_claiming_determinism_is_measured_and_allowed(refs):
+    rep = _kl(refs, "Jitter")
+    det = rep.controls["determinism"]
+    assert rep.status == "PASS" and rep.exit_code == 0, rep.reason
+    assert det["ok"] and det["claimed"] is False and 0 < det["spread_rel"] <= rep.thresholds.tol_rel
+    assert det["prompts_differing"] == [0, 1] and "run-to-run spread" in det["detail"]
+
+
+def test_run_to_run_noise_above_the_tolerance_is_inconclusive(refs):
+    rep = _kl(refs, "JitterLarge")
+    det = rep.controls["determinism"]
+    assert not det["ok"] and det["spread_rel"] > rep.thresholds.tol_rel
+    assert rep.status == "INCONCLUSIVE" and rep.exit_code == 3 and "run-to-run spread" in rep.reason, rep.reason
+
+
+def test_a_fault_beyond_the_noise_of_a_noisy_backend_still_fails(refs):
+    """Negative control of the INCONCLUSIVE rule: an error far beyond tolerance + spread is a FAIL."""
+    rep = _kl(refs, "JitterLargeFaultAt5")
+    assert rep.controls["determinism"]["spread_rel"] > rep.thresholds.tol_rel
+    assert rep.status == "FAIL" and rep.exit_code == 1 and "position 5" in rep.reason, rep.reason
+
+
+def test_claimed_determinism_must_be_bitwise_and_its_prompts_are_failed_cases(refs):
+    rep = _kl(refs, "JitterClaimsDeterministic")
+    assert rep.passed and rep.status == "FAIL" and rep.exit_code == 1
+    assert not rep.controls["determinism"]["ok"] and rep.failed_prompts == [0, 1]
+
+
+def test_kl_row_cases_agree_with_a_failed_control():
+    """The kl row of a claimed-deterministic backend that does not repeat: FAIL with 0/N cases, naming the control."""
+    import time
+
+    from parity.harness.report import ParityReport, render_table
+    from parity.harness.run import kl_row
+    row = kl_row(FIX, "kl_fakes:JitterClaimsDeterministic", PROMPTS, False, time.perf_counter())
+    assert row.status == "fail" and row.failed_cases == row.cases == len(PROMPTS)
+    text = render_table(ParityReport(backend="b", model=FIX, rows=[row]), columns=None)
+    line = next(ln for ln in text.splitlines() if ln.startswith("kl "))
+    assert f"0/{len(PROMPTS)}" in line and line.rstrip().endswith("FAIL"), line
+    assert "controls failed: b run twice differs on prompts [0, 1]" in line, line
+
+
+def test_negative_control_is_forced_to_the_truths_selections_and_sized_as_intended(refs):
+    """The control's effect is the continuous response (selections forced to the truth's picks), measured within
+    CONTROL_RESIZE of the intended CONTROL_MARGIN x tolerance, and reported as measured vs intended."""
+    from parity.harness.kl import CONTROL_MARGIN, CONTROL_RESIZE
+    r32, r64 = refs
+    from parity.backends import open_backend
+    from parity.harness.run import perturbation
+
+    def sized(scale=1.0):
+        return open_backend("reference", FIX, perturb=("layers.0.linear_attn.out_proj.weight",
+                                                       perturbation(scale=scale)))
+    rep = run_kl(r32, r32, PROMPTS, greedy_tokens=0, floor_pair=(r32, r64), perturbed_b=sized, progress=False)
+    nc = rep.controls["negative_control"]
+    intended = CONTROL_MARGIN * rep.thresholds.tol_rel
+    assert nc["ok"] and nc["forced"] and nc["intended_rel"] == pytest.approx(intended)
+    assert intended / CONTROL_RESIZE <= nc["effect_rel"] <= intended * CONTROL_RESIZE, nc["detail"]
+    assert "measured effect" in nc["detail"] and "intended" in nc["detail"] and "forced" in nc["detail"]
+
+
+def test_negative_control_firing_only_through_a_jump_is_not_counted():
+    """A control whose effect does not scale (a discrete jump, as a selection flip: here a fixed 0.3 x scale error
+    at one position whatever the size) and cannot be forced is not counted as flagged: INCONCLUSIVE."""
+    from parity.harness.kl import negative_control
+    rng = np.random.default_rng(6)
+    a = rng.normal(0, 1, (4, 64))
+    th = thresholds_for("float32")
+
+    class Jump:
+        def __init__(self, scale):
+            self.s = scale
+
+        def logits(self, ids):
+            out = a + self.s * 1e-2 * rng.standard_normal(a.shape) * 0   # no continuous response ...
+            out[2, 5] += 0.3 + self.s                                     # ... only a jump
+            return out
+    nc = negative_control(lambda scale=1.0: Jump(scale), [a], [[1, 2, 3, 4]], th)
+    assert not nc["ok"] and nc["inconclusive"] and not nc["forced"] and "discrete jump" in nc["detail"], nc["detail"]
+
+
+def test_the_floor_does_not_depend_on_the_selected_scenarios(monkeypatch):
+    """The thresholds of `parity` are measured on the KL prompts whatever --scenario selects (the floor was
+    measured on 20 positions for `--scenario chunk-boundary` alone, 211 for a full run). The suites themselves
+    are stubbed: only the floor each selection measures is compared."""
+    import parity.harness.scenarios as S
+    import parity.harness.run as R
+    from parity.harness.report import ScenarioRow
+    from parity.harness.run import run_parity
+    monkeypatch.setattr(S, "run_scenario", lambda name, *a, **k: [])
+    monkeypatch.setattr(S, "summarize_results", lambda name, *a, **k: ScenarioRow(name, 0, 0, 0.0, 0.0, None, 0.0,
+                                                                                   "skip"))
+    monkeypatch.setattr(R, "kl_row", lambda *a, **k: ScenarioRow("kl", 0, 0, 0.0, 0.0, None, 0.0, "skip"))
+    metas = [run_parity(FIX, "reference", sel, level="ci", progress=False).meta
+             for sel in (["chunk_boundary"], ["kl", "budget"], ["budget", "chunk_boundary", "snapshot_restore"])]
+    from parity.prompts import load_prompts
+    from reference.config import load_config
+    n_kl = sum(len(p) for p in load_prompts(None, FIX, load_config(FIX).vocab_size))
+    assert all(m["floor"]["positions"] > n_kl for m in metas)          # the KL prompts plus the stream, always
+    assert len({(m["thresholds"]["tol_rel"], m["floor"]["positions"]) for m in metas}) == 1
+
+
+def test_kl_row_of_a_backend_noisier_than_the_tolerance_is_inconclusive_and_says_why():
+    import time
+
+    from parity.harness.run import kl_row
+    row = kl_row(FIX, "kl_fakes:JitterLarge", PROMPTS, False, time.perf_counter())
+    assert row.status == "inconclusive", (row.status, row.first_divergence)
+    assert "run-to-run spread" in row.detail and "cannot be trusted" in row.detail
+    assert row.first_divergence is None or row.first_divergence.startswith("judged neither way") or \
+        "run-to-run spread" in row.first_divergence
+
+
+def test_kl_row_of_a_top_k_truncated_backend_shows_inf_not_nan():
+    import time
+
+    from parity.harness.report import ParityReport, render_table
+    from parity.harness.run import kl_row
+    row = kl_row(FIX, "kl_fakes:TopKTail", PROMPTS[:1], False, time.perf_counter())
+    assert row.status == "fail" and row.worst_kl == np.inf
+    line = next(ln for ln in render_table(ParityReport(backend="b", model=FIX, rows=[row]), columns=None).splitlines()
+                if ln.startswith("kl "))
+    assert " inf " in line and "nan" not in line, line

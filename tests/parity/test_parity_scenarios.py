@@ -91,7 +91,12 @@ def test_fault_is_caught_and_named(fault, tmp_path):
     assert "first divergence layers." in (r.divergence or ""), r.divergence
     tap = r.divergence.split("first divergence ")[1].split()[0]
     assert must_name in tap, f"{fault.__name__}: located at {tap}, expected a {must_name} tap"
-    assert len(r.archives) == 2 and all(Path(p).is_dir() for p in r.archives)
+    # the failing op's truth/backend archives, plus the op the error entered at when one is claimed (replayable)
+    entered = r.divergence.startswith("error entered at op")
+    assert len(r.archives) == (4 if entered else 2) and all(Path(p).is_dir() for p in r.archives), r.archives
+    if entered:
+        op_k = r.divergence.split("error entered at op ")[1].split(",")[0]
+        assert all(f"entered-op{op_k}" in p for p in r.archives[2:]), r.archives
 
 
 def test_correct_backend_is_not_flagged_by_the_same_cases():

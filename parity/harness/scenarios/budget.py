@@ -44,7 +44,8 @@ def cases(config, level: str = "full") -> list[Case]:
         a = run.new("across")
         run.prefill(a, ids[:start])
         for t in ids[start:]:
-            run.decode([a], [t], desc=f"decode at position {len(a.hist)} (bound {s.bound})")
+            run.decode([a], [t], desc=f"decode at position {len(a.hist)} ({len(a.hist) + 1} visible "
+                                                f"tokens, bound {s.bound} visible tokens)")
     out.append(Case("decode_across_bound", decode_across))
 
     def batch_both_sides(run: Run):

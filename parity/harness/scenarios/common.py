@@ -33,6 +33,11 @@ __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfin
 # those); a flip farther from a tie fails at once, at every precision (no fraction of flips is excused).
 
 
+def _null():
+    import contextlib
+    return contextlib.nullcontext()
+
+
 class CaseConfined(Exception):
     """Raised when a case would reach past the QSA bound in a run confined below it (the case is skipped)."""
 
@@ -319,6 +324,7 @@ class Run:
         self.worst_rel = 0.0
         self.record_at = record_at
         self.unbatch_at = unbatch_at
+        self.unbatched_kind = None  # 'prefill_batch' when the unbatched op was a ragged prefill_batch
         self.record_seq = record_seq
         self.record_batched = record_batched  # record a batched decode AS a batch (the failing seq's position)
         self.recorded = None  # (archive, seq label, positions, history)
@@ -333,7 +339,8 @@ class Run:
         self.tie_equivalent: list = []  # (op, seq, positions) judged against the tie-resolved truth
         self.seqs: list[Seq] = []
         self.scratch: dict = {}
-        #: confine the case below the QSA bound (``--below-bound``): an operation reaching past it skips the case
+        #: confine the case below the QSA bound (``--below-bound``): the most visible tokens a sequence may hold
+        #: (the bound itself: ``len(hist) <= limit``); an operation reaching past it skips the case
         self.limit: int | None = None
         from parity.backends.base import capabilities_of
         self.caps = capabilities_of(backend)
@@ -345,9 +352,11 @@ class Run:
         self.keep_selections = False
 
     def _confine(self, s: "Seq", n: int) -> None:
+        # ``limit``: the most visible tokens allowed (the QSA bound); position p sees p + 1 of them
         if self.limit is not None and len(s.hist) + n > self.limit:
-            raise CaseConfined(f"reaches position {len(s.hist) + n - 1} > the QSA bound {self.limit - 1} "
-                               f"(run confined below the bound)")
+            p = len(s.hist) + n - 1
+            raise CaseConfined(f"reaches position {p} ({p + 1} visible tokens) past the QSA bound of {self.limit} "
+                               f"visible tokens (run confined below the bound)")
 
     # --- capabilities
     def cap(self, op: str):
@@ -678,9 +687,11 @@ class Run:
         Raises:
             CaseFailure: a wrong count/shape, a disagreement with the truth, or a wrong position.
         """
-        op = self._next_op()
         seqs = list(seqs)
         lists = [[int(t) for t in ids] for ids in id_lists]
+        for s, ids in zip(seqs, lists):
+            self._confine(s, len(ids))
+        op = self._next_op()
         starts = [len(s.hist) for s in seqs]
         for s, ids in zip(seqs, lists):
             s.hist.extend(ids)
@@ -688,12 +699,32 @@ class Run:
                      + (f" in chunks of {chunk_size}" if chunk_size else ""))
         rec_i = next((i for i, s in enumerate(seqs) if s.label == self.record_seq), 0)
         pos = range(starts[rec_i], starts[rec_i] + len(lists[rec_i]))
-        with self._recording(op, pos, seqs[rec_i]):
-            outs = list(self.be.prefill_batch([s.h for s in seqs], lists, chunk_size=chunk_size))
+        every = next((i for i, s in enumerate(seqs) if s.label == self.record_all), None)
+        if len(seqs) > 1 and (self.unbatch_at == op or every is not None
+                              or (self.record_at == op and not self.record_batched)):
+            # one request per call: a tap carries no sequence id, so the rows of requests sharing positions would
+            # mix in one recording (the last emit of a position wins); alone, the recorded rows are its own
+            outs = []
+            for i, (s, ids) in enumerate(zip(seqs, lists)):
+                rec = i == (every if every is not None else rec_i) and self.unbatch_at != op
+                with (self._recording(op, range(starts[i], starts[i] + len(ids)), s) if rec else _null()):
+                    outs.extend(self.be.prefill_batch([s.h], [ids], chunk_size=chunk_size))
+            d += " (replayed one request at a time)"
+            if self.unbatch_at == op:
+                self.unbatched_kind = "prefill_batch"
+        else:
+            if self.record_at == op and len(seqs) > 1:   # recorded AS a batch: only the positions no other
+                other = set().union(*(range(st, st + len(x)) for j, (st, x) in enumerate(zip(starts, lists))
+                                      if j != rec_i))    # request of the batch emits (rows cannot mix there)
+                pos = [p for p in pos if p not in other]
+            with self._recording(op, pos, seqs[rec_i]) if len(pos) else _null():
+                outs = list(self.be.prefill_batch([s.h for s in seqs], lists, chunk_size=chunk_size))
         if len(outs) != len(seqs):
             self.fail(op, f"{d}: expected {len(seqs)} logits arrays, found {len(outs)}", "prefill_batch result count")
-        if self.record_at == op:
-            self._keep_returned(op, outs[rec_i])
+        if self.record_at == op and rec_i < len(outs):   # the rows of the recorded positions only
+            rows = np.asarray(outs[rec_i])
+            idx = [p - starts[rec_i] for p in pos]
+            self._keep_returned(op, rows[idx] if rows.ndim == 2 and len(rows) == len(lists[rec_i]) else rows)
         for s, out, st, ids in zip(seqs, outs, starts, lists):
             self._compare(op, d, s, out, st, len(ids))
             self._check_position(op, s, d)

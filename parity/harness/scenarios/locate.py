@@ -54,7 +54,8 @@ def _replay(case, backend, truth, th, **kw) -> Run | CaseFailure | Exception:
 
 def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
     """When every tap agrees with the truth, the fault is in the logits the backend RETURNED (after its last
-    tap). Compares ``returned`` (``[k, V]`` rows for ``positions``) with the backend's own ``logits`` tap.
+    tap). Compares ``returned`` (``[k, V]`` rows for ``positions``) with the backend's own ``logits`` tap, each
+    row's common offset removed (:func:`parity.harness.kl.offset_free_error`).
 
     Tolerance: the returned logits are the tap's values handed back, so a float backend must match them to
     rounding (rel 1e-6 of the row's scale: a float32 copy is exact, a recomputation differs by ~1e-7);
@@ -79,7 +80,10 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
             if t is None or t.shape != ret[i].shape:
                 continue
             scale = max(float(np.max(np.abs(t))) if t.size else 0.0, 1e-30)
-            bad = ~np.isfinite(ret[i]).all() or float(np.max(np.abs(ret[i] - t))) > rel * scale
+            # a per-row offset is no difference (softmax ignores it): the kl harness's own error measure
+            from parity.harness.kl import offset_free_error
+            err = float(offset_free_error(t[None, :], ret[i][None, :])[0][0])
+            bad = ~np.isfinite(ret[i]).all() or not err <= rel * scale
             if bad:
                 return (f"returned logits differ from the backend's own logits tap (all recorded taps agree with "
                         f"the truth), first at position {p}"), True
@@ -88,7 +92,7 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
 
 
 def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, positions=None,
-                  truth_logits=None, thresholds=None) -> str:
+                  truth_logits=None, thresholds=None, profile=None) -> str:
     """First divergence between two tap archives as one line, via ``taps.diff.diff_archives``.
 
     Args:
@@ -97,6 +101,9 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
         returned, positions: optional ``[k, V]`` logits the backend returned for absolute ``positions``;
             when every tap agrees they name the position where the returned logits leave the backend's own
             ``logits`` tap (or, without such a tap, where they leave ``truth_logits`` beyond ``thresholds``).
+            The first failing position (``truth_logits`` vs ``returned``) confines the diff to positions at or
+            before it: a cause lies there.
+        profile: the tap-diff profile (default :func:`judging_profile_of` of ``thresholds``).
     Returns:
         e.g. ``first divergence layers.1.ple.out at position 17 (max_rel 3.1e-01; last agreeing
         layers.1.ple.gate)``, or a line saying why no tap-diff could be made.
@@ -114,23 +121,67 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
             return (f"backend emitted taps at positions {format_ranges(outside)}, expected {want_s} "
                     f"(position bookkeeping wrong?)")
         return "backend emitted no taps (tap-diff needs a backend that emits the registry's taps)"
-    profile = getattr(thresholds, "tap_profile", None) or ("bf16" if precision in ("bf16", "fp8") else "fp32")
-    rep = _diff(truth_arc, be_arc, profile=profile, force=True)
+    first_bad = _first_bad_vs_truth(returned, positions, truth_logits, thresholds)
+    rep = _diff(truth_arc, be_arc, profile=profile or judging_profile_of(thresholds, precision), force=True,
+                until_position=first_bad)
     cover = rep.coverage_note("the truth", "the backend") if hasattr(rep, "coverage_note") else ""
-    return _line(rep, truth_arc, be_arc, precision, returned, positions, truth_logits, thresholds) + \
+    return _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad) + \
         (f" [{cover}]" if cover else "")
 
 
-def _line(rep, truth_arc, be_arc, precision, returned, positions, truth_logits, thresholds) -> str:
-    """The divergence clause of :func:`diff_archives` (without the tap-coverage note)."""
+_FLOOR_CACHE: dict = {}
+
+
+def judging_profile_of(thresholds, precision: str = "float32", model=None, ids=None, backend=None):
+    """The tap-diff profile of every automatic location (:func:`taps.diff.judging_profile`): ``multiple`` x each
+    tap's own floor measured on THE SAME history ``ids`` (``parity.harness.floor.tap_floor_profile``: the float32
+    truth, or the store-rounding one of ``backend``'s stores, against float64, selections forced to float64's),
+    joined with the run's measured profile (``thresholds.tap_profile``). Without a ``model`` to measure on and
+    no run profile: the bundled profile of ``precision``. One rule for the failing operation, the kl row and
+    the locate-through-state search: a tap counts as diverged only beyond it (saved as ``profile.toml`` beside
+    the archives, so ``qwen4exp taps diff --profile profile.toml`` judges the same way).
+
+    Tolerance: the multiple is the run's (``thresholds.multiple``, 8 for float32), the one the logits are judged
+    at. Measured on the chunk-boundary cases of tiny (the reference prefilling in chunks of 1..79 vs its one-shot
+    forward, the engine on CPU): every tap within 0.41 of this limit, while a 3e-3 lm_head fault is 1.8e5 over it."""
+    from taps.diff import judging_profile
+    here = None
+    weights = getattr(model, "weights", None)
+    mult = float(getattr(thresholds, "multiple", float("nan")))
+    if weights is not None and ids and mult == mult:
+        from parity.harness.floor import stores_of
+        stores = stores_of(backend) if backend is not None else None
+        key = (id(weights), tuple(int(t) for t in ids), tuple(sorted((stores or {}).items())), mult,
+               getattr(thresholds, "score_rel", None))
+        here = _FLOOR_CACHE.get(key)
+        if here is None:
+            try:
+                from parity.harness.floor import tap_floor_profile
+                from parity.harness.ties import tie_band
+                here = tap_floor_profile(weights, list(ids), stores, mult, tie_band(thresholds))
+            except Exception:  # noqa: BLE001 - the run's profile (or the bundled one) still judges
+                here = None
+            if here is not None:
+                if len(_FLOOR_CACHE) > 32:
+                    _FLOOR_CACHE.clear()
+                _FLOOR_CACHE[key] = here
+    return judging_profile(precision, here, getattr(thresholds, "tap_profile", None))
+
+
+def _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad=None) -> str:
+    """The divergence clause of :func:`diff_archives` (without the tap-coverage note). ``first_bad``: the first
+    position whose returned logits fail (the diff was confined to positions at or before it)."""
     if rep.first_divergence is None:
         msg, compared = _returned_vs_tap(be_arc, returned, positions or [], precision)
         if msg is not None:
             return msg
-        first = None if compared else _first_bad_vs_truth(returned, positions, truth_logits, thresholds)
-        if first is not None:
+        if first_bad is not None and not compared:
             return (f"all recorded taps agree within the profile: the divergence is in the returned logits, after "
-                    f"the last tap, first at position {first}")
+                    f"the last tap, first at position {first_bad}")
+        if first_bad is not None:   # no tap, the logits tap included, diverges beyond tolerance: the output layer
+            return (f"no recorded tap diverges beyond the tap-diff tolerance ({rep.profile}) at or before the first "
+                    f"failing position: the divergence is in the returned logits (the output layer: final norm, "
+                    f"lm_head, the logits returned), first at position {first_bad}")
         return "tap-diff: all recorded taps agree within the profile (divergence below tap resolution)"
     r = rep.result(rep.first_divergence)
     m = r.metrics if r is not None else {}
@@ -192,7 +243,8 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
     # 1. batching?
     probe = _replay(case, backend, truth, th, unbatch_at=failed_op)
     if isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > failed_op):
-        where = (f"batching: sequence {failed_seq or '?'} is correct when decoded alone at op {failed_op}, "
+        alone = "prefilled alone (its own prefill_batch call)" if _is_prefill_batch(probe) else "decoded alone"
+        where = (f"batching: sequence {failed_seq or '?'} is correct when {alone} at op {failed_op}, "
                  f"wrong in the batch")
         inside = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
                                   record_batched=True)
@@ -203,6 +255,12 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
         return prefix + f"{what} (backend records no taps: located by operation and position only)", archives
     out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size)
     return (prefix + out[0] if out[0] else prefix + "could not record the failing operation"), out[1]
+
+
+def _is_prefill_batch(probe) -> bool:
+    """Whether the unbatched replay ``probe`` ran the failing op as a ragged ``prefill_batch``."""
+    run = getattr(probe, "run", probe if isinstance(probe, Run) else None)
+    return getattr(run, "unbatched_kind", None) == "prefill_batch"
 
 
 def _deterministic(backend) -> bool:
@@ -236,27 +294,38 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
         truth_arc = rec.archive()
     except Exception as e:  # noqa: BLE001
         return f"could not record the truth's taps: {type(e).__name__}: {e}", archives
+    prec = getattr(backend, "precision", "float32")
+    hk = list(hist[:max(positions) + 1])
+    prof = judging_profile_of(th, prec, truth.model, hk, backend)
     if archive_dir is not None:
         try:   # token ids + model on both sides, so `tap-diff --replay` can use the saved archives
-            meta = {"token_ids": [int(t) for t in hist[:max(positions) + 1]], "model": _model_meta(backend, truth)}
-            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc, meta=meta)
+            meta = {"token_ids": [int(t) for t in hk], "model": _model_meta(backend, truth)}
+            archives = _save(archive_dir, scenario, case.name, page_size, truth_arc, be_arc, meta=meta, profile=prof)
         except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
             archives = [not_written(e)]
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
-        line = diff_archives(truth_arc, be_arc, getattr(backend, "precision", "float32"),
-                             returned=run.recorded_out, positions=positions, truth_logits=tl, thresholds=th)
+        line = diff_archives(truth_arc, be_arc, prec, returned=run.recorded_out, positions=positions,
+                             truth_logits=tl, thresholds=th, profile=prof)
     except Exception as e:  # noqa: BLE001
         return where + f"tap-diff failed: {type(e).__name__}: {e}", archives
     entered = None
     if positions[0] > 0:   # the sequence had earlier operations: the error may have entered through its state
         try:
             entered = entry_point(case, backend, truth, th, label, failed_op)
-        except Exception as e:  # noqa: BLE001 - the located surface stands
+        except Exception:  # noqa: BLE001 - the located surface stands
             entered = None
     if entered is not None and entered[0] < failed_op:
-        op_k, pos_k, text = entered
+        op_k, pos_k, text, arcs = entered
+        if archive_dir is not None:   # the claimed op's archives, so the claim can be replayed (`taps diff`)
+            try:
+                t_k, b_k, hist_k, prof_k = arcs
+                meta = {"token_ids": [int(t) for t in hist_k], "model": _model_meta(backend, truth)}
+                archives += _save(archive_dir, scenario, case.name, page_size, t_k, b_k, meta=meta,
+                                  profile=prof_k, sub=f"entered-op{op_k}")
+            except Exception as e:  # noqa: BLE001 - the verdict stands without the archives
+                archives.append(not_written(e))
         return (f"error entered at op {op_k}, seq {label}, position {pos_k}: {text}; it surfaced at " + where
                 + line), archives
     return where + line, archives
@@ -267,7 +336,12 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
     against the truth (the reference's forward over that history); the first operation with a divergent tap
     is where the error entered (e.g. a GDN recurrent-state fault several positions before the failing decode).
 
-    Returns ``(op, position, divergence line)`` of the earliest divergent operation, or None (nothing diverges
+    A tap counts as divergent under the same rule as the failing operation's location: beyond the judging
+    profile (:func:`judging_profile_of`, each tap's floor measured on that op's own history), so an op whose
+    taps differ only at the float32 noise level is never named.
+
+    Returns ``(op, position, divergence line, (truth archive, backend archive, history, profile))`` of the earliest
+    divergent operation (its archives, so the claim can be saved and replayed), or None (nothing diverges
     before the failing operation, or the replay could not record).
     """
     from taps.diff import diff_archives as _diff
@@ -276,20 +350,25 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
     run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
     if run is None or not run.recorded_all:
         return None
-    profile = getattr(th, "tap_profile", None) or (
-        "bf16" if getattr(backend, "precision", "float32") in ("bf16", "fp8") else "fp32")
+    prec = getattr(backend, "precision", "float32")
     for op, be_arc, positions, hist in run.recorded_all:
-        if op > failed_op:
+        if op >= failed_op:   # the failing operation itself is located by the caller
             break
         if not be_arc.names():
             return None
-        with Recorder(None, positions=positions, meta={"backend": "truth", "token_ids": list(hist)}) as rec:
-            truth.model.forward(list(hist[:max(positions) + 1]))
-        d = _diff(rec.archive(), be_arc, profile=profile, force=True)
+        hk = list(hist[:max(positions) + 1])
+        with Recorder(None, positions=positions, meta={"backend": "truth", "token_ids": hk}) as rec:
+            truth.model.forward(hk)
+        t_arc = rec.archive()
+        profile = judging_profile_of(th, prec, truth.model, hk, backend)
+        d = _diff(t_arc, be_arc, profile=profile, force=True)
         if d.first_divergence is not None:
             r = d.result(d.first_divergence)
             pos = r.first_position if r is not None and r.first_position is not None else positions[0]
-            return op, int(pos), f"first divergence {d.first_divergence} at position {pos}"
+            m = r.metrics if r is not None else {}
+            metric = next((f" ({k} {m[k]:.3g})" for k in ("rel_l2", "max_rel") if isinstance(m.get(k), float)), "")
+            return (op, int(pos), f"first divergence {d.first_divergence} at position {pos}{metric}",
+                    (t_arc, be_arc, hk, profile))
     return None
 
 
@@ -312,12 +391,22 @@ def _model_meta(backend, truth) -> dict:
     return out
 
 
-def _save(root, scenario, case, page_size, *arcs, meta: dict | None = None) -> list[str]:
-    """Write the in-memory archives under ``root/<scenario>/<case>[-page<N>]/{truth,backend}.taps``;
-    ``meta`` fields (token ids, model) are set in both manifests."""
+def _save(root, scenario, case, page_size, *arcs, meta: dict | None = None, profile=None,
+          sub: str | None = None) -> list[str]:
+    """Write the in-memory archives under ``root/<scenario>/<case>[-page<N>][/<sub>]/{truth,backend}.taps``;
+    ``meta`` fields (token ids, model) are set in both manifests. ``profile``: the tap-diff profile the location
+    judged with, written beside them as ``profile.toml`` (``qwen4exp taps diff truth.taps backend.taps --profile
+    profile.toml`` then judges exactly as the location did)."""
     out = []
     d = Path(root) / _safe(scenario) / (_safe(case) + (f"-page{page_size}" if page_size else ""))
+    if sub:
+        d = d / _safe(sub)
     d.mkdir(parents=True, exist_ok=True)
+    if profile is not None:
+        from reference.atomic import atomic_write_bytes
+        from taps.diff import profile_toml
+        names = sorted(set().union(*(a.names() for a in arcs)))
+        atomic_write_bytes(d / "profile.toml", profile_toml(profile, names).encode())
     try:
         from taps.archive import ArchiveWriter
     except ImportError:
@@ -370,13 +459,17 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", 
     except Exception as e:  # noqa: BLE001
         return f"could not record taps: {type(e).__name__}: {e}", []
     archives: list[str] = []
+    from parity.harness.kl import thresholds_for
+    prec = getattr(backend, "precision", "float32")
     if archive_dir is not None:
         try:
             archives = _save(archive_dir, label, "worst_prompt", None, truth_arc, be_arc,
-                             meta={"token_ids": ids, "model": _model_meta(backend, truth_model)})
+                             meta={"token_ids": ids, "model": _model_meta(backend, truth_model)},
+                             profile=judging_profile_of(thresholds or thresholds_for(prec), prec, truth_model, ids,
+                                                        backend))
         except Exception as e:  # noqa: BLE001
             archives = [not_written(e)]
-    from parity.harness.kl import thresholds_for
-    prec = getattr(backend, "precision", "float32")
+    th = thresholds or thresholds_for(prec)
     return diff_archives(truth_arc, be_arc, prec, returned=returned, positions=list(range(len(ids))),
-                         truth_logits=truth_logits, thresholds=thresholds or thresholds_for(prec)), archives
+                         truth_logits=truth_logits, thresholds=th,
+                         profile=judging_profile_of(th, prec, truth_model, ids, backend)), archives

@@ -45,7 +45,7 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     if below_bound:
         from parity.harness.scenarios.common import sizes
         sz = sizes(backend.config)
-        run.limit = sz.bound + 1 if sz.has_qsa else None
+        run.limit = sz.bound if sz.has_qsa else None   # at most `bound` visible tokens: the last position is bound-1
     try:
         case.fn(run)
         run.finish()

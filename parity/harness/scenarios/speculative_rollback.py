@@ -5,7 +5,8 @@ next token. The logits of the verify, the position (KV length) after the rollbac
 and -- when the backend exposes them -- all state arrays (KV, indexer keys, GDN conv/recurrent
 state, PLE conv state, n-gram context) must equal a run that never saw the rejected tokens. Drafts
 are right (the truth's greedy tokens) and wrong (other tokens); the prompt ends just below the QSA
-bound so the drafts cross it; EOS drafts exercise the n-gram reset. Batches of several sequences
+bound so the drafts cross it; EOS drafts exercise the n-gram reset. One case rejects every draft (the
+rollback undoes a whole verify call) entirely below the bound. Batches of several sequences
 verify different k and accept different j, then decode together. A snapshot and a fork taken right
 after a rollback must hold the accepted prefix's state.
 With an MTP head (config ``mtp_num_hidden_layers`` and the backend's capability ``mtp``) the ``mtp_*`` cases
@@ -118,6 +119,29 @@ def cases(config, level: str = "full") -> list[Case]:
             run.compare_state(sq, straight, f"state of batch seq {i} after two speculative rounds")
             run.free(straight)
     out.append(Case("batch_mixed_accepts", batch, batch=True))
+
+    def whole_call(run: Run):
+        # every draft rejected: the rollback undoes a whole forward_tokens call (twice) -- unlike accepting
+        # j >= 1 of a verify, which keeps part of the last call. Kept below the QSA bound, so an error of the
+        # rollback itself is not masked by an earlier selection difference.
+        L = max(2, run.sizes.bound - K - 3)
+        a = run.new("reject-all")
+        run.prefill(a, token_stream(run.config, L, seed=3200))
+        drafts = wrong_drafts(run, a.hist, K, seed=3201)
+        run.verify(a, drafts, desc=f"verify {K} wrong drafts")
+        why = run.rollback_refusal(a, K, f"reject all {K} drafts")
+        if why:
+            raise CaseSkip(why)
+        run.rollback(a, K, desc=f"reject all {K} drafts: roll back the whole verify call")
+        t = token_stream(run.config, 2, seed=3202)
+        run.decode([a], [t[0]], desc="decode after rolling back a whole verify call")
+        run.verify(a, [t[1]] + drafts[:1], desc="verify 2 more drafts")
+        run.rollback(a, 2, desc="reject both: roll back the whole verify call again")
+        run.decode([a], [t[1]], desc="decode after the second whole-call rollback")
+        straight = run.new("straight")
+        run.prefill(straight, a.hist)
+        run.compare_state(a, straight, "state after rolling back whole calls")
+    out.append(Case("reject_all_drafts_below_bound", whole_call))
     return out + rollback_then_cases(config, level) + mtp_cases(config, level)
 
 

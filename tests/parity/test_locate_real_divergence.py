@@ -1,0 +1,284 @@
+"""A located cause is a real divergence (fresh-eyes 3-4, outside checker 1-4).
+
+* a tap counts as diverged only beyond the run's multiple of its own floor measured on the same history
+  (saved beside the archives as profile.toml; ``taps diff`` with it, or with the bundled default, agrees),
+  and only when it is first beyond tolerance at or before the first failing logit position;
+* no internal tap beyond tolerance: the cause is the returned logits / the output layer;
+* ragged ``prefill_batch``: the failing request's taps are recorded alone (rows of requests sharing
+  positions no longer mix);
+* the QSA bound counts visible tokens (position p sees p + 1): the regime label and ``--below-bound``.
+
+Test backends (copied from the testers' /work/tb/mybe.py, narrowed): wrappers around the reference that perturb
+what they return, and the engine (CPU) with only ``lm_head.weight`` perturbed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity.backends.base import Backend
+from parity.backends.reference import ReferenceBackend
+from parity.harness.causes import root_cause
+from parity.harness.scenarios import cases_for
+from parity.harness.scenarios.common import Case, TruthCache, sizes, token_stream
+from parity.harness.scenarios.runner import run_case
+from taps.diff import diff_archives, load_profile
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "fixtures" / "tiny"
+_CACHE: dict = {}
+
+
+def _truth() -> TruthCache:
+    if "truth" not in _CACHE:
+        from parity.backends import truth_model
+        _CACHE["truth"] = TruthCache(truth_model(TINY))
+    return _CACHE["truth"]
+
+
+def _th():
+    """The thresholds `qwen4exp parity` measures for a float32 backend on tiny (with its per-tap profile)."""
+    if "th" not in _CACHE:
+        from parity.harness.floor import thresholds_for_run
+        be = ReferenceBackend.open(TINY)
+        _CACHE["th"] = thresholds_for_run(be.model.weights, be)[0]
+    return _CACHE["th"]
+
+
+def _case(scenario: str, prefix: str, config) -> Case:
+    found = [c for c in cases_for(scenario, config, "ci") if c.name.startswith(prefix)]
+    assert found, f"no {scenario} case starting with {prefix!r}"
+    return found[0]
+
+
+def _noise(row, rel, seed):
+    rng = np.random.default_rng(seed)
+    return row + rel * np.abs(row).max() * rng.standard_normal(row.shape).astype(row.dtype)
+
+
+class Wrap(Backend):
+    """The reference, its returned rows passed through ``perturb(rows, start, op)``."""
+
+    precision = "float32"
+    name = "test:Wrap"
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        self = cls()
+        self.inner = ReferenceBackend.open(model_path, **opts)
+        self.config = self.inner.config
+        self.model_path = model_path
+        self.capabilities = {k: v for k, v in ReferenceBackend.capabilities.items()
+                             if k not in ("deterministic", "batch_invariant")}
+        return self
+
+    def new_sequence(self): return self.inner.new_sequence()
+    def free(self, h): return self.inner.free(h)
+    def position(self, h): return self.inner.position(h)
+    def snapshot(self, h): return self.inner.snapshot(h)
+    def restore(self, h, s): return self.inner.restore(h, s)
+    def rollback(self, h, n): return self.inner.rollback(h, n)
+    def state_arrays(self, h): return self.inner.state_arrays(h)
+    def fork(self, h): return self.inner.fork(h)
+    def last_logits(self, h): return self.inner.last_logits(h)
+
+    def perturb(self, rows, start, op):
+        return rows
+
+    def prefill(self, h, ids, chunk_size=None):
+        start = self.inner.position(h)
+        return self.perturb(np.array(self.inner.prefill(h, ids, chunk_size=chunk_size), copy=True), start, "prefill")
+
+    def decode(self, hs, ids):
+        starts = [self.inner.position(h) for h in hs]
+        out = np.array(self.inner.decode(hs, ids), copy=True)
+        for i, s in enumerate(starts):
+            out[i:i + 1] = self.perturb(out[i:i + 1], s, "decode")
+        return out
+
+    def forward_tokens(self, h, ids):
+        start = self.inner.position(h)
+        return self.perturb(np.array(self.inner.forward_tokens(h, ids), copy=True), start, "verify")
+
+
+class NoiseAtPos(Wrap):
+    """1e-3 x max|logit| noise in the RETURNED logits at absolute position 5, in every op (after every tap)."""
+
+    def perturb(self, rows, start, op):
+        i = 5 - start
+        if 0 <= i < rows.shape[0]:
+            rows[i] = _noise(rows[i], 1e-3, 0)
+        return rows
+
+
+class VerifyWrong(Wrap):
+    """The last verify row returned with 1e-3 x max|logit| noise."""
+
+    def perturb(self, rows, start, op):
+        if op == "verify":
+            rows[-1] = _noise(rows[-1], 1e-3, start)
+        return rows
+
+
+class BatchMixesRequests(Wrap):
+    """A native ragged prefill_batch whose first request's rows are wrong whenever it shares the call."""
+
+    def prefill_batch(self, hs, id_lists, chunk_size=None):
+        outs = [np.array(o, copy=True) for o in self.inner.prefill_batch(hs, id_lists, chunk_size=chunk_size)]
+        if len(hs) > 1:
+            outs[0] = _noise(outs[0], 1e-3, 1)
+        return outs
+
+
+def _weight_fault(name: str, rel: float):
+    def fn(w):
+        rng = np.random.default_rng(1)
+        return w + rel * np.sqrt((w ** 2).mean()) * rng.standard_normal(w.shape).astype(np.float32)
+    return (name, fn)
+
+
+def _engine_lm_head_fault():
+    """The project's own engine (CPU) with only lm_head.weight perturbed (3e-3 of its rms)."""
+    from parity.backends.engine import EngineBackend
+    return EngineBackend.open(TINY, perturb=_weight_fault("lm_head.weight", 3e-3))
+
+
+def _agree_with_taps_diff(r) -> None:
+    """The saved archives: `taps diff` agrees with the location, with the saved profile and with the default."""
+    truth, backend = r.archives[:2]
+    d = Path(truth).parent
+    prof = load_profile(d / "profile.toml")
+    for p in (prof, "fp32"):
+        assert diff_archives(truth, backend, p, force=True).agree, (r.label, p)
+
+
+@pytest.mark.parametrize("prefix", ["chunk_gdn-chunk_64", "chunk_one_1", "ragged_prefill_batch"])
+def test_noise_in_the_returned_logits_is_located_there_not_at_noise_level_taps(prefix, tmp_path):
+    """Before: chunk_gdn-chunk_64 -> layers.4.linear_attn.norm.out at position 14, chunk_one_1 -> an HC
+    injection weight at position 62 (both after the failing position 5, max_rel 3e-4 / 1e-6), ragged ->
+    embed_tokens.out at position 0 (the four requests' rows mixed)."""
+    be = NoiseAtPos.open(TINY)
+    r = run_case("chunk_boundary", _case("chunk_boundary", prefix, be.config), be, _truth(), thresholds=_th(),
+                 archive_dir=tmp_path)
+    assert r.status == "fail" and "first failing position 5" in r.failure, r.failure
+    assert "first divergence" not in r.divergence and "error entered" not in r.divergence, r.divergence
+    assert r.root_cause["tap"] == "returned logits" and r.root_cause["position"] == 5, r.root_cause
+    _agree_with_taps_diff(r)
+
+
+@pytest.mark.parametrize("prefix", ["chunk_inside-compress-block_5", "ragged_prefill_batch"])
+def test_engine_lm_head_fault_is_located_at_the_logits(prefix, tmp_path):
+    """Before: 4 of 6 root causes were inner GDN taps (engine reduction-order noise) or embed_tokens.out."""
+    be = _engine_lm_head_fault()
+    r = run_case("chunk_boundary", _case("chunk_boundary", prefix, be.config), be, _truth(), thresholds=_th(),
+                 archive_dir=tmp_path)
+    assert r.status == "fail", (r.status, r.failure)
+    assert r.root_cause["tap"] == "logits", r.divergence
+    assert "first divergence logits at position" in r.divergence, r.divergence
+
+
+def test_inner_weight_fault_in_a_ragged_batch_is_located_at_its_block(tmp_path):
+    """Negative control of the per-request recording: a real fault in layer 3's GDN output projection is named
+    there (before: embed_tokens.out at position 0, every tap diverged from mixed rows)."""
+    be = ReferenceBackend.open(TINY, perturb=_weight_fault("layers.3.linear_attn.out_proj.weight", 1e-2))
+    r = run_case("chunk_boundary", _case("chunk_boundary", "ragged_prefill_batch", be.config), be, _truth(),
+                 thresholds=_th(), archive_dir=tmp_path)
+    assert r.status == "fail"
+    assert r.root_cause["tap"].startswith("layers.3.linear_attn."), r.divergence
+    assert r.root_cause["position"] == 0, r.root_cause
+
+
+def test_a_batching_fault_of_prefill_batch_is_named_batching():
+    be = BatchMixesRequests.open(TINY)
+    r = run_case("chunk_boundary", _case("chunk_boundary", "ragged_prefill_batch", be.config), be, _truth(),
+                 thresholds=_th())
+    assert r.status == "fail"
+    assert r.divergence.startswith("batching: sequence ragged0-len80 is correct when prefilled alone"), r.divergence
+    # the wrong rows leave the batched call after every tap: in the batch, the returned logits are the cause
+    assert "in the batch, " in r.divergence and r.root_cause["tap"] == "returned logits", r.root_cause
+
+
+@pytest.mark.parametrize("prefix", ["fork_after_rollback", "accept_each_j_all"])
+def test_verify_fault_is_located_at_the_returned_logits_not_in_earlier_state(prefix):
+    """Before: fork_after_rollback -> layers.1.ple.gate at position 10 (max_rel 8e-4) while the fault is at 12."""
+    be = VerifyWrong.open(TINY)
+    r = run_case("speculative_rollback", _case("speculative_rollback", prefix, be.config), be, _truth(),
+                 thresholds=_th())
+    assert r.status == "fail"
+    assert "error entered" not in r.divergence and "first divergence" not in r.divergence, r.divergence
+    assert r.root_cause["tap"] == "returned logits", r.root_cause
+
+
+def test_regime_counts_visible_tokens_at_the_bound():
+    """Position p sees p + 1 tokens: bound - 1 is the last position below the QSA bound (tiny: bound 11)."""
+    cfg = ReferenceBackend.open(TINY).config
+    b = sizes(cfg).bound
+    f = "decode batch of 1: seq a: logit error 1 of the logit scale > 1e-5 (first failing position {p}, worst {p})"
+    below = root_cause(f.format(p=b - 1), "returned logits differ ...", cfg)
+    past = root_cause(f.format(p=b), "returned logits differ ...", cfg)
+    assert below["regime"] == "below the QSA bound" and past["regime"] == "past the QSA bound"
+    # the op's start named first in a description does not decide: the first failing position does
+    v = root_cause(f"verify 4 drafted tokens at position {b - 3}: seq a: logit error 1 (first failing position {b}, "
+                   f"worst {b})", "returned logits differ from the backend's own logits tap ..., first at position "
+                   f"{b}", cfg)
+    assert v["regime"] == "past the QSA bound" and v["position"] == b
+
+
+def _dense(model_path=TINY):
+    """The reference with QSA selection off: every complete block visible (dense attention; right at and below
+    the bound, wrong past it)."""
+    be = ReferenceBackend.open(model_path)
+    be.name = "test:dense"
+    ratio = be.config.indexer_compress_ratio
+
+    def every_block(layer, pos, scores, sel):
+        n = (np.asarray(pos) + 1) // ratio
+        width = max(int(n.max()) if n.size else 0, 1)
+        allb = np.broadcast_to(np.arange(width), (len(pos), width))
+        return np.where(allb < n[:, None], allb, -1)
+    be.model.selection_hook = every_block
+    be.capabilities = {**be.capabilities, "deterministic": False, "batch_invariant": False}
+    return be
+
+
+def test_below_bound_confines_to_bound_visible_tokens_and_prefill_batch_too():
+    be = _dense()
+    b = sizes(be.config).bound
+
+    def prefill(L):
+        def fn(run):
+            ids = token_stream(run.config, L, seed=3)
+            run.prefill(run.new("a"), ids)
+        return Case(f"prefill_{L}", fn)
+
+    def ragged(L):
+        def fn(run):
+            run.prefill_batch([run.new("a"), run.new("b")], [token_stream(run.config, L, seed=4), [1, 2]])
+        return Case(f"ragged_{L}", fn)
+    th = _th()
+    r_at = run_case("t", prefill(b), be, _truth(), thresholds=th, below_bound=True)
+    assert r_at.status == "pass", (r_at.failure, r_at.divergence)   # b visible tokens: dense == QSA
+    r_past = run_case("t", prefill(b + 1), be, _truth(), thresholds=th, below_bound=True)
+    assert r_past.status == "skip" and f"position {b} ({b + 1} visible tokens)" in r_past.failure, r_past.failure
+    assert run_case("t", ragged(b), be, _truth(), thresholds=th, below_bound=True).status == "pass"
+    assert run_case("t", ragged(b + 1), be, _truth(), thresholds=th, below_bound=True).status == "skip"
+    # negative control: unconfined, the dense backend fails one token past the bound
+    r = run_case("t", prefill(b + 1), be, _truth(), thresholds=th, locate_on_fail=False)
+    assert r.status == "fail" and f"first failing position {b}" in r.failure, r.failure
+
+
+def test_dense_attention_passes_the_budget_scenario_below_the_bound_and_fails_past_it():
+    """--below-bound on a backend that attends every token: every case it runs passes, the ones reaching past the
+    bound are skipped with the visible-token reason; unconfined, the bound cases fail."""
+    be = _dense()
+    prefixes = ("prefill_far-below", "prefill_bound-1", "prefill_bound_", "prefill_bound+1", "decode_across_bound")
+    cases = [_case("budget", p, be.config) for p in prefixes]
+    th = _th()
+    conf = [run_case("budget", c, be, _truth(), thresholds=th, below_bound=True, locate_on_fail=False) for c in cases]
+    assert all(r.status in ("pass", "skip") for r in conf), [(r.case, r.status, r.failure) for r in conf]
+    assert [r.status for r in conf].count("pass") >= 1
+    assert all("visible tokens" in r.failure for r in conf if r.status == "skip")
+    free = [run_case("budget", c, be, _truth(), thresholds=th, locate_on_fail=False) for c in cases]
+    assert any(r.status == "fail" for r in free), [(r.case, r.status) for r in free]
