@@ -318,7 +318,7 @@ def test_kl_row_cases_agree_with_a_failed_control():
     from parity.harness.run import kl_row
     row = kl_row(FIX, "kl_fakes:JitterClaimsDeterministic", PROMPTS, False, time.perf_counter())
     assert row.status == "fail" and row.failed_cases == row.cases == len(PROMPTS)
-    text = render_table(ParityReport(backend="b", model=FIX, rows=[row]), columns=None)
+    text = render_table(ParityReport(backend="b", model=FIX, rows=[row]), columns=400)  # the divergence in its column
     line = next(ln for ln in text.splitlines() if ln.startswith("kl "))
     assert f"0/{len(PROMPTS)}" in line and line.rstrip().endswith("FAIL"), line
     assert "controls failed: b run twice differs on prompts [0, 1]" in line, line
