@@ -323,6 +323,20 @@ class LastLogits:
         return row.copy()
 
 
+def decode_args(hs, ids, vocab_size: int) -> list[int]:
+    """The token ids of a ``decode(hs, ids)`` call as ints, one per sequence handle.
+
+    Raises:
+        InputError: ``len(hs) != len(ids)``, or an id not an integer in ``[0, vocab_size)``.
+    """
+    from reference.errors import InputError
+    from reference.session import check_ids
+    if len(hs) != len(ids):
+        raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
+                         f"{len(ids)} tokens")
+    return check_ids(list(ids), vocab_size, "decode ids").tolist()
+
+
 class Handles(dict):
     """A backend's live sequences: int handle -> its per-sequence object (handles are never reused).
 

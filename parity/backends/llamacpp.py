@@ -34,7 +34,7 @@ from reference.errors import InputError
 
 from reference.session import check_ids
 
-from parity.backends.base import Backend, BackendError, dead_handle
+from parity.backends.base import Backend, BackendError, dead_handle, decode_args
 from parity.backends.refusal import EngineRefused
 
 #: llama.cpp graph node (``cb(t, name, il)`` names it "name-il") -> our tap ({i}: il). A name llama.cpp
@@ -362,9 +362,7 @@ class LlamaCppBackend(Backend):
 
     def decode(self, hs: Sequence, ids: Sequence[int]) -> np.ndarray:
         """One token per sequence, all in one llama.cpp batch; logits ``[B, V]``."""
-        if len(hs) != len(ids):
-            raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences, {len(ids)} tokens")
-        toks = check_ids(list(ids), self.config.vocab_size, "ids").tolist()
+        toks = decode_args(hs, ids, self.config.vocab_size)
         items = [(self._seq(h), t, self._pos[h]) for h, t in zip(hs, toks)]
         out = self._decode(items)
         for h in hs:

@@ -6,7 +6,7 @@ import numpy as np
 from reference.session import check_ids
 from reference.errors import InputError
 
-from parity.backends.base import Backend, Handles, LastLogits, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, decode_args, Handles, LastLogits, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -103,10 +103,7 @@ class ReferenceBackend(Backend):
             InputError: ``len(hs) != len(ids)`` or bad ids.
             BackendError: a handle that is not live.
         """
-        if len(hs) != len(ids):
-            raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
-                             f"{len(ids)} tokens")
-        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
+        ids = decode_args(hs, ids, self.config.vocab_size)
         rows = []
         for h, t in zip(hs, ids):
             sess = self._sess(h)

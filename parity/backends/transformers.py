@@ -85,7 +85,7 @@ import numpy as np
 
 from reference.errors import InputError
 
-from parity.backends.base import Backend, BackendError, CapabilityLimit, Handles
+from parity.backends.base import Backend, decode_args, BackendError, CapabilityLimit, Handles
 from reference.session import check_ids
 
 #: registry taps this backend cannot produce (see the module docstring)
@@ -431,10 +431,7 @@ class TransformersBackend(Backend):
         Raises:
             InputError: ``len(hs) != len(ids)`` or bad ids. BackendError: a handle that is not live.
         """
-        if len(hs) != len(ids):
-            raise InputError(f"decode: expected one token per sequence, found {len(hs)} sequences and "
-                             f"{len(ids)} tokens")
-        ids = check_ids(ids, self.config.vocab_size, "decode ids").tolist()
+        ids = decode_args(hs, ids, self.config.vocab_size)
         rows = []
         for h, t in zip(hs, ids):
             s = self._seq(h)
