@@ -100,7 +100,6 @@ def check_selection(run: Run, s, token: int, desc: str) -> None:
     the lower-index rule). Logits alone cannot see a one-block selection error near the real bound on random
     weights (4 of ~2052 attended tokens: measured, a budget bound off by one passes every logit check there);
     the selection can. Backends emitting no taps are checked on logits only."""
-    from parity.harness.scenarios.common import CaseFailure  # noqa: F401
     p = len(s.hist)
     from parity.harness.ties import SELECTION_TAPS
     keep, run.keep_selections = run.keep_selections, False  # one tap recording at a time: this one, kept below
@@ -143,7 +142,7 @@ def cases(scenario: str, config) -> list[Case]:
                 L = s.bound + 2 * s.ratio + 1
                 ids = _stream(run, L + 3)
                 a = run.new("long-cross")
-                run.prefill(a, ids[:L], desc=f"prefill {L} tokens (bound {s.bound})")
+                run.prefill(a, ids[:L], desc=f"prefill {L} tokens (bound {s.bound} visible tokens)")
                 for t in ids[L:]:
                     run.decode([a], [t])
             out.append(Case(f"long_prompt_crossing_bound_{s.bound + 2 * s.ratio + 1}", cross))
@@ -154,7 +153,8 @@ def cases(scenario: str, config) -> list[Case]:
                 a = run.new("long-across")
                 run.prefill(a, ids[:s.bound - 2])
                 for t in ids[s.bound - 2:]:
-                    check_selection(run, a, t, f"decode at position {len(a.hist)} (bound {s.bound})")
+                    check_selection(run, a, t, f"decode at position {len(a.hist)} ({len(a.hist) + 1} visible tokens, "
+                                                  f"bound {s.bound} visible tokens)")
             out.append(Case("long_decode_across_bound", across))
     elif scenario == "chunk_boundary":
         if "chunk" in keep:
