@@ -85,3 +85,26 @@ class PerturbAfter10Bf16(PerturbAfter10):
     (residual 0.86) is beyond it."""
     precision = "bf16"
     bump = 1.0
+
+
+class DenseAttention(ReferenceBackend):
+    """The reference with QSA selection off: every complete block visible (dense attention: right at and below
+    the QSA bound, wrong past it). The negative control perturbs the reference (``perturb`` not declared: this
+    backend's own selection hook must not be replaced by the control's forced picks)."""
+
+    capabilities = {**ReferenceBackend.capabilities, "perturb": False}
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        opts.pop("page_size", None)
+        self = super().open(model_path, **opts)
+        self.name = "t:DenseAttention"
+        ratio = self.config.indexer_compress_ratio
+
+        def every_block(layer, pos, scores, sel):
+            n = (np.asarray(pos) + 1) // ratio
+            width = max(int(n.max()) if n.size else 0, 1)
+            allb = np.broadcast_to(np.arange(width), (len(pos), width))
+            return np.where(allb < n[:, None], allb, -1)
+        self.model.selection_hook = every_block
+        return self

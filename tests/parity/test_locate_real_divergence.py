@@ -227,18 +227,10 @@ def test_regime_counts_visible_tokens_at_the_bound():
 
 
 def _dense(model_path=TINY):
-    """The reference with QSA selection off: every complete block visible (dense attention; right at and below
-    the bound, wrong past it)."""
-    be = ReferenceBackend.open(model_path)
-    be.name = "test:dense"
-    ratio = be.config.indexer_compress_ratio
-
-    def every_block(layer, pos, scores, sel):
-        n = (np.asarray(pos) + 1) // ratio
-        width = max(int(n.max()) if n.size else 0, 1)
-        allb = np.broadcast_to(np.arange(width), (len(pos), width))
-        return np.where(allb < n[:, None], allb, -1)
-    be.model.selection_hook = every_block
+    """The reference with QSA selection off (tests/parity_fakes.py DenseAttention: right at and below the bound,
+    wrong past it), declaring neither determinism nor batch invariance."""
+    from parity_fakes import DenseAttention
+    be = DenseAttention.open(model_path)
     be.capabilities = {**be.capabilities, "deterministic": False, "batch_invariant": False}
     return be
 
@@ -282,3 +274,28 @@ def test_dense_attention_passes_the_budget_scenario_below_the_bound_and_fails_pa
     assert all("visible tokens" in r.failure for r in conf if r.status == "skip")
     free = [run_case("budget", c, be, _truth(), thresholds=th, locate_on_fail=False) for c in cases]
     assert any(r.status == "fail" for r in free), [(r.case, r.status) for r in free]
+
+
+def test_below_bound_confines_the_kl_row_too():
+    """Before: ``--below-bound`` confined the scenarios only; the kl row judged the whole prompts (32..50 tokens on
+    tiny, bound 11), so a backend with right dense attention failed it (position 25). Now the prompts and the
+    greedy continuation are cut so the last judged position is bound - 1, and the row says so."""
+    from parity.harness.run import kl_row, run_parity
+    b = sizes(ReferenceBackend.open(TINY).config).bound
+    rep = run_parity(TINY, "parity_fakes:DenseAttention", ["kl"], level="ci", progress=False, below_bound=True)
+    row = rep.rows[0]
+    assert row.status == "pass" and row.cases == 5, (row.status, row.first_divergence)
+    assert f"positions 0..{b - 1} at most ({b} visible tokens)" in row.detail, row.detail
+    # negative control: unconfined, the same backend fails the kl row past the bound
+    free = kl_row(TINY, "parity_fakes:DenseAttention", None, False, 0.0)
+    assert free.status == "fail" and free.failed_cases >= 1, free.detail
+
+
+def test_below_bound_kl_row_still_judges_its_last_position():
+    """Negative control of the confinement: a fault in the returned logits from position 10 (= bound - 1 on tiny,
+    the last position below the bound) still fails the confined kl row, at that position."""
+    from parity.harness.run import kl_row
+    assert sizes(ReferenceBackend.open(TINY).config).bound - 1 == 10
+    row = kl_row(TINY, "parity_fakes:PerturbAfter10", None, False, 0.0, below_bound=True)
+    assert row.status == "fail" and "at position 10" in row.detail, row.detail
+    assert "confined below the QSA bound" in row.detail, row.detail
