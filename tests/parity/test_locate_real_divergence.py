@@ -165,6 +165,9 @@ def test_noise_in_the_returned_logits_is_located_there_not_at_noise_level_taps(p
     assert r.status == "fail" and "first failing position 5" in r.failure, r.failure
     assert "first divergence" not in r.divergence and "error entered" not in r.divergence, r.divergence
     assert r.root_cause["tap"] == "returned logits" and r.root_cause["position"] == 5, r.root_cause
+    # the operation that returned the failing rows (before: a ragged batch's was "check")
+    want = "prefill_batch" if prefix == "ragged_prefill_batch" else "chunked prefill"
+    assert r.root_cause["operation"] == want, r.root_cause
     _agree_with_taps_diff(r)
 
 
@@ -198,6 +201,27 @@ def test_a_batching_fault_of_prefill_batch_is_named_batching():
     assert r.divergence.startswith("batching: sequence ragged0-len80 is correct when prefilled alone"), r.divergence
     # the wrong rows leave the batched call after every tap: in the batch, the returned logits are the cause
     assert "in the batch, " in r.divergence and r.root_cause["tap"] == "returned logits", r.root_cause
+    assert r.root_cause["operation"] == "prefill_batch", r.root_cause   # before: "check"
+
+
+def test_root_cause_names_the_prefill_batch_operation():
+    """Each wording of a prefill_batch failure (the Run's, chunked, the self-consistency suite's) names the
+    operation prefill_batch, also behind a batching divergence (before: "check", and "batched decode" for
+    batching); a batched decode's batching failure is still "batched decode" (negative control)."""
+    cfg = ReferenceBackend.open(TINY).config
+    err = ": seq s: logit error 1 of the logit scale > 1e-5 (first failing position 5, worst 5)"
+    for failure, want in (("ragged prefill_batch of 2 requests (lengths [12, 3])" + err, "prefill_batch"),
+                          ("ragged prefill_batch of 2 requests (lengths [12, 3]) in chunks of 4" + err,
+                           "chunked prefill_batch"),
+                          ("ragged prefill_batch request 0 (length 14) vs alone: rows differ", "prefill_batch")):
+        for divergence in ("returned logits differ from the backend's own logits tap, first at position 5",
+                           "batching: sequence s is correct when prefilled alone (its own prefill_batch call)"):
+            rc = root_cause(failure, divergence, cfg)
+            assert rc["operation"] == want and rc["id"].split(" | ")[1] == want, (failure, divergence, rc)
+    d = root_cause("decode batch of 3: seq b0: logit error 1 at position 20", "batching: sequence b0 is correct "
+                   "when decoded alone", cfg)
+    assert d["tap"] == "batching" and d["operation"] == "batched decode", d
+    assert root_cause("prefill 12 tokens" + err, "returned logits differ", cfg)["operation"] == "prefill"
 
 
 @pytest.mark.parametrize("prefix", ["fork_after_rollback", "accept_each_j_all"])
