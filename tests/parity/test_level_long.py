@@ -30,6 +30,30 @@ def test_long_model_keeps_every_length_setting_real():
         long_model_config(width="half")
 
 
+def test_long_model_folder_is_named_after_its_width(tmp_path, monkeypatch, capsys):
+    """Before: the default (reduced-width) long model was cached as realwidth-L4-<hash>. Now reducedwidth-L4-<hash>
+    (written here: 18 MB, hidden 256); --width real keeps realwidth-L4-<hash>, the very folder it always had (so
+    caches made before stay valid), found by ``python -m parity.bench.long_model --width real``."""
+    import hashlib
+    import json
+
+    from parity.bench.long_model import long_model, long_model_config, long_model_dir, main
+    from parity.bench.synthetic import cache_dir
+    from reference.config import load_config
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path))
+    red = long_model()
+    assert red.parent == cache_dir() and red.name.startswith("reducedwidth-L4-"), red
+    assert red == long_model_dir() and load_config(red).hidden_size == 256
+    real = long_model_dir(width="real")
+    # the folder name the real-width model had before the rename: the same settings hash
+    key = hashlib.sha256(json.dumps([long_model_config(width="real"), 0, 1], sort_keys=True).encode()).hexdigest()
+    assert real.name == f"realwidth-L4-{key[:12]}" and red.name[-12:] != real.name[-12:]
+    real.mkdir(parents=True)   # a cached real-width checkpoint (1.3 GB to write): the CLI finds it, writes nothing
+    for f in ("model.safetensors.index.json", "config.json"):
+        (real / f).write_text("{}")
+    assert main(["--width", "real"]) == 0 and capsys.readouterr().out.strip() == str(real)
+
+
 def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
     from parity.bench.long_model import long_model_config
     from reference.config import ModelConfig
