@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.backends.base import Backend
 from parity.backends.reference import ReferenceBackend
 from parity.harness.causes import root_cause
 from parity.harness.scenarios import cases_for
 from parity.harness.scenarios.common import Case, TruthCache, sizes, token_stream
 from parity.harness.scenarios.runner import run_case
+from parity_fakes import _Wrap, reference_capabilities
 from taps.diff import diff_archives, load_profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,55 +58,20 @@ def _noise(row, rel, seed):
     return row + rel * np.abs(row).max() * rng.standard_normal(row.shape).astype(row.dtype)
 
 
-class Wrap(Backend):
-    """The reference, its returned rows passed through ``perturb(rows, start, op)``."""
+class Wrap(_Wrap):
+    """The reference, its returned rows passed through ``_fix(rows, start, op)`` (tests/parity_fakes.py
+    ``_Wrap``); declares what the reference does but determinism and batch invariance, passes its state arrays,
+    fork and last logits through."""
 
-    precision = "float32"
     name = "test:Wrap"
-
-    @classmethod
-    def open(cls, model_path, **opts):
-        self = cls()
-        self.inner = ReferenceBackend.open(model_path, **opts)
-        self.config = self.inner.config
-        self.model_path = model_path
-        self.capabilities = {k: v for k, v in ReferenceBackend.capabilities.items()
-                             if k not in ("deterministic", "batch_invariant")}
-        return self
-
-    def new_sequence(self): return self.inner.new_sequence()
-    def free(self, h): return self.inner.free(h)
-    def position(self, h): return self.inner.position(h)
-    def snapshot(self, h): return self.inner.snapshot(h)
-    def restore(self, h, s): return self.inner.restore(h, s)
-    def rollback(self, h, n): return self.inner.rollback(h, n)
-    def state_arrays(self, h): return self.inner.state_arrays(h)
-    def fork(self, h): return self.inner.fork(h)
-    def last_logits(self, h): return self.inner.last_logits(h)
-
-    def perturb(self, rows, start, op):
-        return rows
-
-    def prefill(self, h, ids, chunk_size=None):
-        start = self.inner.position(h)
-        return self.perturb(np.array(self.inner.prefill(h, ids, chunk_size=chunk_size), copy=True), start, "prefill")
-
-    def decode(self, hs, ids):
-        starts = [self.inner.position(h) for h in hs]
-        out = np.array(self.inner.decode(hs, ids), copy=True)
-        for i, s in enumerate(starts):
-            out[i:i + 1] = self.perturb(out[i:i + 1], s, "decode")
-        return out
-
-    def forward_tokens(self, h, ids):
-        start = self.inner.position(h)
-        return self.perturb(np.array(self.inner.forward_tokens(h, ids), copy=True), start, "verify")
+    capabilities = reference_capabilities("deterministic", "batch_invariant")
+    passthrough = ("state_arrays", "fork", "last_logits")
 
 
 class NoiseAtPos(Wrap):
     """1e-3 x max|logit| noise in the RETURNED logits at absolute position 5, in every op (after every tap)."""
 
-    def perturb(self, rows, start, op):
+    def _fix(self, rows, start, op):
         i = 5 - start
         if 0 <= i < rows.shape[0]:
             rows[i] = _noise(rows[i], 1e-3, 0)
@@ -116,7 +81,7 @@ class NoiseAtPos(Wrap):
 class VerifyWrong(Wrap):
     """The last verify row returned with 1e-3 x max|logit| noise."""
 
-    def perturb(self, rows, start, op):
+    def _fix(self, rows, start, op):
         if op == "verify":
             rows[-1] = _noise(rows[-1], 1e-3, start)
         return rows
@@ -126,7 +91,7 @@ class BatchMixesRequests(Wrap):
     """A native ragged prefill_batch whose first request's rows are wrong whenever it shares the call."""
 
     def prefill_batch(self, hs, id_lists, chunk_size=None):
-        outs = [np.array(o, copy=True) for o in self.inner.prefill_batch(hs, id_lists, chunk_size=chunk_size)]
+        outs = [np.array(o, copy=True) for o in self.ref.prefill_batch(hs, id_lists, chunk_size=chunk_size)]
         if len(hs) > 1:
             outs[0] = _noise(outs[0], 1e-3, 1)
         return outs
