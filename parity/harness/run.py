@@ -365,7 +365,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
                        first, time.perf_counter() - t0, status, detail,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
                        known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
-                       thresholds=rep.thresholds.to_json())
+                       thresholds=rep.thresholds.to_json(),
+                       # a narrowing is never silent: listed under the table as the suites' are
+                       skips=[{"case": "kl", "narrowed": confined}] if confined else [])
 
 
 def backend_label(spec) -> str:

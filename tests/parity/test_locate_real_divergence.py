@@ -275,6 +275,8 @@ def test_below_bound_confines_the_kl_row_too():
     row = rep.rows[0]
     assert row.status == "pass" and row.cases == 5, (row.status, row.first_divergence)
     assert f"positions 0..{b - 1} at most ({b} visible tokens)" in row.detail, row.detail
+    from parity.harness.report import skip_notes   # said under the table too, as the suites' narrowings are
+    assert skip_notes(rep) == [f"kl: narrowed: {row.skips[0]['narrowed']}"] and "--below-bound" in skip_notes(rep)[0]
     # negative control: unconfined, the same backend fails the kl row past the bound
     free = kl_row(TINY, "parity_fakes:DenseAttention", None, False, 0.0)
     assert free.status == "fail" and free.failed_cases >= 1, free.detail
