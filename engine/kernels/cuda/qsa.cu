@@ -663,7 +663,7 @@ qsa_attn_partial_split(const float* __restrict__ q, const float* __restrict__ kv
 #pragma unroll
                 for (int f = 0; f < QSA_F4L; ++f) {
                     const int c = lane + 32 * f;
-                    kf[f] = c < QSA_D4 ? sk4[j * QSA_D4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
+                    kf[f] = c < QSA_D4 ? sk4[j * QSA_D4 + c] : float4{0.f, 0.f, 0.f, 0.f};
                 }
 #pragma unroll
                 for (int g = 0; g < QSA_GROUP; ++g) {
