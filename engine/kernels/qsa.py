@@ -66,7 +66,7 @@ def _impl():
 def _sm_count(cp):
     dev = cp.cuda.Device().id
     if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+        _SM_COUNT[dev] = int(cp.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
     return _SM_COUNT[dev]
 
 
