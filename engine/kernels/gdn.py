@@ -441,6 +441,18 @@ def gated_delta_recurrent(q, k, v, g, beta, state, slots, cu_seqlens=None, check
     return _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, None)
 
 
+def _token_rows(cp, a, dt):
+    """``a [N, H, D]`` as float32 with contiguous ``[H, D]`` token rows and a whole-float row stride: a column
+    slice of the conv output as is (no copy), anything else made contiguous."""
+    a = a if a.dtype == dt else a.astype(dt)
+    if a.shape[0] > 1 and (a.strides[2] != 4 or a.strides[1] != 4 * a.shape[2] or a.strides[0] % 4
+                           or a.strides[0] < 4 * a.shape[1] * a.shape[2]):
+        a = cp.ascontiguousarray(a)
+    if a.shape[0] <= 1 and not a.flags.c_contiguous:
+        a = cp.ascontiguousarray(a)
+    return a
+
+
 def _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, gates):
     """The CUDA recurrence (shapes checked by the caller). ``gates``: None, or ``(a, b, A_log, dt_bias)`` float32
     to fuse :func:`gdn_gates` into the split kernel (``g``/``beta`` unused then)."""
@@ -462,7 +474,8 @@ def _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, gat
     if split:
         sl = cp.ascontiguousarray(slots, dtype=cp.int64)
         cu = np.uint64(0) if cu_seqlens is None else cp.ascontiguousarray(cu_seqlens, dtype=cp.int64)  # null: 1/seq
-        qkv = [cp.ascontiguousarray(a, dtype=dt) for a in (q, k, v)]
+        qkv = [_token_rows(cp, a, dt) for a in (q, k, v)]
+        lds = [np.int64(a.strides[0] // 4) for a in qkv]
         if gates is not None:
             gb = [cp.ascontiguousarray(a, dtype=dt) for a in gates]
             gbeta = [np.uint64(0), np.uint64(0)]
@@ -476,7 +489,7 @@ def _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, gat
         load_module("gdn.cu", (f"-DGDN_DK={Dk}",)).get_function("gdn_recurrent_split_f32_f32")(
             (B, Hv, (Dv + 31) // 32), (32 * _GDN_WARPS,),
             (*qkv, *gbeta, state, sl, cu, ck, out, np.int32(Hk), np.int32(Hv), np.int32(Dv),
-             np.int32(checkpoints is not None), np.float32(L2NORM_EPS), *gb))
+             np.int32(checkpoints is not None), np.float32(L2NORM_EPS), *gb, *lds))
         return out
     cu = cp.arange(B + 1, dtype=cp.int64) if cu_seqlens is None else cp.ascontiguousarray(cu_seqlens, dtype=cp.int64)
     sl = cp.ascontiguousarray(slots, dtype=cp.int64)

@@ -296,6 +296,13 @@ def test_split_gdn_decode_matches_legacy_twin_dense_and_locates_a_dropped_state(
                 (seed, name, fused)
     # fusing the gates changes nothing in the split kernel (the same float32 operations)
     assert np.array_equal(res[("split", True)][0], res[("split", False)][0]), seed
+    # q / k / v as column slices of one conv-output-like row (read in place through row strides): same bits
+    conv = g(np.concatenate([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], axis=1))
+    kd = HK * DK
+    dst = g(state)
+    o = gdn.gated_delta_decode_gates(conv[:, :kd].reshape(B, HK, DK), conv[:, kd:2 * kd].reshape(B, HK, DK),
+                                     conv[:, 2 * kd:].reshape(B, HV, DV), g(a), g(b), g(A_log), g(dtb), dst, g(slots))
+    assert np.array_equal(o.get(), res[("split", True)][0]) and np.array_equal(dst.get(), res[("split", True)][1])
     ro, rs = dense_gdn(q[:1], k[:1], v[:1], gg[:1], bb[:1], state[slots[0]])
     assert rel_err(res[("split", True)][0][0], ro[0]) < TOL and rel_err(res[("split", True)][1][slots[0]], rs) < TOL
     # negative control: one warp's 16 key rows of one head's state dropped (zeroed) before the step -> caught in

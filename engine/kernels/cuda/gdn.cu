@@ -203,7 +203,8 @@ extern "C" __global__ void gdn_unit_lower_solve_f32(const float* L, float* x, in
 // threads with all their loads in flight. mem_j = sum_i S_ij k_i and o_j = sum_i S_ij q_i are per-warp partial sums
 // over the warp's rows, then the warps' partials in order 0..GDN_W-1 (shared memory, two barriers per token;
 // deterministic): the only numerical difference to the legacy kernel is this summation order. cu == nullptr means
-// one token per sequence (decode; no offsets array). a != nullptr fuses the gates: g = -exp(A_log) * softplus(a +
+// one token per sequence (decode; no offsets array). q / k / v token rows are q_ld / k_ld / v_ld floats apart (column
+// slices of the conv output are read in place). a != nullptr fuses the gates: g = -exp(A_log) * softplus(a +
 // dt_bias) (torch threshold 20), beta = sigmoid(b), the exact operations of gdn_gates' float32 kernel.
 #define GDN_W 8
 #define GDN_RPW ((GDN_DK + GDN_W - 1) / GDN_W)
@@ -214,7 +215,8 @@ gdn_recurrent_split_f32_f32(const float* __restrict__ q, const float* __restrict
                             const long long* __restrict__ slots, const long long* __restrict__ cu, float* ck,
                             float* __restrict__ out, int Hk, int Hv, int Dv, int want_ck, float eps,
                             const float* __restrict__ ga, const float* __restrict__ gb,
-                            const float* __restrict__ A_log, const float* __restrict__ dt_bias) {
+                            const float* __restrict__ A_log, const float* __restrict__ dt_bias, long long q_ld,
+                            long long k_ld, long long v_ld) {
     __shared__ float red_m[GDN_W][32];
     __shared__ float red_o[GDN_W][32];
     const int b = blockIdx.x, hv = blockIdx.y;
@@ -234,8 +236,8 @@ gdn_recurrent_split_f32_f32(const float* __restrict__ q, const float* __restrict
     const long long t0 = cu != nullptr ? cu[b] : (long long)b;
     const long long t1 = cu != nullptr ? cu[b + 1] : (long long)b + 1;
     for (long long t = t0; t < t1; ++t) {
-        const float* qt = q + (t * Hk + hk) * GDN_DK;
-        const float* kt = k + (t * Hk + hk) * GDN_DK;
+        const float* qt = q + t * q_ld + hk * GDN_DK;  // token rows may be strided (columns of the conv output)
+        const float* kt = k + t * k_ld + hk * GDN_DK;
         // l2 norms as the legacy kernel computes them (lane-strided partials, butterfly), in every warp
         float sq = 0.f, sk = 0.f;
         for (int i = lane; i < GDN_DK; i += 32) {
@@ -277,7 +279,7 @@ gdn_recurrent_split_f32_f32(const float* __restrict__ q, const float* __restrict
         mem = 0.f;
 #pragma unroll
         for (int w = 0; w < GDN_W; ++w) mem += red_m[w][lane];
-        const float vj = active ? v[(t * Hv + hv) * (long long)Dv + j] : 0.f;
+        const float vj = active ? v[t * v_ld + (long long)hv * Dv + j] : 0.f;
         const float delta = (vj - mem) * btv;
         float o = 0.f;
 #pragma unroll
