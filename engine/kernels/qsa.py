@@ -181,12 +181,15 @@ def qsa_write_tokens(idx_k, kv_k, kv_v, block_tables, rows, positions, idx_src, 
     isrc, ild = _rows_view(cp, idx_src, "idx_src", T, Di)
     ksrc, kld = _rows_view(cp, k_src, "k_src", T, KVW)
     vsrc, vld = _rows_view(cp, v_src, "v_src", T, KVW)
+    after = None
+    if block_keys is not None and Di > 1024:  # past the fused kernel's shared row: write, then the block-key op
+        after, block_keys = block_keys, None
     if block_keys is not None:
         blk_k, w, invf, rot, ratio, eps = block_keys
         _f32_gpu("blk_k", blk_k)
-        if blk_k.shape != idx_k.shape or Di > 1024 or rot % 2 or not 0 < rot <= Di:
-            raise InputError(f"qsa write: block_keys: expected blk_k {list(idx_k.shape)}, Di <= 1024 and an even "
-                             f"rotary_dim <= Di, found {list(blk_k.shape)}, {Di}, {rot}")
+        if blk_k.shape != idx_k.shape or rot % 2 or not 0 < rot <= Di:
+            raise InputError(f"qsa write: block_keys: expected blk_k {list(idx_k.shape)} and an even rotary_dim <= "
+                             f"{Di}, found {list(blk_k.shape)} and {rot}")
         bk = (np.int32(1), blk_k, cp.ascontiguousarray(w, dtype=cp.float32), cp.ascontiguousarray(invf, dtype=cp.float32),
               np.int32(rot), np.int32(ratio), np.float32(eps))
     else:
@@ -197,6 +200,9 @@ def qsa_write_tokens(idx_k, kv_k, kv_v, block_tables, rows, positions, idx_src, 
          cp.ascontiguousarray(positions, dtype=cp.int64), n_vis, isrc, np.int64(ild), ksrc, np.int64(kld), vsrc,
          np.int64(vld), idx_k, kv_k, kv_v, np.int32(Di), np.int32(KVW), np.int32(page_size),
          np.int32(block_tables.shape[1])) + bk)
+    if after is not None:
+        blk_k, w, invf, rot, ratio, eps = after
+        qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, w, invf, rot, ratio, page_size, eps)
     return n_vis
 
 
