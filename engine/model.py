@@ -758,17 +758,27 @@ class EngineModel:
             qg = K_lin.linear(x, w[q + "q_proj.weight"])
             k_lin = K_lin.linear(x, w[q + "k_proj.weight"])
             v_lin = K_lin.linear(x, w[q + "v_proj.weight"])
-        q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"], eps=eps)
-        self._emit(rec, q + "indexer.q_layernorm.out", q_idx, positions)
-        q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
+        # without taps the three head norms + RoPEs run as one kernel (bitwise the same numbers)
+        fused_prep = xp is not np and not legacy and rec is None
+        if fused_prep:
+            q_idx, qq_p, kk_p = K_qsa.qsa_prep_heads(
+                qk, qg, k_lin, w[q + "indexer.q_layernorm.weight"], w[q + "q_norm.weight"], w[q + "k_norm.weight"],
+                pos_dev, self.inv_freq, rd, eps, ih, ihd, nh, nkv, hd)
+        else:
+            q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"],
+                                     eps=eps)
+            self._emit(rec, q + "indexer.q_layernorm.out", q_idx, positions)
+            q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
 
-        def attn_qkv():  # attention projections: q/k norms, RoPE
+        def attn_qkv():  # attention projections: q/k norms, RoPE; the gate half of q_proj as a strided view
             qg_ = qg.reshape(T, nh, 2 * hd)
+            if fused_prep:
+                return qg_[:, :, hd:], qq_p, kk_p, v_lin.reshape(T, nkv, hd)
             qq_ = K_norms.rms_norm(xp.ascontiguousarray(qg_[:, :, :hd]), w[q + "q_norm.weight"], eps=eps)
             kk_ = K_norms.rms_norm(k_lin.reshape(T, nkv, hd), w[q + "k_norm.weight"], eps=eps)
             self._emit(rec, q + "q_norm.out", qq_, positions)
             self._emit(rec, q + "k_norm.out", kk_, positions)
-            return (qg_[:, :, hd:].reshape(T, nh * hd), apply_rope(qq_, pos_dev, self.inv_freq, rd),
+            return (qg_[:, :, hd:], apply_rope(qq_, pos_dev, self.inv_freq, rd),
                     apply_rope(kk_, pos_dev, self.inv_freq, rd), v_lin.reshape(T, nkv, hd))
 
         bk_args = (w[q + "indexer.k_layernorm.weight"], self.inv_freq, rd, r, ps, eps)
@@ -812,9 +822,10 @@ class EngineModel:
             pool.kv_k[i][slots] = kk
             pool.kv_v[i][slots] = vv
         core = K_qsa.qsa_sparse_attention(qq, pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, n_vis, sel, r, ps,
-                                          hd ** -0.5, n_blocks=n_blocks).reshape(T, nh * hd)
-        self._emit(rec, q + "core_out", core, positions)
-        gated = _sigmoid_gate(xp)(core, gate)  # core * sigmoid(gate), one fused kernel
+                                          hd ** -0.5, n_blocks=n_blocks)
+        self._emit(rec, q + "core_out", core.reshape(T, nh * hd), positions)
+        # core * sigmoid(gate), one fused kernel reading the gate in place: [T, nh, hd] -> [T, nh*hd]
+        gated = _sigmoid_gate(xp)(core, gate).reshape(T, nh * hd)
         out = K_lin.linear(gated, w[q + "o_proj.weight"])
         self._emit(rec, q + "out", out, positions)
         return out

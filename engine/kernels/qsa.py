@@ -206,6 +206,73 @@ def qsa_write_tokens(idx_k, kv_k, kv_v, block_tables, rows, positions, idx_src, 
     return n_vis
 
 
+# ------------------------------------------------------------------------------------------------ head prep
+def _cols_view(cp, a, name, T, width):
+    """``a`` as ``[T, >= width]`` float32 rows whose first ``width`` columns are read (unit column stride, any row
+    stride); returns (array, row stride in elements). Anything else is made contiguous first."""
+    if a.ndim != 2 or a.shape[0] != T or a.shape[1] < width or a.dtype != np.float32:
+        raise InputError(f"qsa prep: {name}: expected float32 [{T}, >= {width}], found {a.dtype} {list(a.shape)}")
+    if T > 1 and (a.strides[1] != 4 or a.strides[0] % 4 or a.strides[0] < 4 * a.shape[1]):
+        a = cp.ascontiguousarray(a)
+    if T <= 1 and not a.flags.c_contiguous:
+        a = cp.ascontiguousarray(a)
+    return a, a.strides[0] // 4 if T > 1 else a.shape[1]
+
+
+def qsa_prep_heads(qk, qg, k_lin, w_q_idx, w_q, w_k, positions, inv_freq, rotary_dim: int, eps: float, Hi: int,
+                   Di: int, Hq: int, Hkv: int, hd: int):
+    """Per-head zero-centred RMSNorm then RoPE of a QSA layer's indexer queries, attention queries and keys, in one
+    launch on the GPU; bitwise the unfused ``rms_norm`` + ``apply_rope`` (same operations, same order).
+
+    Args:
+        qk: ``[T, >= Hi*Di]`` float32 (the indexer projection; its first ``Hi*Di`` columns are the queries).
+        qg: ``[T, Hq*2*hd]`` (per head ``hd`` query then ``hd`` gate channels). k_lin: ``[T, Hkv*hd]``.
+            Column slices of one fused projection are read in place (row strides).
+        w_q_idx ``[Di]``, w_q ``[hd]``, w_k ``[hd]``: the zero-centred norm weights (indexer ``q_layernorm``,
+            ``q_norm``, ``k_norm``). positions: ``[T]`` int. inv_freq: ``[rotary_dim // 2]`` float32.
+        rotary_dim, eps (``rms_norm_eps``), Hi, Di, Hq, Hkv, hd: ints / float.
+    Returns:
+        ``(q_idx [T, Hi, Di], q [T, Hq, hd], k [T, Hkv, hd])`` float32, normed and roped.
+    Raises:
+        InputError / KernelInputError: shapes or dtypes inconsistent.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (q_layernorm, RoPE) and ``Qwen4ExpTextAttention.forward``
+    (q_norm / k_norm, RoPE); formulas as :func:`engine.kernels.norms.rms_norm` and
+    :func:`engine.kernels.rope.apply_rope`.
+    """
+    from engine.kernels.norms import rms_norm
+    from engine.kernels.rope import apply_rope
+    xp = xp_of(qk)
+    T = qk.shape[0]
+    if xp is np or max(Di, hd) > 1024:  # NumPy twin (and very wide heads): the unfused ops
+        qi = rms_norm(qk[:, :Hi * Di].reshape(T, Hi, Di), w_q_idx, eps=eps)
+        q = rms_norm(xp.ascontiguousarray(qg.reshape(T, Hq, 2 * hd)[:, :, :hd]), w_q, eps=eps)
+        k = rms_norm(k_lin.reshape(T, Hkv, hd), w_k, eps=eps)
+        return tuple(apply_rope(a, positions, inv_freq, rotary_dim) for a in (qi, q, k))
+    import cupy as cp
+    from engine.kernels.dense_common import weight_as_float
+    if rotary_dim % 2 or not 0 <= rotary_dim <= min(Di, hd) or inv_freq.shape != (rotary_dim // 2,):
+        raise InputError(f"qsa prep: rotary_dim/inv_freq: expected an even rotary_dim <= {min(Di, hd)} and inv_freq "
+                         f"[rotary_dim/2], found {rotary_dim} and {list(inv_freq.shape)}")
+    a, a_ld = _cols_view(cp, qk, "qk", T, Hi * Di)
+    b, b_ld = _cols_view(cp, qg, "qg", T, Hq * 2 * hd)
+    c, c_ld = _cols_view(cp, k_lin, "k_lin", T, Hkv * hd)
+    ws = []
+    for n, wv, d in (("w_q_idx", w_q_idx, Di), ("w_q", w_q, hd), ("w_k", w_k, hd)):
+        if tuple(wv.shape) != (d,):
+            raise InputError(f"qsa prep: {n}: expected shape [{d}], found {list(wv.shape)}")
+        ws.append(cp.ascontiguousarray(wv if wv.dtype == np.float32 else weight_as_float(wv)))
+    qi = cp.empty((T, Hi, Di), dtype=cp.float32)
+    q = cp.empty((T, Hq, hd), dtype=cp.float32)
+    k = cp.empty((T, Hkv, hd), dtype=cp.float32)
+    if T:
+        load_module("qsa.cu").get_function("qsa_prep_heads")(
+            (T, Hi + Hq + Hkv), (256,),
+            (a, np.int64(a_ld), b, np.int64(b_ld), c, np.int64(c_ld), *ws, cp.ascontiguousarray(positions, dtype=cp.int64),
+             cp.ascontiguousarray(inv_freq, dtype=cp.float32), np.int32(rotary_dim), np.int32(Hi), np.int32(Di),
+             np.int32(Hq), np.int32(Hkv), np.int32(hd), np.float32(eps), qi, q, k))
+    return qi, q, k
+
+
 # ------------------------------------------------------------------------------------------------ block keys
 def qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, k_norm_weight, inv_freq, rotary_dim: int,
                    ratio: int, page_size: int, eps: float):

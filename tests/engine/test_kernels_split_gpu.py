@@ -395,3 +395,37 @@ def test_split_kernels_capture_in_a_cuda_graph_and_are_deterministic(impl):
         stream.synchronize()
     got = [sel.get(), att.get(), o.get()]
     assert all(np.array_equal(x, y) for x, y in zip(e1, got)) and np.array_equal(s2.get(), s0.get()), seed
+
+
+# ------------------------------------------------------------------------------------------------ head prep
+@pytest.mark.parametrize("T", [1, 16])
+def test_prep_heads_equals_unfused_norm_rope_and_locates_a_wrong_weight(T):
+    """qsa_prep_heads (indexer q, attention q, k: zero-centred RMSNorm + RoPE in one launch, reading column slices
+    of one fused projection in place) vs the engine's rms_norm + apply_rope on the GPU (the same operations: equal
+    to float32 rounding, normally bitwise) and the NumPy twin; a wrong k_norm weight changes k only."""
+    from engine.kernels.norms import rms_norm
+    from engine.kernels.rope import apply_rope
+    seed, rng = seeded_rng()
+    fused = rng.standard_normal((T, HI * DI + DI + HQ * 2 * D + 2 * HKV * D)).astype(np.float32)
+    o1, o2, o3 = HI * DI + DI, HI * DI + DI + HQ * 2 * D, HI * DI + DI + HQ * 2 * D + HKV * D
+    ws = [(rng.standard_normal(n) * 0.3).astype(np.float32) for n in (DI, D, D)]
+    pos = rng.integers(0, 262144, size=T)
+    invf = (1.0 / 1e7 ** (np.arange(0, ROT, 2) / ROT)).astype(np.float32)
+    fd = g(fused)
+    got = qsa.qsa_prep_heads(fd[:, :o1], fd[:, o1:o2], fd[:, o2:o3], *(g(w) for w in ws), g(pos), g(invf), ROT, EPS,
+                             HI, DI, HQ, HKV, D)
+    assert all(_poison_free(a) for a in got), seed
+    qi = rms_norm(g(np.ascontiguousarray(fused[:, :HI * DI].reshape(T, HI, DI))), g(ws[0]), eps=EPS)
+    qq = rms_norm(g(np.ascontiguousarray(fused[:, o1:o2].reshape(T, HQ, 2 * D)[:, :, :D])), g(ws[1]), eps=EPS)
+    kk = rms_norm(g(np.ascontiguousarray(fused[:, o2:o3].reshape(T, HKV, D))), g(ws[2]), eps=EPS)
+    unf = [apply_rope(a, g(pos), g(invf), ROT).get() for a in (qi, qq, kk)]
+    twin = qsa.qsa_prep_heads(fused[:, :o1], fused[:, o1:o2], fused[:, o2:o3], *ws, pos, invf, ROT, EPS, HI, DI, HQ,
+                              HKV, D)
+    bitwise = all(np.array_equal(a.get(), b) for a, b in zip(got, unf))
+    print(f"\nqsa_prep_heads T={T}: bitwise equal to rms_norm + apply_rope: {bitwise}")
+    for a, b, c in zip(got, unf, twin):
+        assert rel_err(a.get(), b) < 1e-6 and rel_err(a.get(), c) < TOL, seed
+    bad = qsa.qsa_prep_heads(fd[:, :o1], fd[:, o1:o2], fd[:, o2:o3], g(ws[0]), g(ws[1]), g(ws[2] + 0.5), g(pos),
+                             g(invf), ROT, EPS, HI, DI, HQ, HKV, D)
+    errs = [rel_err(a.get(), b.get()) for a, b in zip(bad, got)]
+    assert errs[0] == 0 and errs[1] == 0 and errs[2] > 1e-2, (seed, errs)

@@ -763,3 +763,58 @@ extern "C" __global__ void qsa_attn_combine_split(const float* __restrict__ pm, 
     }
     out[th * QSA_HEAD_DIM + d] = a * inv;
 }
+
+// ------------------------------------------------------------------------------------------ head prep (decode)
+// The per-head zero-centred RMSNorm + RoPE of a QSA layer's three query/key sets in ONE launch (replacing two
+// rms_norm_rows + ... + three rope_f32 launches and the copies of strided head slices): grid (T, Hi + Hq + Hkv),
+// block 256. Row y < Hi: indexer query head y (Di channels of qk, row stride qk_ld); y < Hi + Hq: attention query
+// head y - Hi (the first hd of the head's 2*hd q/gate channels of qg, row stride qg_ld); else key head y - Hi - Hq
+// (hd channels of kl, row stride k_ld). Output rows are contiguous [T, heads, D]. The same operations in the same
+// order as rms_norm_rows (with 256 threads: a 128-channel row's extra threads add exact zeros) followed by rope_f32,
+// so the results are bitwise those of the unfused ops.
+extern "C" __global__ void __launch_bounds__(256)
+qsa_prep_heads(const float* __restrict__ qk, long long qk_ld, const float* __restrict__ qg, long long qg_ld,
+               const float* __restrict__ kl, long long k_ld, const float* __restrict__ w_qi,
+               const float* __restrict__ w_q, const float* __restrict__ w_k, const long long* __restrict__ pos,
+               const float* __restrict__ inv_freq, int rot, int Hi, int Di, int Hq, int Hkv, int hd, float eps,
+               float* __restrict__ q_idx, float* __restrict__ q_out, float* __restrict__ k_out) {
+    __shared__ float red[33];
+    __shared__ float sh[1024];
+    const long long t = blockIdx.x;
+    const int y = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    const float* x;
+    const float* w;
+    float* dst;
+    int D;
+    if (y < Hi) {
+        x = qk + t * qk_ld + (long long)y * Di; w = w_qi; D = Di; dst = q_idx + (t * Hi + y) * (long long)Di;
+    } else if (y < Hi + Hq) {
+        const int h = y - Hi;
+        x = qg + t * qg_ld + (long long)h * 2 * hd; w = w_q; D = hd; dst = q_out + (t * Hq + h) * (long long)hd;
+    } else {
+        const int h = y - Hi - Hq;
+        x = kl + t * k_ld + (long long)h * hd; w = w_k; D = hd; dst = k_out + (t * Hkv + h) * (long long)hd;
+    }
+    float ss = 0.f;
+    for (int i = tid; i < D; i += nt) ss += x[i] * x[i];
+    ss = block_sum(ss, red);
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int i = tid; i < D; i += nt) sh[i] = (x[i] * inv) * (1.f + w[i]);
+    __syncthreads();
+    const int half = rot / 2;
+    const float p = (float)pos[t];
+    for (int i = tid; i < D; i += nt) {
+        if (i < half) {
+            const float ang = p * inv_freq[i];
+            const float c = cosf(ang), s = sinf(ang);
+            dst[i] = sh[i] * c - sh[i + half] * s;
+        } else if (i < rot) {
+            const int j = i - half;
+            const float ang = p * inv_freq[j];
+            const float c = cosf(ang), s = sinf(ang);
+            dst[i] = sh[i] * c + sh[j] * s;
+        } else {
+            dst[i] = sh[i];
+        }
+    }
+}
