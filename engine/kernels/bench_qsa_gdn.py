@@ -143,6 +143,24 @@ def main(argv=None) -> int:
                                         1e-6)
             ab(f"qsa_block_keys alone {tag}", bk, bk)
             del d
+    from engine.kernels.norms import rms_norm
+    from engine.kernels.rope import apply_rope
+    for B in (1, 16):  # a QSA layer's head norms + RoPEs (old: 3 rms_norm + 3 rope + the strided-q copy)
+        fz = cp.asarray(rng.standard_normal((B, 640 + HQ * 2 * D + 2 * HKV * D), dtype=np.float32))
+        o1, o2, o3 = 640, 640 + HQ * 2 * D, 640 + HQ * 2 * D + HKV * D
+        wq = [cp.asarray((rng.standard_normal(n) * 0.3).astype(np.float32)) for n in (DI, D, D)]
+        pz = cp.full((B,), 1024, dtype=cp.int64)
+
+        def prep_old(fz=fz, o1=o1, o2=o2, o3=o3, wq=wq, pz=pz):
+            qi = rms_norm(fz[:, :HI * DI].reshape(B, HI, DI), wq[0], eps=1e-6)
+            qq = rms_norm(cp.ascontiguousarray(fz[:, o1:o2].reshape(B, HQ, 2 * D)[:, :, :D]), wq[1], eps=1e-6)
+            kk = rms_norm(fz[:, o2:o3].reshape(B, HKV, D), wq[2], eps=1e-6)
+            return [apply_rope(a, pz, invf, ROT) for a in (qi, qq, kk)]
+
+        def prep_new(fz=fz, o1=o1, o2=o2, o3=o3, wq=wq, pz=pz):
+            return K.qsa_prep_heads(fz[:, :o1], fz[:, o1:o2], fz[:, o2:o3], *wq, pz, invf, ROT, 1e-6, HI, DI, HQ, HKV,
+                                    D)
+        ab(f"qsa head prep (norms + ropes) B={B}", prep_old, prep_new)
     for B in (1, 16):
         q = cp.asarray(rng.standard_normal((B, HK, DK), dtype=np.float32))
         k = cp.asarray(rng.standard_normal((B, HK, DK), dtype=np.float32))
