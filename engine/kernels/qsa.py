@@ -461,7 +461,8 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
         scale: softmax scale (``head_dim ** -0.5``).
         n_blocks: optional host bound ``>= max(n_visible) // ratio`` (the scores width); the split CUDA kernel then
             sizes its token splits to the tokens that can be attended (``min(k, n_blocks) * ratio + ratio - 1``)
-            instead of the selection's capacity. It must be a true bound (tokens past it would not be attended).
+            instead of the selection's capacity (a bound that is too small stays correct: the last split takes the
+            rest, only slower).
     Returns:
         ``[T, Hq, D]`` float32 (before the sigmoid output gate: the registry's ``self_attn.core_out``).
     Raises:

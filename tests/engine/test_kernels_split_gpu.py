@@ -105,7 +105,8 @@ def test_split_attention_matches_legacy_twin_dense_and_catches_a_wrong_block(pag
         twin = qsa.qsa_sparse_attention(q, pool.arrays["kv_k"], pool.arrays["kv_v"], pool.block_tables, rows, nv,
                                         sel, RATIO, page_size, D ** -0.5)
         outs = {}
-        for name, hint in (("legacy", None), ("split", None), ("split", nb)):
+        # hints: none (the selection's capacity), the true bound, and one far too small (the last split takes the rest)
+        for name, hint in (("legacy", None), ("split", None), ("split", nb), ("split", 1)):
             impl(name)
             o = qsa.qsa_sparse_attention(g(q), dev["kv_k"], dev["kv_v"], bt, g(rows), g(nv), g(sel), RATIO,
                                          page_size, D ** -0.5, n_blocks=hint)

@@ -599,7 +599,8 @@ qsa_attn_partial_split(const float* __restrict__ q, const float* __restrict__ kv
     const long long nsel = kk * ratio;
     const long long total = nsel + (nv - nc * ratio);
     const long long lo = (long long)spl * tps;
-    const long long hi = lo + tps < total ? lo + tps : total;
+    // the last split also takes any tokens past the host's bound (a bound that was too small costs time, not tokens)
+    const long long hi = (lo + tps < total && spl + 1 < n_split) ? lo + tps : total;
     const long long o0 = ((long long)t * Hq + hk * QSA_GROUP) * n_split + spl;
     if (lo >= hi) {  // an empty split (the host sizes splits for the longest possible list): weight 0 in the combine
         if (tid < QSA_GROUP) {
