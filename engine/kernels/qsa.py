@@ -433,11 +433,12 @@ def qsa_topk(scores, n_visible, ratio: int, k: int):
     p2 = 1
     while p2 < k:
         p2 *= 2
-    load_module("qsa.cu").get_function("qsa_topk_split" if _impl() == "split" else "qsa_topk")(
+    split = _impl() == "split"
+    load_module("qsa.cu").get_function("qsa_topk_split" if split else "qsa_topk")(
         (T,), (_TOPK_THREADS,),
         (cp.ascontiguousarray(scores), cp.ascontiguousarray(n_visible, dtype=cp.int64), out, np.int64(NB),
          np.int32(ratio), np.int32(k), np.int32(p2)),
-        shared_mem=p2 * 8)
+        shared_mem=max(p2 * 8, (_TOPK_THREADS // 32) * 256 * 4) if split else p2 * 8)
     return out
 
 

@@ -396,13 +396,14 @@ extern "C" __global__ void qsa_block_keys_split(const float* __restrict__ idx_k,
 
 // ------------------------------------------------------------------------------------------ top-k (split)
 // Same result as qsa_topk (the canonical order: score descending, block index ascending), no float atomics:
-// 1. nc > k: radix-select on the 32-bit order-preserving score key (4 passes of 8 bits; integer shared-memory
-//    histogram counts, whose totals do not depend on the order) finds the k-th best score S and how many blocks
+// 1. nc > k: radix-select on the 32-bit order-preserving score key (4 passes of 8 bits; per-warp histograms built
+//    without atomics, summed in warp order) finds the k-th best score S and how many blocks
 //    scoring exactly S are needed (need_eq); the bin is found by a parallel suffix scan (not one thread's loop).
 // 2. Compaction in index order (block-wide ballot scans): every block scoring above S, and the first need_eq
 //    blocks scoring S (lowest indices: the canonical tie rule). nc <= k: every complete block.
 // 3. Bitonic sort of the kk composite keys (distinct) descending; exchanges of stride < 64 stay in one warp
-//    (__syncwarp), wider ones use __syncthreads. Block of 1024 threads; dynamic smem p2 * 8 bytes.
+//    (__syncwarp), wider ones use __syncthreads. Block of 1024 threads; dynamic smem max(p2 * 8, 32 KiB) bytes
+//    (the 32 warps' histograms share it).
 __device__ __forceinline__ unsigned qsa_key32(float s) {
     float c = s + 0.0f;  // -0 -> +0 so equal scores tie
     unsigned u = __float_as_uint(c);
@@ -449,14 +450,29 @@ extern "C" __global__ void qsa_topk_split(const float* __restrict__ scores, cons
     const bool select = nc > k;
     if (select) {
         if (tid == 0) { s_prefix = 0u; s_mask = 0u; s_need = kk; }
+        // per-warp histograms (in the sort buffer, unused until the sort): lanes with equal digits are grouped by
+        // __match_any_sync and their leader adds the group's size to its warp's bin (no two leaders share a bin), then
+        // bin d sums the warps' counts in warp order: no atomics at all
+        unsigned* hw = (unsigned*)buf;
+        const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
         for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int i = tid; i < 256; i += nt) hist[i] = 0u;
+            for (int i = tid; i < nw * 256; i += nt) hw[i] = 0u;
             __syncthreads();
             const unsigned prefix = s_prefix, mask = s_mask;
             const int need = s_need;
-            for (long long n = tid; n < nc; n += nt) {
-                const unsigned key = qsa_key32(row[n]);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+            for (long long c0 = 0; c0 < nc; c0 += nt) {
+                const long long n = c0 + tid;
+                const unsigned key = n < nc ? qsa_key32(row[n]) : 0u;
+                const bool in = n < nc && (key & mask) == prefix;
+                const unsigned digit = in ? (key >> shift) & 255u : 256u + (unsigned)lane;  // unique when not counted
+                const unsigned grp = __match_any_sync(0xffffffffu, digit);
+                if (in && lane == __ffs(grp) - 1) hw[warp * 256 + digit] += (unsigned)__popc(grp);
+            }
+            __syncthreads();
+            for (int d = tid; d < 256; d += nt) {
+                unsigned c = 0u;
+                for (int w = 0; w < nw; ++w) c += hw[w * 256 + d];
+                hist[d] = c;
             }
             __syncthreads();
             // suffix sums suf[d] = sum_{e >= d} hist[e]: per warp of 32 bins, then the warps above
