@@ -381,6 +381,7 @@ def test_split_kernels_capture_in_a_cuda_graph_and_are_deterministic(impl):
     assert all(np.array_equal(x, y) for x, y in zip(e1, e2)) and np.array_equal(s0.get(), s1.get()), seed
     s2 = gst.copy()
     idx = g(np.arange(4))
+    cp.cuda.Device().synchronize()  # inputs in place: the capture stream does not wait for the default stream
     stream = cp.cuda.Stream(non_blocking=True)
     mem = cp.cuda.MemoryPool()
     with stream, cp.cuda.using_allocator(mem.malloc):
