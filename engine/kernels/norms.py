@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import (KernelInputError, check_dim, compute_dtype, f32_contig, is_cupy, kernel,
-                                         same_device, weight_as_float)
+                                         same_device, weight_as_float, xp_of)
 from engine.kernels.linear import linear
 from reference.blocks import hyper_connection as _ref_hc
 from reference.blocks import norms as _ref_norms
@@ -200,6 +200,8 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
         return HCOut(mixed=mixed, injection_weights=inj)
     normed = rms_norm(x, norm_weight, eps=eps, group_size=H)
     r = down_weight.shape[0]
+    if inject_weight is not None and down_inject is not None and hc_pre_fused_ok(T, W, r, down_inject, up_weight):
+        return _hc_pre_fused(normed, down_inject, up_weight, T, H, r, hc_count)
     di = None
     if down_inject is not None and inject_weight is not None:
         di = linear(normed, down_inject)  # [T, r + hc]
@@ -215,6 +217,49 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
     inj = None
     if inject_weight is not None:
         inj = act_div(di[:, r:] if di is not None else linear(normed, inject_weight), float(hc_count), "inject")
+    return HCOut(mixed=mixed, injection_weights=inj)
+
+
+#: Decode-sized steps (T <= :data:`HC_FUSED_MAX_TOKENS`) run the hyper-connection input side as three launches
+#: (norm, down+inject GEMV with its activations, up GEMV with the stream mix: ``cuda/hc_fused.cu``) instead of six.
+#: False restores the unfused chain (A/B in benchmarks and tests).
+HC_FUSED_ENABLED = True
+HC_FUSED_MAX_TOKENS = 16
+
+
+def _weight_dtype_name(w) -> str | None:
+    if w.dtype == np.uint16:
+        return "bf16"
+    if w.dtype == np.float32:
+        return "f32"
+    return None
+
+
+def hc_pre_fused_ok(T: int, W: int, r: int, down_inject, up_weight) -> bool:
+    """Whether :func:`hc_pre` takes the fused path (pure host logic): the flag is on, ``1 <= T <= 16``,
+    ``W = hc*H`` and ``hc_lowrank`` multiples of 8 (16-byte weight pieces), both weights BF16 bits or float32,
+    C-contiguous and 16-byte aligned."""
+    if not HC_FUSED_ENABLED or not 1 <= T <= HC_FUSED_MAX_TOKENS or W % 8 or r % 8:
+        return False
+    for w in (down_inject, up_weight):
+        if _weight_dtype_name(w) is None or not w.flags.c_contiguous or w.data.ptr % 16:
+            return False
+    return True
+
+
+def _hc_pre_fused(normed, down_inject, up_weight, T: int, H: int, r: int, hc: int) -> "HCOut":
+    """The fused launches of ``cuda/hc_fused.cu`` on the grouped-normed residual ``normed [T, hc*H]``."""
+    xp = xp_of(normed)
+    W = hc * H
+    a = _empty(xp, (T, r), dtype=xp.float32)
+    inj = _empty(xp, (T, hc), dtype=xp.float32)
+    mixed = _empty(xp, (T, H), dtype=xp.float32)
+    tg = "t1" if T == 1 else "t4"
+    kernel("hc_fused.cu", f"hc_down_act_{_weight_dtype_name(down_inject)}_{tg}")(
+        (r + hc,), (256,), (normed, down_inject, a, inj, np.int32(T), np.int32(W), np.int32(r), np.int32(hc)))
+    kernel("hc_fused.cu", f"hc_up_mix_{_weight_dtype_name(up_weight)}_{tg}")(
+        (-(-H // 8),), (256,), (a, up_weight, normed, mixed, np.int32(T), np.int32(H), np.int32(r), np.int32(hc)),
+        shared_mem=T * r * 4)
     return HCOut(mixed=mixed, injection_weights=inj)
 
 
