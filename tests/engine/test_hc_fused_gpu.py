@@ -60,7 +60,7 @@ def _run(x, nw, down, up, inj, hc, fused: bool, monkeypatch):
 def test_fused_matches_unfused_and_float64(rng, hc, H, r, bf16, T, monkeypatch):
     nw, down, up, inj = _weights(rng, hc, H, r, bf16)
     x = rng.standard_normal((T, hc * H)).astype(np.float32)
-    assert N.hc_pre_fused_ok(T, hc * H, r, cp.asarray(down), cp.asarray(up))
+    assert N.hc_pre_fused_ok(T, hc, H, r, cp.asarray(down), cp.asarray(up))
     o64 = N.hc_pre(x.astype(np.float64), nw, down, up, inj, hc_count=hc, eps=1e-6)
     of = _run(x, nw, down, up, inj, hc, True, monkeypatch)
     ou = _run(x, nw, down, up, inj, hc, False, monkeypatch)
@@ -97,13 +97,15 @@ def test_fused_dispatch_limits(rng, monkeypatch):
     hc, H, r = 4, 64, 16
     _, down, up, _ = _weights(rng, hc, H, r, True)
     d, u = cp.asarray(down), cp.asarray(up)
-    assert N.hc_pre_fused_ok(16, hc * H, r, d, u)
-    assert not N.hc_pre_fused_ok(17, hc * H, r, d, u)  # prefill chunks keep the unfused chain
-    assert not N.hc_pre_fused_ok(1, hc * H, 12, d, u)  # r not a multiple of 8
-    assert not N.hc_pre_fused_ok(1, hc * H, r, d.astype(cp.float64), u)
-    assert not N.hc_pre_fused_ok(1, hc * H, r, d[:, 1:], u)  # not contiguous
+    assert N.hc_pre_fused_ok(16, hc, H, r, d, u)
+    assert not N.hc_pre_fused_ok(17, hc, H, r, d, u)  # prefill chunks keep the unfused chain
+    assert not N.hc_pre_fused_ok(1, hc, H, 12, d, u)  # r not a multiple of 8
+    assert not N.hc_pre_fused_ok(1, hc, H, 520, d, u)  # r above the register tile
+    assert not N.hc_pre_fused_ok(1, 9, H, r, d, u)  # more streams than the register tile
+    assert not N.hc_pre_fused_ok(1, hc, H, r, d.astype(cp.float64), u)
+    assert not N.hc_pre_fused_ok(1, hc, H, r, d[:, 1:], u)  # not contiguous
     monkeypatch.setattr(N, "HC_FUSED_ENABLED", False)
-    assert not N.hc_pre_fused_ok(1, hc * H, r, d, u)
+    assert not N.hc_pre_fused_ok(1, hc, H, r, d, u)
 
 
 def test_fused_captures_as_cuda_graph_bit_exact(rng, monkeypatch):
@@ -126,3 +128,24 @@ def test_fused_captures_as_cuda_graph_bit_exact(rng, monkeypatch):
     s.synchronize()
     assert rel(out.mixed, cp.asnumpy(eager.mixed)) == 0.0
     assert rel(out.injection_weights, cp.asnumpy(eager.injection_weights)) == 0.0
+
+
+@pytest.mark.parametrize("T,hc,H", [(1, 4, 2560), (5, 2, 64), (40, 3, 96), (3, 4, 300)])
+def test_combine_norm_bit_identical_to_separate_ops(rng, T, hc, H):
+    res = rng.standard_normal((T, hc * H)).astype(np.float32)
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    inj = rng.uniform(0, 2, (T, hc)).astype(np.float32)
+    nw = (rng.standard_normal(hc * H) * 0.1).astype(np.float32)
+    out, normed = N.hc_combine_norm(cp.asarray(res), cp.asarray(y), cp.asarray(inj), cp.asarray(nw), eps=1e-6)
+    ref_out = N.hc_combine(cp.asarray(res), cp.asarray(y), cp.asarray(inj))
+    ref_norm = N.rms_norm(ref_out, cp.asarray(nw), eps=1e-6, group_size=H)
+    assert cp.array_equal(out, ref_out) and cp.array_equal(normed, ref_norm)
+    # and both agree with float64 (the NumPy twin) within the float32 tolerance
+    o64, n64 = N.hc_combine_norm(res.astype(np.float64), y.astype(np.float64), inj.astype(np.float64), nw, eps=1e-6)
+    assert rel(out, o64) < TOL and rel(normed, n64) < TOL
+    # negative control: the norm weight of another stream (a wrong group) is caught in exactly that stream
+    bad = nw.copy()
+    bad[:H] = bad[H:2 * H]
+    _, nb = N.hc_combine_norm(cp.asarray(res), cp.asarray(y), cp.asarray(inj), cp.asarray(bad), eps=1e-6)
+    moved = np.abs(cp.asnumpy(nb) - n64).reshape(T, hc, H).max(axis=(0, 2)) > 1e-4
+    assert moved.tolist() == [True] + [False] * (hc - 1)

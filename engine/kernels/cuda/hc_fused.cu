@@ -14,7 +14,7 @@
 //                 shared memory), then the stream mean exactly as hc_mix (s ascending, sum then / hc).
 // The products are those of the unfused chain; only the order of the float32 sums inside the two dot products
 // differs (a fixed order: replays are bit-exact). Weights are BF16 bits (W_T = unsigned short) or float32.
-// Requirements checked by the host: W % 8 == 0 and r % 8 == 0, 16-byte aligned rows, T <= 16.
+// Requirements checked by the host: W % 8 == 0, r % 8 == 0, r <= 512, hc <= 8, 16-byte aligned rows, T <= 16.
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
@@ -23,26 +23,48 @@
 __device__ __forceinline__ float hcf_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float hcf_silu(float x) { return x / (1.f + expf(-x)); }
 
-// 8 consecutive weights as float32 (BF16 bits: exact upcast)
-__device__ __forceinline__ void load8(const unsigned short* p, float* w) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+// 8 consecutive weights: raw 16 bytes (BF16 bits) or two float4 (float32), decoded to float32 (exact upcast)
+struct Raw8b { uint4 v; };
+struct Raw8f { float4 a, b; };
+template <typename W_T> struct RawOf;
+template <> struct RawOf<unsigned short> { typedef Raw8b T; };
+template <> struct RawOf<float> { typedef Raw8f T; };
+
+__device__ __forceinline__ void ld8(const unsigned short* p, Raw8b& r) {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.v.x), "=r"(r.v.y), "=r"(r.v.z), "=r"(r.v.w) : "l"(p));
+}
+__device__ __forceinline__ void ld8(const float* p, Raw8f& r) {
+    r.a = __ldg(reinterpret_cast<const float4*>(p));
+    r.b = __ldg(reinterpret_cast<const float4*>(p + 4));
+}
+__device__ __forceinline__ void dec8(const Raw8b& r, float* w) {
+    const unsigned int u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         w[2 * i] = __uint_as_float(u[i] << 16);
         w[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
     }
 }
-__device__ __forceinline__ void load8(const float* p, float* w) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+__device__ __forceinline__ void dec8(const Raw8f& r, float* w) {
+    w[0] = r.a.x; w[1] = r.a.y; w[2] = r.a.z; w[3] = r.a.w; w[4] = r.b.x; w[5] = r.b.y; w[6] = r.b.z; w[7] = r.b.w;
 }
+__device__ __forceinline__ float dot8(const float* w, const float* x) {
+    return w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3] * x[3] + w[4] * x[4] + w[5] * x[5] + w[6] * x[6]
+         + w[7] * x[7];
+}
+
+// Pieces of 8 columns per thread issued before any is used (W <= 8 * 256 * DOWN_PU = 16384 in one round).
+#define DOWN_PU 8
+// Up side: streams <= HC_MAX, pieces per lane per row <= UP_Q (r <= 8 * 32 * UP_Q = 512).
+#define HC_MAX 8
+#define UP_Q 2
 
 // grid (r + hc), block 256. N: [T, W] normed; DI: [r + hc, W]; A: [T, r]; INJ: [T, hc].
 template <typename W_T, int TG>
 __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restrict__ DI, float* __restrict__ A,
                                  float* __restrict__ INJ, int T, int W, int r, int hc) {
+    typedef typename RawOf<W_T>::T Raw;
     __shared__ float red[33];
     const int j = blockIdx.x;
     const W_T* wrow = DI + (long long)j * W;
@@ -51,17 +73,29 @@ __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restr
         float acc[TG];
 #pragma unroll
         for (int t = 0; t < TG; ++t) acc[t] = 0.f;
-        for (int p = threadIdx.x; p < pieces; p += blockDim.x) {
-            float w[8];
-            load8(wrow + 8 * p, w);
+        for (int p0 = threadIdx.x; p0 < pieces; p0 += DOWN_PU * blockDim.x) {
+            Raw raw[DOWN_PU];
 #pragma unroll
-            for (int t = 0; t < TG; ++t) {
-                if (t0 + t < T) {
-                    const float* n = N + (long long)(t0 + t) * W + 8 * p;
-                    const float4 x0 = __ldg(reinterpret_cast<const float4*>(n));
-                    const float4 x1 = __ldg(reinterpret_cast<const float4*>(n + 4));
-                    acc[t] += w[0] * x0.x + w[1] * x0.y + w[2] * x0.z + w[3] * x0.w
-                            + w[4] * x1.x + w[5] * x1.y + w[6] * x1.z + w[7] * x1.w;
+            for (int q = 0; q < DOWN_PU; ++q) {
+                const int p = p0 + q * blockDim.x;
+                if (p < pieces) ld8(wrow + 8 * p, raw[q]);
+            }
+#pragma unroll
+            for (int q = 0; q < DOWN_PU; ++q) {
+                const int p = p0 + q * blockDim.x;
+                if (p < pieces) {
+                    float w[8];
+                    dec8(raw[q], w);
+#pragma unroll
+                    for (int t = 0; t < TG; ++t) {
+                        if (t0 + t < T) {
+                            const float* n = N + (long long)(t0 + t) * W + 8 * p;
+                            const float4 x0 = __ldg(reinterpret_cast<const float4*>(n));
+                            const float4 x1 = __ldg(reinterpret_cast<const float4*>(n + 4));
+                            const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                            acc[t] += dot8(w, x);
+                        }
+                    }
                 }
             }
         }
@@ -79,37 +113,56 @@ __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restr
 }
 
 // grid ceil(H / 8), block 256, dynamic shared T * r floats. A: [T, r]; UP: [hc * H, r]; N: [T, hc * H];
-// MIXED: [T, H].
+// MIXED: [T, H]. Every weight piece of the warp's hc rows is loaded before the first product.
 template <typename W_T, int TG>
 __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restrict__ UP, const float* __restrict__ N,
                                float* __restrict__ MIXED, int T, int H, int r, int hc) {
+    typedef typename RawOf<W_T>::T Raw;
     extern __shared__ float sa[];
-    for (int i = threadIdx.x; i < T * r; i += blockDim.x) sa[i] = A[i];
-    __syncthreads();
     const int lane = threadIdx.x & 31;
     const int h = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (h >= H) return;  // after the only __syncthreads
     const int pieces = r >> 3;
+    Raw raw[HC_MAX][UP_Q];
+    if (h < H) {
+#pragma unroll
+        for (int s = 0; s < HC_MAX; ++s) {
+            if (s < hc) {
+                const W_T* urow = UP + ((long long)s * H + h) * r;
+#pragma unroll
+                for (int q = 0; q < UP_Q; ++q) {
+                    const int p = lane + 32 * q;
+                    if (p < pieces) ld8(urow + 8 * p, raw[s][q]);
+                }
+            }
+        }
+    }
+    for (int i = threadIdx.x; i < T * r; i += blockDim.x) sa[i] = A[i];
+    __syncthreads();
+    if (h >= H) return;  // after the only __syncthreads
     const long long Wd = (long long)hc * H;
     for (int t0 = 0; t0 < T; t0 += TG) {
+        float nv[TG];  // lane s holds normed[t, s*H + h]
+#pragma unroll
+        for (int t = 0; t < TG; ++t)
+            nv[t] = (lane < hc && t0 + t < T) ? N[(long long)(t0 + t) * Wd + (long long)lane * H + h] : 0.f;
         float mix[TG];
 #pragma unroll
         for (int t = 0; t < TG; ++t) mix[t] = 0.f;
-        for (int s = 0; s < hc; ++s) {
-            const W_T* urow = UP + ((long long)s * H + h) * r;
+#pragma unroll
+        for (int s = 0; s < HC_MAX; ++s) {
+            if (s >= hc) break;
             float acc[TG];
 #pragma unroll
             for (int t = 0; t < TG; ++t) acc[t] = 0.f;
-            for (int p = lane; p < pieces; p += 32) {
-                float w[8];
-                load8(urow + 8 * p, w);
 #pragma unroll
-                for (int t = 0; t < TG; ++t) {
-                    if (t0 + t < T) {
-                        const float* a = sa + (t0 + t) * r + 8 * p;
-                        acc[t] += w[0] * a[0] + w[1] * a[1] + w[2] * a[2] + w[3] * a[3]
-                                + w[4] * a[4] + w[5] * a[5] + w[6] * a[6] + w[7] * a[7];
-                    }
+            for (int q = 0; q < UP_Q; ++q) {
+                const int p = lane + 32 * q;
+                if (p < pieces) {
+                    float w[8];
+                    dec8(raw[s][q], w);
+#pragma unroll
+                    for (int t = 0; t < TG; ++t)
+                        if (t0 + t < T) acc[t] += dot8(w, sa + (t0 + t) * r + 8 * p);
                 }
             }
 #pragma unroll
@@ -117,7 +170,8 @@ __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restric
                 float v = acc[t];
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-                if (t0 + t < T) mix[t] += hcf_sigmoid(v) * N[(long long)(t0 + t) * Wd + (long long)s * H + h];
+                const float n = __shfl_sync(0xffffffffu, nv[t], s);
+                if (t0 + t < T) mix[t] += hcf_sigmoid(v) * n;
             }
         }
         if (lane == 0) {
