@@ -54,14 +54,13 @@ __device__ __forceinline__ float dot8(const float* w, const float* x) {
          + w[7] * x[7];
 }
 
-// Pieces of 8 columns per thread issued before any is used (W <= 8 * 256 * DOWN_PU = 16384 in one round).
-#define DOWN_PU 8
-// Up side: streams <= HC_MAX, pieces per lane per row <= UP_Q (r <= 8 * 32 * UP_Q = 512).
-#define HC_MAX 8
+// Down side: PU pieces of 8 columns per thread are issued before any is used (one round when W <= 2048 * PU;
+// the host picks the smallest PU in {2, 4, 8} covering W, so registers stay low and blocks resident per SM high).
+// Up side: streams <= HC_MAX (a template parameter, 4 or 8), pieces per lane per row <= UP_Q (r <= 512).
 #define UP_Q 2
 
 // grid (r + hc), block 256. N: [T, W] normed; DI: [r + hc, W]; A: [T, r]; INJ: [T, hc].
-template <typename W_T, int TG>
+template <typename W_T, int TG, int DOWN_PU>
 __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restrict__ DI, float* __restrict__ A,
                                  float* __restrict__ INJ, int T, int W, int r, int hc) {
     typedef typename RawOf<W_T>::T Raw;
@@ -114,7 +113,7 @@ __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restr
 
 // grid ceil(H / 8), block 256, dynamic shared T * r floats. A: [T, r]; UP: [hc * H, r]; N: [T, hc * H];
 // MIXED: [T, H]. Every weight piece of the warp's hc rows is loaded before the first product.
-template <typename W_T, int TG>
+template <typename W_T, int TG, int HC_MAX>
 __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restrict__ UP, const float* __restrict__ N,
                                float* __restrict__ MIXED, int T, int H, int r, int hc) {
     typedef typename RawOf<W_T>::T Raw;
@@ -182,17 +181,21 @@ __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restric
     }
 }
 
-#define HC_FUSED_INSTANCES(SUFFIX, W_T, TG)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) hc_down_act_##SUFFIX(                                       \
+#define HC_DOWN_INSTANCE(SUFFIX, W_T, TG, PU)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) hc_down_act_##SUFFIX##_pu##PU(                               \
         const float* __restrict__ N, const W_T* __restrict__ DI, float* __restrict__ A, float* __restrict__ INJ,   \
         int T, int W, int r, int hc) {                                                                             \
-        hc_down_act_body<W_T, TG>(N, DI, A, INJ, T, W, r, hc);                                                     \
-    }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) hc_up_mix_##SUFFIX(                                         \
+        hc_down_act_body<W_T, TG, PU>(N, DI, A, INJ, T, W, r, hc);                                                 \
+    }
+#define HC_UP_INSTANCE(SUFFIX, W_T, TG, HCM)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) hc_up_mix_##SUFFIX##_hc##HCM(                                \
         const float* __restrict__ A, const W_T* __restrict__ UP, const float* __restrict__ N,                      \
         float* __restrict__ MIXED, int T, int H, int r, int hc) {                                                  \
-        hc_up_mix_body<W_T, TG>(A, UP, N, MIXED, T, H, r, hc);                                                     \
+        hc_up_mix_body<W_T, TG, HCM>(A, UP, N, MIXED, T, H, r, hc);                                                \
     }
+#define HC_FUSED_INSTANCES(SUFFIX, W_T, TG)                                                                        \
+    HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 2) HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 4) HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 8) \
+    HC_UP_INSTANCE(SUFFIX, W_T, TG, 4) HC_UP_INSTANCE(SUFFIX, W_T, TG, 8)
 
 HC_FUSED_INSTANCES(bf16_t1, unsigned short, 1)
 HC_FUSED_INSTANCES(bf16_t4, unsigned short, 4)
