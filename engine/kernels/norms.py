@@ -267,7 +267,7 @@ def _hc_pre_fused(normed, down_inject, up_weight, T: int, H: int, r: int, hc: in
     inj = _empty(xp, (T, hc), dtype=xp.float32)
     mixed = _empty(xp, (T, H), dtype=xp.float32)
     tg = "t1" if T == 1 else "t4"
-    pu = next((p for p in (2, 4) if W <= 2048 * p), 8)  # pieces per thread: one round of loads, few registers
+    pu = next((p for p in (2, 4, 5) if W <= 2048 * p), 8)  # pieces per thread: one round of loads, few registers
     hcm = 4 if hc <= 4 else 8
     kernel("hc_fused.cu", f"hc_down_act_{_weight_dtype_name(down_inject)}_{tg}_pu{pu}")(
         (r + hc,), (256,), (normed, down_inject, a, inj, np.int32(T), np.int32(W), np.int32(r), np.int32(hc)))

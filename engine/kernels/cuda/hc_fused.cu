@@ -30,13 +30,17 @@ template <typename W_T> struct RawOf;
 template <> struct RawOf<unsigned short> { typedef Raw8b T; };
 template <> struct RawOf<float> { typedef Raw8f T; };
 
+// volatile: the loads stay where they are written, all issued before the first product (a non-volatile asm or __ldg
+// was sunk by the compiler to its use inside the per-stream loop: one memory round trip per stream, 12 us measured)
 __device__ __forceinline__ void ld8(const unsigned short* p, Raw8b& r) {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.v.x), "=r"(r.v.y), "=r"(r.v.z), "=r"(r.v.w) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.v.x), "=r"(r.v.y), "=r"(r.v.z), "=r"(r.v.w) : "l"(p));
 }
 __device__ __forceinline__ void ld8(const float* p, Raw8f& r) {
-    r.a = __ldg(reinterpret_cast<const float4*>(p));
-    r.b = __ldg(reinterpret_cast<const float4*>(p + 4));
+    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.a.x), "=f"(r.a.y), "=f"(r.a.z), "=f"(r.a.w) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.b.x), "=f"(r.b.y), "=f"(r.b.z), "=f"(r.b.w) : "l"(p + 4));
 }
 __device__ __forceinline__ void dec8(const Raw8b& r, float* w) {
     const unsigned int u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
@@ -49,13 +53,25 @@ __device__ __forceinline__ void dec8(const Raw8b& r, float* w) {
 __device__ __forceinline__ void dec8(const Raw8f& r, float* w) {
     w[0] = r.a.x; w[1] = r.a.y; w[2] = r.a.z; w[3] = r.a.w; w[4] = r.b.x; w[5] = r.b.y; w[6] = r.b.z; w[7] = r.b.w;
 }
+// activations (re-read by every block: cached)
+__device__ __forceinline__ void ld8x(const float* p, Raw8f& r) {
+    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.a.x), "=f"(r.a.y), "=f"(r.a.z), "=f"(r.a.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.b.x), "=f"(r.b.y), "=f"(r.b.z), "=f"(r.b.w) : "l"(p + 4));
+}
+__device__ __forceinline__ float ld_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ float dot8(const float* w, const float* x) {
     return w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3] * x[3] + w[4] * x[4] + w[5] * x[5] + w[6] * x[6]
          + w[7] * x[7];
 }
 
 // Down side: PU pieces of 8 columns per thread are issued before any is used (one round when W <= 2048 * PU;
-// the host picks the smallest PU in {2, 4, 8} covering W, so registers stay low and blocks resident per SM high).
+// the host picks the smallest PU in {2, 4, 5, 8} covering W, so registers stay low and blocks resident per SM high).
 // Up side: streams <= HC_MAX (a template parameter, 4 or 8), pieces per lane per row <= UP_Q (r <= 512).
 #define UP_Q 2
 
@@ -80,18 +96,21 @@ __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restr
                 if (p < pieces) ld8(wrow + 8 * p, raw[q]);
             }
 #pragma unroll
-            for (int q = 0; q < DOWN_PU; ++q) {
-                const int p = p0 + q * blockDim.x;
-                if (p < pieces) {
-                    float w[8];
-                    dec8(raw[q], w);
+            for (int t = 0; t < TG; ++t) {
+                if (t0 + t < T) {
+                    Raw8f xr[DOWN_PU];  // this token's activation pieces, all loads in flight before the products
 #pragma unroll
-                    for (int t = 0; t < TG; ++t) {
-                        if (t0 + t < T) {
-                            const float* n = N + (long long)(t0 + t) * W + 8 * p;
-                            const float4 x0 = __ldg(reinterpret_cast<const float4*>(n));
-                            const float4 x1 = __ldg(reinterpret_cast<const float4*>(n + 4));
-                            const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                    for (int q = 0; q < DOWN_PU; ++q) {
+                        const int p = p0 + q * blockDim.x;
+                        if (p < pieces) ld8x(N + (long long)(t0 + t) * W + 8 * p, xr[q]);
+                    }
+#pragma unroll
+                    for (int q = 0; q < DOWN_PU; ++q) {
+                        const int p = p0 + q * blockDim.x;
+                        if (p < pieces) {
+                            float w[8], x[8];
+                            dec8(raw[q], w);
+                            dec8(xr[q], x);
                             acc[t] += dot8(w, x);
                         }
                     }
@@ -135,15 +154,20 @@ __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restric
             }
         }
     }
+    const long long Wd = (long long)hc * H;
+    float nv[TG];  // lane s holds normed[t, s*H + h]; the first token group's are loaded before the barrier too
+#pragma unroll
+    for (int t = 0; t < TG; ++t)
+        nv[t] = (h < H && lane < hc && t < T) ? ld_f32(N + (long long)t * Wd + (long long)lane * H + h) : 0.f;
     for (int i = threadIdx.x; i < T * r; i += blockDim.x) sa[i] = A[i];
     __syncthreads();
     if (h >= H) return;  // after the only __syncthreads
-    const long long Wd = (long long)hc * H;
     for (int t0 = 0; t0 < T; t0 += TG) {
-        float nv[TG];  // lane s holds normed[t, s*H + h]
+        if (t0 > 0) {
 #pragma unroll
-        for (int t = 0; t < TG; ++t)
-            nv[t] = (lane < hc && t0 + t < T) ? N[(long long)(t0 + t) * Wd + (long long)lane * H + h] : 0.f;
+            for (int t = 0; t < TG; ++t)
+                nv[t] = (lane < hc && t0 + t < T) ? N[(long long)(t0 + t) * Wd + (long long)lane * H + h] : 0.f;
+        }
         float mix[TG];
 #pragma unroll
         for (int t = 0; t < TG; ++t) mix[t] = 0.f;
@@ -194,7 +218,8 @@ __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restric
         hc_up_mix_body<W_T, TG, HCM>(A, UP, N, MIXED, T, H, r, hc);                                                \
     }
 #define HC_FUSED_INSTANCES(SUFFIX, W_T, TG)                                                                        \
-    HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 2) HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 4) HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 8) \
+    HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 2) HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 4) HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 5) \
+    HC_DOWN_INSTANCE(SUFFIX, W_T, TG, 8)                                                                           \
     HC_UP_INSTANCE(SUFFIX, W_T, TG, 4) HC_UP_INSTANCE(SUFFIX, W_T, TG, 8)
 
 HC_FUSED_INSTANCES(bf16_t1, unsigned short, 1)
