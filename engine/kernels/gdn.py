@@ -518,8 +518,10 @@ def gated_delta_decode(q, k, v, g, beta, state, slots):
 
 
 def gated_delta_decode_gates(q, k, v, a, b, A_log, dt_bias, state, slots):
-    """:func:`gdn_gates` + :func:`gated_delta_decode` in one call: on the GPU (float32, ``GDN_IMPL = os.environ.get("QWEN4EXP_SEQ_KERNELS", "split")  # QWEN4EXP_SEQ_KERNELS=legacy: the start value``)
-    the gates are computed inside the recurrent kernel (one launch instead of two, the same float32 operations).
+    """:func:`gdn_gates` + :func:`gated_delta_decode` in one call: on the GPU (float32, ``GDN_IMPL == "split"``)
+    the gates are computed inside the recurrent kernel (one launch instead of two; the same float32 formula, but not
+    bitwise the two-launch result: the in-kernel exp / log1p may differ from the gates kernel's by an ulp, measured
+    on the H200 as last-ulp differences of the read-out).
 
     Shapes: q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; a, b ``[B, Hv]`` (in_proj_a / in_proj_b outputs); A_log,
     dt_bias ``[Hv]``; state ``[S, Hv, Dk, Dv]`` (rows ``slots`` updated in place); returns ``[B, Hv, Dv]``.

@@ -301,8 +301,12 @@ def test_split_gdn_decode_matches_legacy_twin_dense_and_locates_a_dropped_state(
             res[(name, fused)] = (o.get(), dst.get())
             assert rel_err(res[(name, fused)][0], tout) < TOL and rel_err(res[(name, fused)][1], tst) < TOL, \
                 (seed, name, fused)
-    # fusing the gates changes nothing in the split kernel (the same float32 operations)
-    assert np.array_equal(res[("split", True)][0], res[("split", False)][0]), seed
+    # fusing the gates is NOT bitwise (H200, round 2: last-ulp differences, e.g. -6.9068568e-03 vs -6.9068559e-03):
+    # the in-kernel gates and the gdn_gates ElementwiseKernel are compiled separately and may round exp / log1p
+    # differently by an ulp. An ulp of g or beta moves the read-out by ~1e-7 relative; 1e-6 = ~8 float32 ulps of
+    # margin, while every negative control below moves it by >= 1e-3.
+    assert rel_err(res[("split", True)][0], res[("split", False)][0]) < 1e-6, seed
+    assert rel_err(res[("split", True)][1], res[("split", False)][1]) < 1e-6, seed
     # q / k / v as column slices of one conv-output-like row (read in place through row strides): same bits
     conv = g(np.concatenate([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], axis=1))
     kd = HK * DK

@@ -205,7 +205,8 @@ extern "C" __global__ void gdn_unit_lower_solve_f32(const float* L, float* x, in
 // deterministic): the only numerical difference to the legacy kernel is this summation order. cu == nullptr means
 // one token per sequence (decode; no offsets array). q / k / v token rows are q_ld / k_ld / v_ld floats apart (column
 // slices of the conv output are read in place). a != nullptr fuses the gates: g = -exp(A_log) * softplus(a +
-// dt_bias) (torch threshold 20), beta = sigmoid(b), the exact operations of gdn_gates' float32 kernel.
+// dt_bias) (torch threshold 20), beta = sigmoid(b), the formula of gdn_gates' float32 kernel (not bitwise: that
+// ElementwiseKernel is compiled separately; the H200 shows last-ulp differences of the read-out).
 #define GDN_W 8
 #define GDN_RPW ((GDN_DK + GDN_W - 1) / GDN_W)
 
