@@ -66,7 +66,7 @@ def _median_us(cp, fns, reps):
     return ts[len(ts) // 2] * 1e3 / (2 * len(fns))
 
 
-def _variants(L, rpt):
+def _variants(L, fmt, rpt):
     """(label, v2 flag, config) for one activation-row tile: v1, v2 (default), the other v2 configurations."""
     from engine.backend import CUDA_DIR
     import re
@@ -74,8 +74,9 @@ def _variants(L, rpt):
     fam = src[src.index("#define QGEMV2_FAMILY"):src.index("QGEMV2_FAMILY(fp8, FP8S)")]
     cfgs = [(int(g), int(rl), int(u)) for nt, g, rl, u in
             re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam) if int(nt) == rpt]
-    out = [("v1", False, None), ("v2", True, L.QGEMV2_CONFIG[rpt])]
-    out += [(f"v2_g{g}_r{rl}_u{u}", True, (g, rl, u)) for g, rl, u in cfgs if (g, rl, u) != L.QGEMV2_CONFIG[rpt]]
+    default = L.QGEMV2_CONFIG[fmt, rpt]
+    out = [("v1", False, None), ("v2", True, default)]
+    out += [(f"v2_g{g}_r{rl}_u{u}", True, (g, rl, u)) for g, rl, u in cfgs if (g, rl, u) != default]
     return out
 
 
@@ -131,12 +132,12 @@ def main(argv=None) -> int:
                         routes.append(M.moe_route_tables(ids, E, rows_per_tile=rpt))
                     y = cp.empty((rpt * TOP_K, N), cp.float32)
                     io = x.nbytes + y.nbytes
-                    for label, v2, cfg in _variants(L, rpt):
+                    for label, v2, cfg in _variants(L, fmt, rpt):
                         if args.quick and label not in ("v1", "v2"):
                             continue
                         L.QGEMV2_ENABLED = v2
                         if cfg is not None:
-                            L.QGEMV2_CONFIG[rpt] = cfg
+                            L.QGEMV2_CONFIG[fmt, rpt] = cfg
                         fns = [lambda r=r: L.grouped_linear(x, w, r.offsets, row_index=r.sorted_token, tiles=r.tiles,
                                                             out=y) for r in routes]
                         us = _median_us(cp, fns, args.reps)
@@ -154,12 +155,12 @@ def main(argv=None) -> int:
                         one = [w_dense(w, g, N, K) for g in range(groups)]
                     xd = rs.standard_normal((rpt, K), dtype=cp.float32)
                     yd = cp.empty((rpt, TOP_K * N), cp.float32)
-                    for label, v2, cfg in _variants(L, rpt):
+                    for label, v2, cfg in _variants(L, fmt, rpt):
                         if args.quick and label not in ("v1", "v2"):
                             continue
                         L.QGEMV2_ENABLED = v2
                         if cfg is not None:
-                            L.QGEMV2_CONFIG[rpt] = cfg
+                            L.QGEMV2_CONFIG[fmt, rpt] = cfg
                         fns = [lambda wd=wd: L.linear(xd, wd, out=yd) for wd in one]
                         us = _median_us(cp, fns, args.reps)
                         key = f"dense_{fmt}_{TOP_K * N}x{K}_M{rpt}_{label}"

@@ -41,10 +41,12 @@ MMA_GEMV_ENABLED = os.environ.get("QWEN4EXP_MMA_GEMV", "1").strip() != "0"
 #: ``QWEN4EXP_QGEMV2=0`` (read once, at import) selects the previous ``qgemv_*`` kernels (A/B). Tests and the
 #: micro-bench (``engine/kernels/bench_quant.py``) may monkeypatch it.
 QGEMV2_ENABLED = os.environ.get("QWEN4EXP_QGEMV2", "1").strip() != "0"
-#: ``qgemv2`` configuration per activation-row tile (1, 4, 16): ``(G, RL, U)`` = lanes per row slot, weight rows
+#: ``qgemv2`` configuration per (format, activation-row tile): ``(G, RL, U)`` = lanes per row slot, weight rows
 #: per lane, chunks per lane loaded before any is decoded. Only the combinations quant_linear.cu instantiates
-#: (``QGEMV2_FAMILY``) exist; the micro-bench swaps this dict to compare them.
-QGEMV2_CONFIG = {1: (4, 1, 5), 4: (4, 2, 3), 16: (4, 2, 3)}
+#: (``QGEMV2_FAMILY``) exist; the micro-bench swaps entries to compare them. NVFP4 uses fewer lanes per row: its
+#: 16-byte chunk covers 32 weights = 128 bytes of float32 activations, and a warp's activation loads touch G lines.
+QGEMV2_CONFIG = {("nvfp4", 1): (2, 1, 5), ("nvfp4", 4): (2, 2, 3), ("nvfp4", 16): (2, 2, 3),
+                 ("fp8", 1): (4, 1, 5), ("fp8", 4): (4, 2, 3), ("fp8", 16): (2, 2, 3)}
 
 
 def gemv_tile_rows(m: int) -> int:
@@ -255,7 +257,7 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
             the chunk, aligned pointers, fp8 scale blocks a multiple of 16 columns).
         sms: streaming multiprocessors (default: the current GPU's). v2: use the streaming ``qgemv2`` kernels
             (default :data:`QGEMV2_ENABLED`). config: ``(G, RL, U)`` for ``qgemv2`` (default
-            :data:`QGEMV2_CONFIG` ``[rpt]``).
+            :data:`QGEMV2_CONFIG` ``[fmt, rpt]``).
     Returns:
         ``(kernel name, grid x)``. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
         ``32 / G`` slots of ``RL`` rows; ``KS`` is the smallest power of two up to 8 with which every lane's
@@ -273,7 +275,7 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
     sms = sm_count() if sms is None else int(sms)
     use_v2 = QGEMV2_ENABLED if v2 is None else bool(v2)
     if use_v2 and vec:
-        G, RL, U = QGEMV2_CONFIG[rpt] if config is None else config
+        G, RL, U = QGEMV2_CONFIG[fmt, rpt] if config is None else config
         kc = K // (32 if fmt == "nvfp4" else 16)
         ks = 1
         while ks < 8 and G * ks * U < kc:

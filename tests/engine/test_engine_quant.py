@@ -209,7 +209,8 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
     for nt, g, rl, u in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam2):
         configs.setdefault(int(nt), set()).add((int(g), int(rl), int(u)))
         entries |= {f"qgemv2_{fmt}_nt{nt}_g{g}_r{rl}_ks{ks}_u{u}" for fmt in ("fp8", "nvfp4") for ks in (1, 2, 4, 8)}
-    assert all(L.QGEMV2_CONFIG[nt] in configs[nt] for nt in (1, 4, 16)), (L.QGEMV2_CONFIG, configs)
+    assert all(L.QGEMV2_CONFIG[fmt, nt] in configs[nt] for fmt in ("fp8", "nvfp4") for nt in (1, 4, 16)), \
+        (L.QGEMV2_CONFIG, configs)
     picked = set()
     for fmt in ("fp8", "nvfp4"):
         for rpt in (1, 4, 16, 64):

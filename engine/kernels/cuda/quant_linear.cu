@@ -552,8 +552,10 @@ __device__ __forceinline__ void qgemv2_body(const LD& ld, const float* __restric
 #define fp8_MAKE2_LC FP8S ld{Q, S, q_es, s_es, rb, cb, ncb};
 #define nvfp4_MAKE2_LC NVFP4S ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
 
-// The default configuration per activation-row count (first three lines; KS chosen by the host) and alternatives
-// the micro-bench compares (engine/kernels/bench_quant.py).
+// Configurations (NT, G, RL, U; KS chosen by the host): the defaults of engine/kernels/linear.py QGEMV2_CONFIG and
+// the alternatives the micro-bench compares (engine/kernels/bench_quant.py). Why small G: the activation loads of
+// a warp touch G distinct 128-byte lines (NVFP4: a 16-byte chunk is 32 weights = 128 bytes of float32
+// activations), which is what bounds L1 at 4 and 16 rows.
 #define QGEMV2_KS(FMT, LD, NT, G, RL, U)                                                                      \
     QGEMV2_ENTRY(FMT, LD, NT, G, RL, 1, U)                                                                    \
     QGEMV2_ENTRY(FMT, LD, NT, G, RL, 2, U)                                                                    \
@@ -562,13 +564,14 @@ __device__ __forceinline__ void qgemv2_body(const LD& ld, const float* __restric
 
 #define QGEMV2_FAMILY(FMT, LD)      \
     QGEMV2_KS(FMT, LD, 1, 4, 1, 5)  \
-    QGEMV2_KS(FMT, LD, 4, 4, 2, 3)  \
-    QGEMV2_KS(FMT, LD, 16, 4, 2, 3) \
-    QGEMV2_KS(FMT, LD, 1, 8, 1, 5)  \
-    QGEMV2_KS(FMT, LD, 1, 4, 1, 3)  \
+    QGEMV2_KS(FMT, LD, 1, 2, 1, 5)  \
     QGEMV2_KS(FMT, LD, 1, 2, 2, 3)  \
+    QGEMV2_KS(FMT, LD, 4, 4, 2, 3)  \
+    QGEMV2_KS(FMT, LD, 4, 2, 2, 3)  \
     QGEMV2_KS(FMT, LD, 4, 4, 1, 5)  \
-    QGEMV2_KS(FMT, LD, 16, 4, 1, 4)
+    QGEMV2_KS(FMT, LD, 16, 4, 2, 3) \
+    QGEMV2_KS(FMT, LD, 16, 2, 2, 3) \
+    QGEMV2_KS(FMT, LD, 16, 1, 2, 3)
 
 QGEMV2_FAMILY(fp8, FP8S)
 QGEMV2_FAMILY(nvfp4, NVFP4S)
