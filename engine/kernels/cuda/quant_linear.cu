@@ -341,12 +341,14 @@ __device__ __forceinline__ float2 e4m3x2_to_f32x2(unsigned int b) {
 #endif
 }
 
-// Two E4M3 bytes (low 16 bits of b) -> f16x2 (exact; byte 0 in the low half).
+// Two E4M3 bytes (low 16 bits of b) -> f16x2 (exact; byte 0 in the low half). sm_89+ only (callers check).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
 __device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned int b) {
     unsigned int h2;
     asm("{\n\t.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h2) : "r"(b));
     return h2;
 }
+#endif
 
 // f16x2 product (exact for the operands used here) then both halves to float32.
 __device__ __forceinline__ float2 f16x2_mul_to_f32x2(unsigned int a, unsigned int b) {
