@@ -87,8 +87,10 @@ def main(argv=None) -> int:
         argv: ``--reps N`` (timed graph replays per figure, default 50), ``--json FILE`` (also write the results
             there, atomically), ``--quick`` (only v1 and the default v2).
     Returns:
-        0. ``*_us`` microseconds, ``*_GBps`` GB/s, ``*_frac`` fraction of the measured copy bandwidth,
-        ``*_kernel`` the kernel the launch used.
+        0. JSON keys: ``*_us`` microseconds, ``*_GBps`` GB/s, ``*_frac`` fraction of the measured copy bandwidth,
+        ``*_kernel`` the kernel a grouped launch used. Printed (compact, so a device call's output tail holds it
+        all): ``G|D fmt shape M<rows> variant <us> <GB/s> <fraction of copy>`` (G grouped, D dense) and the
+        per-layer summary of :func:`_summary`.
     """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
@@ -147,8 +149,7 @@ def main(argv=None) -> int:
                         vec = True
                         res[key + "_kernel"] = L.quant_kernel_choice(fmt, rpt, N, K, routes[0].tiles.max_tiles,
                                                                      vec=vec)[0]
-                        print(f"{key} {us:.2f} us {gbs:.0f} GB/s {gbs / copy:.2f} of copy ({res[key + '_kernel']})",
-                              flush=True)
+                        print(f"G {fmt} {shape} M{rpt} {label} {us:.1f}us {gbs:.0f}GB/s {gbs / copy:.2f}", flush=True)
                         L.QGEMV2_CONFIG.update(prev[1])
                     # dense: the 10 experts' rows as one [10 N, K] matrix (a view of the stack), rotating groups
                     if one is None:
@@ -166,17 +167,41 @@ def main(argv=None) -> int:
                         key = f"dense_{fmt}_{TOP_K * N}x{K}_M{rpt}_{label}"
                         gbs = (wbytes + xd.nbytes + yd.nbytes) / (us * 1e-6) / 1e9
                         res[key + "_us"], res[key + "_GBps"], res[key + "_frac"] = us, gbs, gbs / copy
-                        print(f"{key} {us:.2f} us {gbs:.0f} GB/s {gbs / copy:.2f} of copy", flush=True)
+                        print(f"D {fmt} {shape} M{rpt} {label} {us:.1f}us {gbs:.0f}GB/s {gbs / copy:.2f}", flush=True)
                         L.QGEMV2_CONFIG.update(prev[1])
                 w = one = None
     finally:
         L.QGEMV2_ENABLED = prev[0]
         L.QGEMV2_CONFIG.clear()
         L.QGEMV2_CONFIG.update(prev[1])
+    _summary(res)
     if args.json:
         from reference.atomic import atomic_write_json
         atomic_write_json(args.json, res)
     return 0
+
+
+def _summary(res: dict) -> None:
+    """Per format and row count: the grouped gate_up + down time of one MoE layer (v1, v2, the fastest v2
+    configuration, which is the suggested ``QGEMV2_CONFIG`` entry), its speed-up, and 48 layers' worth in ms."""
+    for fmt in ("nvfp4", "fp8"):
+        for rpt in (1, 4, 16):
+            tot: dict = {}
+            for key, v in res.items():
+                pre = f"grouped_{fmt}_"
+                if key.startswith(pre) and key.endswith("_us") and f"_M{rpt}_" in key:
+                    label = key[:-3].split(f"_M{rpt}_", 1)[1]
+                    tot.setdefault(label, []).append(v)
+            tot = {k: sum(v) for k, v in tot.items() if len(v) == len(SHAPES)}
+            if "v1" not in tot or "v2" not in tot:
+                continue
+            best = min((k for k in tot if k.startswith("v2")), key=tot.get)
+            name = f"moe_{fmt}_M{rpt}"
+            res[name + "_v1_us"], res[name + "_v2_us"], res[name + "_best"] = tot["v1"], tot["v2"], best
+            res[name + "_speedup"] = tot["v1"] / tot["v2"]
+            print(f"{name}: gate_up+down v1 {tot['v1']:.1f} us, v2 {tot['v2']:.1f} us ({tot['v1'] / tot['v2']:.2f}x); "
+                  f"fastest {best} {tot[best]:.1f} us; 48 layers {48 * tot['v1'] / 1e3:.2f} -> "
+                  f"{48 * tot['v2'] / 1e3:.2f} ms", flush=True)
 
 
 def w_dense(w, g, N, K):
