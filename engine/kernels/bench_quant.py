@@ -71,7 +71,7 @@ def _variants(L, fmt, rpt):
     from engine.backend import CUDA_DIR
     import re
     src = (CUDA_DIR / "quant_linear.cu").read_text()
-    fam = src[src.index("#define QGEMV2_FAMILY"):src.index("QGEMV2_FAMILY(fp8, FP8S)")]
+    fam = src[src.index("// qgemv2 instances begin"):src.index("// qgemv2 instances end")]
     cfgs = [(int(g), int(rl), int(u)) for nt, g, rl, u in
             re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam) if int(nt) == rpt]
     default = L.QGEMV2_CONFIG[fmt, rpt]

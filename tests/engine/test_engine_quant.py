@@ -199,12 +199,23 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
     import re
 
     from engine.backend import CUDA_DIR
+    from engine.kernels import dense_common
     src = (CUDA_DIR / "quant_linear.cu").read_text()
     fam = src[src.index("#define QGEMV_FAMILY"):src.index("QGEMV_FAMILY(fp8, FP8W)")]
     entries = {f"qgemv_{fmt}_nt{nt}_r{r}_ks{ks}_{suf}" for fmt in ("fp8", "nvfp4")
                for nt, r, ks, suf in re.findall(r"QGEMV_ENTRY\(FMT, LD, (\d+), (\d+), (\d+), \w+, (\w)\)", fam)}
     entries |= set(re.findall(r'extern "C" __global__ void __launch_bounds__\(256\) (qgemm_\w+)\(', src))
-    fam2 = src[src.index("#define QGEMV2_FAMILY"):src.index("QGEMV2_FAMILY(fp8, FP8S)")]
+    fam2 = src[src.index("// qgemv2 instances begin"):src.index("// qgemv2 instances end")]
+    # NVRTC compiles each row tile's instances in its own module (-DQGEMV2_NT=n, dense_common.kernel_module_options):
+    # every line of QGEMV2_FAMILY_NT<n> must be an n-row instance, and the options must name that module
+    blocks = re.findall(r"#define QGEMV2_FAMILY_NT(\d+)\(FMT, LD\)((?:.*\\\n)*.*)", fam2)
+    assert sorted(int(n) for n, _ in blocks) == [1, 4, 16]
+    for n, body in blocks:
+        assert {int(x) for x in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+),", body)} == {int(n)}, n
+        assert f"#if QL_NT({n})\nQGEMV2_FAMILY_NT{n}(fp8, FP8S)\nQGEMV2_FAMILY_NT{n}(nvfp4, NVFP4S)" in src
+    assert dense_common.kernel_module_options("quant_linear.cu", "qgemv2_nvfp4_nt16_g2_r2_ks8_u3") == ("-DQGEMV2_NT=16",)
+    assert dense_common.kernel_module_options("quant_linear.cu", "qgemv_nvfp4_nt16_r1_ks1_v") == ()
+    assert dense_common.kernel_module_options("dense_linear.cu", "qgemv2_fp8_nt1_g4_r1_ks1_u5") == ()
     configs = {}
     for nt, g, rl, u in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam2):
         configs.setdefault(int(nt), set()).add((int(g), int(rl), int(u)))

@@ -147,7 +147,7 @@ def _qgemv2_configs():
 
     from engine.backend import CUDA_DIR
     src = (CUDA_DIR / "quant_linear.cu").read_text()
-    fam = src[src.index("#define QGEMV2_FAMILY"):src.index("QGEMV2_FAMILY(fp8, FP8S)")]
+    fam = src[src.index("// qgemv2 instances begin"):src.index("// qgemv2 instances end")]
     lines = re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam)
     assert len(lines) >= 3
     return [(fmt, int(nt), int(g), int(rl), ks, int(u)) for fmt in ("fp8", "nvfp4") for nt, g, rl, u in lines

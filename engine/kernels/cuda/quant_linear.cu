@@ -25,6 +25,21 @@
 
 #include "common.cuh"
 
+// Module split (NVRTC compile time: the qgemv2 instances take ~3x the rest): NVRTC builds one module without
+// QGEMV2_NT (the qgemv_* / qgemm_* / qdequant_* entries) and one per activation-row tile with -DQGEMV2_NT=1, 4 or
+// 16 (that tile's qgemv2_* entries), each on first use (engine/kernels/dense_common.py: kernel_module_options).
+// nvcc (tests/engine/test_engine_nvcc.py) compiles everything.
+#if !defined(__CUDACC_RTC__)
+#define QL_BASE 1
+#define QL_NT(n) 1
+#elif defined(QGEMV2_NT)
+#define QL_BASE 0
+#define QL_NT(n) (QGEMV2_NT == (n))
+#else
+#define QL_BASE 1
+#define QL_NT(n) 0
+#endif
+
 typedef unsigned char u8;
 
 // E4M3 (fn: no infinities, S.1111.111 is NaN) -> float32, exact.
@@ -292,8 +307,10 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
     QGEMV_ENTRY(FMT, LD, 16, 1, 8, true, v) \
     QGEMV_ENTRY(FMT, LD, 16, 1, 8, false, s)
 
+#if QL_BASE
 QGEMV_FAMILY(fp8, FP8W)
 QGEMV_FAMILY(nvfp4, NVFP4W)
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // qgemv2_* : the streaming decode GEMV (the default; the qgemv_* family above stays selectable for A/B).
@@ -335,9 +352,15 @@ __device__ __forceinline__ float2 e4m3x2_to_f32x2(unsigned int b) {
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
         : "=f"(lo), "=f"(hi)
         : "r"(h2));
-    return make_float2(lo, hi);
+    float2 r;
+    r.x = lo;
+    r.y = hi;
+    return r;
 #else
-    return make_float2(e4m3_to_f32(b & 0xffu), e4m3_to_f32((b >> 8) & 0xffu));
+    float2 r;
+    r.x = e4m3_to_f32(b & 0xffu);
+    r.y = e4m3_to_f32((b >> 8) & 0xffu);
+    return r;
 #endif
 }
 
@@ -358,7 +381,10 @@ __device__ __forceinline__ float2 f16x2_mul_to_f32x2(unsigned int a, unsigned in
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
         : "=f"(lo), "=f"(hi)
         : "r"(p));
-    return make_float2(lo, hi);
+    float2 r;
+    r.x = lo;
+    r.y = hi;
+    return r;
 }
 
 struct FP8S {  // fp8 streaming reader (chunk = 16 weights = 16 bytes)
@@ -554,8 +580,8 @@ __device__ __forceinline__ void qgemv2_body(const LD& ld, const float* __restric
 #define fp8_MAKE2_LC FP8S ld{Q, S, q_es, s_es, rb, cb, ncb};
 #define nvfp4_MAKE2_LC NVFP4S ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
 
-// Configurations (NT, G, RL, U; KS chosen by the host): the defaults of engine/kernels/linear.py QGEMV2_CONFIG and
-// the alternatives the micro-bench compares (engine/kernels/bench_quant.py). Why small G: the activation loads of
+// Configurations (NT, G, RL, U; each with KS 1, 2, 4, 8, chosen by the host): the defaults of
+// engine/kernels/linear.py QGEMV2_CONFIG and the alternatives the micro-bench compares (bench_quant.py). Why small G: the activation loads of
 // a warp touch G distinct 128-byte lines (NVFP4: a 16-byte chunk is 32 weights = 128 bytes of float32
 // activations), which is what bounds L1 at 4 and 16 rows.
 #define QGEMV2_KS(FMT, LD, NT, G, RL, U)                                                                      \
@@ -564,19 +590,33 @@ __device__ __forceinline__ void qgemv2_body(const LD& ld, const float* __restric
     QGEMV2_ENTRY(FMT, LD, NT, G, RL, 4, U)                                                                    \
     QGEMV2_ENTRY(FMT, LD, NT, G, RL, 8, U)
 
-#define QGEMV2_FAMILY(FMT, LD)      \
+// qgemv2 instances begin (tests/engine/test_engine_quant.py and bench_quant.py read these lines)
+#define QGEMV2_FAMILY_NT1(FMT, LD)  \
     QGEMV2_KS(FMT, LD, 1, 4, 1, 5)  \
     QGEMV2_KS(FMT, LD, 1, 2, 1, 5)  \
-    QGEMV2_KS(FMT, LD, 1, 2, 2, 3)  \
+    QGEMV2_KS(FMT, LD, 1, 2, 2, 3)
+#define QGEMV2_FAMILY_NT4(FMT, LD)  \
     QGEMV2_KS(FMT, LD, 4, 4, 2, 3)  \
     QGEMV2_KS(FMT, LD, 4, 2, 2, 3)  \
-    QGEMV2_KS(FMT, LD, 4, 4, 1, 5)  \
+    QGEMV2_KS(FMT, LD, 4, 4, 1, 5)
+#define QGEMV2_FAMILY_NT16(FMT, LD) \
     QGEMV2_KS(FMT, LD, 16, 4, 2, 3) \
     QGEMV2_KS(FMT, LD, 16, 2, 2, 3) \
     QGEMV2_KS(FMT, LD, 16, 1, 2, 3)
+// qgemv2 instances end
 
-QGEMV2_FAMILY(fp8, FP8S)
-QGEMV2_FAMILY(nvfp4, NVFP4S)
+#if QL_NT(1)
+QGEMV2_FAMILY_NT1(fp8, FP8S)
+QGEMV2_FAMILY_NT1(nvfp4, NVFP4S)
+#endif
+#if QL_NT(4)
+QGEMV2_FAMILY_NT4(fp8, FP8S)
+QGEMV2_FAMILY_NT4(nvfp4, NVFP4S)
+#endif
+#if QL_NT(16)
+QGEMV2_FAMILY_NT16(fp8, FP8S)
+QGEMV2_FAMILY_NT16(nvfp4, NVFP4S)
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // Tiled GEMM (prefill): 64 x 64 outputs per block, 256 threads, 4 x 4 per thread, K in steps of 16.
@@ -640,6 +680,7 @@ __device__ __forceinline__ void qgemm_body(const LD& ld, const float* __restrict
     }
 }
 
+#if QL_BASE
 extern "C" __global__ void __launch_bounds__(256) qgemm_fp8(FP8_ARGS, QCOMMON_ARGS) {
     FP8_MAKE
     qgemm_body<FP8W>(ld, QCOMMON_PASS);
@@ -670,3 +711,4 @@ extern "C" __global__ void qdequant_nvfp4(NVFP4_ARGS, int E, int N, int K, float
     int n = (int)((i / K) % N), k = (int)(i % K);
     out[i] = ld.get(e, n, k, K);
 }
+#endif  // QL_BASE
