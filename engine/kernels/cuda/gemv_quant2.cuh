@@ -26,6 +26,10 @@
 // Requires K % EPL == 0, 16-byte aligned rows and activations (fp8 also cb % 16 == 0); the host falls back to
 // qgemv_*_s otherwise. sm_89+ (hardware E4M3 conversion); older GPUs use the bit decode of e4m3_to_f32.
 
+// Blocks per SM the register budget of an entry is sized for (its __launch_bounds__ minimum): 1 row <= 64 registers
+// (32 warps / SM), 4 rows <= 128, 16 rows <= 255.
+#define QGEMV2_MINB(NT) ((NT) == 1 ? 4 : ((NT) == 4 ? 2 : 1))
+
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -325,8 +325,6 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
         qgemv2_body<LD, NT, G, RL, KS, U>(ld, QCOMMON_PASS);                                                   \
     }
 
-// blocks per SM the register budget is sized for: 1 row <= 64 registers (32 warps / SM), 4 rows <= 128, 16 <= 255
-#define QGEMV2_MINB(NT) ((NT) == 1 ? 4 : ((NT) == 4 ? 2 : 1))
 #define fp8_MAKE2_LC FP8S ld{Q, S, q_es, s_es, rb, cb, ncb};
 #define nvfp4_MAKE2_LC NVFP4S ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
 
