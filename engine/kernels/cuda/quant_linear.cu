@@ -12,7 +12,9 @@
 // Activations and accumulation are float32. Dequantised values are bit-identical to the reference
 // reader's (reference/checkpoint.py); only the summation order differs.
 //
-// gemv_* : decode (1, 4 or 16 activation rows per weight pass). R weight rows per warp (4 for 1 and 4
+// qgemv2_*: decode, the default (gemv_quant2.cuh; docs/kernels_quant.md): streaming loads, hardware E4M3 decode.
+// qgemv_* : decode, the previous kernels (QWEN4EXP_QGEMV2=0), and the scalar path of both (unaligned / odd K).
+//          1, 4 or 16 activation rows per weight pass. R weight rows per warp (4 for 1 and 4
 //          activation rows, else 1), KS warps may split K; every lane loads 16 bytes of each row per chunk (16
 //          FP8 or 32 NVFP4 weights) with several chunks in flight, decodes each weight once and reuses it for
 //          every activation row of the tile, and each activation piece for the R rows. Scalar path for rows
