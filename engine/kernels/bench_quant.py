@@ -89,8 +89,9 @@ def main(argv=None) -> int:
     Returns:
         0. JSON keys: ``*_us`` microseconds, ``*_GBps`` GB/s, ``*_frac`` fraction of the measured copy bandwidth,
         ``*_kernel`` the kernel a grouped launch used. Printed (compact, so a device call's output tail holds it
-        all): ``G|D fmt shape M<rows> variant <us> <GB/s> <fraction of copy>`` (G grouped, D dense) and the
-        per-layer summary of :func:`_summary`.
+        all): ``G|D fmt shape M<rows> variant <us> <GB/s> <fraction of copy>`` (G grouped, D dense), ``B16 ...``
+        (16 tokens routed at random over 512 experts: ~150 experts of 1-2 rows) and the per-layer summary of
+        :func:`_summary`.
     """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
@@ -104,10 +105,14 @@ def main(argv=None) -> int:
 
     res: dict = {}
     rs = cp.random.RandomState(7)
-    n = 1 << 28
+    n = 1 << 29  # 2 GiB each way: a device-to-device memcpy (DMA-free copy kernel of the driver), warmed
     src = rs.standard_normal(n, dtype=cp.float32)
     dst = cp.empty_like(src)
-    t = _median_us(cp, [lambda: dst.__setitem__(Ellipsis, src)], 10)
+
+    def d2d():
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+    t = _median_us(cp, [d2d], 10)
     copy = 2 * src.nbytes / (t * 1e-6) / 1e9
     res["d2d_copy_GBps"] = copy
     src = dst = None  # free the 2 GiB
@@ -170,6 +175,36 @@ def main(argv=None) -> int:
                         print(f"D {fmt} {shape} M{rpt} {label} {us:.1f}us {gbs:.0f}GB/s {gbs / copy:.2f}", flush=True)
                         L.QGEMV2_CONFIG.update(prev[1])
                 w = one = None
+        # batch-16 decode as routed: 16 tokens x top-10 of 512 experts (~150 distinct experts of 1-2 rows), the
+        # MoE's own tile size for 16 tokens (moe._rows_per_tile); a fresh routing per launch in the rotation
+        E, T = 512, 16
+        rng = np.random.default_rng(3)
+        for fmt in ("nvfp4", "fp8"):
+            for shape, (N, K) in SHAPES.items():
+                w = _weights(cp, fmt, E, N, K, 2)
+                x = rs.standard_normal((T, K), dtype=cp.float32)
+                y = cp.empty((T * TOP_K, N), cp.float32)
+                ids = [np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(T)]).astype(np.int32)
+                       for _ in range(8)]
+                routes = [M.moe_route_tables(cp.asarray(i), E) for i in ids]
+                used = float(np.mean([len(np.unique(i)) for i in ids]))
+                nbytes = used * _expert_bytes(w) + x.nbytes + y.nbytes
+                for label, v2, cfg in _variants(L, fmt, routes[0].rows_per_tile):
+                    if args.quick and label not in ("v1", "v2"):
+                        continue
+                    L.QGEMV2_ENABLED = v2
+                    if cfg is not None:
+                        L.QGEMV2_CONFIG[fmt, routes[0].rows_per_tile] = cfg
+                    fns = [lambda r=r: L.grouped_linear(x, w, r.offsets, row_index=r.sorted_token, tiles=r.tiles,
+                                                        out=y) for r in routes]
+                    us = _median_us(cp, fns, args.reps)
+                    gbs = nbytes / (us * 1e-6) / 1e9
+                    key = f"b16_{fmt}_{shape}_{label}"
+                    res[key + "_us"], res[key + "_GBps"], res[key + "_frac"] = us, gbs, gbs / copy
+                    print(f"B16 {fmt} {shape} rpt{routes[0].rows_per_tile} {label} {us:.1f}us {gbs:.0f}GB/s "
+                          f"{gbs / copy:.2f} ({used:.0f} experts)", flush=True)
+                    L.QGEMV2_CONFIG.update(prev[1])
+                w = None
     finally:
         L.QGEMV2_ENABLED = prev[0]
         L.QGEMV2_CONFIG.clear()
