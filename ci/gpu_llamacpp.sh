@@ -8,9 +8,14 @@
 #   2. on the device, every call with carry [".llama-src", ".whl"] (one call is <= 600 s and <= 2000 characters):
 #        bash ci/gpu_llamacpp.sh build --background     # returns at once; the build goes on (setsid) while the
 #                                                       # machine is held: other GPU work can run meanwhile
+#        bash ci/gpu_llamacpp.sh prepare --background   # synthetic checkpoint -> BF16 GGUF now (CPU only), then
+#                                                       # Q8_0 / Q4_K_M once the build is done (~45 GB in $LLAMA_MODELS)
 #        ...                                            # (other device calls)
-#        bash ci/gpu_llamacpp.sh wait && bash ci/gpu_llamacpp.sh bench
-#      `wait` blocks until the build's marker (at most WAIT_S, default 540 s; rc 124 = still building: call again).
+#        bash ci/gpu_llamacpp.sh wait && bash ci/gpu_llamacpp.sh wait prepare && bash ci/gpu_llamacpp.sh bench
+#      `wait [STEP]` blocks until STEP (default build) ends (at most WAIT_S, default 540 s; rc 124 = still running:
+#      call it again) and copies STEP's log and results into this call's $OUT. `bench --background` + `wait bench`
+#      when the bench would not fit one call (it is planned for ~7 minutes: 3 GGUFs x (llama-bench + batched-bench)
+#      and 3 engine runs; REPS=2 or ENGINE_FORMATS=... shortens it).
 #
 # Subcommands:
 #   build [--background]  untar .llama-src/llama.cpp-src.tar.xz to $LLAMA_SRC (/tmp/llama-src), configure (CUDA,
@@ -19,10 +24,17 @@
 #                         Log: $LLAMA_BUILD/llamacpp-build.log; marker $LLAMA_BUILD/BUILD_DONE (or BUILD_FAILED,
 #                         holding the exit status); both copied to $OUT. Prints the build time. A finished build
 #                         is not redone (FORCE=1 redoes it).
-#   wait                  block until the marker exists; copy the log and marker to $OUT; rc 0 built, 1 failed,
-#                         124 still building after WAIT_S.
-#   status                print the build's state and the log's last lines.
-#   bench                 (see its section below)
+#   prepare [--background] python -m parity.bench.llamacpp_peer prepare: the engine bench's synthetic real-width
+#                         checkpoint (BENCH_LAYERS, default 4) -> BF16 GGUF (the trimmed tree's converter) ->
+#                         llama-quantize Q8_0 and Q4_K_M, into $LLAMA_MODELS (/tmp/llamacpp-models, disk: the
+#                         engine's fp8 / nvfp4 runs hold a 51 GB table in host memory); manifest.json there. The
+#                         safetensors copy is removed after the conversion. Steps done are not redone.
+#                         (PREPARE_OVERRIDES='{"hidden_size": 256, ...}': small widths, for a dry run elsewhere.)
+#   bench [--background]  python -m parity.bench.llamacpp_peer run: llama-bench + llama-batched-bench on each GGUF,
+#                         the engine bench (bf16 / fp8 / nvfp4 in memory, same shapes), the ratio table; results
+#                         (raw llama.cpp outputs and errors, engine JSONs, llamacpp_peer.json) in $OUT.
+#   wait [build|prepare|bench]   see above.
+#   status                print each step's state and the build log's last lines.
 #
 # What keeps the compile time down without changing a kernel the benchmark runs: one CUDA architecture (90);
 # FlashAttention vector kernels only for the f16 / bf16 K-V cache (GGML_CUDA_FA_QUANTS; llama-bench's default
@@ -91,51 +103,110 @@ do_build() {
   return "$rc"
 }
 
-do_wait() {
-  local limit="${WAIT_S:-540}" t0
+WORK="${LLAMA_WORK:-/tmp/llamacpp-work}"   # the steps' logs, markers and results: they outlive a device call
+MODELS="${LLAMA_MODELS:-/tmp/llamacpp-models}"
+export LLAMA_SRC="$SRC" LLAMA_BUILD="$BUILD" LLAMA_MODELS="$MODELS"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+marker_dir() { if [ "$1" = build ]; then echo "$BUILD"; else echo "$WORK"; fi; }
+MARK() { echo "$(marker_dir "$1")/$(echo "$1" | tr a-z A-Z)_$2"; }  # MARK step DONE|FAILED
+
+copy_step_files() {  # $1 = step: its log and results into this call's OUT
+  if [ "$1" = build ]; then copy_build_files; return 0; fi
+  [ -f "$WORK/$1.log" ] && cp -f "$WORK/$1.log" "$OUT/llamacpp-$1.log"
+  for m in DONE FAILED; do [ -f "$(MARK "$1" $m)" ] && cp -f "$(MARK "$1" $m)" "$OUT/llamacpp-$1-$m"; done
+  if [ "$1" = prepare ]; then
+    for f in "$MODELS"/manifest.json "$MODELS"/*.log; do [ -f "$f" ] && cp -f "$f" "$OUT/"; done
+  fi
+  if [ "$1" = bench ] && [ -d "$WORK/results" ]; then cp -rf "$WORK/results/." "$OUT/"; fi
+  return 0
+}
+
+run_step() {  # $1 = prepare|bench, in the foreground: log to $WORK/$1.log (and the terminal), marker, copy
+  local step="$1" rc=0 t0
+  mkdir -p "$WORK"; rm -f "$(MARK "$step" DONE)" "$(MARK "$step" FAILED)"
   t0=$(date +%s)
-  while [ ! -f "$BUILD/BUILD_DONE" ] && [ ! -f "$BUILD/BUILD_FAILED" ]; do
-    if [ ! -f "$LOG" ] && [ ! -f "$BUILD/build.pid" ]; then
-      say "no build under way or finished in $BUILD (run: bash ci/gpu_llamacpp.sh build --background)"; return 2
+  case "$step" in
+    prepare)
+      "${PYTHON:-python3}" -m parity.bench.llamacpp_peer prepare --src "$SRC" --bin "$BIN" --models "$MODELS" \
+          --layers "${BENCH_LAYERS:-4}" --build-dir "$BUILD" ${PREPARE_OVERRIDES:+--overrides "$PREPARE_OVERRIDES"} 2>&1 \
+        | tee "$WORK/prepare.log"; rc=${PIPESTATUS[0]} ;;
+    bench)
+      [ -f "$BUILD/BUILD_DONE" ] || { say "expected a finished build (bash ci/gpu_llamacpp.sh build / wait), found none"; return 2; }
+      [ -f "$MODELS/manifest.json" ] || { say "expected the GGUFs (bash ci/gpu_llamacpp.sh prepare), found no $MODELS/manifest.json"; return 2; }
+      rm -rf "$WORK/results"; mkdir -p "$WORK/results"
+      "${PYTHON:-python3}" -m parity.bench.llamacpp_peer run --bin "$BIN" --models "$MODELS" --out-dir "$WORK/results" \
+          --layers "${BENCH_LAYERS:-4}" --reps "${REPS:-3}" ${ENGINE_FORMATS:+--formats "$ENGINE_FORMATS"} 2>&1 \
+        | grep -vE "it/s\]|s/it\]" | tee "$WORK/bench.log"; rc=${PIPESTATUS[0]} ;;
+  esac
+  if [ "$rc" = 0 ]; then echo "$step done in $(( $(date +%s) - t0 )) s" > "$(MARK "$step" DONE)"
+  else echo "$step rc $rc after $(( $(date +%s) - t0 )) s" > "$(MARK "$step" FAILED)"; fi
+  say "$step: exit $rc after $(( $(date +%s) - t0 )) s"
+  copy_step_files "$step"
+  return "$rc"
+}
+
+start_background() {  # $1 = step: the same script under setsid, surviving this call while the machine is held
+  local step="$1" d; d="$(marker_dir "$step")"; mkdir -p "$d"
+  if [ -f "$d/$step.pid" ] && kill -0 "$(cat "$d/$step.pid")" 2>/dev/null; then
+    say "$step is already under way (pid $(cat "$d/$step.pid"))"; return 0
+  fi
+  rm -f "$(MARK "$step" DONE)" "$(MARK "$step" FAILED)"
+  OUT="$OUT" setsid nohup bash "$REPO/ci/gpu_llamacpp.sh" "$step" > "$d/$step.out" 2>&1 < /dev/null &
+  echo $! > "$d/$step.pid"
+  say "$step started in the background (pid $!); bash ci/gpu_llamacpp.sh wait $step blocks until it ends"
+}
+
+do_wait() {  # $1 = step
+  local step="${1:-build}" limit="${WAIT_S:-540}" t0 d
+  d="$(marker_dir "$step")"; t0=$(date +%s)
+  while [ ! -f "$(MARK "$step" DONE)" ] && [ ! -f "$(MARK "$step" FAILED)" ]; do
+    if [ ! -f "$d/$step.pid" ] || ! kill -0 "$(cat "$d/$step.pid")" 2>/dev/null; then
+      sleep 2  # the marker is written just before the process ends
+      [ -f "$(MARK "$step" DONE)" ] || [ -f "$(MARK "$step" FAILED)" ] && break
+      say "$step: nothing under way and no marker (start it: bash ci/gpu_llamacpp.sh $step --background)"
+      [ -f "$d/$step.out" ] && tail -n 20 "$d/$step.out"
+      copy_step_files "$step"; return 2
     fi
     if [ $(( $(date +%s) - t0 )) -ge "$limit" ]; then
-      say "still building after waiting $limit s: $(grep -aoE '\[[0-9]+/[0-9]+\]' "$LOG" 2>/dev/null | tail -n 1); call wait again"
-      copy_build_files; return 124
+      say "$step still running after waiting $limit s; call wait $step again"
+      if [ "$step" = build ]; then grep -aoE '\[[0-9]+/[0-9]+\]' "$LOG" 2>/dev/null | tail -n 1; else tail -n 3 "$WORK/$step.log" 2>/dev/null; fi
+      copy_step_files "$step"; return 124
     fi
     sleep 5
   done
-  copy_build_files
-  if [ -f "$BUILD/BUILD_DONE" ]; then say "$(cat "$BUILD/BUILD_DONE")"; return 0; fi
-  say "build failed: $(cat "$BUILD/BUILD_FAILED")"; grep -E "error" "$LOG" | head -n 20; tail -n 15 "$LOG"; return 1
+  copy_step_files "$step"
+  if [ -f "$(MARK "$step" DONE)" ]; then
+    say "$(cat "$(MARK "$step" DONE)")"
+    [ "$step" = bench ] && [ -f "$WORK/bench.log" ] && sed -n '/^| engine |/,$p' "$WORK/bench.log"
+    return 0
+  fi
+  say "$step failed: $(cat "$(MARK "$step" FAILED)")"
+  if [ "$step" = build ]; then grep -E "error" "$LOG" | head -n 20; tail -n 15 "$LOG"; else tail -n 25 "$WORK/$step.log" 2>/dev/null; fi
+  return 1
 }
 
 do_status() {
-  if [ -f "$BUILD/BUILD_DONE" ]; then say "built: $(cat "$BUILD/BUILD_DONE")"
-  elif [ -f "$BUILD/BUILD_FAILED" ]; then say "failed: $(cat "$BUILD/BUILD_FAILED")"
-  elif [ -f "$LOG" ]; then say "building: $(grep -aoE '\[[0-9]+/[0-9]+\]' "$LOG" | tail -n 1)"
-  else say "not started"; fi
-  [ -f "$LOG" ] && tail -n 5 "$LOG"
+  local st
+  for st in build prepare bench; do
+    if [ -f "$(MARK "$st" DONE)" ]; then say "$st: $(cat "$(MARK "$st" DONE)")"
+    elif [ -f "$(MARK "$st" FAILED)" ]; then say "$st: FAILED: $(cat "$(MARK "$st" FAILED)")"
+    elif [ -f "$(marker_dir "$st")/$st.pid" ] && kill -0 "$(cat "$(marker_dir "$st")/$st.pid")" 2>/dev/null; then
+      if [ "$st" = build ]; then say "build: running $(grep -aoE '\[[0-9]+/[0-9]+\]' "$LOG" 2>/dev/null | tail -n 1)"
+      else say "$st: running: $(tail -n 1 "$WORK/$st.log" 2>/dev/null)"; fi
+    else say "$st: not started"; fi
+  done
+  [ -f "$LOG" ] && tail -n 3 "$LOG"
+  df -h /tmp /dev/shm 2>/dev/null | tail -n 2; free -g | head -n 2
   copy_build_files
 }
 
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  build)
-    if [ "${1:-}" = "--background" ]; then
-      mkdir -p "$BUILD"
-      if [ -f "$BUILD/build.pid" ] && kill -0 "$(cat "$BUILD/build.pid")" 2>/dev/null; then
-        say "a build is already under way (pid $(cat "$BUILD/build.pid"))"; exit 0
-      fi
-      OUT="$OUT" setsid nohup bash "$REPO/ci/gpu_llamacpp.sh" build > "$BUILD/build.out" 2>&1 < /dev/null &
-      echo $! > "$BUILD/build.pid"
-      say "build started in the background (pid $!; log $LOG); bash ci/gpu_llamacpp.sh wait blocks until it ends"
-      exit 0
-    fi
-    do_build ;;
-  wait) do_wait ;;
+  build|prepare|bench)
+    if [ "${1:-}" = "--background" ]; then start_background "$cmd"; exit 0; fi
+    if [ "$cmd" = build ]; then do_build; else run_step "$cmd"; fi ;;
+  wait) do_wait "${1:-build}" ;;
   status) do_status ;;
-  bench)
-    [ -f "$BUILD/BUILD_DONE" ] || { say "expected a finished build (bash ci/gpu_llamacpp.sh build / wait), found none"; exit 2; }
-    exec "${PYTHON:-python3}" -m parity.bench.llamacpp_peer run --bin "$BIN" --out-dir "$OUT" "$@" ;;
-  *) sed -n '2,32p' "$0"; [ -z "$cmd" ] && exit 0; say "unknown subcommand '$cmd'"; exit 2 ;;
+  *) sed -n '2,52p' "$0"; [ -z "$cmd" ] && exit 0; say "unknown subcommand '$cmd'"; exit 2 ;;
 esac
