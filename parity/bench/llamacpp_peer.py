@@ -551,6 +551,7 @@ def run_llama(bin_dir: Path, manifest: dict, out: Path, *, reps: int = 3, types=
     settings); raw stdout / stderr of each under ``out``. Returns {type: {"llama_bench": {"rows" | "error", "cmd",
     "seconds"}, "batched_bench": {...}, "gguf", "quantize"}}; a run that fails keeps llama.cpp's own error."""
     res = {}
+    fa = os.environ.get("LLAMA_FA", "on")  # flash attention on (issue 16's setting); LLAMA_FA=auto|off to compare
     for qt in types:
         g = (manifest.get("gguf") or {}).get(qt)
         if g is None:
@@ -558,7 +559,7 @@ def run_llama(bin_dir: Path, manifest: dict, out: Path, *, reps: int = 3, types=
                        "batched_bench": {"error": "no GGUF (prepare did not make it)"}}
             continue
         r: dict = {"gguf": {k: v for k, v in g.items()}, "quantize": (manifest.get("quantize") or {}).get(qt)}
-        cmd = [bin_dir / "llama-bench", "-m", g["path"], "-ngl", "99", "-fa", "1",
+        cmd = [bin_dir / "llama-bench", "-m", g["path"], "-ngl", "99", "-fa", fa,
                "-p", ",".join(map(str, PROMPT_LENS)), "-n", str(TG), "-d", f"0,{CONTEXT}", "-r", str(reps),
                "-o", "json"]
         so, se = out / f"llama-bench-{qt}.json", out / f"llama-bench-{qt}.stderr"
@@ -573,7 +574,7 @@ def run_llama(bin_dir: Path, manifest: dict, out: Path, *, reps: int = 3, types=
         r["llama_bench"] = lb
         log(f"llamacpp_peer: llama-bench {qt}: {len(lb['rows'])} rows in {dt:.0f} s" + (f"; {lb['error']}" if rc else ""))
         pls = ",".join(["1"] * reps + [str(BATCH)] * reps)  # each B repeated: batched-bench has no repetitions
-        cmd = [bin_dir / "llama-batched-bench", "-m", g["path"], "-ngl", "99", "-fa", "on",
+        cmd = [bin_dir / "llama-batched-bench", "-m", g["path"], "-ngl", "99", "-fa", fa,
                "-c", str(BATCH * (CONTEXT + BATCHED_TG)), "-npp", str(CONTEXT), "-ntg", str(BATCHED_TG),
                "-npl", pls, "--output-format", "jsonl"]
         so, se = out / f"batched-bench-{qt}.jsonl", out / f"batched-bench-{qt}.stderr"
