@@ -26,8 +26,9 @@
 #                         is not redone (FORCE=1 redoes it).
 #   prepare [--background] python -m parity.bench.llamacpp_peer prepare: the engine bench's synthetic real-width
 #                         checkpoint (BENCH_LAYERS, default 4) -> BF16 GGUF (the trimmed tree's converter) ->
-#                         llama-quantize Q8_0 and Q4_K_M, into $LLAMA_MODELS (/tmp/llamacpp-models, disk: the
-#                         engine's fp8 / nvfp4 runs hold a 51 GB table in host memory); manifest.json there. The
+#                         llama-quantize Q8_0 and Q4_K_M, into $LLAMA_MODELS (/tmp/llamacpp-models on the disk
+#                         when it has 50 GB free, else /dev/shm/llamacpp-models: the engine's fp8 / nvfp4 runs
+#                         hold a 51 GB table in host memory); manifest.json there. The
 #                         safetensors copy is removed after the conversion. Steps done are not redone.
 #                         (PREPARE_OVERRIDES='{"hidden_size": 256, ...}': small widths, for a dry run elsewhere.)
 #   bench [--background]  python -m parity.bench.llamacpp_peer run: llama-bench + llama-batched-bench on each GGUF,
@@ -41,7 +42,7 @@
 # cache type is f16 and it is not changed here); no binary compression (GGML_CUDA_COMPRESSION_MODE=none: a
 # link-time size option); only the three targets are built.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "${LLAMACPP_REPO:-$(dirname "$0")/..}"  # LLAMACPP_REPO: set for the background copy of this script
 REPO="$PWD"
 OUT="${OUT:-ci/out}"
 mkdir -p "$OUT"
@@ -104,7 +105,20 @@ do_build() {
 }
 
 WORK="${LLAMA_WORK:-/tmp/llamacpp-work}"   # the steps' logs, markers and results: they outlive a device call
-MODELS="${LLAMA_MODELS:-/tmp/llamacpp-models}"
+free_kb() { df -Pk "$1" 2>/dev/null | awk 'NR==2{print $4}'; }
+# GGUFs (~44 GB at 4 layers: BF16 23.5 + Q8_0 12.5 + Q4_K_M ~7.5) on the disk when it has room (the engine's
+# fp8 / nvfp4 runs then have the host memory for their 51 GB n-gram table), else in /dev/shm
+if [ -z "${LLAMA_MODELS:-}" ]; then
+  if [ "$(free_kb /tmp)" -gt $(( 50 * 1024 * 1024 )) ] 2>/dev/null || [ -d /tmp/llamacpp-models ]; then LLAMA_MODELS=/tmp/llamacpp-models
+  else LLAMA_MODELS=/dev/shm/llamacpp-models; fi
+fi
+MODELS="$LLAMA_MODELS"
+# the synthetic safetensors (23.5 GB, removed once converted) in RAM-backed /dev/shm when it has room, as
+# ci/gpu_bench.sh does (the same cache: do not run ci/gpu_bench.sh while prepare converts)
+if [ -z "${QWEN4EXP_CACHE:-}" ]; then
+  if [ "$(free_kb /dev/shm)" -gt $(( 30 * 1024 * 1024 )) ] 2>/dev/null; then export QWEN4EXP_CACHE=/dev/shm/qwen4exp
+  else export QWEN4EXP_CACHE=/tmp/qwen4exp; fi
+fi
 export LLAMA_SRC="$SRC" LLAMA_BUILD="$BUILD" LLAMA_MODELS="$MODELS"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
@@ -152,7 +166,9 @@ start_background() {  # $1 = step: the same script under setsid, surviving this 
     say "$step is already under way (pid $(cat "$d/$step.pid"))"; return 0
   fi
   rm -f "$(MARK "$step" DONE)" "$(MARK "$step" FAILED)"
-  OUT="$OUT" setsid nohup bash "$REPO/ci/gpu_llamacpp.sh" "$step" > "$d/$step.out" 2>&1 < /dev/null &
+  # a copy of this script runs: bash reads a script as it goes, and a later device call re-copies the tree
+  cp -f "$REPO/ci/gpu_llamacpp.sh" "$d/$step.sh"
+  OUT="$OUT" LLAMACPP_REPO="$REPO" setsid nohup bash "$d/$step.sh" "$step" > "$d/$step.out" 2>&1 < /dev/null &
   echo $! > "$d/$step.pid"
   say "$step started in the background (pid $!); bash ci/gpu_llamacpp.sh wait $step blocks until it ends"
 }
@@ -182,7 +198,11 @@ do_wait() {  # $1 = step
     return 0
   fi
   say "$step failed: $(cat "$(MARK "$step" FAILED)")"
-  if [ "$step" = build ]; then grep -E "error" "$LOG" | head -n 20; tail -n 15 "$LOG"; else tail -n 25 "$WORK/$step.log" 2>/dev/null; fi
+  if [ "$step" = build ]; then grep -E "error" "$LOG" | head -n 20; tail -n 15 "$LOG"
+  elif [ "$step" = bench ] && grep -q '^| engine |' "$WORK/bench.log" 2>/dev/null; then
+    say "(bench exits 1 when a ratio is missing: a side failed or the same-model check refused; the table says which)"
+    sed -n '/^| engine |/,$p' "$WORK/bench.log"
+  else tail -n 25 "$WORK/$step.log" 2>/dev/null; fi
   return 1
 }
 
