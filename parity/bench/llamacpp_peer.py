@@ -235,6 +235,23 @@ def engine_params(cfg_dict: dict) -> dict:
 
 #: GGUF tensor name of the PLE n-gram table (gguf-py MODEL_TENSOR.PER_LAYER_TOKEN_EMBD)
 GGUF_TABLE = "per_layer_token_embd.weight"
+#: GGUF key of the per-layer QSA compress ratios (0 = llama.cpp builds that layer's attention dense)
+GGUF_COMPRESS_RATIOS = "qwen4exp.attention.compress_ratios"
+
+
+def qsa_check(cfg_dict: dict, found) -> dict:
+    """Whether a GGUF's per-layer compress ratios (``found``) are the config's (``indexer_compress_ratio`` on each
+    attention layer, 0 on GDN layers): llama.cpp builds an attention layer whose ratio is 0 as dense attention,
+    not QSA (docs/outside-engines.md finding 6: its converter writes the ratio only for layer type
+    'full_attention', and a transformers that knows qwen4_exp renames those to 'indexed_attention').
+    ``{"expected", "found", "ok", "message"}``; :func:`patch_compress_ratios` makes a GGUF pass it."""
+    exp = [int(cfg_dict["indexer_compress_ratio"]) if t != "linear_attention" else 0 for t in cfg_dict["layer_types"]]
+    found = None if found is None else [int(x) for x in found]
+    ok = found == exp
+    msg = ("QSA as in the config (compress ratios " + str(exp) + ")" if ok else
+           f"llama.cpp runs the QSA layers as DENSE attention: the GGUF's {GGUF_COMPRESS_RATIOS} is {found}, "
+           f"expected {exp} (converter defect, docs/outside-engines.md finding 6): its attention cost is not QSA's")
+    return {"expected": exp, "found": found, "ok": ok, "message": msg}
 
 
 def gguf_summary(path, gguf_py=None) -> dict:
@@ -259,6 +276,9 @@ def gguf_summary(path, gguf_py=None) -> dict:
     except Exception as e:  # gguf-py raises ValueError / struct errors on a bad magic or a truncated file
         raise PeerInputError(f"GGUF {str(path)!r}: expected a GGUF file, found {type(e).__name__}: {e}") from e
     out = {"n_params": 0, "bytes": 0, "table_params": 0, "table_bytes": 0, "by_type": {}}
+    f = rd.fields.get(GGUF_COMPRESS_RATIOS)
+    if f is not None:
+        out["compress_ratios"] = [int(x) for x in f.contents()]
     for t in rd.tensors:
         ty = t.tensor_type.name
         d = out["by_type"].setdefault(ty, {"tensors": 0, "params": 0, "bytes": 0})
@@ -271,6 +291,29 @@ def gguf_summary(path, gguf_py=None) -> dict:
             out["table_params"] += int(t.n_elements)
             out["table_bytes"] += int(t.n_bytes)
     return out
+
+
+def patch_compress_ratios(path, want, gguf_py=None) -> list[int]:
+    """Write ``want`` into the GGUF's :data:`GGUF_COMPRESS_RATIOS` array in place (same length; gguf-py's
+    read-write memmap, as tests/parity/test_llamacpp.py's QSA fixture does). Returns the values it replaced.
+
+    Raises:
+        PeerInputError: the key is missing or has another length (nothing is written then).
+    """
+    if gguf_py and str(gguf_py) not in sys.path:
+        sys.path.insert(0, str(gguf_py))
+    from gguf import GGUFReader
+    r = GGUFReader(str(path), "r+")
+    f = r.fields.get(GGUF_COMPRESS_RATIOS)
+    if f is None or len(f.data) != len(want):
+        raise PeerInputError(f"GGUF {str(path)!r}: expected {GGUF_COMPRESS_RATIOS} with {len(want)} entries, found "
+                             f"{'none' if f is None else len(f.data)}")
+    old = [int(x) for x in f.contents()]
+    for i, part in enumerate(f.data):
+        f.parts[part][0] = want[i]
+    r.data.flush()
+    del r
+    return old
 
 
 # ------------------------------------------------------------------------------------------ the comparison
@@ -404,6 +447,7 @@ def compare(engine_docs: dict, llama_results: dict) -> dict:
                  if g.get("n_params") else (lf["model_size"] / lf["model_n_params"]
                                             if lf.get("model_n_params") else None))
         pairs.append({"engine_format": fmt, "llama_type": qt, "rows": rows, "same_model": chk,
+                      "qsa": g.get("qsa"),
                       "bytes_per_weight": {"engine": bpw_e, "llama": bpw_l},
                       "llama_decode_b1_batched_bench": lf.get("decode_b1_batched_bench"),
                       "llama_model": {k: lf.get(k) for k in ("model_type", "model_size", "model_n_params", "n_batch",
@@ -434,6 +478,8 @@ def markdown(doc: dict) -> str:
         for note, settings in by_note.items():  # one line per distinct reason
             notes.append(f"- {p['engine_format']} / {p['llama_type']}, {'; '.join(settings)}: {note}")
         notes.append(f"- {p['engine_format']} / {p['llama_type']}: {p['same_model']['message']}")
+        if p.get("qsa") and (not p["qsa"]["ok"] or p["qsa"].get("patched_from") is not None):
+            notes.append(f"- {p['llama_type']}: {p['qsa']['message']}")
         q = p.get("quantize") or {}
         if q.get("fallbacks"):
             used = sorted({(f['asked'], f['used']) for f in q['fallbacks']})
@@ -468,11 +514,13 @@ def gguf_names(models: Path, layers: int) -> dict:
 
 def prepare(src: Path, bin_dir: Path, models: Path, layers: int = 4, *, build_dir: Path | None = None,
             keep_safetensors: bool = False, wait_build_s: float = 900, overrides: dict | None = None,
-            log=print) -> dict:
+            patch_qsa: bool = True, log=print) -> dict:
     """Synthetic checkpoint -> BF16 GGUF (the trimmed tree ``src``'s converter) -> Q8_0 / Q4_K_M
     (``bin_dir``/llama-quantize, waiting up to ``wait_build_s`` for ``build_dir``/BUILD_DONE). Steps already done
     are kept (``overrides``: config fields replaced, as :func:`parity.bench.synthetic.real_width_config` takes them;
-    tests use small widths). Writes ``models``/manifest.json: the config, each GGUF's :func:`gguf_summary`, the quantize logs'
+    tests use small widths). When the converter wrote the QSA compress ratios as 0 (:func:`qsa_check`) and
+    ``patch_qsa``, the BF16 GGUF gets the config's (:func:`patch_compress_ratios`) before it is quantised;
+    ``qsa_converter`` in the manifest records what the converter wrote. Writes ``models``/manifest.json: the config, each GGUF's :func:`gguf_summary`, the quantize logs'
     :func:`parse_quantize_log`, the seconds each step took. The safetensors copy is deleted once converted
     (unless ``keep_safetensors`` or it existed before this call: another bench may be using it).
 
@@ -509,6 +557,15 @@ def prepare(src: Path, bin_dir: Path, models: Path, layers: int = 4, *, build_di
             tmp.unlink(missing_ok=True)
             raise PeerInputError(f"llama.cpp converter on {ck}: expected a BF16 GGUF, found it failed: "
                                  f"{gc.refusal_message(r.stderr)} (log {models / 'convert.log'})")
+        g = gguf_summary(tmp, src / "gguf-py")
+        chk = qsa_check(cfg, g.get("compress_ratios"))
+        man["qsa_converter"] = chk
+        if not chk["ok"] and patch_qsa and g.get("compress_ratios") is not None:
+            # defect A (docs/outside-engines.md finding 6): llama.cpp would run dense attention; the config's
+            # ratios are written in, so llama.cpp runs the function the engine runs (reported, not hidden)
+            patch_compress_ratios(tmp, chk["expected"], src / "gguf-py")
+            man["qsa_converter"]["patched"] = True
+            log(f"llamacpp_peer: {chk['message']}; patched to {chk['expected']} (LLAMA_QSA_PATCH=0 keeps it dense)")
         os.replace(tmp, names["BF16"])
         man["steps"]["convert_s"] = round(time.monotonic() - t0, 1)
         log(f"llamacpp_peer: converted to {names['BF16']} in {man['steps']['convert_s']} s")
@@ -516,7 +573,17 @@ def prepare(src: Path, bin_dir: Path, models: Path, layers: int = 4, *, build_di
             shutil.rmtree(ck, ignore_errors=True)
             log(f"llamacpp_peer: removed the safetensors copy {ck}")
     gguf_py = src / "gguf-py"
-    man.setdefault("gguf", {})["BF16"] = {"path": str(names["BF16"]), **gguf_summary(names["BF16"], gguf_py)}
+
+    def summary(qt):
+        g = {"path": str(names[qt]), **gguf_summary(names[qt], gguf_py)}
+        g["qsa"] = qsa_check(cfg, g.get("compress_ratios"))
+        if (man.get("qsa_converter") or {}).get("patched"):
+            g["qsa"]["patched_from"] = man["qsa_converter"]["found"]
+            g["qsa"]["message"] += (f"; the converter wrote {man['qsa_converter']['found']} (defect A, docs/"
+                                    f"outside-engines.md finding 6), patched in before quantising")
+        return g
+    man.setdefault("gguf", {})["BF16"] = summary("BF16")
+    log(f"llamacpp_peer: {man['gguf']['BF16']['qsa']['message']}")
     for qt in ("Q8_0", "Q4_K_M"):
         if names[qt].is_file() and qt in man["gguf"]:
             continue
@@ -538,7 +605,7 @@ def prepare(src: Path, bin_dir: Path, models: Path, layers: int = 4, *, build_di
         os.replace(tmp, names[qt])
         man["steps"][f"quantize_{qt}_s"] = round(dt, 1)
         man.setdefault("quantize", {})[qt] = parse_quantize_log(text)
-        man["gguf"][qt] = {"path": str(names[qt]), **gguf_summary(names[qt], gguf_py)}
+        man["gguf"][qt] = summary(qt)
         q = man["quantize"][qt]
         log(f"llamacpp_peer: {qt} in {dt:.0f} s; types written {q['by_type']}; {len(q['fallbacks'])} fallback(s)")
     atomic_write_json(man_path, man)
@@ -701,7 +768,8 @@ def _dispatch(args) -> int:
     from reference.atomic import atomic_write_json
     if args.cmd == "prepare":
         prepare(args.src, args.bin, args.models, args.layers, build_dir=args.build_dir,
-                keep_safetensors=args.keep_safetensors, overrides=args.overrides)
+                keep_safetensors=args.keep_safetensors, overrides=args.overrides,
+                patch_qsa=os.environ.get("LLAMA_QSA_PATCH", "1") != "0")
         return 0
     if args.cmd == "table":
         files = {}

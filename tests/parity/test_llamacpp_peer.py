@@ -310,6 +310,7 @@ def test_gguf_summary_counts_parameters_bytes_and_the_table(tmp_path):
     w = GGUFWriter(str(f), "qwen4exp")
     w.add_tensor("token_embd.weight", np.zeros((8, 16), np.float16))
     w.add_tensor(L.GGUF_TABLE, np.zeros((4, 16), np.float32))
+    w.add_array(L.GGUF_COMPRESS_RATIOS, [0, 0, 0, 4])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -317,6 +318,12 @@ def test_gguf_summary_counts_parameters_bytes_and_the_table(tmp_path):
     s = L.gguf_summary(f, gp)
     assert (s["n_params"], s["bytes"], s["table_params"], s["table_bytes"]) == (192, 8 * 16 * 2 + 4 * 16 * 4, 64, 256)
     assert s["by_type"]["F16"]["tensors"] == 1 and s["by_type"]["F32"]["params"] == 64
+    assert s["compress_ratios"] == [0, 0, 0, 4]
+    assert L.patch_compress_ratios(f, [0, 0, 0, 8], gp) == [0, 0, 0, 4]   # in place, what it replaced
+    assert L.gguf_summary(f, gp)["compress_ratios"] == [0, 0, 0, 8]
+    with pytest.raises(L.PeerInputError, match="with 6 entries, found 4"):
+        L.patch_compress_ratios(f, [0] * 6, gp)
+    assert L.gguf_summary(f, gp)["compress_ratios"] == [0, 0, 0, 8]     # nothing written
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
     with pytest.raises(L.PeerInputError, match="expected a GGUF file"):
@@ -344,3 +351,19 @@ def test_gpu_llamacpp_bench_refuses_without_a_build(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "ci/gpu_llamacpp.sh"), "wait", "prepare"], capture_output=True, text=True,
                        env=env)
     assert r.returncode == 2 and "nothing under way" in r.stdout
+
+
+def test_a_gguf_whose_qsa_layers_llama_cpp_would_run_dense_is_flagged():
+    """docs/outside-engines.md finding 6: a converter run under a transformers that renames the attention layers
+    writes compress ratio 0 for them (seen here: [0, 0, 0, 0] from transformers 5.24's config, [0, 0, 0, 4] from
+    config.json), and llama.cpp then builds dense attention: the comparison says so instead of hiding it."""
+    ok = L.qsa_check(CFG4, [0, 0, 0, 4])
+    assert ok["ok"] and ok["expected"] == [0, 0, 0, 4]
+    bad = L.qsa_check(CFG4, [0, 0, 0, 0])
+    assert not bad["ok"] and "DENSE" in bad["message"]
+    assert not L.qsa_check(CFG4, None)["ok"]  # no key at all: not QSA either
+    n = _gguf_n_params(CFG4)
+    res = _llama_result(n)
+    res["gguf"]["qsa"] = bad
+    md = L.markdown(L.compare({"bf16": _engine_doc(CFG4, "bf16")}, {"BF16": res}))
+    assert "runs the QSA layers as DENSE attention" in md
