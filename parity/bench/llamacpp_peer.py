@@ -642,7 +642,9 @@ def run_llama(bin_dir: Path, manifest: dict, out: Path, *, reps: int = 3, types=
         log(f"llamacpp_peer: llama-bench {qt}: {len(lb['rows'])} rows in {dt:.0f} s" + (f"; {lb['error']}" if rc else ""))
         pls = ",".join(["1"] * reps + [str(BATCH)] * reps)  # each B repeated: batched-bench has no repetitions
         cmd = [bin_dir / "llama-batched-bench", "-m", g["path"], "-ngl", "99", "-fa", fa,
-               "-c", str(BATCH * (CONTEXT + BATCHED_TG)), "-npp", str(CONTEXT), "-ntg", str(BATCHED_TG),
+               # each sequence's own KV stream holds its prompt + decode, with 256 cells of room (llama.cpp
+               # splits n_ctx evenly over n_seq_max streams and pads sizes to 256)
+               "-c", str(BATCH * (CONTEXT + BATCHED_TG + 256)), "-npp", str(CONTEXT), "-ntg", str(BATCHED_TG),
                "-npl", pls, "--output-format", "jsonl"]
         so, se = out / f"batched-bench-{qt}.jsonl", out / f"batched-bench-{qt}.stderr"
         rc, dt = _run(cmd, so, se, timeout=timeout)
