@@ -520,8 +520,9 @@ def prepare(src: Path, bin_dir: Path, models: Path, layers: int = 4, *, build_di
     are kept (``overrides``: config fields replaced, as :func:`parity.bench.synthetic.real_width_config` takes them;
     tests use small widths). When the converter wrote the QSA compress ratios as 0 (:func:`qsa_check`) and
     ``patch_qsa``, the BF16 GGUF gets the config's (:func:`patch_compress_ratios`) before it is quantised;
-    ``qsa_converter`` in the manifest records what the converter wrote. Writes ``models``/manifest.json: the config, each GGUF's :func:`gguf_summary`, the quantize logs'
-    :func:`parse_quantize_log`, the seconds each step took. The safetensors copy is deleted once converted
+    ``qsa_converter`` in the manifest records what the converter wrote. Writes ``models``/manifest.json: the
+    config, each GGUF's :func:`gguf_summary`, the quantize logs' :func:`parse_quantize_log`, the seconds each
+    step took (GGUFs of another config found there are replaced). The safetensors copy is deleted once converted
     (unless ``keep_safetensors`` or it existed before this call: another bench may be using it).
 
     Raises:
@@ -534,8 +535,12 @@ def prepare(src: Path, bin_dir: Path, models: Path, layers: int = 4, *, build_di
     names = gguf_names(models, layers)
     man_path = models / "manifest.json"
     man = json.loads(man_path.read_text()) if man_path.is_file() else {}
-    man.setdefault("steps", {})
     cfg = S.real_width_config(layers, overrides=overrides)
+    if man.get("config") not in (None, cfg) or (not man and any(p.is_file() for p in names.values())):
+        for p in names.values():  # GGUFs of other shapes (or of unknown ones): not this comparison's
+            p.unlink(missing_ok=True)
+        man = {}
+    man.setdefault("steps", {})
     man["config"] = cfg
     if not names["BF16"].is_file():
         need = 2 * S.checkpoint_bytes(cfg)  # BF16 + Q8_0 + Q4_K_M GGUFs: ~1 + 0.53 + 0.3 of the BF16 bytes

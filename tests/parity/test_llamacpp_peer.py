@@ -367,3 +367,58 @@ def test_a_gguf_whose_qsa_layers_llama_cpp_would_run_dense_is_flagged():
     res["gguf"]["qsa"] = bad
     md = L.markdown(L.compare({"bf16": _engine_doc(CFG4, "bf16")}, {"BF16": res}))
     assert "runs the QSA layers as DENSE attention" in md
+
+
+# ----------------------------------------------------------------------- prepare, end to end on small widths
+
+SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
+             shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2, hc_lowrank=16,
+             ple_embed_dim=256, heads_per_ngram=2, indexer_head_dim=32, indexer_budget=8, split_ngram_parts=4,
+             make_ngram_vocab_size_divisible_by=64, vocab_size=512, eos_token_id=511, bos_token_id=511,
+             ngram_vocab_size_base=500,
+             rope_parameters=dict(S.REAL_TEXT_CONFIG["rope_parameters"], mrope_section=[3, 3, 2]))
+
+# llama-quantize stand-in: llama.cpp's own quantizer (src/llama-quant.cpp) through llama-cpp-python, same log
+FAKE_QUANTIZE = """#!{py}
+import sys, llama_cpp
+src, dst, ty = sys.argv[1:4]
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = {{"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}}[ty]
+p.nthread = 1
+sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p))
+"""
+
+
+@pytest.mark.llamacpp
+def test_prepare_converts_quantises_and_llama_cpp_counts_the_engines_parameters(tmp_path, monkeypatch):
+    """The real converter and quantizer of llama.cpp 0.3.36 on a small synthetic checkpoint of the bench's layout:
+    the GGUFs' parameter counts (what llama-bench's model_n_params sums) equal the engine's shapes' count, the
+    quantizer's fallbacks are recorded, the QSA ratios end as the config's, the safetensors are removed."""
+    pytest.importorskip("llama_cpp")
+    from parity.backends import gguf_convert as gc
+    try:
+        conv = gc.converter_dir(gc.installed_version())
+    except Exception as e:  # noqa: BLE001 - no sdist here: nothing to convert with
+        pytest.skip(f"llama.cpp converter not available: {e}")
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path / "cache"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    q = bin_dir / "llama-quantize"
+    q.write_text(FAKE_QUANTIZE.format(py=sys.executable))
+    q.chmod(0o755)
+    man = L.prepare(conv, bin_dir, tmp_path / "models", 4, overrides=SMALL, log=lambda *_: None)
+    cfg = man["config"]
+    e = L.engine_params(cfg)
+    for qt in ("BF16", "Q8_0", "Q4_K_M"):
+        g = man["gguf"][qt]
+        assert g["n_params"] == e["total"] and g["table_params"] == e["table"], qt
+        assert g["qsa"]["ok"] and g["compress_ratios"] == [0, 0, 0, cfg["indexer_compress_ratio"]], qt
+        assert L.same_model(e, {"model_n_params": g["n_params"], "gguf": g})["ok"] is True
+    fb = {f["name"]: f for f in man["quantize"]["Q4_K_M"]["fallbacks"]}
+    assert fb["blk.0.ffn_down_exps.weight"]["ncols"] == 64 and fb["blk.0.ffn_down_exps.weight"]["used"] == "q5_0"
+    assert man["quantize"]["Q4_K_M"]["n_fallback"] == len(fb)
+    assert not list((tmp_path / "cache" / "synthetic").glob("realwidth-*"))  # the safetensors copy is gone
+    # a second call keeps what is there
+    again = L.prepare(conv, bin_dir, tmp_path / "models", 4, overrides=SMALL, log=lambda *_: None)
+    assert again["steps"] == man["steps"]
