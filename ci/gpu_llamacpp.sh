@@ -11,11 +11,12 @@
 #        bash ci/gpu_llamacpp.sh prepare --background   # synthetic checkpoint -> BF16 GGUF now (CPU only), then
 #                                                       # Q8_0 / Q4_K_M once the build is done (~45 GB in $LLAMA_MODELS)
 #        ...                                            # (other device calls)
-#        bash ci/gpu_llamacpp.sh wait && bash ci/gpu_llamacpp.sh wait prepare && bash ci/gpu_llamacpp.sh bench
+#        bash ci/gpu_llamacpp.sh wait prepare           # (prepare ends after the build; `wait` = the build alone)
+#        bash ci/gpu_llamacpp.sh bench --background     # ~7-9 minutes: 3 GGUFs x (llama-bench + batched-bench)
+#        bash ci/gpu_llamacpp.sh wait bench             #   + 3 engine runs; prints the ratio table
 #      `wait [STEP]` blocks until STEP (default build) ends (at most WAIT_S, default 540 s; rc 124 = still running:
-#      call it again) and copies STEP's log and results into this call's $OUT. `bench --background` + `wait bench`
-#      when the bench would not fit one call (it is planned for ~7 minutes: 3 GGUFs x (llama-bench + batched-bench)
-#      and 3 engine runs; REPS=2 or ENGINE_FORMATS=... shortens it).
+#      call it again) and copies STEP's log and results into this call's $OUT. `bench` in the foreground fits one
+#      600 s call only when shortened (REPS=2, ENGINE_FORMATS=nvfp4, ...).
 #
 # Subcommands:
 #   build [--background]  untar .llama-src/llama.cpp-src.tar.xz to $LLAMA_SRC (/tmp/llama-src), configure (CUDA,
