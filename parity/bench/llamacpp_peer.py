@@ -42,7 +42,7 @@ from reference.errors import InputError
 
 #: engine weight format -> the llama.cpp type it is compared with (comparable bytes per weight: BF16 = 2 B,
 #: FP8 block-scaled ~1.0 B vs Q8_0 1.07 B, NVFP4 experts 0.56 B vs Q4_K_M ~0.70 B at these shapes: its expert down
-#: projections fall back to Q5_0 / Q8_0, 640 columns not being a multiple of 256; each run prints both sides')
+#: projections fall back to Q5_0 / Q8_0, 640 columns not being a multiple of 256; each run prints both sides)
 PAIRS = {"bf16": "BF16", "fp8": "Q8_0", "nvfp4": "Q4_K_M"}
 #: goal: engine / llama.cpp throughput ratio at least this (issue 16 item 4)
 GOALS = {"decode": 1.5, "prefill": 2.0}
