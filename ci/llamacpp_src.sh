@@ -117,6 +117,7 @@ mkdir -p "$DEST"
 tmp="$(mktemp "$DEST/.llama.cpp-src.tar.xz.XXXXXX")"
 trap 'rm -rf "$work" "$tmp"' EXIT
 tar -C "$work" --owner=0 --group=0 --sort=name -cf - llama.cpp | xz -T2 -6 > "$tmp"
+chmod 644 "$tmp"  # mktemp makes it 0600
 mv -f "$tmp" "$OUTF"
 size=$(stat -c %s "$OUTF")
 echo "llamacpp_src: wrote $OUTF: $((size / 1024)) KiB ($size bytes)"
