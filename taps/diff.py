@@ -8,7 +8,10 @@ Metrics per activation tap (over the positions both recordings hold; float64 acc
     agree and are left out of the norms);
   * the tolerance test of the profile (see ``taps/profiles/fp32.toml``), the first position that
     breaks it, and ``limit_ratio`` (how close the tap came to the profile's limits; 1.0 = at one).
-Index taps: exact-match rate of rows, mean set overlap, and per differing row a verdict:
+Index taps: a selection tap's rows (registry ``as_set``: QSA blocks/tokens, routed experts) are compared as
+sets of valid ids (``registry.selection_ids``: -1 padding, the padded width and the order of the ids do not
+count, so two recordings padded to different widths compare position by position); other index taps
+(``ngram_ids``: one id per head) id by id, a width mismatch being a divergence; exact-match rate of rows, mean set overlap, and per differing row a verdict:
   * *error*: B's pick contradicts B's own companion scores (including the canonical tie-break:
     higher score first, then lower index), or the best item B dropped beats the worst item B took
     by more than the profile's score tolerance on A's scores, or no scores to judge by;
@@ -507,18 +510,16 @@ def _beats(s: np.ndarray, x: int, y: int) -> bool:
 
 
 def _canonical_violation(taken: np.ndarray, scores: np.ndarray) -> tuple[int, int] | None:
-    """Is ``taken`` (a -1 padded row of picks) the canonical top-k of ``scores`` (score descending,
-    then lower index), up to a relative slack of ``_OWN_EPS`` between unequal scores?
+    """Is the set ``taken`` (a -1 padded row of picks, any order: a selection is compared as a set) the
+    canonical top-k of ``scores`` (score descending, then lower index), up to a relative slack of ``_OWN_EPS``
+    between unequal scores?
 
     Returns: a violating ``(better_item, item_B_put_in_its_place)`` pair, or None.
     """
-    items = [int(x) for x in taken if x >= 0]
+    items = list(registry.selection_ids(taken))
     n = scores.shape[-1]
     if any(x >= n for x in items):
-        return (items[0], items[0])  # out of range: certainly wrong
-    for u, v in zip(items, items[1:]):  # order within the picks
-        if _beats(scores, v, u):
-            return (v, u)
+        return (items[-1], items[-1])  # out of range: certainly wrong
     if not items:
         return None
     # the weakest pick (lowest score; among equal scores the highest index) against every unpicked
@@ -541,8 +542,9 @@ def _canonical_violation(taken: np.ndarray, scores: np.ndarray) -> tuple[int, in
 class _IdxAcc:
     """Streaming accumulator for one index tap (with optional companion scores)."""
 
-    def __init__(self, tol: dict, max_examples: int = 20):
+    def __init__(self, tol: dict, max_examples: int = 20, as_set: bool = True):
         self.tol = tol
+        self.as_set = as_set  # rows are selections (registry.is_selection): compared as sets of valid ids
         self.max_examples = max_examples
         self.rows = 0
         self.exact = 0
@@ -565,7 +567,12 @@ class _IdxAcc:
         near-tie flip or an error."""
         a = a.reshape(len(a), -1)
         b = b.reshape(len(b), -1)
+        # rows agree when their valid ids agree as sets (registry.selection_ids): identical rows take the fast
+        # path; the rest (another order, another padded width) are compared id set by id set
         same = (a == b).all(axis=1) if a.shape == b.shape else np.zeros(len(a), dtype=bool)
+        if self.as_set:
+            for r in np.nonzero(~same)[0]:
+                same[r] = registry.same_selection(a[r], b[r])
         n_same = int(same.sum())
         self.rows += n_same
         self.exact += n_same
@@ -573,8 +580,8 @@ class _IdxAcc:
         for r in np.nonzero(~same)[0]:
             self.rows += 1
             ar, br = a[r], b[r]
-            sA = set(int(x) for x in ar if x >= 0)
-            sB = set(int(x) for x in br if x >= 0)
+            sA = set(registry.selection_ids(ar))
+            sB = set(registry.selection_ids(br))
             self.overlap += (len(sA & sB) / len(sA)) if sA else (1.0 if not sB else 0.0)
             p = int(pos[r])
             verdict = self._judge(ar, br, sA, sB, None if sa is None else sa[r], None if sb is None else sb[r])
@@ -598,8 +605,12 @@ class _IdxAcc:
     def _judge(self, ar, br, sA, sB, sa, sb) -> dict:
         dropped, taken = sorted(sA - sB), sorted(sB - sA)
         base = {"a": [int(x) for x in ar], "b": [int(x) for x in br], "dropped": dropped, "taken": taken}
-        if len(sA) != len(sB):
-            return {**base, "kind": "error", "why": f"A picked {len(sA)} items, B {len(sB)}"}
+        na, nb = len(registry.selection_ids(ar)), len(registry.selection_ids(br))
+        if na != nb:
+            return {**base, "kind": "error", "why": f"A picked {na} items, B {nb}"}
+        if not dropped or not taken:  # same count, yet no id swapped for another
+            return {**base, "kind": "error", "why": ("an id picked more than once" if self.as_set else
+                                                     "the same ids in other places (this tap is positional)")}
         if sb is not None:
             v = _canonical_violation(br, np.asarray(sb, dtype=np.float64))
             if v is not None:
@@ -611,21 +622,10 @@ class _IdxAcc:
         if sa is None:
             return {**base, "kind": "error", "unjudged": True, "why": "no companion scores to judge the pick by"}
         sa = np.asarray(sa, dtype=np.float64)
-        if dropped:
-            x = max(dropped, key=lambda i: sa[i])
-            y = min(taken, key=lambda i: sa[i])
-            margin, t = float(sa[x] - sa[y]), self._tol(sa[x], sa[y])
-            pair = (x, y)
-        else:  # same set, different order: the largest A-score gap among pairs B swapped
-            rank_a = {int(v): k for k, v in enumerate(ar)}
-            margin, t, pair = -math.inf, 0.0, None
-            items = [int(v) for v in br if v >= 0]
-            for i, u in enumerate(items):
-                for v in items[i + 1:]:
-                    if rank_a[v] < rank_a[u]:  # A ranks v first, B ranks u first
-                        m = float(sa[v] - sa[u])
-                        if m > margin:
-                            margin, t, pair = m, self._tol(sa[v], sa[u]), (v, u)
+        x = max(dropped, key=lambda i: sa[i])
+        y = min(taken, key=lambda i: sa[i])
+        margin, t = float(sa[x] - sa[y]), self._tol(sa[x], sa[y])
+        pair = (x, y)
         if math.isnan(margin) or margin == math.inf:
             return {**base, "kind": "error", "why": f"non-finite score margin ({margin})", "margin": margin}
         if margin > t:
@@ -684,7 +684,10 @@ def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_
                                f"{_span(A.positions(name))}, B has {_span(B.positions(name))})"))
     comp = registry.companion_of(name) if kind == registry.INDEX else None
     ragged = bool(A._tap(name).get("ragged") or B._tap(name).get("ragged"))
-    if ia.tail != ib.tail and not (ragged and ia.tail[:-1] == ib.tail[:-1] and len(ia.tail) == len(ib.tail) >= 1):
+    # an index row is a set of valid ids (registry.selection_ids): its padded width is no shape of its own
+    index_pair = kind == registry.INDEX and ib.kind == registry.INDEX and registry.is_selection(name)
+    if ia.tail != ib.tail and not index_pair and not (ragged and ia.tail[:-1] == ib.tail[:-1]
+                                                      and len(ia.tail) == len(ib.tail) >= 1):
         return TapResult(name, kind, "diverged", len(common), first_position=int(common[0]),
                          note=f"shape differs: A rows {ia.tail}, B rows {ib.tail}")
     width = max(ia.tail[-1], ib.tail[-1]) if ragged else None
@@ -697,7 +700,7 @@ def compare_tap(A: TapSource, B: TapSource, name: str, profile: Profile, memory_
             ca, cra, crb = align_positions(A.positions(comp), B.positions(comp))
             sa_map = dict(zip(ca.tolist(), cra.tolist()))
             sb_map = dict(zip(ca.tolist(), crb.tolist()))
-        acc = _IdxAcc(tol)
+        acc = _IdxAcc(tol, as_set=registry.is_selection(name))
         for s in range(0, len(common), chunk):
             sl = slice(s, s + chunk)
             a, b = A.read_rows(name, ra[sl]), B.read_rows(name, rb[sl])

@@ -19,6 +19,8 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 REGISTRY_VERSION = 2  # 2: norm outputs, pooled block keys, PLE conv output, GDN conv state
 
 ACTIVATION, INDEX, SCALAR = "activation", "index", "scalar"
@@ -37,6 +39,9 @@ class TapSpec:
     layer_type: str | None = None  # 'linear_attention' / 'indexed_attention' / 'ple' / None (every layer)
     companion: str | None = None  # for index taps: the tap holding the scores the selection was made on
     replay_input: str | None = None  # the tap that is this block's input (for --replay)
+    # index taps only: each row is a selection, compared as the set of its valid ids (selection_ids: -1 padding,
+    # the padded width and the ids' order do not count); False: the row is positional (e.g. one id per head)
+    as_set: bool = False
 
 
 _SPECS: list[TapSpec] = [
@@ -103,12 +108,12 @@ _SPECS: list[TapSpec] = [
     TapSpec("layers.{i}.self_attn.indexer.selected_blocks", "layers.{i}.self_attn.indexer", "[T, block_topk]",
             "int64", INDEX, "selected block indices in canonical order (score descending, then lower block "
             "index), -1 padded", "indexed_attention", companion="layers.{i}.self_attn.indexer.block_scores",
-            replay_input="layers.{i}.attn_hyper_connection.out"),
+            replay_input="layers.{i}.attn_hyper_connection.out", as_set=True),
     TapSpec("layers.{i}.self_attn.indexer.selected_tokens", "layers.{i}.self_attn.indexer",
             "[T, indexer_budget + indexer_compress_ratio - 1]", "int64", INDEX, "positions the query attends "
             "(selected blocks' tokens + the incomplete tail), ascending, -1 padded; compared as sets, so an "
             "engine selecting tokens rather than blocks is comparable", "indexed_attention",
-            replay_input="layers.{i}.attn_hyper_connection.out"),
+            replay_input="layers.{i}.attn_hyper_connection.out", as_set=True),
     TapSpec("layers.{i}.self_attn.q_norm.out", "layers.{i}.self_attn.q_norm",
             "[T, num_attention_heads, head_dim]", "float", ACTIVATION, "RMSNorm of the attention queries (before "
             "RoPE)", "indexed_attention", replay_input="layers.{i}.attn_hyper_connection.out"),
@@ -135,7 +140,7 @@ _SPECS: list[TapSpec] = [
             ACTIVATION, "router logits", replay_input="layers.{i}.mlp_hyper_connection.out"),
     TapSpec("layers.{i}.mlp.gate.topk_ids", "layers.{i}.mlp.gate", "[T, num_experts_per_tok]", "int64", INDEX,
             "routed experts, probability descending then lower id", companion="layers.{i}.mlp.gate.router_logits",
-            replay_input="layers.{i}.mlp_hyper_connection.out"),
+            replay_input="layers.{i}.mlp_hyper_connection.out", as_set=True),
     TapSpec("layers.{i}.mlp.gate.topk_weights", "layers.{i}.mlp.gate", "[T, num_experts_per_tok]", "float",
             ACTIVATION, "routing weights (renormalised when norm_topk_prob)",
             replay_input="layers.{i}.mlp_hyper_connection.out"),
@@ -169,7 +174,7 @@ _MTP_SPECS: list[TapSpec] = [
 ] + [TapSpec("mtp." + s.pattern.replace("{i}", "0"), "mtp." + s.module.replace("{i}", "0"), s.shape, s.dtype,
              s.kind, "MTP head: " + s.meaning, None,
              None if s.companion is None else "mtp." + s.companion.replace("{i}", "0"),
-             None if s.replay_input is None else "mtp." + s.replay_input.replace("{i}", "0"))
+             None if s.replay_input is None else "mtp." + s.replay_input.replace("{i}", "0"), s.as_set)
      for s in _SPECS if s.pattern.startswith("layers.{i}.") and s.layer_type in (None, "indexed_attention")] + [
     TapSpec("mtp.hyper_connection_mixer.hc_norm.out", "mtp.hyper_connection_mixer.hc_norm",
             "[T, hc_count * hidden_size]", "float", ACTIVATION, "RMSNorm of the MTP head's final residual streams"),
@@ -276,3 +281,33 @@ def replay_input_of(name: str) -> str | None:
         return None
     layer = layer_of(name)
     return s.replay_input if layer is None else s.replay_input.replace("{i}", str(layer))
+
+
+def selection_ids(row) -> tuple[int, ...]:
+    """The valid ids of one row of a selection tap (kind :data:`INDEX`, ``as_set``), as a sorted tuple: entries ``< 0`` are
+    padding and dropped, so the row's padded width and the order of its ids do not count (an engine padding its
+    selection to another width, or emitting it in another order, selects the same thing); a repeated id is kept
+    (picking an item twice is a different selection). ``row``: any int array-like (flattened).
+    The one comparison rule of selection taps: tap-diff, the MTP locate and the tie judge compare rows with it."""
+    v = np.asarray(row).reshape(-1)
+    return tuple(sorted(int(x) for x in v[v >= 0]))
+
+
+def same_selection(a, b) -> bool:
+    """Do selection rows ``a`` and ``b`` (any widths) hold the same valid ids? (:func:`selection_ids`)"""
+    return selection_ids(a) == selection_ids(b)
+
+
+def is_selection(name: str) -> bool:
+    """Is tap ``name`` an index tap whose rows are selections compared as sets (registry ``as_set``)?"""
+    s = spec_for(name)
+    return s is not None and s.kind == INDEX and s.as_set
+
+
+def index_rows_agree(name: str, a, b) -> bool:
+    """Do rows ``a`` and ``b`` of index tap ``name`` agree? A selection (:func:`is_selection`): same valid ids
+    (:func:`same_selection`, any width); any other index tap: the same shape and the same ids in the same places."""
+    if is_selection(name):
+        return same_selection(a, b)
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and bool(np.array_equal(a, b))

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from taps import registry
 from parity.harness.floor import SelectionLog, TieReport, logged_logits, tie_report
 
 __all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections", "outside_pick"]
@@ -97,8 +98,8 @@ def _diff_in_ties(kind, truth_sel: dict, be_sel: dict, ties: TieReport, scores: 
         if bs.shape == ts.shape:  # equal sorted rows are equal sets: only the others are walked (32768 rows)
             rows = np.nonzero((np.sort(np.asarray(ts), axis=1) != np.sort(np.asarray(bs), axis=1)).any(axis=1))[0]
         for t in (int(x) for x in rows):
-            a = set(int(x) for x in ts[t] if x >= 0)
-            b = set(int(x) for x in bs[t] if x >= 0)
+            a = set(registry.selection_ids(ts[t]))
+            b = set(registry.selection_ids(bs[t]))
             if a == b:
                 continue
             cut = ties.at(kind, layer, t)

@@ -265,14 +265,14 @@ def mtp_locate(run: Run, s, next_id: int, k: int, step: int) -> str:
             if px != p:
                 return (f"mtp draft step {j}: first divergent tap {name} ran at head position {px}, expected {p} "
                         f"(the head holds {px - j} pairs, the sequence {n}: its state was not rolled back)")
+            spec = registry.spec_for(name)
+            if spec is not None and spec.kind == registry.INDEX:  # a selection: a set of valid ids, any width
+                if not registry.index_rows_agree(name, x, y):
+                    return (f"mtp draft step {j} (position {p}): first divergent tap {name} "
+                            f"({list(registry.selection_ids(x))[:8]} vs truth {list(registry.selection_ids(y))[:8]})")
+                continue
             if x.shape != y.shape:
                 return f"mtp draft step {j} (position {p}): tap {name} shape {x.shape} != {y.shape}"
-            spec = registry.spec_for(name)
-            if spec is not None and spec.kind == "index":  # a selection is a set (its order is a tie rule)
-                if sorted(int(v) for v in np.ravel(x) if v >= 0) != sorted(int(v) for v in np.ravel(y) if v >= 0):
-                    return (f"mtp draft step {j} (position {p}): first divergent tap {name} "
-                            f"({x.reshape(-1)[:8].tolist()} vs truth {y.reshape(-1)[:8].tolist()})")
-                continue
             x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
             fin = np.isfinite(y64)
             scale = max(float(np.abs(y64[fin]).max()) if fin.any() else 0.0, 1e-30)
