@@ -229,3 +229,32 @@ def test_taps_diff_and_the_tap_diff_alias(tmp_path, capsys):
     b = json.loads(capsys.readouterr().out)
     a.pop("elapsed_s"), b.pop("elapsed_s")
     assert a == b and a["agree"]
+
+
+def _selection_archive(path, rows, token_ids):
+    from taps.archive import ArchiveWriter
+    w = ArchiveWriter(path)
+    w.add("layers.2.self_attn.indexer.selected_blocks", np.asarray(rows, np.int64),
+          np.arange(len(rows), dtype=np.int64), kind="index")
+    w.close({"backend": "reference", "dtype": "float32", "token_ids": list(token_ids)})
+    return path
+
+
+def test_taps_diff_compares_selections_padded_to_other_widths(tmp_path, capsys):
+    """Two archives whose selected_blocks rows are padded to different widths (2 and 4, as an outside engine pads):
+    the same ids agree (exit 0); one changed id at position 3 is the first divergence there (exit 1)."""
+    ids = list(range(6))
+    rows = [[-1, -1], [-1, -1], [0, -1], [0, -1], [1, 0], [0, 1]]
+    wide = [r + [-1, -1] for r in rows]
+    a = str(_selection_archive(tmp_path / "A", rows, ids))
+    b = str(_selection_archive(tmp_path / "B", [[x for x in r[::-1]] for r in wide], ids))
+    capsys.readouterr()
+    assert main(["taps", "diff", a, b, "--format", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["agree"] and rep["taps"][0]["status"] == "agree", rep["taps"][0]
+    bad = [list(r) for r in wide]
+    bad[3] = [2, -1, -1, -1]                    # negative control: another block at position 3
+    c = str(_selection_archive(tmp_path / "C", bad, ids))
+    assert main(["taps", "diff", a, c]) == 1
+    out = capsys.readouterr().out
+    assert "FIRST DIVERGENCE: layers.2.self_attn.indexer.selected_blocks (layer 2, position 3)" in out, out

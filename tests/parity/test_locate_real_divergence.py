@@ -290,3 +290,32 @@ def test_below_bound_kl_row_still_judges_its_last_position():
     row = kl_row(TINY, "parity_fakes:PerturbAfter10", None, False, 0.0, below_bound=True)
     assert row.status == "fail" and "at position 10" in row.detail, row.detail
     assert "confined below the QSA bound" in row.detail, row.detail
+
+
+def test_dense_attention_selection_of_another_width_is_located_where_it_differs():
+    """The dense backend records its selected_blocks padded to every complete block (3 wide on tiny at 12 tokens,
+    the truth block_topk = 2). Before: "shape differs", first divergence at position 0. Now the rows are compared
+    as sets of valid ids: they first differ at position 11 (the bound: the first position with more complete
+    blocks than block_topk), where the logits fail too."""
+    be = _dense()
+    b = sizes(be.config).bound
+
+    def fn(run):
+        run.prefill(run.new("a"), token_stream(run.config, b + 1, seed=3))
+    r = run_case("t", Case("dense_past_bound", fn), be, _truth(), thresholds=_th())
+    assert r.status == "fail" and f"first failing position {b}" in r.failure, r.failure
+    assert (f"first divergence layers.2.self_attn.indexer.selected_blocks at position {b} " in r.divergence
+            and "last agreeing layers.2.self_attn.indexer.block_scores" in r.divergence), r.divergence
+    # the two recordings' widths really differ (what the old rule misread as a shape mismatch)
+    from parity.backends import truth_model
+    from taps.recorder import Recorder
+    ids = token_stream(be.config, 14, seed=0)
+    with be.taps(None, include=["*indexer.selected_blocks"]) as rb:
+        be.logits(ids)
+    with Recorder(None, include=["*indexer.selected_blocks"]) as rt:
+        truth_model(TINY).forward(ids)
+    A, B = rt.archive(), rb.archive()
+    tap = "layers.2.self_attn.indexer.selected_blocks"
+    assert np.asarray(A.get(tap)).shape[1] != np.asarray(B.get(tap)).shape[1]
+    rep = diff_archives(A, B, "fp32", force=True)
+    assert rep.first_divergence == tap and rep.result(tap).first_position == b, rep.result(tap).note
