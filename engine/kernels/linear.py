@@ -25,7 +25,8 @@ from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim
                                          same_device, weight_as_float, weight_kind)
 
 __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows",
-           "MMA_GEMV_ENABLED", "dense_kernel_choice", "quant_kernel_choice"]
+           "MMA_GEMV_ENABLED", "dense_kernel_choice", "quant_kernel_choice",
+           "launch_plan"]
 
 #: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
 GEMV_MAX_ROWS = 16
@@ -158,9 +159,28 @@ def grouped_linear(x, w, offsets, *, row_index=None, tiles: GroupTiles | None = 
 
 def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M, N, K):
     """Pick GEMV vs GEMM and launch (no host synchronisation)."""
+    plan = launch_plan(xp, x, row_index, w, w_expert_stride, y, tiles, M, N, K)
+    if plan is not None:
+        fname, kname, grid, args = plan
+        kernel(fname, kname)(grid, (256, 1, 1), args)
+
+
+def launch_plan(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M, N, K):
+    """The launch :func:`linear` / :func:`grouped_linear` make, without making it (the fused MoE kernels of
+    ``engine/kernels/moe.py`` run the same body with the same grid and arguments, plus an epilogue).
+
+    Args: as the private launcher: ``x`` float32 contiguous ``[*, K]``, ``row_index`` int32 or None, ``w`` the
+        weight (2-D, or 3-D with ``tiles``), ``w_expert_stride`` elements between experts (dense weights),
+        ``y`` the ``[M, N]`` float32 output, ``tiles`` the grouped tile table or None.
+    Returns:
+        ``(cuda file, kernel name, grid (x, y, 1), argument tuple)``, or None when there is nothing to launch.
+        Every launch uses 256 threads per block.
+    Raises:
+        KernelInputError: unsupported tile size; more tiles than the grid allows.
+    """
     kind = weight_kind(w)
     if kind in ("fp8", "nvfp4"):
-        return _launch_quant(x, row_index, w, y, tiles, M, N, K)
+        return _plan_quant(x, row_index, w, y, tiles, M, N, K)
     if kind == "bf16" and w.dtype != np.uint16:
         w = w.view(np.uint16)
     if not w.flags.c_contiguous:
@@ -176,23 +196,22 @@ def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M
         grid_y = -(-M // rpt)
         tbl = (null, null, null, null)
     if grid_y == 0:
-        return
+        return None
     if rpt <= GEMV_MAX_ROWS:
         if rpt not in (1, 4, 16):
             raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
         aligned = (w.data.ptr % 16 == 0) and (x.data.ptr % 16 == 0)
         fname, kname, grid_x = dense_kernel_choice(kind, rpt, N, K, grid_y, aligned=aligned)
-        fn = kernel(fname, kname)
         grid = (grid_x, grid_y, 1)
     else:
         if rpt != GEMM_TILE_ROWS:
             raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
-        fn = kernel("dense_linear.cu", f"gemm_{wname}")
+        fname, kname = "dense_linear.cu", f"gemm_{wname}"
         grid = (-(-N // _GEMM_BN), grid_y, 1)
     if grid[1] > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid[1]} tiles, above the grid limit 65535; use smaller chunks")
-    fn(grid, (256, 1, 1), (x, ptr_or_null(row_index), w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2], tbl[3],
-                           np.int32(M), np.int32(N), np.int32(K)))
+    return fname, kname, grid, (x, ptr_or_null(row_index), w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2],
+                                tbl[3], np.int32(M), np.int32(N), np.int32(K))
 
 
 def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, aligned: bool = True,
@@ -262,8 +281,8 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
     return f"qgemv_{fmt}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}", -(-N // ((_GEMV_WARPS // ks) * r))
 
 
-def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
-    """Launch a ``quant_linear.cu`` kernel over QuantWeight ``w`` (2-D, or 3-D with ``tiles``)."""
+def _plan_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
+    """:func:`launch_plan` for a ``quant_linear.cu`` kernel over QuantWeight ``w`` (2-D, or 3-D with ``tiles``)."""
     null = NULL_PTR
     if tiles is not None:
         rpt, grid_y = tiles.rows_per_tile, tiles.max_tiles
@@ -273,7 +292,7 @@ def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
         grid_y = -(-M // rpt)
         tbl = (null, null, null, null)
     if grid_y == 0:
-        return
+        return None
     if grid_y > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid_y} tiles, above the grid limit 65535; use smaller chunks")
     es = w.ndim == 3
@@ -286,5 +305,5 @@ def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
         fargs = (w.q, w.scale, w.scale2, np.int64(N * K // 2 if es else 0), np.int64(N * K // 16 if es else 0),
                  np.int32(w.s2_rows), np.int32(N // w.s2_rows))
     name, grid_x = quant_kernel_choice(w.fmt, rpt, N, K, grid_y, vec=vec)
-    kernel("quant_linear.cu", name)((grid_x, grid_y, 1), (256, 1, 1), fargs + (
-        x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K)))
+    return "quant_linear.cu", name, (grid_x, grid_y, 1), fargs + (
+        x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K))

@@ -17,6 +17,9 @@ the device-side count exit at once. Nothing is copied to the host.
 """
 from __future__ import annotations
 
+import functools
+import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +27,14 @@ import numpy as np
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, kernel, same_device,
                                          weight_as_float)
-from engine.kernels.linear import GEMM_TILE_ROWS, GEMV_MAX_ROWS, GroupTiles, grouped_linear, linear
+from engine.kernels.linear import GEMM_TILE_ROWS, GEMV_MAX_ROWS, GroupTiles, grouped_linear, launch_plan, linear
 from engine.kernels.dense_common import ptr_or_null
 from reference.blocks import moe as _ref_moe
 from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
 
-__all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert"]
+__all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert",
+           "FUSED_DECODE", "fused_kernel_name", "fused_counters"]
 
 
 def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
@@ -188,6 +192,24 @@ def _combine(y_sorted, route: MoERoute, weights, shared=None, shared_gate=None, 
     return out
 
 
+def _expert_shapes(x, gate_up, down):
+    """``(T, H, E, I)`` of consistent ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``.
+
+    Raises:
+        KernelInputError: wrong ranks or inconsistent shapes.
+    """
+    if x.ndim != 2 or gate_up.ndim != 3 or down.ndim != 3:
+        raise KernelInputError(f"x/gate_up/down: expected [T, H] / [E, 2I, H] / [E, H, I], found {tuple(x.shape)} / "
+                               f"{tuple(gate_up.shape)} / {tuple(down.shape)}")
+    T, H = x.shape
+    E, I2, H2 = gate_up.shape
+    I = I2 // 2
+    if H2 != H or I2 % 2 or tuple(down.shape) != (E, H, I):
+        raise KernelInputError(f"gate_up/down: expected [E, 2I, H={H}] and [E, H, I], found {tuple(gate_up.shape)} "
+                               f"and {tuple(down.shape)}")
+    return T, H, E, I
+
+
 def moe_experts(x, ids, weights, gate_up, down, *, route: MoERoute | None = None, shared=None, shared_gate=None):
     """Routed experts: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` with
     ``e = ids[t, j]`` (``+ sigmoid(shared_gate[t]) * shared[t]`` when given, fused into the combine).
@@ -204,15 +226,7 @@ def moe_experts(x, ids, weights, gate_up, down, *, route: MoERoute | None = None
         KernelInputError: inconsistent shapes.
     """
     xp = same_device(x, ids, weights, gate_up, down, shared, shared_gate)
-    if x.ndim != 2 or gate_up.ndim != 3 or down.ndim != 3:
-        raise KernelInputError(f"x/gate_up/down: expected [T, H] / [E, 2I, H] / [E, H, I], found {tuple(x.shape)} / "
-                               f"{tuple(gate_up.shape)} / {tuple(down.shape)}")
-    T, H = x.shape
-    E, I2, H2 = gate_up.shape
-    I = I2 // 2
-    if H2 != H or I2 % 2 or tuple(down.shape) != (E, H, I):
-        raise KernelInputError(f"gate_up/down: expected [E, 2I, H={H}] and [E, H, I], found {tuple(gate_up.shape)} "
-                               f"and {tuple(down.shape)}")
+    T, H, E, I = _expert_shapes(x, gate_up, down)
     if tuple(ids.shape) != tuple(weights.shape) or ids.ndim != 2 or ids.shape[0] != T:
         raise KernelInputError(f"ids/weights: expected both [T={T}, k], found {tuple(ids.shape)} / "
                                f"{tuple(weights.shape)}")
@@ -292,6 +306,12 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
     if any(w is None for w in shared_ws) and not all(w is None for w in shared_ws):
         raise KernelInputError("shared expert: expected all four of gate_proj, up_proj, down_proj, "
                                "shared_expert_gate or none, found a partial set")
+    if (FUSED_DECODE and experts_fn is None and gate_up is not None and down is not None and is_cupy(same_device(x))
+            and x.ndim == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
+        return _moe_block_fused(x, router_weight, gate_up, down, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                shared_gate_proj=shared_gate_proj, shared_up_proj=shared_up_proj,
+                                shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate,
+                                shared_gate_up=shared_gate_up)
     logits = linear(x, router_weight)
     ids, w = router_topk(logits, top_k, norm_topk_prob)
     shared = sg = None
@@ -302,4 +322,185 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
         out = experts_fn(x, ids, w, shared=shared, shared_gate=sg)
     else:
         out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
+    return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused decode chain (cuda/moe_fused.cu)
+
+#: The fused decode chain of the MoE block for 1..16 tokens (cupy, no expert parallelism; ``cuda/moe_fused.cu``):
+#: router GEMV + top-k + route tables in one launch, SwiGLU in the epilogue of the routed and the shared gate/up
+#: launches, the weighted combine (+ gated shared expert) in the epilogue of the grouped down launch: 6 launches
+#: instead of 12 and a memset, results bit-identical to the unfused chain. Off unless ``$QWEN4EXP_MOE_FUSED=1``
+#: (read once, at import; tests and the profile tools set this flag) until measured on the GPU.
+FUSED_DECODE = os.environ.get("QWEN4EXP_MOE_FUSED", "0").strip() == "1"
+
+_DENSE_RE = re.compile(r"^gemv_(bf16|f32)_nt(\d+)_r(\d+)_ks(\d+)_([vs])$")
+_MMA_RE = re.compile(r"^gemv_bf16_mma_nt(\d+)_ks(\d+)_mt1(_sx)?$")
+_QUANT_RE = re.compile(r"^qgemv_(fp8|nvfp4)_nt(\d+)_r(\d+)_ks(\d+)_([vs])$")
+_COUNTER_LEN = 65536  # >= any grid dimension the epilogues index by (grid y <= 65535; grid x <= N)
+
+
+def fused_kernel_name(kname: str, epi: int) -> tuple[str, int] | None:
+    """The fused twin of GEMV kernel ``kname`` (a name :func:`engine.kernels.linear.launch_plan` returns).
+
+    Args:
+        kname: e.g. ``'gemv_bf16_nt4_r4_ks1_v'``, ``'gemv_bf16_mma_nt8_ks1_mt1_sx'``, ``'qgemv_nvfp4_nt1_r4_ks1_v'``.
+        epi: 0 (route: only the dense GEMV family), 1 (SwiGLU epilogue) or 2 (combine epilogue).
+    Returns:
+        ``(NVRTC name expression of the moe_fused.cu template, output columns per block)`` or None when the kernel
+        has no fused twin (the tiled GEMMs, the debug variants): the caller then runs the unfused step.
+    """
+    m = _DENSE_RE.match(kname)
+    if m:
+        wt = "unsigned short" if m[1] == "bf16" else "float"
+        nt, r, ks, v = int(m[2]), int(m[3]), int(m[4]), "true" if m[5] == "v" else "false"
+        if epi == 0:
+            return f"moe_route<{wt}, {nt}, {r}, {ks}, {v}>", (8 // ks) * r
+        return f"moe_gemv_dense<{epi}, {wt}, {nt}, {r}, {ks}, {v}>", (8 // ks) * r
+    if epi == 0:
+        return None
+    m = _MMA_RE.match(kname)
+    if m:
+        nt, ks = int(m[1]), int(m[2])
+        if ks == 8 and m[3]:
+            return None
+        return f"moe_gemv_mma<{epi}, {nt}, {ks}, {1 if m[3] else 0}>", (8 // ks) * 16
+    m = _QUANT_RE.match(kname)
+    if m:
+        nt, r, ks, v = int(m[2]), int(m[3]), int(m[4]), "true" if m[5] == "v" else "false"
+        return f"moe_qgemv_{m[1]}<{epi}, {nt}, {r}, {ks}, {v}>", (8 // ks) * r
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_fn(expr: str):
+    """The compiled template instantiation ``expr`` of moe_fused.cu (one NVRTC module per expression)."""
+    from engine.backend import cuda_source, cupy_or_none
+    cp = cupy_or_none()
+    mod = cp.RawModule(code=cuda_source("moe_fused.cu"), options=("-std=c++17",), name_expressions=(expr,))
+    return mod.get_function(expr)
+
+
+_COUNTERS: dict = {}
+
+
+def fused_counters(xp):
+    """The device's int32 ``[65536]`` handshake counters of the fused kernels (zero between launches: every
+    kernel's last blocks reset the entries they used). Allocated (zeroed) on first use, which must not be inside
+    a CUDA-graph capture (an eager step comes first in the engine and the tests)."""
+    dev = xp.cuda.Device().id
+    c = _COUNTERS.get(dev)
+    if c is None:
+        c = _COUNTERS[dev] = xp.zeros(_COUNTER_LEN, dtype=xp.int32)
+    return c
+
+
+def _run_plan(plan) -> None:
+    if plan is not None:
+        fname, kname, grid, args = plan
+        kernel(fname, kname)(grid, (256, 1, 1), args)
+
+
+def _launch_epi(xp, plan, epi: int, *, h=None, slot_pos=None, rw=None, shared=None, sgate=None, out=None, T=0,
+                k=0) -> bool:
+    """Launch ``plan``'s GEMV body followed by epilogue ``epi`` (1 SwiGLU into ``h``, 2 combine into ``out``).
+    Returns False (nothing launched) when the body has no fused twin or the grid exceeds the counters."""
+    if plan is None:
+        return False
+    fname, kname, grid, args = plan
+    got = fused_kernel_name(kname, epi)
+    cnt = fused_counters(xp)
+    if got is None or (grid[1] if epi == 1 else grid[0]) > cnt.size:
+        return False
+    expr, cols = got
+    _fused_fn(expr)(grid, (256, 1, 1), args + (cnt, ptr_or_null(h), ptr_or_null(slot_pos), ptr_or_null(rw),
+                                                ptr_or_null(shared), ptr_or_null(sgate), ptr_or_null(out),
+                                                np.int32(T), np.int32(k), np.int32(cols)))
+    return True
+
+
+def _route_fused(xp, x, router_weight, top_k: int, norm_topk_prob: bool):
+    """Router GEMV + top-k + route tables in one launch; None when the router launch has no fused twin (e.g. the
+    tensor-core GEMV of a BF16 router) or E is too large for the top-k's shared memory."""
+    T, H = x.shape
+    if router_weight.ndim != 2 or router_weight.shape[1] != H:
+        return None
+    E = int(router_weight.shape[0])
+    k = int(top_k)
+    if not (1 <= k <= min(E, 64)) or 8 * E * 4 > 48 * 1024:
+        return None
+    logits = _empty(xp, (T, E), dtype=xp.float32)
+    plan = launch_plan(xp, x, None, router_weight, 0, logits, None, T, E, H)
+    got = None if plan is None or plan[0] != "dense_linear.cu" else fused_kernel_name(plan[1], 0)
+    if got is None:
+        return None
+    S = T * k
+    rpt = _rows_per_tile(T, k, E)
+    max_tiles = S // rpt + min(E, S)
+    ids = _empty(xp, (T, k), dtype=xp.int32)
+    w = _empty(xp, (T, k), dtype=xp.float32)
+    offsets = _empty(xp, E + 1, dtype=xp.int32)
+    sorted_token = _empty(xp, S, dtype=xp.int32)
+    slot_pos = _empty(xp, S, dtype=xp.int32)
+    te, ts, tc = (_empty(xp, max_tiles, dtype=xp.int32) for _ in range(3))
+    nt = _empty(xp, 1, dtype=xp.int32)  # written by the kernel (no memset)
+    wr = plan[3][2]  # the router weight as the launch passes it (BF16 bits view / contiguous)
+    _fused_fn(got[0])(plan[2], (256, 1, 1), (
+        x, wr, logits, np.int32(T), np.int32(E), np.int32(H), np.int32(k), np.int32(1 if norm_topk_prob else 0),
+        np.int32(rpt), ids, w, offsets, sorted_token, slot_pos, te, ts, tc, nt, fused_counters(xp)),
+        shared_mem=8 * E * 4)
+    route = MoERoute(offsets=offsets, sorted_token=sorted_token, slot_pos=slot_pos,
+                     tiles=GroupTiles(te, ts, tc, nt, max_tiles, rpt), rows_per_tile=rpt)
+    return logits, ids, w, route
+
+
+def _shared_expert_fused(xp, x, gate_proj, up_proj, down_proj, gate_up):
+    """:func:`shared_expert` with the SwiGLU in the stacked gate/up launch's epilogue (unfused when not stacked)."""
+    T, H = x.shape
+    Is = int(gate_proj.shape[0])
+    if gate_up is None or tuple(gate_up.shape) != (2 * Is, H) or gate_proj.ndim != 2 or gate_proj.shape[1] != H:
+        return shared_expert(x, gate_proj, up_proj, down_proj, gate_up=gate_up)
+    gu = _empty(xp, (T, 2 * Is), dtype=xp.float32)
+    h = _empty(xp, (T, Is), dtype=xp.float32)
+    plan = launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H)
+    if not _launch_epi(xp, plan, 1, h=h):
+        _run_plan(plan)
+        h = _swiglu(gu, Is)
+    return linear(h, down_proj)
+
+
+def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, shared_gate_proj, shared_up_proj,
+                     shared_down_proj, shared_expert_gate, shared_gate_up) -> MoEOut:
+    """:func:`moe_block` on the fused decode chain (same arguments, same results bit for bit); each step whose
+    launch has no fused twin runs unfused."""
+    xp = same_device(x, router_weight, gate_up, down)
+    T, H, E, I = _expert_shapes(x, gate_up, down)
+    x = f32_contig(x, "x")
+    r = _route_fused(xp, x, router_weight, top_k, norm_topk_prob)
+    if r is None:
+        logits = linear(x, router_weight)
+        ids, w = router_topk(logits, top_k, norm_topk_prob)
+        route = moe_route_tables(ids, E)
+    else:
+        logits, ids, w, route = r
+    k = int(ids.shape[1])
+    shared = sg = None
+    if shared_gate_proj is not None:
+        shared = f32_contig(_shared_expert_fused(xp, x, shared_gate_proj, shared_up_proj, shared_down_proj,
+                                                 shared_gate_up), "shared")
+        sg = f32_contig(linear(x, shared_expert_gate).reshape(-1), "shared_gate")
+    S = T * k
+    gu = _empty(xp, (S, 2 * I), dtype=xp.float32)
+    h = _empty(xp, (S, I), dtype=xp.float32)
+    plan = launch_plan(xp, x, route.sorted_token, gate_up, 2 * I * H, gu, route.tiles, S, 2 * I, H)
+    if not _launch_epi(xp, plan, 1, h=h):
+        _run_plan(plan)
+        h = _swiglu(gu, I)
+    y = _empty(xp, (S, H), dtype=xp.float32)
+    out = _empty(xp, (T, H), dtype=xp.float32)
+    plan = launch_plan(xp, h, None, down, H * I, y, route.tiles, S, H, I)
+    if not _launch_epi(xp, plan, 2, slot_pos=route.slot_pos, rw=w, shared=shared, sgate=sg, out=out, T=T, k=k):
+        _run_plan(plan)
+        out = _combine(y, route, w, shared, sg, T=T, k=k, H=H)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

@@ -127,7 +127,8 @@ def test_sx_staging_matches_lane_loads(NT, U):
 
 def test_sx_staging_formula_in_source():
     """The emulated formulas are the ones in the kernel source (guards the emulation against drift)."""
-    src = (ROOT / "engine/kernels/cuda/dense_linear_mma.cu").read_text()
+    from engine.backend import cuda_source
+    src = cuda_source("dense_linear_mma.cu")  # the text NVRTC compiles (the bodies live in gemv_mma.cuh)
     for frag in ("const int tokn = f / (8 * U), v = f % (8 * U);", "s_u[r] = v / 8;",
                  "s_lane[r] = (tokn % 8) * 4 + (v % 8) / 2;", "s_half[r] = v % 2;",
                  "+ s_u[r] * 8 + (v % 8);", "const int o = 2 * s_half[r];"):

@@ -40,3 +40,8 @@ __device__ __forceinline__ bool resolve_tile(int tile, int TM, int M, const int*
     }
     return count > 0;
 }
+
+// 8 weights . 8 activations (two float4), the GEMV bodies' inner product (gemv_dense.cuh, gemv_quant.cuh)
+__device__ __forceinline__ float dot8(const float* w, float4 a, float4 b) {
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}

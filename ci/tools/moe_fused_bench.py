@@ -1,0 +1,110 @@
+"""The MoE block's device time per layer, unfused chain vs fused decode chain (GPU dev tool, not a test).
+
+One MoE block at the real widths (hidden 2560, 512 experts of intermediate 640, top-10, shared expert 640), random
+weights built on the device: routed experts BF16, FP8 (E4M3 codes, 128x128 scales) or NVFP4 (E2M1 codes, E4M3
+per-16 scales, two global scales per expert), router float32, shared expert BF16 (the engine's layouts). Each
+chain is captured alone as a CUDA graph and replayed (median of --reps replays, device events); the two chains'
+outputs are compared bit for bit on the same input.
+
+Usage: python ci/tools/moe_fused_bench.py [--formats bf16 nvfp4 fp8] [--tokens 1 16] [--reps 50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+H, E, I, IS, K_TOP = 2560, 512, 640, 640, 10
+
+
+def bf16_bits(cp, shape):
+    """Random BF16 bit patterns of magnitude 2^-8 .. 2^-3, either sign."""
+    b = cp.random.randint(0x3B80, 0x3E00, size=shape, dtype=cp.int32).astype(cp.uint16)
+    return b | (cp.random.randint(0, 2, size=shape, dtype=cp.int32).astype(cp.uint16) << 15)
+
+
+def experts(cp, fmt, N, K):
+    from engine.kernels.quant import QuantWeight
+    if fmt == "bf16":
+        return bf16_bits(cp, (E, N, K))
+    if fmt == "fp8":
+        q = cp.random.randint(0, 256, size=(E, N, K), dtype=cp.int32).astype(cp.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+        s = cp.random.uniform(0.001, 0.02, size=(E, -(-N // 128), -(-K // 128))).astype(cp.float32)
+        return QuantWeight("fp8", (E, N, K), q, s, rb=128, cb=128)
+    q = cp.random.randint(0, 256, size=(E, N, K // 2), dtype=cp.int32).astype(cp.uint8)
+    sc = cp.random.randint(0x20, 0x48, size=(E, N, K // 16), dtype=cp.int32).astype(cp.uint8)
+    s2 = cp.random.uniform(0.001, 0.01, size=(E * 2,)).astype(cp.float32)
+    return QuantWeight("nvfp4", (E, N, K), q, sc, s2, s2_rows=N // 2)
+
+
+def graph_us(cp, fn, reps):
+    fn()
+    fn()
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        out = fn()
+        g = s.end_capture()
+    for _ in range(5):
+        g.launch(stream=s)
+    ts = []
+    for _ in range(reps):
+        a0 = cp.cuda.Event()
+        a0.record(s)
+        g.launch(stream=s)
+        a1 = cp.cuda.Event()
+        a1.record(s)
+        a1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
+    return float(np.median(ts)), out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4", "fp8"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    import cupy as cp
+
+    from engine.kernels import moe as M
+    cp.random.seed(0)
+    router = (cp.random.standard_normal((E, H), dtype=cp.float32) * 0.02).astype(cp.float32)
+    sg, su, sd = bf16_bits(cp, (IS, H)), bf16_bits(cp, (IS, H)), bf16_bits(cp, (H, IS))
+    sgate, sgu = bf16_bits(cp, (1, H)), cp.concatenate([sg, su])
+    rows = []
+    for fmt in args.formats:
+        t0 = time.perf_counter()
+        gu, dn = experts(cp, fmt, 2 * I, H), experts(cp, fmt, H, I)
+        for T in args.tokens:
+            x = cp.random.standard_normal((T, H), dtype=cp.float32)
+
+            def block():
+                return M.moe_block(x, router, gu, dn, top_k=K_TOP, shared_gate_proj=sg, shared_up_proj=su,
+                                   shared_down_proj=sd, shared_expert_gate=sgate, shared_gate_up=sgu)
+            res = {}
+            for fused in (False, True):
+                M.FUSED_DECODE = fused
+                us, out = graph_us(cp, block, args.reps)
+                res[fused] = (us, cp.asnumpy(out.out).view(np.uint32).copy(), cp.asnumpy(out.topk_ids))
+            M.FUSED_DECODE = False
+            exact = bool(np.array_equal(res[False][1], res[True][1]) and np.array_equal(res[False][2], res[True][2]))
+            row = {"format": fmt, "tokens": T, "unfused_us": round(res[False][0], 1), "fused_us": round(res[True][0], 1),
+                   "speedup": round(res[False][0] / res[True][0], 2), "bit_identical": exact,
+                   "x48_layers_saved_ms": round(48 * (res[False][0] - res[True][0]) / 1e3, 2)}
+            rows.append(row)
+            print(f"moe_block {fmt:5s} T={T:2d}: unfused {row['unfused_us']:7.1f} us  fused {row['fused_us']:7.1f} us"
+                  f"  x{row['speedup']:.2f}  bit-identical {exact}  (48 layers: -{row['x48_layers_saved_ms']} ms)",
+                  flush=True)
+        del gu, dn
+        cp.get_default_memory_pool().free_all_blocks()
+        print(f"  ({fmt}: {time.perf_counter() - t0:.1f} s incl. weights and compiles)", flush=True)
+    print("JSON " + json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+// Fused decode-path kernels of the MoE block (engine/kernels/moe.py, FUSED_DECODE; 1..16 tokens).
+//
+// The unfused chain is 12 launches + a memset (router GEMV, top-k, tables, shared gate/up, shared SwiGLU,
+// shared down, shared gate, grouped gate/up, SwiGLU, grouped down, combine). Here:
+//   moe_route<WT, NT, R, KS, VEC>     : the router GEMV (gemv_body, the very launch linear() would make), then the
+//                                       last block to finish does top-k for every token and the route tables.
+//   moe_gemv_dense / moe_gemv_mma /   : one GEMV launch (the body linear() / grouped_linear() would pick, unchanged)
+//   moe_qgemv_fp8 / moe_qgemv_nvfp4     followed by an epilogue run by the last block of a group of blocks:
+//        EPI 1 (SwiGLU)  : the last of the grid_x blocks of a row tile computes h = silu(gate) * up for the tile's
+//                          rows (gate/up launches: routed grouped and shared dense);
+//        EPI 2 (combine) : the last of the grid_y blocks (tiles) of a column block computes, for its columns and
+//                          every token, out = sum_j w[t, j] * Y[pos[t, j]] (+ sigmoid(g[t]) * shared[t]), slots in
+//                          order j (the grouped down launch).
+// Numerics: every value is computed by the same expression as in the unfused chain (gemv bodies shared through
+// gemv_*.cuh; top-k emulates router_topk's 256-thread reductions lane by lane; SwiGLU and combine are the
+// dense_moe.cu formulas), so the results are bit-identical to it. No float atomics: the epilogues run once per
+// group, in a fixed order, so replays are bit-exact.
+//
+// "Last block" handshake: every thread fences its global writes, the block synchronises, thread 0 takes a ticket
+// from an int counter (atomicAdd); the block drawing the last ticket resets the counter to 0 (ready for the next
+// launch and every graph replay) and reads the other blocks' results through L2 (__ldcg). The counters are one
+// device buffer (moe.py), zero when no fused kernel is running: one fused MoE chain in flight per device.
+//
+// Self-contained (no host headers): compiles with NVRTC (cupy.RawModule, name expressions of the templates) and nvcc.
+
+#include "common.cuh"
+#include "gemv_dense.cuh"
+#include "gemv_quant.cuh"
+#include "gemv_mma.cuh"
+
+// True in the block that finished last of `expected` blocks sharing `counter` (which it resets to 0).
+__device__ __forceinline__ bool moe_last_block(int* counter, int expected) {
+    __shared__ int s_last;
+    __threadfence();  // this thread's results are visible device-wide before its block takes a ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int ticket = atomicAdd(counter, 1);
+        const int last = ticket == expected - 1;
+        if (last) atomicExch(counter, 0);
+        s_last = last;
+    }
+    __syncthreads();
+    const bool last = s_last != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+__device__ __forceinline__ bool moe_better(float pa, int ia, float pb, int ib) {
+    // canonical order: higher probability first, then the lower expert id (dense_moe.cu's `better`)
+    return pa > pb || (pa == pb && ia < ib);
+}
+
+// One warp: softmax + top-k of one token, bit-identical to dense_moe.cu's router_topk launched with 256 threads.
+// router_topk's thread i (warp i / 32) sums e = i, i + 256, ... in order; its warps reduce by an xor butterfly
+// and warp 0 reduces the 8 warp sums (lanes >= 8 contribute 0) by the same butterfly. Lane L here plays the 8
+// threads 32 v + L (v = 0..7) and runs the same butterflies, so every sum is formed in the same order. Max and
+// arg-max are exact in any order (the arg-max order `moe_better` is total). probs: this warp's E floats.
+__device__ __forceinline__ void moe_topk_warp(const float* l, int E, int k, int renorm, int* out_ids, float* out_w,
+                                              float* probs) {
+    constexpr int VT = 8;  // warps of router_topk's 256-thread block
+    const int lane = threadIdx.x & 31;
+    float m = __int_as_float(0xff800000);
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, __ldcg(l + e));
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float ws[VT];
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {
+        float s = 0.f;
+        for (int e = 32 * v + lane; e < E; e += 32 * VT) {
+            float x = expf(__ldcg(l + e) - m);
+            probs[e] = x;
+            s += x;
+        }
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        ws[v] = s;
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int v = 0; v < VT; ++v)
+        if (lane == v) total = ws[v];
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+    for (int e = lane; e < E; e += 32) probs[e] = probs[e] / total;  // the entries this lane wrote
+    __syncwarp();
+    for (int j = 0; j < k; ++j) {
+        float bp = -2.f;
+        int bi = 0x7fffffff;
+        for (int e = lane; e < E; e += 32) {
+            float p = probs[e];
+            if (p >= 0.f && moe_better(p, e, bp, bi)) { bp = p; bi = e; }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            float op = __shfl_xor_sync(0xffffffffu, bp, off);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (moe_better(op, oi, bp, bi)) { bp = op; bi = oi; }
+        }
+        if (lane == 0) {
+            out_ids[j] = bi;
+            out_w[j] = bp;  // the selected probability; renormalised below
+            if (bi >= 0 && bi < E) probs[bi] = -1.f;
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        float sum = 0.f;
+        for (int j = 0; j < k; ++j) sum += out_w[j];
+        for (int j = 0; j < k; ++j) out_w[j] = renorm ? out_w[j] / sum : out_w[j];
+    }
+}
+
+// Route tables for S = T * k slots (one block of any multiple of 32 threads up to 256, cnt: E ints of shared
+// memory): dense_moe.cu moe_tables' counts, offsets and tile table, with the sorted position of a slot its rank
+// among the earlier slots of its expert (deterministic; the results do not depend on the order anyway).
+__device__ __forceinline__ void moe_tables_block(const int* ids, int S, int k, int E, int TM, int* cnt,
+                                                 int* __restrict__ offsets, int* __restrict__ sorted_token,
+                                                 int* __restrict__ slot_pos, int* __restrict__ tile_expert,
+                                                 int* __restrict__ tile_start, int* __restrict__ tile_count,
+                                                 int* __restrict__ n_tiles) {
+    __shared__ int tsum[256];
+    __shared__ int ttil[256];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int e = tid; e < E; e += nt) cnt[e] = 0;
+    __syncthreads();
+    for (int s = tid; s < S; s += nt) {
+        int e = ids[s];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    const int chunk = (E + nt - 1) / nt;
+    const int e0 = min(E, tid * chunk), e1 = min(E, e0 + chunk);
+    int cs = 0, ct = 0;
+    for (int e = e0; e < e1; ++e) { cs += cnt[e]; ct += (cnt[e] + TM - 1) / TM; }
+    tsum[tid] = cs;
+    ttil[tid] = ct;
+    __syncthreads();
+    for (int d = 1; d < nt; d <<= 1) {  // inclusive Hillis-Steele scan
+        int a = tid >= d ? tsum[tid - d] : 0;
+        int b = tid >= d ? ttil[tid - d] : 0;
+        __syncthreads();
+        tsum[tid] += a;
+        ttil[tid] += b;
+        __syncthreads();
+    }
+    int off = tsum[tid] - cs, toff = ttil[tid] - ct;
+    for (int e = e0; e < e1; ++e) {
+        int c = cnt[e];
+        offsets[e] = off;
+        for (int q = 0; q * TM < c; ++q) {
+            tile_expert[toff] = e;
+            tile_start[toff] = off + q * TM;
+            tile_count[toff] = min(TM, c - q * TM);
+            ++toff;
+        }
+        cnt[e] = off;  // the expert's first sorted position
+        off += c;
+    }
+    if (tid == nt - 1) {
+        offsets[E] = tsum[nt - 1];
+        *n_tiles = ttil[nt - 1];
+    }
+    __syncthreads();
+    for (int s = tid; s < S; s += nt) {
+        int e = ids[s];
+        int pos = -1;
+        if (e >= 0 && e < E) {
+            pos = cnt[e];
+            for (int q = 0; q < s; ++q) pos += ids[q] == e;
+        }
+        slot_pos[s] = pos;
+        if (pos >= 0) sorted_token[pos] = s / k;
+    }
+}
+
+// Router GEMV (logits [T, E] = X [T, H] @ W [E, H]^T, grid and body exactly as linear() launches them), then
+// the last block: top-k of every token (warp w takes tokens w, w + 8, ...) and the tables. 256 threads; dynamic
+// shared memory max(8 * E floats, E ints).
+template <typename WT, int NT, int R, int KS, bool VEC>
+__global__ void __launch_bounds__(256) moe_route(const float* X, const WT* W, float* logits, int T, int E, int H,
+                                                 int k, int renorm, int TM, int* ids, float* wts, int* offsets,
+                                                 int* sorted_token, int* slot_pos, int* tile_expert, int* tile_start,
+                                                 int* tile_count, int* n_tiles, int* counter) {
+    gemv_body<WT, NT, R, KS, VEC>(X, nullptr, W, 0, logits, nullptr, nullptr, nullptr, nullptr, T, E, H);
+    if (!moe_last_block(counter, gridDim.x * gridDim.y)) return;
+    extern __shared__ float moe_dyn[];
+    const int warp = threadIdx.x >> 5;
+    for (int t = warp; t < T; t += 8)
+        moe_topk_warp(logits + (long long)t * E, E, k, renorm, ids + (long long)t * k, wts + (long long)t * k,
+                      moe_dyn + warp * E);
+    __syncthreads();  // ids (global, written by this block) visible to the block; probs no longer needed
+    moe_tables_block(ids, T * k, k, E, TM, reinterpret_cast<int*>(moe_dyn), offsets, sorted_token, slot_pos,
+                     tile_expert, tile_start, tile_count, n_tiles);
+}
+
+// Epilogues (see the header). TM: the body's rows per tile (its resolve_tile argument).
+#define MOE_EPI_PARAMS                                                                                         \
+    int *counter, float *h, const int *slot_pos, const float *rw, const float *shared, const float *sgate,    \
+        float *out, int T, int k, int cols_per_block
+
+template <int EPI, int TM>
+__device__ __forceinline__ void moe_epilogue(const float* Y, int M, int N, const int* tile_expert,
+                                             const int* tile_start, const int* tile_count, const int* n_tiles,
+                                             MOE_EPI_PARAMS) {
+    if (EPI == 1) {  // SwiGLU of the row tile blockIdx.y once all its column blocks are done
+        if (!moe_last_block(counter + blockIdx.y, gridDim.x)) return;
+        int start, count;
+        long long e;
+        if (!resolve_tile(blockIdx.y, TM, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+        const int I = N / 2;
+        for (int i = threadIdx.x; i < count * I; i += blockDim.x) {
+            const long long s = start + i / I;
+            const int c = i % I;
+            const float g = __ldcg(Y + s * 2 * I + c), u = __ldcg(Y + s * 2 * I + I + c);
+            h[s * I + c] = (g / (1.f + expf(-g))) * u;  // dense_moe.cu moe_swiglu
+        }
+    } else if (EPI == 2) {  // combine of the columns of column block blockIdx.x once all its tiles are done
+        if (!moe_last_block(counter + blockIdx.x, gridDim.y)) return;
+        const int n0 = blockIdx.x * cols_per_block, n1 = min(N, n0 + cols_per_block), nc = n1 - n0;
+        for (int i = threadIdx.x; i < T * nc; i += blockDim.x) {
+            const int t = i / nc, n = n0 + i % nc;
+            float acc = 0.f;  // dense_moe.cu moe_combine, slots in order j
+            for (int j = 0; j < k; ++j) {
+                int p = slot_pos[t * k + j];
+                if (p >= 0) acc += __ldcg(Y + (long long)p * N + n) * rw[t * k + j];
+            }
+            if (shared != nullptr) {
+                float g = sgate[t];
+                acc += (1.f / (1.f + expf(-g))) * shared[(long long)t * N + n];
+            }
+            out[(long long)t * N + n] = acc;
+        }
+    }
+}
+
+#define MOE_EPI_PASS(TM)                                                                                      \
+    moe_epilogue<EPI, TM>(Y, M, N, tile_expert, tile_start, tile_count, n_tiles, counter, h, slot_pos, rw,    \
+                          shared, sgate, out, T, k, cols_per_block)
+
+template <int EPI, typename WT, int NT, int R, int KS, bool VEC>
+__global__ void __launch_bounds__(256) moe_gemv_dense(const float* X, const int* row_index, const WT* W,
+                                                      long long w_expert_stride, float* Y, const int* tile_expert,
+                                                      const int* tile_start, const int* tile_count,
+                                                      const int* n_tiles, int M, int N, int K, MOE_EPI_PARAMS) {
+    gemv_body<WT, NT, R, KS, VEC>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count, n_tiles,
+                                  M, N, K);
+    MOE_EPI_PASS(NT);
+}
+
+template <int EPI, int NT, int KS, int SX>
+__global__ void __launch_bounds__(256) moe_gemv_mma(const float* X, const int* row_index, const bf16_bits_t* W,
+                                                    long long w_expert_stride, float* Y, const int* tile_expert,
+                                                    const int* tile_start, const int* tile_count, const int* n_tiles,
+                                                    int M, int N, int K, MOE_EPI_PARAMS) {
+    if constexpr (SX != 0)
+        mma_gemv_body_sx<NT, 1, 3>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count, n_tiles,
+                                   M, N, K);
+    else
+        mma_gemv_body<NT, KS, 1, 3>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count,
+                                    n_tiles, M, N, K);
+    MOE_EPI_PASS(NT);
+}
+
+template <int EPI, int NT, int R, int KS, bool VEC>
+__global__ void __launch_bounds__(256) moe_qgemv_fp8(const u8* Q, const float* S, long long q_es, long long s_es,
+                                                     int rb, int cb, int ncb, const float* X, const int* row_index,
+                                                     float* Y, const int* tile_expert, const int* tile_start,
+                                                     const int* tile_count, const int* n_tiles, int M, int N, int K,
+                                                     MOE_EPI_PARAMS) {
+    FP8W ld{Q, S, q_es, s_es, rb, cb, ncb};
+    qgemv_body<FP8W, NT, R, KS, VEC>(ld, X, row_index, Y, tile_expert, tile_start, tile_count, n_tiles, M, N, K);
+    MOE_EPI_PASS(NT);
+}
+
+template <int EPI, int NT, int R, int KS, bool VEC>
+__global__ void __launch_bounds__(256) moe_qgemv_nvfp4(const u8* Q, const u8* S, const float* S2, long long q_es,
+                                                       long long s_es, int s2_rows, int s2_per_e, const float* X,
+                                                       const int* row_index, float* Y, const int* tile_expert,
+                                                       const int* tile_start, const int* tile_count,
+                                                       const int* n_tiles, int M, int N, int K, MOE_EPI_PARAMS) {
+    NVFP4W ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
+    qgemv_body<NVFP4W, NT, R, KS, VEC>(ld, X, row_index, Y, tile_expert, tile_start, tile_count, n_tiles, M, N, K);
+    MOE_EPI_PASS(NT);
+}
+
+// nvcc (tests/engine/test_engine_nvcc.py) compiles this file without name expressions: instantiate one of each
+// so the template bodies are checked there too (NVRTC instantiates only what moe.py names).
+#ifndef __CUDACC_RTC__
+template __global__ void moe_route<float, 1, 1, 8, true>(const float*, const float*, float*, int, int, int, int, int,
+                                                         int, int*, float*, int*, int*, int*, int*, int*, int*, int*,
+                                                         int*);
+template __global__ void moe_gemv_dense<1, unsigned short, 4, 4, 1, true>(const float*, const int*,
+                                                                          const unsigned short*, long long, float*,
+                                                                          const int*, const int*, const int*,
+                                                                          const int*, int, int, int, MOE_EPI_PARAMS);
+template __global__ void moe_gemv_mma<2, 16, 1, 1>(const float*, const int*, const bf16_bits_t*, long long, float*,
+                                                   const int*, const int*, const int*, const int*, int, int, int,
+                                                   MOE_EPI_PARAMS);
+template __global__ void moe_qgemv_fp8<2, 1, 4, 1, true>(const u8*, const float*, long long, long long, int, int, int,
+                                                         const float*, const int*, float*, const int*, const int*,
+                                                         const int*, const int*, int, int, int, MOE_EPI_PARAMS);
+template __global__ void moe_qgemv_nvfp4<1, 16, 1, 8, false>(const u8*, const u8*, const float*, long long, long long,
+                                                             int, int, const float*, const int*, float*, const int*,
+                                                             const int*, const int*, const int*, int, int, int,
+                                                             MOE_EPI_PARAMS);
+#endif

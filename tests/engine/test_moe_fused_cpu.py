@@ -1,0 +1,110 @@
+"""CPU checks of the fused MoE decode chain's host logic (engine/kernels/moe.py, cuda/moe_fused.cu), no GPU needed.
+
+* Every GEMV the decode dispatch can pick has a fused twin, and the twin's column blocks (the combine epilogue's
+  unit) tile the output columns exactly as the body's grid does; the GEMMs have none (they run unfused).
+* The name expressions moe.py hands NVRTC are valid instantiations of moe_fused.cu (nvcc, sm_90), with a
+  negative control (a misspelt template is reported).
+* The NumPy twin ignores the flag.
+"""
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.backend import CUDA_DIR
+from engine.kernels import linear as L
+from engine.kernels import moe as M
+
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
+
+
+def _decode_choices():
+    """(kind, name, N, grid_x) of every decode GEMV the dispatch picks over a grid of shapes (H200: 132 SMs)."""
+    out = set()
+    Ns, Ks, Gy = (1, 8, 160, 192, 256, 512, 1280, 2560, 131072), (64, 96, 256, 640, 2560), (1, 4, 12, 88, 170)
+    for kind, rpt, N, K, gy, al, mma in itertools.product(("bf16", "f32"), (1, 4, 16), Ns, Ks, Gy, (True, False),
+                                                          (True, False)):
+        f, name, gx = L.dense_kernel_choice(kind, rpt, N, K, gy, aligned=al, sms=132, mma=mma)
+        out.add((kind, name, N, gx))
+    for fmt, rpt, N, K, gy, vec in itertools.product(("fp8", "nvfp4"), (1, 4, 16), Ns, Ks, Gy, (True, False)):
+        name, gx = L.quant_kernel_choice(fmt, rpt, N, K, gy, vec=vec, sms=132)
+        out.add((fmt, name, N, gx))
+    return out
+
+
+def test_every_decode_gemv_has_a_fused_twin_with_the_same_column_blocks():
+    choices = _decode_choices()
+    names = {c[1] for c in choices}
+    assert len(names) >= 30  # all families reached (dense, tensor-core, fp8, nvfp4)
+    for kind, name, N, gx in choices:
+        for epi in (1, 2):
+            got = M.fused_kernel_name(name, epi)
+            assert got is not None, name
+            expr, cols = got
+            assert expr.startswith(("moe_gemv_dense<", "moe_gemv_mma<", "moe_qgemv_fp8<", "moe_qgemv_nvfp4<")), expr
+            # the combine's column blocks are the body's: grid_x blocks of `cols` columns cover N, none is empty
+            assert (gx - 1) * cols < N <= gx * cols, (name, N, gx, cols)
+        route = M.fused_kernel_name(name, 0)
+        assert (route is not None) == (name.startswith("gemv_") and "_mma_" not in name), name
+    # no twin: tiled GEMMs and the debug split-2 variants
+    for name in ("gemm_bf16", "qgemm_fp8", "gemv_bf16_mma_nt16_ks8_mt1_split2", "gemv_bf16_mma_nt16_ks1_mt1_sx_split2"):
+        assert M.fused_kernel_name(name, 1) is None and M.fused_kernel_name(name, 2) is None
+
+
+def _real_width_exprs():
+    """The expressions a real-width block (H 2560, E 512, I 640, top-10, shared 640) and the GPU tests' shapes use."""
+    exprs = set()
+    for T in range(1, 17):
+        rpt_r = L.gemv_tile_rows(T)
+        for kind in ("bf16", "f32"):
+            exprs.add(M.fused_kernel_name(L.dense_kernel_choice("f32", rpt_r, 512, 2560, 1, sms=132)[1], 0)[0])
+            exprs.add(M.fused_kernel_name(L.dense_kernel_choice(kind, rpt_r, 1280, 2560, 1, sms=132)[1], 1)[0])
+        rpt = M._rows_per_tile(T, 10, 512)
+        mt = T * 10 // rpt + min(512, T * 10)
+        for kind in ("bf16", "f32"):
+            exprs.add(M.fused_kernel_name(L.dense_kernel_choice(kind, rpt, 1280, 2560, mt, sms=132)[1], 1)[0])
+            exprs.add(M.fused_kernel_name(L.dense_kernel_choice(kind, rpt, 2560, 640, mt, sms=132)[1], 2)[0])
+        for fmt in ("fp8", "nvfp4"):
+            exprs.add(M.fused_kernel_name(L.quant_kernel_choice(fmt, rpt, 1280, 2560, mt, vec=True, sms=132)[0], 1)[0])
+            exprs.add(M.fused_kernel_name(L.quant_kernel_choice(fmt, rpt, 2560, 640, mt, vec=True, sms=132)[0], 2)[0])
+    return sorted(exprs)
+
+
+def _compile(exprs, tmp_path):
+    src = tmp_path / "inst.cu"
+    body = "\n".join(f"    (void)&{e};" for e in exprs)
+    src.write_text(f'#include "{CUDA_DIR / "moe_fused.cu"}"\nvoid instantiate_all() {{\n{body}\n}}\n')
+    return subprocess.run([NVCC, "-c", "-std=c++17", "--gpu-architecture=sm_90", f"-I{CUDA_DIR}", "-o",
+                           str(tmp_path / "inst.o"), str(src)], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent): fused instantiations not compiled")
+def test_real_width_fused_instantiations_compile(tmp_path):
+    exprs = _real_width_exprs()
+    assert any("moe_route<float" in e for e in exprs) and any("moe_gemv_mma<" in e for e in exprs)
+    r = _compile(exprs, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # negative control: a template the file does not define is reported
+    r = _compile(["moe_gemv_densex<1, float, 1, 1, 1, true>"], tmp_path)
+    assert r.returncode != 0 and "moe_gemv_densex" in r.stderr
+
+
+def test_numpy_twin_ignores_the_flag(rng, monkeypatch):
+    E, H, I, Is, k, T = 8, 16, 8, 8, 2, 3
+    W = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in
+         ((E, H), (E, 2 * I, H), (E, H, I), (Is, H), (Is, H), (H, Is), (1, H))]
+    x = rng.standard_normal((T, H))
+
+    def run():
+        return M.moe_block(x, W[0], W[1], W[2], top_k=k, shared_gate_proj=W[3], shared_up_proj=W[4],
+                           shared_down_proj=W[5], shared_expert_gate=W[6]).out
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    a = run()
+    monkeypatch.setattr(M, "FUSED_DECODE", True)
+    np.testing.assert_array_equal(run(), a)
