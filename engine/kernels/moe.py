@@ -34,7 +34,7 @@ from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
 
 __all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert",
-           "FUSED_DECODE", "fused_kernel_name", "fused_counters"]
+           "FUSED_DECODE", "SHARED_STREAM", "fused_kernel_name", "fused_counters"]
 
 
 def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
@@ -335,10 +335,16 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 #: (read once, at import; tests and the profile tools set this flag) until measured on the GPU.
 FUSED_DECODE = os.environ.get("QWEN4EXP_MOE_FUSED", "0").strip() == "1"
 
+#: With :data:`FUSED_DECODE`: the shared expert (gate/up + SwiGLU, down, its gate) runs on a second stream forked
+#: from and joined back into the caller's, so a CUDA graph holds it as a parallel branch beside the router and
+#: the routed gate/up (same kernels and inputs: same bits). ``$QWEN4EXP_MOE_SHARED_STREAM=0`` turns it off.
+SHARED_STREAM = os.environ.get("QWEN4EXP_MOE_SHARED_STREAM", "1").strip() != "0"
+
 _DENSE_RE = re.compile(r"^gemv_(bf16|f32)_nt(\d+)_r(\d+)_ks(\d+)_([vs])$")
 _MMA_RE = re.compile(r"^gemv_bf16_mma_nt(\d+)_ks(\d+)_mt1(_sx)?$")
 _QUANT_RE = re.compile(r"^qgemv_(fp8|nvfp4)_nt(\d+)_r(\d+)_ks(\d+)_([vs])$")
-_COUNTER_LEN = 65536  # >= any grid dimension the epilogues index by (grid y <= 65535; grid x <= N)
+_COUNTER_LEN = 65536  # main stream: [0, 65536 - _SIDE_COUNTERS); the shared-expert stream: the last _SIDE_COUNTERS
+_SIDE_COUNTERS = 1024  # its launches have ceil(T / rows) <= 16 row tiles
 
 
 def fused_kernel_name(kname: str, epi: int) -> tuple[str, int] | None:
@@ -387,13 +393,27 @@ _COUNTERS: dict = {}
 
 def fused_counters(xp):
     """The device's int32 ``[65536]`` handshake counters of the fused kernels (zero between launches: every
-    kernel's last blocks reset the entries they used). Allocated (zeroed) on first use, which must not be inside
-    a CUDA-graph capture (an eager step comes first in the engine and the tests)."""
+    kernel's last blocks reset the entries they used; the shared-expert stream uses the last 1024, so its launches
+    may overlap the main stream's). Allocated (zeroed) on first use, which must not be inside a CUDA-graph capture
+    (an eager step comes first in the engine and the tests)."""
     dev = xp.cuda.Device().id
     c = _COUNTERS.get(dev)
     if c is None:
         c = _COUNTERS[dev] = xp.zeros(_COUNTER_LEN, dtype=xp.int32)
     return c
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(xp):
+    """(stream, fork event, join event) of the device for the shared-expert branch (created on first use)."""
+    dev = xp.cuda.Device().id
+    got = _SIDE.get(dev)
+    if got is None:
+        got = _SIDE[dev] = (xp.cuda.Stream(non_blocking=True), xp.cuda.Event(disable_timing=True),
+                            xp.cuda.Event(disable_timing=True))
+    return got
 
 
 def _run_plan(plan) -> None:
@@ -403,14 +423,16 @@ def _run_plan(plan) -> None:
 
 
 def _launch_epi(xp, plan, epi: int, *, h=None, slot_pos=None, rw=None, shared=None, sgate=None, out=None, T=0,
-                k=0) -> bool:
-    """Launch ``plan``'s GEMV body followed by epilogue ``epi`` (1 SwiGLU into ``h``, 2 combine into ``out``).
-    Returns False (nothing launched) when the body has no fused twin or the grid exceeds the counters."""
+                k=0, side: bool = False) -> bool:
+    """Launch ``plan``'s GEMV body followed by epilogue ``epi`` (1 SwiGLU into ``h``, 2 combine into ``out``) on the
+    current stream (``side``: the shared-expert stream's counters). Returns False (nothing launched) when the body
+    has no fused twin or the grid exceeds the counters."""
     if plan is None:
         return False
     fname, kname, grid, args = plan
     got = fused_kernel_name(kname, epi)
     cnt = fused_counters(xp)
+    cnt = cnt[cnt.size - _SIDE_COUNTERS:] if side else cnt[:cnt.size - _SIDE_COUNTERS]
     if got is None or (grid[1] if epi == 1 else grid[0]) > cnt.size:
         return False
     expr, cols = got
@@ -470,6 +492,35 @@ def _shared_expert_fused(xp, x, gate_proj, up_proj, down_proj, gate_up):
     return linear(h, down_proj)
 
 
+def _shared_branch(xp, x, gate_proj, down_proj, expert_gate, gate_up):
+    """Launch the shared expert on the side stream (fork from the current stream; every array allocated before the
+    fork, on the current stream). Returns ``(shared [T, H], gate [T], join event)`` or None (nothing launched) when
+    a step has no fused twin or the shapes do not fit; the caller waits on the join event before reading them."""
+    T, H = x.shape
+    Is = int(gate_proj.shape[0])
+    if (gate_up is None or tuple(gate_up.shape) != (2 * Is, H) or down_proj.ndim != 2 or tuple(down_proj.shape) !=
+            (H, Is) or expert_gate.ndim != 2 or tuple(expert_gate.shape) != (1, H)):
+        return None
+    gu = _empty(xp, (T, 2 * Is), dtype=xp.float32)
+    h = _empty(xp, (T, Is), dtype=xp.float32)
+    shared = _empty(xp, (T, H), dtype=xp.float32)
+    sg = _empty(xp, (T, 1), dtype=xp.float32)
+    plan = launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H)
+    if plan is None or fused_kernel_name(plan[1], 1) is None or plan[2][1] > _SIDE_COUNTERS:
+        return None
+    fused_counters(xp)  # (created, and zeroed, on the current stream before anything uses them)
+    side, fork, join = _side_stream(xp)
+    fork.record(xp.cuda.get_current_stream())
+    side.wait_event(fork)
+    with side:
+        launched = _launch_epi(xp, plan, 1, h=h, side=True)
+        assert launched  # checked above: a fused twin and few enough row tiles
+        linear(h, down_proj, out=shared)
+        linear(x, expert_gate, out=sg)
+    join.record(side)
+    return shared, sg.reshape(-1), join
+
+
 def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, shared_gate_proj, shared_up_proj,
                      shared_down_proj, shared_expert_gate, shared_gate_up) -> MoEOut:
     """:func:`moe_block` on the fused decode chain (same arguments, same results bit for bit); each step whose
@@ -477,6 +528,11 @@ def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, 
     xp = same_device(x, router_weight, gate_up, down)
     T, H, E, I = _expert_shapes(x, gate_up, down)
     x = f32_contig(x, "x")
+    join = shared = sg = None
+    if SHARED_STREAM and shared_gate_proj is not None:
+        got = _shared_branch(xp, x, shared_gate_proj, shared_down_proj, shared_expert_gate, shared_gate_up)
+        if got is not None:
+            shared, sg, join = got
     r = _route_fused(xp, x, router_weight, top_k, norm_topk_prob)
     if r is None:
         logits = linear(x, router_weight)
@@ -485,11 +541,13 @@ def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, 
     else:
         logits, ids, w, route = r
     k = int(ids.shape[1])
-    shared = sg = None
-    if shared_gate_proj is not None:
+    if shared_gate_proj is not None and join is None:
         shared = f32_contig(_shared_expert_fused(xp, x, shared_gate_proj, shared_up_proj, shared_down_proj,
                                                  shared_gate_up), "shared")
         sg = f32_contig(linear(x, shared_expert_gate).reshape(-1), "shared_gate")
+    if shared is not None and (tuple(shared.shape) != (T, H) or sg.size != T):
+        raise KernelInputError(f"shared/shared_gate: expected [T={T}, H={H}] and [T, 1], found "
+                               f"{tuple(shared.shape)} / {tuple(sg.shape)}")
     S = T * k
     gu = _empty(xp, (S, 2 * I), dtype=xp.float32)
     h = _empty(xp, (S, I), dtype=xp.float32)
@@ -499,6 +557,8 @@ def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, 
         h = _swiglu(gu, I)
     y = _empty(xp, (S, H), dtype=xp.float32)
     out = _empty(xp, (T, H), dtype=xp.float32)
+    if join is not None:
+        xp.cuda.get_current_stream().wait_event(join)  # the shared expert's results, before the combine reads them
     plan = launch_plan(xp, h, None, down, H * I, y, route.tiles, S, H, I)
     if not _launch_epi(xp, plan, 2, slot_pos=route.slot_pos, rw=w, shared=shared, sgate=sg, out=out, T=T, k=k):
         _run_plan(plan)
