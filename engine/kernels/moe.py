@@ -379,9 +379,15 @@ def fused_kernel_name(kname: str, epi: int) -> tuple[str, int] | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def _fused_fn(expr: str):
-    """The compiled template instantiation ``expr`` of moe_fused.cu (one NVRTC module per expression)."""
+    """The compiled template instantiation ``expr`` of moe_fused.cu on the current device."""
+    from engine.backend import cupy_or_none
+    return _fused_fn_on(expr, cupy_or_none().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_fn_on(expr: str, device: int):
+    """One NVRTC module per (name expression, device): only the instantiations in use are compiled."""
     from engine.backend import cuda_source, cupy_or_none
     cp = cupy_or_none()
     mod = cp.RawModule(code=cuda_source("moe_fused.cu"), options=("-std=c++17",), name_expressions=(expr,))
