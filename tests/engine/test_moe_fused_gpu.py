@@ -269,6 +269,10 @@ def test_engine_decode_fused_bit_identical(monkeypatch, name):
             lg = eng.decode(seqs[:2] if len(rows) % 2 else seqs, toks[:2] if len(rows) % 2 else toks)
             rows.append(np.asarray(lg, dtype=np.float32).copy())
             toks = [int(t) for t in np.argmax(lg, -1)] + toks[len(lg):]
+        st = dict(eng.graphs.stats) if eng.graphs is not None else {}
+        # the steps really ran as CUDA graphs: a capture failure (e.g. of the side stream) would fall back to eager
+        assert st.get("captures", 0) >= 2 and st.get("failed", 1) == 0 and st.get("replays", 0) >= 2, (fused, st,
+                                                                                                       eng.graphs.failed)
         return rows
     a, b = go(False), go(True)
     for ra, rb in zip(a, b):
