@@ -34,7 +34,8 @@ from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
 
 __all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert",
-           "FUSED_DECODE", "SHARED_STREAM", "fused_kernel_name", "fused_counters"]
+           "FUSED_DECODE", "SHARED_STREAM", "fused_kernel_name", "epilogue_plan",
+           "fused_counters"]
 
 
 def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
@@ -158,12 +159,12 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
                     tiles=GroupTiles(te, ts, tc, nt, max_tiles, rpt), rows_per_tile=rpt)
 
 
-def _swiglu(gu, I: int):
+def _swiglu(gu, I: int, out=None):
     xp = same_device(gu)
     if not is_cupy(xp):
         return _ref_silu(gu[:, :I]) * gu[:, I:]
     S = gu.shape[0]
-    h = _empty(xp, (S, I), dtype=xp.float32)
+    h = _empty(xp, (S, I), dtype=xp.float32) if out is None else out
     n = S * I
     if n:
         kernel("dense_moe.cu", "moe_swiglu")((-(-n // 256),), (256,), (gu, h, np.int64(S), np.int32(I)))
@@ -428,23 +429,59 @@ def _run_plan(plan) -> None:
         kernel(fname, kname)(grid, (256, 1, 1), args)
 
 
-def _launch_epi(xp, plan, epi: int, *, h=None, slot_pos=None, rw=None, shared=None, sgate=None, out=None, T=0,
-                k=0, side: bool = False) -> bool:
+#: Largest epilogue tails run fused (elements the last block computes; unmeasured estimates: the tail costs about
+#: elements / 256 threads / 4-8 loads in flight L2 round trips, a separate launch ~3 us): SwiGLU of a column pair
+#: (rows x columns), SwiGLU of a whole row tile (rows x I), combine of a column block (tokens x columns).
+EPI_SWIGLU_PAIR_MAX, EPI_SWIGLU_TILE_MAX, EPI_COMBINE_MAX = 2048, 4096, 1024
+
+
+def epilogue_plan(kname: str, epi: int, grid, *, M: int, N: int, rows: int, T: int = 0) -> tuple[str, int, int] | None:
+    """How a fused launch of GEMV ``kname`` runs epilogue ``epi`` (pure host logic).
+
+    Args:
+        kname: the body's kernel name; epi: 1 (SwiGLU of gate/up, ``N = 2 I``) or 2 (combine, ``N = H``).
+        grid: the body's launch grid ``(x, y, 1)``; M, N: its output rows and columns.
+        rows: the most rows one tile holds (``rows_per_tile`` of a grouped launch, else ``min(M, tile rows)``).
+        T: tokens (combine).
+    Returns:
+        ``(name expression, columns per block, pair_p)`` (``pair_p`` > 0: SwiGLU per gate/up column pair, 0: per
+        tile), or None: no fused twin, or a tail above the limits (the caller runs the step unfused).
+    """
+    got = fused_kernel_name(kname, epi)
+    if got is None:
+        return None
+    expr, cols = got
+    if epi == 1:
+        I = N // 2
+        if I % cols == 0 and grid[0] == 2 * (I // cols):
+            pair = I // cols
+            ok = rows * cols <= EPI_SWIGLU_PAIR_MAX and grid[1] * pair <= _COUNTER_LEN - _SIDE_COUNTERS
+            return (expr, cols, pair) if ok else None
+        return (expr, cols, 0) if rows * I <= EPI_SWIGLU_TILE_MAX else None
+    return (expr, cols, 0) if T * cols <= EPI_COMBINE_MAX else None
+
+
+def _launch_epi(xp, plan, epi: int, *, rows: int, h=None, slot_pos=None, rw=None, shared=None, sgate=None, out=None,
+                T=0, k=0, side: bool = False) -> bool:
     """Launch ``plan``'s GEMV body followed by epilogue ``epi`` (1 SwiGLU into ``h``, 2 combine into ``out``) on the
-    current stream (``side``: the shared-expert stream's counters). Returns False (nothing launched) when the body
-    has no fused twin or the grid exceeds the counters."""
+    current stream (``side``: the shared-expert stream's counters). Returns False (nothing launched) when
+    :func:`epilogue_plan` says no or the grid exceeds the counters."""
     if plan is None:
         return False
     fname, kname, grid, args = plan
-    got = fused_kernel_name(kname, epi)
+    M, N = int(args[-3]), int(args[-2])
+    got = epilogue_plan(kname, epi, grid, M=M, N=N, rows=rows, T=T)
     cnt = fused_counters(xp)
     cnt = cnt[cnt.size - _SIDE_COUNTERS:] if side else cnt[:cnt.size - _SIDE_COUNTERS]
-    if got is None or (grid[1] if epi == 1 else grid[0]) > cnt.size:
+    if got is None:
         return False
-    expr, cols = got
+    expr, cols, pair = got
+    need = grid[1] * max(pair, 1) if epi == 1 else grid[0]
+    if need > cnt.size:
+        return False
     _fused_fn(expr)(grid, (256, 1, 1), args + (cnt, ptr_or_null(h), ptr_or_null(slot_pos), ptr_or_null(rw),
                                                 ptr_or_null(shared), ptr_or_null(sgate), ptr_or_null(out),
-                                                np.int32(T), np.int32(k), np.int32(cols)))
+                                                np.int32(T), np.int32(k), np.int32(cols), np.int32(pair)))
     return True
 
 
@@ -492,7 +529,7 @@ def _shared_expert_fused(xp, x, gate_proj, up_proj, down_proj, gate_up):
     gu = _empty(xp, (T, 2 * Is), dtype=xp.float32)
     h = _empty(xp, (T, Is), dtype=xp.float32)
     plan = launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H)
-    if not _launch_epi(xp, plan, 1, h=h):
+    if not _launch_epi(xp, plan, 1, rows=T, h=h):
         _run_plan(plan)
         h = _swiglu(gu, Is)
     return linear(h, down_proj)
@@ -512,15 +549,16 @@ def _shared_branch(xp, x, gate_proj, down_proj, expert_gate, gate_up):
     shared = _empty(xp, (T, H), dtype=xp.float32)
     sg = _empty(xp, (T, 1), dtype=xp.float32)
     plan = launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H)
-    if plan is None or fused_kernel_name(plan[1], 1) is None or plan[2][1] > _SIDE_COUNTERS:
+    if plan is None:
         return None
     fused_counters(xp)  # (created, and zeroed, on the current stream before anything uses them)
     side, fork, join = _side_stream(xp)
     fork.record(xp.cuda.get_current_stream())
     side.wait_event(fork)
-    with side:
-        launched = _launch_epi(xp, plan, 1, h=h, side=True)
-        assert launched  # checked above: a fused twin and few enough row tiles
+    with side:  # no allocation on this stream: every array above is the current stream's
+        if not _launch_epi(xp, plan, 1, rows=T, h=h, side=True):
+            _run_plan(plan)
+            _swiglu(gu, Is, out=h)
         linear(h, down_proj, out=shared)
         linear(x, expert_gate, out=sg)
     join.record(side)
@@ -558,7 +596,7 @@ def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, 
     gu = _empty(xp, (S, 2 * I), dtype=xp.float32)
     h = _empty(xp, (S, I), dtype=xp.float32)
     plan = launch_plan(xp, x, route.sorted_token, gate_up, 2 * I * H, gu, route.tiles, S, 2 * I, H)
-    if not _launch_epi(xp, plan, 1, h=h):
+    if not _launch_epi(xp, plan, 1, rows=route.rows_per_tile, h=h):
         _run_plan(plan)
         h = _swiglu(gu, I)
     y = _empty(xp, (S, H), dtype=xp.float32)
@@ -566,7 +604,8 @@ def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, 
     if join is not None:
         xp.cuda.get_current_stream().wait_event(join)  # the shared expert's results, before the combine reads them
     plan = launch_plan(xp, h, None, down, H * I, y, route.tiles, S, H, I)
-    if not _launch_epi(xp, plan, 2, slot_pos=route.slot_pos, rw=w, shared=shared, sgate=sg, out=out, T=T, k=k):
+    if not _launch_epi(xp, plan, 2, rows=route.rows_per_tile, slot_pos=route.slot_pos, rw=w, shared=shared,
+                       sgate=sg, out=out, T=T, k=k):
         _run_plan(plan)
         out = _combine(y, route, w, shared, sg, T=T, k=k, H=H)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

@@ -56,6 +56,28 @@ def test_every_decode_gemv_has_a_fused_twin_with_the_same_column_blocks():
         assert M.fused_kernel_name(name, 1) is None and M.fused_kernel_name(name, 2) is None
 
 
+def test_epilogue_plan_geometry_and_the_batch_1_chain_fully_fused():
+    """SwiGLU per column pair only where the pair geometry holds (I a multiple of the block's columns, grid x = 2
+    pairs); at the real widths and one token every epilogue of every format is fused."""
+    for kind, name, N, gx in _decode_choices():
+        if N % 2:
+            continue
+        got = M.epilogue_plan(name, 1, (gx, 4, 1), M=4, N=N, rows=1)
+        if got is not None and got[2]:
+            assert (N // 2) % got[1] == 0 and gx == 2 * got[2], (name, N, gx, got)
+    # real widths, T = 1: shared gate/up (dense, 1 row), routed gate/up (20 tiles of 1 row), routed down (combine)
+    mt = 10 // 1 + 10
+    for fmt in ("bf16", "fp8", "nvfp4", "f32"):
+        for N, K, gy, epi in ((1280, 2560, 1, 1), (1280, 2560, mt, 1), (2560, 640, mt, 2)):
+            if fmt in ("bf16", "f32"):
+                name, gx = L.dense_kernel_choice(fmt, 1, N, K, gy, sms=132)[1:]
+            else:
+                name, gx = L.quant_kernel_choice(fmt, 1, N, K, gy, vec=True, sms=132)
+            assert M.epilogue_plan(name, epi, (gx, gy, 1), M=gy, N=N, rows=1, T=1) is not None, (fmt, N, epi, name)
+    # a tail above the limit is refused (runs unfused): 16 tokens x 128 columns of a tensor-core down launch
+    assert M.epilogue_plan("gemv_bf16_mma_nt8_ks1_mt1_sx", 2, (20, 200, 1), M=160, N=2560, rows=4, T=16) is None
+
+
 def _real_width_exprs():
     """The expressions a real-width block (H 2560, E 512, I 640, top-10, shared 640) and the GPU tests' shapes use."""
     exprs = set()

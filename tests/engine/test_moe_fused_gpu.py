@@ -120,6 +120,8 @@ def test_fused_bit_identical_to_unfused(rng, monkeypatch, shape, fmt, T, side):
     if shape == "narrow" and fmt in ("f32", "fp8"):
         pytest.skip("narrow shape: bf16 and nvfp4 cover the split-K epilogues (keeps the compile count down)")
     monkeypatch.setattr(M, "SHARED_STREAM", side)
+    for lim in ("EPI_SWIGLU_PAIR_MAX", "EPI_SWIGLU_TILE_MAX", "EPI_COMBINE_MAX"):  # every tail fused, however long
+        monkeypatch.setattr(M, lim, 1 << 30)
     W, k = weights(rng, fmt, **SHAPES[shape])
     x = cp.asarray(rng.standard_normal((T, SHAPES[shape]["H"])).astype(np.float32))
     ref, fused, log = both(monkeypatch, W, k, x)
@@ -148,8 +150,21 @@ def test_fused_fallbacks_stay_bit_identical(rng, monkeypatch, T):
     W, k = weights(rng, "bf16", **SHAPES["wide"], router_bf16=True)
     x = cp.asarray(rng.standard_normal((T, 256)).astype(np.float32))
     ref, fused, log = both(monkeypatch, W, k, x, stacked=False)
-    assert log[0] == ("route", T == 1) and ("epi2", True) in log, log
+    assert log[0] == ("route", T == 1) and ("epi1", True) in log, log
     check_same(ref, fused)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_fused_default_tail_limits_at_16_tokens(rng, monkeypatch, fmt):
+    """At 16 tokens the default limits leave some epilogues unfused (epilogue_plan): the mix is still bit for bit,
+    on both stream modes."""
+    W, k = weights(rng, fmt, **SHAPES["wide"])
+    x = cp.asarray(rng.standard_normal((16, 256)).astype(np.float32))
+    for side in (True, False):
+        monkeypatch.setattr(M, "SHARED_STREAM", side)
+        ref, fused, log = both(monkeypatch, W, k, x)
+        assert ("route", True) in log, log
+        check_same(ref, fused)
 
 
 @pytest.mark.parametrize("side", [True, False], ids=["shared-stream", "one-stream"])

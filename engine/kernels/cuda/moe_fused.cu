@@ -190,36 +190,80 @@ __global__ void __launch_bounds__(256) moe_route(const float* X, const WT* W, fl
                      tile_expert, tile_start, tile_count, n_tiles);
 }
 
-// Epilogues (see the header). TM: the body's rows per tile (its resolve_tile argument).
+// Epilogues (see the header). TM: the body's rows per tile (its resolve_tile argument). cols_per_block: output
+// columns of one grid-x block of the body. pair_p (SwiGLU): > 0 when I is a multiple of cols_per_block, then the
+// gate columns of grid-x block b and the up columns of block b + pair_p are the same features and the second of
+// the two to finish does their SwiGLU (small, parallel tails); 0: the last of the tile's blocks does the whole tile.
 #define MOE_EPI_PARAMS                                                                                         \
     int *counter, float *h, const int *slot_pos, const float *rw, const float *shared, const float *sgate,    \
-        float *out, int T, int k, int cols_per_block
+        float *out, int T, int k, int cols_per_block, int pair_p
+
+// h[s, c] = silu(Y[s, c]) * Y[s, I + c] for rows [s0, s0 + rows), columns [c0, c0 + nc); 4 elements' loads in flight
+__device__ __forceinline__ void moe_swiglu_rows(const float* Y, float* h, int I, int s0, int rows, int c0, int nc) {
+    const int n = rows * nc;
+    for (int i0 = threadIdx.x; i0 < n; i0 += 4 * blockDim.x) {
+        float g[4], u[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int i = i0 + q * blockDim.x;
+            if (i < n) {
+                const long long s = s0 + i / nc;
+                const int c = c0 + i % nc;
+                g[q] = __ldcg(Y + s * 2 * I + c);
+                u[q] = __ldcg(Y + s * 2 * I + I + c);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int i = i0 + q * blockDim.x;
+            if (i < n) {
+                const long long s = s0 + i / nc;
+                const int c = c0 + i % nc;
+                h[s * I + c] = (g[q] / (1.f + expf(-g[q]))) * u[q];  // dense_moe.cu moe_swiglu
+            }
+        }
+    }
+}
 
 template <int EPI, int TM>
 __device__ __forceinline__ void moe_epilogue(const float* Y, int M, int N, const int* tile_expert,
                                              const int* tile_start, const int* tile_count, const int* n_tiles,
                                              MOE_EPI_PARAMS) {
-    if (EPI == 1) {  // SwiGLU of the row tile blockIdx.y once all its column blocks are done
-        if (!moe_last_block(counter + blockIdx.y, gridDim.x)) return;
+    if (EPI == 1) {
+        const int I = N / 2;
         int start, count;
         long long e;
-        if (!resolve_tile(blockIdx.y, TM, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
-        const int I = N / 2;
-        for (int i = threadIdx.x; i < count * I; i += blockDim.x) {
-            const long long s = start + i / I;
-            const int c = i % I;
-            const float g = __ldcg(Y + s * 2 * I + c), u = __ldcg(Y + s * 2 * I + I + c);
-            h[s * I + c] = (g / (1.f + expf(-g))) * u;  // dense_moe.cu moe_swiglu
+        if (pair_p > 0) {  // SwiGLU of one column pair of row tile blockIdx.y once both blocks are done
+            const int b = blockIdx.x % pair_p;
+            if (!moe_last_block(counter + (long long)blockIdx.y * pair_p + b, 2)) return;
+            if (!resolve_tile(blockIdx.y, TM, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+            const int c0 = b * cols_per_block;
+            moe_swiglu_rows(Y, h, I, start, count, c0, min(cols_per_block, I - c0));
+        } else {  // SwiGLU of the row tile blockIdx.y once all its column blocks are done
+            if (!moe_last_block(counter + blockIdx.y, gridDim.x)) return;
+            if (!resolve_tile(blockIdx.y, TM, M, tile_expert, tile_start, tile_count, n_tiles, start, count, e)) return;
+            moe_swiglu_rows(Y, h, I, start, count, 0, I);
         }
     } else if (EPI == 2) {  // combine of the columns of column block blockIdx.x once all its tiles are done
         if (!moe_last_block(counter + blockIdx.x, gridDim.y)) return;
         const int n0 = blockIdx.x * cols_per_block, n1 = min(N, n0 + cols_per_block), nc = n1 - n0;
         for (int i = threadIdx.x; i < T * nc; i += blockDim.x) {
             const int t = i / nc, n = n0 + i % nc;
-            float acc = 0.f;  // dense_moe.cu moe_combine, slots in order j
-            for (int j = 0; j < k; ++j) {
-                int p = slot_pos[t * k + j];
-                if (p >= 0) acc += __ldcg(Y + (long long)p * N + n) * rw[t * k + j];
+            float acc = 0.f;  // dense_moe.cu moe_combine: acc += Y[pos] * w in slot order j (8 slots' loads in flight)
+            for (int j0 = 0; j0 < k; j0 += 8) {
+                float yv[8], wv[8];
+                bool ok[8];
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    const int j = j0 + q;
+                    const int p = j < k ? slot_pos[t * k + j] : -1;
+                    ok[q] = p >= 0;
+                    yv[q] = ok[q] ? __ldcg(Y + (long long)p * N + n) : 0.f;
+                    wv[q] = ok[q] ? rw[t * k + j] : 0.f;
+                }
+#pragma unroll
+                for (int q = 0; q < 8; ++q)
+                    if (ok[q]) acc += yv[q] * wv[q];
             }
             if (shared != nullptr) {
                 float g = sgate[t];
@@ -232,7 +276,7 @@ __device__ __forceinline__ void moe_epilogue(const float* Y, int M, int N, const
 
 #define MOE_EPI_PASS(TM)                                                                                      \
     moe_epilogue<EPI, TM>(Y, M, N, tile_expert, tile_start, tile_count, n_tiles, counter, h, slot_pos, rw,    \
-                          shared, sgate, out, T, k, cols_per_block)
+                          shared, sgate, out, T, k, cols_per_block, pair_p)
 
 template <int EPI, typename WT, int NT, int R, int KS, bool VEC>
 __global__ void __launch_bounds__(256) moe_gemv_dense(const float* X, const int* row_index, const WT* W,
