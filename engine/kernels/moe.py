@@ -401,12 +401,24 @@ _COUNTERS: dict = {}
 def fused_counters(xp):
     """The device's int32 ``[65536]`` handshake counters of the fused kernels (zero between launches: every
     kernel's last blocks reset the entries they used; the shared-expert stream uses the last 1024, so its launches
-    may overlap the main stream's). Allocated (zeroed) on first use, which must not be inside a CUDA-graph capture
-    (an eager step comes first in the engine and the tests)."""
+    may overlap the main stream's). Allocated outside any memory pool (so no graph's private pool owns them) and
+    zeroed on first use, which must be eager (the engine and the tests run an eager step before capturing).
+
+    Raises:
+        KernelInputError: first use inside a CUDA-graph capture.
+    """
     dev = xp.cuda.Device().id
     c = _COUNTERS.get(dev)
     if c is None:
-        c = _COUNTERS[dev] = xp.zeros(_COUNTER_LEN, dtype=xp.int32)
+        stream = xp.cuda.get_current_stream()
+        if stream.is_capturing():
+            raise KernelInputError("fused MoE chain: expected an eager call before any CUDA-graph capture (it creates "
+                                   "the handshake counters), found a capture first")
+        mem = xp.cuda.Memory(_COUNTER_LEN * 4)
+        c = xp.ndarray((_COUNTER_LEN,), dtype=xp.int32, memptr=xp.cuda.MemoryPointer(mem, 0))
+        c.fill(0)
+        stream.synchronize()
+        _COUNTERS[dev] = c
     return c
 
 
