@@ -41,6 +41,31 @@ def experts(cp, fmt, N, K):
     return QuantWeight("nvfp4", (E, N, K), q, sc, s2, s2_rows=N // 2)
 
 
+def graph_nodes(g):
+    """Kernel / memset / other nodes of captured graph ``g`` (best effort through the CUDA runtime the process has
+    loaded; None when cupy's Graph does not expose its cudaGraph_t or the runtime is not found)."""
+    import ctypes
+    try:
+        handle = getattr(g, "graph", None)
+        path = next((ln.split()[-1] for ln in open("/proc/self/maps") if "libcudart.so" in ln), None)
+        if not handle or path is None:
+            return None
+        lib = ctypes.CDLL(path)
+        n = ctypes.c_size_t(0)
+        if lib.cudaGraphGetNodes(ctypes.c_void_p(int(handle)), None, ctypes.byref(n)) != 0:
+            return None
+        nodes = (ctypes.c_void_p * n.value)()
+        lib.cudaGraphGetNodes(ctypes.c_void_p(int(handle)), nodes, ctypes.byref(n))
+        kinds = {}
+        for nd in nodes:
+            t = ctypes.c_int(-1)
+            lib.cudaGraphNodeGetType(ctypes.c_void_p(nd), ctypes.byref(t))
+            kinds[t.value] = kinds.get(t.value, 0) + 1
+        return {"kernel": kinds.get(0, 0), "memset": kinds.get(2, 0), "other": n.value - kinds.get(0, 0) - kinds.get(2, 0)}
+    except Exception:  # a dev tool: the count is optional
+        return None
+
+
 def graph_us(cp, fn, reps):
     fn()
     fn()
@@ -61,7 +86,7 @@ def graph_us(cp, fn, reps):
         a1.record(s)
         a1.synchronize()
         ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
-    return float(np.median(ts)), out
+    return float(np.median(ts)), out, graph_nodes(g)
 
 
 def main():
@@ -94,12 +119,13 @@ def main():
                                                  ("fused_stream_all_tails", True, True, True)):
                 M.FUSED_DECODE, M.SHARED_STREAM = fused, side
                 M.EPI_SWIGLU_PAIR_MAX, M.EPI_SWIGLU_TILE_MAX, M.EPI_COMBINE_MAX = (1 << 30,) * 3 if unlimited else limits
-                us, out = graph_us(cp, block, args.reps)
-                res[name] = (us, cp.asnumpy(out.out).view(np.uint32).copy(), cp.asnumpy(out.topk_ids))
+                us, out, nodes = graph_us(cp, block, args.reps)
+                res[name] = (us, cp.asnumpy(out.out).view(np.uint32).copy(), cp.asnumpy(out.topk_ids), nodes)
             M.FUSED_DECODE, M.SHARED_STREAM = False, True
             M.EPI_SWIGLU_PAIR_MAX, M.EPI_SWIGLU_TILE_MAX, M.EPI_COMBINE_MAX = limits
             u = res["unfused"]
-            row = {"format": fmt, "tokens": T, "unfused_us": round(u[0], 1)}
+            row = {"format": fmt, "tokens": T, "unfused_us": round(u[0], 1),
+                   "graph_nodes": {name: v[3] for name, v in res.items()}}
             for name in ("fused", "fused_stream", "fused_stream_all_tails"):
                 v = res[name]
                 row[name + "_us"] = round(v[0], 1)
@@ -114,6 +140,9 @@ def main():
                   f"exact={row['fused_stream_bit_identical']} | all tails fused {row['fused_stream_all_tails_us']:7.1f} "
                   f"us exact={row['fused_stream_all_tails_bit_identical']} | 48 layers: -{row['x48_layers_saved_ms']} ms",
                   flush=True)
+            print(f"  graph nodes (kernel / memset / other): " + "; ".join(
+                f"{name} " + ("n/a" if v[3] is None else f"{v[3]['kernel']} / {v[3]['memset']} / {v[3]['other']}")
+                for name, v in res.items()), flush=True)
         del gu, dn
         cp.get_default_memory_pool().free_all_blocks()
         print(f"  ({fmt}: {time.perf_counter() - t0:.1f} s incl. weights and compiles)", flush=True)
