@@ -140,10 +140,10 @@ def main():
                   f"exact={row['fused_stream_bit_identical']} | all tails fused {row['fused_stream_all_tails_us']:7.1f} "
                   f"us exact={row['fused_stream_all_tails_bit_identical']} | 48 layers: -{row['x48_layers_saved_ms']} ms",
                   flush=True)
-            print(f"  graph nodes (kernel / memset / other): " + "; ".join(
+            print("  graph nodes (kernel / memset / other): " + "; ".join(
                 f"{name} " + ("n/a" if v[3] is None else f"{v[3]['kernel']} / {v[3]['memset']} / {v[3]['other']}")
                 for name, v in res.items()), flush=True)
-        del gu, dn
+        gu = dn = None  # (freed before the next format is built)
         cp.get_default_memory_pool().free_all_blocks()
         print(f"  ({fmt}: {time.perf_counter() - t0:.1f} s incl. weights and compiles)", flush=True)
     print("JSON " + json.dumps(rows))

@@ -287,7 +287,7 @@ def test_engine_decode_fused_bit_identical(monkeypatch, name):
         st = dict(eng.graphs.stats) if eng.graphs is not None else {}
         # the steps really ran as CUDA graphs: a capture failure (e.g. of the side stream) would fall back to eager
         assert st.get("captures", 0) >= 2 and st.get("failed", 1) == 0 and st.get("replays", 0) >= 2, (fused, st,
-                                                                                                       eng.graphs.failed)
+                                                                                                       getattr(eng.graphs, "failed", None))
         return rows
     a, b = go(False), go(True)
     for ra, rb in zip(a, b):
