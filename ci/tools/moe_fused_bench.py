@@ -147,7 +147,13 @@ def main():
         cp.get_default_memory_pool().free_all_blocks()
         print(f"  ({fmt}: {time.perf_counter() - t0:.1f} s incl. weights and compiles)", flush=True)
     print("JSON " + json.dumps(rows))
+    bad = [(r["format"], r["tokens"], n) for r in rows for n in ("fused", "fused_stream", "fused_stream_all_tails")
+           if not r[n + "_bit_identical"]]
+    if bad:
+        print(f"NOT bit-identical to the unfused chain: {bad}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
