@@ -2,10 +2,11 @@
 
 One MoE block at the real widths (hidden 2560, 512 experts of intermediate 640, top-10, shared expert 640), random
 weights built on the device: routed experts BF16, FP8 (E4M3 codes, 128x128 scales) or NVFP4 (E2M1 codes, E4M3
-per-16 scales, two global scales per expert), router float32, shared expert BF16 (the engine's layouts). Each
-chain (unfused; fused on one stream; fused with the shared expert on a forked stream; the same with every epilogue
-tail fused whatever its length: the probe for moe.EPI_*_MAX) is captured alone as a CUDA
-graph and replayed (median of --reps replays, device events); the chains' outputs are compared bit for bit.
+per-16 scales, two global scales per expert), router float32, shared expert BF16 (the engine's layouts). Chains:
+unfused; the decode chain (moe.FUSED_DECODE: route block, shared-expert stream, combine with loads in flight); the
+same on one stream; the decode chain with the handshake epilogues (moe.GEMV_EPILOGUES). Each is captured alone as
+a CUDA graph and replayed (median of --reps replays, device events); outputs are compared bit for bit with the
+unfused chain's (exit status 1 if any differs); the graphs' kernel / memset / other node counts are printed.
 
 Usage: python ci/tools/moe_fused_bench.py [--formats bf16 nvfp4 fp8] [--tokens 1 16] [--reps 50]
 """
@@ -113,33 +114,26 @@ def main():
                 return M.moe_block(x, router, gu, dn, top_k=K_TOP, shared_gate_proj=sg, shared_up_proj=su,
                                    shared_down_proj=sd, shared_expert_gate=sgate, shared_gate_up=sgu)
             res = {}
-            limits = (M.EPI_SWIGLU_PAIR_MAX, M.EPI_SWIGLU_TILE_MAX, M.EPI_COMBINE_MAX)
-            for name, fused, side, unlimited in (("unfused", False, False, False), ("fused", True, False, False),
-                                                 ("fused_stream", True, True, False),
-                                                 ("fused_stream_all_tails", True, True, True)):
-                M.FUSED_DECODE, M.SHARED_STREAM = fused, side
-                M.EPI_SWIGLU_PAIR_MAX, M.EPI_SWIGLU_TILE_MAX, M.EPI_COMBINE_MAX = (1 << 30,) * 3 if unlimited else limits
+            variants = (("unfused", False, True, False), ("chain", True, True, False),
+                        ("chain_one_stream", True, False, False), ("epilogues", True, True, True))
+            for name, fused, side, epi in variants:
+                M.FUSED_DECODE, M.SHARED_STREAM, M.GEMV_EPILOGUES = fused, side, epi
                 us, out, nodes = graph_us(cp, block, args.reps)
                 res[name] = (us, cp.asnumpy(out.out).view(np.uint32).copy(), cp.asnumpy(out.topk_ids), nodes)
-            M.FUSED_DECODE, M.SHARED_STREAM = False, True
-            M.EPI_SWIGLU_PAIR_MAX, M.EPI_SWIGLU_TILE_MAX, M.EPI_COMBINE_MAX = limits
+            M.FUSED_DECODE, M.SHARED_STREAM, M.GEMV_EPILOGUES = False, True, False
             u = res["unfused"]
             row = {"format": fmt, "tokens": T, "unfused_us": round(u[0], 1),
                    "graph_nodes": {name: v[3] for name, v in res.items()}}
-            for name in ("fused", "fused_stream", "fused_stream_all_tails"):
+            for name, *_ in variants[1:]:
                 v = res[name]
                 row[name + "_us"] = round(v[0], 1)
                 row[name + "_speedup"] = round(u[0] / v[0], 2)
                 row[name + "_bit_identical"] = bool(np.array_equal(u[1], v[1]) and np.array_equal(u[2], v[2]))
-            best = min(res["fused"][0], res["fused_stream"][0])  # the defaults (all tails: a tuning probe)
-            row["x48_layers_saved_ms"] = round(48 * (u[0] - best) / 1e3, 2)
+            row["x48_layers_saved_ms"] = round(48 * (u[0] - res["chain"][0]) / 1e3, 2)
+            print(f"moe_block {fmt:5s} T={T:2d}: unfused {u[0]:6.1f} us | " + " | ".join(
+                f"{name} {row[name + '_us']:6.1f} us x{row[name + '_speedup']:.2f} exact={row[name + '_bit_identical']}"
+                for name, *_ in variants[1:]) + f" | chain, 48 layers: {-row['x48_layers_saved_ms']:+.2f} ms", flush=True)
             rows.append(row)
-            print(f"moe_block {fmt:5s} T={T:2d}: unfused {row['unfused_us']:7.1f} us | fused {row['fused_us']:7.1f} us"
-                  f" x{row['fused_speedup']:.2f} exact={row['fused_bit_identical']} | fused+shared-stream "
-                  f"{row['fused_stream_us']:7.1f} us x{row['fused_stream_speedup']:.2f} "
-                  f"exact={row['fused_stream_bit_identical']} | all tails fused {row['fused_stream_all_tails_us']:7.1f} "
-                  f"us exact={row['fused_stream_all_tails_bit_identical']} | 48 layers: -{row['x48_layers_saved_ms']} ms",
-                  flush=True)
             print("  graph nodes (kernel / memset / other): " + "; ".join(
                 f"{name} " + ("n/a" if v[3] is None else f"{v[3]['kernel']} / {v[3]['memset']} / {v[3]['other']}")
                 for name, v in res.items()), flush=True)
@@ -147,7 +141,7 @@ def main():
         cp.get_default_memory_pool().free_all_blocks()
         print(f"  ({fmt}: {time.perf_counter() - t0:.1f} s incl. weights and compiles)", flush=True)
     print("JSON " + json.dumps(rows))
-    bad = [(r["format"], r["tokens"], n) for r in rows for n in ("fused", "fused_stream", "fused_stream_all_tails")
+    bad = [(r["format"], r["tokens"], n) for r in rows for n in ("chain", "chain_one_stream", "epilogues")
            if not r[n + "_bit_identical"]]
     if bad:
         print(f"NOT bit-identical to the unfused chain: {bad}")

@@ -34,7 +34,7 @@ from reference.blocks.norms import sigmoid as _ref_sigmoid
 from reference.blocks.norms import silu as _ref_silu
 
 __all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert",
-           "FUSED_DECODE", "SHARED_STREAM", "fused_kernel_name", "epilogue_plan",
+           "FUSED_DECODE", "SHARED_STREAM", "GEMV_EPILOGUES", "fused_kernel_name", "epilogue_plan",
            "fused_counters"]
 
 
@@ -329,17 +329,24 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 # ---------------------------------------------------------------------------------------------------------------
 # Fused decode chain (cuda/moe_fused.cu)
 
-#: The fused decode chain of the MoE block for 1..16 tokens (cupy, no expert parallelism; ``cuda/moe_fused.cu``):
-#: router GEMV + top-k + route tables in one launch, SwiGLU in the epilogue of the routed and the shared gate/up
-#: launches, the weighted combine (+ gated shared expert) in the epilogue of the grouped down launch: 6 launches
-#: instead of 12 and a memset, results bit-identical to the unfused chain. Off unless ``$QWEN4EXP_MOE_FUSED=1``
-#: (read once, at import; tests and the profile tools set this flag) until measured on the GPU.
+#: The decode chain of the MoE block for 1..16 tokens (cupy, no expert parallelism): top-k + route tables in one
+#: single-block launch after the router GEMV (``cuda/moe_route.cu``, in place of router_topk + memset + moe_tables),
+#: the shared expert as a parallel branch on a side stream (:data:`SHARED_STREAM`), the combine with all its loads in
+#: flight; results bit-identical to the unfused chain. Off unless ``$QWEN4EXP_MOE_FUSED=1`` (read once, at import;
+#: tests and the profile tools set this flag) until measured faster on the GPU (docs/kernels_moe_fused.md).
 FUSED_DECODE = os.environ.get("QWEN4EXP_MOE_FUSED", "0").strip() == "1"
 
 #: With :data:`FUSED_DECODE`: the shared expert (gate/up + SwiGLU, down, its gate) runs on a second stream forked
 #: from and joined back into the caller's, so a CUDA graph holds it as a parallel branch beside the router and
 #: the routed gate/up (same kernels and inputs: same bits). ``$QWEN4EXP_MOE_SHARED_STREAM=0`` turns it off.
 SHARED_STREAM = os.environ.get("QWEN4EXP_MOE_SHARED_STREAM", "1").strip() != "0"
+
+#: With :data:`FUSED_DECODE`: SwiGLU, combine and top-k in the epilogues of the GEMV launches, through a grid-wide
+#: "last block" handshake (``cuda/moe_fused.cu``). Bit-exact, but measured SLOWER on the H200 (2026-12-02,
+#: ``ci/tools/moe_fused_bench.py``, one real-width block as a CUDA graph: BF16 73.6 -> 87.3 us at 1 token, NVFP4
+#: 709.8 -> 901.9 us at 16): the handshake lengthens every block of the big GEMVs by more than the launches it
+#: saves. Off (``$QWEN4EXP_MOE_EPILOGUES=1`` turns it on, for tuning).
+GEMV_EPILOGUES = os.environ.get("QWEN4EXP_MOE_EPILOGUES", "0").strip() == "1"
 
 _DENSE_RE = re.compile(r"^gemv_(bf16|f32)_nt(\d+)_r(\d+)_ks(\d+)_([vs])$")
 _MMA_RE = re.compile(r"^gemv_bf16_mma_nt(\d+)_ks(\d+)_mt1(_sx)?$")
@@ -532,25 +539,73 @@ def _route_fused(xp, x, router_weight, top_k: int, norm_topk_prob: bool):
     return logits, ids, w, route
 
 
+def _route_block(xp, logits, top_k: int, norm_topk_prob: bool):
+    """Top-k + route tables of ``logits [T, E]`` in one single-block launch (``moe_route.cu``: bit-identical to
+    :func:`router_topk` + :func:`moe_route_tables`); None when ``top_k`` or ``E`` do not fit its shared memory."""
+    T, E = logits.shape
+    k = int(top_k)
+    nw = min(16, T, (48 * 1024) // (4 * E))  # one warp per token, W * E floats of shared memory
+    if not (1 <= k <= min(E, 64)) or nw < 1:
+        return None
+    S = T * k
+    rpt = _rows_per_tile(T, k, E)
+    max_tiles = S // rpt + min(E, S)
+    ids = _empty(xp, (T, k), dtype=xp.int32)
+    w = _empty(xp, (T, k), dtype=xp.float32)
+    offsets = _empty(xp, E + 1, dtype=xp.int32)
+    sorted_token = _empty(xp, S, dtype=xp.int32)
+    slot_pos = _empty(xp, S, dtype=xp.int32)
+    te, ts, tc = (_empty(xp, max_tiles, dtype=xp.int32) for _ in range(3))
+    nt = _empty(xp, 1, dtype=xp.int32)  # written by the kernel (no memset)
+    kernel("moe_route.cu", "moe_route_block")(
+        (1,), (32 * nw,), (f32_contig(logits, "logits"), np.int32(T), np.int32(E), np.int32(k),
+                           np.int32(1 if norm_topk_prob else 0), np.int32(rpt), ids, w, offsets, sorted_token,
+                           slot_pos, te, ts, tc, nt), shared_mem=nw * E * 4)
+    return ids, w, MoERoute(offsets=offsets, sorted_token=sorted_token, slot_pos=slot_pos,
+                            tiles=GroupTiles(te, ts, tc, nt, max_tiles, rpt), rows_per_tile=rpt)
+
+
+def _combine_fast(xp, y, route: MoERoute, weights, shared, shared_gate, *, T: int, k: int, H: int, out=None):
+    """:func:`_combine` (same expression and order, bit for bit) with every slot's load in flight
+    (``moe_route.cu:moe_combine_ilp``)."""
+    out = _empty(xp, (T, H), dtype=xp.float32) if out is None else out
+    n = T * H
+    if n:
+        kernel("moe_route.cu", "moe_combine_ilp")(
+            (-(-n // 256),), (256,), (y, route.slot_pos, f32_contig(weights, "weights"), ptr_or_null(shared),
+                                      ptr_or_null(shared_gate), out, np.int32(T), np.int32(k), np.int32(H)))
+    return out
+
+
+def _gate_up_swiglu(xp, plan, gu, h, I: int, *, rows: int, side: bool = False) -> None:
+    """The gate/up launch ``plan`` (into ``gu``) and ``h = silu(gate) * up``: in the launch's epilogue when
+    :data:`GEMV_EPILOGUES` allows it, else the launch then the SwiGLU kernel (into ``h``, no allocation)."""
+    if not (GEMV_EPILOGUES and _launch_epi(xp, plan, 1, rows=rows, h=h, side=side)):
+        _run_plan(plan)
+        _swiglu(gu, I, out=h)
+
+
 def _shared_expert_fused(xp, x, gate_proj, up_proj, down_proj, gate_up):
-    """:func:`shared_expert` with the SwiGLU in the stacked gate/up launch's epilogue (unfused when not stacked)."""
+    """:func:`shared_expert` through :func:`_gate_up_swiglu` (the unfused :func:`shared_expert` when not stacked)."""
     T, H = x.shape
     Is = int(gate_proj.shape[0])
     if gate_up is None or tuple(gate_up.shape) != (2 * Is, H) or gate_proj.ndim != 2 or gate_proj.shape[1] != H:
         return shared_expert(x, gate_proj, up_proj, down_proj, gate_up=gate_up)
     gu = _empty(xp, (T, 2 * Is), dtype=xp.float32)
     h = _empty(xp, (T, Is), dtype=xp.float32)
-    plan = launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H)
-    if not _launch_epi(xp, plan, 1, rows=T, h=h):
-        _run_plan(plan)
-        h = _swiglu(gu, Is)
+    _gate_up_swiglu(xp, launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H), gu, h, Is, rows=T)
     return linear(h, down_proj)
 
 
 def _shared_branch(xp, x, gate_proj, down_proj, expert_gate, gate_up):
-    """Launch the shared expert on the side stream (fork from the current stream; every array allocated before the
-    fork, on the current stream). Returns ``(shared [T, H], gate [T], join event)`` or None (nothing launched) when
-    a step has no fused twin or the shapes do not fit; the caller waits on the join event before reading them."""
+    """Launch the shared expert on the side stream, forked from the current stream. Every array it touches is
+    allocated before the fork, on the current stream, and returned in ``keep``: the caller holds ``keep`` until it
+    has waited on the join event (freed earlier, the memory pool would hand those blocks to the current stream's
+    next allocations while the side stream may still use them: a race in eager runs and in graph replays).
+
+    Returns:
+        ``(shared [T, H], gate [T], join event, keep)`` or None (nothing launched) when the shapes do not fit.
+    """
     T, H = x.shape
     Is = int(gate_proj.shape[0])
     if (gate_up is None or tuple(gate_up.shape) != (2 * Is, H) or down_proj.ndim != 2 or tuple(down_proj.shape) !=
@@ -567,33 +622,38 @@ def _shared_branch(xp, x, gate_proj, down_proj, expert_gate, gate_up):
     side, fork, join = _side_stream(xp)
     fork.record(xp.cuda.get_current_stream())
     side.wait_event(fork)
-    with side:  # no allocation on this stream: every array above is the current stream's
-        if not _launch_epi(xp, plan, 1, rows=T, h=h, side=True):
-            _run_plan(plan)
-            _swiglu(gu, Is, out=h)
+    with side:  # no allocation on this stream
+        _gate_up_swiglu(xp, plan, gu, h, Is, rows=T, side=True)
         linear(h, down_proj, out=shared)
         linear(x, expert_gate, out=sg)
     join.record(side)
-    return shared, sg.reshape(-1), join
+    return shared, sg.reshape(-1), join, (x, gu, h, shared, sg)
 
 
 def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, shared_gate_proj, shared_up_proj,
                      shared_down_proj, shared_expert_gate, shared_gate_up) -> MoEOut:
-    """:func:`moe_block` on the fused decode chain (same arguments, same results bit for bit); each step whose
-    launch has no fused twin runs unfused."""
+    """:func:`moe_block` on the decode chain (same arguments, same results bit for bit): the router GEMV, then
+    top-k + tables in one launch (:func:`_route_block`), the shared expert on the side stream
+    (:data:`SHARED_STREAM`), the routed gate/up + SwiGLU and down, and the combine with every load in flight;
+    with :data:`GEMV_EPILOGUES` the handshake variants of moe_fused.cu instead. A step that does not fit runs
+    unfused."""
     xp = same_device(x, router_weight, gate_up, down)
     T, H, E, I = _expert_shapes(x, gate_up, down)
     x = f32_contig(x, "x")
-    join = shared = sg = None
+    join = shared = sg = keep = None
     if SHARED_STREAM and shared_gate_proj is not None:
         got = _shared_branch(xp, x, shared_gate_proj, shared_down_proj, shared_expert_gate, shared_gate_up)
         if got is not None:
-            shared, sg, join = got
-    r = _route_fused(xp, x, router_weight, top_k, norm_topk_prob)
+            shared, sg, join, keep = got
+    r = _route_fused(xp, x, router_weight, top_k, norm_topk_prob) if GEMV_EPILOGUES else None
     if r is None:
         logits = linear(x, router_weight)
-        ids, w = router_topk(logits, top_k, norm_topk_prob)
-        route = moe_route_tables(ids, E)
+        got = _route_block(xp, logits, top_k, norm_topk_prob)
+        if got is None:
+            ids, w = router_topk(logits, top_k, norm_topk_prob)
+            route = moe_route_tables(ids, E)
+        else:
+            ids, w, route = got
     else:
         logits, ids, w, route = r
     k = int(ids.shape[1])
@@ -607,17 +667,16 @@ def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, 
     S = T * k
     gu = _empty(xp, (S, 2 * I), dtype=xp.float32)
     h = _empty(xp, (S, I), dtype=xp.float32)
-    plan = launch_plan(xp, x, route.sorted_token, gate_up, 2 * I * H, gu, route.tiles, S, 2 * I, H)
-    if not _launch_epi(xp, plan, 1, rows=route.rows_per_tile, h=h):
-        _run_plan(plan)
-        h = _swiglu(gu, I)
+    _gate_up_swiglu(xp, launch_plan(xp, x, route.sorted_token, gate_up, 2 * I * H, gu, route.tiles, S, 2 * I, H), gu,
+                    h, I, rows=route.rows_per_tile)
     y = _empty(xp, (S, H), dtype=xp.float32)
     out = _empty(xp, (T, H), dtype=xp.float32)
     if join is not None:
         xp.cuda.get_current_stream().wait_event(join)  # the shared expert's results, before the combine reads them
     plan = launch_plan(xp, h, None, down, H * I, y, route.tiles, S, H, I)
-    if not _launch_epi(xp, plan, 2, rows=route.rows_per_tile, slot_pos=route.slot_pos, rw=w, shared=shared,
-                       sgate=sg, out=out, T=T, k=k):
+    if not (GEMV_EPILOGUES and _launch_epi(xp, plan, 2, rows=route.rows_per_tile, slot_pos=route.slot_pos, rw=w,
+                                           shared=shared, sgate=sg, out=out, T=T, k=k)):
         _run_plan(plan)
-        out = _combine(y, route, w, shared, sg, T=T, k=k, H=H)
+        _combine_fast(xp, y, route, w, shared, sg, T=T, k=k, H=H, out=out)
+    del keep  # the side stream's arrays, held until the current stream waited on its join
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

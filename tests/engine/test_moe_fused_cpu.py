@@ -139,15 +139,21 @@ def test_numpy_twin_ignores_the_flag(rng, monkeypatch):
 def test_fused_formulas_are_the_unfused_ones():
     """The fused epilogues and top-k use the unfused kernels' expressions (bit-identity rests on it; guards drift):
     SwiGLU, the shared expert's sigmoid gate, the combine's product order, the softmax terms, the tie order."""
-    fused, unfused = cuda_source("moe_fused.cu"), cuda_source("dense_moe.cu")
-    pairs = [("(g / (1.f + expf(-g))) * u", "(g[q] / (1.f + expf(-g[q]))) * u[q]"),
-             ("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * shared["),
+    unfused = cuda_source("dense_moe.cu")
+    for fused in (cuda_source("moe_fused.cu"), cuda_source("moe_route.cu")):
+        _check_formulas(fused, unfused)
+
+
+def _check_formulas(fused, unfused):
+    pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * shared["),
              ("acc += Y[(long long)p * H + h] * w[t * k + j];", "acc += yv[q] * wv[q];"),
              ("float v = expf(l[e] - m);", "float x = expf(__ldcg(l + e) - m);"),
              ("probs[e] = probs[e] / total;", "probs[e] = probs[e] / total;"),
              ("return pa > pb || (pa == pb && ia < ib);", "return pa > pb || (pa == pb && ia < ib);"),
              ("out_w[(long long)t * k + j] = renorm ? top_p[j] / sum : top_p[j];",
               "out_w[j] = renorm ? out_w[j] / sum : out_w[j];")]
+    if "moe_swiglu_rows" in fused:
+        pairs.append(("(g / (1.f + expf(-g))) * u", "(g[q] / (1.f + expf(-g[q]))) * u[q]"))
     for u, f in pairs:
         assert u in unfused, u
         assert f in fused, f
