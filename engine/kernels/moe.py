@@ -544,7 +544,7 @@ def _route_block(xp, logits, top_k: int, norm_topk_prob: bool):
     :func:`router_topk` + :func:`moe_route_tables`); None when ``top_k`` or ``E`` do not fit its shared memory."""
     T, E = logits.shape
     k = int(top_k)
-    nw = min(16, T, (48 * 1024) // (4 * E))  # one warp per token, W * E floats of shared memory
+    nw = min(16, T, (44 * 1024) // (4 * E))  # a warp per token, W * E floats (+ 4 KiB static) within 48 KiB
     if not (1 <= k <= min(E, 64)) or nw < 1:
         return None
     S = T * k
