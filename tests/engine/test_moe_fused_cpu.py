@@ -24,7 +24,8 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nv
 
 
 def _decode_choices():
-    """(kind, name, N, grid_x) of every decode GEMV the dispatch picks over a grid of shapes (H200: 132 SMs)."""
+    """(kind, name, N, grid_x) of every decode GEMV the dispatch picks over a grid of shapes (H200: 132 SMs); the
+    quantised ones of the qgemv family (the handshake epilogues have twins of those, not of qgemv2)."""
     out = set()
     Ns, Ks, Gy = (1, 8, 160, 192, 256, 512, 1280, 2560, 131072), (64, 96, 256, 640, 2560), (1, 4, 12, 88, 170)
     for kind, rpt, N, K, gy, al, mma in itertools.product(("bf16", "f32"), (1, 4, 16), Ns, Ks, Gy, (True, False),
@@ -32,7 +33,7 @@ def _decode_choices():
         f, name, gx = L.dense_kernel_choice(kind, rpt, N, K, gy, aligned=al, sms=132, mma=mma)
         out.add((kind, name, N, gx))
     for fmt, rpt, N, K, gy, vec in itertools.product(("fp8", "nvfp4"), (1, 4, 16), Ns, Ks, Gy, (True, False)):
-        name, gx = L.quant_kernel_choice(fmt, rpt, N, K, gy, vec=vec, sms=132)
+        name, gx = L.quant_kernel_choice(fmt, rpt, N, K, gy, vec=vec, sms=132, v2=False)
         out.add((fmt, name, N, gx))
     return out
 
@@ -72,7 +73,7 @@ def test_epilogue_plan_geometry_and_the_batch_1_chain_fully_fused():
             if fmt in ("bf16", "f32"):
                 name, gx = L.dense_kernel_choice(fmt, 1, N, K, gy, sms=132)[1:]
             else:
-                name, gx = L.quant_kernel_choice(fmt, 1, N, K, gy, vec=True, sms=132)
+                name, gx = L.quant_kernel_choice(fmt, 1, N, K, gy, vec=True, sms=132, v2=False)
             assert M.epilogue_plan(name, epi, (gx, gy, 1), M=gy, N=N, rows=1, T=1) is not None, (fmt, N, epi, name)
     # a tail above the limit is refused (runs unfused): 16 tokens x 128 columns of a tensor-core down launch
     assert M.epilogue_plan("gemv_bf16_mma_nt8_ks1_mt1_sx", 2, (20, 200, 1), M=160, N=2560, rows=4, T=16) is None
@@ -92,8 +93,8 @@ def _real_width_exprs():
             exprs.add(M.fused_kernel_name(L.dense_kernel_choice(kind, rpt, 1280, 2560, mt, sms=132)[1], 1)[0])
             exprs.add(M.fused_kernel_name(L.dense_kernel_choice(kind, rpt, 2560, 640, mt, sms=132)[1], 2)[0])
         for fmt in ("fp8", "nvfp4"):
-            exprs.add(M.fused_kernel_name(L.quant_kernel_choice(fmt, rpt, 1280, 2560, mt, vec=True, sms=132)[0], 1)[0])
-            exprs.add(M.fused_kernel_name(L.quant_kernel_choice(fmt, rpt, 2560, 640, mt, vec=True, sms=132)[0], 2)[0])
+            exprs.add(M.fused_kernel_name(L.quant_kernel_choice(fmt, rpt, 1280, 2560, mt, vec=True, sms=132, v2=False)[0], 1)[0])
+            exprs.add(M.fused_kernel_name(L.quant_kernel_choice(fmt, rpt, 2560, 640, mt, vec=True, sms=132, v2=False)[0], 2)[0])
     return sorted(exprs)
 
 

@@ -18,6 +18,7 @@ cp = pytest.importorskip("cupy", reason="GPU tests need cupy (pip install '.[gpu
 
 from engine.backend import gpu_available  # noqa: E402
 from engine.kernels import dense_common  # noqa: E402
+from engine.kernels import linear as L  # noqa: E402
 from engine.kernels import moe as M  # noqa: E402
 from engine.kernels.dense_common import to_bf16_bits  # noqa: E402
 from engine.kernels.quant import QuantWeight  # noqa: E402
@@ -129,6 +130,7 @@ def set_mode(monkeypatch, mode):
     monkeypatch.setattr(M, "SHARED_STREAM", mode != "chain-one-stream")
     monkeypatch.setattr(M, "GEMV_EPILOGUES", mode == "epilogues")
     if mode == "epilogues":
+        monkeypatch.setattr(L, "QGEMV2_ENABLED", False)  # the epilogues have twins of the qgemv bodies only
         for lim in ("EPI_SWIGLU_PAIR_MAX", "EPI_SWIGLU_TILE_MAX", "EPI_COMBINE_MAX"):
             monkeypatch.setattr(M, lim, 1 << 30)
 
@@ -182,6 +184,7 @@ def test_fused_default_tail_limits_at_16_tokens(rng, monkeypatch, fmt):
     """At 16 tokens the default limits leave some epilogues unfused (epilogue_plan): the mix is still bit for bit,
     on both stream modes."""
     monkeypatch.setattr(M, "GEMV_EPILOGUES", True)
+    monkeypatch.setattr(L, "QGEMV2_ENABLED", False)  # the epilogues have twins of the qgemv bodies only
     W, k = weights(rng, fmt, **SHAPES["wide"])
     x = cp.asarray(rng.standard_normal((16, 256)).astype(np.float32))
     for side in (True, False):
