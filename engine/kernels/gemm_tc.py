@@ -136,6 +136,9 @@ def use_tc_moe(T: int, k: int, E: int, gate_up, down, *, enabled: bool | None = 
         return False
     if not all(tc_weight_ok(w, ("bf16", "nvfp4")) for w in (gate_up, down)):
         return False
+    # every per-tile pointer of the batched GEMM 16-byte aligned: expert strides and tile heights multiples of 8
+    if R % 8 or any((int(w.shape[1]) * int(w.shape[2])) % 8 for w in (gate_up, down)):
+        return False
     return moe_tc_max_tiles(S, E, R) * R <= max_pad * S
 
 
@@ -266,8 +269,8 @@ def linear_tc(x, w, *, out=None):
             first = True
             for k0 in range(0, K, kc):  # (one chunk unless K_CHUNK is set)
                 kn = min(kc, K - k0)
-                for p, beta in _part_order():
-                    beta = _ZERO if first else _ONE
+                for p, _ in _part_order():
+                    beta = _ZERO if first else _ONE  # the first call of the first chunk writes, the rest add
                     first = False
                     cb.gemmEx(h, _OP_T, _OP_N, N, M, kn, _ONE.ctypes.data, wb.data.ptr + 2 * k0, _R_16BF, K,
                               parts.data.ptr + p * pb + 2 * k0, _R_16BF, K, beta.ctypes.data, y.data.ptr, _R_32F,

@@ -102,6 +102,10 @@ def test_use_tc_moe_padding_rule_at_real_widths():
     assert not TC.use_tc_moe(4096, k, E, f32, gu, **kw)  # float32 experts: the grouped path
     nv = _nvfp4_weight((2, 4, 32))
     assert TC.use_tc_moe(4096, k, E, nv, nv, **kw)
+    # batched-GEMM pointers 16-byte aligned: tile rows and expert sizes multiples of 8, else the grouped path
+    assert not TC.use_tc_moe(4096, k, E, gu, gu, **{**kw, "tile_rows": 60})
+    odd = to_bf16_bits(np.zeros((2, 3, 5), np.float32))
+    assert not TC.use_tc_moe(4096, k, E, odd, gu, **kw)
     del I, H
 
 
