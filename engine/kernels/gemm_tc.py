@@ -197,7 +197,7 @@ def _split_rows(xp, x, rows_out: int, row_index=None, tiles=None, tm: int = 0):
     """The three BF16 parts of ``x``'s rows as uint16 ``[3 * rows_out, K]``: dense (``tiles`` None: part ``p`` of
     row ``r`` at row ``p * rows_out + r``) or gathered into the part-interleaved tile layout (``gemm_tc.cu``)."""
     K = int(x.shape[1])
-    parts = _empty(xp, (3 * rows_out, K), dtype=xp.uint16)
+    parts = xp.empty((3 * rows_out, K), dtype=xp.uint16)  # (scratch: POISON's -7 fill is for int outputs)
     if rows_out == 0 or K == 0:
         return parts
     vec4 = 1 if (K % 4 == 0 and x.data.ptr % 16 == 0) else 0
@@ -221,7 +221,7 @@ def _bf16_weight(xp, w):
     if q.data.ptr % 8:
         q = q.copy()
     n = int(np.prod(w.shape))
-    out = _empty(xp, tuple(w.shape), dtype=xp.uint16)
+    out = xp.empty(tuple(w.shape), dtype=xp.uint16)
     if n:
         kernel("gemm_tc.cu", "nvfp4_to_bf16")(_grid1(n // 16), (256,), (q, s, out, np.int64(n // 16)))
     N = int(w.shape[-2])
@@ -296,7 +296,7 @@ def _grouped_gemm(cp, wb, parts, C3, tiles, R: int, N: int, K: int):
     """``C3`` (part-interleaved ``[3 * P, N]`` float32) = the three parts of every tile's rows times the weights of
     the tile's expert: one gemmBatchedEx over all tiles, ``3 R`` columns per tile (weights read once per tile)."""
     MT = tiles.max_tiles
-    ptrs = _empty(cp, (3, MT), dtype=cp.uint64)
+    ptrs = cp.empty((3, MT), dtype=cp.uint64)
     kernel("gemm_tc.cu", "tile_ptrs")(_grid1(MT), (256,), (
         tiles.expert, tiles.n_tiles, np.int32(MT), np.uint64(wb.data.ptr), np.int64(N * K * 2),
         np.uint64(parts.data.ptr), np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4), ptrs))
@@ -341,7 +341,7 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
     _grouped_gemm(cp, wgu, xparts, gu3, tiles, R, I2, H)
     del wgu, xparts
     # SwiGLU (+ NVFP4 scale of each half) written as the three parts of the down projection's input
-    hparts = _empty(cp, (3 * P, I), dtype=cp.uint16)
+    hparts = cp.empty((3 * P, I), dtype=cp.uint16)
     s2 = s2gu if s2gu is not None else (NULL_PTR, 1, 1)
     kernel("gemm_tc.cu", "swiglu_split3")(_grid1(P * I), (256,), (
         gu3, hparts, s2[0], np.int32(s2[1]), np.int32(s2[2]), tiles.expert, tiles.count, tiles.n_tiles, np.int32(R),

@@ -172,8 +172,9 @@ def test_one_hot_exact_and_two_part_negative_control(monkeypatch):
     monkeypatch.setattr(TC, "SPLITS", 2)
     y2 = cp.asnumpy(L.linear(cp.asarray(x), cp.asarray(w)))
     assert not np.array_equal(y2, want), "the 2-part split reproduced the activations: the check cannot fail"
-    xr = rng.standard_normal((256, 2560)).astype(np.float32)
-    wr = to_bf16_bits(rng.standard_normal((256, 2560)) * 0.1)
+    # (K = 64: a short accumulation chain, so the float32 summation error stays far below lo's 2^-16 share)
+    xr = rng.standard_normal((256, 64)).astype(np.float32)
+    wr = to_bf16_bits(rng.standard_normal((256, 64)) * 0.1)
     ref = xr.astype(np.float64) @ _w64(wr).T
 
     def r(yy):
@@ -182,7 +183,7 @@ def test_one_hot_exact_and_two_part_negative_control(monkeypatch):
     monkeypatch.setattr(TC, "SPLITS", 3)
     rel3 = r(L.linear(cp.asarray(xr), cp.asarray(wr)))
     print(f"relative error: 3 parts {rel3:.3g}, 2 parts {rel2:.3g}")
-    assert rel2 > 1.5 * rel3
+    assert rel2 > 4 * rel3
 
 
 @pytest.mark.parametrize("N_,K,halves", [(256, 2560, True), (130, 96, False), (1280, 640, True)])
@@ -264,7 +265,7 @@ def test_moe_experts_tc_vs_grouped_and_float64(monkeypatch, fmt, R):
     monkeypatch.setattr(TC, "MOE_TILE_ROWS", R)
     monkeypatch.setattr(TC, "MOE_MAX_PAD", 1e9)
     T, k = ids.shape
-    assert TC.use_tc_moe(T, k, gu.shape[0], gu, dn)
+    assert TC.use_tc_moe(T, k, gu.shape[0], gu, dn) and TC.available(grouped=True), "cupy lacks gemmBatchedEx?"
     sh = rng.standard_normal((T, x.shape[1])).astype(np.float32)
     sg = rng.standard_normal((T, 1)).astype(np.float32)
     args = (cp.asarray(x), cp.asarray(ids), cp.asarray(wts), _dev(gu), _dev(dn))
