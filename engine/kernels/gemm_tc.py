@@ -57,8 +57,9 @@ from engine.backend import cupy_or_none
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import KernelInputError, NULL_PTR, f32_contig, kernel, ptr_or_null, weight_kind
 
-__all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "K_CHUNK", "SPLITS", "use_tc_moe", "split3_twin", "tc_weight_ok", "use_tc",
-           "available", "linear_tc", "moe_experts_tc", "moe_tc_max_tiles"]
+__all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_TOKENS", "K_CHUNK", "SPLITS",
+           "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "linear_tc", "moe_experts_tc",
+           "moe_tc_max_tiles"]
 
 #: Master switch of the tensor-core prefill path (``QWEN4EXP_TC_PREFILL=0`` turns it off).
 TC_ENABLED = os.environ.get("QWEN4EXP_TC_PREFILL", "1").strip() != "0"
@@ -66,6 +67,9 @@ TC_ENABLED = os.environ.get("QWEN4EXP_TC_PREFILL", "1").strip() != "0"
 TC_MIN_ROWS = int(os.environ.get("QWEN4EXP_TC_MIN_ROWS", "64"))
 #: Rows per tile of the MoE's batched GEMM (padding per expert < this; the batch is S // R + min(E, S) tiles).
 MOE_TILE_ROWS = int(os.environ.get("QWEN4EXP_TC_MOE_TILE_ROWS", "64"))
+#: Tokens per MoE pass (longer chunks are split: the padded buffers take ~75 KB per padded row at real widths,
+#: ~9 GB at 8192 tokens x top-10).
+MOE_MAX_TOKENS = int(os.environ.get("QWEN4EXP_TC_MOE_MAX_TOKENS", "8192"))
 #: The MoE uses the tensor-core path while ``moe_tc_max_tiles(S, E) * R <= MOE_MAX_PAD * S`` (padding bound).
 MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
 #: Columns of K per GEMM call of the dense path (0: all of K). The tensor core's internal accumulation truncates;
@@ -324,6 +328,16 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
 
     cp = cupy_or_none()
     T, H = (int(s) for s in x.shape)
+    if T > MOE_MAX_TOKENS > 0:  # bound the padded buffers: token chunks, each routed on its own
+        out = _empty(cp, (T, H), dtype=cp.float32)
+        for a in range(0, T, MOE_MAX_TOKENS):
+            b = min(T, a + MOE_MAX_TOKENS)
+            ia = cp.ascontiguousarray(ids[a:b])
+            ra = _moe.moe_route_tables(ia, int(gate_up.shape[0]), rows_per_tile=MOE_TILE_ROWS)
+            out[a:b] = moe_experts_tc(x[a:b], ia, cp.ascontiguousarray(weights[a:b]), gate_up, down, route=ra,
+                                      shared=None if shared is None else shared[a:b],
+                                      shared_gate=None if shared_gate is None else shared_gate[a:b])
+        return out
     E, I2, _ = (int(s) for s in gate_up.shape)
     I = I2 // 2
     k = int(ids.shape[1])
