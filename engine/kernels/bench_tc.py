@@ -65,6 +65,12 @@ def main(argv=None) -> int:
         s2 = (rs.uniform(0.001, 0.01, size=(E * 2,))).astype(cp.float32)
         return QuantWeight("nvfp4", shape, q, sc, s2, s2_rows=N // 2)
 
+    def fp8(N, K):
+        q = rs.randint(0, 256, size=(N, K), dtype=cp.int32).astype(cp.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+        sc = rs.uniform(0.001, 0.02, size=(-(-N // 128), -(-K // 128))).astype(cp.float32)
+        return QuantWeight("fp8", (N, K), q, sc, rb=128, cb=128)
+
     def setflags(enabled=True, splits=3, kc=0, R=64):
         TC.TC_ENABLED, TC.SPLITS, TC.K_CHUNK, TC.MOE_TILE_ROWS = enabled, splits, kc, R
         TC.MOE_MAX_PAD = 1e9 if enabled else TC.MOE_MAX_PAD
@@ -87,13 +93,14 @@ def main(argv=None) -> int:
     a = b = None  # (free)
     M = 4096
     shapes = [("bf16", 10240, 2560), ("bf16", 2560, 2560), ("bf16", 2560, 6144), ("nvfp4", 10240, 2560),
-              ("f32", 512, 2560)]
+              ("fp8", 10240, 2560), ("f32", 512, 2560)]
     paths = [("tc", dict()), ("tc_1part", dict(splits=1)), ("old", dict(enabled=False))]
     if not args.quick:
         paths.insert(1, ("tc_kc640", dict(kc=640)))
     for fmt, N, K in shapes:
-        w = bf16(N, K) if fmt == "bf16" else (nvfp4(N, K) if fmt == "nvfp4" else rs.standard_normal(
-            (N, K), dtype=cp.float32) * 0.05)
+        make = {"bf16": bf16, "nvfp4": nvfp4, "fp8": fp8,
+                "f32": lambda *sh: rs.standard_normal(sh, dtype=cp.float32) * 0.05}[fmt]
+        w = make(N, K)
         x = rs.standard_normal((M, K), dtype=cp.float32)
         for name, fl in paths:
             if fmt == "f32" and name not in ("tc", "old"):

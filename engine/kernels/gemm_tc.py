@@ -21,8 +21,13 @@ Weights:
   ``(code * scale) * scale_2`` followed by a float32 sum: the one float32 rounding per weight of the reader moves to
   one rounding per output; float32-accurate (relative difference ~eps32).
 * float32 (the router): cuBLAS SGEMM, ``CUBLAS_COMPUTE_32F_PEDANTIC`` (no TF32): a float32 GEMM.
-* FP8 (128 x 128 block scales varying along K): not here; it keeps the float32-FMA tiled GEMM of
-  ``quant_linear.cu`` (a per-block scale would need one GEMM per 128 columns).
+* FP8 (128 x 128 block scales varying along K, so no scale can be moved out of the K sum), dense projections:
+  ``cuda/gemm_tc.cu:fp8_to_bf16x3`` dequantises each weight to float32 exactly as the reader (``code * scale``) and
+  splits it into three BF16 parts too; the nine part-by-part GEMMs (smallest first) accumulate every exact
+  product ``x_i w_j`` of the parts, i.e. a float32 sum of the exact products ``x_k w_k`` with the reader's weights
+  (bound ``(K + 9) eps32 sum |x w|``). Three times the GEMMs of BF16 (ceiling ~1/9 of the BF16 rate), still far
+  above the float32-FMA tiled GEMM. ``QWEN4EXP_TC_FP8=0`` (:data:`FP8_ENABLED`) keeps FP8 on ``quant_linear.cu``.
+  FP8 expert stacks (MoE) stay on the grouped kernels of ``quant_linear.cu``.
 
 MoE prefill (:func:`moe_experts_tc`): the routed slots are gathered (and split) into a tile-padded buffer, one
 tile of :data:`MOE_TILE_ROWS` rows per entry of the device tile table of :func:`engine.kernels.moe.moe_route_tables`
@@ -57,9 +62,9 @@ from engine.backend import cupy_or_none
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import KernelInputError, NULL_PTR, f32_contig, kernel, ptr_or_null, weight_kind
 
-__all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_TOKENS", "K_CHUNK", "SPLITS",
-           "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "linear_tc", "moe_experts_tc",
-           "moe_tc_max_tiles"]
+__all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_TOKENS", "K_CHUNK", "FP8_ENABLED",
+           "SPLITS", "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "linear_tc",
+           "moe_experts_tc", "moe_tc_max_tiles"]
 
 #: Master switch of the tensor-core prefill path (``QWEN4EXP_TC_PREFILL=0`` turns it off).
 TC_ENABLED = os.environ.get("QWEN4EXP_TC_PREFILL", "1").strip() != "0"
@@ -77,6 +82,8 @@ MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
 #: 9e-6 relative at K = 2560 for its unchunked chain): chunks of K_CHUNK columns accumulate with round-to-nearest
 #: adds (beta = 1) between calls, at the price of one more pass over the output per chunk and part.
 K_CHUNK = int(os.environ.get("QWEN4EXP_TC_K_CHUNK", "0"))
+#: FP8 dense weights on the tensor cores (nine GEMMs; ``QWEN4EXP_TC_FP8=0``: quant_linear.cu's tiled GEMM).
+FP8_ENABLED = os.environ.get("QWEN4EXP_TC_FP8", "1").strip() != "0"
 #: Activation parts multiplied (3: exact; 2 drops lo, 1 keeps hi only: negative controls / speed bounds).
 SPLITS = 3
 
@@ -110,8 +117,8 @@ def split3_twin(x):
     return tuple((p >> np.uint32(16)).astype(np.uint16) for p in (hi, mid, lo))
 
 
-def tc_weight_ok(w, kinds=("bf16", "f32", "nvfp4")) -> bool:
-    """Whether weight ``w`` (array or QuantWeight) has a tensor-core form here (``kinds``; never FP8)."""
+def tc_weight_ok(w, kinds=("bf16", "f32", "nvfp4", "fp8")) -> bool:
+    """Whether weight ``w`` (array or QuantWeight) is of one of the ``kinds`` this module takes (weight_kind)."""
     try:
         kind = weight_kind(w)
     except KernelInputError:
@@ -119,12 +126,16 @@ def tc_weight_ok(w, kinds=("bf16", "f32", "nvfp4")) -> bool:
     return kind in kinds
 
 
-def use_tc(rows: int, w, *, enabled: bool | None = None, min_rows: int | None = None) -> bool:
+def use_tc(rows: int, w, *, enabled: bool | None = None, min_rows: int | None = None,
+           fp8: bool | None = None) -> bool:
     """The dense dispatch rule (pure host logic, CPU-tested): the tensor-core path for ``rows >= TC_MIN_ROWS``
-    activation rows over a BF16 / float32 / NVFP4 weight, when :data:`TC_ENABLED`."""
+    activation rows over a BF16 / float32 / NVFP4 weight, or a 2-D FP8 one when :data:`FP8_ENABLED`, when
+    :data:`TC_ENABLED`."""
     enabled = TC_ENABLED if enabled is None else bool(enabled)
     min_rows = TC_MIN_ROWS if min_rows is None else int(min_rows)
-    return enabled and rows >= max(min_rows, 1) and tc_weight_ok(w)
+    fp8 = FP8_ENABLED if fp8 is None else bool(fp8)
+    kinds = ("bf16", "f32", "nvfp4", "fp8") if fp8 else ("bf16", "f32", "nvfp4")
+    return enabled and rows >= max(min_rows, 1) and tc_weight_ok(w, kinds) and len(w.shape) == 2
 
 
 def use_tc_moe(T: int, k: int, E: int, gate_up, down, *, enabled: bool | None = None, min_rows: int | None = None,
@@ -232,6 +243,24 @@ def _bf16_weight(xp, w):
     return out, (xp.ascontiguousarray(w.scale2), N // w.s2_rows, int(w.s2_rows))
 
 
+def _fp8_parts(xp, w):
+    """The three BF16 parts of the float32-dequantised FP8 weight ``w`` [N, K]: uint16 ``[3 * N, K]`` (hi, mid, lo)."""
+    N, K = (int(s) for s in w.shape)
+    q = w.q if w.q.flags.c_contiguous else xp.ascontiguousarray(w.q)
+    sc = w.scale if w.scale.flags.c_contiguous else xp.ascontiguousarray(w.scale)
+    out = xp.empty((3 * N, K), dtype=xp.uint16)
+    kernel("gemm_tc.cu", "fp8_to_bf16x3")(_grid1(N * K), (256,), (
+        q, sc, out, np.int32(N), np.int32(K), np.int32(w.rb), np.int32(w.cb), np.int32(sc.shape[-1])))
+    return out
+
+
+def _pair_order():
+    """(activation part, weight part) of the FP8 path's nine GEMMs (``SPLITS`` activation parts), smallest product
+    first (part p ~ 2^(-8 p) of its value)."""
+    pairs = [(i, j) for i in range(_nparts()) for j in range(3)]
+    return sorted(pairs, key=lambda ij: (-(ij[0] + ij[1]), -ij[0]))
+
+
 def _part_order():
     """(part index, beta) of the dense GEMMs: lo (beta 0), mid, hi (beta 1): the smallest part first."""
     return [(p, _ZERO if i == 0 else _ONE) for i, p in enumerate((2, 1, 0)[3 - _nparts():])]
@@ -242,7 +271,7 @@ def linear_tc(x, w, *, out=None):
 
     Args:
         x: ``[M, K]`` float32 cupy array.
-        w: ``[N, K]`` BF16 bits (uint16), float32, or an NVFP4 :class:`~engine.kernels.quant.QuantWeight`.
+        w: ``[N, K]`` BF16 bits (uint16), float32, or an NVFP4 / FP8 :class:`~engine.kernels.quant.QuantWeight`.
         out: optional ``[M, N]`` float32 cupy array written in full.
     Returns:
         ``[M, N]`` float32.
@@ -265,6 +294,15 @@ def linear_tc(x, w, *, out=None):
                       _ZERO.ctypes.data, y.data.ptr, _R_32F, N, _COMPUTE_32F_PEDANTIC, _GEMM_DEFAULT)
         elif K == 0:
             y.fill(0)
+        elif weight_kind(w) == "fp8":
+            wparts = _fp8_parts(cp, w)
+            parts = _split_rows(cp, x, M)
+            pb, wb_ = M * K * 2, N * K * 2
+            for n_, (i, j) in enumerate(_pair_order()):
+                beta = _ZERO if n_ == 0 else _ONE
+                cb.gemmEx(h, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, wparts.data.ptr + j * wb_, _R_16BF, K,
+                          parts.data.ptr + i * pb, _R_16BF, K, beta.ctypes.data, y.data.ptr, _R_32F, N,
+                          _COMPUTE_32F, _GEMM_DEFAULT)
         else:
             wb, s2 = _bf16_weight(cp, w)
             parts = _split_rows(cp, x, M)

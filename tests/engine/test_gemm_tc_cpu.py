@@ -82,7 +82,8 @@ def test_use_tc_dispatch_rule():
     assert TC.use_tc(4096, np.ones((8, 32), np.float32), enabled=True, min_rows=64)  # float32: SGEMM
     assert TC.use_tc(4096, _nvfp4_weight((8, 32)), enabled=True, min_rows=64)
     fp8 = QuantWeight("fp8", (8, 32), np.zeros((8, 32), np.uint8), np.ones((1, 1), np.float32), rb=128, cb=128)
-    assert not TC.use_tc(4096, fp8, enabled=True, min_rows=64)  # FP8 keeps quant_linear.cu
+    assert TC.use_tc(4096, fp8, enabled=True, min_rows=64, fp8=True)  # nine GEMMs on the weight's parts
+    assert not TC.use_tc(4096, fp8, enabled=True, min_rows=64, fp8=False)  # quant_linear.cu's tiled GEMM
     assert not TC.use_tc(4096, np.ones((8, 32), np.float64), enabled=True, min_rows=64)
 
 
@@ -100,6 +101,8 @@ def test_use_tc_moe_padding_rule_at_real_widths():
     assert not TC.use_tc_moe(16, k, E, gu, gu, **{**kw, "max_pad": 1e9})  # decode: never
     f32 = np.zeros((2, 4, 8), np.float32)
     assert not TC.use_tc_moe(4096, k, E, f32, gu, **kw)  # float32 experts: the grouped path
+    fp8 = QuantWeight("fp8", (2, 4, 8), np.zeros((2, 4, 8), np.uint8), np.ones((2, 1, 1), np.float32), rb=128, cb=128)
+    assert not TC.use_tc_moe(4096, k, E, fp8, fp8, **kw)  # FP8 experts: the grouped path
     nv = _nvfp4_weight((2, 4, 32))
     assert TC.use_tc_moe(4096, k, E, nv, nv, **kw)
     # batched-GEMM pointers 16-byte aligned: tile rows and expert sizes multiples of 8, else the grouped path
@@ -115,6 +118,17 @@ def test_moe_max_tiles_matches_route_tables_formula():
     assert "max_tiles = S // rpt + min(E, S)" in src
     for S, E, R in [(40960, 512, 64), (14, 8, 16), (3, 8, 16), (0, 8, 16)]:
         assert TC.moe_tc_max_tiles(S, E, R) == S // R + min(E, S)
+
+
+def test_fp8_pair_order_smallest_first_and_complete(monkeypatch):
+    """The FP8 path's nine GEMMs: every (activation part, weight part) pair once, by increasing magnitude
+    2^(-8 (i + j)); with SPLITS = 2 (the negative control) the activation's lo part is dropped."""
+    order = TC._pair_order()
+    assert sorted(order) == [(i, j) for i in range(3) for j in range(3)]
+    mags = [-(i + j) for i, j in order]
+    assert mags == sorted(mags)
+    monkeypatch.setattr(TC, "SPLITS", 2)
+    assert sorted(TC._pair_order()) == [(i, j) for i in range(2) for j in range(3)]
 
 
 def test_splits_out_of_range_is_one_clear_error(monkeypatch):

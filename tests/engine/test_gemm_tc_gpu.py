@@ -218,6 +218,38 @@ def test_linear_tc_nvfp4(N_, K, halves, monkeypatch):
         assert changed.min() >= N_ // 2 and changed.size > 0.9 * (N_ // 2)
 
 
+@pytest.mark.parametrize("N_,K,rb", [(512, 2560, 128), (300, 200, 64), (1280, 640, 32)])
+def test_linear_tc_fp8(monkeypatch, N_, K, rb):
+    """FP8: the nine part-by-part GEMMs on the reader's float32 weights, within the float32 bound (K + 9 terms)."""
+    rng = _rng(27)
+    q = rng.integers(0, 256, size=(N_, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    sc = rng.uniform(0.001, 0.02, size=(-(-N_ // rb), -(-K // 128))).astype(np.float32)
+    w = QuantWeight("fp8", (N_, K), q, sc, rb=rb, cb=128)
+    x = rng.standard_normal((130, K)).astype(np.float32)
+    assert TC.use_tc(130, w)
+    # the parts are the split of the reader's dequantised weights, bit for bit
+    parts = cp.asnumpy(TC._fp8_parts(cp, w.to(cp))).reshape(3, N_, K)
+    for got, want in zip(parts, TC.split3_twin(dequantize(w))):
+        np.testing.assert_array_equal(got, want)
+    y = L.linear(cp.asarray(x), w.to(cp))
+    rel_tc = _check_bound(y, x, _w64(w), "fp8 nine-GEMM")
+    monkeypatch.setattr(TC, "TC_ENABLED", False)
+    rel_old = _check_bound(L.linear(cp.asarray(x), w.to(cp)), x, _w64(w), "fp8 quant_linear.cu")
+    print(f"fp8 N={N_} K={K}: tensor core {rel_tc:.3g}, float32 FMA {rel_old:.3g}")
+    # negative control: one block scale doubled -> caught and located in its rows (output columns)
+    monkeypatch.setattr(TC, "TC_ENABLED", True)
+    bad = w.to(np)
+    bad.scale = bad.scale.copy()
+    b0, b1 = int(rng.integers(bad.scale.shape[0])), int(rng.integers(bad.scale.shape[1]))
+    bad.scale[b0, b1] *= 2
+    yb = cp.asnumpy(L.linear(cp.asarray(x), bad.to(cp)))
+    ref = x.astype(np.float64) @ _w64(w).T
+    bound = K * EPS32 * (np.abs(x.astype(np.float64)) @ np.abs(_w64(w)).T)
+    cols = set(np.nonzero((np.abs(yb - ref) > bound).any(axis=0))[0].tolist())
+    assert cols and cols <= set(range(b0 * rb, min(N_, (b0 + 1) * rb))), sorted(cols)[:5]
+
+
 def test_linear_tc_graph_capture_replay_bit_exact():
     rng = _rng(26)
     x = cp.asarray(rng.standard_normal((256, 640)).astype(np.float32))

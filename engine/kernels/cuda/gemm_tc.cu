@@ -8,6 +8,8 @@
 //   nvfp4_to_bf16   : NVFP4 codes x E4M3 scales -> BF16 (exact: <= 6 significant bits, exponents 2^-10..2^12);
 //                     the float32 global scale (weight_scale_2) is applied to the GEMM's output instead.
 //   scale_rows_s2   : C[r, n] *= scale_2[expert(r) * per + n / s2_rows] (that output scale).
+//   fp8_to_bf16x3   : FP8 block-scaled weights -> the three BF16 parts of each float32 dequantised weight (the
+//                     reader's value): nine part-by-part GEMMs give the float32 sum of the exact products.
 //   swiglu_split3   : h = silu(g) * u of a padded gate/up output (moe_swiglu's formula; g, u = the sum of their three
 //                     part products, then the optional scale_2 of each half), written directly as the three BF16
 //                     parts of the down projection's input.
@@ -107,6 +109,24 @@ extern "C" __global__ void nvfp4_to_bf16(const unsigned char* __restrict__ Q, co
     uint4* o = reinterpret_cast<uint4*>(out) + 2 * g;
     o[0] = make_uint4(w[0], w[1], w[2], w[3]);
     o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// FP8 (E4M3 codes, float32 block scales [ceil(N / rb), ncb]) -> the three BF16 parts of each dequantised weight
+// w = float(code) * scale[n / rb][k / cb] (quant_linear.cu's and the reader's float32 product, so w is the reference's
+// weight bit for bit), split exactly by split3: out + p * N * K holds part p (hi, mid, lo) of W [N, K]. One thread per
+// weight.
+extern "C" __global__ void fp8_to_bf16x3(const unsigned char* __restrict__ Q, const float* __restrict__ S,
+                                         bf16_bits_t* __restrict__ out, int N, int K, int rb, int cb, int ncb) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nk = (long long)N * K;
+    if (i >= nk) return;
+    const int n = (int)(i / K), k = (int)(i - (long long)n * K);
+    const float w = e4m3_to_f32(Q[i]) * S[(long long)(n / rb) * ncb + k / cb];
+    unsigned int h, m, l;
+    split3(w, h, m, l);
+    out[i] = (bf16_bits_t)(h >> 16);
+    out[i + nk] = (bf16_bits_t)(m >> 16);
+    out[i + 2 * nk] = (bf16_bits_t)(l >> 16);
 }
 
 // C [rows, N] float32: C[r, n] *= S2[e * per + n / s2_rows], e = tile_expert[r / TM] (grouped; rows of tiles past
