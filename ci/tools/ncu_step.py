@@ -1,6 +1,7 @@
 """One steady-state decode step at real widths under Nsight Compute (dev tool): run as
 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-    python ci/tools/ncu_step.py [B]"""
+    python ci/tools/ncu_step.py [B] [bf16|fp8|nvfp4]
+(a weights format: in-memory synthetic weights in that stored format, no files; else the cached BF16 checkpoint)"""
 import sys
 
 import numpy as np
@@ -13,7 +14,9 @@ def main():
     from parity.bench import synthetic as S
     from reference.checkpoint import Checkpoint
     B = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    ck = Checkpoint.open(S.cached_synthetic(4, progress=False))
+    fmt = sys.argv[2] if len(sys.argv) > 2 else None
+    ck = (S.SyntheticWeights(S.real_width_config(4), fmt) if fmt
+          else Checkpoint.open(S.cached_synthetic(4, progress=False)))
     eng = E.Engine(ck, precision="bf16", device="cuda", max_seqs=B + 2, kv_tokens=4096 + 64 * (B + 2) * 4)
     V = ck.config.vocab_size
     rng = np.random.default_rng(0)
