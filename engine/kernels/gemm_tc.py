@@ -193,8 +193,11 @@ def _handle_for(device_id: int):
 
 def _handle():
     cp = cupy_or_none()
-    h, _ = _handle_for(cp.cuda.Device().id)
-    _cublas().setStream(h, cp.cuda.get_current_stream().ptr)
+    cb = _cublas()
+    h, ws = _handle_for(cp.cuda.Device().id)
+    cb.setStream(h, cp.cuda.get_current_stream().ptr)
+    if ws is not None:  # cublasSetStream resets the workspace to cuBLAS's default pool: set ours again
+        cb.setWorkspace(h, ws.data.ptr, _WORKSPACE_BYTES)
     return h
 
 
