@@ -43,7 +43,8 @@ read. Nothing is copied to the host. The MoE uses the path only when that worst 
 
 cuBLAS: one handle per device, owned by this module (cupy's own handle keeps its state), pointer mode host (the
 scalars 0 and 1 are captured by value), its stream set to cupy's current stream before every call, an explicit
-workspace (so a CUDA-graph capture allocates nothing): capturable, deterministic (no atomics mode).
+workspace (so a CUDA-graph capture allocates nothing; one per device: the engine's streams are ordered with the
+legacy default stream, so no two GEMMs of a device run at once): capturable, deterministic (no atomics mode).
 
 Switches (A/B in the bench): ``QWEN4EXP_TC_PREFILL=0`` (read at import; :data:`TC_ENABLED`) turns the path off:
 the float32-FMA kernels of ``dense_linear.cu`` / ``quant_linear.cu`` are used again. :data:`TC_MIN_ROWS`
