@@ -8,7 +8,7 @@ Dispatch on the array module of ``x`` (:func:`engine.backend.xp_of`):
   (prefill). No host synchronisation: grouped launches are sized by the worst case and read their
   tile table from the device. From ``engine.kernels.gemm_tc.TC_MIN_ROWS`` rows (prefill) :func:`linear`
   runs on the tensor cores instead (:mod:`engine.kernels.gemm_tc`: cuBLAS BF16 GEMMs on an exact 3-way split
-  of the activations, float32-equivalent; BF16, float32 and NVFP4 weights; FP8 stays here).
+  of the activations, float32-equivalent; BF16, float32, NVFP4 and FP8 weights).
 * numpy: the NumPy twin: the weights upcast exactly to float32 (float64 for float64 inputs) and one
   BLAS product per weight matrix.
 
