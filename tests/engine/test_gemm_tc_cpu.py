@@ -1,5 +1,6 @@
 """CPU tests of the tensor-core prefill GEMM's host side (engine/kernels/gemm_tc.py): the split's NumPy twin, the
-exactness facts the design rests on, and the dispatch rules. The GPU side: tests/engine/test_gemm_tc_gpu.py."""
+exactness facts the design rests on, the dispatch rules, and the MoE's tile-padded layout composed as the kernels
+compose it (an emulation tied to the kernel source). The GPU side: tests/engine/test_gemm_tc_gpu.py."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -148,3 +149,143 @@ def test_cpu_linear_unchanged_by_the_switch(monkeypatch):
     monkeypatch.setattr(TC, "TC_ENABLED", False)
     assert np.array_equal(a, L.linear(x, w))
     assert np.array_equal(a, x @ bf16_bits_to_float32(w).T)
+
+
+# ------------------------------------------------------------------ the MoE's tile-padded layout, emulated on the CPU
+# Python transliterations of gemm_tc.cu's index formulas (guarded against drift by the source check below), composed
+# as moe_experts_tc composes the kernels: a layout mistake between kernels (split, batched-GEMM pointers, part sums,
+# slot map) shows as a wrong MoE output here, without a GPU.
+def _part_row(r, p, TM, rows, interleave):
+    if not interleave:
+        return p * rows + r
+    t = r // TM
+    return (3 * t + p) * TM + (r - t * TM)
+
+
+def _tables(ids, E, TM):
+    """moe_tables' outputs (dense_moe.cu): experts ascending, each expert's tiles consecutive."""
+    flat = ids.reshape(-1)
+    S, k = flat.size, ids.shape[1]
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    te, ts, tc = [], [], []
+    for e in range(E):
+        for q in range(-(-counts[e] // TM)):
+            te.append(e), ts.append(offsets[e] + q * TM), tc.append(min(TM, counts[e] - q * TM))
+    slot_pos = np.empty(S, np.int64)
+    slot_pos[order] = np.arange(S)
+    return dict(sorted_token=order // k, slot_pos=slot_pos, expert=np.array(te), start=np.array(ts),
+                count=np.array(tc), n_tiles=len(te), max_tiles=S // TM + min(E, S))
+
+
+def _emulate_moe_tc(x, ids, wts, gu, dn, TM):
+    T, H = x.shape
+    E, I2, _ = gu.shape
+    I, k = I2 // 2, ids.shape[1]
+    tb = _tables(ids, E, TM)
+    MT, nt = tb["max_tiles"], tb["n_tiles"]
+    P = MT * TM
+    parts_of = TC.split3_twin
+
+    def split_rows(src_rows, K):  # split3_rows, interleaved: src_rows[r] = source row or -1 (zero) / -2 (skip)
+        buf = np.full((3 * P, K), np.nan)
+        for r in range(P):
+            s = src_rows[r]
+            if s == -2:
+                continue
+            pr = parts_of(np.zeros(K, np.float32) if s < 0 else x_src[s])
+            for p in range(3):
+                buf[_part_row(r, p, TM, P, 1)] = bf16_bits_to_float32(pr[p])
+        return buf
+
+    def padded_source(r, row_index):
+        t = r // TM
+        if t >= nt:
+            return -2
+        j = r - t * TM
+        if j >= tb["count"][t]:
+            return -1
+        s = tb["start"][t] + j
+        return row_index[s] if row_index is not None else s
+
+    def grouped_gemm(w, B3):  # tile_ptrs + gemmBatchedEx: tile t's 3 TM rows times its expert's weights
+        N = w.shape[1]
+        C3 = np.full((3 * P, N), np.nan)
+        for t in range(MT):
+            e = tb["expert"][t] if t < nt else 0
+            rows = slice(t * 3 * TM, (t + 1) * 3 * TM)  # b_tile = c_tile = 3 TM rows
+            C3[rows] = B3[rows] @ w[e].T
+        return C3
+
+    def sum3(C3, r, n):
+        t, j = r // TM, r % TM
+        base = (3 * t) * TM + j
+        return (C3[base + 2 * TM, n] + C3[base + TM, n]) + C3[base, n]
+
+    x_src = x
+    xp3 = split_rows([padded_source(r, tb["sorted_token"]) for r in range(P)], H)
+    gu3 = grouped_gemm(_f64w(gu), xp3)
+    h = np.zeros((P, I), np.float32)
+    for r in range(P):
+        t = r // TM
+        if t < nt and r - t * TM < tb["count"][t]:
+            g, u = sum3(gu3, r, np.arange(I)), sum3(gu3, r, I + np.arange(I))
+            h[r] = (g / (1 + np.exp(-g))) * u
+    x_src = h
+    hp3 = split_rows([r if padded_source(r, None) >= 0 else padded_source(r, None) for r in range(P)], I)
+    y3 = grouped_gemm(_f64w(dn), hp3)
+    y = np.array([sum3(y3, r, np.arange(H)) if r // TM < nt else np.full(H, np.nan) for r in range(P)])
+    pad = np.full(ids.size, -1)
+    for r in range(P):  # pad_of_sorted
+        t = r // TM
+        if t < nt and r - t * TM < tb["count"][t]:
+            pad[tb["start"][t] + r - t * TM] = r
+    sp = pad[tb["slot_pos"]]  # slot_pad
+    out = np.zeros((T, H))
+    for j in range(k):  # moe_combine
+        out += y[sp.reshape(T, k)[:, j]] * wts[:, j:j + 1]
+    return out
+
+
+def _f64w(w):
+    return bf16_bits_to_float32(w).astype(np.float64)
+
+
+@pytest.mark.parametrize("TM", [8, 16])
+def test_moe_tile_layout_emulation_equals_the_twin(TM):
+    from engine.kernels import moe as MO
+    rng = np.random.default_rng(8)
+    E, H, I, k, T = 5, 16, 8, 2, 23
+    gu = to_bf16_bits(rng.standard_normal((E, 2 * I, H)) * 0.3)
+    dn = to_bf16_bits(rng.standard_normal((E, H, I)) * 0.3)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.random((T, k)).astype(np.float32)
+    got = _emulate_moe_tc(x, ids, wts, gu, dn, TM)
+    ref = MO.moe_experts(x.astype(np.float64), ids, wts.astype(np.float64), gu, dn)
+    assert np.all(np.isfinite(got))
+    assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 1e-6  # float32 h only: ~1e-7
+    # negative control: a layout slip (parts of a tile read with the dense stride) is caught
+    bad = _part_row
+    globals()["_part_row"] = lambda r, p, TM_, rows, inter: p * rows + r
+    try:
+        wrong = _emulate_moe_tc(x, ids, wts, gu, dn, TM)
+    finally:
+        globals()["_part_row"] = bad
+    assert not (np.all(np.isfinite(wrong)) and np.linalg.norm(wrong - ref) / np.linalg.norm(ref) < 1e-3)
+
+
+def test_layout_formulas_are_the_kernels():
+    """The emulated formulas are gemm_tc.cu's (guards the emulation above against drift)."""
+    src = (ROOT / "engine/kernels/cuda/gemm_tc.cu").read_text()
+    for frag in ("if (!interleave) return p * rows + r;", "return (3 * t + p) * TM + (r - t * TM);",
+                 "const float* c = C3 + ((3 * t) * TM + j) * N + n;", "return (c[2 * ps] + c[ps]) + c[0];",
+                 "ptrs[(long long)max_tiles + t] = B + (unsigned long long)(t * b_tile);",
+                 "if (j < tile_count[t]) pad[tile_start[t] + j] = (int)r;", "out[s] = p >= 0 ? pad[p] : -1;",
+                 "(g / (1.f + expf(-g))) * u"):
+        assert frag in src, frag
+    py = (ROOT / "engine/kernels/gemm_tc.py").read_text()
+    for frag in ("np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4)",
+                 "gemmBatchedEx(_handle(), _OP_T, _OP_N, N, 3 * R, K,"):
+        assert frag in py, frag
