@@ -1,5 +1,5 @@
 """Tensor-core prefill GEMMs, float32-equivalent: ``Y[M, N] = X[M, K] @ W[N, K]^T`` with float32 activations,
-stored BF16 / NVFP4 weights and float32 accumulation, on cuBLAS's BF16 tensor-core GEMM.
+stored BF16 / NVFP4 / FP8 weights (float32 ones: SGEMM) and float32 accumulation, on cuBLAS's BF16 tensor-core GEMM.
 
 Exactness (the engine's default numerics, "stored weights, FP32 accumulation"): every float32 activation is split
 exactly into three BF16 parts, ``x == hi + mid + lo`` (truncating split of ``common.cuh:split3``; NumPy twin
