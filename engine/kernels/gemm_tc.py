@@ -160,7 +160,10 @@ def use_tc_moe(T: int, k: int, E: int, gate_up, down, *, enabled: bool | None = 
 
 @functools.lru_cache(maxsize=1)
 def _cublas():
-    from cupy_backends.cuda.libs import cublas
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # pragma: no cover - older cupy layouts
+        from cupy.cuda import cublas
     return cublas
 
 
