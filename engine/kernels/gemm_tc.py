@@ -78,10 +78,11 @@ MOE_TILE_ROWS = int(os.environ.get("QWEN4EXP_TC_MOE_TILE_ROWS", "64"))
 MOE_MAX_TOKENS = int(os.environ.get("QWEN4EXP_TC_MOE_MAX_TOKENS", "8192"))
 #: The MoE uses the tensor-core path while ``moe_tc_max_tiles(S, E) * R <= MOE_MAX_PAD * S`` (padding bound).
 MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
-#: Columns of K per GEMM call of the dense path (0: all of K). The tensor core's internal accumulation truncates;
-#: a chain of K / 16 steps can bias a long dot product by up to ~K/16 float32 ulps (dense_linear_mma.cu measured
-#: 9e-6 relative at K = 2560 for its unchunked chain): chunks of K_CHUNK columns accumulate with round-to-nearest
-#: adds (beta = 1) between calls, at the price of one more pass over the output per chunk and part.
+#: Columns of K per GEMM call of the dense path's hi part (0: all of K). The tensor core's internal accumulation
+#: truncates; a chain of K / 16 steps can bias a long dot product by up to ~K/16 float32 ulps (dense_linear_mma.cu
+#: measured 9e-6 relative at K = 2560 for its unchunked chain): chunks of K_CHUNK columns accumulate with
+#: round-to-nearest adds (beta = 1) between calls, at the price of one more pass over the output per chunk. Only
+#: the hi part is chunked (mid and lo, <= 2^-8 of it, add <= 2^-8 of its bias).
 K_CHUNK = int(os.environ.get("QWEN4EXP_TC_K_CHUNK", "0"))
 #: FP8 dense weights on the tensor cores (nine GEMMs; ``QWEN4EXP_TC_FP8=0``: quant_linear.cu's tiled GEMM).
 FP8_ENABLED = os.environ.get("QWEN4EXP_TC_FP8", "1").strip() != "0"
@@ -314,16 +315,16 @@ def linear_tc(x, w, *, out=None):
             wb, s2 = _bf16_weight(cp, w)
             parts = _split_rows(cp, x, M)
             pb = M * K * 2
-            kc = K if K_CHUNK <= 0 else min(int(K_CHUNK), K)
             first = True
-            for k0 in range(0, K, kc):  # (one chunk unless K_CHUNK is set)
-                kn = min(kc, K - k0)
-                for p, _ in _part_order():
-                    beta = _ZERO if first else _ONE  # the first call of the first chunk writes, the rest add
+            for p, _ in _part_order():
+                # K_CHUNK shortens the accumulation chain of the hi part only: mid and lo are <= 2^-8 of it
+                kc = min(int(K_CHUNK), K) if (K_CHUNK > 0 and p == 0) else K
+                for k0 in range(0, K, kc):
+                    beta = _ZERO if first else _ONE  # the first call writes, the rest add
                     first = False
-                    cb.gemmEx(h, _OP_T, _OP_N, N, M, kn, _ONE.ctypes.data, wb.data.ptr + 2 * k0, _R_16BF, K,
-                              parts.data.ptr + p * pb + 2 * k0, _R_16BF, K, beta.ctypes.data, y.data.ptr, _R_32F,
-                              N, _COMPUTE_32F, _GEMM_DEFAULT)
+                    cb.gemmEx(h, _OP_T, _OP_N, N, M, min(kc, K - k0), _ONE.ctypes.data, wb.data.ptr + 2 * k0,
+                              _R_16BF, K, parts.data.ptr + p * pb + 2 * k0, _R_16BF, K, beta.ctypes.data,
+                              y.data.ptr, _R_32F, N, _COMPUTE_32F, _GEMM_DEFAULT)
             if s2 is not None:
                 n = M * N
                 kernel("gemm_tc.cu", "scale_rows_s2")(_grid1(n), (256,), (
