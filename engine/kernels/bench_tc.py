@@ -4,9 +4,9 @@ against the float32-FMA kernels it replaces, each figure from one process.
 Run on a GPU: ``python -m engine.kernels.bench_tc [--json OUT] [--quick]``. Rows:
 
 * ``dense_<fmt>_M<M>_N<N>_K<K>_<path>_TFLOPs``: model FLOP (``2 M N K``) per second; ``path`` is ``tc`` (the
-  3-part split, the default), ``tc_kc640`` (``K_CHUNK = 640``: the hi part in chunks of 640 columns), ``tc_1part`` (``SPLITS = 1``: one BF16 GEMM, the
-  speed ceiling of this design: not float32-accurate), ``old`` (``TC_ENABLED`` off). ``..._relerr``: relative
-  Frobenius error against float64 on 64 rows.
+  3-part split, the default), ``tc_kc640`` (``K_CHUNK = 640``: the hi part in chunks of 640 columns),
+  ``tc_1part`` (``SPLITS = 1``: one BF16 GEMM, the speed ceiling of this design: not float32-accurate), ``old``
+  (``TC_ENABLED`` off). ``..._relerr``: relative Frobenius error against float64 on 64 rows.
 * ``bf16_gemm_8192_1part_TFLOPs``: one BF16 cuBLAS GEMM 8192^3 through ``linear`` with ``SPLITS = 1`` (the split
   pass included): the matmul rate the 35% goal refers to, same process.
 * ``moe_<fmt>_T<T>_<path>``: the routed experts of one MoE block (512 experts top-10 of width 640, hidden 2560),
