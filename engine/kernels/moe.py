@@ -13,9 +13,7 @@ expert id. Expert weights are stacked as ``gate_up [E, 2*I, H]`` (rows ``[0, I)`
 CUDA path (``engine/kernels/cuda/dense_moe.cu`` + the linear kernels): routing, counting, offsets,
 the sorted slot order and the tile tables are all computed on the device; grouped launches are
 sized by the worst case (``S // rows_per_tile + min(E, S)`` tiles, ``S = T * top_k``) and tiles past
-the device-side count exit at once. Nothing is copied to the host. Prefill with enough tokens per expert
-(``engine.kernels.gemm_tc.use_tc_moe``) runs the experts on the tensor cores instead
-(:func:`engine.kernels.gemm_tc.moe_experts_tc`: batched cuBLAS GEMMs over the same device tile table).
+the device-side count exit at once. Nothing is copied to the host.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_contig, is_cupy, kernel, same_device,
                                          weight_as_float)
@@ -223,6 +220,8 @@ def moe_experts(x, ids, weights, gate_up, down, *, route: MoERoute | None = None
     if shared is not None and (tuple(shared.shape) != (T, H) or shared_gate is None or shared_gate.size != T):
         raise KernelInputError(f"shared/shared_gate: expected [T={T}, H={H}] and [T, 1], found "
                                f"{tuple(shared.shape)} / {None if shared_gate is None else tuple(shared_gate.shape)}")
+    from engine.kernels import gemm_tc as _tc
+    # prefill with enough tokens per expert: the tensor-core path (batched cuBLAS GEMMs over the same tile table)
     if is_cupy(xp) and _tc.use_tc_moe(T, k, E, gate_up, down) and _tc.available(grouped=True):
         xs = f32_contig(x, "x")
         if shared is not None:
