@@ -4,9 +4,10 @@ against the float32-FMA kernels it replaces, each figure from one process.
 Run on a GPU: ``python -m engine.kernels.bench_tc [--json OUT] [--quick]``. Rows:
 
 * ``dense_<fmt>_M<M>_N<N>_K<K>_<path>_TFLOPs``: model FLOP (``2 M N K``) per second; ``path`` is ``tc`` (the
-  3-part split, the default), ``tc_kc640`` (``K_CHUNK = 640``: the hi part in chunks of 640 columns),
-  ``tc_1part`` (``SPLITS = 1``: one BF16 GEMM, the speed ceiling of this design: not float32-accurate), ``old``
-  (``TC_ENABLED`` off). ``..._relerr``: relative Frobenius error against float64 on 64 rows.
+  3-part split with the default ``K_CHUNK``), ``tc_kc0`` / ``tc_kc1024`` (the hi part unchunked / in chunks of
+  at most 1024 columns), ``tc_1part`` (``SPLITS = 1``: one BF16 GEMM, the speed ceiling of this design: not
+  float32-accurate), ``old`` (``TC_ENABLED`` off). ``..._relerr``: relative Frobenius error against float64 on 64
+  rows.
 * ``bf16_gemm_8192_1part_TFLOPs``: one BF16 cuBLAS GEMM 8192^3 through ``linear`` with ``SPLITS = 1`` (the split
   pass included): the matmul rate the 35% goal refers to, same process.
 * ``moe_<fmt>_T<T>_<path>``: the routed experts of one MoE block (512 experts top-10 of width 640, hidden 2560),
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
 
     rs = cp.random.RandomState(3)
     res: dict = {}
+    print(f"cuBLAS caller: {TC.blas_backend()} (grouped GEMM available: {TC.available(grouped=True)})")
 
     def bf16(*shape, scale=0.05):
         a = rs.standard_normal(shape, dtype=cp.float32) * scale
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
         sc = rs.uniform(0.001, 0.02, size=(-(-N // 128), -(-K // 128))).astype(cp.float32)
         return QuantWeight("fp8", (N, K), q, sc, rb=128, cb=128)
 
-    def setflags(enabled=True, splits=3, kc=0, R=64):
+    def setflags(enabled=True, splits=3, kc=TC.K_CHUNK, R=64):
         TC.TC_ENABLED, TC.SPLITS, TC.K_CHUNK, TC.MOE_TILE_ROWS = enabled, splits, kc, R
         TC.MOE_MAX_PAD = 1e9 if enabled else TC.MOE_MAX_PAD
 
@@ -94,9 +96,10 @@ def main(argv=None) -> int:
     M = 4096
     shapes = [("bf16", 10240, 2560), ("bf16", 2560, 2560), ("bf16", 2560, 6144), ("nvfp4", 10240, 2560),
               ("fp8", 10240, 2560), ("f32", 512, 2560)]
-    paths = [("tc", dict()), ("tc_1part", dict(splits=1)), ("old", dict(enabled=False))]
+    kdef = TC.K_CHUNK
+    paths = [("tc", dict(kc=kdef)), ("tc_1part", dict(splits=1, kc=kdef)), ("old", dict(enabled=False))]
     if not args.quick:
-        paths.insert(1, ("tc_kc640", dict(kc=640)))
+        paths[1:1] = [("tc_kc0", dict(kc=0)), ("tc_kc1024", dict(kc=1024))]
     for fmt, N, K in shapes:
         make = {"bf16": bf16, "nvfp4": nvfp4, "fp8": fp8,
                 "f32": lambda *sh: rs.standard_normal(sh, dtype=cp.float32) * 0.05}[fmt]

@@ -64,7 +64,7 @@ from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import KernelInputError, NULL_PTR, f32_contig, kernel, ptr_or_null, weight_kind
 
 __all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_TOKENS", "K_CHUNK", "FP8_ENABLED",
-           "SPLITS", "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "linear_tc",
+           "SPLITS", "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "blas_backend", "linear_tc",
            "moe_experts_tc", "moe_tc_max_tiles"]
 
 #: Master switch of the tensor-core prefill path (``QWEN4EXP_TC_PREFILL=0`` turns it off).
@@ -78,12 +78,15 @@ MOE_TILE_ROWS = int(os.environ.get("QWEN4EXP_TC_MOE_TILE_ROWS", "64"))
 MOE_MAX_TOKENS = int(os.environ.get("QWEN4EXP_TC_MOE_MAX_TOKENS", "8192"))
 #: The MoE uses the tensor-core path while ``moe_tc_max_tiles(S, E) * R <= MOE_MAX_PAD * S`` (padding bound).
 MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
-#: Columns of K per GEMM call of the dense path's hi part (0: all of K). The tensor core's internal accumulation
-#: truncates; a chain of K / 16 steps can bias a long dot product by up to ~K/16 float32 ulps (dense_linear_mma.cu
-#: measured 9e-6 relative at K = 2560 for its unchunked chain): chunks of K_CHUNK columns accumulate with
-#: round-to-nearest adds (beta = 1) between calls, at the price of one more pass over the output per chunk. Only
-#: the hi part is chunked (mid and lo, <= 2^-8 of it, add <= 2^-8 of its bias).
-K_CHUNK = int(os.environ.get("QWEN4EXP_TC_K_CHUNK", "0"))
+#: At most this many columns of K per GEMM call of the hi part (0: all of K; equal chunks). The tensor core's
+#: internal accumulation truncates, so a chain of K / 16 steps biases a long dot product by ~K/16 float32 ulps:
+#: measured on the H200 (M = 4096, bench_tc) 2.7e-6 relative at K = 2560 and 6.8e-6 at K = 6144 unchunked, 6.0e-7
+#: with 640-column chunks, against 9e-7 / 1.4e-6 for the float32-FMA GEMM; but 640-column chunks halved the speed
+#: (220 -> 111 TFLOP/s at N = 10240). Chunks accumulate with round-to-nearest adds (beta = 1) between calls. The
+#: default 4096 caps the chain at 256 steps, so the bias stays ~<= 4e-6 at every K (K = 2560 runs unchunked, K =
+#: 6144 / 10240 in 2 / 3 chunks); 1024 gives about the FMA GEMM's error. Only the hi part (FP8: the hi x hi pair)
+#: is chunked: mid and lo are <= 2^-8 of it and add <= 2^-8 of its bias.
+K_CHUNK = int(os.environ.get("QWEN4EXP_TC_K_CHUNK", "4096"))
 #: FP8 dense weights on the tensor cores (nine GEMMs; ``QWEN4EXP_TC_FP8=0``: quant_linear.cu's tiled GEMM).
 FP8_ENABLED = os.environ.get("QWEN4EXP_TC_FP8", "1").strip() != "0"
 #: Activation parts multiplied (3: exact; 2 drops lo, 1 keeps hi only: negative controls / speed bounds).
@@ -160,7 +163,8 @@ def use_tc_moe(T: int, k: int, E: int, gate_up, down, *, enabled: bool | None = 
 
 
 @functools.lru_cache(maxsize=1)
-def _cublas():
+def _cupy_cublas():
+    """cupy's cuBLAS binding module (importing it also loads libcublas into the process)."""
     try:
         from cupy_backends.cuda.libs import cublas
     except ImportError:  # pragma: no cover - older cupy layouts
@@ -168,41 +172,184 @@ def _cublas():
     return cublas
 
 
-def available(grouped: bool = False) -> bool:
-    """cupy's cuBLAS binding offers what this module calls (``gemmEx``; ``gemmBatchedEx`` when ``grouped``)."""
-    if cupy_or_none() is None:
-        return False
+def _libcublas_candidates() -> list[str]:
+    """Where libcublas is: the copy already mapped into this process (cupy's), a CUDA toolkit's or the nvidia
+    wheel's copy, then the usual sonames (the dynamic loader's search)."""
+    import glob
+    names = []
     try:
-        cb = _cublas()
-    except Exception:  # pragma: no cover - depends on the cupy build
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if path.rsplit("/", 1)[-1].startswith("libcublas.so") and path not in names:
+                    names.append(path)
+    except OSError:  # pragma: no cover - no procfs
+        pass
+    roots = [os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    try:
+        import nvidia.cublas  # the pip wheel cupy may use
+        roots += list(getattr(nvidia.cublas, "__path__", []))
+    except Exception:  # noqa: BLE001 - not installed
+        pass
+    for r in roots:
+        if r:
+            names += sorted(glob.glob(os.path.join(r, "lib*", "libcublas.so*")), reverse=True)
+    return names + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+
+
+class _CtypesBlas:
+    """The cuBLAS calls of this module straight into libcublas (ctypes): cupy's binding lacks
+    ``cublasGemmBatchedEx`` and refuses every cuBLAS call while a stream is being captured, which cuBLAS itself
+    supports. Signatures: cublas_api.h (all enums are C ints)."""
+
+    capture_ok = True
+
+    def __init__(self):
+        import ctypes
+        _cupy_cublas()
+        try:  # cupy's own handle: libcublas is then certainly mapped (found first in /proc/self/maps)
+            cupy_or_none().cuda.device.get_cublas_handle()
+        except Exception:  # noqa: BLE001 - the other candidates remain
+            pass
+        self.ct = ctypes
+        lib, errs = None, []
+        for name in _libcublas_candidates():
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError as e:
+                errs.append(f"{name}: {e}")
+        if lib is None:
+            raise OSError("libcublas: not loadable (" + "; ".join(errs) + ")")
+        P, I = ctypes.c_void_p, ctypes.c_int
+
+        def fn(names, argtypes):
+            for n in names:
+                f = getattr(lib, n, None)
+                if f is not None:
+                    f.argtypes, f.restype = argtypes, ctypes.c_int
+                    return f
+            raise OSError(f"libcublas: none of {names} exported")
+        self._create = fn(("cublasCreate_v2", "cublasCreate"), [ctypes.POINTER(P)])
+        self._set_stream = fn(("cublasSetStream_v2", "cublasSetStream"), [P, P])
+        self._set_workspace = fn(("cublasSetWorkspace_v2", "cublasSetWorkspace"), [P, P, ctypes.c_size_t])
+        self._set_math = fn(("cublasSetMathMode",), [P, I])
+        # handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+        # [batchCount,] computeType, algo
+        gemm = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I]
+        self._gemm_ex = fn(("cublasGemmEx",), gemm + [I, I])
+        self._gemm_batched_ex = fn(("cublasGemmBatchedEx",), gemm + [I, I, I])
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"cuBLAS {what}: status {status} (cublasStatus_t), expected 0 (CUBLAS_STATUS_SUCCESS)")
+
+    def create(self) -> int:
+        h = self.ct.c_void_p()
+        self._check(self._create(self.ct.byref(h)), "cublasCreate")
+        self._check(self._set_math(h, _DISALLOW_REDUCED_PRECISION_REDUCTION), "cublasSetMathMode")
+        return int(h.value)
+
+    def bind(self, h: int, stream: int, ws) -> None:
+        self._check(self._set_stream(h, stream), "cublasSetStream")
+        # (cublasSetStream resets the workspace to cuBLAS's default pool: set ours again)
+        self._check(self._set_workspace(h, ws.data.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
+
+    def gemm(self, h, *args) -> None:
+        self._check(self._gemm_ex(h, *args), "cublasGemmEx")
+
+    def gemm_batched(self, h, *args) -> None:
+        self._check(self._gemm_batched_ex(h, *args), "cublasGemmBatchedEx")
+
+
+class _CupyBlas:
+    """Fallback: cupy's binding (``gemmEx`` only; no calls while a stream is being captured)."""
+
+    capture_ok = False
+
+    def __init__(self):
+        self.cb = _cupy_cublas()
+        if not hasattr(self.cb, "gemmEx"):
+            raise OSError("cupy's cuBLAS binding has no gemmEx")
+
+    def create(self) -> int:
+        h = self.cb.create()
+        try:
+            self.cb.setMathMode(h, _DISALLOW_REDUCED_PRECISION_REDUCTION)
+        except Exception:  # pragma: no cover - the default math mode is the same for F32 outputs
+            pass
+        return h
+
+    def bind(self, h: int, stream: int, ws) -> None:
+        self.cb.setStream(h, stream)
+        if hasattr(self.cb, "setWorkspace"):
+            self.cb.setWorkspace(h, ws.data.ptr, _WORKSPACE_BYTES)
+
+    def gemm(self, h, *args) -> None:
+        self.cb.gemmEx(h, *args)
+
+    def gemm_batched(self, h, *args) -> None:
+        if not hasattr(self.cb, "gemmBatchedEx"):
+            raise RuntimeError("cupy's cuBLAS binding has no gemmBatchedEx")
+        self.cb.gemmBatchedEx(h, *args)
+
+
+@functools.lru_cache(maxsize=1)
+def _blas():
+    """The cuBLAS caller (ctypes into libcublas; cupy's binding if that fails; None without either)."""
+    if cupy_or_none() is None:
+        return None
+    for cls in (_CtypesBlas, _CupyBlas):
+        try:
+            return cls()
+        except Exception:  # noqa: BLE001 - try the next way in
+            continue
+    return None
+
+
+def blas_backend() -> str:
+    """'ctypes' (libcublas directly), 'cupy' (cupy's binding: dense only, never inside a capture) or 'none'."""
+    b = _blas()
+    return "none" if b is None else ("ctypes" if isinstance(b, _CtypesBlas) else "cupy")
+
+
+def _capturing() -> bool:
+    cp = cupy_or_none()
+    try:
+        return bool(cp.cuda.get_current_stream().is_capturing())
+    except Exception:  # noqa: BLE001 - cannot tell (e.g. the legacy stream while another one captures): assume so
+        return True
+
+
+def available(grouped: bool = False) -> bool:
+    """Whether the tensor-core GEMMs can run now: a cuBLAS caller exists (:func:`blas_backend`), it has the
+    batched GEMM when ``grouped``, and, with cupy's binding (which refuses cuBLAS during stream capture), the
+    current stream is not capturing (the callers then take the float32-FMA kernels)."""
+    b = _blas()
+    if b is None:
         return False
-    return hasattr(cb, "gemmEx") and (not grouped or hasattr(cb, "gemmBatchedEx"))
+    if isinstance(b, _CupyBlas):
+        if grouped and not hasattr(b.cb, "gemmBatchedEx"):
+            return False
+        return not _capturing()
+    return True
 
 
 @functools.lru_cache(maxsize=None)
 def _handle_for(device_id: int):
     cp = cupy_or_none()
-    cb = _cublas()
     with cp.cuda.Device(device_id):
-        h = cb.create()
-        try:
-            cb.setMathMode(h, _DISALLOW_REDUCED_PRECISION_REDUCTION)
-        except Exception:  # pragma: no cover - older bindings: the default math mode is the same for F32 outputs
-            pass
-        ws = None
-        if hasattr(cb, "setWorkspace"):
-            ws = cp.empty(_WORKSPACE_BYTES, dtype=cp.uint8)
-            cb.setWorkspace(h, ws.data.ptr, _WORKSPACE_BYTES)
+        h = _blas().create()
+        ws = cp.empty(_WORKSPACE_BYTES, dtype=cp.uint8)
     return h, ws  # ws kept alive with the handle
 
 
 def _handle():
+    """This device's handle, bound to cupy's current stream and this module's workspace."""
     cp = cupy_or_none()
-    cb = _cublas()
     h, ws = _handle_for(cp.cuda.Device().id)
-    cb.setStream(h, cp.cuda.get_current_stream().ptr)
-    if ws is not None:  # cublasSetStream resets the workspace to cuBLAS's default pool: set ours again
-        cb.setWorkspace(h, ws.data.ptr, _WORKSPACE_BYTES)
+    _blas().bind(h, cp.cuda.get_current_stream().ptr, ws)
     return h
 
 
@@ -269,6 +416,16 @@ def _pair_order():
     return sorted(pairs, key=lambda ij: (-(ij[0] + ij[1]), -ij[0]))
 
 
+def _k_chunks(K: int, chunked: bool) -> list[tuple[int, int]]:
+    """``(k0, kn)`` column ranges of one part's GEMM calls: all of K, or (``chunked`` and :data:`K_CHUNK` > 0)
+    ``ceil(K / K_CHUNK)`` near-equal chunks, multiples of 8 columns (16-byte aligned pointers) but the last."""
+    if not chunked or K_CHUNK <= 0 or K <= K_CHUNK:
+        return [(0, K)]
+    n = -(-K // int(K_CHUNK))
+    kc = -(-(-(-K // n)) // 8) * 8
+    return [(k0, min(kc, K - k0)) for k0 in range(0, K, kc)]
+
+
 def _part_order():
     """(part index, beta) of the dense GEMMs: lo (beta 0), mid, hi (beta 1): the smallest part first."""
     return [(p, _ZERO if i == 0 else _ONE) for i, p in enumerate((2, 1, 0)[3 - _nparts():])]
@@ -295,10 +452,10 @@ def linear_tc(x, w, *, out=None):
     y = out if direct else _empty(cp, (M, N), dtype=cp.float32)
     if M and N:
         x = f32_contig(x, "x")
-        cb, h = _cublas(), _handle()
+        blas, h = _blas(), _handle()
         if weight_kind(w) == "f32":
             wf = w if w.flags.c_contiguous else cp.ascontiguousarray(w)
-            cb.gemmEx(h, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, wf.data.ptr, _R_32F, K, x.data.ptr, _R_32F, K,
+            blas.gemm(h, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, wf.data.ptr, _R_32F, K, x.data.ptr, _R_32F, K,
                       _ZERO.ctypes.data, y.data.ptr, _R_32F, N, _COMPUTE_32F_PEDANTIC, _GEMM_DEFAULT)
         elif K == 0:
             y.fill(0)
@@ -306,25 +463,26 @@ def linear_tc(x, w, *, out=None):
             wparts = _fp8_parts(cp, w)
             parts = _split_rows(cp, x, M)
             pb, wb_ = M * K * 2, N * K * 2
-            for n_, (i, j) in enumerate(_pair_order()):
-                beta = _ZERO if n_ == 0 else _ONE
-                cb.gemmEx(h, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, wparts.data.ptr + j * wb_, _R_16BF, K,
-                          parts.data.ptr + i * pb, _R_16BF, K, beta.ctypes.data, y.data.ptr, _R_32F, N,
-                          _COMPUTE_32F, _GEMM_DEFAULT)
+            first = True
+            for i, j in _pair_order():
+                for k0, kn in _k_chunks(K, i == 0 and j == 0):
+                    beta = _ZERO if first else _ONE
+                    first = False
+                    blas.gemm(h, _OP_T, _OP_N, N, M, kn, _ONE.ctypes.data, wparts.data.ptr + j * wb_ + 2 * k0,
+                              _R_16BF, K, parts.data.ptr + i * pb + 2 * k0, _R_16BF, K, beta.ctypes.data,
+                              y.data.ptr, _R_32F, N, _COMPUTE_32F, _GEMM_DEFAULT)
         else:
             wb, s2 = _bf16_weight(cp, w)
             parts = _split_rows(cp, x, M)
             pb = M * K * 2
             first = True
             for p, _ in _part_order():
-                # K_CHUNK shortens the accumulation chain of the hi part only: mid and lo are <= 2^-8 of it
-                kc = min(int(K_CHUNK), K) if (K_CHUNK > 0 and p == 0) else K
-                for k0 in range(0, K, kc):
+                for k0, kn in _k_chunks(K, p == 0):  # (the hi part's chain shortened: K_CHUNK)
                     beta = _ZERO if first else _ONE  # the first call writes, the rest add
                     first = False
-                    cb.gemmEx(h, _OP_T, _OP_N, N, M, min(kc, K - k0), _ONE.ctypes.data, wb.data.ptr + 2 * k0,
-                              _R_16BF, K, parts.data.ptr + p * pb + 2 * k0, _R_16BF, K, beta.ctypes.data,
-                              y.data.ptr, _R_32F, N, _COMPUTE_32F, _GEMM_DEFAULT)
+                    blas.gemm(h, _OP_T, _OP_N, N, M, kn, _ONE.ctypes.data, wb.data.ptr + 2 * k0, _R_16BF, K,
+                              parts.data.ptr + p * pb + 2 * k0, _R_16BF, K, beta.ctypes.data, y.data.ptr, _R_32F,
+                              N, _COMPUTE_32F, _GEMM_DEFAULT)
             if s2 is not None:
                 n = M * N
                 kernel("gemm_tc.cu", "scale_rows_s2")(_grid1(n), (256,), (
@@ -351,9 +509,9 @@ def _grouped_gemm(cp, wb, parts, C3, tiles, R: int, N: int, K: int):
         tiles.expert, tiles.n_tiles, np.int32(MT), np.uint64(wb.data.ptr), np.int64(N * K * 2),
         np.uint64(parts.data.ptr), np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4), ptrs))
     row = MT * 8
-    _cublas().gemmBatchedEx(_handle(), _OP_T, _OP_N, N, 3 * R, K, _ONE.ctypes.data, ptrs.data.ptr, _R_16BF, K,
-                            ptrs.data.ptr + row, _R_16BF, K, _ZERO.ctypes.data, ptrs.data.ptr + 2 * row, _R_32F, N, MT,
-                            _COMPUTE_32F, _GEMM_DEFAULT)
+    _blas().gemm_batched(_handle(), _OP_T, _OP_N, N, 3 * R, K, _ONE.ctypes.data, ptrs.data.ptr, _R_16BF, K,
+                         ptrs.data.ptr + row, _R_16BF, K, _ZERO.ctypes.data, ptrs.data.ptr + 2 * row, _R_32F, N, MT,
+                         _COMPUTE_32F, _GEMM_DEFAULT)
 
 
 def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared_gate=None):

@@ -132,6 +132,30 @@ def test_fp8_pair_order_smallest_first_and_complete(monkeypatch):
     assert sorted(TC._pair_order()) == [(i, j) for i in range(2) for j in range(3)]
 
 
+def test_k_chunks_cover_k_aligned(monkeypatch):
+    """The hi part's K chunks: contiguous, covering K, 8-column aligned starts, at most K_CHUNK each, near-equal."""
+    monkeypatch.setattr(TC, "K_CHUNK", 1024)
+    for K in (1, 7, 640, 1024, 1025, 2560, 6144, 10240, 12345):
+        ch = TC._k_chunks(K, True)
+        assert ch[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ch, ch[1:])) and sum(n for _, n in ch) == K
+        assert all(a % 8 == 0 for a, _ in ch) and all(0 < n <= 1024 for _, n in ch)
+        assert max(n for _, n in ch) - min(n for _, n in ch) <= 8 * len(ch)
+        assert TC._k_chunks(K, False) == [(0, K)]
+    monkeypatch.setattr(TC, "K_CHUNK", 0)
+    assert TC._k_chunks(10240, True) == [(0, 10240)]
+    monkeypatch.setattr(TC, "K_CHUNK", 4096)  # the default: K = 2560 unchunked, 6144 / 10240 in 2 / 3 chunks
+    assert [len(TC._k_chunks(K, True)) for K in (2560, 6144, 10240)] == [1, 2, 3]
+
+
+def test_cublas_caller_without_gpu():
+    """No GPU: no cuBLAS caller, nothing available (the CPU path never needs one); the library search lists the
+    sonames last."""
+    if TC.cupy_or_none() is not None:
+        pytest.skip("a GPU is visible")
+    assert TC.blas_backend() == "none" and not TC.available() and not TC.available(grouped=True)
+    assert TC._libcublas_candidates()[-3:] == ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+
+
 def test_splits_out_of_range_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(TC, "SPLITS", 4)
     with pytest.raises(TC.KernelInputError, match="SPLITS"):
@@ -287,5 +311,5 @@ def test_layout_formulas_are_the_kernels():
         assert frag in src, frag
     py = (ROOT / "engine/kernels/gemm_tc.py").read_text()
     for frag in ("np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4)",
-                 "gemmBatchedEx(_handle(), _OP_T, _OP_N, N, 3 * R, K,"):
+                 "gemm_batched(_handle(), _OP_T, _OP_N, N, 3 * R, K,"):
         assert frag in py, frag

@@ -250,21 +250,34 @@ def test_linear_tc_fp8(monkeypatch, N_, K, rb):
     assert cols and cols <= set(range(b0 * rb, min(N_, (b0 + 1) * rb))), sorted(cols)[:5]
 
 
-def test_linear_tc_graph_capture_replay_bit_exact():
+def test_linear_tc_graph_capture_replay_bit_exact(monkeypatch):
+    """cuBLAS through libcublas directly (ctypes) is captured into a CUDA graph and replays bit-exactly. (cupy's own
+    binding refuses cuBLAS during capture: with that fallback caller the capture takes the float32-FMA kernels,
+    and the replay must equal them.)"""
     rng = _rng(26)
     x = cp.asarray(rng.standard_normal((256, 640)).astype(np.float32))
     w = cp.asarray(to_bf16_bits(rng.standard_normal((1280, 640)) * 0.1))
     wq = _nvfp4(rng, (512, 640)).to(cp)
+    backend = TC.blas_backend()
+    print(f"cuBLAS caller: {backend}")
+    calls = []
+    lin = TC.linear_tc
+    monkeypatch.setattr(TC, "linear_tc", lambda *a, **kw: calls.append(1) or lin(*a, **kw))
 
     def step():
         return L.linear(x, w), L.linear(x, wq)
+    if backend != "ctypes":  # the reference is the fallback the capture takes
+        monkeypatch.setattr(TC, "TC_ENABLED", False)
     eager = step()
     eager = step()  # (warms the pool and the modules)
+    monkeypatch.setattr(TC, "TC_ENABLED", True)
+    calls.clear()
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
         out = step()
         graph = s.end_capture()
+    assert len(calls) == (2 if backend == "ctypes" else 0), (backend, calls)
     for _ in range(3):
         graph.launch(stream=s)
     s.synchronize()
