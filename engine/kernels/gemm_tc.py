@@ -41,9 +41,11 @@ output's reduction. The batch is sized by the host-known worst case ``S // R + m
 read. Nothing is copied to the host. The MoE uses the path only when that worst case pads the slots at most
 :data:`MOE_MAX_PAD` times (few tokens per expert: the grouped GEMV tiles of ``linear.py`` stay).
 
-cuBLAS: one handle per device, owned by this module (cupy's own handle keeps its state), pointer mode host (the
-scalars 0 and 1 are captured by value), its stream set to cupy's current stream before every call, an explicit
-workspace (so a CUDA-graph capture allocates nothing; one per device: the engine's streams are ordered with the
+cuBLAS: called straight into libcublas through ctypes (:class:`_CtypesBlas`: cupy's binding has no
+``cublasGemmBatchedEx`` and refuses cuBLAS calls during stream capture; it remains a dense-only fallback, which the
+callers skip while the current stream captures), one handle per device owned by this module (cupy's own handle
+keeps its state), pointer mode host (the scalars 0 and 1 are captured by value), its stream set to cupy's current
+stream before every call, an explicit workspace (so a CUDA-graph capture allocates nothing; one per device: the engine's streams are ordered with the
 legacy default stream, so no two GEMMs of a device run at once): capturable, deterministic (no atomics mode).
 
 Switches (A/B in the bench): ``QWEN4EXP_TC_PREFILL=0`` (read at import; :data:`TC_ENABLED`) turns the path off:
