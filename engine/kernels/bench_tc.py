@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     rs = cp.random.RandomState(3)
     res: dict = {}
-    print(f"cuBLAS caller: {TC.blas_backend()} (grouped GEMM available: {TC.available(grouped=True)})")
+    print(f"cuBLAS caller: {TC.blas_backend(verbose=True)} (grouped GEMM available: {TC.available(grouped=True)})")
 
     def bf16(*shape, scale=0.05):
         a = rs.standard_normal(shape, dtype=cp.float32) * scale

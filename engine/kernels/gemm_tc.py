@@ -45,8 +45,9 @@ cuBLAS: called straight into libcublas through ctypes (:class:`_CtypesBlas`: cup
 ``cublasGemmBatchedEx`` and refuses cuBLAS calls during stream capture; it remains a dense-only fallback, which the
 callers skip while the current stream captures), one handle per device owned by this module (cupy's own handle
 keeps its state), pointer mode host (the scalars 0 and 1 are captured by value), its stream set to cupy's current
-stream before every call, an explicit workspace (so a CUDA-graph capture allocates nothing; one per device: the engine's streams are ordered with the
-legacy default stream, so no two GEMMs of a device run at once): capturable, deterministic (no atomics mode).
+stream before every call, an explicit workspace (so a CUDA-graph capture allocates nothing; one per device: the
+engine's streams are ordered with the legacy default stream, so no two GEMMs of a device run at once):
+capturable, deterministic (no atomics mode).
 
 Switches (A/B in the bench): ``QWEN4EXP_TC_PREFILL=0`` (read at import; :data:`TC_ENABLED`) turns the path off:
 the float32-FMA kernels of ``dense_linear.cu`` / ``quant_linear.cu`` are used again. :data:`TC_MIN_ROWS`
@@ -66,8 +67,8 @@ from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import KernelInputError, NULL_PTR, f32_contig, kernel, ptr_or_null, weight_kind
 
 __all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_TOKENS", "K_CHUNK", "FP8_ENABLED",
-           "SPLITS", "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "blas_backend", "linear_tc",
-           "moe_experts_tc", "moe_tc_max_tiles"]
+           "SPLITS", "BLAS_ERRORS", "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "blas_backend",
+           "linear_tc", "moe_experts_tc", "moe_tc_max_tiles"]
 
 #: Master switch of the tensor-core prefill path (``QWEN4EXP_TC_PREFILL=0`` turns it off).
 TC_ENABLED = os.environ.get("QWEN4EXP_TC_PREFILL", "1").strip() != "0"
@@ -297,6 +298,10 @@ class _CupyBlas:
         self.cb.gemmBatchedEx(h, *args)
 
 
+#: Why a cuBLAS caller could not be set up (``"Class: error"`` strings; see :func:`blas_backend`).
+BLAS_ERRORS: list = []
+
+
 @functools.lru_cache(maxsize=1)
 def _blas():
     """The cuBLAS caller (ctypes into libcublas; cupy's binding if that fails; None without either)."""
@@ -305,15 +310,17 @@ def _blas():
     for cls in (_CtypesBlas, _CupyBlas):
         try:
             return cls()
-        except Exception:  # noqa: BLE001 - try the next way in
-            continue
+        except Exception as e:  # noqa: BLE001 - try the next way in; the reason is kept
+            BLAS_ERRORS.append(f"{cls.__name__}: {type(e).__name__}: {e}")
     return None
 
 
-def blas_backend() -> str:
-    """'ctypes' (libcublas directly), 'cupy' (cupy's binding: dense only, never inside a capture) or 'none'."""
+def blas_backend(verbose: bool = False) -> str:
+    """'ctypes' (libcublas directly), 'cupy' (cupy's binding: dense only, never inside a capture) or 'none';
+    ``verbose`` appends why a preferred caller failed (:data:`BLAS_ERRORS`)."""
     b = _blas()
-    return "none" if b is None else ("ctypes" if isinstance(b, _CtypesBlas) else "cupy")
+    name = "none" if b is None else ("ctypes" if isinstance(b, _CtypesBlas) else "cupy")
+    return name + (f" ({'; '.join(BLAS_ERRORS)})" if verbose and BLAS_ERRORS else "")
 
 
 def _capturing() -> bool:

@@ -259,7 +259,7 @@ def test_linear_tc_graph_capture_replay_bit_exact(monkeypatch):
     w = cp.asarray(to_bf16_bits(rng.standard_normal((1280, 640)) * 0.1))
     wq = _nvfp4(rng, (512, 640)).to(cp)
     backend = TC.blas_backend()
-    print(f"cuBLAS caller: {backend}")
+    print(f"cuBLAS caller: {TC.blas_backend(verbose=True)}")
     calls = []
     lin = TC.linear_tc
     monkeypatch.setattr(TC, "linear_tc", lambda *a, **kw: calls.append(1) or lin(*a, **kw))
@@ -310,7 +310,8 @@ def test_moe_experts_tc_vs_grouped_and_float64(monkeypatch, fmt, R):
     monkeypatch.setattr(TC, "MOE_TILE_ROWS", R)
     monkeypatch.setattr(TC, "MOE_MAX_PAD", 1e9)
     T, k = ids.shape
-    assert TC.use_tc_moe(T, k, gu.shape[0], gu, dn) and TC.available(grouped=True), "cupy lacks gemmBatchedEx?"
+    assert TC.use_tc_moe(T, k, gu.shape[0], gu, dn)
+    assert TC.available(grouped=True), f"no batched GEMM: caller {TC.blas_backend(verbose=True)}"
     sh = rng.standard_normal((T, x.shape[1])).astype(np.float32)
     sg = rng.standard_normal((T, 1)).astype(np.float32)
     args = (cp.asarray(x), cp.asarray(ids), cp.asarray(wts), _dev(gu), _dev(dn))
