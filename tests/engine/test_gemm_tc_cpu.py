@@ -106,6 +106,11 @@ def test_use_tc_moe_padding_rule_at_real_widths():
     assert not TC.use_tc_moe(4096, k, E, fp8, fp8, **kw)  # FP8 experts: the grouped path
     nv = _nvfp4_weight((2, 4, 32))
     assert TC.use_tc_moe(4096, k, E, nv, nv, **kw)
+    # NVFP4 (float32-FMA grouped kernels): the wider default padding bound (64): 512 tokens (7.4x) and 64 (52x)
+    kw_nv = {x: v for x, v in kw.items() if x != "max_pad"}
+    assert TC.use_tc_moe(512, k, E, nv, nv, **kw_nv) and TC.use_tc_moe(64, k, E, nv, nv, **kw_nv)
+    assert not TC.use_tc_moe(64, 1, E, nv, nv, **kw_nv)  # 64 slots over 512 experts: (1 + 64) x 64 rows, 65x
+    assert not TC.use_tc_moe(512, k, E, gu, gu, **kw_nv)  # BF16: MOE_MAX_PAD (4)
     # batched-GEMM pointers 16-byte aligned: tile rows and expert sizes multiples of 8, else the grouped path
     assert not TC.use_tc_moe(4096, k, E, gu, gu, **{**kw, "tile_rows": 60})
     odd = to_bf16_bits(np.zeros((2, 3, 5), np.float32))
