@@ -217,8 +217,8 @@ class _CtypesBlas:
 
     def __init__(self):
         import ctypes
-        _cupy_cublas()
-        try:  # cupy's own handle: libcublas is then certainly mapped (found first in /proc/self/maps)
+        try:  # cupy's binding and its own handle: libcublas is then certainly mapped (first in /proc/self/maps)
+            _cupy_cublas()
             cupy_or_none().cuda.device.get_cublas_handle()
         except Exception:  # noqa: BLE001 - the other candidates remain
             pass

@@ -318,3 +318,86 @@ def test_layout_formulas_are_the_kernels():
     for frag in ("np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4)",
                  "gemm_batched(_handle(), _OP_T, _OP_N, N, 3 * R, K,"):
         assert frag in py, frag
+
+
+# ------------------------------------------------------------------ the ctypes cuBLAS caller, against a fake libcublas
+_FAKE_CUBLAS = r"""
+#include <stddef.h>
+static long long rec[24];
+static float scal[2];
+long long* fake_rec(void) { return rec; }
+float* fake_scal(void) { return scal; }
+int cublasCreate_v2(void** h) { *h = (void*)0x1234; return 0; }
+int cublasSetStream_v2(void* h, void* s) { rec[0] = (long long)h; rec[1] = (long long)s; return 0; }
+int cublasSetWorkspace_v2(void* h, void* w, size_t n) { rec[2] = (long long)w; rec[3] = (long long)n; return 0; }
+int cublasSetMathMode(void* h, int m) { rec[4] = m; return 0; }
+#define GEMM_ARGS void* h, int ta, int tb, int m, int n, int k, const float* al, const void* A, int At, int lda, \
+    const void* B, int Bt, int ldb, const float* be, void* C, int Ct, int ldc
+#define GEMM_REC rec[0] = (long long)h; rec[1] = ta; rec[2] = tb; rec[3] = m; rec[4] = n; rec[5] = k; \
+    rec[6] = (long long)A; rec[7] = At; rec[8] = lda; rec[9] = (long long)B; rec[10] = Bt; rec[11] = ldb; \
+    rec[12] = (long long)C; rec[13] = Ct; rec[14] = ldc; scal[0] = *al; scal[1] = *be;
+int cublasGemmEx(GEMM_ARGS, int ct, int algo) { GEMM_REC rec[15] = -1; rec[16] = ct; rec[17] = algo;
+    return m < 0 ? 7 : 0; }
+int cublasGemmBatchedEx(GEMM_ARGS, int batch, int ct, int algo) { GEMM_REC rec[15] = batch; rec[16] = ct;
+    rec[17] = algo; return m < 0 ? 7 : 0; }
+"""
+
+
+@pytest.fixture
+def fake_blas(tmp_path, monkeypatch):
+    import ctypes
+    import shutil
+    import subprocess
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc absent: the fake libcublas cannot be built")
+    src, lib = tmp_path / "fake_cublas.c", tmp_path / "libcublas.so.99"
+    src.write_text(_FAKE_CUBLAS)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", str(lib), str(src)], check=True)
+    monkeypatch.setattr(TC, "_libcublas_candidates", lambda: ["/nonexistent/libcublas.so", str(lib)])
+    blas = TC._CtypesBlas()
+    fake = ctypes.CDLL(str(lib))
+    fake.fake_rec.restype = ctypes.POINTER(ctypes.c_longlong)
+    fake.fake_scal.restype = ctypes.POINTER(ctypes.c_float)
+    return blas, fake.fake_rec(), fake.fake_scal()
+
+
+def test_ctypes_caller_passes_every_argument_in_place(fake_blas):
+    """Every argument of cublasGemmEx / cublasGemmBatchedEx arrives where cublas_api.h puts it (a fake libcublas
+    records them): a wrong or missing argtype would shift them; a non-zero status is one clear error."""
+    blas, rec, scal = fake_blas
+    h = blas.create()
+    assert h == 0x1234 and rec[4] == TC._DISALLOW_REDUCED_PRECISION_REDUCTION
+
+    class WS:
+        class data:
+            ptr = 0xABC00
+    blas.bind(h, 0x77, WS)
+    assert (rec[0], rec[1], rec[2], rec[3]) == (0x1234, 0x77, 0xABC00, TC._WORKSPACE_BYTES)
+    args = (TC._OP_T, TC._OP_N, 11, 12, 13, TC._ONE.ctypes.data, 0x1000, TC._R_16BF, 21, 0x2000, TC._R_16BF, 22,
+            TC._ZERO.ctypes.data, 0x3000, TC._R_32F, 23)
+    want = [0x1234, TC._OP_T, TC._OP_N, 11, 12, 13, 0x1000, TC._R_16BF, 21, 0x2000, TC._R_16BF, 22, 0x3000, TC._R_32F,
+            23]
+    blas.gemm(h, *args, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+    assert [rec[i] for i in range(15)] == want and (rec[15], rec[16], rec[17]) == (-1, TC._COMPUTE_32F, -1)
+    assert (scal[0], scal[1]) == (1.0, 0.0)
+    blas.gemm_batched(h, *args, 1152, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+    assert [rec[i] for i in range(15)] == want and (rec[15], rec[16], rec[17]) == (1152, TC._COMPUTE_32F, -1)
+    # negative control: the fake's error status (m < 0) is raised, naming the call and the status
+    bad = (TC._OP_T, TC._OP_N, -1) + args[3:]
+    with pytest.raises(RuntimeError, match="cublasGemmEx: status 7"):
+        blas.gemm(h, *bad, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+    with pytest.raises(RuntimeError, match="cublasGemmBatchedEx: status 7"):
+        blas.gemm_batched(h, *bad, 3, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+
+
+def test_ctypes_caller_refuses_a_library_without_the_symbols(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc absent")
+    src, lib = tmp_path / "empty.c", tmp_path / "libempty.so"
+    src.write_text("int nothing(void) { return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    monkeypatch.setattr(TC, "_libcublas_candidates", lambda: [str(lib)])
+    with pytest.raises(OSError, match="cublasCreate"):
+        TC._CtypesBlas()
