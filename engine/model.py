@@ -428,17 +428,28 @@ class EngineModel:
             self._emit(rec, name, K_norms.rms_norm(h, self.w[prefix + "hc_norm.weight"], eps=c.rms_norm_eps,
                                                    group_size=c.hidden_size), positions)
 
-    def _hc_pre(self, prefix: str, h, rec, positions):
+    def _hc_pre(self, prefix: str, h, rec, positions, normed=None):
         """Input side of the hyper-connection ``prefix`` (``layers.{i}.attn_hyper_connection.``) on the
-        residual ``h`` [T, hc*H]; emits its ``.out`` and ``.injection_weights`` taps."""
+        residual ``h`` [T, hc*H] (``normed``: its grouped norm, when :meth:`_combine` computed it); emits its
+        ``.out`` and ``.injection_weights`` taps."""
         c = self.config
         pre = K_norms.hc_pre(h, self.w[prefix + "hc_norm.weight"], self.w[prefix + "input_mix_weight_down.weight"],
                              self.w[prefix + "input_mix_weight_up.weight"], self.w[prefix + "block_inject_weight.weight"],
-                             hc_count=c.hc_count, eps=c.rms_norm_eps, down_inject=self.w.get(prefix + "fused_down_inject"))
+                             hc_count=c.hc_count, eps=c.rms_norm_eps, down_inject=self.w.get(prefix + "fused_down_inject"),
+                             normed=normed)
         self._emit_hc_norm(rec, prefix, h, positions)
         self._emit(rec, prefix + "out", pre.mixed, positions)
         self._emit(rec, prefix + "injection_weights", pre.injection_weights, positions)
         return pre
+
+    def _combine(self, h, out, injection_weights, next_prefix: str | None):
+        """``hc_combine`` of a block's output into the residual; on the GPU, when the next op is the hyper-connection
+        ``next_prefix``'s input side, also its grouped norm in the same launch (bit-identical). Returns
+        ``(h, normed or None)``."""
+        if next_prefix is None or self.xp is np:
+            return K_norms.hc_combine(h, out, injection_weights), None
+        return K_norms.hc_combine_norm(h, out, injection_weights, self.w[next_prefix + "hc_norm.weight"],
+                                       eps=self.config.rms_norm_eps)
 
     def _embed(self, ids_dev):
         W = self.w["embed_tokens.weight"]
@@ -537,22 +548,25 @@ class EngineModel:
             lo = split
         hi = split if part == "head" else c.num_hidden_layers
         eps = c.rms_norm_eps
+        normed = None  # the next hyper-connection's grouped norm of h, when the combine computed it
         for i in range(lo, hi):
             lt = c.layer_types[i]
             p = f"layers.{i}."
             if i in self.ple:
                 h = h + self._ple(i, h, segs, st)
+                normed = None
             self._emit(rec, p + "attn_hyper_connection.in", h, positions)
-            pre = self._hc_pre(p + "attn_hyper_connection.", h, rec, positions)
+            pre = self._hc_pre(p + "attn_hyper_connection.", h, rec, positions, normed)
             if lt == "linear_attention":
                 out = self._gdn(i, pre.mixed, segs, st)
             else:
                 out = self._qsa(i, pre.mixed, st, pool)
-            h = K_norms.hc_combine(h, out, pre.injection_weights)
+            h, normed = self._combine(h, out, pre.injection_weights, p + "mlp_hyper_connection.")
             self._emit(rec, p + "attn_hyper_connection.combine", h, positions)
-            pre = self._hc_pre(p + "mlp_hyper_connection.", h, rec, positions)
+            pre = self._hc_pre(p + "mlp_hyper_connection.", h, rec, positions, normed)
             out = self._moe(i, pre.mixed, rec, positions)
-            h = K_norms.hc_combine(h, out, pre.injection_weights)
+            nxt = f"layers.{i + 1}.attn_hyper_connection." if i + 1 < hi and (i + 1) not in self.ple else None
+            h, normed = self._combine(h, out, pre.injection_weights, nxt)
             self._emit(rec, p + "mlp_hyper_connection.combine", h, positions)
         if part == "head":
             return h

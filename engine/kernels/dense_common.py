@@ -11,6 +11,7 @@ Weight formats understood by every dense op:
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -123,10 +124,25 @@ def module(filename: str):
     return load_module(filename)
 
 
+_QGEMV2_NT = re.compile(r"^qgemv2_\w+?_nt(\d+)_")
+
+
+def kernel_module_options(filename: str, name: str) -> tuple[str, ...]:
+    """NVRTC options of the module that holds kernel ``name`` of ``filename``: ``quant_linear.cu``'s streaming
+    GEMVs (``qgemv2_<fmt>_nt<N>_...``) are compiled per activation-row tile (``-DQGEMV2_NT=<N>``), apart from the
+    file's other kernels, each on first use (their instances would multiply the file's NVRTC time by ~4)."""
+    if filename == "quant_linear.cu":
+        m = _QGEMV2_NT.match(name)
+        if m:
+            return (f"-DQGEMV2_NT={int(m[1])}",)
+    return ()
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(filename: str, name: str):
-    """The cached ``cupy.RawKernel`` ``name`` of ``engine/kernels/cuda/<filename>``."""
-    return load_module(filename).get_function(name)
+    """The cached ``cupy.RawKernel`` ``name`` of ``engine/kernels/cuda/<filename>`` (in the module
+    :func:`kernel_module_options` names)."""
+    return load_module(filename, kernel_module_options(filename, name)).get_function(name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim
                                          same_device, weight_as_float, weight_kind)
 
 __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows",
-           "MMA_GEMV_ENABLED", "dense_kernel_choice", "quant_kernel_choice"]
+           "MMA_GEMV_ENABLED", "QGEMV2_ENABLED", "QGEMV2_CONFIG", "dense_kernel_choice", "quant_kernel_choice"]
 
 #: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
 GEMV_MAX_ROWS = 16
@@ -40,6 +40,17 @@ _GEMM_BN = 64
 #: ``QWEN4EXP_MMA_GEMV=0`` in the environment (read once, at import) turns it off (the float32-FMA GEMV
 #: of ``dense_linear.cu`` is used instead). Tests may monkeypatch this flag.
 MMA_GEMV_ENABLED = os.environ.get("QWEN4EXP_MMA_GEMV", "1").strip() != "0"
+#: The streaming quantised GEMV (``qgemv2_*`` of ``cuda/quant_linear.cu``) for FP8 / NVFP4 weights at 1..16 rows;
+#: ``QWEN4EXP_QGEMV2=0`` (read once, at import) selects the previous ``qgemv_*`` kernels (A/B). Tests and the
+#: micro-bench (``engine/kernels/bench_quant.py``) may monkeypatch it.
+QGEMV2_ENABLED = os.environ.get("QWEN4EXP_QGEMV2", "1").strip() != "0"
+#: ``qgemv2`` configuration per (format, activation-row tile): ``(G, RL, U)`` = lanes per row slot, weight rows
+#: per lane, chunks per lane loaded before any is decoded. Only the combinations quant_linear.cu instantiates
+#: (``QGEMV2_FAMILY``) exist; the micro-bench swaps entries to compare them. Defaults: the fastest measured on the
+#: H200 (bench_quant, 2026-12-02 03:18 UTC; routed-expert shapes, docs/kernels_quant.md): 1 row (2, 2, 3) for both
+#: formats (NVFP4 gate_up 17.1 us vs 26.8 for (4, 1, 5) and 33.6 for the previous kernel), 4 and 16 rows (4, 2, 3).
+QGEMV2_CONFIG = {("nvfp4", 1): (2, 2, 3), ("nvfp4", 4): (4, 2, 3), ("nvfp4", 16): (4, 2, 3),
+                 ("fp8", 1): (2, 2, 3), ("fp8", 4): (4, 2, 3), ("fp8", 16): (4, 2, 3)}
 
 
 def gemv_tile_rows(m: int) -> int:
@@ -243,28 +254,63 @@ def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, ali
 
 
 def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec: bool, sms: int | None = None,
-                        ) -> tuple[str, int]:
+                        v2: bool | None = None, config: tuple[int, int, int] | None = None) -> tuple[str, int]:
     """Which ``quant_linear.cu`` kernel a launch over a quantised weight uses (pure host logic).
 
     Args:
         fmt: 'fp8' or 'nvfp4'. rpt: activation rows per weight pass (1, 4, 16; 64 = the tiled GEMM).
-        N, K: logical weight shape. grid_y: row tiles launched. vec: 16-byte chunks possible (alignment).
+        N, K: logical weight shape. grid_y: row tiles launched. vec: 16-byte chunks possible (K a multiple of
+            the chunk, aligned pointers, fp8 scale blocks a multiple of 16 columns).
+        sms: streaming multiprocessors (default: the current GPU's). v2: use the streaming ``qgemv2`` kernels
+            (default :data:`QGEMV2_ENABLED`). config: ``(G, RL, U)`` for ``qgemv2`` (default
+            :data:`QGEMV2_CONFIG` ``[fmt, rpt]``).
     Returns:
-        ``(kernel name, grid x)``: 8 warps per block, each over 4 weight rows (``r4``, 1 and 4 activation
-        rows) or 1 (16 rows); short, wide matrices (few blocks for the SMs) split K of one row over the 8 warps
-        of a block (``r1_ks8``).
+        ``(kernel name, grid x)``. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
+        ``32 / G`` slots of ``RL`` rows; ``KS`` is the smallest power of two up to 8 with which every lane's
+        chunks are loaded in one round (``G * KS * U >= K / chunk``), doubled while the launch has fewer
+        blocks than twice the SMs. Otherwise the previous kernels: 8 warps per block, each over 4 weight rows
+        (``r4``, 1 and 4 activation rows) or 1 (16 rows); short, wide matrices split K of one row over the 8
+        warps of a block (``r1_ks8``); ``_s`` = the scalar path for unaligned shapes.
+    Raises:
+        KernelInputError: ``rpt`` not 1, 4, 16 or 64.
     """
     if rpt == GEMM_TILE_ROWS:
         return f"qgemm_{fmt}", -(-N // _GEMM_BN)
     if rpt not in (1, 4, 16):
         raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
     sms = sm_count() if sms is None else int(sms)
+    use_v2 = QGEMV2_ENABLED if v2 is None else bool(v2)
+    if use_v2 and vec:
+        G, RL, U = QGEMV2_CONFIG[fmt, rpt] if config is None else config
+        kc = K // (32 if fmt == "nvfp4" else 16)
+        ks = 1
+        while ks < 8 and G * ks * U < kc:
+            ks *= 2
+        while ks < 8 and -(-N // ((_GEMV_WARPS // ks) * (32 // G) * RL)) * grid_y < 2 * sms:
+            ks *= 2
+        rows_per_block = (_GEMV_WARPS // ks) * (32 // G) * RL
+        return f"qgemv2_{fmt}_nt{rpt}_g{G}_r{RL}_ks{ks}_u{U}", -(-N // rows_per_block)
     # 4 weight rows per warp share each activation piece (1 and 4 activation rows; 16 rows: registers allow 1)
     r = 4 if rpt in (1, 4) else 1
     ks = 1
     if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sms:  # few blocks for the SMs: 8 warps split K of one row
         ks, r = 8, 1
     return f"qgemv_{fmt}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}", -(-N // ((_GEMV_WARPS // ks) * r))
+
+
+def _quant_fargs(w, x, N, K):
+    """``(vec, weight arguments)`` of a ``quant_linear.cu`` GEMV/GEMM launch over QuantWeight ``w`` (2-D or a
+    3-D expert stack) with activations ``x``: vec = the 16-byte chunk paths are possible."""
+    es = w.ndim == 3
+    if w.fmt == "fp8":
+        vec = K % 16 == 0 and w.cb % 16 == 0 and w.q.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
+        fargs = (w.q, w.scale, np.int64(N * K if es else 0), np.int64(w.scale[0].size if es else 0),
+                 np.int32(w.rb), np.int32(w.cb), np.int32(w.scale.shape[-1]))
+    else:
+        vec = K % 32 == 0 and w.q.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
+        fargs = (w.q, w.scale, w.scale2, np.int64(N * K // 2 if es else 0), np.int64(N * K // 16 if es else 0),
+                 np.int32(w.s2_rows), np.int32(N // w.s2_rows))
+    return vec, fargs
 
 
 def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
@@ -281,15 +327,7 @@ def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
         return
     if grid_y > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid_y} tiles, above the grid limit 65535; use smaller chunks")
-    es = w.ndim == 3
-    if w.fmt == "fp8":
-        vec = K % 16 == 0 and w.cb % 16 == 0 and w.q.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
-        fargs = (w.q, w.scale, np.int64(N * K if es else 0), np.int64(w.scale[0].size if es else 0),
-                 np.int32(w.rb), np.int32(w.cb), np.int32(w.scale.shape[-1]))
-    else:
-        vec = K % 32 == 0 and w.q.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
-        fargs = (w.q, w.scale, w.scale2, np.int64(N * K // 2 if es else 0), np.int64(N * K // 16 if es else 0),
-                 np.int32(w.s2_rows), np.int32(N // w.s2_rows))
+    vec, fargs = _quant_fargs(w, x, N, K)
     name, grid_x = quant_kernel_choice(w.fmt, rpt, N, K, grid_y, vec=vec)
     kernel("quant_linear.cu", name)((grid_x, grid_y, 1), (256, 1, 1), fargs + (
         x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K)))

@@ -19,12 +19,12 @@ import numpy as np
 
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import (KernelInputError, check_dim, compute_dtype, f32_contig, is_cupy, kernel,
-                                         same_device, weight_as_float)
+                                         same_device, weight_as_float, xp_of)
 from engine.kernels.linear import linear
 from reference.blocks import hyper_connection as _ref_hc
 from reference.blocks import norms as _ref_norms
 
-__all__ = ["rms_norm", "gated_rms_norm", "hc_pre", "hc_combine", "HCOut", "act_div"]
+__all__ = ["rms_norm", "gated_rms_norm", "hc_pre", "hc_combine", "hc_combine_norm", "HCOut", "act_div"]
 
 _ACTS = {"silu": 0, "swish": 0, "sigmoid": 1}
 
@@ -32,6 +32,13 @@ _ACTS = {"silu": 0, "swish": 0, "sigmoid": 1}
 def _weight_f(w, xp, dt=np.float32):
     """Small weights (norm gains, conv kernels) as float arrays; BF16 bits are upcast exactly."""
     return weight_as_float(w, dt) if w.dtype != dt else w
+
+
+def _norm_threads(gs: int) -> int:
+    """Block size of the row-norm kernels for groups of ``gs`` channels: a thread per 1..2 elements, up to 1024
+    (2560-wide groups with 256 threads were latency-bound, ~10 us). ``hc_combine_norm`` must use the same, so
+    that its norm is bit-identical to ``rms_norm``'s."""
+    return min(1024, max(32, 1 << (gs - 1).bit_length()))
 
 
 def rms_norm(x, weight, *, eps: float, group_size: int | None = None, out=None):
@@ -74,9 +81,8 @@ def rms_norm(x, weight, *, eps: float, group_size: int | None = None, out=None):
     if rows == 0:
         return y
     yk = y if (y.flags.c_contiguous and y.dtype == np.float32) else _empty(xp, x.shape, dtype=xp.float32)
-    threads = 256 if gs >= 256 else max(32, 1 << (gs - 1).bit_length())
     kernel("dense_norms.cu", "rms_norm_rows")(
-        (rows * (D // gs),), (min(threads, 1024),),
+        (rows * (D // gs),), (_norm_threads(gs),),
         (xc, w, yk, np.int64(rows), np.int32(D), np.int32(gs), np.float32(eps), np.int32(1)))
     if yk is not y:
         y[...] = yk
@@ -163,7 +169,7 @@ class HCOut:
 
 
 def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_count: int, eps: float,
-           down_inject=None) -> HCOut:
+           down_inject=None, normed=None) -> HCOut:
     """Hyper-connection input side (``Qwen4ExpTextGatedResidual.forward``).
 
     ``n = rmsnorm_grouped(x, group=H)``; ``a = silu(n @ down.T / hc)``; ``m = sigmoid(a @ up.T)``;
@@ -179,6 +185,8 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
         down_inject: optional (cupy) ``[hc_lowrank + hc_count, hc_count * H]``: ``down_weight`` and
             ``inject_weight`` stacked in one matrix (the engine's fused layout; both read the same normed
             input, so one GEMV launch serves both). The per-row products are those of the separate weights.
+        normed: optional (cupy) ``[T, hc_count * H]``: ``rms_norm(x, norm_weight, group_size=H)`` already
+            computed (by :func:`hc_combine_norm`); it is used instead of normalising ``x`` again.
     Returns:
         :class:`HCOut` (arrays on the device of ``x``).
     Raises:
@@ -198,8 +206,13 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
             weight_as_float(up_weight, dt), None if inject_weight is None else weight_as_float(inject_weight, dt),
             hc_count, H, eps)
         return HCOut(mixed=mixed, injection_weights=inj)
-    normed = rms_norm(x, norm_weight, eps=eps, group_size=H)
+    if normed is None:
+        normed = rms_norm(x, norm_weight, eps=eps, group_size=H)
+    elif tuple(normed.shape) != (T, W):
+        raise KernelInputError(f"normed: expected shape {(T, W)}, found {tuple(normed.shape)}")
     r = down_weight.shape[0]
+    if inject_weight is not None and down_inject is not None and hc_pre_fused_ok(T, hc_count, H, r, down_inject, up_weight):
+        return _hc_pre_fused(normed, down_inject, up_weight, T, H, r, hc_count)
     di = None
     if down_inject is not None and inject_weight is not None:
         di = linear(normed, down_inject)  # [T, r + hc]
@@ -215,6 +228,52 @@ def hc_pre(x, norm_weight, down_weight, up_weight, inject_weight=None, *, hc_cou
     inj = None
     if inject_weight is not None:
         inj = act_div(di[:, r:] if di is not None else linear(normed, inject_weight), float(hc_count), "inject")
+    return HCOut(mixed=mixed, injection_weights=inj)
+
+
+#: Decode-sized steps (T <= :data:`HC_FUSED_MAX_TOKENS`) run the hyper-connection input side as three launches
+#: (norm, down+inject GEMV with its activations, up GEMV with the stream mix: ``cuda/hc_fused.cu``) instead of six.
+#: False restores the unfused chain (A/B in benchmarks and tests).
+HC_FUSED_ENABLED = True
+HC_FUSED_MAX_TOKENS = 16
+
+
+def _weight_dtype_name(w) -> str | None:
+    if w.dtype == np.uint16:
+        return "bf16"
+    if w.dtype == np.float32:
+        return "f32"
+    return None
+
+
+def hc_pre_fused_ok(T: int, hc: int, H: int, r: int, down_inject, up_weight) -> bool:
+    """Whether :func:`hc_pre` takes the fused path (pure host logic): the flag is on, ``1 <= T <= 16``,
+    ``hc_count <= 8``, ``W = hc*H`` and ``r = hc_lowrank`` multiples of 8 (16-byte weight pieces) with
+    ``r <= 512`` (the kernel's register tile), both weights BF16 bits or float32, C-contiguous, 16-byte aligned."""
+    W = hc * H
+    if not HC_FUSED_ENABLED or not 1 <= T <= HC_FUSED_MAX_TOKENS or not 1 <= hc <= 8 or W % 8 or r % 8 or r > 512:
+        return False
+    for w in (down_inject, up_weight):
+        if _weight_dtype_name(w) is None or not w.flags.c_contiguous or w.data.ptr % 16:
+            return False
+    return True
+
+
+def _hc_pre_fused(normed, down_inject, up_weight, T: int, H: int, r: int, hc: int) -> "HCOut":
+    """The fused launches of ``cuda/hc_fused.cu`` on the grouped-normed residual ``normed [T, hc*H]``."""
+    xp = xp_of(normed)
+    W = hc * H
+    a = _empty(xp, (T, r), dtype=xp.float32)
+    inj = _empty(xp, (T, hc), dtype=xp.float32)
+    mixed = _empty(xp, (T, H), dtype=xp.float32)
+    tg = "t1" if T == 1 else "t4"
+    pu = next((p for p in (2, 4, 5) if W <= 2048 * p), 8)  # pieces per thread: one round of loads, few registers
+    hcm = 4 if hc <= 4 else 8
+    kernel("hc_fused.cu", f"hc_down_act_{_weight_dtype_name(down_inject)}_{tg}_pu{pu}")(
+        (r + hc,), (256,), (normed, down_inject, a, inj, np.int32(T), np.int32(W), np.int32(r), np.int32(hc)))
+    kernel("hc_fused.cu", f"hc_up_mix_{_weight_dtype_name(up_weight)}_{tg}_hc{hcm}")(
+        (-(-H // 8),), (256,), (a, up_weight, normed, mixed, np.int32(T), np.int32(H), np.int32(r), np.int32(hc)),
+        shared_mem=T * r * 4)
     return HCOut(mixed=mixed, injection_weights=inj)
 
 
@@ -255,3 +314,41 @@ def hc_combine(residual, block_out, injection_weights, *, out=None):
         kernel("dense_norms.cu", "hc_combine")(
             (-(-n // 256),), (256,), (r, b, i, y, np.int64(T), np.int32(hc), np.int32(H)))
     return y
+
+
+def hc_combine_norm(residual, block_out, injection_weights, norm_weight, *, eps: float):
+    """:func:`hc_combine` followed by the next hyper-connection's grouped norm of its result, in one launch.
+
+    ``out = hc_combine(residual, block_out, injection_weights)``;
+    ``normed = rms_norm(out, norm_weight, eps=eps, group_size=H)`` (zero-centred, per stream), both bit-identical
+    to the two separate ops on the GPU (same loop, block size and reduction order; ``cuda/dense_norms.cu``).
+
+    Args:
+        residual: ``[T, hc * H]``; block_out: ``[T, H]``; injection_weights: ``[T, hc]`` (float32).
+        norm_weight: ``[hc * H]`` the next hyper-connection's ``hc_norm.weight``.
+        eps: ``rms_norm_eps``.
+    Returns:
+        ``(out, normed)``, both ``[T, hc * H]`` float32.
+    Raises:
+        KernelInputError: inconsistent shapes.
+    """
+    xp = same_device(residual, block_out, injection_weights, norm_weight)
+    if not is_cupy(xp) or residual.ndim != 2 or block_out.ndim != 2 or injection_weights.ndim != 2:
+        out = hc_combine(residual, block_out, injection_weights)  # the NumPy twin (and its shape errors)
+        return out, rms_norm(out, norm_weight, eps=eps, group_size=int(block_out.shape[-1]))
+    T, W = residual.shape
+    H = int(block_out.shape[1])
+    hc = int(injection_weights.shape[1])
+    if hc * H != W or block_out.shape[0] != T or injection_weights.shape[0] != T:
+        raise KernelInputError(f"block_out/injection_weights: expected [T={T}, H] and [T, hc] with hc*H={W}, found "
+                               f"{tuple(block_out.shape)} and {tuple(injection_weights.shape)}")
+    check_dim("norm_weight", int(norm_weight.size), W, "hc * H (the residual's width)")
+    r, b, i = f32_contig(residual, "residual"), f32_contig(block_out, "block_out"), f32_contig(injection_weights, "inj")
+    wn = f32_contig(_weight_f(norm_weight, xp).reshape(-1), "norm_weight")
+    out = _empty(xp, (T, W), dtype=xp.float32)
+    normed = _empty(xp, (T, W), dtype=xp.float32)
+    if T:
+        kernel("dense_norms.cu", "hc_combine_norm")(
+            (T * hc,), (_norm_threads(H),), (r, b, i, wn, out, normed, np.int64(T), np.int32(hc), np.int32(H),
+                                             np.float32(eps)))
+    return out, normed

@@ -145,12 +145,22 @@ def test_stack_rows_keeps_every_scale():
 
 
 def test_quant_kernel_choice():
-    assert L.quant_kernel_choice("fp8", 1, 10240, 2560, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r4_ks1_v", 320)
-    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r1_ks8_v", 2560)
-    assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, sms=132) == ("qgemv_fp8_nt1_r1_ks8_v", 320)
+    old = dict(sms=132, v2=False)  # the previous kernels (kept for A/B)
+    assert L.quant_kernel_choice("fp8", 1, 10240, 2560, 1, vec=True, **old) == ("qgemv_fp8_nt1_r4_ks1_v", 320)
+    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, vec=True, **old) == ("qgemv_fp8_nt1_r1_ks8_v", 2560)
+    assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, **old) == ("qgemv_fp8_nt1_r1_ks8_v", 320)
+    assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, vec=True, **old) == ("qgemv_nvfp4_nt16_r1_ks1_v",
+                                                                                    16384)
+    # unaligned / odd K: the scalar path of the previous family, whatever v2 says
     assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, vec=False, sms=132) == ("qgemv_nvfp4_nt4_r4_ks1_s", 4096)
-    assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, vec=True, sms=132) == ("qgemv_nvfp4_nt16_r1_ks1_v",
-                                                                                     16384)
+    # streaming kernels: KS so that one round of U chunks per lane covers a row (nvfp4 gate_up: 80 chunks =
+    # 4 lanes x 4 warps x 5; down: 20 = 4 x 1 x 5), rows per block (8 / KS) * (32 / G) * RL
+    v2 = dict(sms=132, v2=True, config=(4, 1, 5))
+    assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 20, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks4_u5", 80)
+    assert L.quant_kernel_choice("nvfp4", 1, 2560, 640, 20, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks1_u5", 40)
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 20, vec=True, **v2) == ("qgemv2_fp8_nt1_g4_r1_ks8_u5", 160)
+    # few blocks for the SMs: KS doubled (one 320-row matrix: 5 blocks at KS 1 -> 8 warps split K)
+    assert L.quant_kernel_choice("nvfp4", 1, 320, 640, 1, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks8_u5", 40)
     assert L.quant_kernel_choice("fp8", 64, 1000, 64, 3, vec=True, sms=132)[0] == "qgemm_fp8"
 
 
@@ -189,17 +199,78 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
     import re
 
     from engine.backend import CUDA_DIR
+    from engine.kernels import dense_common
     src = (CUDA_DIR / "quant_linear.cu").read_text()
     fam = src[src.index("#define QGEMV_FAMILY"):src.index("QGEMV_FAMILY(fp8, FP8W)")]
     entries = {f"qgemv_{fmt}_nt{nt}_r{r}_ks{ks}_{suf}" for fmt in ("fp8", "nvfp4")
                for nt, r, ks, suf in re.findall(r"QGEMV_ENTRY\(FMT, LD, (\d+), (\d+), (\d+), \w+, (\w)\)", fam)}
     entries |= set(re.findall(r'extern "C" __global__ void __launch_bounds__\(256\) (qgemm_\w+)\(', src))
+    fam2 = src[src.index("// qgemv2 instances begin"):src.index("// qgemv2 instances end")]
+    # NVRTC compiles each row tile's instances in its own module (-DQGEMV2_NT=n, dense_common.kernel_module_options):
+    # every line of QGEMV2_FAMILY_NT<n> must be an n-row instance, and the options must name that module
+    blocks = re.findall(r"#define QGEMV2_FAMILY_NT(\d+)\(FMT, LD\)((?:.*\\\n)*.*)", fam2)
+    assert sorted(int(n) for n, _ in blocks) == [1, 4, 16]
+    for n, body in blocks:
+        assert {int(x) for x in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+),", body)} == {int(n)}, n
+        assert f"#if QL_NT({n})\nQGEMV2_FAMILY_NT{n}(fp8, FP8S)\nQGEMV2_FAMILY_NT{n}(nvfp4, NVFP4S)" in src
+    assert dense_common.kernel_module_options("quant_linear.cu", "qgemv2_nvfp4_nt16_g2_r2_ks8_u3") == ("-DQGEMV2_NT=16",)
+    assert dense_common.kernel_module_options("quant_linear.cu", "qgemv_nvfp4_nt16_r1_ks1_v") == ()
+    assert dense_common.kernel_module_options("dense_linear.cu", "qgemv2_fp8_nt1_g4_r1_ks1_u5") == ()
+    configs = {}
+    for nt, g, rl, u in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam2):
+        configs.setdefault(int(nt), set()).add((int(g), int(rl), int(u)))
+        entries |= {f"qgemv2_{fmt}_nt{nt}_g{g}_r{rl}_ks{ks}_u{u}" for fmt in ("fp8", "nvfp4") for ks in (1, 2, 4, 8)}
+    assert all(L.QGEMV2_CONFIG[fmt, nt] in configs[nt] for fmt in ("fp8", "nvfp4") for nt in (1, 4, 16)), \
+        (L.QGEMV2_CONFIG, configs)
     picked = set()
     for fmt in ("fp8", "nvfp4"):
         for rpt in (1, 4, 16, 64):
             for N in (8, 320, 2560, 131072):
-                for grid_y in (1, 12, 500):
-                    for vec in (True, False):
-                        picked.add(L.quant_kernel_choice(fmt, rpt, N, 2560, grid_y, vec=vec, sms=132)[0])
+                for K in (64, 640, 2560, 10240):
+                    for grid_y in (1, 12, 500):
+                        for vec in (True, False):
+                            for v2 in (True, False):
+                                cfgs = sorted(configs.get(rpt, {None})) if v2 else [None]
+                                for cfg in cfgs:
+                                    picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132, v2=v2,
+                                                                     config=cfg)[0])
     assert picked <= entries, sorted(picked - entries)
-    assert len(picked) >= 10
+    assert len(picked) >= 40
+
+
+def test_qgemv2_fast_decode_arithmetic_is_exact():
+    """The streaming GEMV's decode (quant_linear.cu, NVFP4S / FP8S), emulated step for step in NumPy: every
+    E2M1 byte (two nibbles) under every finite E4M3 scale code and several global scales gives the reader's
+    value bit for bit: nibble s.ee.m -> E4M3 byte s.0ee.m00 (= E2M1 * 2^-6), -> f16, times scale * 64 in f16
+    (exact), -> f32, times the global scale; FP8 via f16 equals E4M3 -> f32 directly. The GPU test
+    (test_kernels_quant_gpu.py::test_qgemv2_decodes_exactly_every_config) checks the kernels themselves; this
+    one pins the arithmetic argument on the CPU. Negative control: dropping the 2^6 correction is caught."""
+    import ml_dtypes
+
+    from reference.checkpoint import E2M1_VALUES
+
+    def e4(b):
+        return np.asarray(b, np.uint8).view(ml_dtypes.float8_e4m3fn)
+
+    u = np.arange(256, dtype=np.uint32) * 0x01010101  # each byte value in all four byte positions of a word
+    A = ((u << 2) & 0x1C1C1C1C) | ((u << 4) & 0x80808080)  # low nibbles (even elements)
+    B = ((u >> 2) & 0x1C1C1C1C) | (u & 0x80808080)  # high nibbles (odd elements)
+    for shift in (0, 8, 16, 24):
+        lo = e4(((A >> shift) & 0xFF).astype(np.uint8)).astype(np.float16)
+        hi = e4(((B >> shift) & 0xFF).astype(np.uint8)).astype(np.float16)
+        codes = np.arange(256)
+        for scode in range(256):
+            if scode & 0x7F == 0x7F:
+                continue  # NaN scale
+            s32 = e4(np.uint8(scode)).astype(np.float32)
+            sc16 = e4(np.uint8(scode)).astype(np.float16) * np.float16(64.0)
+            for g in (np.float32(0.00123), np.float32(7.77), np.float32(3e-30)):
+                for got16, nib in ((lo, codes & 15), (hi, codes >> 4)):
+                    got = (got16 * sc16).astype(np.float32) * g
+                    want = (E2M1_VALUES[nib] * s32) * g
+                    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (scode, g)
+                    if shift == 0 and scode == 0x38 and g == np.float32(7.77):  # negative control
+                        bad = (got16 * e4(np.uint8(scode)).astype(np.float16)).astype(np.float32) * g
+                        assert not np.array_equal(bad, want)
+    c = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(e4(c).astype(np.float16).astype(np.float32), e4(c).astype(np.float32), equal_nan=True)

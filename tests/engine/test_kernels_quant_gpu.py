@@ -5,6 +5,11 @@ outputs poisoned before the launch. The kernels' dequantisation is checked bit f
 (``qdequant_*``, same products); the products against the twin in float64 with the dense kernels'
 tolerance (1e-5: float32 summation order only, see test_kernels_dense_gpu.py). Negative controls: one
 perturbed code is caught and located in its output column; a swapped expert is caught.
+
+Both GEMV families run: the streaming ``qgemv2_*`` (default) and the previous ``qgemv_*`` (``impl='v1'``,
+kept for A/B). Every instantiated ``qgemv2`` configuration (parsed from the source) is checked to decode
+bit for bit through its own fast path: with one-hot activation rows, ``y[t, n] = deq[n, k_t]`` exactly
+(one product by 1.0 plus exact zeros), over all FP8 codes and every finite E4M3 scale code.
 """
 from __future__ import annotations
 
@@ -29,6 +34,12 @@ TOL = 1e-5
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
+
+
+@pytest.fixture(params=["v2", "v1"])
+def impl(request, monkeypatch):
+    monkeypatch.setattr(L, "QGEMV2_ENABLED", request.param == "v2")
+    return request.param
 
 
 @pytest.fixture
@@ -63,8 +74,10 @@ def make(rng, fmt, shape, rb=128, cb=128):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("M_,K,N_", [(1, 2560, 334), (3, 96, 64), (4, 160, 40), (5, 2560, 78), (16, 320, 130),
                                       (17, 96, 70), (130, 2560, 200), (1, 640, 4000), (2, 48, 1000),
-                                      (1, 256, 9001), (3, 160, 9002), (16, 96, 9003)])  # large N: 4-row warps
-def test_quant_linear_cuda(rng, fmt, M_, K, N_):
+                                      (1, 256, 9001), (3, 160, 9002), (16, 96, 9003),  # large N: 4-row warps
+                                      (1, 640, 2560), (4, 640, 2563), (16, 640, 301),  # short rows (down)
+                                      (1, 10240, 96), (4, 32, 33), (1, 4096, 7)])  # long rows, tails
+def test_quant_linear_cuda(rng, impl, fmt, M_, K, N_):
     w = make(rng, fmt, (N_, K), rb=64 if N_ % 64 == 0 else 128)
     x = rng.standard_normal((M_, K)).astype(np.float32)
     wg = w.to(cp)
@@ -92,8 +105,8 @@ def test_quant_linear_cuda(rng, fmt, M_, K, N_):
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("rpt", [1, 4, 16, 64])
-def test_quant_moe_experts_all_tile_kinds(rng, fmt, rpt):
-    E, H, I, k, T = 24, 256, 96, 5, 90
+@pytest.mark.parametrize("E,H,I,k,T", [(24, 256, 96, 5, 90), (7, 96, 640, 3, 5)])  # odd expert count, K = 640
+def test_quant_moe_experts_all_tile_kinds(rng, impl, fmt, rpt, E, H, I, k, T):
     gu = make(rng, fmt, (E, 2 * I, H), rb=32)
     dn = make(rng, fmt, (E, H, I), rb=128)
     x = rng.standard_normal((T, H)).astype(np.float32)
@@ -126,3 +139,80 @@ def test_synthetic_fill_matches_hash_twin():
         b = S._fill_bf16(cp, (3, 999), seed)
         np.testing.assert_array_equal(cp.asnumpy(b), S._fill_bf16(np, (3, 999), seed))
     assert not np.array_equal(cp.asnumpy(S._fill_u8(cp, (5, 5), 1, 0xFF, 0)), S._fill_u8(np, (5, 5), 2, 0xFF, 0))
+
+
+def _qgemv2_configs():
+    """(fmt, NT, G, RL, KS, U) of every qgemv2 entry quant_linear.cu instantiates."""
+    import re
+
+    from engine.backend import CUDA_DIR
+    src = (CUDA_DIR / "quant_linear.cu").read_text()
+    fam = src[src.index("// qgemv2 instances begin"):src.index("// qgemv2 instances end")]
+    lines = re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam)
+    assert len(lines) >= 3
+    return [(fmt, int(nt), int(g), int(rl), ks, int(u)) for fmt in ("fp8", "nvfp4") for nt, g, rl, u in lines
+            for ks in (1, 2, 4, 8)]
+
+
+def _make_all_codes(rng, fmt, N, K):
+    """A weight using every finite code: all FP8 codes but NaN; NVFP4 every nibble and every finite E4M3 scale
+    code (zero, subnormal, negative included): the fast decodes' exactness claims cover the whole range."""
+    if fmt == "fp8":
+        return make(rng, fmt, (N, K), rb=16, cb=16)
+    q = rng.integers(0, 256, size=(N, K // 2), dtype=np.uint8)
+    sc = rng.integers(0, 256, size=(N, K // 16), dtype=np.uint8)
+    sc[(sc & 0x7F) == 0x7F] = 0x7E  # no NaN scales
+    s2 = rng.uniform(0.001, 10.0, size=(2,)).astype(np.float32)
+    return QuantWeight("nvfp4", (N, K), q, sc, s2, s2_rows=N // 2)
+
+
+@pytest.mark.parametrize("cfg", _qgemv2_configs(), ids=lambda c: "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*c))
+def test_qgemv2_decodes_exactly_every_config(rng, cfg):
+    """One-hot activation rows through each qgemv2 entry: y[t, n] == deq[n, k_t] bit for bit (as values; the
+    accumulator turns -0.0 into +0.0). The columns: every position of one random chunk, and a random sample.
+    Negative control: a changed code in a checked column is caught at that element."""
+    fmt, NT, G, RL, KS, U = cfg
+    N, K = 70, 32 * G * KS * U + (32 if fmt == "nvfp4" else 16)  # rows: a tail; K: more than one load round
+    w = _make_all_codes(rng, fmt, N, K)
+    deq = dequantize(w)
+    assert np.all(np.isfinite(deq))
+    wg = w.to(cp)
+    epl = 32 if fmt == "nvfp4" else 16
+    c = int(rng.integers(K // epl))
+    cols = np.concatenate([np.arange(c * epl, (c + 1) * epl), rng.choice(K, size=NT * 2, replace=False)])
+    cols = cols[: (len(cols) // NT) * NT] if len(cols) >= NT else cols
+    name = "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*cfg)
+    fn = kernel("quant_linear.cu", name)
+    rows_per_block = (8 // KS) * (32 // G) * RL
+    null = dense_common.NULL_PTR
+
+    def run(wgpu, ks_cols):
+        x = np.zeros((len(ks_cols), K), np.float32)
+        x[np.arange(len(ks_cols)), ks_cols] = 1.0
+        xg = cp.asarray(x)
+        y = cp.full((len(ks_cols), N), np.nan, cp.float32)
+        vec, fargs = L._quant_fargs(wgpu, xg, N, K)
+        assert vec
+        M_ = len(ks_cols)
+        fn((-(-N // rows_per_block), -(-M_ // NT), 1), (256, 1, 1),
+           fargs + (xg, null, y, null, null, null, null, np.int32(M_), np.int32(N), np.int32(K)))
+        return cp.asnumpy(y)
+
+    for i in range(0, len(cols), NT):
+        part = cols[i:i + NT]
+        y = run(wg, part)
+        np.testing.assert_array_equal(y, deq[:, part].T)
+    # negative control: one code of a checked column changed -> exactly that element differs
+    k0 = int(cols[0])
+    wb = w.to(np)
+    wb.q = wb.q.copy()
+    for n0 in rng.permutation(N):  # a row where the change alters the value (not under a zero scale)
+        old = int(wb.q[n0, k0 if fmt == "fp8" else k0 // 2])
+        new = (old ^ 0x10 if (old ^ 0x08) & 0x7F == 0x7F else old ^ 0x08) if fmt == "fp8" else \
+            old ^ (0x01 if k0 % 2 == 0 else 0x10)
+        wb.q[n0, k0 if fmt == "fp8" else k0 // 2] = new
+        if dequantize(wb)[n0, k0] != deq[n0, k0]:
+            break
+        wb.q[n0, k0 if fmt == "fp8" else k0 // 2] = old
+    yb = run(wb.to(cp), np.array([k0] * NT))
+    assert list(np.nonzero(yb[0] != deq[:, k0])[0]) == [n0]

@@ -6,6 +6,9 @@
 //   act_div             : y = silu(x / d) (mode 0) or 2 * sigmoid(x / d) (mode 1)
 //   hc_mix              : mixed[t, h] = mean_s sigmoid(m[t, s, h]) * normed[t, s, h]
 //   hc_combine          : out[t, s, h] = res[t, s, h] + y[t, h] * inj[t, s]
+//   hc_combine_norm     : hc_combine, then the next hyper-connection's grouped zero-centred RMSNorm of its output,
+//                         in one launch: one block per (row, stream) with rms_norm_rows' loop and block size, so
+//                         both outputs are bit-identical to hc_combine followed by rms_norm_rows.
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
@@ -86,4 +89,27 @@ extern "C" __global__ void hc_combine(const float* __restrict__ R, const float* 
     int c = (int)(i % W);
     int s = c / H, h = c % H;
     Out[i] = R[i] + Yb[t * H + h] * Inj[t * hc + s];
+}
+
+extern "C" __global__ void hc_combine_norm(const float* __restrict__ R, const float* __restrict__ Yb,
+                                           const float* __restrict__ Inj, const float* __restrict__ Wn,
+                                           float* __restrict__ Out, float* __restrict__ Normed, long long T, int hc,
+                                           int H, float eps) {
+    __shared__ float red[33];
+    const long long row = blockIdx.x / hc;
+    const int s = (int)(blockIdx.x % hc);
+    if (row >= T) return;
+    const long long base = row * (long long)hc * H + (long long)s * H;
+    const float inj = Inj[row * hc + s];
+    const float* yb = Yb + row * (long long)H;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        const float v = R[base + i] + yb[i] * inj;
+        Out[base + i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    const float* w = Wn + (long long)s * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) Normed[base + i] = (Out[base + i] * inv) * (1.f + w[i]);
 }

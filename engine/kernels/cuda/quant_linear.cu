@@ -12,7 +12,9 @@
 // Activations and accumulation are float32. Dequantised values are bit-identical to the reference
 // reader's (reference/checkpoint.py); only the summation order differs.
 //
-// gemv_* : decode (1, 4 or 16 activation rows per weight pass). R weight rows per warp (4 for 1 and 4
+// qgemv2_*: decode, the default (gemv_quant2.cuh; docs/kernels_quant.md): streaming loads, hardware E4M3 decode.
+// qgemv_* : decode, the previous kernels (QWEN4EXP_QGEMV2=0), and the scalar path of both (unaligned / odd K).
+//          1, 4 or 16 activation rows per weight pass. R weight rows per warp (4 for 1 and 4
 //          activation rows, else 1), KS warps may split K; every lane loads 16 bytes of each row per chunk (16
 //          FP8 or 32 NVFP4 weights) with several chunks in flight, decodes each weight once and reuses it for
 //          every activation row of the tile, and each activation piece for the R rows. Scalar path for rows
@@ -24,6 +26,21 @@
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
 #include "common.cuh"
+
+// Module split (NVRTC compile time: the qgemv2 instances take ~3x the rest): NVRTC builds one module without
+// QGEMV2_NT (the qgemv_* / qgemm_* / qdequant_* entries) and one per activation-row tile with -DQGEMV2_NT=1, 4 or
+// 16 (that tile's qgemv2_* entries), each on first use (engine/kernels/dense_common.py: kernel_module_options).
+// nvcc (tests/engine/test_engine_nvcc.py) compiles everything.
+#if !defined(__CUDACC_RTC__)
+#define QL_BASE 1
+#define QL_NT(n) 1
+#elif defined(QGEMV2_NT)
+#define QL_BASE 0
+#define QL_NT(n) (QGEMV2_NT == (n))
+#else
+#define QL_BASE 1
+#define QL_NT(n) 0
+#endif
 
 typedef unsigned char u8;
 
@@ -279,8 +296,64 @@ __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict
     QGEMV_ENTRY(FMT, LD, 16, 1, 8, true, v) \
     QGEMV_ENTRY(FMT, LD, 16, 1, 8, false, s)
 
+#if QL_BASE
 QGEMV_FAMILY(fp8, FP8W)
 QGEMV_FAMILY(nvfp4, NVFP4W)
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// qgemv2_* : the streaming decode GEMV (the default; the qgemv_* family above stays selectable for A/B). Design,
+// decode and exactness argument: gemv_quant2.cuh and docs/kernels_quant.md.
+#include "gemv_quant2.cuh"
+
+#define QGEMV2_ENTRY(FMT, LD, NT, G, RL, KS, U)                                                                \
+    extern "C" __global__ void __launch_bounds__(256, QGEMV2_MINB(NT))                                         \
+        qgemv2_##FMT##_nt##NT##_g##G##_r##RL##_ks##KS##_u##U(                                                  \
+        FMT##_ARGS_LC, QCOMMON_ARGS) {                                                                         \
+        FMT##_MAKE2_LC                                                                                         \
+        qgemv2_body<LD, NT, G, RL, KS, U>(ld, QCOMMON_PASS);                                                   \
+    }
+
+#define fp8_MAKE2_LC FP8S ld{Q, S, q_es, s_es, rb, cb, ncb};
+#define nvfp4_MAKE2_LC NVFP4S ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
+
+// Configurations (NT, G, RL, U; each with KS 1, 2, 4, 8, chosen by the host): the defaults of
+// engine/kernels/linear.py QGEMV2_CONFIG and the alternatives the micro-bench compares (bench_quant.py). Why small G: the activation loads of
+// a warp touch G distinct 128-byte lines (NVFP4: a 16-byte chunk is 32 weights = 128 bytes of float32
+// activations), which is what bounds L1 at 4 and 16 rows.
+#define QGEMV2_KS(FMT, LD, NT, G, RL, U)                                                                      \
+    QGEMV2_ENTRY(FMT, LD, NT, G, RL, 1, U)                                                                    \
+    QGEMV2_ENTRY(FMT, LD, NT, G, RL, 2, U)                                                                    \
+    QGEMV2_ENTRY(FMT, LD, NT, G, RL, 4, U)                                                                    \
+    QGEMV2_ENTRY(FMT, LD, NT, G, RL, 8, U)
+
+// qgemv2 instances begin (tests/engine/test_engine_quant.py and bench_quant.py read these lines)
+#define QGEMV2_FAMILY_NT1(FMT, LD)  \
+    QGEMV2_KS(FMT, LD, 1, 4, 1, 5)  \
+    QGEMV2_KS(FMT, LD, 1, 2, 1, 5)  \
+    QGEMV2_KS(FMT, LD, 1, 2, 2, 3)
+#define QGEMV2_FAMILY_NT4(FMT, LD)  \
+    QGEMV2_KS(FMT, LD, 4, 4, 2, 3)  \
+    QGEMV2_KS(FMT, LD, 4, 2, 2, 3)  \
+    QGEMV2_KS(FMT, LD, 4, 4, 1, 5)
+#define QGEMV2_FAMILY_NT16(FMT, LD) \
+    QGEMV2_KS(FMT, LD, 16, 4, 2, 3) \
+    QGEMV2_KS(FMT, LD, 16, 2, 2, 3) \
+    QGEMV2_KS(FMT, LD, 16, 1, 2, 3)
+// qgemv2 instances end
+
+#if QL_NT(1)
+QGEMV2_FAMILY_NT1(fp8, FP8S)
+QGEMV2_FAMILY_NT1(nvfp4, NVFP4S)
+#endif
+#if QL_NT(4)
+QGEMV2_FAMILY_NT4(fp8, FP8S)
+QGEMV2_FAMILY_NT4(nvfp4, NVFP4S)
+#endif
+#if QL_NT(16)
+QGEMV2_FAMILY_NT16(fp8, FP8S)
+QGEMV2_FAMILY_NT16(nvfp4, NVFP4S)
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // Tiled GEMM (prefill): 64 x 64 outputs per block, 256 threads, 4 x 4 per thread, K in steps of 16.
@@ -344,6 +417,7 @@ __device__ __forceinline__ void qgemm_body(const LD& ld, const float* __restrict
     }
 }
 
+#if QL_BASE
 extern "C" __global__ void __launch_bounds__(256) qgemm_fp8(FP8_ARGS, QCOMMON_ARGS) {
     FP8_MAKE
     qgemm_body<FP8W>(ld, QCOMMON_PASS);
@@ -374,3 +448,4 @@ extern "C" __global__ void qdequant_nvfp4(NVFP4_ARGS, int E, int N, int K, float
     int n = (int)((i / K) % N), k = (int)(i % K);
     out[i] = ld.get(e, n, k, K);
 }
+#endif  // QL_BASE
