@@ -622,15 +622,16 @@ class EngineModel:
         qq = conv[:, :kd].reshape(T, Hk, Dk)
         kk = conv[:, kd:2 * kd].reshape(T, Hk, Dk)
         vv = conv[:, 2 * kd:].reshape(T, Hv, Dv)
-        g, beta = K_gdn.gdn_gates(a, b, w[q + "A_log"], w[q + "dt_bias"])
-        if mode == "decode":
-            core = K_gdn.gated_delta_decode(qq, kk, vv, g, beta, rec_state, slots)
+        if mode == "decode":  # the gates are computed inside the recurrent kernel (one launch)
+            core = K_gdn.gated_delta_decode_gates(qq, kk, vv, a, b, w[q + "A_log"], w[q + "dt_bias"], rec_state, slots)
         elif mode == "verify":
+            g, beta = K_gdn.gdn_gates(a, b, w[q + "A_log"], w[q + "dt_bias"])
             seq = segs[0].seq
             ck = seq.checkpoints[f"gdn_rec.{i}"][1:]
             core = K_gdn.gated_delta_recurrent(qq, kk, vv, g, beta, rec_state, xp.asarray(np.array([seq.slab])),
                                                cu_seqlens=xp.asarray(np.array([0, T])), checkpoints=ck)
         else:
+            g, beta = K_gdn.gdn_gates(a, b, w[q + "A_log"], w[q + "dt_bias"])
             core = K_gdn.gated_delta_prefill(qq, kk, vv, g, beta, rec_state, segs[0].seq.slab, chunk_size=self.gdn_chunk)
         self._emit(rec, q + "core_out", core, positions)
         normed = K_norms.gated_rms_norm(core, z.reshape(T, Hv, Dv), w[q + "norm.weight"], eps=c.rms_norm_eps,
@@ -759,7 +760,9 @@ class EngineModel:
         ih, ihd, r = c.indexer_n_heads, c.indexer_head_dim, c.indexer_compress_ratio
         ps, eps, rd = pool.page_size, c.rms_norm_eps, c.rotary_dim
         rec, positions, pos_dev, rows = st.rec, st.positions, st.pos_dev, st.rows_dev
-        slots = K_qsa.token_slots(pool.block_tables, rows, pos_dev, ps)
+        legacy = xp is not np and K_qsa.QSA_IMPL == "legacy"  # A/B: the previous cupy slot + scatter ops
+        if legacy:
+            slots = K_qsa.token_slots(pool.block_tables, rows, pos_dev, ps)
         # --- indexer: queries, raw keys, block keys, scores, top-k
         parts = self._fused_linear(x, q + "fused_in_proj")
         if parts is not None:
@@ -769,13 +772,42 @@ class EngineModel:
             qg = K_lin.linear(x, w[q + "q_proj.weight"])
             k_lin = K_lin.linear(x, w[q + "k_proj.weight"])
             v_lin = K_lin.linear(x, w[q + "v_proj.weight"])
-        q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"], eps=eps)
-        self._emit(rec, q + "indexer.q_layernorm.out", q_idx, positions)
-        q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
-        pool.idx_k[i][slots] = qk[:, ih * ihd:]
-        K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev,
-                             w[q + "indexer.k_layernorm.weight"], self.inv_freq, rd, r, ps, eps)
-        n_vis = pos_dev + 1
+        # without taps the three head norms + RoPEs run as one kernel (bitwise the same numbers)
+        fused_prep = xp is not np and not legacy and rec is None
+        if fused_prep:
+            q_idx, qq_p, kk_p = K_qsa.qsa_prep_heads(
+                qk, qg, k_lin, w[q + "indexer.q_layernorm.weight"], w[q + "q_norm.weight"], w[q + "k_norm.weight"],
+                pos_dev, self.inv_freq, rd, eps, ih, ihd, nh, nkv, hd)
+        else:
+            q_idx = K_norms.rms_norm(qk[:, :ih * ihd].reshape(T, ih, ihd), w[q + "indexer.q_layernorm.weight"],
+                                     eps=eps)
+            self._emit(rec, q + "indexer.q_layernorm.out", q_idx, positions)
+            q_idx = apply_rope(q_idx, pos_dev, self.inv_freq, rd)
+
+        def attn_qkv():  # attention projections: q/k norms, RoPE; the gate half of q_proj as a strided view
+            qg_ = qg.reshape(T, nh, 2 * hd)
+            if fused_prep:
+                return qg_[:, :, hd:], qq_p, kk_p, v_lin.reshape(T, nkv, hd)
+            qq_ = K_norms.rms_norm(xp.ascontiguousarray(qg_[:, :, :hd]), w[q + "q_norm.weight"], eps=eps)
+            kk_ = K_norms.rms_norm(k_lin.reshape(T, nkv, hd), w[q + "k_norm.weight"], eps=eps)
+            self._emit(rec, q + "q_norm.out", qq_, positions)
+            self._emit(rec, q + "k_norm.out", kk_, positions)
+            return (qg_[:, :, hd:], apply_rope(qq_, pos_dev, self.inv_freq, rd),
+                    apply_rope(kk_, pos_dev, self.inv_freq, rd), v_lin.reshape(T, nkv, hd))
+
+        bk_args = (w[q + "indexer.k_layernorm.weight"], self.inv_freq, rd, r, ps, eps)
+        if legacy:
+            pool.idx_k[i][slots] = qk[:, ih * ihd:]
+            K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev, *bk_args)
+            n_vis = pos_dev + 1
+        else:  # one launch writes the raw indexer keys, K and V at the slots (decode: and the block keys)
+            gate, qq, kk, vv = attn_qkv()
+            fuse = st.mode == "decode"  # one token per table row: a block's other raw keys are already pooled
+            n_vis = K_qsa.qsa_write_tokens(
+                pool.idx_k[i], pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, pos_dev, qk[:, ih * ihd:], kk,
+                vv, ps, block_keys=(pool.blk_k[i], bk_args[0], self.inv_freq, rd, r, eps) if fuse else None)
+            if not fuse:
+                K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev, *bk_args)
         n_blocks = st.n_blocks
         scores, sel = K_qsa.qsa_select(q_idx, pool.blk_k[i], pool.block_tables, rows, n_vis, n_blocks, r, ps,
                                        c.block_topk)
@@ -798,22 +830,16 @@ class EngineModel:
                     rec.emit(q + "indexer.selected_tokens",
                              selected_tokens(sel_h, np.asarray(self.syncs.host(positions)), r, c.indexer_budget + r - 1),
                              positions=positions)
-        # --- attention projections, K/V into the pages, sparse attention, sigmoid output gate
-        qg = qg.reshape(T, nh, 2 * hd)
-        gate = qg[:, :, hd:].reshape(T, nh * hd)
-        qq = K_norms.rms_norm(xp.ascontiguousarray(qg[:, :, :hd]), w[q + "q_norm.weight"], eps=eps)
-        kk = K_norms.rms_norm(k_lin.reshape(T, nkv, hd), w[q + "k_norm.weight"], eps=eps)
-        vv = v_lin.reshape(T, nkv, hd)
-        self._emit(rec, q + "q_norm.out", qq, positions)
-        self._emit(rec, q + "k_norm.out", kk, positions)
-        qq = apply_rope(qq, pos_dev, self.inv_freq, rd)
-        kk = apply_rope(kk, pos_dev, self.inv_freq, rd)
-        pool.kv_k[i][slots] = kk
-        pool.kv_v[i][slots] = vv
+        # --- attention projections, K/V into the pages (legacy order), sparse attention, sigmoid output gate
+        if legacy:
+            gate, qq, kk, vv = attn_qkv()
+            pool.kv_k[i][slots] = kk
+            pool.kv_v[i][slots] = vv
         core = K_qsa.qsa_sparse_attention(qq, pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, n_vis, sel, r, ps,
-                                          hd ** -0.5).reshape(T, nh * hd)
-        self._emit(rec, q + "core_out", core, positions)
-        gated = _sigmoid_gate(xp)(core, gate)  # core * sigmoid(gate), one fused kernel
+                                          hd ** -0.5, n_blocks=n_blocks)
+        self._emit(rec, q + "core_out", core.reshape(T, nh * hd), positions)
+        # core * sigmoid(gate), one fused kernel reading the gate in place: [T, nh, hd] -> [T, nh*hd]
+        gated = _sigmoid_gate(xp)(core, gate).reshape(T, nh * hd)
         out = K_lin.linear(gated, w[q + "o_proj.weight"])
         self._emit(rec, q + "out", out, positions)
         return out

@@ -19,14 +19,14 @@ JITTER_LARGE = 1e-4
 class RowShift(_Wrap):
     """Every returned row + 3: the same distribution (softmax ignores a per-row offset)."""
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         return np.asarray(lg, dtype=np.float32) + np.float32(3.0)
 
 
 class LogProbs(_Wrap):
     """log_softmax of every row returned instead of the logits: the same distribution."""
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         x = np.asarray(lg, dtype=np.float64)
         m = x.max(axis=-1, keepdims=True)
         return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
@@ -36,7 +36,7 @@ class RampShift(_Wrap):
     """Negative control of the offset rule: + 3 + a ramp over the vocabulary, 1e-3 x max |logit| from the first to
     the last entry (an offset that differs across the entries of a row: a real error)."""
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         x = np.asarray(lg, dtype=np.float32)
         ramp = np.linspace(0.0, 1e-3, x.shape[-1], dtype=np.float32) * np.abs(x).max(axis=-1, keepdims=True)
         return x + np.float32(3.0) + ramp
@@ -45,7 +45,7 @@ class RampShift(_Wrap):
 class ShiftPlusNoiseAt5(_Wrap):
     """+ 3 on every row and 1e-3 x max |logit| seeded noise at position 5: the offset must not hide the error."""
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         x = np.array(lg, dtype=np.float32, copy=True) + np.float32(3.0)
         i = 5 - p0
         if 0 <= i < x.shape[0]:
@@ -57,7 +57,7 @@ class ShiftPlusNoiseAt5(_Wrap):
 class TopKTail(_Wrap):
     """Top-50 truncation: every entry but the 50 largest set to -inf (the truth gives them probability > 0)."""
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         x = np.array(lg, dtype=np.float32, copy=True)
         idx = np.argsort(x, axis=-1)[:, :-50]
         np.put_along_axis(x, idx, -np.inf, axis=-1)
@@ -69,7 +69,7 @@ class Jitter(_Wrap):
 
     rel = JITTER
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         self._calls = getattr(self, "_calls", 0) + 1
         rng = np.random.default_rng(self._calls)
         x = np.asarray(lg, dtype=np.float32)
@@ -85,8 +85,8 @@ class JitterLarge(Jitter):
 class JitterLargeFaultAt5(JitterLarge):
     """The large jitter plus 3e-2 x max |logit| seeded noise at position 5: far beyond tolerance + the spread."""
 
-    def _fix(self, lg, p0):
-        x = np.array(super()._fix(lg, p0), copy=True)
+    def _fix(self, lg, p0, op):
+        x = np.array(super()._fix(lg, p0, op), copy=True)
         i = 5 - p0
         if 0 <= i < x.shape[0]:
             rng = np.random.default_rng(5)

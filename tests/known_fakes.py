@@ -5,46 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.backends.base import Backend
-from parity.backends.reference import ReferenceBackend
+from parity_fakes import PASSTHROUGH_OPS, _Wrap, reference_capabilities
 
 
-class Faulty(Backend):
+class Faulty(_Wrap):
     """The reference, with its returned logits perturbed at absolute positions (composition, after the
     tester's /work/tb/mybe.py): ``noise`` = {position: relative size} adds ``size x max|logit|`` seeded noise
-    there; ``flip`` = positions where the top-2 logits are swapped (a wrong argmax)."""
+    there; ``flip`` = positions where the top-2 logits are swapped (a wrong argmax). Declares what the
+    reference declares and passes every optional operation through to it."""
 
-    precision = "float32"
     name = "test:Faulty"
+    capabilities = reference_capabilities()
+    passthrough = PASSTHROUGH_OPS
     noise: dict = {}
     flip: tuple = ()
 
-    @classmethod
-    def open(cls, model_path, **opts):
-        self = cls()
-        self.inner = ReferenceBackend.open(model_path)
-        self.config = self.inner.config
-        self.model_path = model_path
-        self.capabilities = dict(ReferenceBackend.capabilities)
-        return self
-
-    # every other protocol operation is the reference's
-    def new_sequence(self): return self.inner.new_sequence()
-    def free(self, h): return self.inner.free(h)
-    def position(self, h): return self.inner.position(h)
-    def snapshot(self, h): return self.inner.snapshot(h)
-    def restore(self, h, s): return self.inner.restore(h, s)
-    def rollback(self, h, n): return self.inner.rollback(h, n)
-    def state_arrays(self, h): return self.inner.state_arrays(h)
-    def fork(self, h): return self.inner.fork(h)
-    def last_logits(self, h): return self.inner.last_logits(h)
-    def dense_logits(self, ids): return self.inner.dense_logits(ids)
-
-    def forward_tokens(self, h, ids):
-        start = self.inner.position(h)
-        return self._perturb(self.inner.forward_tokens(h, ids), start)
-
-    def _perturb(self, rows, start):
+    def _fix(self, rows, start, op):
         rows = np.array(rows, copy=True)
         for k in range(rows.shape[0]):
             p = start + k
@@ -57,14 +33,3 @@ class Faulty(Backend):
                 a, b = np.argsort(r)[-2:][::-1]
                 r[a], r[b] = r[b], r[a]
         return rows
-
-    def prefill(self, h, ids, chunk_size=None):
-        start = self.inner.position(h)
-        return self._perturb(self.inner.prefill(h, ids, chunk_size=chunk_size), start)
-
-    def decode(self, hs, ids):
-        starts = [self.inner.position(h) for h in hs]
-        out = np.array(self.inner.decode(hs, ids), copy=True)
-        for i, s in enumerate(starts):
-            out[i:i + 1] = self._perturb(out[i:i + 1], s)
-        return out

@@ -1,6 +1,8 @@
 """Faulty backends behind the parity protocol, importable as ``parity_fakes:Class`` (tests/ is on sys.path):
-the reference with a hook on every returned row, one that crashes in decode, and ones that perturb the
-returned logits from position 10 (taps untouched)."""
+the reference with a hook on every returned row (:class:`_Wrap`, the one delegating wrapper every test helper
+builds on: tests/kl_fakes.py, tests/known_fakes.py, the wrappers of test_locate_real_divergence.py and
+test_generation_path_judged.py), one that crashes in decode, ones that perturb the returned logits from
+position 10 (taps untouched), and the reference with dense attention."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,12 +10,36 @@ import numpy as np
 from parity.backends import Backend, ReferenceBackend
 
 
+#: optional protocol operations a :class:`_Wrap` may pass through to the reference (else the protocol's default:
+#: fork through snapshot/restore, the others raising BackendError)
+PASSTHROUGH_OPS = ("state_arrays", "fork", "last_logits", "dense_logits")
+
+
+def reference_capabilities(*drop: str) -> dict:
+    """The reference backend's declared capabilities without the keys ``drop`` (then the protocol's defaults)."""
+    return {k: v for k, v in ReferenceBackend.capabilities.items() if k not in drop}
+
+
 class _Wrap(Backend):
-    """The reference behind the protocol, with a hook ``_fix(logits, first_position)`` on every returned row."""
+    """The reference behind the protocol by composition (``self.ref``), with a hook ``_fix(rows, start, op)`` on
+    the rows every ``prefill`` / ``decode`` / ``forward_tokens`` returns (``rows``: a copy, ``[k, V]`` float32;
+    ``start``: the absolute position of row 0; ``op``: 'prefill' | 'decode' | 'verify'; a decode batch calls it
+    once per sequence, in batch order). Every wrapper of the test helpers is this class, parametrised by:
+
+    * ``capabilities``: what it declares (each instance gets its own copy);
+    * ``passthrough``: which of :data:`PASSTHROUGH_OPS` go to the reference unchanged (the others keep the
+      protocol's default); ``prefill_batch``, ``prefill_last`` and ``decode_greedy`` keep the protocol's
+      defaults (built on the hooked operations) unless a subclass overrides them;
+    * ``name``: the reported name (None: ``t:<class name>``).
+
+    ``open`` passes every option but ``page_size`` (a no-op for the reference) to the reference.
+    """
 
     precision = "float32"
+    name = None
     capabilities = {"page_sizes": None, "batched_decode": True, "perturb": False, "state_arrays": False,
                     "snapshot_file": False}
+    passthrough: tuple = ()
 
     @classmethod
     def open(cls, model_path, **opts):
@@ -22,8 +48,12 @@ class _Wrap(Backend):
         self.ref = ReferenceBackend.open(model_path, **opts)
         self.config = self.ref.config
         self.model_path = model_path
-        self.name = "t:" + cls.__name__
+        self.name = cls.name or "t:" + cls.__name__
+        self.capabilities = dict(cls.capabilities)
         return self
+
+    def _fix(self, rows, start, op):
+        return rows
 
     def new_sequence(self):
         return self.ref.new_sequence()
@@ -33,16 +63,16 @@ class _Wrap(Backend):
 
     def prefill(self, h, ids, chunk_size=None):
         p0 = self.ref.position(h)
-        return self._fix(self.ref.prefill(h, ids, chunk_size=chunk_size), p0)
+        return self._fix(np.array(self.ref.prefill(h, ids, chunk_size=chunk_size), copy=True), p0, "prefill")
 
     def decode(self, hs, ids):
         p = [self.ref.position(h) for h in hs]
-        out = self.ref.decode(hs, ids)
-        return np.stack([self._fix(out[i:i + 1], p[i])[0] for i in range(len(hs))])
+        out = np.array(self.ref.decode(hs, ids), copy=True)
+        return np.stack([self._fix(out[i:i + 1], p[i], "decode")[0] for i in range(len(hs))])
 
     def forward_tokens(self, h, ids):
         p0 = self.ref.position(h)
-        return self._fix(self.ref.forward_tokens(h, ids), p0)
+        return self._fix(np.array(self.ref.forward_tokens(h, ids), copy=True), p0, "verify")
 
     def rollback(self, h, n):
         self.ref.rollback(h, n)
@@ -56,8 +86,21 @@ class _Wrap(Backend):
     def position(self, h):
         return self.ref.position(h)
 
-    def _fix(self, lg, p0):
-        return lg
+    # the optional operations: the reference's where passed through, else the protocol's default
+    def _through(self, op):
+        return getattr(self.ref if op in self.passthrough else super(), op)
+
+    def state_arrays(self, h):
+        return self._through("state_arrays")(h)
+
+    def fork(self, h):
+        return self._through("fork")(h)
+
+    def last_logits(self, h):
+        return self._through("last_logits")(h)
+
+    def dense_logits(self, ids):
+        return self._through("dense_logits")(ids)
 
 
 class CrashInDecode(_Wrap):
@@ -70,7 +113,7 @@ class PerturbAfter10(_Wrap):
 
     bump = 0.5
 
-    def _fix(self, lg, p0):
+    def _fix(self, lg, p0, op):
         lg = np.array(lg, dtype=np.float32, copy=True)
         for r in range(lg.shape[0]):
             if p0 + r >= 10:
@@ -85,3 +128,26 @@ class PerturbAfter10Bf16(PerturbAfter10):
     (residual 0.86) is beyond it."""
     precision = "bf16"
     bump = 1.0
+
+
+class DenseAttention(ReferenceBackend):
+    """The reference with QSA selection off: every complete block visible (dense attention: right at and below
+    the QSA bound, wrong past it). The negative control perturbs the reference (``perturb`` not declared: this
+    backend's own selection hook must not be replaced by the control's forced picks)."""
+
+    capabilities = {**ReferenceBackend.capabilities, "perturb": False}
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        opts.pop("page_size", None)
+        self = super().open(model_path, **opts)
+        self.name = "t:DenseAttention"
+        ratio = self.config.indexer_compress_ratio
+
+        def every_block(layer, pos, scores, sel):
+            n = (np.asarray(pos) + 1) // ratio
+            width = max(int(n.max()) if n.size else 0, 1)
+            allb = np.broadcast_to(np.arange(width), (len(pos), width))
+            return np.where(allb < n[:, None], allb, -1)
+        self.model.selection_hook = every_block
+        return self

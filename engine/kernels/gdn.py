@@ -22,6 +22,8 @@ inputs), ``l2norm`` (eps 1e-6 inside the rsqrt), ``torch_chunk_gated_delta_rule`
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from engine.backend import load_module, xp_of
@@ -32,6 +34,14 @@ from reference.errors import InputError
 
 L2NORM_EPS = 1e-6  # official l2norm default, used with use_qk_l2norm_in_kernel=True
 _BLOCK = 128
+#: which CUDA recurrent kernel serves decode / verify (module flag, for A/B): ``"split"`` = 8 warps per
+#: (sequence, value head, 32 columns), each holding 1/8 of the key rows (``gdn_recurrent_split_f32_f32``; float32
+#: only; up to GDN_SPLIT_MAX_TPS tokens per sequence on average); ``"legacy"`` = one warp per 32 columns holding
+#: every key row (``gdn_recurrent_<dtypes>``, also the prefill path). Same math; the split kernel sums the two
+#: key-row reductions per warp then over the warps (a different float32 summation order, deterministic).
+GDN_IMPL = os.environ.get("QWEN4EXP_SEQ_KERNELS", "split")  # QWEN4EXP_SEQ_KERNELS=legacy: the start value
+GDN_SPLIT_MAX_TPS = 16
+_GDN_WARPS = 8  # GDN_W in gdn.cu
 
 
 # --------------------------------------------------------------------------------------------- validation helpers
@@ -428,9 +438,58 @@ def gated_delta_recurrent(q, k, v, g, beta, state, slots, cu_seqlens=None, check
                     checkpoints[t] = S
             state[s] = S
         return out
+    return _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, None)
+
+
+def _token_rows(cp, a, dt):
+    """``a [N, H, D]`` as float32 with contiguous ``[H, D]`` token rows and a whole-float row stride: a column
+    slice of the conv output as is (no copy), anything else made contiguous."""
+    a = a if a.dtype == dt else a.astype(dt)
+    if a.shape[0] > 1 and (a.strides[2] != 4 or a.strides[1] != 4 * a.shape[2] or a.strides[0] % 4
+                           or a.strides[0] < 4 * a.shape[1] * a.shape[2]):
+        a = cp.ascontiguousarray(a)
+    if a.shape[0] <= 1 and not a.flags.c_contiguous:
+        a = cp.ascontiguousarray(a)
+    return a
+
+
+def _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, gates):
+    """The CUDA recurrence (shapes checked by the caller). ``gates``: None, or ``(a, b, A_log, dt_bias)`` float32
+    to fuse :func:`gdn_gates` into the split kernel (``g``/``beta`` unused then)."""
     import cupy as cp
+    N, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    B = slots.shape[0]
+    dt = np.float64 if q.dtype == np.float64 else np.float32
     out = cp.empty((N, Hv, Dv), dtype=dt)
     if N == 0:
+        return out
+    if GDN_IMPL not in ("split", "legacy"):
+        raise InputError(f"gated delta: GDN_IMPL: expected 'split' or 'legacy', found {GDN_IMPL!r}")
+    split = (GDN_IMPL == "split" and dt == np.float32 and state.dtype == np.float32 and Dk >= _GDN_WARPS
+             and N <= GDN_SPLIT_MAX_TPS * B)
+    if gates is not None and not split:  # the unfused path: the gates kernel, then the recurrence
+        g, beta = gdn_gates(*gates)
+        gates = None
+    if split:
+        sl = cp.ascontiguousarray(slots, dtype=cp.int64)
+        cu = np.uint64(0) if cu_seqlens is None else cp.ascontiguousarray(cu_seqlens, dtype=cp.int64)  # null: 1/seq
+        qkv = [_token_rows(cp, a, dt) for a in (q, k, v)]
+        lds = [np.int64(a.strides[0] // 4) for a in qkv]
+        if gates is not None:
+            gb = [cp.ascontiguousarray(a, dtype=dt) for a in gates]
+            gbeta = [np.uint64(0), np.uint64(0)]
+        else:
+            gb = [np.uint64(0)] * 4
+            gbeta = [cp.ascontiguousarray(a, dtype=dt) for a in (g, beta)]
+        _inplace_ok("state", state)
+        if checkpoints is not None:
+            _inplace_ok("checkpoints", checkpoints)
+        ck = checkpoints if checkpoints is not None else state
+        load_module("gdn.cu", (f"-DGDN_DK={Dk}",)).get_function("gdn_recurrent_split_f32_f32")(
+            (B, Hv, (Dv + 31) // 32), (32 * _GDN_WARPS,),
+            (*qkv, *gbeta, state, sl, cu, ck, out, np.int32(Hk), np.int32(Hv), np.int32(Dv),
+             np.int32(checkpoints is not None), np.float32(L2NORM_EPS), *gb, *lds))
         return out
     cu = cp.arange(B + 1, dtype=cp.int64) if cu_seqlens is None else cp.ascontiguousarray(cu_seqlens, dtype=cp.int64)
     sl = cp.ascontiguousarray(slots, dtype=cp.int64)
@@ -456,3 +515,29 @@ def gated_delta_decode(q, k, v, g, beta, state, slots):
     ``slots`` updated in place); returns ``[B, Hv, Dv]``.
     """
     return gated_delta_recurrent(q, k, v, g, beta, state, slots)
+
+
+def gated_delta_decode_gates(q, k, v, a, b, A_log, dt_bias, state, slots):
+    """:func:`gdn_gates` + :func:`gated_delta_decode` in one call: on the GPU (float32, ``GDN_IMPL == "split"``)
+    the gates are computed inside the recurrent kernel (one launch instead of two; the same float32 formula, but not
+    bitwise the two-launch result: the in-kernel exp / log1p may differ from the gates kernel's by an ulp, measured
+    on the H200 as last-ulp differences of the read-out).
+
+    Shapes: q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; a, b ``[B, Hv]`` (in_proj_a / in_proj_b outputs); A_log,
+    dt_bias ``[Hv]``; state ``[S, Hv, Dk, Dv]`` (rows ``slots`` updated in place); returns ``[B, Hv, Dv]``.
+    Raises: InputError (shapes inconsistent). Source: ``Qwen4ExpTextGatedDeltaNet.forward``.
+    """
+    xp = xp_of(q)
+    if xp is np or q.dtype != np.float32 or a.dtype != np.float32:
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        return gated_delta_recurrent(q, k, v, g, beta, state, slots)
+    _ndim("gdn_gates: a", a, 2, "[T, Hv]")
+    _shape("gdn_gates: b", b, a.shape)
+    _shape("gdn_gates: A_log", A_log, (a.shape[1],))
+    _shape("gdn_gates: dt_bias", dt_bias, (a.shape[1],))
+    N, Hk, Dk, Hv, Dv = _check_delta(q, k, v, a, b, state)
+    _ndim("gated delta: slots", slots, 1, "[B]")
+    if slots.shape[0] != N:
+        raise InputError(f"gated delta: slots: expected {N} entries (one per token), found {slots.shape[0]}")
+    f32 = [A.astype(np.float32, copy=False) for A in (a, b, A_log, dt_bias)]
+    return _recurrent_cuda(q, k, v, None, None, state, slots, None, None, tuple(f32))

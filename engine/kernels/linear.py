@@ -6,7 +6,9 @@ Dispatch on the array module of ``x`` (:func:`engine.backend.xp_of`):
 * cupy: custom CUDA kernels (``engine/kernels/cuda/dense_linear.cu``): a warp-per-row GEMV with
   16-byte weight loads for ``M <= 16`` rows per weight matrix (decode), a 64x64-tiled GEMM otherwise
   (prefill). No host synchronisation: grouped launches are sized by the worst case and read their
-  tile table from the device.
+  tile table from the device. From ``engine.kernels.gemm_tc.TC_MIN_ROWS`` rows (prefill) :func:`linear`
+  runs on the tensor cores instead (:mod:`engine.kernels.gemm_tc`: cuBLAS BF16 GEMMs on an exact 3-way split
+  of the activations, float32-equivalent; BF16, float32, NVFP4 and FP8 weights).
 * numpy: the NumPy twin: the weights upcast exactly to float32 (float64 for float64 inputs) and one
   BLAS product per weight matrix.
 
@@ -19,6 +21,7 @@ import os
 
 import numpy as np
 
+from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import NULL_PTR, kernel, ptr_or_null, sm_count
 from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
@@ -109,6 +112,8 @@ def linear(x, w, *, out=None):
         return y
     if kind == "f64" or x.dtype == np.float64:
         raise KernelInputError("x/w: the CUDA path computes in float32; found float64")
+    if _tc.use_tc(M, w) and _tc.available():
+        return _tc.linear_tc(x, w, out=out)
     y = out if out is not None else _empty(xp, (M, N), dtype=xp.float32)
     if M == 0 or N == 0:
         return y

@@ -235,6 +235,16 @@ def moe_experts(x, ids, weights, gate_up, down, *, route: MoERoute | None = None
     if shared is not None and (tuple(shared.shape) != (T, H) or shared_gate is None or shared_gate.size != T):
         raise KernelInputError(f"shared/shared_gate: expected [T={T}, H={H}] and [T, 1], found "
                                f"{tuple(shared.shape)} / {None if shared_gate is None else tuple(shared_gate.shape)}")
+    from engine.kernels import gemm_tc as _tc
+    # prefill with enough tokens per expert: the tensor-core path (batched cuBLAS GEMMs over the same tile table)
+    if is_cupy(xp) and _tc.use_tc_moe(T, k, E, gate_up, down) and _tc.available(grouped=True):
+        xs = f32_contig(x, "x")
+        if shared is not None:
+            shared, shared_gate = f32_contig(shared, "shared"), f32_contig(shared_gate.reshape(-1), "shared_gate")
+        if route is None or route.rows_per_tile != _tc.MOE_TILE_ROWS:
+            route = moe_route_tables(ids, E, rows_per_tile=_tc.MOE_TILE_ROWS)
+        return _tc.moe_experts_tc(xs, ids, f32_contig(weights, "weights"), gate_up, down, route=route,
+                                  shared=shared, shared_gate=shared_gate)
     if route is None:
         route = moe_route_tables(ids, E)
     xs = x if is_cupy(xp) else x.astype(compute_dtype(x), copy=False)

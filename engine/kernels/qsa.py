@@ -17,7 +17,7 @@ semantics are identical by construction.
 
 Ops (numpy -> NumPy twin; cupy -> ``engine/kernels/cuda/qsa.cu``; each one launch for all query tokens of all
 sequences, except the attention: a split-KV partial launch + an in-order combine launch; no host synchronisation):
-  :func:`token_slots`, :func:`qsa_block_keys`, :func:`qsa_index_scores`, :func:`qsa_topk`,
+  :func:`token_slots`, :func:`qsa_write_tokens`, :func:`qsa_block_keys`, :func:`qsa_index_scores`, :func:`qsa_topk`,
   :func:`qsa_sparse_attention`, and :func:`qsa_select` (scores + top-k).
 
 Sources (modeling_qwen4_exp.py): ``Qwen4ExpTextQSAIndexer.forward`` (pooled mean of raw keys in float32, k_layernorm,
@@ -28,6 +28,7 @@ selected tokens with ``scaling = head_dim ** -0.5``; the sigmoid output gate is 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -41,8 +42,32 @@ from reference.numba_kernels import block_topk_select
 
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
+#: which CUDA kernels run (module flag, for A/B): ``"split"`` = the decode-oriented kernels (GQA-shared split-KV
+#: attention with loads in flight for up to QSA_SPLIT_MAX_T query tokens, the radix-4-pass top-k with parallel
+#: scans, a thread per channel block keys, and the model's fused token write); ``"legacy"`` = the previous kernels
+#: and the model's cupy slot/scatter ops. Both give the same selection; float32 sums may differ in order only.
+#: The environment variable QWEN4EXP_SEQ_KERNELS=legacy sets the start value (this flag and gdn.GDN_IMPL).
+QSA_IMPL = os.environ.get("QWEN4EXP_SEQ_KERNELS", "split")
+#: the split attention serves at most this many query tokens per launch (decode batches, verify); more (prefill)
+#: run the legacy kernel, whose per-query-head CTAs suit many queries
+QSA_SPLIT_MAX_T = 64
+_SPLIT_TILE = 16  # QSA_TILE in qsa.cu
+_SM_COUNT = {}
 _TOPK_THREADS = 1024
 _ATTN_WARPS = 4  # QSA_WARPS in qsa.cu
+
+
+def _impl():
+    if QSA_IMPL not in ("split", "legacy"):
+        raise InputError(f"qsa: QSA_IMPL: expected 'split' or 'legacy', found {QSA_IMPL!r}")
+    return QSA_IMPL
+
+
+def _sm_count(cp):
+    dev = cp.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cp.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+    return _SM_COUNT[dev]
 
 
 def _int_arr(xp, a, name, n):
@@ -88,6 +113,164 @@ def _slots_np(block_tables, row, positions, page_size):
     if np.any(page < 0):
         raise InputError(f"qsa: block table row {row}: positions {pos[page < 0][:4].tolist()} have no page")
     return page * page_size + pos % page_size
+
+
+# ------------------------------------------------------------------------------------------------ token write
+def _rows_view(cp, a, name, T, width):
+    """(array, row stride in elements) of ``a`` viewed as ``[T, width]`` float32 rows with contiguous rows; a
+    strided row view (a column slice of a fused projection) is used in place, anything else is copied."""
+    if a.dtype != np.float32:
+        raise InputError(f"qsa write: {name}: the CUDA path takes float32, found {a.dtype}")
+    if a.shape[0] != T or int(np.prod(a.shape[1:])) != width:
+        raise InputError(f"qsa write: {name}: expected {T} rows of {width} values, found shape {list(a.shape)}")
+    inner_ok = all(a.strides[d] == 4 * int(np.prod(a.shape[d + 1:])) for d in range(1, a.ndim))
+    if T and (not inner_ok or a.strides[0] % 4 or a.strides[0] < 4 * width):
+        a = cp.ascontiguousarray(a)
+    return a, (a.strides[0] // 4 if T else width)
+
+
+def qsa_write_tokens(idx_k, kv_k, kv_v, block_tables, rows, positions, idx_src, k_src, v_src, page_size: int,
+                     block_keys=None):
+    """Write each new token's raw indexer key, key and value at its pool slot, and return ``n_visible = pos + 1``
+    (one launch on the GPU, replacing the slot arithmetic, the three scatters and the ``+ 1``).
+
+    Args:
+        idx_k: ``[num_slots, Di]``; kv_k, kv_v: ``[num_slots, Hkv, D]`` pools, written IN PLACE.
+        block_tables: ``[max_seqs, max_pages]`` int32. rows, positions: ``[T]`` int (table row, absolute position).
+        idx_src: ``[T, Di]`` raw indexer keys (a strided column slice is read in place). k_src, v_src:
+            ``[T, Hkv, D]`` (roped, normed keys; values).
+        page_size: int.
+        block_keys: optional ``(blk_k, k_norm_weight, inv_freq, rotary_dim, ratio, eps)``: also write the block
+            key of every block these tokens complete, as :func:`qsa_block_keys` (bitwise the same numbers on the
+            GPU: the same operations in the same order). Only when no two tokens share a table row (decode: the
+            block's other raw keys were written by earlier steps); otherwise call :func:`qsa_block_keys` after.
+    Returns:
+        ``[T]`` int64 ``positions + 1`` (same array module).
+    Raises:
+        InputError: shapes/dtypes inconsistent, or (NumPy path) a position without a page.
+    A position without a page is not written on the GPU (the cupy scatter it replaces would have written slot -1).
+    """
+    xp = xp_of(idx_k)
+    T = positions.shape[0]
+    Di = idx_k.shape[1]
+    _int_arr(xp, rows, "rows", T)
+    _int_arr(xp, positions, "positions", T)
+    if kv_k.ndim != 3 or kv_v.shape != kv_k.shape or kv_k.shape[0] != idx_k.shape[0]:
+        raise InputError(f"qsa write: kv_k/kv_v: expected shape [{idx_k.shape[0]}, Hkv, D] each, found "
+                         f"{list(kv_k.shape)} and {list(kv_v.shape)}")
+    KVW = kv_k.shape[1] * kv_k.shape[2]
+    if xp is np:  # NumPy twin: the slot rule, plain scatters, then the block keys twin
+        pos = np.asarray(positions, dtype=np.int64)
+        page = np.asarray(block_tables)[np.asarray(rows, dtype=np.int64), pos // page_size].astype(np.int64)
+        if np.any(page < 0):
+            raise InputError(f"qsa write: positions {pos[page < 0][:4].tolist()} have no page")
+        sl = page * page_size + pos % page_size
+        idx_k[sl] = np.asarray(idx_src).reshape(T, Di)
+        kv_k[sl] = np.asarray(k_src).reshape((T,) + kv_k.shape[1:])
+        kv_v[sl] = np.asarray(v_src).reshape((T,) + kv_k.shape[1:])
+        if block_keys is not None:
+            blk_k, w, invf, rot, ratio, eps = block_keys
+            qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, w, invf, rot, ratio, page_size, eps)
+        return np.asarray(positions, dtype=np.int64) + 1
+    import cupy as cp
+    for n, a in (("idx_k", idx_k), ("kv_k", kv_k), ("kv_v", kv_v)):
+        _f32_gpu(n, a)
+    n_vis = cp.empty((T,), dtype=cp.int64)
+    if T == 0:
+        return n_vis
+    isrc, ild = _rows_view(cp, idx_src, "idx_src", T, Di)
+    ksrc, kld = _rows_view(cp, k_src, "k_src", T, KVW)
+    vsrc, vld = _rows_view(cp, v_src, "v_src", T, KVW)
+    after = None
+    if block_keys is not None and Di > 1024:  # past the fused kernel's shared row: write, then the block-key op
+        after, block_keys = block_keys, None
+    if block_keys is not None:
+        blk_k, w, invf, rot, ratio, eps = block_keys
+        _f32_gpu("blk_k", blk_k)
+        if blk_k.shape != idx_k.shape or rot % 2 or not 0 < rot <= Di:
+            raise InputError(f"qsa write: block_keys: expected blk_k {list(idx_k.shape)} and an even rotary_dim <= "
+                             f"{Di}, found {list(blk_k.shape)} and {rot}")
+        bk = (np.int32(1), blk_k, cp.ascontiguousarray(w, dtype=cp.float32), cp.ascontiguousarray(invf, dtype=cp.float32),
+              np.int32(rot), np.int32(ratio), np.float32(eps))
+    else:
+        bk = (np.int32(0), idx_k, idx_k, idx_k, np.int32(0), np.int32(1), np.float32(0))  # unused pointers
+    load_module("qsa.cu").get_function("qsa_write_tokens")(
+        (T,), (128,),
+        (cp.ascontiguousarray(block_tables, dtype=cp.int32), cp.ascontiguousarray(rows, dtype=cp.int64),
+         cp.ascontiguousarray(positions, dtype=cp.int64), n_vis, isrc, np.int64(ild), ksrc, np.int64(kld), vsrc,
+         np.int64(vld), idx_k, kv_k, kv_v, np.int32(Di), np.int32(KVW), np.int32(page_size),
+         np.int32(block_tables.shape[1])) + bk)
+    if after is not None:
+        blk_k, w, invf, rot, ratio, eps = after
+        qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, w, invf, rot, ratio, page_size, eps)
+    return n_vis
+
+
+# ------------------------------------------------------------------------------------------------ head prep
+def _cols_view(cp, a, name, T, width):
+    """``a`` as ``[T, >= width]`` float32 rows whose first ``width`` columns are read (unit column stride, any row
+    stride); returns (array, row stride in elements). Anything else is made contiguous first."""
+    if a.ndim != 2 or a.shape[0] != T or a.shape[1] < width or a.dtype != np.float32:
+        raise InputError(f"qsa prep: {name}: expected float32 [{T}, >= {width}], found {a.dtype} {list(a.shape)}")
+    if T > 1 and (a.strides[1] != 4 or a.strides[0] % 4 or a.strides[0] < 4 * a.shape[1]):
+        a = cp.ascontiguousarray(a)
+    if T <= 1 and not a.flags.c_contiguous:
+        a = cp.ascontiguousarray(a)
+    return a, a.strides[0] // 4 if T > 1 else a.shape[1]
+
+
+def qsa_prep_heads(qk, qg, k_lin, w_q_idx, w_q, w_k, positions, inv_freq, rotary_dim: int, eps: float, Hi: int,
+                   Di: int, Hq: int, Hkv: int, hd: int):
+    """Per-head zero-centred RMSNorm then RoPE of a QSA layer's indexer queries, attention queries and keys, in one
+    launch on the GPU; bitwise the unfused ``rms_norm`` + ``apply_rope`` (same operations, same order).
+
+    Args:
+        qk: ``[T, >= Hi*Di]`` float32 (the indexer projection; its first ``Hi*Di`` columns are the queries).
+        qg: ``[T, Hq*2*hd]`` (per head ``hd`` query then ``hd`` gate channels). k_lin: ``[T, Hkv*hd]``.
+            Column slices of one fused projection are read in place (row strides).
+        w_q_idx ``[Di]``, w_q ``[hd]``, w_k ``[hd]``: the zero-centred norm weights (indexer ``q_layernorm``,
+            ``q_norm``, ``k_norm``). positions: ``[T]`` int. inv_freq: ``[rotary_dim // 2]`` float32.
+        rotary_dim, eps (``rms_norm_eps``), Hi, Di, Hq, Hkv, hd: ints / float.
+    Returns:
+        ``(q_idx [T, Hi, Di], q [T, Hq, hd], k [T, Hkv, hd])`` float32, normed and roped.
+    Raises:
+        InputError / KernelInputError: shapes or dtypes inconsistent.
+    Source: ``Qwen4ExpTextQSAIndexer.forward`` (q_layernorm, RoPE) and ``Qwen4ExpTextAttention.forward``
+    (q_norm / k_norm, RoPE); formulas as :func:`engine.kernels.norms.rms_norm` and
+    :func:`engine.kernels.rope.apply_rope`.
+    """
+    from engine.kernels.norms import rms_norm
+    from engine.kernels.rope import apply_rope
+    xp = xp_of(qk)
+    T = qk.shape[0]
+    if xp is np or max(Di, hd) > 1024:  # NumPy twin (and very wide heads): the unfused ops
+        qi = rms_norm(qk[:, :Hi * Di].reshape(T, Hi, Di), w_q_idx, eps=eps)
+        q = rms_norm(xp.ascontiguousarray(qg.reshape(T, Hq, 2 * hd)[:, :, :hd]), w_q, eps=eps)
+        k = rms_norm(k_lin.reshape(T, Hkv, hd), w_k, eps=eps)
+        return tuple(apply_rope(a, positions, inv_freq, rotary_dim) for a in (qi, q, k))
+    import cupy as cp
+    from engine.kernels.dense_common import weight_as_float
+    if rotary_dim % 2 or not 0 <= rotary_dim <= min(Di, hd) or inv_freq.shape != (rotary_dim // 2,):
+        raise InputError(f"qsa prep: rotary_dim/inv_freq: expected an even rotary_dim <= {min(Di, hd)} and inv_freq "
+                         f"[rotary_dim/2], found {rotary_dim} and {list(inv_freq.shape)}")
+    a, a_ld = _cols_view(cp, qk, "qk", T, Hi * Di)
+    b, b_ld = _cols_view(cp, qg, "qg", T, Hq * 2 * hd)
+    c, c_ld = _cols_view(cp, k_lin, "k_lin", T, Hkv * hd)
+    ws = []
+    for n, wv, d in (("w_q_idx", w_q_idx, Di), ("w_q", w_q, hd), ("w_k", w_k, hd)):
+        if tuple(wv.shape) != (d,):
+            raise InputError(f"qsa prep: {n}: expected shape [{d}], found {list(wv.shape)}")
+        ws.append(cp.ascontiguousarray(wv if wv.dtype == np.float32 else weight_as_float(wv)))
+    qi = cp.empty((T, Hi, Di), dtype=cp.float32)
+    q = cp.empty((T, Hq, hd), dtype=cp.float32)
+    k = cp.empty((T, Hkv, hd), dtype=cp.float32)
+    if T:
+        load_module("qsa.cu").get_function("qsa_prep_heads")(
+            (T, Hi + Hq + Hkv), (256,),
+            (a, np.int64(a_ld), b, np.int64(b_ld), c, np.int64(c_ld), *ws, cp.ascontiguousarray(positions, dtype=cp.int64),
+             cp.ascontiguousarray(inv_freq, dtype=cp.float32), np.int32(rotary_dim), np.int32(Hi), np.int32(Di),
+             np.int32(Hq), np.int32(Hkv), np.int32(hd), np.float32(eps), qi, q, k))
+    return qi, q, k
 
 
 # ------------------------------------------------------------------------------------------------ block keys
@@ -142,8 +325,9 @@ def qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, k_norm_weight, i
     for n, a in (("idx_k", idx_k), ("blk_k", blk_k)):
         _f32_gpu(n, a)
     mod = load_module("qsa.cu")
-    mod.get_function("qsa_block_keys")(
-        (T,), (32,),
+    split = _impl() == "split" and Di <= 1024
+    mod.get_function("qsa_block_keys_split" if split else "qsa_block_keys")(
+        (T,), (32 * (-(-Di // 32)) if split else 32,),
         (idx_k, blk_k, cp.ascontiguousarray(block_tables, dtype=cp.int32), cp.ascontiguousarray(rows, dtype=cp.int64),
          cp.ascontiguousarray(positions, dtype=cp.int64), cp.ascontiguousarray(k_norm_weight, dtype=cp.float32),
          cp.ascontiguousarray(inv_freq, dtype=cp.float32), np.int32(Di), np.int32(rotary_dim), np.int32(ratio),
@@ -249,11 +433,12 @@ def qsa_topk(scores, n_visible, ratio: int, k: int):
     p2 = 1
     while p2 < k:
         p2 *= 2
-    load_module("qsa.cu").get_function("qsa_topk")(
+    split = _impl() == "split"
+    load_module("qsa.cu").get_function("qsa_topk_split" if split else "qsa_topk")(
         (T,), (_TOPK_THREADS,),
         (cp.ascontiguousarray(scores), cp.ascontiguousarray(n_visible, dtype=cp.int64), out, np.int64(NB),
          np.int32(ratio), np.int32(k), np.int32(p2)),
-        shared_mem=p2 * 8)
+        shared_mem=max(p2 * 8, (_TOPK_THREADS // 32) * 256 * 4) if split else p2 * 8)
     return out
 
 
@@ -266,7 +451,7 @@ def qsa_select(q_idx, blk_k, block_tables, rows, n_visible, n_blocks: int, ratio
 
 # ------------------------------------------------------------------------------------------------ attention
 def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected, ratio: int, page_size: int,
-                         scale: float):
+                         scale: float, n_blocks: int | None = None):
     """Softmax attention of each query over its selected blocks' tokens plus the incomplete tail, read from the
     paged K/V pools through the block table (GQA: query head ``h`` uses KV head ``h // (Hq / Hkv)``).
 
@@ -275,6 +460,10 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
         block_tables: ``[max_seqs, max_pages]`` int32. rows, n_visible: ``[T]`` int.
         selected: ``[T, k]`` int32 from :func:`qsa_topk` (valid blocks first, -1 padded; the CUDA path reads the valid prefix). ratio, page_size: ints.
         scale: softmax scale (``head_dim ** -0.5``).
+        n_blocks: optional host bound ``>= max(n_visible) // ratio`` (the scores width); the split CUDA kernel then
+            sizes its token splits to the tokens that can be attended (``min(k, n_blocks) * ratio + ratio - 1``)
+            instead of the selection's capacity (a bound that is too small stays correct: the last split takes the
+            rest, only slower).
     Returns:
         ``[T, Hq, D]`` float32 (before the sigmoid output gate: the registry's ``self_attn.core_out``).
     Raises:
@@ -317,9 +506,17 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
     out = cp.empty((T, Hq, D), dtype=cp.float32)
     if T == 0:
         return out
-    mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}",))
     ksel = selected.shape[1]
     bound = ksel * ratio + ratio - 1  # most tokens one query can attend (QSA's budget + incomplete tail)
+    if (_impl() == "split" and 0 < T <= QSA_SPLIT_MAX_T and D % 4 == 0
+            and all(int(a.data.ptr) % 16 == 0 for a in (q, kv_k, kv_v))):
+        qc = cp.ascontiguousarray(q)
+        if int(qc.data.ptr) % 16 == 0:
+            if n_blocks is not None:
+                bound = min(ksel, max(int(n_blocks), 0)) * ratio + ratio - 1
+            return _attention_split(cp, qc, kv_k, kv_v, block_tables, rows, n_visible, selected, ratio, page_size,
+                                    scale, bound, out)
+    mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}",))
     # split the token list so that even one decode query fills the GPU (>= ~2048 CUDA blocks), and prefill gets
     # as many pieces as a 64 MiB scratch allows (pieces of >= 64 tokens either way)
     by_fill = -(-2048 // max(T * Hq, 1))
@@ -338,4 +535,38 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
          np.int32(block_tables.shape[1]), np.int64(tps), np.float32(scale)))
     mod.get_function("qsa_attn_combine")((T, Hq), (min(256, ((D + 31) // 32) * 32),),
                                          (pm, pl, pacc, out, np.int32(Hq), np.int32(n_split)))
+    return out
+
+
+def _attention_split(cp, q, kv_k, kv_v, block_tables, rows, n_visible, selected, ratio, page_size, scale, bound, out):
+    """The split CUDA attention (see ``qsa_attn_partial_split`` in qsa.cu): CTAs over (query, KV head, token
+    split), each serving the KV head's whole query-head group; splits sized so that the launch has >= ~2 CTAs per
+    SM, then an in-order combine. ``bound``: most tokens a query attends. Writes ``out [T, Hq, D]`` and returns it."""
+    T, Hq, D = q.shape
+    Hkv = kv_k.shape[1]
+    G = Hq // Hkv
+    ksel = selected.shape[1]
+    tiles = max(1, -(-bound // _SPLIT_TILE))
+    want = max(1, -(-2 * _sm_count(cp) // (T * Hkv)))
+    per = -(-tiles // min(tiles, want))
+    n_split = -(-tiles // per)
+    tps = per * _SPLIT_TILE
+    mod = load_module("qsa.cu", (f"-DQSA_HEAD_DIM={D}", f"-DQSA_GROUP={G}"))
+    pm = cp.empty((T, Hq, n_split), dtype=cp.float32)
+    pl = cp.empty((T, Hq, n_split), dtype=cp.float32)
+    pacc = cp.empty((T, Hq, n_split, D), dtype=cp.float32)
+    part = mod.get_function("qsa_attn_partial_split")
+    smem = (G * D + 2 * _SPLIT_TILE * D + G * _SPLIT_TILE) * 4
+    static = 8 * 256 + 3 * 4 * G + 4 * 8  # the kernel's static shared arrays (sslot, s_m/s_l/s_corr, s_first)
+    if smem + static > 48 * 1024:  # past the default limit: opt in (Hopper allows up to 227 KiB per block)
+        part.max_dynamic_shared_size_bytes = smem
+    part((T, Hkv, n_split), (256,),
+         (q, kv_k, kv_v, cp.ascontiguousarray(block_tables, dtype=cp.int32), cp.ascontiguousarray(rows, dtype=cp.int64),
+          cp.ascontiguousarray(n_visible, dtype=cp.int64), cp.ascontiguousarray(selected, dtype=cp.int32), pm, pl,
+          pacc, np.int32(Hq), np.int32(Hkv), np.int32(ksel), np.int32(ratio), np.int32(page_size),
+          np.int32(block_tables.shape[1]), np.int64(tps), np.float32(scale)),
+         shared_mem=smem)
+    nt = 128 if D >= 128 else 32 * (-(-D // 32))
+    mod.get_function("qsa_attn_combine_split")((T * Hq, -(-D // nt)), (nt,), (pm, pl, pacc, out, np.int32(n_split)),
+                                               shared_mem=n_split * 4)
     return out

@@ -324,8 +324,8 @@ def check_same_function(a, b, ids=None) -> dict:
 
 _WRAPPER = r"""
 import runpy, sys
-conv, label = sys.argv[1], sys.argv[2]
-sys.argv = [conv + '/convert_hf_to_gguf.py'] + sys.argv[3:]
+conv, label, no_vocab = sys.argv[1], sys.argv[2], sys.argv[3] == '1'
+sys.argv = [conv + '/convert_hf_to_gguf.py'] + sys.argv[4:]
 sys.path.insert(0, conv)
 sys.path.insert(1, conv + '/gguf-py')
 if label:
@@ -337,6 +337,17 @@ if label:
         except NotImplementedError:
             return label
     b.TextModel.get_vocab_base_pre = pre
+if no_vocab:  # a checkpoint without tokenizer files: tokenizer model 'none' + vocab_size dummy tokens
+    import conversion.base as b
+    def none_vocab(self):
+        self._set_vocab_none()
+        self.gguf_writer.add_vocab_size(int(self.hparams["vocab_size"]))
+    b.TextModel.set_vocab = none_vocab
+    orig_prep = b.ModelBase.prepare_metadata
+    def prep(self, *a, **k):
+        self.set_vocab = none_vocab.__get__(self)  # the subclasses' own set_vocab would read tokenizer files
+        return orig_prep(self, *a, **k)
+    b.ModelBase.prepare_metadata = prep
 runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
@@ -361,6 +372,29 @@ def fingerprint(model_dir) -> str:
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update((Path(model_dir) / "config.json").read_bytes())
     return h.hexdigest()[:20]
+
+
+def run_converter(conv, src, outfile, *, outtype: str = "f32", label: str = "", no_vocab: bool = False,
+                  timeout: float = CONVERT_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run ``conv``'s ``convert_hf_to_gguf.py`` (``conv``: a folder holding it, ``conversion/`` and ``gguf-py/``;
+    the vendored gguf-py is put first on the path) on checkpoint ``src``, writing ``outfile`` as ``outtype``.
+
+    ``label``: the pre-tokenizer label to use when the converter does not recognise the tokenizer
+    (:data:`REPARAMS` 'tokenizer-label'). ``no_vocab``: the checkpoint has no tokenizer files (synthetic
+    weights): the GGUF gets tokenizer model 'none' and ``vocab_size`` dummy tokens, which llama.cpp loads as
+    a vocabulary of that size (token ids -> logits only). Returns the finished process (text output captured);
+    the caller judges its return code.
+    Raises:
+        BackendError: the converter ran past ``timeout`` seconds.
+    """
+    cmd = [sys.executable, "-c", _WRAPPER, str(conv), label, "1" if no_vocab else "0", str(src),
+           "--outfile", str(outfile), "--outtype", outtype]
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the vendored gguf-py, same version
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise BackendError(f"llama.cpp converter: expected to finish within {timeout} s, found it still running "
+                           f"(raise convert_timeout=)") from e
 
 
 def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", timeout=CONVERT_TIMEOUT_S) -> dict:
@@ -397,13 +431,7 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
                                f"checkpoint to compute the same function, found max |dlogit| {chk['max_abs_diff']:.3g} "
                                f"({chk['by']})")
     tmp = root / "model.gguf.part"
-    cmd = [sys.executable, "-c", _WRAPPER, str(conv), label, str(src), "--outfile", str(tmp), "--outtype", outtype]
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the vendored gguf-py, same version
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise BackendError(f"llama.cpp converter: expected to finish within {timeout} s, found it still running "
-                           f"(raise convert_timeout=)") from e
+    r = run_converter(conv, src, tmp, outtype=outtype, label=label, timeout=timeout)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         msg = refusal_message(r.stderr)

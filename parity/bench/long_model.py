@@ -21,6 +21,9 @@ every prefill return ``[T, V]`` float32 logits for T past 32768), the n-gram tab
 experts -- neither a width nor a cap the long cases exercise.
 
     python -m parity.bench.long_model [--width reduced|real] [--experts N]   # prints the checkpoint path
+
+The cache folder is named after the width: ``reducedwidth-L4-<hash>`` (default), ``realwidth-L4-<hash>``
+(``--width real``, the same folder as before the reduced width existed).
 """
 from __future__ import annotations
 
@@ -67,15 +70,33 @@ def long_model_config(num_experts: int = LONG_EXPERTS, width: str = "reduced") -
                              overrides=_overrides(width, num_experts))
 
 
+def _synthetic_args(num_experts: int, width: str) -> dict:
+    # the folder is named after the width it holds: reducedwidth-L4-<hash> / realwidth-L4-<hash>
+    return dict(vocab_size=LONG_VOCAB, ngram_vocab_size_base=LONG_NGRAM_BASE,
+                overrides=_overrides(width, num_experts), kind=f"{width}width")
+
+
+def long_model_dir(num_experts: int = LONG_EXPERTS, width: str = "reduced"):
+    """The cache folder of the long-level checkpoint (written or not): ``reducedwidth-L4-<hash>`` for the
+    default reduced width, ``realwidth-L4-<hash>`` for ``width='real'``
+    (:func:`parity.bench.synthetic.synthetic_dir`).
+
+    Raises:
+        InputError: unknown ``width``.
+    """
+    from parity.bench.synthetic import synthetic_dir
+    return synthetic_dir(4, **_synthetic_args(num_experts, width))
+
+
 def long_model(num_experts: int = LONG_EXPERTS, progress: bool = False, width: str = "reduced"):
-    """Path of the long-level checkpoint, written once into the synthetic cache (``$QWEN4EXP_CACHE``).
+    """Path of the long-level checkpoint, written once into the synthetic cache (``$QWEN4EXP_CACHE``): the folder
+    :func:`long_model_dir`.
 
     Raises:
         InputError: unknown ``width``.
     """
     from parity.bench.synthetic import cached_synthetic
-    return cached_synthetic(4, vocab_size=LONG_VOCAB, ngram_vocab_size_base=LONG_NGRAM_BASE,
-                            overrides=_overrides(width, num_experts), progress=progress)
+    return cached_synthetic(4, progress=progress, **_synthetic_args(num_experts, width))
 
 
 def main(argv=None) -> int:

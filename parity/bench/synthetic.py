@@ -259,16 +259,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QWEN4EXP_CACHE") or Path.home() / ".cache" / "qwen4exp") / "synthetic"
 
 
-def cached_synthetic(layers: int = 4, *, vocab_size: int | None = None,
-                     ngram_vocab_size_base: int = DEFAULT_NGRAM_BASE, overrides: dict | None = None,
-                     seed: int = 0, progress: bool = True) -> Path:
-    """The synthetic checkpoint for these settings, written once into :func:`cache_dir`."""
+def synthetic_dir(layers: int = 4, *, vocab_size: int | None = None,
+                  ngram_vocab_size_base: int = DEFAULT_NGRAM_BASE, overrides: dict | None = None,
+                  seed: int = 0, kind: str = "realwidth") -> Path:
+    """The cache folder of the synthetic checkpoint for these settings (written or not):
+    ``cache_dir() / f"{kind}-L{layers}-{hash}"``; ``hash``: the first 12 hex digits of the SHA-256 of the config
+    and the seed, so other settings never share a folder. ``kind`` names what the checkpoint is ('realwidth':
+    the real widths; parity.bench.long_model names its reduced-width model 'reducedwidth')."""
     cfg = real_width_config(layers, vocab_size=vocab_size, ngram_vocab_size_base=ngram_vocab_size_base,
                             overrides=overrides)
     key = hashlib.sha256(json.dumps([cfg, seed, 1], sort_keys=True).encode()).hexdigest()[:12]
-    d = cache_dir() / f"realwidth-L{layers}-{key}"
+    return cache_dir() / f"{kind}-L{layers}-{key}"
+
+
+def cached_synthetic(layers: int = 4, *, vocab_size: int | None = None,
+                     ngram_vocab_size_base: int = DEFAULT_NGRAM_BASE, overrides: dict | None = None,
+                     seed: int = 0, progress: bool = True, kind: str = "realwidth") -> Path:
+    """The synthetic checkpoint for these settings, written once into :func:`cache_dir` (its folder:
+    :func:`synthetic_dir`, ``kind`` naming it)."""
+    d = synthetic_dir(layers, vocab_size=vocab_size, ngram_vocab_size_base=ngram_vocab_size_base,
+                      overrides=overrides, seed=seed, kind=kind)
     if (d / "model.safetensors.index.json").is_file() and (d / "config.json").is_file():
         return d
+    cfg = real_width_config(layers, vocab_size=vocab_size, ngram_vocab_size_base=ngram_vocab_size_base,
+                            overrides=overrides)
     return write_synthetic(d, cfg, seed=seed, progress=progress)
 
 

@@ -55,7 +55,8 @@ def register(subparsers) -> None:
                         "backend spec) as a --known baseline; FILE's folder must exist, an existing FILE needs "
                         "--overwrite")
     p.add_argument("--below-bound", action="store_true",
-                   help="confine the scenarios below the QSA bound (cases reaching past it are skipped)")
+                   help="confine the scenarios and the kl row below the QSA bound (cases reaching past it are "
+                        "skipped; the kl row's prompts and greedy continuation are cut to end at bound - 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_traceback(p)
     p.set_defaults(func=run)

@@ -44,14 +44,17 @@ _TIE = re.compile(r"(QSA blocks|MoE experts) of layer (\d+) at position (\d+)")
 def _operation(failure: str) -> str:
     """The operation kind a failure message starts with (the Run's descriptions, parity.harness.scenarios.common)."""
     f = failure.lstrip()
+    head = f.split(":")[0]
+    if f.startswith(("ragged prefill_batch", "prefill_batch")):   # Run.prefill_batch's (and the suites') words
+        return "chunked prefill_batch" if " in chunks of " in head else "prefill_batch"
     for prefix, kind in (("decode batch of 1", "decode"), ("decode batch of", "batched decode"),
                          ("verify", "verify"), ("restore", "restore"), ("rollback", "rollback"),
                          ("snapshot", "snapshot"), ("prompt", "kl")):
         if f.startswith(prefix):
             return kind
     if f.startswith("prefill"):
-        return "chunked prefill" if " in chunks of " in f.split(":")[0] else "prefill"
-    if "decode" in f.split(":")[0]:
+        return "chunked prefill" if " in chunks of " in head else "prefill"
+    if "decode" in head:
         return "decode"
     return "check"
 
@@ -83,7 +86,8 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
     elif "returned logits" in divergence:
         tap = "returned logits"
     elif divergence.startswith("batching") or "batching:" in divergence:
-        tap, op = "batching", "batched decode"
+        # a batch of requests: one prefill_batch call, else a batched decode
+        tap, op = "batching", (op if op.endswith("prefill_batch") else "batched decode")
     elif divergence.startswith(("refused", "sequence length", "state ")):
         tap = divergence.split(":")[0].split("(")[0].strip()
     if pos is None:   # the first failing position (not the operation's start, which the description may name first)

@@ -436,6 +436,32 @@ def top1_flips(top1, top1_gap, scale, th: KLThresholds) -> np.ndarray:
         return ~np.asarray(top1, dtype=bool) & (np.asarray(top1_gap, dtype=np.float64) > 2.0 * tol)
 
 
+def pick_faults(truth_rows, picks, th: KLThresholds):
+    """The kl row's top-1 rule (:func:`top1_flips`) for tokens a backend picked greedily: ``picks[i]`` against
+    the truth's argmax of ``truth_rows[i]`` (value descending, lower token id first), a disagreement failing
+    only outside the near-tie band ``2 * tol_rel * scale`` (an exact or near tie at the top may be broken
+    either way). The one implementation behind the generation path's ``decode_greedy`` tokens and the MTP
+    cases' drafts and speculative greedy tokens.
+
+    Args:
+        truth_rows: ``[n, V]`` the truth's logits of the rows the tokens were picked from.
+        picks: ``[n]`` token ids in ``[0, V)`` (the caller checks the range).
+    Returns:
+        ``(faults [n] bool, best [n] int64, gap [n] float64, band [n] float64)``: the picks outside the band, the
+        truth's argmax, its logit minus the pick's, and the band ``2 * tol_rel * scale``. A pick with ``gap`` 0..band
+        that differs from ``best`` is tie-equivalent.
+    """
+    truth_rows = np.asarray(truth_rows)
+    picks = np.asarray(picks, dtype=np.int64).reshape(-1)
+    r = np.arange(len(picks))
+    best = _topk_sets(truth_rows, 1)[:, 0] if len(picks) else np.zeros(0, np.int64)
+    with np.errstate(invalid="ignore"):
+        gap = truth_rows[r, best].astype(np.float64) - truth_rows[r, picks]
+    scale = logit_scale(truth_rows) if len(picks) else np.zeros(0)
+    return (top1_flips(best == picks, gap, scale, th), best.astype(np.int64), gap,
+            2.0 * th.tol_rel * np.asarray(scale, dtype=np.float64))
+
+
 def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
     """``[T]`` bool: positions failing :func:`verdict`'s rules (non-finite, logit error, KL, top-1 gap)."""
     tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
@@ -674,19 +700,14 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
                                "detail": f"token id {int(pick[j])} at position {len(ids) + j}, expected ids in "
                                          f"[0, vocab_size {V})"})
                 continue
-            r = np.arange(len(pick))
-            best = _topk_sets(truth, 1)[:, 0]
-            with np.errstate(invalid="ignore"):
-                gap = truth[r, best].astype(np.float64) - truth[r, pick]
-            flips = top1_flips(best == pick, gap, logit_scale(truth), th)
+            flips, best, gap, band = pick_faults(truth, pick, th)
             toks_judged += len(pick)
             if flips.any():
                 j = int(np.argmax(flips))
-                tol = th.tol_rel * float(logit_scale(truth[j:j + 1])[0])
                 faults.append({"prompt": i, "op": "decode_greedy", "position": len(ids) + j,
                                "detail": f"greedy token {int(pick[j])} at position {len(ids) + j + 1} (row of position {len(ids) + j}), the truth's "
                                          f"argmax {int(best[j])} with gap {gap[j]:.3g} > near-tie 2 x tol x scale = "
-                                         f"{2 * tol:.3g}"})
+                                         f"{band[j]:.3g}"})
     return {"ok": not faults, "faults": faults, "prefill_last_rows": rows_judged, "decode_greedy_tokens": toks_judged,
             "decode_greedy_as_decode": toks_same}
 

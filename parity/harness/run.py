@@ -8,6 +8,10 @@ import sys
 import time
 
 
+#: greedy tokens of the KL harness (parity.harness.kl.run_kl's default, the continuation ``qwen4exp parity`` judges)
+KL_GREEDY_TOKENS = 8
+
+
 def default_perturb_target(config) -> str:
     """The tensor the negative control perturbs by default: layer 0's mixer output projection."""
     return ("layers.0.linear_attn.out_proj.weight" if config.layer_types[0] == "linear_attention"
@@ -26,7 +30,7 @@ def perturbation(seed: int = 0, scale: float = 1.0):
     return fn
 
 
-def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=8, perturb_name=None,
+def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=KL_GREEDY_TOKENS, perturb_name=None,
                    progress=True, flags=("--a", "--b"), floor=None, thresholds=None):
     """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
 
@@ -111,8 +115,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     ``scenarios`` selects, so the thresholds do not depend on the selection -- plus a stream past the QSA bound,
     parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes passing rows
     'inconclusive'. ``known``: the ``--known`` baseline (:class:`parity.harness.causes.KnownCauses`, identity
-    already checked); ``below_bound``: confine
-    the scenarios below the QSA bound (parity.harness.causes).
+    already checked); ``below_bound``: confine the scenarios and the kl row below the QSA bound
+    (:func:`confine_kl_prompts`; parity.harness.causes).
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
     becomes an 'error' row / case (a failed case; the report's exit code is 1).
@@ -198,7 +202,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
             if name == "kl":
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
-                                              archive_dir=archive_dir, floor=floor, known=known, thresholds=th))
+                                              archive_dir=archive_dir, floor=floor, known=known, thresholds=th,
+                                              below_bound=below_bound))
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # the backend raised (or exited) in the KL
                     # harness: an ERROR row (the backend was opened and the prompts read before this point: nothing
                     # here is bad input); only a KeyboardInterrupt behind which a signal was received stops the run
@@ -234,15 +239,45 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     return report
 
 
+def confine_kl_prompts(config, prompts, greedy_tokens: int = KL_GREEDY_TOKENS):
+    """The KL prompts and greedy length confined below the QSA bound (``--below-bound``), as the scenarios are.
+
+    A prompt of T tokens with g greedy tokens is judged at positions 0..T+g-2 (its prefill rows, then g - 1
+    decode() / decode_greedy rows), i.e. the last one sees T + g - 1 tokens; confined, that is at most
+    ``bound = indexer_budget + indexer_compress_ratio - 1`` visible tokens
+    (:func:`parity.harness.scenarios.common.sizes`). The continuation keeps at most half the bound (rounded up)
+    so the prompt keeps the other half: ``g' = min(g, ceil(bound / 2))``, each prompt cut to its first
+    ``bound - g' + 1`` tokens (shorter prompts unchanged). A model without QSA has no bound: nothing changes.
+
+    Args:
+        config: the model's :class:`reference.config.ModelConfig`.
+        prompts: token-id lists.
+    Returns:
+        ``(prompts, greedy_tokens, note)``: ``note`` says what was cut (None when nothing was).
+    """
+    from parity.harness.scenarios.common import sizes
+    sz = sizes(config)
+    if not sz.has_qsa:
+        return [list(p) for p in prompts], greedy_tokens, None
+    g = min(greedy_tokens, (sz.bound + 1) // 2)
+    keep = sz.bound - max(g - 1, 0)
+    out = [list(p)[:keep] for p in prompts]
+    note = (f"confined below the QSA bound (--below-bound): prompts cut to at most {keep} tokens, {g} greedy "
+            f"tokens: positions 0..{sz.bound - 1} at most ({sz.bound} visible tokens)")
+    return out, g, note
+
+
 def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None, floor=None, known=None,
-           thresholds=None):
+           thresholds=None, below_bound=False):
     """The KL harness as one verdict-table row; a failing comparison is located: a decode failure through a
     replay of that prompt's prefill + greedy decode (:func:`parity.harness.kl.decode_case`: tap-diff and the
     search through the state), a prefill failure by tap-diff of the worst prompt's one-shot logits.
 
     ``prompts``: token-id lists (already loaded), or a prompt file / None (the bundled set). The row's
     failed cases are the report's ``failed_prompts`` (prefill or decode rows, or a pick outside a tie set).
-    ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` baseline.
+    ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` baseline; ``below_bound``: judge only
+    positions below the QSA bound (:func:`confine_kl_prompts`: the prompts and the continuation are cut; the floor
+    and thresholds stay those measured on the whole prompts).
     """
     import dataclasses
 
@@ -257,11 +292,17 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         from parity.prompts import load_prompts
         from reference.config import load_config
         prompts = load_prompts(prompts, model, load_config(model).vocab_size)
-    rep = run_kl_command(model, "reference", backend_spec, prompts, progress=False, flags=("reference", "--backend"),
-                         floor=floor, thresholds=thresholds)
+    greedy_tokens, confined = KL_GREEDY_TOKENS, None
+    if below_bound:
+        from reference.config import load_config
+        prompts, greedy_tokens, confined = confine_kl_prompts(load_config(model), prompts, greedy_tokens)
+    rep = run_kl_command(model, "reference", backend_spec, prompts, greedy_tokens=greedy_tokens, progress=False,
+                         flags=("reference", "--backend"), floor=floor, thresholds=thresholds)
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = rep.status.lower()
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")
+    if confined:
+        detail += "; " + confined
     det = rep.controls.get("determinism", {})
     if det.get("ok") and det.get("claimed") is False and det.get("prompts_differing"):
         detail += "; " + det["detail"]   # the allowed run-to-run noise, measured: reported, never silent
@@ -324,7 +365,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
                        first, time.perf_counter() - t0, status, detail,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
                        known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
-                       thresholds=rep.thresholds.to_json())
+                       thresholds=rep.thresholds.to_json(),
+                       # a narrowing is never silent: listed under the table as the suites' are
+                       skips=[{"case": "kl", "narrowed": confined}] if confined else [])
 
 
 def backend_label(spec) -> str:

@@ -137,14 +137,10 @@ def test_sx_staging_formula_in_source():
 
 # ---------------------------------------------------------------- the activation split
 def split3(x: np.ndarray):
-    """NumPy twin of split_pair(): truncating BF16 split, parts as float32."""
-    x = np.asarray(x, np.float32)
-    mask = np.uint32(0xFFFF0000)
-    hi = (x.view(np.uint32) & mask).view(np.float32)
-    r = (x - hi).astype(np.float32)
-    mid = (r.view(np.uint32) & mask).view(np.float32)
-    lo = (r - mid).astype(np.float32)
-    return hi, mid, lo
+    """NumPy twin of split_pair() (common.cuh:split3; the engine's twin engine.kernels.gemm_tc.split3_twin): the
+    truncating BF16 split, parts as float32."""
+    from engine.kernels.gemm_tc import split3_twin
+    return tuple((p.astype(np.uint32) << np.uint32(16)).view(np.float32) for p in split3_twin(x))
 
 
 def _wide_floats(rng, n):

@@ -330,3 +330,56 @@ def test_seq_kernel_limits_stated_and_enforced():
     with pytest.raises(ConfigError, match="linear_conv_kernel_dim"):
         seq_kernel_limits(tiny_config(linear_conv_kernel_dim=40))
     assert seq_kernel_limits(tiny_config(linear_conv_kernel_dim=40), gpu=False)["conv_state_rows"] == 39
+
+
+# ------------------------------------------------------------------------------------------------ split-kernel twins
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_qsa_write_tokens_twin_is_the_slot_rule_and_catches_a_wrong_position(page_size):
+    """qsa_write_tokens (NumPy twin of the one-launch token write): each row lands at
+    ``block_tables[row, pos // page] * page + pos % page``, n_visible = pos + 1, and block keys (when asked) equal
+    a separate qsa_block_keys call; a token written one position late is caught at exactly two slots."""
+    rng = np.random.default_rng(11)
+    lengths = [40, 9]
+    pool = Pool(rng, lengths, page_size, {"idx_k": (8,), "blk_k": (8,), "kv_k": (2, 4), "kv_v": (2, 4)})
+    rows, pos = np.array([0, 1]), np.array([35, 7])  # both complete a block of 4
+    src = rng.standard_normal((2, 12)).astype(np.float32)
+    k_src = rng.standard_normal((2, 2, 4)).astype(np.float32)
+    v_src = rng.standard_normal((2, 2, 4)).astype(np.float32)
+    w, invf = (rng.standard_normal(8) * 0.3).astype(np.float32), np.array([1.0, 0.1], np.float32)
+    a = {k: v.copy() for k, v in pool.arrays.items()}
+    nv = qsa.qsa_write_tokens(a["idx_k"], a["kv_k"], a["kv_v"], pool.block_tables, rows, pos, src[:, 4:], k_src,
+                              v_src, page_size, block_keys=(a["blk_k"], w, invf, 4, 4, 1e-6))
+    assert nv.tolist() == [36, 8]
+    b = {k: v.copy() for k, v in pool.arrays.items()}
+    for t in range(2):
+        sl = pool.slots(int(rows[t]), [int(pos[t])])[0]
+        b["idx_k"][sl], b["kv_k"][sl], b["kv_v"][sl] = src[t, 4:], k_src[t], v_src[t]
+    qsa.qsa_block_keys(b["idx_k"], b["blk_k"], pool.block_tables, rows, pos, w, invf, 4, 4, page_size, 1e-6)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    c = {k: v.copy() for k, v in pool.arrays.items()}
+    qsa.qsa_write_tokens(c["idx_k"], c["kv_k"], c["kv_v"], pool.block_tables, rows, pos + np.array([1, 0]), src[:, 4:],
+                         k_src, v_src, page_size)
+    diff = np.nonzero(np.any(c["kv_k"].reshape(len(c["kv_k"]), -1) != b["kv_k"].reshape(len(b["kv_k"]), -1), axis=1))[0]
+    assert diff.tolist() == sorted(int(pool.slots(0, [p])[0]) for p in (35, 36))
+    with pytest.raises(qsa.InputError, match="no page"):
+        qsa.qsa_write_tokens(c["idx_k"], c["kv_k"], c["kv_v"], pool.block_tables, rows, np.array([35, -(-9 // page_size) * page_size]),
+                             src[:, 4:], k_src, v_src, page_size)
+
+
+def test_gdn_decode_with_fused_gates_twin_equals_gates_then_decode():
+    rng = np.random.default_rng(12)
+    B, Hk, Hv, Dk, Dv = 3, 2, 4, 8, 8
+    q, k = (rng.standard_normal((B, Hk, Dk)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, Hv, Dv)).astype(np.float32)
+    a, b = (rng.standard_normal((B, Hv)).astype(np.float32) for _ in range(2))
+    A_log, dtb = (rng.standard_normal(Hv).astype(np.float32) for _ in range(2))
+    state = rng.standard_normal((5, Hv, Dk, Dv)).astype(np.float32)
+    slots = np.array([4, 0, 2])
+    s1, s2 = state.copy(), state.copy()
+    o1 = gdn.gated_delta_decode_gates(q, k, v, a, b, A_log, dtb, s1, slots)
+    gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
+    o2 = gdn.gated_delta_decode(q, k, v, gg, bb, s2, slots)
+    assert np.array_equal(o1, o2) and np.array_equal(s1, s2)
+    s3 = state.copy()  # negative control: gates of a shifted b are caught
+    o3 = gdn.gated_delta_decode_gates(q, k, v, a, b + 1.0, A_log, dtb, s3, slots)
+    assert rel_err(o3, o2) > 1e-2

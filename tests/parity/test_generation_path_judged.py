@@ -17,66 +17,47 @@ import json
 import numpy as np
 import pytest
 
-from parity.backends import ReferenceBackend
-from parity.backends.base import Backend
 from parity.cli import main
 from parity.harness.kl import KLThresholds, generation_paths, top1_flips
+from parity_fakes import _Wrap, reference_capabilities
 from reference.paths import bundled_model
 
 MODEL = bundled_model("tiny")
 
 
-class Wrap(Backend):
-    """The reference by composition, with only ``prefill`` / ``decode`` / ``forward_tokens`` of the protocol
-    (no ``prefill_last`` / ``decode_greedy`` of its own: the base class's defaults)."""
+class Wrap(_Wrap):
+    """The reference by composition (tests/parity_fakes.py ``_Wrap``, rows unchanged), with only ``prefill`` /
+    ``decode`` / ``forward_tokens`` of the protocol (no ``prefill_last`` / ``decode_greedy`` of its own: the base
+    class's defaults); declares what the reference does but determinism, batch invariance and perturb, passes
+    its last logits and dense logits through."""
 
-    precision = "float32"
     name = "wrap"
-
-    @classmethod
-    def open(cls, model_path, **opts):
-        self = cls()
-        self.inner = ReferenceBackend.open(model_path, **{k: v for k, v in opts.items() if k in ("page_size",)})
-        self.config = self.inner.config
-        self.capabilities = {k: v for k, v in ReferenceBackend.capabilities.items()
-                             if k not in ("deterministic", "batch_invariant", "perturb")}
-        return self
-
-    def new_sequence(self): return self.inner.new_sequence()
-    def free(self, h): return self.inner.free(h)
-    def position(self, h): return self.inner.position(h)
-    def snapshot(self, h): return self.inner.snapshot(h)
-    def restore(self, h, s): return self.inner.restore(h, s)
-    def rollback(self, h, n): return self.inner.rollback(h, n)
-    def prefill(self, h, ids, chunk_size=None): return self.inner.prefill(h, ids, chunk_size=chunk_size)
-    def decode(self, hs, ids): return self.inner.decode(hs, ids)
-    def forward_tokens(self, h, ids): return self.inner.forward_tokens(h, ids)
-    def last_logits(self, h): return self.inner.last_logits(h)
-    def dense_logits(self, ids): return self.inner.dense_logits(ids)
+    capabilities = reference_capabilities("deterministic", "batch_invariant", "perturb")
+    passthrough = ("last_logits", "dense_logits")
 
 
 class PrefillLastWrong(Wrap):
     """prefill_last (the generation path: only the last row) returns the row reversed (the tester's)."""
 
     def prefill_last(self, h, ids):
-        return np.array(self.inner.prefill_last(h, ids), copy=True)[::-1].copy()
+        return np.array(self.ref.prefill_last(h, ids), copy=True)[::-1].copy()
 
 
 class DecodeGreedyWrong(Wrap):
     """decode_greedy returns the argmin instead of the argmax (the tester's)."""
 
     def decode_greedy(self, hs, ids):
-        return np.argmin(self.inner.decode(hs, ids), axis=-1).astype(np.int64)
+        return np.argmin(self.ref.decode(hs, ids), axis=-1).astype(np.int64)
 
 
 class DecodeGreedyRight(Wrap):
     """A correct generation path of its own: prefill_last and a device-style decode_greedy (argmax)."""
 
     def prefill_last(self, h, ids):
-        return self.inner.prefill_last(h, ids)
+        return self.ref.prefill_last(h, ids)
 
     def decode_greedy(self, hs, ids):
-        return np.argmax(self.inner.decode(hs, ids), axis=-1).astype(np.int64)
+        return np.argmax(self.ref.decode(hs, ids), axis=-1).astype(np.int64)
 
 
 class DecodeGreedyBatchSwap(DecodeGreedyRight):

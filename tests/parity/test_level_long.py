@@ -30,6 +30,30 @@ def test_long_model_keeps_every_length_setting_real():
         long_model_config(width="half")
 
 
+def test_long_model_folder_is_named_after_its_width(tmp_path, monkeypatch, capsys):
+    """Before: the default (reduced-width) long model was cached as realwidth-L4-<hash>. Now reducedwidth-L4-<hash>
+    (written here: 18 MB, hidden 256); --width real keeps realwidth-L4-<hash>, the very folder it always had (so
+    caches made before stay valid), found by ``python -m parity.bench.long_model --width real``."""
+    import hashlib
+    import json
+
+    from parity.bench.long_model import long_model, long_model_config, long_model_dir, main
+    from parity.bench.synthetic import cache_dir
+    from reference.config import load_config
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path))
+    red = long_model()
+    assert red.parent == cache_dir() and red.name.startswith("reducedwidth-L4-"), red
+    assert red == long_model_dir() and load_config(red).hidden_size == 256
+    real = long_model_dir(width="real")
+    # the folder name the real-width model had before the rename: the same settings hash
+    key = hashlib.sha256(json.dumps([long_model_config(width="real"), 0, 1], sort_keys=True).encode()).hexdigest()
+    assert real.name == f"realwidth-L4-{key[:12]}" and red.name[-12:] != real.name[-12:]
+    real.mkdir(parents=True)   # a cached real-width checkpoint (1.3 GB to write): the CLI finds it, writes nothing
+    for f in ("model.safetensors.index.json", "config.json"):
+        (real / f).write_text("{}")
+    assert main(["--width", "real"]) == 0 and capsys.readouterr().out.strip() == str(real)
+
+
 def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
     from parity.bench.long_model import long_model_config
     from reference.config import ModelConfig
@@ -132,3 +156,59 @@ def test_level_long_fault_past_a_real_cap_is_caught_and_located(monkeypatch, req
     r = run_case("chunk_boundary", found[0], bad, truth, thresholds=th)
     assert r.status == "fail", (fault, r.status, r.failure)
     assert located in (r.divergence or ""), (fault, r.failure, r.divergence)
+
+
+def test_long_messages_count_visible_tokens_as_the_budget_suite(monkeypatch):
+    """Every long-level operation naming the bound words it in visible tokens, as the budget suite does
+    ("decode at position P (P + 1 visible tokens, bound B visible tokens)"), and each visible-token count it
+    states is the history the operation leaves (position p sees p + 1). Before: "restore the snapshot at 14 (past
+    the bound 11)", "verify 4 wrong drafts across the bound 11". Run on tiny (bound 11) with the reference,
+    the stream capped at 64 tokens (every long case but the 16k-token chunked one)."""
+    import re
+    from pathlib import Path
+
+    from parity.backends import truth_model
+    from parity.backends.reference import ReferenceBackend
+    from parity.harness.scenarios.common import Run, TruthCache, sizes
+    from parity.harness.scenarios.runner import run_case
+    monkeypatch.setenv("QWEN4EXP_LONG_MAX_TOKENS", "64")
+    tiny = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
+    be = ReferenceBackend.open(tiny)
+    b = sizes(be.config).bound
+    seen = []   # (operation, desc, history before, history after)
+
+    def spy(meth):
+        orig = getattr(Run, meth)
+
+        def call(self, s, arg, *rest, desc=None, **kw):
+            seq = s[0] if isinstance(s, (list, tuple)) else s
+            before = len(seq.hist)
+            out = orig(self, s, arg, *rest, desc=desc, **kw)
+            seen.append((meth, desc, before, len(seq.hist)))
+            return out
+        monkeypatch.setattr(Run, meth, call)
+    for m in ("prefill", "decode", "verify", "rollback", "restore"):
+        spy(m)
+    truth = TruthCache(truth_model(tiny))
+    ran = []
+    for scenario in ("budget", "snapshot_restore", "speculative_rollback"):
+        for case in cases_for(scenario, be.config, "long"):
+            if case.name.startswith("long_"):
+                r = run_case(scenario, case, be, truth, locate_on_fail=False)
+                assert r.status == "pass", (case.name, r.failure)
+                ran.append(case.name)
+    assert ran == ["long_prompt_crossing_bound_20", "long_decode_across_bound", "long_snapshot_restore_past_bound",
+                   "long_rollback_past_bound"], ran
+    named = [x for x in seen if x[1] and "bound" in x[1]]
+    assert {x[0] for x in named} == {"prefill", "decode", "verify", "rollback", "restore"}, named
+    for op, desc, before, after in named:
+        assert re.findall(r"bound (\d+)(?: visible tokens)?", desc) == [str(b)], desc
+        assert f"bound {b} visible tokens" in desc, desc   # never a bare "(bound N)"
+        counts = [int(n) for n in re.findall(r"(\d+) visible tokens", desc.split("bound")[0])]
+        if op == "verify":     # "(a..b visible tokens": the first and last verified position
+            lo, hi = re.search(r"(\d+)\.\.(\d+) visible tokens", desc).groups()
+            assert (int(lo), int(hi)) == (before + 1, after), desc
+        elif op == "rollback":   # "from X to Y visible tokens"
+            assert re.search(r"from (\d+) to (\d+) visible tokens", desc).groups() == (str(before), str(after)), desc
+        else:
+            assert counts == [after], (desc, before, after)

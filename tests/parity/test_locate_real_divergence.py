@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.backends.base import Backend
 from parity.backends.reference import ReferenceBackend
 from parity.harness.causes import root_cause
 from parity.harness.scenarios import cases_for
 from parity.harness.scenarios.common import Case, TruthCache, sizes, token_stream
 from parity.harness.scenarios.runner import run_case
+from parity_fakes import _Wrap, reference_capabilities
 from taps.diff import diff_archives, load_profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,55 +58,20 @@ def _noise(row, rel, seed):
     return row + rel * np.abs(row).max() * rng.standard_normal(row.shape).astype(row.dtype)
 
 
-class Wrap(Backend):
-    """The reference, its returned rows passed through ``perturb(rows, start, op)``."""
+class Wrap(_Wrap):
+    """The reference, its returned rows passed through ``_fix(rows, start, op)`` (tests/parity_fakes.py
+    ``_Wrap``); declares what the reference does but determinism and batch invariance, passes its state arrays,
+    fork and last logits through."""
 
-    precision = "float32"
     name = "test:Wrap"
-
-    @classmethod
-    def open(cls, model_path, **opts):
-        self = cls()
-        self.inner = ReferenceBackend.open(model_path, **opts)
-        self.config = self.inner.config
-        self.model_path = model_path
-        self.capabilities = {k: v for k, v in ReferenceBackend.capabilities.items()
-                             if k not in ("deterministic", "batch_invariant")}
-        return self
-
-    def new_sequence(self): return self.inner.new_sequence()
-    def free(self, h): return self.inner.free(h)
-    def position(self, h): return self.inner.position(h)
-    def snapshot(self, h): return self.inner.snapshot(h)
-    def restore(self, h, s): return self.inner.restore(h, s)
-    def rollback(self, h, n): return self.inner.rollback(h, n)
-    def state_arrays(self, h): return self.inner.state_arrays(h)
-    def fork(self, h): return self.inner.fork(h)
-    def last_logits(self, h): return self.inner.last_logits(h)
-
-    def perturb(self, rows, start, op):
-        return rows
-
-    def prefill(self, h, ids, chunk_size=None):
-        start = self.inner.position(h)
-        return self.perturb(np.array(self.inner.prefill(h, ids, chunk_size=chunk_size), copy=True), start, "prefill")
-
-    def decode(self, hs, ids):
-        starts = [self.inner.position(h) for h in hs]
-        out = np.array(self.inner.decode(hs, ids), copy=True)
-        for i, s in enumerate(starts):
-            out[i:i + 1] = self.perturb(out[i:i + 1], s, "decode")
-        return out
-
-    def forward_tokens(self, h, ids):
-        start = self.inner.position(h)
-        return self.perturb(np.array(self.inner.forward_tokens(h, ids), copy=True), start, "verify")
+    capabilities = reference_capabilities("deterministic", "batch_invariant")
+    passthrough = ("state_arrays", "fork", "last_logits")
 
 
 class NoiseAtPos(Wrap):
     """1e-3 x max|logit| noise in the RETURNED logits at absolute position 5, in every op (after every tap)."""
 
-    def perturb(self, rows, start, op):
+    def _fix(self, rows, start, op):
         i = 5 - start
         if 0 <= i < rows.shape[0]:
             rows[i] = _noise(rows[i], 1e-3, 0)
@@ -116,7 +81,7 @@ class NoiseAtPos(Wrap):
 class VerifyWrong(Wrap):
     """The last verify row returned with 1e-3 x max|logit| noise."""
 
-    def perturb(self, rows, start, op):
+    def _fix(self, rows, start, op):
         if op == "verify":
             rows[-1] = _noise(rows[-1], 1e-3, start)
         return rows
@@ -126,7 +91,7 @@ class BatchMixesRequests(Wrap):
     """A native ragged prefill_batch whose first request's rows are wrong whenever it shares the call."""
 
     def prefill_batch(self, hs, id_lists, chunk_size=None):
-        outs = [np.array(o, copy=True) for o in self.inner.prefill_batch(hs, id_lists, chunk_size=chunk_size)]
+        outs = [np.array(o, copy=True) for o in self.ref.prefill_batch(hs, id_lists, chunk_size=chunk_size)]
         if len(hs) > 1:
             outs[0] = _noise(outs[0], 1e-3, 1)
         return outs
@@ -165,6 +130,9 @@ def test_noise_in_the_returned_logits_is_located_there_not_at_noise_level_taps(p
     assert r.status == "fail" and "first failing position 5" in r.failure, r.failure
     assert "first divergence" not in r.divergence and "error entered" not in r.divergence, r.divergence
     assert r.root_cause["tap"] == "returned logits" and r.root_cause["position"] == 5, r.root_cause
+    # the operation that returned the failing rows (before: a ragged batch's was "check")
+    want = "prefill_batch" if prefix == "ragged_prefill_batch" else "chunked prefill"
+    assert r.root_cause["operation"] == want, r.root_cause
     _agree_with_taps_diff(r)
 
 
@@ -198,6 +166,27 @@ def test_a_batching_fault_of_prefill_batch_is_named_batching():
     assert r.divergence.startswith("batching: sequence ragged0-len80 is correct when prefilled alone"), r.divergence
     # the wrong rows leave the batched call after every tap: in the batch, the returned logits are the cause
     assert "in the batch, " in r.divergence and r.root_cause["tap"] == "returned logits", r.root_cause
+    assert r.root_cause["operation"] == "prefill_batch", r.root_cause   # before: "check"
+
+
+def test_root_cause_names_the_prefill_batch_operation():
+    """Each wording of a prefill_batch failure (the Run's, chunked, the self-consistency suite's) names the
+    operation prefill_batch, also behind a batching divergence (before: "check", and "batched decode" for
+    batching); a batched decode's batching failure is still "batched decode" (negative control)."""
+    cfg = ReferenceBackend.open(TINY).config
+    err = ": seq s: logit error 1 of the logit scale > 1e-5 (first failing position 5, worst 5)"
+    for failure, want in (("ragged prefill_batch of 2 requests (lengths [12, 3])" + err, "prefill_batch"),
+                          ("ragged prefill_batch of 2 requests (lengths [12, 3]) in chunks of 4" + err,
+                           "chunked prefill_batch"),
+                          ("ragged prefill_batch request 0 (length 14) vs alone: rows differ", "prefill_batch")):
+        for divergence in ("returned logits differ from the backend's own logits tap, first at position 5",
+                           "batching: sequence s is correct when prefilled alone (its own prefill_batch call)"):
+            rc = root_cause(failure, divergence, cfg)
+            assert rc["operation"] == want and rc["id"].split(" | ")[1] == want, (failure, divergence, rc)
+    d = root_cause("decode batch of 3: seq b0: logit error 1 at position 20", "batching: sequence b0 is correct "
+                   "when decoded alone", cfg)
+    assert d["tap"] == "batching" and d["operation"] == "batched decode", d
+    assert root_cause("prefill 12 tokens" + err, "returned logits differ", cfg)["operation"] == "prefill"
 
 
 @pytest.mark.parametrize("prefix", ["fork_after_rollback", "accept_each_j_all"])
@@ -227,18 +216,10 @@ def test_regime_counts_visible_tokens_at_the_bound():
 
 
 def _dense(model_path=TINY):
-    """The reference with QSA selection off: every complete block visible (dense attention; right at and below
-    the bound, wrong past it)."""
-    be = ReferenceBackend.open(model_path)
-    be.name = "test:dense"
-    ratio = be.config.indexer_compress_ratio
-
-    def every_block(layer, pos, scores, sel):
-        n = (np.asarray(pos) + 1) // ratio
-        width = max(int(n.max()) if n.size else 0, 1)
-        allb = np.broadcast_to(np.arange(width), (len(pos), width))
-        return np.where(allb < n[:, None], allb, -1)
-    be.model.selection_hook = every_block
+    """The reference with QSA selection off (tests/parity_fakes.py DenseAttention: right at and below the bound,
+    wrong past it), declaring neither determinism nor batch invariance."""
+    from parity_fakes import DenseAttention
+    be = DenseAttention.open(model_path)
     be.capabilities = {**be.capabilities, "deterministic": False, "batch_invariant": False}
     return be
 
@@ -282,3 +263,30 @@ def test_dense_attention_passes_the_budget_scenario_below_the_bound_and_fails_pa
     assert all("visible tokens" in r.failure for r in conf if r.status == "skip")
     free = [run_case("budget", c, be, _truth(), thresholds=th, locate_on_fail=False) for c in cases]
     assert any(r.status == "fail" for r in free), [(r.case, r.status) for r in free]
+
+
+def test_below_bound_confines_the_kl_row_too():
+    """Before: ``--below-bound`` confined the scenarios only; the kl row judged the whole prompts (32..50 tokens on
+    tiny, bound 11), so a backend with right dense attention failed it (position 25). Now the prompts and the
+    greedy continuation are cut so the last judged position is bound - 1, and the row says so."""
+    from parity.harness.run import kl_row, run_parity
+    b = sizes(ReferenceBackend.open(TINY).config).bound
+    rep = run_parity(TINY, "parity_fakes:DenseAttention", ["kl"], level="ci", progress=False, below_bound=True)
+    row = rep.rows[0]
+    assert row.status == "pass" and row.cases == 5, (row.status, row.first_divergence)
+    assert f"positions 0..{b - 1} at most ({b} visible tokens)" in row.detail, row.detail
+    from parity.harness.report import skip_notes   # said under the table too, as the suites' narrowings are
+    assert skip_notes(rep) == [f"kl: narrowed: {row.skips[0]['narrowed']}"] and "--below-bound" in skip_notes(rep)[0]
+    # negative control: unconfined, the same backend fails the kl row past the bound
+    free = kl_row(TINY, "parity_fakes:DenseAttention", None, False, 0.0)
+    assert free.status == "fail" and free.failed_cases >= 1, free.detail
+
+
+def test_below_bound_kl_row_still_judges_its_last_position():
+    """Negative control of the confinement: a fault in the returned logits from position 10 (= bound - 1 on tiny,
+    the last position below the bound) still fails the confined kl row, at that position."""
+    from parity.harness.run import kl_row
+    assert sizes(ReferenceBackend.open(TINY).config).bound - 1 == 10
+    row = kl_row(TINY, "parity_fakes:PerturbAfter10", None, False, 0.0, below_bound=True)
+    assert row.status == "fail" and "at position 10" in row.detail, row.detail
+    assert "confined below the QSA bound" in row.detail, row.detail

@@ -195,3 +195,117 @@ __device__ void unit_lower_solve_body(const X* __restrict__ L, X* x, int C, int 
 extern "C" __global__ void gdn_unit_lower_solve_f32(const float* L, float* x, int C, int W) {
     unit_lower_solve_body<float>(L, x, C, W);
 }
+
+// ---------------------------------------------------------------------------------------------- recurrent (split)
+// The decode / verify variant (engine.kernels.gdn.GDN_IMPL = "split"; the kernel above stays selectable as
+// "legacy"). grid (B, Hv, ceil(Dv / 32)), block 32 * GDN_W: lane = value column j, warp w = key rows
+// [w * GDN_RPW, (w + 1) * GDN_RPW): every thread holds GDN_RPW state values, so the state slab is read by 8x more
+// threads with all their loads in flight. mem_j = sum_i S_ij k_i and o_j = sum_i S_ij q_i are per-warp partial sums
+// over the warp's rows, then the warps' partials in order 0..GDN_W-1 (shared memory, two barriers per token;
+// deterministic): the only numerical difference to the legacy kernel is this summation order. cu == nullptr means
+// one token per sequence (decode; no offsets array). q / k / v token rows are q_ld / k_ld / v_ld floats apart (column
+// slices of the conv output are read in place). a != nullptr fuses the gates: g = -exp(A_log) * softplus(a +
+// dt_bias) (torch threshold 20), beta = sigmoid(b), the formula of gdn_gates' float32 kernel (not bitwise: that
+// ElementwiseKernel is compiled separately; the H200 shows last-ulp differences of the read-out).
+#define GDN_W 8
+#define GDN_RPW ((GDN_DK + GDN_W - 1) / GDN_W)
+
+extern "C" __global__ void __launch_bounds__(32 * GDN_W)
+gdn_recurrent_split_f32_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                            const float* __restrict__ g, const float* __restrict__ beta, float* state,
+                            const long long* __restrict__ slots, const long long* __restrict__ cu, float* ck,
+                            float* __restrict__ out, int Hk, int Hv, int Dv, int want_ck, float eps,
+                            const float* __restrict__ ga, const float* __restrict__ gb,
+                            const float* __restrict__ A_log, const float* __restrict__ dt_bias, long long q_ld,
+                            long long k_ld, long long v_ld) {
+    __shared__ float red_m[GDN_W][32];
+    __shared__ float red_o[GDN_W][32];
+    const int b = blockIdx.x, hv = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.z * 32 + lane;
+    const bool active = j < Dv;
+    const int hk = hv / (Hv / Hk);
+    const int i0 = warp * GDN_RPW;
+    float* srow = state + ((slots[b] * Hv + hv) * (long long)GDN_DK) * Dv;
+    float s[GDN_RPW];
+#pragma unroll
+    for (int r = 0; r < GDN_RPW; ++r) {
+        const int i = i0 + r;
+        s[r] = (active && i < GDN_DK) ? srow[(long long)i * Dv + j] : 0.f;
+    }
+    const float qscale = 1.0f / sqrtf((float)GDN_DK);
+    const long long t0 = cu != nullptr ? cu[b] : (long long)b;
+    const long long t1 = cu != nullptr ? cu[b + 1] : (long long)b + 1;
+    for (long long t = t0; t < t1; ++t) {
+        const float* qt = q + t * q_ld + hk * GDN_DK;  // token rows may be strided (columns of the conv output)
+        const float* kt = k + t * k_ld + hk * GDN_DK;
+        // l2 norms as the legacy kernel computes them (lane-strided partials, butterfly), in every warp
+        float sq = 0.f, sk = 0.f;
+        for (int i = lane; i < GDN_DK; i += 32) {
+            const float a = qt[i], c = kt[i];
+            sq += a * a;
+            sk += c * c;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        }
+        const float rq = 1.0f / sqrtf(sq + eps), rk = 1.0f / sqrtf(sk + eps);
+        float ks[GDN_RPW], qs[GDN_RPW];
+#pragma unroll
+        for (int r = 0; r < GDN_RPW; ++r) {
+            const int i = i0 + r;
+            ks[r] = i < GDN_DK ? kt[i] * rk : 0.f;
+            qs[r] = i < GDN_DK ? qt[i] * rq * qscale : 0.f;
+        }
+        float gt, btv;
+        if (ga != nullptr) {
+            const float x = ga[t * Hv + hv] + dt_bias[hv];
+            const float sp = x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f)));
+            gt = -expf(A_log[hv]) * sp;
+            btv = 1.0f / (1.0f + expf(-gb[t * Hv + hv]));
+        } else {
+            gt = g[t * Hv + hv];
+            btv = beta[t * Hv + hv];
+        }
+        const float decay = expf(gt);
+        float mem = 0.f;
+#pragma unroll
+        for (int r = 0; r < GDN_RPW; ++r) {
+            s[r] *= decay;
+            mem += s[r] * ks[r];
+        }
+        red_m[warp][lane] = mem;
+        __syncthreads();
+        mem = 0.f;
+#pragma unroll
+        for (int w = 0; w < GDN_W; ++w) mem += red_m[w][lane];
+        const float vj = active ? v[t * v_ld + (long long)hv * Dv + j] : 0.f;
+        const float delta = (vj - mem) * btv;
+        float o = 0.f;
+#pragma unroll
+        for (int r = 0; r < GDN_RPW; ++r) {
+            s[r] += ks[r] * delta;
+            o += s[r] * qs[r];
+        }
+        red_o[warp][lane] = o;
+        __syncthreads();
+        if (warp == 0 && active) {
+            float oo = 0.f;
+#pragma unroll
+            for (int w = 0; w < GDN_W; ++w) oo += red_o[w][lane];
+            out[(t * Hv + hv) * (long long)Dv + j] = oo;
+        }
+        if (want_ck && active) {
+            float* crow = ck + ((t * Hv + hv) * (long long)GDN_DK) * Dv;
+#pragma unroll
+            for (int r = 0; r < GDN_RPW; ++r)
+                if (i0 + r < GDN_DK) crow[(long long)(i0 + r) * Dv + j] = s[r];
+        }
+    }
+    if (active) {
+#pragma unroll
+        for (int r = 0; r < GDN_RPW; ++r)
+            if (i0 + r < GDN_DK) srow[(long long)(i0 + r) * Dv + j] = s[r];
+    }
+}

@@ -17,19 +17,7 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
     return v;
 }
 
-// Split two float32 values (k and k+1) into packed bf16x2 parts hi, mid, lo (low half = a) with
-// a == hi + mid + lo exactly (see the header). SPLITS == 2 (debug / negative control) drops lo.
-__device__ __forceinline__ void split_pair(float a, float b, unsigned int& hi, unsigned int& mid, unsigned int& lo) {
-    const unsigned int ua = __float_as_uint(a), ub = __float_as_uint(b);
-    const float ra = a - __uint_as_float(ua & 0xffff0000u);
-    const float rb = b - __uint_as_float(ub & 0xffff0000u);
-    const unsigned int ura = __float_as_uint(ra), urb = __float_as_uint(rb);
-    const float la = ra - __uint_as_float(ura & 0xffff0000u);
-    const float lb = rb - __uint_as_float(urb & 0xffff0000u);
-    hi = __byte_perm(ua, ub, 0x7632);
-    mid = __byte_perm(ura, urb, 0x7632);
-    lo = __byte_perm(__float_as_uint(la), __float_as_uint(lb), 0x7632);
-}
+// split_pair (the exact 3-way BF16 split of two activations): common.cuh (shared with gemm_tc.cu)
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
                                                unsigned int a3, unsigned int b0, unsigned int b1) {

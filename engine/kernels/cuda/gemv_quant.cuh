@@ -8,20 +8,7 @@
 
 typedef unsigned char u8;
 
-// E4M3 (fn: no infinities, S.1111.111 is NaN) -> float32, exact.
-__device__ __forceinline__ float e4m3_to_f32(unsigned int b) {
-    const unsigned int em = b & 0x7fu;
-    float v = em >= 8u ? __uint_as_float((em << 20) + (120u << 23)) : (float)em * 0.001953125f;  // m * 2^-9
-    if (em == 0x7fu) v = __int_as_float(0x7fc00000);
-    return (b & 0x80u) ? -v : v;
-}
-
-// E2M1 nibble -> float32, exact: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-__device__ __forceinline__ float e2m1_to_f32(unsigned int nib) {
-    const unsigned int m = nib & 7u;
-    const unsigned int bits = m >= 2u ? (0x3F00u + m * 0x40u) << 16 : (m ? 0x3F000000u : 0u);
-    return __uint_as_float(bits | ((nib & 8u) << 28));
-}
+// e4m3_to_f32 / e2m1_to_f32: common.cuh (shared with gemm_tc.cu)
 
 struct FP8W {
     const u8* Q;

@@ -2,9 +2,9 @@
 
 Meant for a real-width model (``qwen4exp`` real widths, e.g. one period -- 3 GDN + 1 QSA, PLE on layer 1 --
 written by :func:`parity.bench.synthetic.cached_synthetic`) with the real ``indexer_budget`` 2048 /
-``indexer_compress_ratio`` 4, so the QSA bound is 2051. Every case reads prefixes of ONE deterministic token
-stream, so the truth is one reference forward over the longest prefix (primed first; the truth cache answers
-every shorter prefix from it). Cases per scenario:
+``indexer_compress_ratio`` 4, so the QSA bound is 2051 visible tokens (position p sees p + 1). Every case reads
+prefixes of ONE deterministic token stream, so the truth is one reference forward over the longest prefix
+(primed first; the truth cache answers every shorter prefix from it). Cases per scenario:
 
 * budget: a prompt crossing the bound (``bound + 2 * ratio + 1`` tokens) then decoded; a decode walking
   across the bound, its QSA block selection compared with the truth's (:func:`check_selection`);
@@ -142,7 +142,8 @@ def cases(scenario: str, config) -> list[Case]:
                 L = s.bound + 2 * s.ratio + 1
                 ids = _stream(run, L + 3)
                 a = run.new("long-cross")
-                run.prefill(a, ids[:L], desc=f"prefill {L} tokens (bound {s.bound} visible tokens)")
+                run.prefill(a, ids[:L], desc=f"prefill {L} tokens ({L} visible tokens at position {L - 1}, bound "
+                                              f"{s.bound} visible tokens)")
                 for t in ids[L:]:
                     run.decode([a], [t])
             out.append(Case(f"long_prompt_crossing_bound_{s.bound + 2 * s.ratio + 1}", cross))
@@ -190,7 +191,8 @@ def cases(scenario: str, config) -> list[Case]:
                 run.prefill(a, ids[:p])
                 sn = run.snapshot(a)
                 run.prefill(a, ids[p:p + 6], desc="the sequence runs on past the snapshot")
-                run.restore(a, sn, desc=f"restore the snapshot at {p} (past the bound {s.bound})")
+                run.restore(a, sn, desc=f"restore the snapshot of {p} tokens ({p} visible tokens, past the bound "
+                                         f"{s.bound} visible tokens)")
                 for t in ids[p:p + 3]:
                     run.decode([a], [t])
                 c = run.new("long-fresh")
@@ -206,8 +208,10 @@ def cases(scenario: str, config) -> list[Case]:
                 a = run.new("long-spec")
                 run.prefill(a, ids)
                 drafts = token_stream(run.config, 4, seed=9200)  # any tokens off the stream: one truth forward
-                run.verify(a, drafts, desc=f"verify 4 wrong drafts across the bound {s.bound}")
-                run.rollback(a, 3, desc="accept 1/4: roll back 3 past the bound")
+                run.verify(a, drafts, desc=f"verify 4 wrong drafts at positions {L}..{L + 3} ({L + 1}..{L + 4} visible "
+                                           f"tokens, across the bound {s.bound} visible tokens)")
+                run.rollback(a, 3, desc=f"accept 1/4: roll back 3, from {L + 4} to {L + 1} visible tokens (across the "
+                                        f"bound {s.bound} visible tokens)")
                 run.decode([a], token_stream(run.config, 1, seed=9201))
                 straight = run.new("long-straight")
                 run.prefill(straight, a.hist)

@@ -187,7 +187,7 @@ def cases(config, level: str = "full") -> list[Case]:
             ids = token_stream(run.config, L, seed=7600 + L)
             from parity.backends import one_shot_logits
             _same(run, one_shot_logits(be, ids), be.dense_logits(ids),
-                  f"sparse vs dense logits of {L} tokens (<= the QSA bound {s.bound}: every block fits)",
+                  f"sparse vs dense logits of {L} tokens (<= the QSA bound of {s.bound} visible tokens: every block fits)",
                   f"dense-vs-sparse below the bound: {L} tokens")
     out.append(Case("dense_vs_sparse_below_bound", dense_sparse, needs=("dense_logits",)))
 
