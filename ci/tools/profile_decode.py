@@ -261,6 +261,28 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
             ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
         out[f"moe_rpt{rpt}"] = round(float(np.median(ts)), 1)
     K_moe.DECODE_ROWS_PER_TILE = keep
+    keep = K_moe.FUSED_DECODE
+    for fused in (False, True):  # the MoE block's unfused chain vs the fused decode chain (moe_fused.cu)
+        K_moe.FUSED_DECODE = fused
+        f = (lambda: m._moe(i0, x, None, st.positions))
+        f()
+        cp.cuda.Device().synchronize()
+        with s:
+            s.begin_capture()
+            try:
+                f()
+            finally:
+                g = s.end_capture()
+        g.launch(stream=s)
+        ts = []
+        for _ in range(reps):
+            a0 = cp.cuda.Event(); a0.record(s)
+            g.launch(stream=s)
+            a1 = cp.cuda.Event(); a1.record(s)
+            a1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
+        out["moe_fused" if fused else "moe_unfused"] = round(float(np.median(ts)), 1)
+    K_moe.FUSED_DECODE = keep
     return out
 
 

@@ -6,7 +6,9 @@ Dispatch on the array module of ``x`` (:func:`engine.backend.xp_of`):
 * cupy: custom CUDA kernels (``engine/kernels/cuda/dense_linear.cu``): a warp-per-row GEMV with
   16-byte weight loads for ``M <= 16`` rows per weight matrix (decode), a 64x64-tiled GEMM otherwise
   (prefill). No host synchronisation: grouped launches are sized by the worst case and read their
-  tile table from the device.
+  tile table from the device. From ``engine.kernels.gemm_tc.TC_MIN_ROWS`` rows (prefill) :func:`linear`
+  runs on the tensor cores instead (:mod:`engine.kernels.gemm_tc`: cuBLAS BF16 GEMMs on an exact 3-way split
+  of the activations, float32-equivalent; BF16, float32, NVFP4 and FP8 weights).
 * numpy: the NumPy twin: the weights upcast exactly to float32 (float64 for float64 inputs) and one
   BLAS product per weight matrix.
 
@@ -19,13 +21,15 @@ import os
 
 import numpy as np
 
+from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import NULL_PTR, kernel, ptr_or_null, sm_count
 from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
                                          same_device, weight_as_float, weight_kind)
 
 __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows",
-           "MMA_GEMV_ENABLED", "QGEMV2_ENABLED", "QGEMV2_CONFIG", "dense_kernel_choice", "quant_kernel_choice"]
+           "MMA_GEMV_ENABLED", "QGEMV2_ENABLED", "QGEMV2_CONFIG", "dense_kernel_choice", "quant_kernel_choice",
+           "launch_plan"]
 
 #: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
 GEMV_MAX_ROWS = 16
@@ -108,6 +112,8 @@ def linear(x, w, *, out=None):
         return y
     if kind == "f64" or x.dtype == np.float64:
         raise KernelInputError("x/w: the CUDA path computes in float32; found float64")
+    if _tc.use_tc(M, w) and _tc.available():
+        return _tc.linear_tc(x, w, out=out)
     y = out if out is not None else _empty(xp, (M, N), dtype=xp.float32)
     if M == 0 or N == 0:
         return y
@@ -169,9 +175,28 @@ def grouped_linear(x, w, offsets, *, row_index=None, tiles: GroupTiles | None = 
 
 def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M, N, K):
     """Pick GEMV vs GEMM and launch (no host synchronisation)."""
+    plan = launch_plan(xp, x, row_index, w, w_expert_stride, y, tiles, M, N, K)
+    if plan is not None:
+        fname, kname, grid, args = plan
+        kernel(fname, kname)(grid, (256, 1, 1), args)
+
+
+def launch_plan(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M, N, K):
+    """The launch :func:`linear` / :func:`grouped_linear` make, without making it (the fused MoE kernels of
+    ``engine/kernels/moe.py`` run the same body with the same grid and arguments, plus an epilogue).
+
+    Args: as the private launcher: ``x`` float32 contiguous ``[*, K]``, ``row_index`` int32 or None, ``w`` the
+        weight (2-D, or 3-D with ``tiles``), ``w_expert_stride`` elements between experts (dense weights),
+        ``y`` the ``[M, N]`` float32 output, ``tiles`` the grouped tile table or None.
+    Returns:
+        ``(cuda file, kernel name, grid (x, y, 1), argument tuple)``, or None when there is nothing to launch.
+        Every launch uses 256 threads per block.
+    Raises:
+        KernelInputError: unsupported tile size; more tiles than the grid allows.
+    """
     kind = weight_kind(w)
     if kind in ("fp8", "nvfp4"):
-        return _launch_quant(x, row_index, w, y, tiles, M, N, K)
+        return _plan_quant(x, row_index, w, y, tiles, M, N, K)
     if kind == "bf16" and w.dtype != np.uint16:
         w = w.view(np.uint16)
     if not w.flags.c_contiguous:
@@ -187,23 +212,22 @@ def _launch(xp, x, row_index, w, w_expert_stride, y, tiles: GroupTiles | None, M
         grid_y = -(-M // rpt)
         tbl = (null, null, null, null)
     if grid_y == 0:
-        return
+        return None
     if rpt <= GEMV_MAX_ROWS:
         if rpt not in (1, 4, 16):
             raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
         aligned = (w.data.ptr % 16 == 0) and (x.data.ptr % 16 == 0)
         fname, kname, grid_x = dense_kernel_choice(kind, rpt, N, K, grid_y, aligned=aligned)
-        fn = kernel(fname, kname)
         grid = (grid_x, grid_y, 1)
     else:
         if rpt != GEMM_TILE_ROWS:
             raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
-        fn = kernel("dense_linear.cu", f"gemm_{wname}")
+        fname, kname = "dense_linear.cu", f"gemm_{wname}"
         grid = (-(-N // _GEMM_BN), grid_y, 1)
     if grid[1] > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid[1]} tiles, above the grid limit 65535; use smaller chunks")
-    fn(grid, (256, 1, 1), (x, ptr_or_null(row_index), w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2], tbl[3],
-                           np.int32(M), np.int32(N), np.int32(K)))
+    return fname, kname, grid, (x, ptr_or_null(row_index), w, np.int64(w_expert_stride), y, tbl[0], tbl[1], tbl[2],
+                                tbl[3], np.int32(M), np.int32(N), np.int32(K))
 
 
 def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, aligned: bool = True,
@@ -308,8 +332,8 @@ def _quant_fargs(w, x, N, K):
     return vec, fargs
 
 
-def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
-    """Launch a ``quant_linear.cu`` kernel over QuantWeight ``w`` (2-D, or 3-D with ``tiles``)."""
+def _plan_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
+    """:func:`launch_plan` for a ``quant_linear.cu`` kernel over QuantWeight ``w`` (2-D, or 3-D with ``tiles``)."""
     null = NULL_PTR
     if tiles is not None:
         rpt, grid_y = tiles.rows_per_tile, tiles.max_tiles
@@ -319,10 +343,10 @@ def _launch_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
         grid_y = -(-M // rpt)
         tbl = (null, null, null, null)
     if grid_y == 0:
-        return
+        return None
     if grid_y > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid_y} tiles, above the grid limit 65535; use smaller chunks")
     vec, fargs = _quant_fargs(w, x, N, K)
     name, grid_x = quant_kernel_choice(w.fmt, rpt, N, K, grid_y, vec=vec)
-    kernel("quant_linear.cu", name)((grid_x, grid_y, 1), (256, 1, 1), fargs + (
-        x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K)))
+    return "quant_linear.cu", name, (grid_x, grid_y, 1), fargs + (
+        x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K))

@@ -494,6 +494,12 @@ def _measure_engine(ck, spec: dict) -> dict:
         out["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         out["hbm"] = hbm_bandwidth(xp, int(spec.get("copy_bytes", 2 << 30)))
         _log(f"engine: HBM copy bandwidth {out['hbm']['bytes_per_s'] / 1e12:.2f} TB/s")
+        from engine.kernels import gemm_tc
+        # which prefill GEMMs ran (A/B: QWEN4EXP_TC_PREFILL=0 gives the float32-FMA kernels)
+        out["tc_prefill"] = {"enabled": bool(gemm_tc.TC_ENABLED and gemm_tc.available()),
+                             "min_rows": gemm_tc.TC_MIN_ROWS, "moe_tile_rows": gemm_tc.MOE_TILE_ROWS, "moe_max_pad": gemm_tc.MOE_MAX_PAD,
+                             "k_chunk": gemm_tc.K_CHUNK}
+        _log(f"engine: tensor-core prefill GEMMs {'on' if out['tc_prefill']['enabled'] else 'off'}")
         if spec.get("matmul_rate", True):
             out["matmul"] = dense_matmul_rate(xp)
             _log(f"engine: dense BF16 matmul {out['matmul']['flop_per_s'] / 1e12:.0f} TFLOP/s ({out['matmul']['how']})")

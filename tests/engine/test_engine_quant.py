@@ -20,7 +20,7 @@ from reference.checkpoint import E2M1_VALUES, Checkpoint, CheckpointError, DictW
 
 
 def _e4m3_bits_twin(b: int) -> float:
-    """quant_linear.cu:e4m3_to_f32, operation by operation."""
+    """common.cuh:e4m3_to_f32 (used by quant_linear.cu, gemm_tc.cu), operation by operation."""
     em = b & 0x7F
     if em >= 8:
         v = np.array([(em << 20) + (120 << 23)], np.uint32).view(np.float32)[0]
@@ -32,7 +32,7 @@ def _e4m3_bits_twin(b: int) -> float:
 
 
 def _e2m1_bits_twin(nib: int) -> float:
-    """quant_linear.cu:e2m1_to_f32, operation by operation."""
+    """common.cuh:e2m1_to_f32, operation by operation."""
     m = nib & 7
     bits = ((0x3F00 + m * 0x40) << 16) if m >= 2 else (0x3F000000 if m else 0)
     return np.array([bits | ((nib & 8) << 28)], np.uint32).view(np.float32)[0]

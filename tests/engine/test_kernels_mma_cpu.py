@@ -127,7 +127,8 @@ def test_sx_staging_matches_lane_loads(NT, U):
 
 def test_sx_staging_formula_in_source():
     """The emulated formulas are the ones in the kernel source (guards the emulation against drift)."""
-    src = (ROOT / "engine/kernels/cuda/dense_linear_mma.cu").read_text()
+    from engine.backend import cuda_source
+    src = cuda_source("dense_linear_mma.cu")  # the text NVRTC compiles (the bodies live in gemv_mma.cuh)
     for frag in ("const int tokn = f / (8 * U), v = f % (8 * U);", "s_u[r] = v / 8;",
                  "s_lane[r] = (tokn % 8) * 4 + (v % 8) / 2;", "s_half[r] = v % 2;",
                  "+ s_u[r] * 8 + (v % 8);", "const int o = 2 * s_half[r];"):
@@ -136,14 +137,10 @@ def test_sx_staging_formula_in_source():
 
 # ---------------------------------------------------------------- the activation split
 def split3(x: np.ndarray):
-    """NumPy twin of split_pair(): truncating BF16 split, parts as float32."""
-    x = np.asarray(x, np.float32)
-    mask = np.uint32(0xFFFF0000)
-    hi = (x.view(np.uint32) & mask).view(np.float32)
-    r = (x - hi).astype(np.float32)
-    mid = (r.view(np.uint32) & mask).view(np.float32)
-    lo = (r - mid).astype(np.float32)
-    return hi, mid, lo
+    """NumPy twin of split_pair() (common.cuh:split3; the engine's twin engine.kernels.gemm_tc.split3_twin): the
+    truncating BF16 split, parts as float32."""
+    from engine.kernels.gemm_tc import split3_twin
+    return tuple((p.astype(np.uint32) << np.uint32(16)).view(np.float32) for p in split3_twin(x))
 
 
 def _wide_floats(rng, n):

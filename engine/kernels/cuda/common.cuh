@@ -40,3 +40,47 @@ __device__ __forceinline__ bool resolve_tile(int tile, int TM, int M, const int*
     }
     return count > 0;
 }
+
+
+// ---- exact 3-way BF16 split of float32 activations (dense_linear_mma.cu's GEMV, gemm_tc.cu's GEMM inputs)
+// hi = x with the low 16 bits cleared, r = x - hi (exact), mid = r truncated likewise, lo = r - mid (exact): lo has
+// at most 8 significant bits, so it is a BF16 value and x == hi + mid + lo exactly (for |x| >= 2^-102 or so: parts
+// below 2^-126 are subnormal, see dense_linear_mma.cu's header; a non-finite x gives NaN parts). Truncation, not
+// rounding: integer/ALU ops only, no overflow near FLT_MAX. The NumPy twin is engine.kernels.gemm_tc.split3_twin.
+// Outputs are the float32 bit patterns of the parts (low 16 bits zero); the BF16 bits are the upper 16.
+__device__ __forceinline__ void split3(float x, unsigned int& hi, unsigned int& mid, unsigned int& lo) {
+    hi = __float_as_uint(x) & 0xffff0000u;
+    const float r = x - __uint_as_float(hi);
+    mid = __float_as_uint(r) & 0xffff0000u;
+    lo = __float_as_uint(r - __uint_as_float(mid));
+}
+
+// split3 of two float32 values (k and k+1) into packed bf16x2 parts hi, mid, lo (low half = a).
+__device__ __forceinline__ void split_pair(float a, float b, unsigned int& hi, unsigned int& mid, unsigned int& lo) {
+    unsigned int ha, ma, la, hb, mb, lb;
+    split3(a, ha, ma, la);
+    split3(b, hb, mb, lb);
+    hi = __byte_perm(ha, hb, 0x7632);
+    mid = __byte_perm(ma, mb, 0x7632);
+    lo = __byte_perm(la, lb, 0x7632);
+}
+
+// E4M3 (fn: no infinities, S.1111.111 is NaN) -> float32, exact.
+__device__ __forceinline__ float e4m3_to_f32(unsigned int b) {
+    const unsigned int em = b & 0x7fu;
+    float v = em >= 8u ? __uint_as_float((em << 20) + (120u << 23)) : (float)em * 0.001953125f;  // m * 2^-9
+    if (em == 0x7fu) v = __int_as_float(0x7fc00000);
+    return (b & 0x80u) ? -v : v;
+}
+
+// E2M1 nibble -> float32, exact: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+__device__ __forceinline__ float e2m1_to_f32(unsigned int nib) {
+    const unsigned int m = nib & 7u;
+    const unsigned int bits = m >= 2u ? (0x3F00u + m * 0x40u) << 16 : (m ? 0x3F000000u : 0u);
+    return __uint_as_float(bits | ((nib & 8u) << 28));
+}
+
+// 8 weights . 8 activations (two float4), the GEMV bodies' inner product (gemv_dense.cuh, gemv_quant.cuh)
+__device__ __forceinline__ float dot8(const float* w, float4 a, float4 b) {
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}

@@ -1,0 +1,153 @@
+"""The MoE block's device time per layer, unfused chain vs fused decode chain (GPU dev tool, not a test).
+
+One MoE block at the real widths (hidden 2560, 512 experts of intermediate 640, top-10, shared expert 640), random
+weights built on the device: routed experts BF16, FP8 (E4M3 codes, 128x128 scales) or NVFP4 (E2M1 codes, E4M3
+per-16 scales, two global scales per expert), router float32, shared expert BF16 (the engine's layouts). Chains:
+unfused; the decode chain (moe.FUSED_DECODE: route block, shared-expert stream, combine with loads in flight); the
+same on one stream; the decode chain with the handshake epilogues (moe.GEMV_EPILOGUES). Each is captured alone as
+a CUDA graph and replayed (median of --reps replays, device events); outputs are compared bit for bit with the
+unfused chain's (exit status 1 if any differs); the graphs' kernel / memset / other node counts are printed.
+
+Usage: python ci/tools/moe_fused_bench.py [--formats bf16 nvfp4 fp8] [--tokens 1 16] [--reps 50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+H, E, I, IS, K_TOP = 2560, 512, 640, 640, 10
+
+
+def bf16_bits(cp, shape):
+    """Random BF16 bit patterns of magnitude 2^-8 .. 2^-3, either sign."""
+    b = cp.random.randint(0x3B80, 0x3E00, size=shape, dtype=cp.int32).astype(cp.uint16)
+    return b | (cp.random.randint(0, 2, size=shape, dtype=cp.int32).astype(cp.uint16) << 15)
+
+
+def experts(cp, fmt, N, K):
+    from engine.kernels.quant import QuantWeight
+    if fmt == "bf16":
+        return bf16_bits(cp, (E, N, K))
+    if fmt == "fp8":
+        q = cp.random.randint(0, 256, size=(E, N, K), dtype=cp.int32).astype(cp.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+        s = cp.random.uniform(0.001, 0.02, size=(E, -(-N // 128), -(-K // 128))).astype(cp.float32)
+        return QuantWeight("fp8", (E, N, K), q, s, rb=128, cb=128)
+    q = cp.random.randint(0, 256, size=(E, N, K // 2), dtype=cp.int32).astype(cp.uint8)
+    sc = cp.random.randint(0x20, 0x48, size=(E, N, K // 16), dtype=cp.int32).astype(cp.uint8)
+    s2 = cp.random.uniform(0.001, 0.01, size=(E * 2,)).astype(cp.float32)
+    return QuantWeight("nvfp4", (E, N, K), q, sc, s2, s2_rows=N // 2)
+
+
+def graph_nodes(g):
+    """Kernel / memset / other nodes of captured graph ``g`` (best effort through the CUDA runtime the process has
+    loaded; None when cupy's Graph does not expose its cudaGraph_t or the runtime is not found)."""
+    import ctypes
+    try:
+        handle = getattr(g, "graph", None)
+        path = next((ln.split()[-1] for ln in open("/proc/self/maps") if "libcudart.so" in ln), None)
+        if not handle or path is None:
+            return None
+        lib = ctypes.CDLL(path)
+        n = ctypes.c_size_t(0)
+        if lib.cudaGraphGetNodes(ctypes.c_void_p(int(handle)), None, ctypes.byref(n)) != 0:
+            return None
+        nodes = (ctypes.c_void_p * n.value)()
+        lib.cudaGraphGetNodes(ctypes.c_void_p(int(handle)), nodes, ctypes.byref(n))
+        kinds = {}
+        for nd in nodes:
+            t = ctypes.c_int(-1)
+            lib.cudaGraphNodeGetType(ctypes.c_void_p(nd), ctypes.byref(t))
+            kinds[t.value] = kinds.get(t.value, 0) + 1
+        return {"kernel": kinds.get(0, 0), "memset": kinds.get(2, 0), "other": n.value - kinds.get(0, 0) - kinds.get(2, 0)}
+    except Exception:  # a dev tool: the count is optional
+        return None
+
+
+def graph_us(cp, fn, reps):
+    fn()
+    fn()
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        out = fn()
+        g = s.end_capture()
+    for _ in range(5):
+        g.launch(stream=s)
+    ts = []
+    for _ in range(reps):
+        a0 = cp.cuda.Event()
+        a0.record(s)
+        g.launch(stream=s)
+        a1 = cp.cuda.Event()
+        a1.record(s)
+        a1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
+    return float(np.median(ts)), out, graph_nodes(g)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4", "fp8"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    import cupy as cp
+
+    from engine.kernels import moe as M
+    cp.random.seed(0)
+    router = (cp.random.standard_normal((E, H), dtype=cp.float32) * 0.02).astype(cp.float32)
+    sg, su, sd = bf16_bits(cp, (IS, H)), bf16_bits(cp, (IS, H)), bf16_bits(cp, (H, IS))
+    sgate, sgu = bf16_bits(cp, (1, H)), cp.concatenate([sg, su])
+    rows = []
+    for fmt in args.formats:
+        t0 = time.perf_counter()
+        gu, dn = experts(cp, fmt, 2 * I, H), experts(cp, fmt, H, I)
+        for T in args.tokens:
+            x = cp.random.standard_normal((T, H), dtype=cp.float32)
+
+            def block():
+                return M.moe_block(x, router, gu, dn, top_k=K_TOP, shared_gate_proj=sg, shared_up_proj=su,
+                                   shared_down_proj=sd, shared_expert_gate=sgate, shared_gate_up=sgu)
+            res = {}
+            variants = (("unfused", False, True, False), ("chain", True, True, False),
+                        ("chain_one_stream", True, False, False), ("epilogues", True, True, True))
+            for name, fused, side, epi in variants:
+                M.FUSED_DECODE, M.SHARED_STREAM, M.GEMV_EPILOGUES = fused, side, epi
+                us, out, nodes = graph_us(cp, block, args.reps)
+                res[name] = (us, cp.asnumpy(out.out).view(np.uint32).copy(), cp.asnumpy(out.topk_ids), nodes)
+            M.FUSED_DECODE, M.SHARED_STREAM, M.GEMV_EPILOGUES = False, True, False
+            u = res["unfused"]
+            row = {"format": fmt, "tokens": T, "unfused_us": round(u[0], 1),
+                   "graph_nodes": {name: v[3] for name, v in res.items()}}
+            for name, *_ in variants[1:]:
+                v = res[name]
+                row[name + "_us"] = round(v[0], 1)
+                row[name + "_speedup"] = round(u[0] / v[0], 2)
+                row[name + "_bit_identical"] = bool(np.array_equal(u[1], v[1]) and np.array_equal(u[2], v[2]))
+            row["x48_layers_saved_ms"] = round(48 * (u[0] - res["chain"][0]) / 1e3, 2)
+            print(f"moe_block {fmt:5s} T={T:2d}: unfused {u[0]:6.1f} us | " + " | ".join(
+                f"{name} {row[name + '_us']:6.1f} us x{row[name + '_speedup']:.2f} exact={row[name + '_bit_identical']}"
+                for name, *_ in variants[1:]) + f" | chain, 48 layers: {-row['x48_layers_saved_ms']:+.2f} ms", flush=True)
+            rows.append(row)
+            print("  graph nodes (kernel / memset / other): " + "; ".join(
+                f"{name} " + ("n/a" if v[3] is None else f"{v[3]['kernel']} / {v[3]['memset']} / {v[3]['other']}")
+                for name, v in res.items()), flush=True)
+        gu = dn = None  # (freed before the next format is built)
+        cp.get_default_memory_pool().free_all_blocks()
+        print(f"  ({fmt}: {time.perf_counter() - t0:.1f} s incl. weights and compiles)", flush=True)
+    print("JSON " + json.dumps(rows))
+    bad = [(r["format"], r["tokens"], n) for r in rows for n in ("chain", "chain_one_stream", "epilogues")
+           if not r[n + "_bit_identical"]]
+    if bad:
+        print(f"NOT bit-identical to the unfused chain: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,403 @@
+"""CPU tests of the tensor-core prefill GEMM's host side (engine/kernels/gemm_tc.py): the split's NumPy twin, the
+exactness facts the design rests on, the dispatch rules, and the MoE's tile-padded layout composed as the kernels
+compose it (an emulation tied to the kernel source). The GPU side: tests/engine/test_gemm_tc_gpu.py."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from engine.kernels import gemm_tc as TC
+from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
+from engine.kernels.quant import QuantWeight
+from reference.checkpoint import E2M1_VALUES
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _wide_floats(rng, n):
+    return (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-100, 100, n) * rng.choice([-1, 1], n)).astype(np.float32)
+
+
+def _f64(bits):
+    return bf16_bits_to_float32(bits).astype(np.float64)
+
+
+def test_split3_twin_exact():
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(50_000).astype(np.float32), _wide_floats(rng, 50_000),
+                        np.float32([0.0, -0.0, 1.0, np.finfo(np.float32).max, -np.finfo(np.float32).max])])
+    hi, mid, lo = TC.split3_twin(x)
+    assert hi.dtype == mid.dtype == lo.dtype == np.uint16 and hi.shape == x.shape
+    assert np.array_equal(_f64(hi) + _f64(mid) + _f64(lo), x.astype(np.float64))
+    # |mid| <= 2^-7 |x| and |lo| <= 2^-15 |x| (each part carries the next 8 significant bits)
+    nz = x != 0
+    assert np.all(np.abs(_f64(mid)[nz]) <= 2.0 ** -7 * np.abs(x[nz].astype(np.float64)))
+    assert np.all(np.abs(_f64(lo)[nz]) <= 2.0 ** -15 * np.abs(x[nz].astype(np.float64)))
+
+
+def test_split3_negative_control_two_parts_not_exact():
+    rng = np.random.default_rng(6)
+    x = _wide_floats(rng, 10_000)
+    hi, mid, lo = TC.split3_twin(x)
+    two = _f64(hi) + _f64(mid)
+    assert np.count_nonzero(two != x.astype(np.float64)) > 9_000  # almost every value needs its lo part
+    assert np.count_nonzero(lo) > 9_000
+
+
+def test_split3_twin_is_the_cuda_formula():
+    """The twin's operations are common.cuh:split3's (guards the twin against drift)."""
+    src = (ROOT / "engine/kernels/cuda/common.cuh").read_text()
+    for frag in ("hi = __float_as_uint(x) & 0xffff0000u;", "const float r = x - __uint_as_float(hi);",
+                 "mid = __float_as_uint(r) & 0xffff0000u;", "lo = __float_as_uint(r - __uint_as_float(mid));"):
+        assert frag in src, frag
+
+
+def test_nvfp4_code_times_scale_is_exact_in_bf16():
+    """Every E2M1 x E4M3 product (all 16 x 255 non-NaN pairs) is a BF16 value: the scratch of nvfp4_to_bf16 is
+    exact, and only the float32 global scale is left for the output."""
+    e4 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    e4 = e4[~np.isnan(e4)]
+    p32 = (E2M1_VALUES[:, None] * e4[None, :]).astype(np.float32)
+    p64 = E2M1_VALUES[:, None].astype(np.float64) * e4[None, :].astype(np.float64)
+    assert np.array_equal(p32.astype(np.float64), p64)  # exact in float32
+    assert not np.any(p32.view(np.uint32) & np.uint32(0xFFFF))  # and in BF16 (low 16 bits zero)
+    # negative control: a product with one more significant bit is not a BF16 value
+    assert np.float32(1.5 * 1.1171875).view(np.uint32) & np.uint32(0xFFFF)
+
+
+def _nvfp4_weight(shape):
+    *lead, N, K = shape
+    lead = tuple(lead)
+    E = lead[0] if lead else 1
+    return QuantWeight("nvfp4", shape, np.zeros(lead + (N, K // 2), np.uint8), np.zeros(lead + (N, K // 16), np.uint8),
+                       np.ones(E, np.float32), s2_rows=N)
+
+
+def test_use_tc_dispatch_rule():
+    w = to_bf16_bits(np.ones((8, 32), np.float32))
+    assert TC.use_tc(64, w, enabled=True, min_rows=64)
+    assert not TC.use_tc(63, w, enabled=True, min_rows=64)   # decode / short chunks: the existing kernels
+    assert TC.use_tc(1, w, enabled=True, min_rows=0) and not TC.use_tc(0, w, enabled=True, min_rows=0)
+    assert not TC.use_tc(4096, w, enabled=False, min_rows=64)  # the A/B switch
+    assert TC.use_tc(4096, np.ones((8, 32), np.float32), enabled=True, min_rows=64)  # float32: SGEMM
+    assert TC.use_tc(4096, _nvfp4_weight((8, 32)), enabled=True, min_rows=64)
+    fp8 = QuantWeight("fp8", (8, 32), np.zeros((8, 32), np.uint8), np.ones((1, 1), np.float32), rb=128, cb=128)
+    assert TC.use_tc(4096, fp8, enabled=True, min_rows=64, fp8=True)  # nine GEMMs on the weight's parts
+    assert not TC.use_tc(4096, fp8, enabled=True, min_rows=64, fp8=False)  # quant_linear.cu's tiled GEMM
+    assert not TC.use_tc(4096, np.ones((8, 32), np.float64), enabled=True, min_rows=64)
+
+
+def test_use_tc_moe_padding_rule_at_real_widths():
+    E, I, H, k = 512, 640, 2560, 10
+    gu = to_bf16_bits(np.zeros((2, 4, 8), np.float32))  # (only the kind matters)
+    kw = dict(enabled=True, min_rows=64, tile_rows=64, max_pad=4.0)
+    # T = 4096: 40960 slots, (640 + 512) tiles x 64 rows = 73728 padded rows: 1.8x -> tensor cores
+    assert TC.moe_tc_max_tiles(4096 * k, E, 64) == 640 + 512
+    assert TC.use_tc_moe(4096, k, E, gu, gu, **kw)
+    # T = 512: (80 + 512) x 64 = 37888 rows for 5120 slots (7.4x) -> the grouped GEMV tiles stay
+    assert not TC.use_tc_moe(512, k, E, gu, gu, **kw)
+    assert TC.use_tc_moe(512, k, E, gu, gu, **{**kw, "max_pad": 8.0})
+    assert not TC.use_tc_moe(4096, k, E, gu, gu, **{**kw, "enabled": False})
+    assert not TC.use_tc_moe(16, k, E, gu, gu, **{**kw, "max_pad": 1e9})  # decode: never
+    f32 = np.zeros((2, 4, 8), np.float32)
+    assert not TC.use_tc_moe(4096, k, E, f32, gu, **kw)  # float32 experts: the grouped path
+    fp8 = QuantWeight("fp8", (2, 4, 8), np.zeros((2, 4, 8), np.uint8), np.ones((2, 1, 1), np.float32), rb=128, cb=128)
+    assert not TC.use_tc_moe(4096, k, E, fp8, fp8, **kw)  # FP8 experts: the grouped path
+    nv = _nvfp4_weight((2, 4, 32))
+    assert TC.use_tc_moe(4096, k, E, nv, nv, **kw)
+    # NVFP4 (float32-FMA grouped kernels): the wider default padding bound (64): 512 tokens (7.4x) and 64 (52x)
+    kw_nv = {x: v for x, v in kw.items() if x != "max_pad"}
+    assert TC.use_tc_moe(512, k, E, nv, nv, **kw_nv) and TC.use_tc_moe(64, k, E, nv, nv, **kw_nv)
+    assert not TC.use_tc_moe(64, 1, E, nv, nv, **kw_nv)  # 64 slots over 512 experts: (1 + 64) x 64 rows, 65x
+    assert not TC.use_tc_moe(512, k, E, gu, gu, **kw_nv)  # BF16: MOE_MAX_PAD (4)
+    # batched-GEMM pointers 16-byte aligned: tile rows and expert sizes multiples of 8, else the grouped path
+    assert not TC.use_tc_moe(4096, k, E, gu, gu, **{**kw, "tile_rows": 60})
+    odd = to_bf16_bits(np.zeros((2, 3, 5), np.float32))
+    assert not TC.use_tc_moe(4096, k, E, odd, gu, **kw)
+    del I, H
+
+
+def test_moe_max_tiles_matches_route_tables_formula():
+    """The batch of the MoE's batched GEMM is the tile table's worst case (moe_route_tables: S // R + min(E, S))."""
+    src = (ROOT / "engine/kernels/moe.py").read_text()
+    assert "max_tiles = S // rpt + min(E, S)" in src
+    for S, E, R in [(40960, 512, 64), (14, 8, 16), (3, 8, 16), (0, 8, 16)]:
+        assert TC.moe_tc_max_tiles(S, E, R) == S // R + min(E, S)
+
+
+def test_fp8_pair_order_smallest_first_and_complete(monkeypatch):
+    """The FP8 path's nine GEMMs: every (activation part, weight part) pair once, by increasing magnitude
+    2^(-8 (i + j)); with SPLITS = 2 (the negative control) the activation's lo part is dropped."""
+    order = TC._pair_order()
+    assert sorted(order) == [(i, j) for i in range(3) for j in range(3)]
+    mags = [-(i + j) for i, j in order]
+    assert mags == sorted(mags)
+    monkeypatch.setattr(TC, "SPLITS", 2)
+    assert sorted(TC._pair_order()) == [(i, j) for i in range(2) for j in range(3)]
+
+
+def test_k_chunks_cover_k_aligned(monkeypatch):
+    """The hi part's K chunks: contiguous, covering K, 8-column aligned starts, at most K_CHUNK each, near-equal."""
+    monkeypatch.setattr(TC, "K_CHUNK", 1024)
+    for K in (1, 7, 640, 1024, 1025, 2560, 6144, 10240, 12345):
+        ch = TC._k_chunks(K, True)
+        assert ch[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ch, ch[1:])) and sum(n for _, n in ch) == K
+        assert all(a % 8 == 0 for a, _ in ch) and all(0 < n <= 1024 for _, n in ch)
+        assert max(n for _, n in ch) - min(n for _, n in ch) <= 8 * len(ch)
+        assert TC._k_chunks(K, False) == [(0, K)]
+    monkeypatch.setattr(TC, "K_CHUNK", 0)
+    assert TC._k_chunks(10240, True) == [(0, 10240)]
+    monkeypatch.setattr(TC, "K_CHUNK", 4096)  # the default: K = 2560 unchunked, 6144 / 10240 in 2 / 3 chunks
+    assert [len(TC._k_chunks(K, True)) for K in (2560, 6144, 10240)] == [1, 2, 3]
+
+
+def test_cublas_caller_without_gpu():
+    """No GPU: no cuBLAS caller, nothing available (the CPU path never needs one); the library search lists the
+    sonames last."""
+    if TC.cupy_or_none() is not None:
+        pytest.skip("a GPU is visible")
+    assert TC.blas_backend() == "none" and not TC.available() and not TC.available(grouped=True)
+    assert TC._libcublas_candidates()[-3:] == ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+
+
+def test_splits_out_of_range_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(TC, "SPLITS", 4)
+    with pytest.raises(TC.KernelInputError, match="SPLITS"):
+        TC._part_order()
+
+
+def test_cpu_linear_unchanged_by_the_switch(monkeypatch):
+    """The NumPy twin never takes the tensor-core path (it is float32/float64 already)."""
+    from engine.kernels import linear as L
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((100, 32)).astype(np.float32)
+    w = to_bf16_bits(rng.standard_normal((16, 32)))
+    monkeypatch.setattr(TC, "TC_MIN_ROWS", 1)
+    a = L.linear(x, w)
+    monkeypatch.setattr(TC, "TC_ENABLED", False)
+    assert np.array_equal(a, L.linear(x, w))
+    assert np.array_equal(a, x @ bf16_bits_to_float32(w).T)
+
+
+# ------------------------------------------------------------------ the MoE's tile-padded layout, emulated on the CPU
+# Python transliterations of gemm_tc.cu's index formulas (guarded against drift by the source check below), composed
+# as moe_experts_tc composes the kernels: a layout mistake between kernels (split, batched-GEMM pointers, part sums,
+# slot map) shows as a wrong MoE output here, without a GPU.
+def _part_row(r, p, TM, rows, interleave):
+    if not interleave:
+        return p * rows + r
+    t = r // TM
+    return (3 * t + p) * TM + (r - t * TM)
+
+
+def _tables(ids, E, TM):
+    """moe_tables' outputs (dense_moe.cu): experts ascending, each expert's tiles consecutive."""
+    flat = ids.reshape(-1)
+    S, k = flat.size, ids.shape[1]
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    te, ts, tc = [], [], []
+    for e in range(E):
+        for q in range(-(-counts[e] // TM)):
+            te.append(e), ts.append(offsets[e] + q * TM), tc.append(min(TM, counts[e] - q * TM))
+    slot_pos = np.empty(S, np.int64)
+    slot_pos[order] = np.arange(S)
+    return dict(sorted_token=order // k, slot_pos=slot_pos, expert=np.array(te), start=np.array(ts),
+                count=np.array(tc), n_tiles=len(te), max_tiles=S // TM + min(E, S))
+
+
+def _emulate_moe_tc(x, ids, wts, gu, dn, TM):
+    T, H = x.shape
+    E, I2, _ = gu.shape
+    I, k = I2 // 2, ids.shape[1]
+    tb = _tables(ids, E, TM)
+    MT, nt = tb["max_tiles"], tb["n_tiles"]
+    P = MT * TM
+    parts_of = TC.split3_twin
+
+    def split_rows(src_rows, K):  # split3_rows, interleaved: src_rows[r] = source row or -1 (zero) / -2 (skip)
+        buf = np.full((3 * P, K), np.nan)
+        for r in range(P):
+            s = src_rows[r]
+            if s == -2:
+                continue
+            pr = parts_of(np.zeros(K, np.float32) if s < 0 else x_src[s])
+            for p in range(3):
+                buf[_part_row(r, p, TM, P, 1)] = bf16_bits_to_float32(pr[p])
+        return buf
+
+    def padded_source(r, row_index):
+        t = r // TM
+        if t >= nt:
+            return -2
+        j = r - t * TM
+        if j >= tb["count"][t]:
+            return -1
+        s = tb["start"][t] + j
+        return row_index[s] if row_index is not None else s
+
+    def grouped_gemm(w, B3):  # tile_ptrs + gemmBatchedEx: tile t's 3 TM rows times its expert's weights
+        N = w.shape[1]
+        C3 = np.full((3 * P, N), np.nan)
+        for t in range(MT):
+            e = tb["expert"][t] if t < nt else 0
+            rows = slice(t * 3 * TM, (t + 1) * 3 * TM)  # b_tile = c_tile = 3 TM rows
+            C3[rows] = B3[rows] @ w[e].T
+        return C3
+
+    def sum3(C3, r, n):
+        t, j = r // TM, r % TM
+        base = (3 * t) * TM + j
+        return (C3[base + 2 * TM, n] + C3[base + TM, n]) + C3[base, n]
+
+    x_src = x
+    xp3 = split_rows([padded_source(r, tb["sorted_token"]) for r in range(P)], H)
+    gu3 = grouped_gemm(_f64w(gu), xp3)
+    h = np.zeros((P, I), np.float32)
+    for r in range(P):
+        t = r // TM
+        if t < nt and r - t * TM < tb["count"][t]:
+            g, u = sum3(gu3, r, np.arange(I)), sum3(gu3, r, I + np.arange(I))
+            h[r] = (g / (1 + np.exp(-g))) * u
+    x_src = h
+    hp3 = split_rows([r if padded_source(r, None) >= 0 else padded_source(r, None) for r in range(P)], I)
+    y3 = grouped_gemm(_f64w(dn), hp3)
+    y = np.array([sum3(y3, r, np.arange(H)) if r // TM < nt else np.full(H, np.nan) for r in range(P)])
+    pad = np.full(ids.size, -1)
+    for r in range(P):  # pad_of_sorted
+        t = r // TM
+        if t < nt and r - t * TM < tb["count"][t]:
+            pad[tb["start"][t] + r - t * TM] = r
+    sp = pad[tb["slot_pos"]]  # slot_pad
+    out = np.zeros((T, H))
+    for j in range(k):  # moe_combine
+        out += y[sp.reshape(T, k)[:, j]] * wts[:, j:j + 1]
+    return out
+
+
+def _f64w(w):
+    return bf16_bits_to_float32(w).astype(np.float64)
+
+
+@pytest.mark.parametrize("TM", [8, 16])
+def test_moe_tile_layout_emulation_equals_the_twin(TM):
+    from engine.kernels import moe as MO
+    rng = np.random.default_rng(8)
+    E, H, I, k, T = 5, 16, 8, 2, 23
+    gu = to_bf16_bits(rng.standard_normal((E, 2 * I, H)) * 0.3)
+    dn = to_bf16_bits(rng.standard_normal((E, H, I)) * 0.3)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.random((T, k)).astype(np.float32)
+    got = _emulate_moe_tc(x, ids, wts, gu, dn, TM)
+    ref = MO.moe_experts(x.astype(np.float64), ids, wts.astype(np.float64), gu, dn)
+    assert np.all(np.isfinite(got))
+    assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 1e-6  # float32 h only: ~1e-7
+    # negative control: a layout slip (parts of a tile read with the dense stride) is caught
+    bad = _part_row
+    globals()["_part_row"] = lambda r, p, TM_, rows, inter: p * rows + r
+    try:
+        wrong = _emulate_moe_tc(x, ids, wts, gu, dn, TM)
+    finally:
+        globals()["_part_row"] = bad
+    assert not (np.all(np.isfinite(wrong)) and np.linalg.norm(wrong - ref) / np.linalg.norm(ref) < 1e-3)
+
+
+def test_layout_formulas_are_the_kernels():
+    """The emulated formulas are gemm_tc.cu's (guards the emulation above against drift)."""
+    src = (ROOT / "engine/kernels/cuda/gemm_tc.cu").read_text()
+    for frag in ("if (!interleave) return p * rows + r;", "return (3 * t + p) * TM + (r - t * TM);",
+                 "const float* c = C3 + ((3 * t) * TM + j) * N + n;", "return (c[2 * ps] + c[ps]) + c[0];",
+                 "ptrs[(long long)max_tiles + t] = B + (unsigned long long)(t * b_tile);",
+                 "if (j < tile_count[t]) pad[tile_start[t] + j] = (int)r;", "out[s] = p >= 0 ? pad[p] : -1;",
+                 "(g / (1.f + expf(-g))) * u"):
+        assert frag in src, frag
+    py = (ROOT / "engine/kernels/gemm_tc.py").read_text()
+    for frag in ("np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4)",
+                 "gemm_batched(_handle(), _OP_T, _OP_N, N, 3 * R, K,"):
+        assert frag in py, frag
+
+
+# ------------------------------------------------------------------ the ctypes cuBLAS caller, against a fake libcublas
+_FAKE_CUBLAS = r"""
+#include <stddef.h>
+static long long rec[24];
+static float scal[2];
+long long* fake_rec(void) { return rec; }
+float* fake_scal(void) { return scal; }
+int cublasCreate_v2(void** h) { *h = (void*)0x1234; return 0; }
+int cublasSetStream_v2(void* h, void* s) { rec[0] = (long long)h; rec[1] = (long long)s; return 0; }
+int cublasSetWorkspace_v2(void* h, void* w, size_t n) { rec[2] = (long long)w; rec[3] = (long long)n; return 0; }
+int cublasSetMathMode(void* h, int m) { rec[4] = m; return 0; }
+#define GEMM_ARGS void* h, int ta, int tb, int m, int n, int k, const float* al, const void* A, int At, int lda, \
+    const void* B, int Bt, int ldb, const float* be, void* C, int Ct, int ldc
+#define GEMM_REC rec[0] = (long long)h; rec[1] = ta; rec[2] = tb; rec[3] = m; rec[4] = n; rec[5] = k; \
+    rec[6] = (long long)A; rec[7] = At; rec[8] = lda; rec[9] = (long long)B; rec[10] = Bt; rec[11] = ldb; \
+    rec[12] = (long long)C; rec[13] = Ct; rec[14] = ldc; scal[0] = *al; scal[1] = *be;
+int cublasGemmEx(GEMM_ARGS, int ct, int algo) { GEMM_REC rec[15] = -1; rec[16] = ct; rec[17] = algo;
+    return m < 0 ? 7 : 0; }
+int cublasGemmBatchedEx(GEMM_ARGS, int batch, int ct, int algo) { GEMM_REC rec[15] = batch; rec[16] = ct;
+    rec[17] = algo; return m < 0 ? 7 : 0; }
+"""
+
+
+@pytest.fixture
+def fake_blas(tmp_path, monkeypatch):
+    import ctypes
+    import shutil
+    import subprocess
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc absent: the fake libcublas cannot be built")
+    src, lib = tmp_path / "fake_cublas.c", tmp_path / "libcublas.so.99"
+    src.write_text(_FAKE_CUBLAS)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", str(lib), str(src)], check=True)
+    monkeypatch.setattr(TC, "_libcublas_candidates", lambda: ["/nonexistent/libcublas.so", str(lib)])
+    blas = TC._CtypesBlas()
+    fake = ctypes.CDLL(str(lib))
+    fake.fake_rec.restype = ctypes.POINTER(ctypes.c_longlong)
+    fake.fake_scal.restype = ctypes.POINTER(ctypes.c_float)
+    return blas, fake.fake_rec(), fake.fake_scal()
+
+
+def test_ctypes_caller_passes_every_argument_in_place(fake_blas):
+    """Every argument of cublasGemmEx / cublasGemmBatchedEx arrives where cublas_api.h puts it (a fake libcublas
+    records them): a wrong or missing argtype would shift them; a non-zero status is one clear error."""
+    blas, rec, scal = fake_blas
+    h = blas.create()
+    assert h == 0x1234 and rec[4] == TC._DISALLOW_REDUCED_PRECISION_REDUCTION
+
+    class WS:
+        class data:
+            ptr = 0xABC00
+    blas.bind(h, 0x77, WS)
+    assert (rec[0], rec[1], rec[2], rec[3]) == (0x1234, 0x77, 0xABC00, TC._WORKSPACE_BYTES)
+    args = (TC._OP_T, TC._OP_N, 11, 12, 13, TC._ONE.ctypes.data, 0x1000, TC._R_16BF, 21, 0x2000, TC._R_16BF, 22,
+            TC._ZERO.ctypes.data, 0x3000, TC._R_32F, 23)
+    want = [0x1234, TC._OP_T, TC._OP_N, 11, 12, 13, 0x1000, TC._R_16BF, 21, 0x2000, TC._R_16BF, 22, 0x3000, TC._R_32F,
+            23]
+    blas.gemm(h, *args, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+    assert [rec[i] for i in range(15)] == want and (rec[15], rec[16], rec[17]) == (-1, TC._COMPUTE_32F, -1)
+    assert (scal[0], scal[1]) == (1.0, 0.0)
+    blas.gemm_batched(h, *args, 1152, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+    assert [rec[i] for i in range(15)] == want and (rec[15], rec[16], rec[17]) == (1152, TC._COMPUTE_32F, -1)
+    # negative control: the fake's error status (m < 0) is raised, naming the call and the status
+    bad = (TC._OP_T, TC._OP_N, -1) + args[3:]
+    with pytest.raises(RuntimeError, match="cublasGemmEx: status 7"):
+        blas.gemm(h, *bad, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+    with pytest.raises(RuntimeError, match="cublasGemmBatchedEx: status 7"):
+        blas.gemm_batched(h, *bad, 3, TC._COMPUTE_32F, TC._GEMM_DEFAULT)
+
+
+def test_ctypes_caller_refuses_a_library_without_the_symbols(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc absent")
+    src, lib = tmp_path / "empty.c", tmp_path / "libempty.so"
+    src.write_text("int nothing(void) { return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    monkeypatch.setattr(TC, "_libcublas_candidates", lambda: [str(lib)])
+    with pytest.raises(OSError, match="cublasCreate"):
+        TC._CtypesBlas()
