@@ -11,7 +11,7 @@
 # FULL_DEPTH_FORMATS (default "nvfp4 fp8 bf16"): experts built on the device, no files; the FP8 PLE table at
 # its real size in host memory; a format that does not fit (bf16, ~250 GB) is measured at 4 and 8 layers and
 # projected; about 1-2 minutes each), FULL_DEPTH_TIMEOUT_S (per format, default 300),
-# LLAMACPP (step 5, llama.cpp as the peer: 1 runs it when .llama-src/llama.cpp-src.tar.xz is there; default 0).
+# LLAMACPP (step 5, llama.cpp as the peer: runs when .llama-src/llama.cpp-src.tar.xz is there; LLAMACPP=0 skips).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-ci/out}"
@@ -77,10 +77,10 @@ if [ "${FULL_DEPTH:-1}" != 0 ]; then
   done
 fi
 # 5. llama.cpp as the speed peer (issue 16 item 4; ci/gpu_llamacpp.sh says how): the trimmed source travels as
-#    .llama-src/llama.cpp-src.tar.xz (bash ci/llamacpp_src.sh SDIST, then carry .llama-src). LLAMACPP=1 runs it
-#    (when the tarball is there); default 0 until it has passed on the GPU machine. A build started earlier
+#    .llama-src/llama.cpp-src.tar.xz (bash ci/llamacpp_src.sh SDIST, then carry .llama-src); it runs when the tarball
+#    is there (passed on the H200, 2026-12-02: build 233 s, prepare 372 s, bench 111 s); LLAMACPP=0 skips. A build started earlier
 #    (build --background) is waited for, a finished one reused; a fresh machine builds here first (minutes).
-if [ "${LLAMACPP:-0}" != 0 ] && [ -f .llama-src/llama.cpp-src.tar.xz ]; then
+if [ "${LLAMACPP:-1}" != 0 ] && [ -f .llama-src/llama.cpp-src.tar.xz ]; then
   t1=$(date +%s)
   echo "gpu_bench: ================ llama.cpp peer (BF16 / Q8_0 / Q4_K_M vs bf16 / fp8 / nvfp4) ================"
   { if [ -f "${LLAMA_BUILD:-/tmp/llama-build}/build.pid" ]; then bash ci/gpu_llamacpp.sh wait; else bash ci/gpu_llamacpp.sh build; fi; } \
