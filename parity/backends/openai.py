@@ -31,6 +31,15 @@ from reference.errors import InputError
 from parity.backends.base import BackendError
 
 
+class EchoMisaligned(BackendError):
+    """The server's echo dropped or moved prompt tokens: its rows cannot be attributed to positions.
+    ``position``: the first prompt position whose echoed token is not the prompt's."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = int(position)
+
+
 class OpenAIBackend:
     """A completions-API client with the harness's top-k comparison; see the module docstring."""
 
@@ -123,6 +132,7 @@ class OpenAIBackend:
         Raises:
             InputError: ``ids`` do not survive the text round trip.
             BackendError: the server's answer does not echo the prompt's tokens.
+            EchoMisaligned: the echo holds the tokens but drops or moves some (a server defect, located).
         """
         ids = [int(t) for t in ids]
         if not self.sendable(ids):
@@ -149,6 +159,14 @@ class OpenAIBackend:
         if len(toks) < len(ids):
             raise BackendError(f"backend {self.name}: expected the echo of the {len(ids)} prompt tokens, found "
                                f"{len(toks)} tokens not matching them (the server tokenized the text differently)")
+        p = self._echo_misaligned(toks, ids)
+        if p is not None:  # a row dropped or moved: every later row would be judged at the wrong position
+            raise EchoMisaligned(
+                f"backend {self.name}: expected the echo to hold prompt token {p} ({ids[p]}, "
+                f"{self._tok.decode([ids[p]], skip_special_tokens=False)!r}) at echo position {p}, found "
+                f"{toks[p]!r}: the server dropped or moved echoed tokens, so its top_logprobs rows cannot be "
+                f"attributed to positions (llama-cpp-python 0.3.36 skips every echoed token equal to its BOS id; a "
+                f"GGUF without a BOS id gets the default 11)", p)
         n_new = len(toks) - len(ids)  # generation may stop early (an end-of-sequence token)
         greedy = [self._id_of(s) for s in toks[len(ids):]]
         rows = [None if d is None else {i: float(v) for s, v in d.items() if (i := self._id_of(s)) is not None}
@@ -178,6 +196,20 @@ class OpenAIBackend:
         else:
             after = rows
         return after[:T + n_new - 1], greedy, ids
+
+    def _echo_misaligned(self, toks, ids) -> int | None:
+        """The first prompt position whose echoed token string is not that prompt token's, or None.
+
+        Tokens whose string is a partial UTF-8 piece (U+FFFD on either side, or an empty server string) cannot be
+        compared and are passed over; every other echoed string must equal the token's own decoding.
+        """
+        for p, t in enumerate(ids):
+            want, got = self._tok.decode([int(t)], skip_special_tokens=False), toks[p]
+            if not got or "\ufffd" in want or "\ufffd" in got:
+                continue
+            if got != want:
+                return p
+        return None
 
     def _id_of(self, s):
         return self._str2id.get(s)

@@ -84,12 +84,18 @@ def topk_report(report, be, model, prompts):
                                         f"{f['position']} ({'greedy continuation' if f['greedy_region'] else 'prompt'}"
                                         f"; KL on the top-{be.topk} {f['kl']:.3g}, top-1 "
                                         f"{'same' if f['top1'] else 'differs'})")
+        if f is not None and f.get("echo"):
+            first = (f"prompt {f['prompt']} ({f['pattern']}): the server's echo drops or moves the token at position "
+                     f"{f['position']}, so its rows from there cannot be attributed (a server defect)")
         if res["prompts"] == 0:
             first = f"no prompt survives the text round trip ({res['skipped_unsendable']} skipped)"
         detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= {res['threshold_kl']:g}; "
                   f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
                   f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
-                  f"{res['skipped_unsendable']} prompts not sendable as text")
+                  f"{res['skipped_unsendable']} prompts not sendable as text"
+                  + (f"; echo misaligned in {len(res['echo_misaligned'])} request(s): "
+                     + ", ".join(f"prompt {m['prompt']} at position {m['position']}" for m in res['echo_misaligned'])
+                     if res["echo_misaligned"] else ""))
         # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its
         # request patterns does); no prompt sendable is one failed case
         n_bad = len(res["failed_prompts"]) if res["prompts"] else 1

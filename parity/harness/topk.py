@@ -61,17 +61,30 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
 
     Returns a JSON-ready dict with ``passed``, ``first`` (prompt, pattern, position) of the first failing
     position, ``failed_prompts`` (indices of the prompts with a failing position in any pattern: the row's
-    failed cases), ``worst_kl``, tail masses, the measured row convention, the patterns run and the count of
+    failed cases; a prompt whose echo the server drops or moves tokens of fails at that position, listed in
+    ``echo_misaligned``), ``worst_kl``, tail masses, the measured row convention, the patterns run and the count of
     prompts skipped as unsendable."""
     from parity.harness.kl import thresholds_for
     th = thresholds or thresholds_for("float32")
     t0 = time.perf_counter()
     out = {"prompts": 0, "skipped_unsendable": 0, "positions": 0, "worst_kl": 0.0, "first": None,
-           "max_tail_server": 0.0, "top1_mismatch": 0, "greedy_unmappable": 0, "patterns": {}, "failed_prompts": []}
+           "max_tail_server": 0.0, "top1_mismatch": 0, "greedy_unmappable": 0, "patterns": {}, "failed_prompts": [],
+           "echo_misaligned": []}
     ids_ok = set(be._str2id.values())
 
     def judge(pi, ids, pattern):
-        rows, greedy, ids = be.prompt_topk(ids, n_new=n_new)  # ids: those the server ran
+        from parity.backends.openai import EchoMisaligned
+        try:
+            rows, greedy, ids = be.prompt_topk(ids, n_new=n_new)  # ids: those the server ran
+        except EchoMisaligned as e:  # the server's answer misplaces rows: a defect of its own, at that position
+            out["patterns"][pattern] = out["patterns"].get(pattern, 0) + 1
+            out["echo_misaligned"].append({"prompt": pi, "pattern": pattern, "position": e.position, "error": str(e)})
+            if pi not in out["failed_prompts"]:
+                out["failed_prompts"].append(pi)
+            if out["first"] is None:
+                out["first"] = {"prompt": pi, "pattern": pattern, "position": e.position, "kl": float("nan"),
+                                "top1": False, "greedy_region": False, "echo": str(e)}
+            return
         # a generated token whose string maps to no single id ends what can be judged of the continuation
         n_ok = next((j for j, g in enumerate(greedy) if g is None), len(greedy))
         seq = ids + greedy[:n_ok]
