@@ -167,7 +167,7 @@ def run(args) -> int:
             raise InputError(f"--perturb {args.perturb!r}: expected a tensor name of the checkpoint (e.g. "
                              f"layers.0.self_attn.o_proj.weight; `qwen4exp info {args.model or 'tiny'}` describes "
                              f"it), found no tensor of that name")
-    prompts = load_prompts(args.prompts, model, cfg.vocab_size)
+    prompts = load_prompts(args.prompts, model, cfg.vocab_size, cfg.max_position_embeddings)
     from parity.harness.run import run_kl_command
     try:
         rep = run_kl_command(model, a, b, prompts, greedy_tokens=args.greedy_tokens,

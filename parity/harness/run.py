@@ -75,7 +75,7 @@ def topk_report(report, be, model, prompts):
     from parity.harness.topk import run_topk
     from parity.prompts import load_prompts
     t0 = time.perf_counter()
-    ps = load_prompts(prompts, model, be.config.vocab_size)
+    ps = load_prompts(prompts, model, be.config.vocab_size, be.config.max_position_embeddings)
     try:
         res = run_topk(be, truth_model(model), ps)
         status = "pass" if res["passed"] else "fail"
@@ -176,7 +176,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         # thresholds are a function of the model, the backend's stores and the prompt set only, never of which
         # scenarios run. A bad --prompts file is an input error (exit 2), found before anything runs.
         from parity.prompts import load_prompts
-        kl_prompts = load_prompts(prompts, model, cfg.vocab_size)
+        kl_prompts = load_prompts(prompts, model, cfg.vocab_size, cfg.max_position_embeddings)
     truth = TruthCache(truth_model(model)) if needs_truth else None
     from parity.harness.scenarios.common import NonFiniteTruth, token_stream
     invalid = None
@@ -297,7 +297,8 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__fspath__"):
         from parity.prompts import load_prompts
         from reference.config import load_config
-        prompts = load_prompts(prompts, model, load_config(model).vocab_size)
+        mc = load_config(model)
+        prompts = load_prompts(prompts, model, mc.vocab_size, mc.max_position_embeddings)
     greedy_tokens, confined = KL_GREEDY_TOKENS, None
     if below_bound:
         from reference.config import load_config

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from reference.errors import InputError
-from reference.session import check_ids
+from reference.session import check_ids, check_length
 
 __all__ = ["DEFAULT_PROMPTS", "load_prompts"]
 
@@ -35,13 +35,15 @@ def _id_prompts(items, vocab_size: int) -> list[list[int]]:
     return out
 
 
-def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
+def load_prompts(path, model_dir, vocab_size: int, max_positions: int | None = None) -> list[list[int]]:
     """Read a prompt file (default: the bundled set) into token-id lists.
 
     Args:
         path: JSON file, or None for :data:`DEFAULT_PROMPTS`.
         model_dir: checkpoint directory (its ``tokenizer.json`` tokenizes text items).
         vocab_size: ids must lie in ``[0, vocab_size)``.
+        max_positions: the config's ``max_position_embeddings``: a longer prompt is refused here, before
+            anything runs (the harness would otherwise run on for minutes); None: no length check.
     Returns:
         list of ``[T]`` int lists (T >= 1).
     Raises:
@@ -82,5 +84,7 @@ def load_prompts(path, model_dir, vocab_size: int) -> list[list[int]]:
                              f"{type(it).__name__}")
         if not ids:
             raise InputError(f"--prompts {p}: item {n}: expected at least one token, found an empty prompt")
+        if max_positions is not None:
+            check_length(len(ids), max_positions, f"--prompts {p}: item {n}")
         out.append(check_ids(ids, vocab_size, f"--prompts {p}: item {n}").tolist())
     return out
