@@ -109,11 +109,18 @@ class ParityReport:
     @property
     def verdict_line(self) -> str:
         """The verdict as the table prints it: ``PASS`` / ``FAIL`` / ... and, when the ``--known`` baseline
-        excused any case, ``" (with N known divergences)"`` -- never a bare PASS that reads as a clean one."""
+        excused any case, ``" (with N known divergences)"``; when any case was skipped, ``" (S of T cases
+        skipped; ...)"`` (T counts run and skipped cases of every row) -- never a bare PASS that reads as a
+        clean, complete one. The exit code is not changed by skips (docs/parity.md)."""
         v = "REFUSED" if self.verdict == "refused" else \
             {0: "PASS", 1: "FAIL", 2: "ERROR", 3: "INCONCLUSIVE", 4: "ERROR"}.get(self.exit_code, "FAIL")
         n = self.known_cases
-        return v + (f" (with {n} known divergence{'s' if n != 1 else ''} excused by --known)" if n else "")
+        v += f" (with {n} known divergence{'s' if n != 1 else ''} excused by --known)" if n else ""
+        skipped = sum(int(r.skipped or 0) for r in self.rows)
+        if skipped:  # e.g. a backend declaring rollback unsupported: most scenario cases never ran
+            total = skipped + sum(int(r.cases or 0) for r in self.rows)
+            v += f" ({skipped} of {total} cases skipped; the reasons are listed under the table)"
+        return v
 
     @property
     def verdict(self) -> str:

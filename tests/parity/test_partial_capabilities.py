@@ -166,3 +166,34 @@ def test_cli_all_skipped_exits_inconclusive(capsys):
     assert rc == 3 and doc["verdict"] == "inconclusive", doc
     assert all(r["status"] == "skip" and r["skips"] for r in doc["scenarios"])
     assert doc["meta"]["capabilities"]["rollback"] == {"status": "unsupported"}
+
+
+def test_pass_verdict_line_says_how_many_cases_were_skipped(capsys):
+    """A PASS with skipped cases says so on the verdict line ("S of T cases skipped"), keeping exit 0
+    (docs/parity.md); the verdict line of a report that skipped nothing stays a bare PASS (negative control)."""
+    import re
+
+    from parity_fakes import _Wrap, reference_capabilities
+
+    from parity.cli import main
+    from parity.harness.report import ScenarioRow
+
+    class NoRollback(_Wrap):
+        capabilities = {**reference_capabilities("rollback"), "rollback": False}
+
+    import parity_fakes
+    parity_fakes.NoRollback = NoRollback  # importable as a --backend spec for this test only
+    try:
+        rc = main(["parity", "tiny", "--backend", "parity_fakes:NoRollback", "--scenario", "budget",
+                   "speculative-rollback", "--level", "ci", "--format", "text", "--no-progress"])
+    finally:
+        del parity_fakes.NoRollback
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("verdict: "))
+    m = re.match(r"verdict: PASS \((\d+) of (\d+) cases skipped; the reasons are listed under the table\)", line)
+    assert rc == 0 and m, out
+    assert 0 < int(m[1]) < int(m[2]) and "rollback" in out.split("skipped / narrowed cases")[1], out
+    ok = ScenarioRow("budget", 7, 0, 0.0, 0.0, None, 0.1, "pass")
+    assert ParityReport("b", "m", [ok]).verdict_line == "PASS"
+    skip = ScenarioRow("snapshot-restore", 0, 0, 0.0, 0.0, None, 0.1, "skip", "9 skipped", skipped=9)
+    assert ParityReport("b", "m", [ok, skip]).verdict_line.startswith("PASS (9 of 16 cases skipped")
