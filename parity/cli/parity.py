@@ -163,7 +163,8 @@ def run(args) -> int:
         from parity.prompts import load_prompts
         from reference.config import load_config
         identity = model_identity(model)
-        prompts_id = prompts_identity(load_prompts(args.prompts, model, load_config(model).vocab_size))
+        mc = load_config(model)
+        prompts_id = prompts_identity(load_prompts(args.prompts, model, mc.vocab_size, mc.max_position_embeddings))
     if args.known is not None:   # a bad baseline, or one of another model, backend or prompts, is bad input (exit 2)
         from parity.harness.causes import read_known
         known = read_known(args.known)
