@@ -157,14 +157,17 @@ def run(args) -> int:
         from reference.config import load_config
         pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
     progress = not args.no_progress and sys.stderr.isatty()
-    known, identity = None, None
+    known, identity, prompts_id = None, None, None
     if args.known is not None or args.write_known is not None:
-        from parity.harness.causes import model_identity
+        from parity.harness.causes import model_identity, prompts_identity
+        from parity.prompts import load_prompts
+        from reference.config import load_config
         identity = model_identity(model)
-    if args.known is not None:   # a bad baseline, or one of another model or backend, is bad input (exit 2)
+        prompts_id = prompts_identity(load_prompts(args.prompts, model, load_config(model).vocab_size))
+    if args.known is not None:   # a bad baseline, or one of another model, backend or prompts, is bad input (exit 2)
         from parity.harness.causes import read_known
         known = read_known(args.known)
-        known.check_identity(identity, spec, model_path=str(model))
+        known.check_identity(identity, spec, model_path=str(model), prompts=prompts_id)
     extra = {"known": known, "below_bound": args.below_bound}
     unwritten = []
     if args.out is not None:
@@ -192,7 +195,7 @@ def run(args) -> int:
         from parity.harness.causes import write_known
         write_known(args.write_known, doc["root_causes"],
                     {"model": {**identity, "path": str(model)}, "backend_spec": spec, "backend": report.backend,
-                     "level": args.level, "scenarios": scen,
+                     "level": args.level, "scenarios": scen, "prompts": prompts_id,
                      "tol_rel": (report.meta.get("thresholds") or {}).get("tol_rel")})
     _print_report(report, fmt, doc)
     if getattr(args, "traceback", False):

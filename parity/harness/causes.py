@@ -25,7 +25,8 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["root_cause", "group_causes", "fault_of", "model_identity", "write_known", "read_known", "KnownCauses",
+__all__ = ["root_cause", "group_causes", "fault_of", "model_identity", "prompts_identity", "write_known", "read_known",
+           "KnownCauses",
            "KNOWN_VERSION", "KNOWN_BAND"]
 
 # 2: model identity, backend spec and per-position faults (version 1 held bare ids, which excused any failure of
@@ -192,13 +193,22 @@ def model_identity(model_path) -> dict:
     return {"config_hash": ck.config.config_hash(), "weights_fingerprint": ck.fingerprint()}
 
 
+def prompts_identity(prompts) -> str:
+    """sha256 of the kl prompts' token ids (``[[int]]``, in order): a baseline's positions ("prompt I position P")
+    mean something only for the prompts they were measured on."""
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()
+
+
 def write_known(path, causes: list[dict], meta: dict | None = None) -> Path:
     """Write a baseline of known root causes (JSON, atomically: :func:`reference.atomic.atomic_write_json`).
 
     Args:
         causes: :func:`group_causes` of the run (each with its ``fault``).
         meta: the run's identity: ``model`` (:func:`model_identity`, plus ``path``), ``backend_spec`` (the
-            ``--backend`` spec, normalised), ``backend`` (its name), ``level``, ``scenarios``, ``tol_rel``.
+            ``--backend`` spec, normalised), ``backend`` (its name), ``level``, ``scenarios``, ``tol_rel``,
+            ``prompts`` (:func:`prompts_identity` of the kl prompts).
     The caller checks the path first (``parity.cli.common.check_out``: no overwrite without --overwrite, the
     parent must exist).
     """
@@ -225,6 +235,7 @@ class KnownCauses:
         self.path = str(path)
         self.model = doc.get("model") or {}
         self.backend_spec = doc.get("backend_spec")
+        self.prompts = doc.get("prompts")
         self.tol_rel = _err(doc.get("tol_rel"))
         self.causes: dict[str, dict] = {}
         for c in doc["causes"]:
@@ -235,8 +246,10 @@ class KnownCauses:
     def __len__(self) -> int:
         return len(self.causes)
 
-    def check_identity(self, model: dict, backend_spec: str, model_path=None) -> None:
-        """Refuse a baseline measured on another model (config hash or weights fingerprint) or another backend.
+    def check_identity(self, model: dict, backend_spec: str, model_path=None, prompts: str | None = None) -> None:
+        """Refuse a baseline measured on another model (config hash or weights fingerprint), another backend, or
+        other kl prompts (``prompts``: :func:`prompts_identity` of this run's; a baseline without one is refused
+        when this run's is given, since its "prompt I position P" places cannot be matched).
 
         Raises:
             InputError: naming the file, this run's model / backend and the baseline's.
@@ -254,6 +267,12 @@ class KnownCauses:
             raise InputError(f"--known {self.path!r}: expected a baseline of backend {backend_spec!r}, found one of "
                              f"backend {self.backend_spec!r}; a known divergence holds only for the backend it was "
                              f"measured on (write a baseline for this backend with --write-known)")
+        if prompts is not None and self.prompts != prompts:
+            raise InputError(f"--known {self.path!r}: expected a baseline measured on this run's kl prompts (sha256 "
+                             f"{prompts[:12]}...), found one of " + (f"other prompts (sha256 {self.prompts[:12]}...)"
+                                                                     if self.prompts else "unrecorded prompts")
+                             + "; its 'prompt I position P' places hold only for the prompts they were measured on "
+                             "(write a baseline with these --prompts and --write-known)")
 
     def judge(self, rc: dict, fault: dict | None, tol_rel: float | None) -> tuple[bool, str]:
         """Whether the baseline excuses a failure with root cause ``rc`` (:func:`root_cause`) and ``fault``

@@ -103,3 +103,28 @@ def test_logits_out_dangling_symlink_creates_no_folder(tmp_path, capsys):
     assert main(["logits", TINY, "--ids", str(ids), "--out", str(link)]) == 0
     capsys.readouterr()
     assert link.is_symlink() and target.is_file()
+
+
+def test_known_baseline_of_other_prompts_is_exit_2(tmp_path, capsys):
+    """The fresh-eyes tester's repro: a baseline written with --prompts p1 excused a divergence on p2 (other ids,
+    same length), whose "prompt I position P" places name other tokens. It is refused now (exit 2, naming both
+    prompt sets); the same prompts are accepted (the run goes on: not exit 2)."""
+    from parity.harness.causes import model_identity, prompts_identity, write_known
+    p1, p2 = tmp_path / "p1.json", tmp_path / "p2.json"
+    p1.write_text(json.dumps([[1, 2, 3, 4, 5, 6]]))
+    p2.write_text(json.dumps([[7, 8, 9, 10, 11, 12]]))
+    k = write_known(tmp_path / "k.json", [], {"model": {**model_identity(TINY), "path": TINY}, "backend_spec": "reference",
+                                               "prompts": prompts_identity([[1, 2, 3, 4, 5, 6]])})
+    rc = main(["parity", TINY, "--backend", "reference", "--scenario", "kl", "--prompts", str(p2), "--known", str(k),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "other prompts" in err and "this run's kl prompts" in err, err
+    rc = main(["parity", TINY, "--backend", "reference", "--scenario", "kl", "--prompts", str(p1), "--known", str(k),
+               "--no-progress"])
+    assert rc != 2, capsys.readouterr().err
+    # a baseline that recorded no prompts (written before this check) cannot be matched either
+    k0 = write_known(tmp_path / "k0.json", [], {"model": {**model_identity(TINY), "path": TINY},
+                                                 "backend_spec": "reference"})
+    rc = main(["parity", TINY, "--backend", "reference", "--scenario", "kl", "--prompts", str(p1), "--known", str(k0),
+               "--no-progress"])
+    assert rc == 2 and "unrecorded prompts" in capsys.readouterr().err
