@@ -102,6 +102,29 @@ def _kl_rows(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
     return np.sum(terms, axis=-1)
 
 
+def kl_rounding_floor(vocab: int) -> float:
+    """The float64 rounding floor of :func:`_kl_rows` on ``[., vocab]`` rows of log-probabilities from
+    :func:`log_softmax`: a KL at or below it cannot be told from 0 (float64, logits units squared: none).
+
+    Why this formula: each log-probability is ``lp_v = z_v - lse`` with ``lse = log sum_u exp(z_u)``. Its float64
+    absolute error is at most ``eps64 * (|lp_v| + |lse| + ceil(log2 V) + 2)``: one rounding of the subtraction
+    (relative to ``|lp_v|``), one of the log (relative to ``|lse|``), the pairwise sum of V exp terms (relative
+    error ``<= ceil(log2 V) eps64``, which the log turns into an absolute one) and the exp itself. Weighted by
+    ``p_v`` and summed, ``sum_v p_v |lp_v|`` is the entropy ``<= ln V`` and ``0 <= lse <= ln V`` (``z <= 0``, its
+    max 0), so ``sum_v p_v (lp_v - lq_v)`` carries an error of at most ``eps64 * (2 ln V + ceil(log2 V) + 2)``
+    from each side's log-probabilities: twice that in all (the final sum of the V terms adds a relative
+    error of the KL itself, negligible). A distribution near uniform -- a model with a small logit scale --
+    has KL values of this size from rounding alone (e.g. 8e-16 for V = 512), so a threshold
+    ``(tol_rel * scale) ** 2`` below it would fail a correct backend; the logit rule still judges such rows.
+
+    Args:
+        vocab: V >= 1.
+    """
+    v = max(int(vocab), 1)
+    eps = float(np.finfo(np.float64).eps)
+    return 2.0 * eps * (2.0 * np.log(v) + np.ceil(np.log2(v)) + 2.0)
+
+
 def summarize(values: np.ndarray) -> dict:
     """mean, median, p90, p99, p99.9, max of a 1-D array (float64; nan-propagating: a nan is a fault; +inf
     entries give inf where they reach the percentile, never nan)."""
@@ -176,7 +199,9 @@ class LogitComparison:
     ``max_abs_err`` = max_v |logit_b - logit_a - offset| (the logit error once the row's common offset is
     removed: :func:`offset_free_error`), ``scale`` = :func:`logit_scale` of a's logits,
     ``top1_gap`` = logit_a[a's argmax] - logit_a[b's argmax] (0 where they agree: how far from a tie a flip is),
-    ``offset`` = the per-row offset removed (mean over the vocabulary of logit_b - logit_a; softmax ignores it).
+    ``offset`` = the per-row offset removed (mean over the vocabulary of logit_b - logit_a; softmax ignores it),
+    ``kl_floor`` = the float64 rounding floor of the KL values (:func:`kl_rounding_floor` of the vocabulary size;
+    0 when the comparison was built without logits, i.e. no floor known).
     """
 
     kl_ab: np.ndarray
@@ -188,6 +213,7 @@ class LogitComparison:
     scale: np.ndarray = None
     top1_gap: np.ndarray = None
     offset: np.ndarray = None
+    kl_floor: np.ndarray = None
 
     def __post_init__(self):
         n = np.asarray(self.kl_ab).shape
@@ -197,13 +223,15 @@ class LogitComparison:
             self.top1_gap = np.zeros(n)
         if self.offset is None:
             self.offset = np.zeros(n)
+        if self.kl_floor is None:
+            self.kl_floor = np.zeros(n)
 
     @staticmethod
     def concat(items: Sequence["LogitComparison"]) -> "LogitComparison":
         """Concatenate several comparisons position-wise (an empty one when ``items`` is empty)."""
         if not items:
             z = np.zeros(0)
-            return LogitComparison(z, z, z.astype(bool), z, z, z, z, z, z)
+            return LogitComparison(z, z, z.astype(bool), z, z, z, z, z, z, z)
         return LogitComparison(*[np.concatenate([getattr(i, f.name) for i in items])
                                  for f in dataclasses.fields(LogitComparison)])
 
@@ -326,7 +354,8 @@ def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitCompariso
     err, off = offset_free_error(a64, b)
     with np.errstate(invalid="ignore"):
         gap = a64[rows, ta] - a64[rows, tb]
-    return LogitComparison(kl_ab, kl_ba, ta == tb, overlap, diff, err, logit_scale(a), gap, off)
+    return LogitComparison(kl_ab, kl_ba, ta == tb, overlap, diff, err, logit_scale(a), gap, off,
+                           np.full(a.shape[0], kl_rounding_floor(a.shape[1])))
 
 
 def greedy_agreement(tokens_a: Sequence[int], tokens_b: Sequence[int]) -> int:
@@ -462,6 +491,14 @@ def pick_faults(truth_rows, picks, th: KLThresholds):
             2.0 * th.tol_rel * np.asarray(scale, dtype=np.float64))
 
 
+def kl_bound(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
+    """``[T]`` float64: the KL rule's bound per position, ``max((tol_rel * scale) ** 2, kl_floor)`` -- the
+    second-order bound of :func:`verdict`, never below the float64 rounding floor of the KL computation itself
+    (:func:`kl_rounding_floor`: on a model with a small logit scale ``(tol_rel * scale) ** 2`` falls below it)."""
+    tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
+    return np.maximum(tol ** 2, np.asarray(cmp.kl_floor, dtype=np.float64))
+
+
 def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
     """``[T]`` bool: positions failing :func:`verdict`'s rules (non-finite, logit error, KL, top-1 gap)."""
     tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
@@ -469,7 +506,7 @@ def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         bad = ~np.isfinite(both) | ~np.isfinite(cmp.max_abs_err)
         bad |= cmp.max_abs_err > tol
-        bad |= both > tol ** 2
+        bad |= both > kl_bound(cmp, th)
         bad |= top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
     return bad
 
@@ -481,7 +518,8 @@ def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True, offset: i
     * ``max_v |delta| <= tol_t`` (the worst logit error is part of the verdict);
     * ``KL <= tol_t ** 2`` (either direction): KL ~ Var_P(delta)/2 <= max|delta|^2/2 to second order, so a
       position within the logit rule is within this one with a factor 2 for higher-order terms; it only adds
-      a check where the second-order picture breaks down;
+      a check where the second-order picture breaks down. The bound is never below the float64 rounding floor
+      of the KL itself (:func:`kl_bound`, :func:`kl_rounding_floor`);
     * a top-1 flip only where the truth's gap between the two tokens is ``<= 2 * tol_t`` (a near tie: an
       error of at most tol_t on each logit can flip exactly those). ``top1=False`` skips this rule.
 
@@ -503,9 +541,13 @@ def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True, offset: i
     if rel[w] > th.tol_rel:
         return False, (f"logit error {rel[w]:.3g} of the logit scale > {th.tol_rel:.3g} ({th.multiple:g}x floor "
                        f"{th.floor_rel:.3g}) at position {offset + w}")
-    klr = both / np.maximum(tol ** 2, np.finfo(np.float64).tiny)
+    bound = kl_bound(cmp, th)
+    klr = both / np.maximum(bound, np.finfo(np.float64).tiny)
     if (klr > 1).any():
         w = int(np.argmax(klr))
+        if bound[w] > tol[w] ** 2:
+            return False, (f"KL {both[w]:.3g} > the float64 rounding floor of the KL {bound[w]:.3g} (above "
+                           f"(tol x scale)^2 = {tol[w] ** 2:.3g}) at position {offset + w}")
         return False, f"KL {both[w]:.3g} > (tol x scale)^2 = {tol[w] ** 2:.3g} at position {offset + w}"
     if top1:
         flips = top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
