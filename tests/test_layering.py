@@ -16,17 +16,20 @@ RANK = {p: k for k, p in enumerate(PACKAGES)}
 PARITY_RANK = {"backends": 0, "prompts": 0, "harness": 1, "generate": 2, "bench": 2, "suites": 2, "cli": 3}
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def _imports(path: Path, top_level_only: bool = False) -> set[str]:
+def _imports(path: Path, top_level_only: bool = False, root: Path = ROOT,
+             packages: tuple[str, ...] = PACKAGES) -> set[str]:
+    """Own-package modules ``path`` imports: every import node of the AST (inside functions, methods and
+    ``if TYPE_CHECKING`` blocks too) unless ``top_level_only``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    me = _module_name(path)
+    me = _module_name(path, root)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
     nodes = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))] if top_level_only else ast.walk(tree)
@@ -43,18 +46,19 @@ def _imports(path: Path, top_level_only: bool = False) -> set[str]:
             out.add(mod)
             for a in node.names:  # `from parity import cli` imports the submodule parity.cli
                 out.add(f"{mod}.{a.name}")
-    return {m for m in out if m.split(".")[0] in PACKAGES}
+    return {m for m in out if m.split(".")[0] in packages}
 
 
-def _graph(top_level_only: bool = False) -> dict[str, set[str]]:
+def _graph(top_level_only: bool = False, root: Path = ROOT,
+           packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
     mods = {}
-    for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            mods[_module_name(path)] = path
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            mods[_module_name(path, root)] = path
     graph = {}
     for name, path in mods.items():
         deps = set()
-        for imp in _imports(path, top_level_only):
+        for imp in _imports(path, top_level_only, root, packages):
             # resolve to the longest known module prefix (`from x.y import func` -> x.y)
             parts = imp.split(".")
             while parts and ".".join(parts) not in mods:
@@ -122,12 +126,64 @@ def _is_package_init_edge(src: str, dst: str) -> bool:
     return dst.startswith(src + ".") or src.startswith(dst + ".")
 
 
+# Circles that exist today and are being taken apart; a circle not listed here fails the test, and an entry
+# is deleted once its circle is gone (test_known_circles_still_exist says which).
+KNOWN_CIRCLES = [
+    ["engine.kernels.gemm_tc", "engine.kernels.linear", "engine.kernels.moe"],
+    ["parity.harness.causes", "parity.harness.floor", "parity.harness.kl", "parity.harness.report",
+     "parity.harness.scenarios.common", "parity.harness.ties"],
+]
+
+
+def _circles(graph) -> list[list[str]]:
+    """Import circles of ``graph``, a package's ``__init__`` re-exporting its own submodules left out."""
+    return _cycles({s: {d for d in deps if not _is_package_init_edge(s, d)} for s, deps in graph.items()})
+
+
 def test_no_import_cycles():
-    # import-time cycles (module-level imports). Function-level imports still count for the layering rule
-    # above; a lazy mutual import between modules of one layer is not an import-time cycle.
-    g = {s: {d for d in deps if not _is_package_init_edge(s, d)} for s, deps in _graph(top_level_only=True).items()}
-    cycles = _cycles(g)
-    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+    # every import counts, the ones inside functions too: a lazy import hides a circle from the interpreter,
+    # not from a reader, and it still ties the two modules into one unit
+    new = [c for c in _circles(_graph()) if c not in KNOWN_CIRCLES]
+    assert not new, "import circles:\n" + "\n".join(" <-> ".join(c) for c in new)
+
+
+def test_no_import_cycles_at_module_top():
+    # the import-time circles (a subset of the above): none at all, known or not
+    cycles = _circles(_graph(top_level_only=True))
+    assert not cycles, "import-time cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def _write_package(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text, encoding="utf-8")
+
+
+def test_the_checker_catches_a_function_level_circle(tmp_path):
+    # negative control on a synthetic package: a -> b at module top, b -> a inside a function (the lazy
+    # import that hid the harness circle); c imports a only, so it is outside the circle
+    _write_package(tmp_path, {
+        "pkg/__init__.py": "from pkg import a\n",
+        "pkg/a.py": "from pkg.b import helper\n",
+        "pkg/b.py": "def helper():\n    from pkg import a\n    return a\n",
+        "pkg/c.py": "import pkg.a\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "def f():\n    from ..a import helper\n    from . import e\n",
+        "pkg/sub/e.py": "def g():\n    if True:\n        from pkg.sub.d import f\n",
+    })
+    g = _graph(root=tmp_path, packages=("pkg",))
+    assert _circles(g) == [["pkg.a", "pkg.b"], ["pkg.sub.d", "pkg.sub.e"]]
+    # only the module-top arrows: no circle (what the interpreter would see at import time)
+    assert _circles(_graph(top_level_only=True, root=tmp_path, packages=("pkg",))) == []
+
+
+def test_known_circles_still_exist():
+    # keeps KNOWN_CIRCLES honest: an entry whose circle is gone is reported so the list only shrinks
+    found = _circles(_graph())
+    gone = [c for c in KNOWN_CIRCLES if c not in found]
+    if gone:
+        pytest.skip("circles gone, delete them from KNOWN_CIRCLES: " + "; ".join(" <-> ".join(c) for c in gone))
 
 
 def test_the_checker_catches_a_back_edge_and_a_cycle():
