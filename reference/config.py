@@ -239,6 +239,13 @@ def _check_rope(rp: dict, where: str) -> None:
         raise ConfigError(f"{where}: rope_parameters.rope_type: expected 'default', found {rp['rope_type']!r}")
 
 
+def qsa_visible_bound(budget: int, ratio: int) -> int:
+    """Most tokens one QSA query attends, and the visible-token count at and below which the indexer keeps
+    every token: ``budget`` tokens of complete blocks plus the ``ratio - 1`` tokens of the incomplete tail
+    (official ``Qwen4ExpTextQSAIndexer``: the ``token_budget + compress_ratio - 1`` selection width)."""
+    return budget + ratio - 1
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The text model's configuration (``Qwen4ExpTextConfig``), validated, with derived layout.
@@ -555,8 +562,8 @@ class ModelConfig:
     @property
     def qsa_bound(self) -> int:
         """Visible-token count at and below which QSA selects everything:
-        ``indexer_budget + indexer_compress_ratio - 1``."""
-        return self.indexer_budget + self.indexer_compress_ratio - 1
+        ``indexer_budget + indexer_compress_ratio - 1`` (:func:`qsa_visible_bound`)."""
+        return qsa_visible_bound(self.indexer_budget, self.indexer_compress_ratio)
 
     @property
     def ngram_heads(self) -> int:

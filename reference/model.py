@@ -396,7 +396,7 @@ class ReferenceModel:
             if getattr(rec, "wants", lambda n: True)(p + "indexer.selected_tokens"):  # registry (forward) order
                 from reference.blocks.qsa import selected_tokens
                 rec.emit(p + "indexer.selected_tokens",
-                         selected_tokens(sel, pos, r, cfg.indexer_budget + r - 1), positions=pos)
+                         selected_tokens(sel, pos, r, cfg.qsa_bound), positions=pos)
             rec.emit(p + "q_norm.out", taps["q_norm"], positions=pos)
             rec.emit(p + "k_norm.out", taps["k_norm"], positions=pos)
             rec.emit(p + "core_out", core, positions=pos)

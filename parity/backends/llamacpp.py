@@ -594,7 +594,7 @@ class _TapSink:
         positions are unknown (after a restore; taking all of them maps as a set)."""
         T = len(items)
         top = top.reshape(T, -1)
-        width = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
+        width = cfg.qsa_bound
         out = np.full((T, width), -1, np.int64)
         sc = None if scores is None else np.isfinite(scores.reshape(T, -1))
         for t, (seq, _tok, p) in enumerate(items):

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from parity.harness.kl import compare_logits, KLThresholds, position_faults, verdict
+from reference.config import qsa_visible_bound
 from reference.errors import InconclusiveError, UserError
 
 __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfined", "CaseSkip", "page_sizes_for", "sizes",
@@ -146,7 +147,7 @@ def sizes(config) -> Sizes:
     has_qsa = bool(config.qsa_enabled and "indexed_attention" in config.layer_types)
     ratio = config.indexer_compress_ratio if has_qsa else 4
     budget = config.indexer_budget if has_qsa else 8
-    return Sizes(bound=budget + ratio - 1, ratio=ratio, budget=budget, gdn_chunk=GDN_CHUNK,
+    return Sizes(bound=qsa_visible_bound(budget, ratio), ratio=ratio, budget=budget, gdn_chunk=GDN_CHUNK,
                  ple_window=config.ple_conv_state_len, ngram_ctx=config.ngram_size - 1, vocab=config.vocab_size,
                  eos=config.ple_eos_token_id, has_qsa=has_qsa, has_ple=bool(config.ple_layer_ids),
                  has_gdn="linear_attention" in config.layer_types,
