@@ -5,14 +5,14 @@ engines land here too), the one opener every caller uses (:func:`open_backend`,
 
 Open a model on a backend only through :func:`open_backend` (``--backend NAME`` or ``module:Class``).
 """
-from parity.backends.base import (BACKEND_NAMES, Backend, BackendError, BackendRaised, capabilities_of,  # noqa: F401
+from parity.backends.base import (Backend, BackendEntry, BackendError, BackendRaised, capabilities_of,  # noqa: F401
                                    describe_exception, load_weights, one_shot_logits, truth_model)
 from parity.backends.engine import EngineBackend  # noqa: F401
 from parity.backends.reference import ReferenceBackend  # noqa: F401
-from parity.backends.registry import (BackendSpec, backend_class, open_backend, opener,  # noqa: F401
-                                      parse_backend_spec)
+from parity.backends.registry import (BACKEND_NAMES, BACKENDS, BackendSpec, backend_class,  # noqa: F401
+                                      open_backend, opener, parse_backend_spec)
 
 __all__ = ["Backend", "ReferenceBackend", "EngineBackend", "BackendError", "BackendRaised", "open_backend",
            "backend_class", "describe_exception",
-           "BACKEND_NAMES", "truth_model", "load_weights", "capabilities_of", "one_shot_logits", "opener",
+           "BACKEND_NAMES", "BACKENDS", "BackendEntry", "truth_model", "load_weights", "capabilities_of", "one_shot_logits", "opener",
            "BackendSpec", "parse_backend_spec"]

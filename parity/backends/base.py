@@ -40,15 +40,39 @@ forward over the same tokens.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from reference.errors import InputError, UserError
 
 
-BACKEND_NAMES = ("reference", "reference-f64", "engine", "engine-cpu", "engine-cuda", "transformers")
+@dataclass(frozen=True)
+class BackendEntry:
+    """One built-in backend as ``--backend NAME`` knows it, declared by the module that defines the backend
+    (its ``BACKEND``) and listed once in :data:`parity.backends.registry.BACKENDS`; every list of names,
+    options, aliases and help text is derived from those entries.
+
+    Fields: ``name`` (the current spelling); ``cls`` (the class opened, with an ``open(model_path, **opts)``
+    classmethod); ``options`` (key -> a tuple of the accepted values, or the type the value converts to:
+    ``int``, ``str``; a ``str`` is checked by the backend's own ``open``); ``help`` (what the backend is and
+    what its options mean, one phrase for ``--backend``'s help, after the option list); ``aliases`` (deprecated spelling -> the options it stands for); ``open_defaults``
+    (parsed options -> the ``open`` keyword arguments, for defaults that depend on the machine or a type
+    conversion; None: the options as parsed)."""
+
+    name: str
+    cls: type
+    options: dict[str, Any]
+    help: str
+    aliases: dict[str, dict] = field(default_factory=dict)
+    open_defaults: Callable[[dict], dict] | None = None
+
+    def describe(self) -> str:
+        """``name (key=a|b, key=N, ...; help)`` for ``--backend``'s help."""
+        opts = ", ".join(f"{k}={'|'.join(v) if isinstance(v, tuple) else 'N' if v is int else '...'}"
+                         for k, v in self.options.items())
+        return f"{self.name} ({opts}{'; ' + self.help if self.help else ''})"
 
 
 #: the precisions a backend may declare (its ``precision`` attribute): each picks its pass thresholds

@@ -5,7 +5,7 @@ import numpy as np
 
 from reference.session import check_ids
 
-from parity.backends.base import Backend, BackendError, LastLogits, load_weights  # noqa: F401
+from parity.backends.base import Backend, BackendEntry, BackendError, LastLogits, load_weights  # noqa: F401
 
 
 class EngineBackend(Backend):
@@ -249,3 +249,24 @@ class EngineBackend(Backend):
         the device, only the ids copied to the host); used by speculative generation."""
         ids = check_ids(ids, self.config.vocab_size, "draft ids")
         return np.asarray(self.eng.verify_greedy(h, ids), np.int64)
+
+
+def _open_defaults(opts: dict) -> dict:
+    # device=auto (the default): cuda when a GPU is present, else cpu
+    device = opts.get("device", "auto")
+    if device == "auto":
+        try:
+            from engine.backend import gpu_available
+            device = "cuda" if gpu_available() else "cpu"
+        except ImportError:
+            device = "cpu"
+    return {**opts, "device": device}
+
+
+BACKEND = BackendEntry(
+    "engine", EngineBackend,
+    {"device": ("auto", "cpu", "cuda"), "precision": ("float32", "bf16"), "page_size": int, "max_seqs": int,
+     "kv_tokens": int},
+    help="kv_tokens: KV token capacity shared by all sequences, max_seqs: live sequences; auto = cuda when a GPU "
+         "is present",
+    aliases={"engine-cpu": {"device": "cpu"}, "engine-cuda": {"device": "cuda"}}, open_defaults=_open_defaults)

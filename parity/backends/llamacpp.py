@@ -34,7 +34,7 @@ from reference.errors import InputError
 
 from reference.session import check_ids
 
-from parity.backends.base import Backend, BackendError, dead_handle, decode_args
+from parity.backends.base import Backend, BackendEntry, BackendError, dead_handle, decode_args
 from parity.backends.refusal import EngineRefused
 
 #: llama.cpp graph node (``cb(t, name, il)`` names it "name-il") -> our tap ({i}: il). A name llama.cpp
@@ -680,3 +680,11 @@ class CellMap:
                             del om[c]
                     m[c] = p
                 prev = sets[t]
+
+
+# an outside engine (docs/outside-engines.md); str options are checked by LlamaCppBackend.open
+BACKEND = BackendEntry(
+    "llama.cpp", LlamaCppBackend,
+    {"gguf": str, "reparam": str, "kv": ("f32", "f16"), "fa": ("off", "on", "auto"), "threads": int, "seqs": int,
+     "ctx": int, "rs": str, "sdist": str, "convert_timeout": int, "page_size": int},
+    help="llama.cpp in process through llama-cpp-python, docs/outside-engines.md")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from reference.errors import InputError
 
-from parity.backends.base import BackendError
+from parity.backends.base import BackendEntry, BackendError
 
 
 class EchoMisaligned(BackendError):
@@ -233,3 +233,9 @@ def _string_map(tok, vocab) -> dict:
     for i in range(min(vocab, tok.get_vocab_size())):
         seen.setdefault(tok.decode([i], skip_special_tokens=False), []).append(i)
     return {s: v[0] for s, v in seen.items() if len(v) == 1 and s and "\ufffd" not in s}
+
+
+# an outside engine behind an OpenAI-style HTTP server (docs/outside-engines.md)
+BACKEND = BackendEntry("openai", OpenAIBackend,
+                       {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
+                       help="a running OpenAI-style completions server, docs/outside-engines.md")

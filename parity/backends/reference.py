@@ -6,7 +6,7 @@ import numpy as np
 from reference.session import check_ids
 from reference.errors import InputError
 
-from parity.backends.base import Backend, decode_args, Handles, LastLogits, load_weights, truth_model  # noqa: F401
+from parity.backends.base import Backend, BackendEntry, decode_args, Handles, LastLogits, load_weights, truth_model  # noqa: F401
 
 
 class ReferenceBackend(Backend):
@@ -206,3 +206,13 @@ class ReferenceBackend(Backend):
             return super().draft(h, next_id, k)
         ids, logits = self._sess(h).mtp_draft_next(int(next_id), k)
         return np.asarray(ids, np.int64), np.asarray(logits)
+
+
+def _open_defaults(opts: dict) -> dict:
+    # dtype is typed as a name; open() takes the NumPy dtype (float32 unless asked)
+    return {**opts, "dtype": np.float64 if opts.get("dtype") == "float64" else np.float32}
+
+
+BACKEND = BackendEntry("reference", ReferenceBackend, {"dtype": ("float32", "float64"), "page_size": int},
+                       help="",
+                       aliases={"reference-f64": {"dtype": "float64"}}, open_defaults=_open_defaults)

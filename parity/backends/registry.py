@@ -5,14 +5,23 @@ import importlib
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 
 from reference.errors import InputError, UserError
 
-from parity.backends.base import BACKEND_NAMES, Backend, BackendError  # noqa: F401
-from parity.backends.engine import EngineBackend
-from parity.backends.reference import ReferenceBackend
+from parity.backends import engine, llamacpp, openai, reference, transformers
+from parity.backends.base import Backend, BackendEntry, BackendError, PRECISIONS  # noqa: F401
 from parity.backends.refusal import EngineRefused
+
+# ------------------------------------------------------------------------------------------ the registry
+# The built-in backends, one line each, in the order help and messages list them. Each module declares its
+# own entry (name, class, options, help, deprecated spellings); every list below is derived from these.
+BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
+    reference.BACKEND,
+    engine.BACKEND,
+    transformers.BACKEND,
+    llamacpp.BACKEND,
+    openai.BACKEND,
+)}
 
 
 def _load_module_class(spec: str, flag: str = "--backend"):
@@ -48,25 +57,18 @@ def _load_module_class(spec: str, flag: str = "--backend"):
 # (``engine:device=cuda,precision=bf16``, ``reference:dtype=float64``, ``my_pkg.my_mod:MyBackend``).
 # After the first ':' an item holding '=' starts the options of NAME; anything else names a class.
 # The options each built-in backend accepts; values are checked against the tuple, or converted by the type.
-BACKEND_OPTIONS: dict[str, dict[str, Any]] = {
-    "reference": {"dtype": ("float32", "float64"), "page_size": int},
-    "engine": {"device": ("auto", "cpu", "cuda"), "precision": ("float32", "bf16"), "page_size": int,
-               "max_seqs": int, "kv_tokens": int},
-    # outside engines (docs/outside-engines.md); str: checked by the backend's open()
-    "llama.cpp": {"gguf": str, "reparam": str, "kv": ("f32", "f16"), "fa": ("off", "on", "auto"), "threads": int,
-                  "seqs": int, "ctx": int, "rs": str, "sdist": str, "convert_timeout": int, "page_size": int},
-    "openai": {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
-    # the official implementation (parity/backends/transformers.py); device also takes cuda:N, perturb a
-    # module path (layers.2.mlp): both are checked by TransformersBackend.open
-    "transformers": {"device": str, "dtype": ("float32", "bfloat16"), "load": ("auto", "pretrained", "reader"),
-                     "perturb": str, "page_size": int},
-}
+BACKEND_OPTIONS: dict[str, dict[str, Any]] = {n: e.options for n, e in BACKENDS.items()}
 # old spellings, accepted for one version (0.2.x) with a deprecation note: name -> (name, options)
-BACKEND_ALIASES: dict[str, tuple[str, dict]] = {
-    "reference-f64": ("reference", {"dtype": "float64"}),
-    "engine-cpu": ("engine", {"device": "cpu"}),
-    "engine-cuda": ("engine", {"device": "cuda"}),
-}
+BACKEND_ALIASES: dict[str, tuple[str, dict]] = {a: (n, dict(o)) for n, e in BACKENDS.items()
+                                                for a, o in e.aliases.items()}
+# every name ``--backend`` takes: the current spellings, then the deprecated ones
+BACKEND_NAMES: tuple[str, ...] = (*BACKENDS, *BACKEND_ALIASES)
+
+
+def backend_help() -> str:
+    """The ``--backend`` help text: the grammar, every built-in backend with its options, and module:Class."""
+    return ("NAME[:key=value,...]: " + ", ".join(e.describe() for e in BACKENDS.values())
+            + ", or module:Class[:key=value,...] for an outside engine")
 
 
 class BackendSpec:
@@ -167,7 +169,7 @@ def _parse_options(text: str, whole: str, flag: str) -> dict:
 
 
 def _current_names() -> str:
-    return ", ".join([*(n for n in BACKEND_NAMES if n not in BACKEND_ALIASES), "llama.cpp", "openai"])
+    return ", ".join(BACKENDS)
 
 
 def parse_backend_spec(text, flag: str = "--backend") -> BackendSpec:
@@ -216,9 +218,7 @@ def _open_options(spec: BackendSpec) -> dict:
     out: dict[str, Any] = {}
     valid = BACKEND_OPTIONS.get(spec.name, {})
     for k, v in spec.options.items():
-        if k == "dtype" and spec.name == "reference":
-            out[k] = np.float64 if v == "float64" else np.float32
-        elif valid.get(k) is int or (spec.name not in BACKEND_OPTIONS and v.lstrip("-").isdigit()):
+        if valid.get(k) is int or (spec.name not in BACKEND_OPTIONS and v.lstrip("-").isdigit()):
             out[k] = int(v)
         else:
             out[k] = v
@@ -230,34 +230,16 @@ def backend_class(spec, flag: str = "--backend") -> tuple[type, dict]:
     """Resolve a ``--backend`` value (:func:`parse_backend_spec`) to (class, default open options). ``flag``:
     the option named in error messages (``--a`` / ``--b`` for ``qwen4exp kl``).
 
-    Names: 'reference' (options dtype), 'engine' (device: cuda when a GPU is present, else cpu; precision),
-    'transformers' (the official model: device, dtype, load, perturb), 'llama.cpp' and 'openai' (outside engines, docs/outside-engines.md), 'module:Class', and the deprecated
-    'reference-f64', 'engine-cpu', 'engine-cuda'.
+    Names: those of :data:`BACKENDS` (each entry's ``open_defaults`` fills machine-dependent defaults, e.g.
+    the engine's device=auto), their deprecated :data:`BACKEND_ALIASES`, and 'module:Class'.
     Raises:
         InputError: unknown name or option. BackendError: 'module:Class' not importable.
     """
     sp = parse_backend_spec(spec, flag)
     opts = _open_options(sp)
-    if sp.name == "reference":
-        return ReferenceBackend, {"dtype": np.float32, **opts}
-    if sp.name == "engine":
-        device = opts.get("device", "auto")
-        if device == "auto":
-            try:
-                from engine.backend import gpu_available
-                device = "cuda" if gpu_available() else "cpu"
-            except ImportError:
-                device = "cpu"
-        return EngineBackend, {**opts, "device": device}
-    if sp.name == "llama.cpp":
-        from parity.backends.llamacpp import LlamaCppBackend
-        return LlamaCppBackend, opts
-    if sp.name == "openai":
-        from parity.backends.openai import OpenAIBackend
-        return OpenAIBackend, opts
-    if sp.name == "transformers":
-        from parity.backends.transformers import TransformersBackend
-        return TransformersBackend, opts
+    entry = BACKENDS.get(sp.name)
+    if entry is not None:
+        return entry.cls, (entry.open_defaults(opts) if entry.open_defaults else opts)
     if sp.plugin:
         return _load_module_class(sp.name, flag), opts
     raise InputError(f"{flag}: expected one of {_current_names()} (NAME[:key=value,...]) or 'module:Class', "
@@ -301,7 +283,6 @@ def open_backend(spec: str, model_path, flag: str = "--backend", **opts) -> Back
         except (AttributeError, TypeError):
             raise BackendError(f"{flag} {spec!r}: expected a 'precision' attribute on {type(be).__name__}, "
                                f"found none (and it cannot be set)") from None
-    from parity.backends.base import PRECISIONS
     if not isinstance(be.precision, str) or be.precision not in PRECISIONS:  # it picks the thresholds
         raise BackendError(f"{flag} {spec!r}: the 'precision' attribute of {type(be).__name__}: expected one of "
                            f"{', '.join(PRECISIONS)}, found {be.precision!r}")

@@ -85,7 +85,7 @@ import numpy as np
 
 from reference.errors import InputError
 
-from parity.backends.base import Backend, decode_args, BackendError, CapabilityLimit, Handles
+from parity.backends.base import Backend, BackendEntry, decode_args, BackendError, CapabilityLimit, Handles
 from reference.session import check_ids
 
 #: registry taps this backend cannot produce (see the module docstring)
@@ -634,3 +634,11 @@ def _fused_expert(name: str):
     import re
     m = re.match(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+# the official implementation; device also takes cuda:N, perturb a module path (layers.2.mlp): both are
+# checked by TransformersBackend.open
+BACKEND = BackendEntry("transformers", TransformersBackend,
+                       {"device": str, "dtype": ("float32", "bfloat16"), "load": ("auto", "pretrained", "reader"),
+                        "perturb": str, "page_size": int},
+                       help="the official implementation; device cpu or cuda[:N], perturb a module path")

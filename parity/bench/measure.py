@@ -70,7 +70,7 @@ def run_reference(spec: dict) -> dict:
     from parity.backends import open_backend
 
     t0 = time.perf_counter()
-    be = open_backend("reference-f64" if spec.get("dtype") == "float64" else "reference", spec["model"])
+    be = open_backend("reference:dtype=float64" if spec.get("dtype") == "float64" else "reference", spec["model"])
     cfg = be.config
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(spec.get("seed", 0))

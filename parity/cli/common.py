@@ -15,11 +15,6 @@ def model_help() -> str:
     return f"checkpoint directory or bundled fixture name ({', '.join(bundled_fixtures()) or 'none built'})"
 
 
-BACKEND_HELP = ("NAME[:key=value,...]: reference (dtype=float32|float64), engine (device=auto|cpu|cuda, "
-                "precision=float32|bf16, page_size=N, kv_tokens=N: KV token capacity shared by all sequences, "
-                "max_seqs=N: live sequences; auto = cuda when a GPU is present), or module:Class[:key=value,...] for an outside engine")
-
-
 def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     """The positional MODEL every verb takes (default: the bundled ``tiny`` unless ``required``)."""
     if required:
@@ -31,9 +26,10 @@ def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
 def add_backend(p, default: str | None, flag: str = "--backend", what: str = "the backend under test",
                 metavar: str = "SPEC") -> None:
     """One ``--backend SPEC`` option (:func:`parity.backends.parse_backend_spec` reads it)."""
+    from parity.backends.registry import backend_help
     dest = flag.lstrip("-").replace("-", "_")
     p.add_argument(flag, dest=dest, default=default, metavar=metavar,
-                   help=f"{what}: {BACKEND_HELP}" + (f" (default: {default})" if default else ""))
+                   help=f"{what}: {backend_help()}" + (f" (default: {default})" if default else ""))
 
 
 def backend_spec(args, flag: str = "--backend", legacy: dict | None = None):

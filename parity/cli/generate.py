@@ -172,9 +172,8 @@ def run(args: argparse.Namespace) -> int:
     args.json = output_format(args) == "json"
     model_dir = resolve_model(args.model)
     from parity.backends import backend_class, parse_backend_spec
-    name = str(args.backend).split(":", 1)[0]
-    name = {"reference-f64": "reference", "engine-cpu": "engine", "engine-cuda": "engine"}.get(name, name)
-    plugin = parse_backend_spec(args.backend).plugin
+    parsed = parse_backend_spec(args.backend)
+    name, plugin = parsed.name, parsed.plugin
     if plugin:  # an outside engine: driven through the same Backend protocol (BackendLM), its options in its spec
         for flag, v in (("--precision", args.precision), ("--device", args.device)):
             if v is not None:

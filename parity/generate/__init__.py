@@ -617,7 +617,7 @@ def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "au
         if backend == "reference" and device == "cuda":
             raise InputError("device 'cuda': the reference runs on the CPU only; use --backend engine for the GPU")
     if backend == "reference":
-        return BackendLM(open_backend("reference-f64" if precision == "float64" else "reference", model_dir))
+        return BackendLM(open_backend("reference:dtype=float64" if precision == "float64" else "reference", model_dir))
     prec = precision or ("bf16" if device == "cuda" else "float32")
     return BackendLM(open_backend(f"engine-{device}", model_dir, precision=prec, max_seqs=max(8, int(max_seqs))))
 

@@ -15,8 +15,8 @@ import pytest
 
 #: option name -> (default, help)
 OPTIONS = {
-    "--qwen4exp-backend": (None, "backend to test: reference, reference-f64, engine, engine-cpu, engine-cuda or "
-                                 "module:Class (default: reference)"),
+    "--qwen4exp-backend": (None, "backend to test: a --backend SPEC of qwen4exp parity (NAME[:key=value,...] or "
+                                 "module:Class[:key=value,...]; default: reference)"),
     "--qwen4exp-model": (None, "checkpoint directory or bundled fixture name (default: tiny)"),
     "--qwen4exp-level": ("full", "scenario level: full (every combination), ci (fewer combinations) or long (the real caps)"),
     "--qwen4exp-page-sizes": (None, "comma-separated paged-cache page sizes (default: from the config)"),
