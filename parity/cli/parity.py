@@ -19,11 +19,15 @@ import sys
 def register(subparsers) -> None:
     """Add the ``parity`` subcommand and its options to ``subparsers``."""
     from parity.cli.common import add_backend, add_format, add_model, add_out, add_traceback
+    from parity.harness.scenarios import SUITES
+    against_truth = [s.label for s in SUITES.values() if s.needs_truth]
     p = subparsers.add_parser(
         "parity", help="the main job: KL harness + all scenario suites of a backend against the reference",
-        description="Judge a backend against the reference: logit-KL with controls, then the budget, "
-                    "chunk-boundary, snapshot-restore and speculative-rollback scenarios (every one also with "
-                    "concurrent sequences and several paged-cache page sizes). Failures are located by tap-diff. "
+        description="Judge a backend against the reference: logit-KL with controls, then the "
+                    f"{', '.join(against_truth[:-1])} and {against_truth[-1]} scenarios (every one also with "
+                    "concurrent sequences and several paged-cache page sizes) and the backend against itself "
+                    f"({', '.join(s.label for s in SUITES.values() if not s.needs_truth)}). Failures are located "
+                    "by tap-diff. "
                     "Exit 0 pass / 1 fail (a divergence, a failed control, or an exception raised by the backend "
                     "inside a case: an ERROR row) / 2 usage or input error / 3 inconclusive (the evidence supports "
                     "no verdict: the model cannot resolve a fault of useful size at this precision, a control could "
@@ -32,8 +36,7 @@ def register(subparsers) -> None:
     add_model(p)
     add_backend(p, "engine")
     p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",
-                   help="scenarios to run: budget, chunk-boundary, snapshot-restore, speculative-rollback, "
-                        "self-consistency, kl (default: all)")
+                   help=f"scenarios to run: {', '.join(s.label for s in SUITES.values())}, kl (default: all)")
     p.add_argument("--level", choices=["full", "ci", "long"], default="full",
                    help="full: every combination (default); ci: the same situations, fewer combinations; long: "
                         "the real caps (bound crossing, chunks over 8192, positions past 32768) for a real-width model")
@@ -63,7 +66,7 @@ def register(subparsers) -> None:
 
 
 def _parse_scenarios(names):
-    from parity.harness.scenarios import SCENARIOS, normalize_name
+    from parity.harness.scenarios import SCENARIOS, SUITES, normalize_name
     if not names:
         return ["kl", *SCENARIOS]
     from reference.errors import InputError
@@ -75,7 +78,7 @@ def _parse_scenarios(names):
         try:
             out.append(normalize_name(n))
         except InputError:
-            valid = ", ".join(["kl", *(s.replace("_", "-") for s in SCENARIOS)])
+            valid = ", ".join(["kl", *(s.label for s in SUITES.values())])
             raise InputError(f"scenario {n!r}: expected one of {valid}, found {n!r}") from None
     return list(dict.fromkeys(out))
 
@@ -116,15 +119,16 @@ def _print_report(report, fmt: str, doc) -> None:
     import json
 
     from parity.harness.report import render_table
+    from parity.harness.scenarios import meanings
     if fmt == "json":
         print(json.dumps(doc, indent=1))
         return
     shown = dataclasses.replace(report, model=display_path(report.model))
     if fmt == "rich":
         from rich.console import Console
-        render_table(shown, Console(highlight=False), legend=True)
+        render_table(shown, Console(highlight=False), legend=True, meanings=meanings())
     else:
-        print(render_table(shown, legend=True))
+        print(render_table(shown, legend=True, meanings=meanings()))
 
 
 def run(args) -> int:

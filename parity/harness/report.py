@@ -152,16 +152,9 @@ def _fmt(x: float) -> str:
 
 
 # what each scenario checks, in plain words (the legend under the table)
-SCENARIO_MEANING = {
-    "kl": "logit-KL harness over the prompt set (one case per prompt), with determinism, precision-floor and "
-          "negative controls",
-    "budget": "the QSA indexer_budget bound: sequences just below, at and above indexer_budget + "
-              "compress_ratio - 1 visible tokens, where the indexer starts dropping blocks",
-    "chunk-boundary": "chunked prefill equals one-shot prefill, at chunk sizes that cut a QSA compress block, the "
-                      "GDN chunk (64), the PLE conv window and the n-gram context",
-    "snapshot-restore": "snapshots are deep, independent and complete: restore, continue, equal a straight run",
-    "speculative-rollback": "verify k drafted tokens, accept j, roll back the rest, continue: equal a straight run",
-}
+KL_MEANING = ("logit-KL harness over the prompt set (one case per prompt), with determinism, precision-floor and "
+              "negative controls")
+
 
 REFUSED_LEGEND = ("REFUSED: the outside engine's converter or loader rejected a checkpoint the reference runs -- "
                   "the engine's defect, in its own words (exit 1); the row's detail names a function-preserving "
@@ -317,9 +310,11 @@ _DIV = HEADER.index("first divergence")
 _LIM = HEADER.index("limits")
 
 
-def render_table(report: ParityReport, console=None, columns: int | None = None, legend: bool = False) -> str:
+def render_table(report: ParityReport, console=None, columns: int | None = None, legend: bool = False,
+                 meanings: dict[str, str] | None = None) -> str:
     """Render the verdict table, with ``legend`` its legend (:data:`LEGEND`, the meaning of each scenario
-    shown), and the verdict line; returns the plain-text form (and prints a rich table on ``console``).
+    shown: :data:`KL_MEANING` and ``meanings``, row name -> line, given by the caller from the suite registry,
+    :func:`parity.harness.scenarios.meanings`), and the verdict line; returns the plain-text form (and prints a rich table on ``console``).
 
     Plain text: on a terminal it fits ``columns`` (default: the terminal width): the "first divergence"
     column takes the room the others leave and wraps at separators; when under :data:`MIN_DIVERGENCE_WIDTH`
@@ -377,9 +372,10 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         extra = [REFUSED_LEGEND] if report.verdict == "refused" else []
         for item in LEGEND + extra:
             notes += ["  " + t for t in _cell_lines(item, max(20, width - 4))]
+        meaning = {"kl": KL_MEANING, **(meanings or {})}
         for name in dict.fromkeys(r.scenario for r in report.rows):
-            if name in SCENARIO_MEANING:
-                notes += ["  " + t for t in _cell_lines(f"{name}: {SCENARIO_MEANING[name]}", max(20, width - 4))]
+            if name in meaning:
+                notes += ["  " + t for t in _cell_lines(f"{name}: {meaning[name]}", max(20, width - 4))]
     tail = f"verdict: {report.verdict_line}  (backend {report.backend}, model {report.model})"
     text = "\n".join(lines + notes + [tail])
     if console is not None:

@@ -4,20 +4,32 @@ and self_consistency (the backend against itself; ``truth`` may be None).
 ``run_scenario(name, open_backend, truth)`` runs every case of one scenario against a backend, at
 each paged-cache page size the backend supports (sizes that do and do not divide the compress
 ratio; the reference has no pages and runs once), and returns the per-case results.
-``SCENARIOS`` maps scenario names (also accepted with dashes) to their modules.
+``SUITES`` is the one list of suites (each module declares its :class:`~parity.harness.scenarios.suite.Suite`);
+``SCENARIOS`` (their names, also accepted with dashes, in run order) and ``TRUTHLESS`` are derived from it.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from reference.errors import InputError
 
-__all__ = ["SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results", "normalize_name"]
+from parity.harness.scenarios import budget, chunk_boundary, self_consistency, snapshot_restore, speculative_rollback
+from parity.harness.scenarios.suite import Suite
 
-SCENARIOS = ("budget", "chunk_boundary", "snapshot_restore", "speculative_rollback", "self_consistency")
+__all__ = ["SUITES", "SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results",
+           "normalize_name", "meanings", "Suite"]
+
+#: the scenario suites, one line each, in run order
+SUITES: dict[str, Suite] = {s.name: s for s in (
+    budget.SUITE,
+    chunk_boundary.SUITE,
+    snapshot_restore.SUITE,
+    speculative_rollback.SUITE,
+    self_consistency.SUITE,
+)}
+SCENARIOS = tuple(SUITES)
 #: the suites that need no truth (run without the reference)
-TRUTHLESS = ("self_consistency",)
+TRUTHLESS = tuple(n for n, s in SUITES.items() if not s.needs_truth)
 
 
 def normalize_name(name: str) -> str:
@@ -27,6 +39,11 @@ def normalize_name(name: str) -> str:
         raise InputError(f"scenario {name!r}: expected one of {', '.join(s.replace('_', '-') for s in SCENARIOS)}, "
                          f"found {name!r}")
     return n
+
+
+def meanings() -> dict[str, str]:
+    """Suite label (``chunk-boundary``) -> its legend line (``Suite.meaning``), in run order."""
+    return {s.label: s.meaning for s in SUITES.values()}
 
 
 def scenario_names() -> list[str]:
@@ -46,12 +63,10 @@ def cases_for(name: str, config, level: str = "full"):
     """
     if level not in LEVELS:
         raise InputError(f"level: expected one of {LEVELS}, found {level!r}")
-    name = normalize_name(name)
-    if level == "long" and name not in TRUTHLESS:
-        from parity.harness.scenarios import long
-        return long.cases(name, config)
-    mod = importlib.import_module(f"parity.harness.scenarios.{name}")
-    return mod.cases(config, level="ci" if level == "long" else level)
+    suite = SUITES[normalize_name(name)]
+    if level == "long" and suite.long_cases is not None:
+        return suite.long_cases(config)
+    return suite.cases(config, level="ci" if level == "long" else level)
 
 
 def _page_plan(backend_caps, config, page_sizes):

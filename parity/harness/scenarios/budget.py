@@ -13,6 +13,8 @@ prompt with an exact block-score tie at the k-th selected block, decoded across 
 from __future__ import annotations
 
 from parity.harness.scenarios.common import Case, Run, sizes, token_stream
+from parity.harness.scenarios import long
+from parity.harness.scenarios.suite import Suite
 
 NAME = "budget"
 
@@ -142,3 +144,9 @@ def tie_cases(config, level: str = "full") -> list[Case]:
                 run.decode([a], [t], desc=f"decode at position {len(a.hist)} ({kind} tie at {p})")
         out.append(Case(name, forced))
     return out
+
+
+SUITE = Suite(NAME, cases,
+              "the QSA indexer_budget bound: sequences just below, at and above indexer_budget + "
+              "compress_ratio - 1 visible tokens, where the indexer starts dropping blocks",
+              long_cases=long.budget_cases)

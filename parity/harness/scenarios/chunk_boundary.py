@@ -12,6 +12,8 @@ state a one-by-one prefill leaves.
 from __future__ import annotations
 
 from parity.harness.scenarios.common import Case, Run, sizes, token_stream
+from parity.harness.scenarios import long
+from parity.harness.scenarios.suite import Suite
 
 NAME = "chunk_boundary"
 
@@ -122,3 +124,9 @@ def more_cases(config, level: str = "full") -> list[Case]:
             run.free(alone)
     out.append(Case("ragged_prefill_batch_vs_one_by_one", ragged, batch=True, needs=("batched_prefill",)))
     return out
+
+
+SUITE = Suite(NAME, cases,
+              "chunked prefill equals one-shot prefill, at chunk sizes that cut a QSA compress block, "
+              "the GDN chunk (64), the PLE conv window and the n-gram context",
+              long_cases=long.chunk_boundary_cases)

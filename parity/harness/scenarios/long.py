@@ -128,93 +128,115 @@ def check_selection(run: Run, s, token: int, desc: str) -> None:
                  + (f" ({r.note})" if r is not None and r.note else ""), seq=s.label)
 
 
-def cases(scenario: str, config) -> list[Case]:
-    """The long cases of ``scenario`` for ``config`` (see the module docstring)."""
-    s = sizes(config)
+def _setup(config):
     plan = _plan(config)
-    keep = plan["keep"]
-    big = plan["big_chunk"]
+    return sizes(config), plan["keep"], plan["big_chunk"]
+
+
+def budget_cases(config) -> list[Case]:
+    """The long budget cases for ``config``: a prompt crossing the bound, then decoded; a decode walking
+    across it, its selections checked."""
+    s, keep, _ = _setup(config)
     out = []
-    if scenario == "budget":
-        if "cross" in keep:
-            def cross(run: Run):
-                run.keep_selections = True  # near ties judged on the selections these ops took
-                L = s.bound + 2 * s.ratio + 1
-                ids = _stream(run, L + 3)
-                a = run.new("long-cross")
-                run.prefill(a, ids[:L], desc=f"prefill {L} tokens ({L} visible tokens at position {L - 1}, bound "
-                                              f"{s.bound} visible tokens)")
-                for t in ids[L:]:
-                    run.decode([a], [t])
-            out.append(Case(f"long_prompt_crossing_bound_{s.bound + 2 * s.ratio + 1}", cross))
-        if "across" in keep:
-            def across(run: Run):
-                run.keep_selections = True  # near ties judged on the selections these ops took
-                ids = _stream(run, s.bound + 4)
-                a = run.new("long-across")
-                run.prefill(a, ids[:s.bound - 2])
-                for t in ids[s.bound - 2:]:
-                    check_selection(run, a, t, f"decode at position {len(a.hist)} ({len(a.hist) + 1} visible tokens, "
-                                                  f"bound {s.bound} visible tokens)")
-            out.append(Case("long_decode_across_bound", across))
-    elif scenario == "chunk_boundary":
-        if "chunk" in keep:
-            def chunked(run: Run):
-                run.keep_selections = True  # near ties judged on the selections these ops took
-                n = 2 * big + 1
-                ids = _stream(run, n + 2)
-                a = run.new(f"chunks-of-{big}")
-                run.prefill(a, ids[:n], chunk_size=big, desc=f"prefill {n} tokens in chunks of {big} (> {PLE_CHUNK_CAP})")
-                for t in ids[n:]:
-                    run.decode([a], [t])
-            out.append(Case(f"long_chunks_of_{big}_over_{PLE_CHUNK_CAP}", chunked))
-        if "past" in keep:
-            def past(run: Run):
-                run.keep_selections = True  # near ties judged on the selections these ops took
-                P = QSA_POSITION_CAP - 2
-                ids = _stream(run, QSA_POSITION_CAP + 8)
-                a = run.new("past-32768")
-                run.prefill(a, ids[:P], chunk_size=big, desc=f"prefill {P} tokens in chunks of {big}")
-                for t in ids[P:P + 4]:
-                    run.decode([a], [t], desc=f"decode at position {len(a.hist)} (cap {QSA_POSITION_CAP})")
-                run.verify(a, ids[P + 4:P + 8], desc=f"verify 4 tokens at position {len(a.hist)}")
-                run.rollback(a, 2, desc="roll back 2 past the position cap")
-                run.decode([a], [ids[P + 6]])
-            out.append(Case(f"long_positions_past_{QSA_POSITION_CAP}", past))
-    elif scenario == "snapshot_restore":
-        if "snap" in keep:
-            def snap(run: Run):
-                run.keep_selections = True  # near ties judged on the selections these ops took
-                p = s.bound + 3
-                ids = _stream(run, p + 12)
-                a = run.new("long-snap")
-                run.prefill(a, ids[:p])
-                sn = run.snapshot(a)
-                run.prefill(a, ids[p:p + 6], desc="the sequence runs on past the snapshot")
-                run.restore(a, sn, desc=f"restore the snapshot of {p} tokens ({p} visible tokens, past the bound "
-                                         f"{s.bound} visible tokens)")
-                for t in ids[p:p + 3]:
-                    run.decode([a], [t])
-                c = run.new("long-fresh")
-                run.restore(c, sn, desc="restore into a fresh handle")
-                run.prefill(c, ids[p:p + 12], desc="prefill after restore")
-            out.append(Case("long_snapshot_restore_past_bound", snap))
-    elif scenario == "speculative_rollback":
-        if "spec" in keep:
-            def spec(run: Run):
-                run.keep_selections = True  # near ties judged on the selections these ops took
-                L = s.bound - 1
-                ids = _stream(run, L)
-                a = run.new("long-spec")
-                run.prefill(a, ids)
-                drafts = token_stream(run.config, 4, seed=9200)  # any tokens off the stream: one truth forward
-                run.verify(a, drafts, desc=f"verify 4 wrong drafts at positions {L}..{L + 3} ({L + 1}..{L + 4} visible "
-                                           f"tokens, across the bound {s.bound} visible tokens)")
-                run.rollback(a, 3, desc=f"accept 1/4: roll back 3, from {L + 4} to {L + 1} visible tokens (across the "
-                                        f"bound {s.bound} visible tokens)")
-                run.decode([a], token_stream(run.config, 1, seed=9201))
-                straight = run.new("long-straight")
-                run.prefill(straight, a.hist)
-                run.compare_state(a, straight, "state after a rollback past the bound")
-            out.append(Case("long_rollback_past_bound", spec))
+    if "cross" in keep:
+        def cross(run: Run):
+            run.keep_selections = True  # near ties judged on the selections these ops took
+            L = s.bound + 2 * s.ratio + 1
+            ids = _stream(run, L + 3)
+            a = run.new("long-cross")
+            run.prefill(a, ids[:L], desc=f"prefill {L} tokens ({L} visible tokens at position {L - 1}, bound "
+                                          f"{s.bound} visible tokens)")
+            for t in ids[L:]:
+                run.decode([a], [t])
+        out.append(Case(f"long_prompt_crossing_bound_{s.bound + 2 * s.ratio + 1}", cross))
+    if "across" in keep:
+        def across(run: Run):
+            run.keep_selections = True  # near ties judged on the selections these ops took
+            ids = _stream(run, s.bound + 4)
+            a = run.new("long-across")
+            run.prefill(a, ids[:s.bound - 2])
+            for t in ids[s.bound - 2:]:
+                check_selection(run, a, t, f"decode at position {len(a.hist)} ({len(a.hist) + 1} visible tokens, "
+                                              f"bound {s.bound} visible tokens)")
+        out.append(Case("long_decode_across_bound", across))
+    return out
+
+
+def chunk_boundary_cases(config) -> list[Case]:
+    """The long chunk-boundary cases for ``config``: chunks larger than the PLE chunk cap; positions past the QSA position cap."""
+    s, keep, big = _setup(config)
+    out = []
+    if "chunk" in keep:
+        def chunked(run: Run):
+            run.keep_selections = True  # near ties judged on the selections these ops took
+            n = 2 * big + 1
+            ids = _stream(run, n + 2)
+            a = run.new(f"chunks-of-{big}")
+            run.prefill(a, ids[:n], chunk_size=big, desc=f"prefill {n} tokens in chunks of {big} (> {PLE_CHUNK_CAP})")
+            for t in ids[n:]:
+                run.decode([a], [t])
+        out.append(Case(f"long_chunks_of_{big}_over_{PLE_CHUNK_CAP}", chunked))
+    if "past" in keep:
+        def past(run: Run):
+            run.keep_selections = True  # near ties judged on the selections these ops took
+            P = QSA_POSITION_CAP - 2
+            ids = _stream(run, QSA_POSITION_CAP + 8)
+            a = run.new("past-32768")
+            run.prefill(a, ids[:P], chunk_size=big, desc=f"prefill {P} tokens in chunks of {big}")
+            for t in ids[P:P + 4]:
+                run.decode([a], [t], desc=f"decode at position {len(a.hist)} (cap {QSA_POSITION_CAP})")
+            run.verify(a, ids[P + 4:P + 8], desc=f"verify 4 tokens at position {len(a.hist)}")
+            run.rollback(a, 2, desc="roll back 2 past the position cap")
+            run.decode([a], [ids[P + 6]])
+        out.append(Case(f"long_positions_past_{QSA_POSITION_CAP}", past))
+    return out
+
+
+def snapshot_restore_cases(config) -> list[Case]:
+    """The long snapshot-restore cases for ``config``: a snapshot past the bound restored, continued, and
+    restored into a fresh handle."""
+    s, keep, _ = _setup(config)
+    out = []
+    if "snap" in keep:
+        def snap(run: Run):
+            run.keep_selections = True  # near ties judged on the selections these ops took
+            p = s.bound + 3
+            ids = _stream(run, p + 12)
+            a = run.new("long-snap")
+            run.prefill(a, ids[:p])
+            sn = run.snapshot(a)
+            run.prefill(a, ids[p:p + 6], desc="the sequence runs on past the snapshot")
+            run.restore(a, sn, desc=f"restore the snapshot of {p} tokens ({p} visible tokens, past the bound "
+                                     f"{s.bound} visible tokens)")
+            for t in ids[p:p + 3]:
+                run.decode([a], [t])
+            c = run.new("long-fresh")
+            run.restore(c, sn, desc="restore into a fresh handle")
+            run.prefill(c, ids[p:p + 12], desc="prefill after restore")
+        out.append(Case("long_snapshot_restore_past_bound", snap))
+    return out
+
+
+def speculative_rollback_cases(config) -> list[Case]:
+    """The long speculative-rollback cases for ``config``: a verify and a rollback across the bound, then the
+    state against a straight run."""
+    s, keep, _ = _setup(config)
+    out = []
+    if "spec" in keep:
+        def spec(run: Run):
+            run.keep_selections = True  # near ties judged on the selections these ops took
+            L = s.bound - 1
+            ids = _stream(run, L)
+            a = run.new("long-spec")
+            run.prefill(a, ids)
+            drafts = token_stream(run.config, 4, seed=9200)  # any tokens off the stream: one truth forward
+            run.verify(a, drafts, desc=f"verify 4 wrong drafts at positions {L}..{L + 3} ({L + 1}..{L + 4} visible "
+                                       f"tokens, across the bound {s.bound} visible tokens)")
+            run.rollback(a, 3, desc=f"accept 1/4: roll back 3, from {L + 4} to {L + 1} visible tokens (across the "
+                                    f"bound {s.bound} visible tokens)")
+            run.decode([a], token_stream(run.config, 1, seed=9201))
+            straight = run.new("long-straight")
+            run.prefill(straight, a.hist)
+            run.compare_state(a, straight, "state after a rollback past the bound")
+        out.append(Case("long_rollback_past_bound", spec))
     return out

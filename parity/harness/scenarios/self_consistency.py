@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from parity.harness.scenarios.common import Case, Run, sizes, token_stream
+from parity.harness.scenarios.suite import Suite
 
 NAME = "self_consistency"
 
@@ -266,3 +267,10 @@ def _freeing(fn):
                     pass
     wrapped.__name__ = getattr(fn, "__name__", "case")
     return wrapped
+
+
+SUITE = Suite(NAME, cases,
+              "the backend against itself, no reference: a batched row equals the same sequence alone, "
+              "verify rows equal decode rows, sparse equals dense below the QSA bound, speculative greedy "
+              "equals plain greedy",
+              needs_truth=False)

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 from parity.harness.scenarios.common import Case, Run, sizes, token_stream
+from parity.harness.scenarios import long
+from parity.harness.scenarios.suite import Suite
 
 NAME = "snapshot_restore"
 
@@ -222,3 +224,8 @@ def more_cases(config, level: str = "full") -> list[Case]:
             run.free(straight)
     out.append(Case("fork_then_diverge_both", fork_diverge, needs=("fork",)))
     return out
+
+
+SUITE = Suite(NAME, cases,
+              "snapshots are deep, independent and complete: restore, continue, equal a straight run",
+              long_cases=long.snapshot_restore_cases)

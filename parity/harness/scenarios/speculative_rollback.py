@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from parity.harness.scenarios.common import Case, CaseSkip, Run, sizes, token_stream
+from parity.harness.scenarios import long
+from parity.harness.scenarios.suite import Suite
 
 NAME = "speculative_rollback"
 
@@ -409,3 +411,8 @@ def mtp_cases(config, level: str = "full") -> list[Case]:
                   f"{gap[i]:.3g} > near-tie 2 x tol x scale = {band[i]:.3g}", "speculative greedy identity")
     out.append(Case(f"mtp_greedy_identity_{n_tok}", identity, needs=("mtp",)))
     return out
+
+
+SUITE = Suite(NAME, cases,
+              "verify k drafted tokens, accept j, roll back the rest, continue: equal a straight run",
+              long_cases=long.speculative_rollback_cases)
