@@ -53,7 +53,7 @@ t0=$(date +%s)
     --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
 echo "gpu_bench: bench took $(( $(date +%s) - t0 )) s; results in $OUT/bench.json"
 
-# 3. speculative verify cost (issue 17 item 5): verify at widths 1..5 vs a decode step and the MTP draft,
+# 3. speculative verify cost: verify at widths 1..5 vs a decode step and the MTP draft,
 #    at real widths (one period + the MTP layer), with the tokens/s-vs-acceptance curve; VERIFY_COST=0 skips
 if [ "${VERIFY_COST:-1}" != 0 ]; then
   rm -rf "$QWEN4EXP_CACHE"/synthetic/realwidth-L*  # room in /dev/shm for the checkpoint with the head
@@ -64,7 +64,7 @@ if [ "${VERIFY_COST:-1}" != 0 ]; then
   tail -n 5 "$OUT/verify_cost.err" | tr '\r' '\n' | tail -n 3  # the writer's progress bar is one \r line
   echo "gpu_bench: verify cost took $(( $(date +%s) - t1 )) s; results in $OUT/verify_cost.json"
 fi
-# 4. full depth (issue 16): the real 48 layers, weights in memory in each stored format
+# 4. full depth: the real 48 layers, weights in memory in each stored format
 if [ "${FULL_DEPTH:-1}" != 0 ]; then
   for w in ${FULL_DEPTH_FORMATS:-nvfp4}; do
     t1=$(date +%s)
@@ -76,9 +76,9 @@ if [ "${FULL_DEPTH:-1}" != 0 ]; then
     echo "gpu_bench: full depth $w took $(( $(date +%s) - t1 )) s; results in $OUT/bench-full-$w.json"
   done
 fi
-# 5. llama.cpp as the speed peer (issue 16 item 4; ci/gpu_llamacpp.sh says how): the trimmed source travels as
+# 5. llama.cpp as the speed peer (ci/gpu_llamacpp.sh says how): the trimmed source travels as
 #    .llama-src/llama.cpp-src.tar.xz (bash ci/llamacpp_src.sh SDIST, then carry .llama-src); it runs when the tarball
-#    is there (passed on the H200, 2026-12-02: build 233 s, prepare 372 s, bench 111 s); LLAMACPP=0 skips. A build started earlier
+#    is there (passed on the H200: build 233 s, prepare 372 s, bench 111 s); LLAMACPP=0 skips. A build started earlier
 #    (build --background) is waited for, a finished one reused; a fresh machine builds here first (minutes).
 if [ "${LLAMACPP:-1}" != 0 ] && [ -f .llama-src/llama.cpp-src.tar.xz ]; then
   t1=$(date +%s)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp (CUDA, sm_90) as the speed peer of the engine bench (issue 16 item 4). Runs ON THE GPU MACHINE from the
+# llama.cpp (CUDA, sm_90) as the speed peer of the engine bench. Runs ON THE GPU MACHINE from the
 # repository root; OUT = the results folder (default ci/out).
 #
 # How to run it:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A trimmed llama.cpp source tree for the CUDA build of llama-bench / llama-batched-bench / llama-quantize and
-# the HF -> GGUF converter, carried to the GPU machine (issue 16 item 4: llama.cpp as the speed peer).
+# the HF -> GGUF converter, carried to the GPU machine (llama.cpp as the speed peer).
 #
 # Runs HERE (the machine with the sdist), from anywhere:
 #   bash ci/llamacpp_src.sh /work/llama/llama_cpp_python-0.3.36.tar.gz

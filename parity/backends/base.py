@@ -425,7 +425,7 @@ class Backend:
         "state_arrays": False,     # state_arrays(h) supported
         "snapshot_file": False,    # parity.backends.snapshot_file can serialise its snapshots
         "mtp": False,              # draft(h, next_id, k) supported (the checkpoint's MTP head)
-        # --- issue 14 (additive): the optional operations and the self-consistency claims
+        # --- the optional operations and the self-consistency claims (additive)
         "prefill_batch": "loop",   # 'native': ragged requests in one forward; 'loop': the default one by one
         "fork": True,              # fork(h): the default is a snapshot restored into a new sequence
         "last_logits": False,      # last_logits(h): the logits a full prefix-cache hit samples from
@@ -502,7 +502,7 @@ class Backend:
         """
         raise BackendError(f"backend {self.name}: state_arrays: not supported by this backend")
 
-    # --- optional operations (issue 14); defaults built on the required ones
+    # --- optional operations; defaults built on the required ones
     def prefill_batch(self, hs: Sequence, id_lists: Sequence[Sequence[int]], chunk_size: int | None = None) -> list:
         """Prefill several sequences with ragged prompts (``id_lists[i]`` for ``hs[i]``, lengths may differ) as
         one request batch; returns one ``[T_i, V]`` logits array per sequence, in order.

@@ -92,7 +92,7 @@ from reference.session import check_ids
 NO_COUNTERPART = ("layers.{i}.ple.ple_embedding.ngram_ids", "layers.{i}.ple.gate", "layers.{i}.linear_attn.conv_out",
                   "layers.{i}.self_attn.core_out")
 
-#: registry taps added after this map was written (issue 14's finer taps), NOT YET hooked here although most
+#: registry taps added after this map was written (the finer taps), NOT YET hooked here although most
 #: are official module outputs (the norms) -- an open item, not a claim that they have no counterpart
 NOT_YET_MAPPED = ("hyper_connection_mixer.hc_norm.out", "layers.{i}.attn_hyper_connection.hc_norm.out",
                   "layers.{i}.linear_attn.conv_state", "layers.{i}.linear_attn.norm.out",

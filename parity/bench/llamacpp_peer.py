@@ -1,4 +1,4 @@
-"""llama.cpp (CUDA) as the speed peer of the engine bench (issue 16 item 4), on the same shapes in one run.
+"""llama.cpp (CUDA) as the speed peer of the engine bench, on the same shapes in one run.
 
 The same synthetic real-width checkpoint the engine bench uses (:func:`parity.bench.synthetic.cached_synthetic`:
 one period = 3 GDN + 1 QSA layers by default) is converted by the trimmed llama.cpp tree's own converter
@@ -24,7 +24,7 @@ table is left out on both sides because the engine's in-memory fp8 / nvfp4 weigh
 host memory (320M rows) while the GGUF carries the checkpoint's scaled-down table; the table is read a few rows
 per token, not streamed. A mismatch refuses the ratio with a message naming both counts.
 
-Goals (issue 16 item 4): engine decode >= 1.5x llama.cpp's, prefill >= 2x, at comparable bytes per weight.
+Goals: engine decode >= 1.5x llama.cpp's, prefill >= 2x, at comparable bytes per weight.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from reference.errors import InputError
 #: FP8 block-scaled ~1.0 B vs Q8_0 1.07 B, NVFP4 experts 0.56 B vs Q4_K_M ~0.70 B at these shapes: its expert down
 #: projections fall back to Q5_0 / Q8_0, 640 columns not being a multiple of 256; each run prints both sides)
 PAIRS = {"bf16": "BF16", "fp8": "Q8_0", "nvfp4": "Q4_K_M"}
-#: goal: engine / llama.cpp throughput ratio at least this (issue 16 item 4)
+#: goal: engine / llama.cpp throughput ratio at least this
 GOALS = {"decode": 1.5, "prefill": 2.0}
 #: the same-model check's relative tolerance on the parameter counts (1%: the converter adds or drops only a few
 #: small tensors -- the int64 PLE hash constants become metadata; a different depth or width is off by far more)
@@ -625,7 +625,7 @@ def run_llama(bin_dir: Path, manifest: dict, out: Path, *, reps: int = 3, types=
     settings); raw stdout / stderr of each under ``out``. Returns {type: {"llama_bench": {"rows" | "error", "cmd",
     "seconds"}, "batched_bench": {...}, "gguf", "quantize"}}; a run that fails keeps llama.cpp's own error."""
     res = {}
-    fa = os.environ.get("LLAMA_FA", "on")  # flash attention on (issue 16's setting); LLAMA_FA=auto|off to compare
+    fa = os.environ.get("LLAMA_FA", "on")  # flash attention on (the goals' setting); LLAMA_FA=auto|off to compare
     for qt in types:
         g = (manifest.get("gguf") or {}).get(qt)
         if g is None:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 SCHEMA = 1
 
-# the official eager GPU forward over one period of real-width layers, batch 1 (issue 7)
+# the official eager GPU forward over one period of real-width layers, batch 1
 GOALS = {"engine_b1_hbm_fraction": 0.40, "engine_b1_vs_peer": 5.0, "engine_b16_vs_b1": 6.0,
          "engine_host_syncs_in_step": 0, "reference_vs_peer_cpu": 1.0,
-         # issue 16, at full depth in each weight format: decode b1 / b16 bytes/s against the measured copy
+         # at full depth in each weight format: decode b1 / b16 bytes/s against the measured copy
          # bandwidth, prefill 4096 FLOP/s against the measured dense BF16 matmul rate
          "engine_full_b1_copy_fraction": 0.70, "engine_full_b16_copy_fraction": 0.75,
          "engine_full_prefill4096_matmul_fraction": 0.35}
@@ -168,7 +168,7 @@ def compare(runs: dict) -> tuple[dict, list]:
                           "measured": f, "target": GOALS["engine_b1_hbm_fraction"],
                           "met": None if f is None else f >= GOALS["engine_b1_hbm_fraction"]})
         fmt = eng.get("weights_format")
-        if fmt:  # issue 16 goals: in-memory weights at full depth (projected rows flagged as such)
+        if fmt:  # the full-depth goals: in-memory weights at full depth (projected rows flagged as such)
             tag = f"{fmt}, {'projected' if eng.get('fits') is False else 'measured'} at full depth"
             for B, key in ((1, "engine_full_b1_copy_fraction"), (16, "engine_full_b16_copy_fraction")):
                 rows = [r for r in dec if r["batch"] == B and r.get("hbm_fraction") is not None]

@@ -1,5 +1,5 @@
 """Bench item: the cost of a speculative verify step at widths 1..5 against a decode step, the MTP draft
-cost, and the tokens/s they imply as a function of the acceptance rate (issue 17, item 5).
+cost, and the tokens/s they imply as a function of the acceptance rate.
 
     python -m parity.bench.verify_cost --synthetic real-widths --layers 4 --device cuda --out verify.json
     python -m parity.bench.verify_cost MODEL_DIR --device cpu          # any checkpoint with an MTP head

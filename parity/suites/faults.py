@@ -137,7 +137,7 @@ FAULTS = {
 }
 
 
-# ==============================================================================================# Issue 14: one injected fault per in-scope class of the public bug list (/work/shared/bug-classes.md,
+# ==============================================================================================# One injected fault per in-scope class of the public bug list (/work/shared/bug-classes.md,
 # mapped in docs/parity.md "Bug classes"). Each is the reference backend with one realistic defect;
 # BUG_CLASSES below names the case that catches it and the block it must be located at.
 # =====================================================================================================

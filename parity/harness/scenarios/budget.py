@@ -65,7 +65,7 @@ def cases(config, level: str = "full") -> list[Case]:
     return out + tie_cases(config, level)
 
 
-# ------------------------------------------------------------------ issue 14: forced exact ties
+# ------------------------------------------------------------------ forced exact ties
 _TIE_CACHE: dict = {}
 TIE_SEEDS = 64  # prompts searched for an exact tie at the k-th block (the tiny fixtures need <= 10)
 

@@ -86,7 +86,7 @@ def cases(config, level: str = "full") -> list[Case]:
     return out + more_cases(config, level)
 
 
-# ------------------------------------------------------------------ issue 14: second EOS id, ragged batch
+# ------------------------------------------------------------------ second EOS id, ragged batch
 def more_cases(config, level: str = "full") -> list[Case]:
     """Token streams holding the EOS ids after the first (they end generation but do NOT reset the PLE
     n-gram history: the official reset id is ``eos_token_id[0]``), prefilled in chunks and decoded; ragged

@@ -164,7 +164,7 @@ def cases(config, level: str = "full") -> list[Case]:
     return out + more_cases(config, level)
 
 
-# ------------------------------------------------------------------ issue 14: combinations
+# ------------------------------------------------------------------ combinations
 def more_cases(config, level: str = "full") -> list[Case]:
     """Verify and rollback right after a restore; the held logits of the restored position when a prefix hit
     leaves none of the prompt to prefill; fork then diverge both children."""

@@ -149,7 +149,7 @@ def cases(config, level: str = "full") -> list[Case]:
     return out + rollback_then_cases(config, level) + mtp_cases(config, level)
 
 
-# ------------------------------------------------------------------ issue 14: snapshot / fork after a rollback
+# ------------------------------------------------------------------ snapshot / fork after a rollback
 def rollback_then_cases(config, level: str = "full") -> list[Case]:
     """A snapshot taken right after a rollback (it must hold the accepted prefix's state, not the rejected
     drafts'), restored elsewhere; a fork right after a rollback, both children diverging."""

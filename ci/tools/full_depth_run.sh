@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 16 (stored formats, full depth): the quantised-kernel GPU tests, the engine
+# One device call for the stored formats at full depth: the quantised-kernel GPU tests, the engine
 # parity figures on tiny-fp8 / tiny-nvfp4, then the 48-layer in-memory bench in each format given
 # (default "nvfp4 fp8"). Every step has its own time limit so the call ends inside the device limit.
 # Env: OUT (results), FORMATS, STEP_S (per-format limit, default 165).
