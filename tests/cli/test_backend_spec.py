@@ -1,4 +1,4 @@
-"""The one ``--backend NAME[:key=value,...]`` grammar (#11 item 6): the parser in
+"""The one ``--backend NAME[:key=value,...]`` grammar: the parser in
 ``parity.backends.registry``, the deprecated spellings, and backends that cannot be opened."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_suites_unknown_backend_is_a_usage_error():
 
 
 def test_parse_backend_spec_forms():
-    """#11 item 6: one `--backend NAME[:key=value,...]` grammar, parsed in one place."""
+    """One `--backend NAME[:key=value,...]` grammar, parsed in one place."""
     from parity.backends import parse_backend_spec as P
     assert str(P("engine:device=cuda,precision=bf16")) == "engine:device=cuda,precision=bf16"
     assert P("reference:dtype=float64").options == {"dtype": "float64"}
@@ -65,7 +65,7 @@ def test_parse_backend_spec_errors(bad, needles):
 
 
 def test_old_backend_names_work_with_one_deprecation_line(tmp_path, capsys):
-    """#11 item 6: old names and the --dtype/--precision/--device flags accepted for one version, with a
+    """Old names and the --dtype/--precision/--device flags accepted for one version, with a
     one-line deprecation note on stderr."""
     ids = _ids(tmp_path)
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"

@@ -222,7 +222,8 @@ def test_bench_sizes_within_limits_plan_and_empty_items_refused(capsys):
 
 
 def test_bench_out_follows_the_one_path_rule(tmp_path, capsys, monkeypatch):
-    """#15 finding 8: `bench --out` silently overwrote and created parents."""
+    """`bench --out` follows the one output-path rule: an existing file needs --overwrite, the parent must
+    exist."""
     from parity.bench import runner
     monkeypatch.setattr(runner, "run_worker", lambda *a, **k: pytest.fail("ran before checking --out"))
     old = tmp_path / "r.json"
@@ -236,8 +237,8 @@ def test_bench_out_follows_the_one_path_rule(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_warmup_zero_is_said_and_reference_takes_prompt_lens(capsys):
-    """#15 finding 9: `bench --warmup 0` silently timed the Numba compile; the reference was measured at
-    prefill 64 whatever --prompt-lens said; ratio rows printed internal keys."""
+    """`bench --warmup 0` says that the Numba compile is timed; the reference is measured at --prompt-lens;
+    ratio rows print their labels, not internal keys."""
     import argparse
 
     from parity.bench.plan import COLD_NOTE, plan

@@ -1,4 +1,5 @@
-"""Findings of a user trying to break the ``qwen4exp`` CLI: each test fails on the code before its fix."""
+"""Failure modes of the ``qwen4exp`` CLI: NaN truths, full disks, raising backends, bad shapes, filters
+matching nothing, help and message grammar; each test asserts the documented outcome and exit code."""
 from __future__ import annotations
 
 import json
@@ -205,7 +206,7 @@ def test_generate_outside_backend(tmp_path, monkeypatch, capsys, raising):
     assert main([*argv, "--backend", "reference"]) == 0
     ref = json.loads(capsys.readouterr().out)
     assert mine["token_ids"] == ref["token_ids"] and mine["backend"] == "clifix_good:Mine"
-    # a raising outside backend is the one "backend raised" outcome (finding 4)
+    # a raising outside backend is the one "backend raised" outcome
     assert main([*argv, "--backend", "clifix_raise:RaiseRuntime"]) == 1
     assert "qwen4exp generate: ERROR: backend 'clifix_raise:RaiseRuntime' raised RuntimeError" in capsys.readouterr().err
     # deprecated engine flags do not apply to an outside backend
@@ -382,7 +383,7 @@ def test_info_incomplete_checkpoint_is_exit_2_like_logits(tmp_path, capsys):
     assert main(["info", str(ck), "--config-only"]) == 0  # config.json only: no weights read
 
 
-# --- 13: smaller findings
+# --- progress, prompt bytes, labels, interrupts, symlinked outputs
 def test_generate_progress_off_when_stderr_is_not_a_tty(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\n")

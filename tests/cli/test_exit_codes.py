@@ -1,6 +1,5 @@
-"""The one exit-code contract of every verb (#15 "What to build"): 0 pass, 1 divergence, 2 usage/input, 3
-inconclusive, 4 environment; a backend's SystemExit, import failure or crash is caught at the boundary
-(#15 findings 1-3)."""
+"""The one exit-code contract of every verb: 0 pass, 1 divergence, 2 usage/input, 3
+inconclusive, 4 environment; a backend's SystemExit, import failure or crash is caught at the boundary."""
 from __future__ import annotations
 
 import json
@@ -76,15 +75,15 @@ def test_exit_codes_are_defined_once_and_shown_in_help(capsys):
 
 
 def test_cli_error_class_is_gone():
-    """#11 item 6: CLIError was handled but never raised (dead code)."""
+    """CLIError is raised where it is handled (no dead handler)."""
     import parity.cli as C
     assert not hasattr(C, "CLIError")
 
 
 @pytest.mark.parametrize("code", [0, 1])
 def test_backend_sys_exit_in_a_case_is_an_error_row_not_its_code(plugins, tmp_path, capsys, code):
-    """#15 finding 1: a backend calling sys.exit(0) inside a case ended `parity` with exit 0, no output and
-    no report.json (CI read it as a pass). Now: ERROR rows, exit 1, report.json written."""
+    """A backend calling sys.exit inside a case gives ERROR rows, exit 1 and a report.json, never the
+    backend's own code (sys.exit(0) must not read as a pass in CI)."""
     out = tmp_path / "out"
     rc = main(["parity", "--backend", f"exit{code}:ExitInPrefill", "--scenario", "kl", "budget", "--level", "ci",
                "--no-progress", "--out", str(out), "--format", "text"])
@@ -97,14 +96,14 @@ def test_backend_sys_exit_in_a_case_is_an_error_row_not_its_code(plugins, tmp_pa
 
 
 def test_backend_sys_exit_in_kl_is_an_error_verdict(plugins, capsys):
-    """#15 finding 1 for `kl`: exit 1 with an ERROR verdict, never the backend's own code."""
+    """The same for `kl`: exit 1 with an ERROR verdict, never the backend's own code."""
     assert main(["kl", "--b", "exit0:ExitInPrefill", "--no-progress"]) == 1
     assert "verdict: ERROR" in capsys.readouterr().out
 
 
 def test_plugin_syntax_error_or_raising_at_import_is_exit_2_with_the_reason(plugins, capsys):
-    """#15 finding 2: a module:Class whose module has a SyntaxError or raises at import gave a traceback
-    and exit 1; the docs promise exit 2 with the reason."""
+    """A module:Class whose module has a SyntaxError or raises at import is exit 2 with the reason, no
+    traceback (the documented contract)."""
     assert main(["parity", "--backend", "broken_syntax:B", "--scenario", "kl"]) == 2
     one_line_error(capsys, "broken_syntax", "SyntaxError", "broken_syntax.py:1")
     assert main(["kl", "--b", "exits_at_import:B"]) == 2
@@ -119,8 +118,8 @@ def test_plugin_syntax_error_or_raising_at_import_is_exit_2_with_the_reason(plug
 
 
 def test_kl_backend_raising_mid_run_is_an_error_verdict_not_a_traceback(plugins, capsys):
-    """#15 finding 2: `qwen4exp kl` with a backend raising mid-run gave a traceback and exit 1, where
-    `parity` showed an ERROR row."""
+    """`qwen4exp kl` with a backend raising mid-run gives an ERROR verdict (as `parity`'s ERROR row), not a
+    traceback."""
     assert main(["kl", "--b", "exit0:RaiseInPrefill", "--no-progress"]) == 1
     cap = capsys.readouterr()
     assert "verdict: ERROR" in cap.out and "kernel launch failed" in cap.out
@@ -128,8 +127,8 @@ def test_kl_backend_raising_mid_run_is_an_error_verdict_not_a_traceback(plugins,
 
 
 def test_backend_tracebacks_in_report_json_and_behind_traceback(plugins, tmp_path, capsys):
-    """#15 finding 3: only `RuntimeError: <message>` was kept; the porting engineer could not find the
-    failing line. Now the full stack is in report.json (and kl's JSON), and on stderr with --traceback."""
+    """A backend's full stack (not just `RuntimeError: <message>`) is in report.json (and kl's JSON), and on
+    stderr with --traceback, so the failing line can be found."""
     out = tmp_path / "o"
     assert main(["parity", "--backend", "exit0:RaiseInPrefill", "--scenario", "budget", "--level", "ci",
                  "--no-progress", "--out", str(out)]) == 1
@@ -169,7 +168,7 @@ def test_uncaught_crash_is_exit_4_with_traceback(monkeypatch, capsys):
 
 
 def test_full_disk_is_exit_4_for_every_writer(tmp_path, capsys):
-    """#15 finding 8: a full disk was exit 1, the divergence code. /dev/full as stdout for a JSON printer."""
+    """A full disk is exit 4 (environment), never 1 (divergence). /dev/full as stdout for a JSON printer."""
     code = "import sys; from parity.cli import main; sys.exit(main(['taps', 'list', '--json']))"
     with open("/dev/full", "w") as full:
         p = subprocess.run([sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO,

@@ -83,7 +83,7 @@ def test_sampling_errors_name_the_flags(capsys, flag, value):
 
 
 def test_generate_refuses_undecodable_argv_naming_the_argument_and_offset(capsys):
-    """#15 finding 4: `generate --prompt $'\\xff'` (and --system) crashed with a traceback and exit 1."""
+    """`generate --prompt $'\\xff'` (and --system): a one-line error, no traceback."""
     assert main(["generate", "--prompt", "ab" + "\udcff", "--backend", "reference"]) == 2
     one_line_error(capsys, "--prompt", "0xff", "byte offset 2")
     assert main(["generate", "--prompt", "hi", "--chat", "--system", "\udcfe", "--backend", "reference"]) == 2
@@ -93,7 +93,7 @@ def test_generate_refuses_undecodable_argv_naming_the_argument_and_offset(capsys
 
 
 def test_generate_undecodable_argv_from_a_real_shell(tmp_path):
-    """#15 finding 4, as a shell passes it: raw bytes in argv (Python's surrogateescape)."""
+    """The same, as a shell passes it: raw bytes in argv (Python's surrogateescape)."""
     p = subprocess.run([sys.executable, "-m", "parity.cli", "generate", "--backend", "reference", "--prompt",
                         b"caf\xe9"], cwd=REPO, capture_output=True, timeout=120)
     assert p.returncode == 2 and b"Traceback" not in p.stderr
@@ -101,7 +101,7 @@ def test_generate_undecodable_argv_from_a_real_shell(tmp_path):
 
 
 def test_generate_json_prompts_with_lone_surrogates_are_refused(tmp_path, capsys):
-    """#15 finding 4: JSON prompts holding "\\ud800" crashed generate with a traceback."""
+    """JSON prompts holding "\\ud800": a one-line error from generate, no traceback."""
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n{"messages": [{"role": "user", "content": "x\\ud800y"}]}\n')
     assert main(["generate", "--prompts", str(f), "--backend", "reference"]) == 2
@@ -109,14 +109,14 @@ def test_generate_json_prompts_with_lone_surrogates_are_refused(tmp_path, capsys
 
 
 def test_generate_notes_system_without_chat(capsys):
-    """#15 finding 9: --system without --chat was silently ignored (now a note, as --no-thinking)."""
+    """--system without --chat is noted, not silently ignored (as --no-thinking)."""
     assert main(["generate", "--prompt", "hi", "--backend", "reference", "--system", "be brief", "--greedy",
                  "--max-new-tokens", "1", "--json"]) == 0
     assert "--system has no effect without --chat" in capsys.readouterr().err
 
 
 def test_generate_escapes_control_bytes_of_the_model(monkeypatch, capsys):
-    """#15 finding 9: generate printed raw control / ESC bytes from random models (a terminal obeys them)."""
+    """generate prints no raw control / ESC bytes from random models (a terminal would obey them)."""
     from parity import generate as G
     from parity.cli.common import safe_text
     assert safe_text("ok\x1b[2J\x07\tz\n\x9b") == "ok\\x1b[2J\\x07\tz\n\\x9b"
@@ -136,7 +136,7 @@ def test_generate_escapes_control_bytes_of_the_model(monkeypatch, capsys):
 
 
 def test_generate_backend_grammar(capsys):
-    """#11 item 6: generate takes the one --backend grammar; the old --precision is a deprecated alias."""
+    """generate takes the one --backend grammar; the old --precision is a deprecated alias."""
     assert main(["generate", "--prompt", "hi", "--backend", "reference:dtype=float64", "--greedy",
                  "--max-new-tokens", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["backend"] == "reference:dtype=float64"

@@ -1,12 +1,12 @@
-"""#15 finding 5: every long verb (parity, taps record, kl, bench, logits) is killed by SIGTERM, SIGINT or
+"""Every long verb (parity, taps record, kl, bench, logits) is killed by SIGTERM, SIGINT or
 SIGHUP at a seeded random moment while it replaces an existing output with ``--overwrite``; afterwards the
 output is either the old one, untouched, or the complete new one -- never a mix, never empty, and no
 temporary file or folder is left beside it. Each verb also runs once to completion (the negative control:
 the checks below do recognise a new output).
 
-Before the fix: SIGTERM killed the process without unwinding (``taps record`` left ``OUT.tmp-XXXX``,
-``parity --out`` left ``taps/`` without ``report.json``) and ``--overwrite`` deleted the old results before
-the run, so an interrupted rerun left the folder empty.
+What it guards: SIGTERM must unwind (no ``OUT.tmp-XXXX`` beside ``taps record``'s output, no ``taps/`` without
+``report.json`` under ``parity --out``) and ``--overwrite`` must not delete the old results before the run
+has finished.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""Fresh-eyes findings 9, 12 and 13 (each test fails on the code before its fix).
+"""Interrupts, skipped rows and the names in error messages:
 
-9:  a KeyboardInterrupt the backend raises in the KL harness with no signal received is an ERROR row (exit 1);
-    only a received SIGINT means "interrupted" (exit 130).
-12: a fully skipped row shows '-' for KL and logit error (nothing was compared), and a passing row's skip
-    reasons are listed under the table, not in its first-divergence column.
-13: a backend's unknown ``precision`` names the backend, the attribute and the valid precisions; ``taps
-    record --ids`` with an out-of-range id names --ids and the file; ``bench --backend engine:device=cuda``
-    without a GPU names that spec.
+* a KeyboardInterrupt the backend raises in the KL harness with no signal received is an ERROR row (exit 1);
+  only a received SIGINT means "interrupted" (exit 130);
+* a fully skipped row shows '-' for KL and logit error (nothing was compared), and a passing row's skip
+  reasons are listed under the table, not in its first-divergence column;
+* a backend's unknown ``precision`` names the backend, the attribute and the valid precisions; ``taps
+  record --ids`` with an out-of-range id names --ids and the file; ``bench --backend engine:device=cuda``
+  without a GPU names that spec.
 """
 from __future__ import annotations
 

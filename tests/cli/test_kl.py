@@ -77,7 +77,7 @@ def test_kl_negative_greedy_tokens_is_exit_2(capsys):
 
 
 def test_kl_json_prompts_with_lone_surrogates_are_refused(tmp_path, capsys):
-    """#15 finding 4: a JSON prompt file holding "\\ud800" crashed kl/parity with a traceback."""
+    """A JSON prompt file holding "\\ud800": a one-line error from kl/parity, no traceback."""
     f = tmp_path / "p.json"
     f.write_text('["fine", "bad \\ud800 text"]')
     assert main(["kl", "--b", "reference", "--prompts", str(f)]) == 2
@@ -87,7 +87,7 @@ def test_kl_json_prompts_with_lone_surrogates_are_refused(tmp_path, capsys):
 
 
 def test_kl_prompts_from_a_pipe(tmp_path, capsys):
-    """#15 finding 8: inputs accept pipes (`<(...)`)."""
+    """Inputs accept pipes (`<(...)`)."""
     p, t = _fifo(tmp_path, b"[[1, 2, 3, 4, 5, 6]]")
     assert main(["kl", "--b", "reference", "--prompts", str(p), "--greedy-tokens", "0", "--no-progress"]) == 0
     t.join(5)
@@ -95,9 +95,8 @@ def test_kl_prompts_from_a_pipe(tmp_path, capsys):
 
 
 def test_kl_without_tokenizer_falls_back_to_token_id_prompts(tiny, tmp_path, capsys):
-    """#15 finding 9: kl/parity on a checkpoint without a tokenizer stopped ("needs the checkpoint's
-    tokenizer"); now the bundled set falls back to seeded token-id prompts, and a text --prompts file says
-    token-id lists work."""
+    """kl/parity on a checkpoint without a tokenizer: the bundled set falls back to seeded token-id prompts,
+    and a text --prompts file is refused saying token-id lists work."""
     d = _tiny_without_tokenizer(tiny, tmp_path)
     assert main(["kl", str(d), "--b", "reference", "--greedy-tokens", "0", "--no-progress", "--json"]) == 0
     cap = capsys.readouterr()
@@ -116,7 +115,7 @@ def test_kl_without_tokenizer_falls_back_to_token_id_prompts(tiny, tmp_path, cap
 
 
 def test_kl_out_file_and_stdout(tmp_path, capsys):
-    """#15 finding 8: one --out rule for kl too: existing refused without --overwrite, '-' = stdout."""
+    """One --out rule for kl too: existing refused without --overwrite, '-' = stdout."""
     out = tmp_path / "k.json"
     out.write_text("old")
     assert main(["kl", "--b", "reference", "--out", str(out), "--greedy-tokens", "0", "--no-progress"]) == 2
@@ -127,7 +126,7 @@ def test_kl_out_file_and_stdout(tmp_path, capsys):
 
 
 def test_kl_plot_has_integer_counts_and_the_limit_line(monkeypatch):
-    """#15 finding 9: the kl plot had fractional position counts and no threshold line."""
+    """The kl plot has whole position counts and a threshold line."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
@@ -144,7 +143,7 @@ def test_kl_plot_has_integer_counts_and_the_limit_line(monkeypatch):
 
 
 def test_all_error_scenario_is_shown_as_error_not_zero_kl():
-    """#15 finding 6: a scenario whose cases all errored showed `worst KL 0.00e+00`, which reads as perfect."""
+    """A scenario whose cases all errored shows no `worst KL 0.00e+00` (which would read as perfect)."""
     from parity.harness.report import ParityReport, render_table
     row = _rows_all_error()
     assert np.isnan(row.worst_kl) and row.status == "error"

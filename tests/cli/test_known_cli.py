@@ -1,6 +1,5 @@
-"""``qwen4exp parity --known / --write-known`` on the command line (fresh-eyes report items 1 and 11): the
-tester's repro (a baseline of noise at one position must not excuse a wrong argmax at another), the verdict
-line of an excused run, baselines of another model or backend (exit 2), and the output rules every output
+"""``qwen4exp parity --known / --write-known`` on the command line: a baseline of noise at one position
+must not excuse a wrong argmax at another, the verdict line of an excused run, baselines of another model or backend (exit 2), and the output rules every output
 path follows (``parity.cli.common.check_out``: no overwrite without --overwrite, no missing folder created,
 a symbolic link's target folder checked too)."""
 from __future__ import annotations
@@ -106,9 +105,9 @@ def test_logits_out_dangling_symlink_creates_no_folder(tmp_path, capsys):
 
 
 def test_known_baseline_of_other_prompts_is_exit_2(tmp_path, capsys):
-    """The fresh-eyes tester's repro: a baseline written with --prompts p1 excused a divergence on p2 (other ids,
-    same length), whose "prompt I position P" places name other tokens. It is refused now (exit 2, naming both
-    prompt sets); the same prompts are accepted (the run goes on: not exit 2)."""
+    """A baseline written with --prompts p1 must not excuse a divergence on p2 (other ids, same length), whose
+    "prompt I position P" places name other tokens: refused (exit 2, naming both prompt sets); the same prompts
+    are accepted (the run goes on: not exit 2)."""
     from parity.harness.causes import model_identity, prompts_identity, write_known
     p1, p2 = tmp_path / "p1.json", tmp_path / "p2.json"
     p1.write_text(json.dumps([[1, 2, 3, 4, 5, 6]]))

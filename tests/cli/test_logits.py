@@ -143,7 +143,7 @@ def test_logits_full_disk_is_one_line_exit_4(tmp_path, capsys, monkeypatch):
         raise OSError("153600 requested and 16352 written")
     monkeypatch.setattr(np, "save", short_write)
     out = tmp_path / "o.npy"
-    assert main(["logits", "tiny", "--ids", str(f), "--out", str(out)]) == 4  # EXIT_ENVIRONMENT (#15 finding 8: a full disk is not the divergence code)
+    assert main(["logits", "tiny", "--ids", str(f), "--out", str(out)]) == 4  # EXIT_ENVIRONMENT (a full disk is not the divergence code)
     one_line_error(capsys, "o.npy", "could not be written", "153600")
     assert list(tmp_path.iterdir()) == [f], "a temp file or partial output was left"
     monkeypatch.undo()  # negative control: the same command writes when the disk has room
@@ -240,7 +240,7 @@ def test_engine_backend_cpu_matches_reference(tiny, tmp_path):
 
 
 def test_logits_out_dash_is_stdout(tmp_path):
-    """#15 finding 8: `logits --out -` wrote a file named `-`."""
+    """`logits --out -` writes to stdout, not a file named `-`."""
     ids = _ids(tmp_path)
     dash = REPO / "-"
     assert not dash.exists()

@@ -107,7 +107,7 @@ def test_contradictory_options_are_refused(tmp_path, capsys, argv, needles):
 
 
 def test_empty_out_is_refused_not_ignored(capsys, monkeypatch):
-    """Tried as a new user: `parity --out ''` ran the whole job and wrote nothing (an empty --out was falsy)."""
+    """`parity --out ''` is refused before the job runs (an empty --out must not read as "no --out")."""
     import parity.harness.run as P
     monkeypatch.setattr(P, "run_parity", lambda *a, **k: pytest.fail("ran with --out ''"))
     assert main(["parity", "--backend", "reference", "--out", ""]) == 2

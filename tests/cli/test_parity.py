@@ -41,8 +41,8 @@ def _parity(capsys, *args):
 
 @pytest.mark.parametrize("pre_existing", [False, True])
 def test_parity_interrupted_leaves_no_taps_without_report(tmp_path, monkeypatch, pre_existing):
-    """Ctrl-C after failing cases wrote their archives used to leave --out/taps/ without report.json (and a
-    rerun then needed --overwrite)."""
+    """Ctrl-C after failing cases wrote their archives leaves no --out/taps/ without report.json (a rerun
+    needs no --overwrite)."""
     import parity.harness.run as CP
     out = tmp_path / "out"
     if pre_existing:
@@ -122,7 +122,7 @@ def test_parity_bogus_scenario_lists_kl(capsys):
 
 def test_parity_table_wraps_first_divergence_to_the_terminal(monkeypatch):
     # the table stays within the terminal width (COLUMNS) and wraps long text (even one long word) onto
-    # continuation lines instead of cutting it (second user's finding 6: cut at 80 even on wide terminals)
+    # continuation lines instead of cutting it (not at 80 on a wide terminal)
     from parity.harness.report import ParityReport, ScenarioRow, render_table
     monkeypatch.setenv("COLUMNS", "120")
     long = "layers.3.self_attn.indexer.selected_blocks: " + "x" * 250
@@ -224,8 +224,8 @@ def test_dir_outputs_need_an_existing_parent(tmp_path, capsys, monkeypatch):
 
 
 def test_table_explains_itself(capsys):
-    """#15 finding 6: nothing said what `cases 1/8`, "worst KL" (direction, limit) or "worst logit err" are,
-    that "budget" is the QSA indexer_budget scenario; passing rows showed no thresholds."""
+    """The legend says what `cases 1/8`, "worst KL" (direction, limit) and "worst logit err" are, and that
+    "budget" is the QSA indexer_budget scenario; passing rows show their thresholds."""
     assert main(["parity", "--backend", "reference", "--scenario", "kl", "budget", "--level", "ci",
                  "--no-progress", "--format", "text"]) == 0
     out = capsys.readouterr().out
@@ -303,7 +303,7 @@ def test_backend_crash_in_kl_and_in_a_case_is_an_error_row_and_exit_1(be_module,
 def test_usage_errors_stay_exit_2(capsys):
     assert main(["parity", "--backend", "nosuchmod_q4x:Nope", "--scenario", "budget", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "PYTHONPATH" in err  # finding 15: a module:Class plugin must be importable
+    assert "PYTHONPATH" in err  # a module:Class plugin must be importable
 
 
 def test_fault_after_the_last_tap_is_named_with_its_first_position(be_module, capsys):
@@ -342,7 +342,7 @@ def test_out_dir_with_report_json_directory_is_refused_up_front(tmp_path, capsys
 
 
 def test_rich_table_never_folds_or_cuts_a_name():
-    """#15 finding 7, --format rich: rich folded the "first divergence" cell mid-word and cropped columns."""
+    """--format rich: the "first divergence" cell is not folded mid-word and no column is cropped."""
     import io
 
     from rich.console import Console

@@ -61,7 +61,7 @@ def _archive(path, token_ids=(1, 2, 3)):
 
 
 def test_taps_list_into_a_closed_pipe_exits_0():
-    """`qwen4exp taps list | head -1`: rich's writer used to turn the broken pipe into exit status 1."""
+    """`qwen4exp taps list | head -1`: a broken pipe is not exit status 1 (rich's writer must not turn it into one)."""
     code = "import sys; from parity.cli import main; sys.exit(main(['taps', 'list']))"
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
@@ -147,8 +147,8 @@ def test_taps_record_full_disk_is_one_line_exit_4(tmp_path, capsys, monkeypatch)
 
 
 def test_table_never_splits_a_tap_name_on_80_columns_and_not_at_all_in_pipes(monkeypatch):
-    """#15 finding 7: on an 80-column terminal the "first divergence" column was 12 characters wide and split
-    tap names mid-word; piped CI logs split names too."""
+    """On an 80-column terminal the "first divergence" column is wide enough and never splits tap names
+    mid-word; piped CI logs keep names whole too."""
     from parity.harness.report import ParityReport, ScenarioRow, render_table
     name = "layers.3.self_attn.indexer.selected_blocks"
     div = f"prefill_bound+1_len16 [page 4]: first divergence {name} at position 9 (last agreeing layers.2.mlp.out)"
@@ -168,7 +168,7 @@ def test_table_never_splits_a_tap_name_on_80_columns_and_not_at_all_in_pipes(mon
 
 
 def test_taps_list_keeps_whole_names_and_every_column(monkeypatch, capsys):
-    """#15 finding 7: `taps list` cut names with "..." and dropped columns on a narrow terminal."""
+    """`taps list` on a narrow terminal keeps whole names (no "...") and every column."""
     from parity.cli.taps import _LIST_COLUMNS, list_text
     from taps import registry
     rows = [[s.pattern, s.module, s.shape, s.dtype, s.kind, s.layer_type or "all", s.meaning] for s in registry.specs()]
@@ -185,7 +185,7 @@ def test_taps_list_keeps_whole_names_and_every_column(monkeypatch, capsys):
 
 
 def test_ids_from_dev_stdin_and_a_pipe(tmp_path, capsys):
-    """#15 finding 8: `--ids /dev/stdin` and `--ids <(...)` were refused as "no such file"."""
+    """`--ids /dev/stdin` and `--ids <(...)` are read (pipes are files too)."""
     out = tmp_path / "a.npy"
     p = subprocess.run([sys.executable, "-m", "parity.cli", "logits", "tiny", "--ids", "/dev/stdin", "--out",
                         str(out)], cwd=REPO, input=b"1 2 3 4", capture_output=True, timeout=120)
@@ -202,7 +202,7 @@ def test_ids_from_dev_stdin_and_a_pipe(tmp_path, capsys):
 
 
 def test_tap_diff_replay_refuses_other_weights(tiny, tmp_path, capsys):
-    """#15 finding 9: `tap-diff --replay` accepted a checkpoint with the same config but other weights."""
+    """`tap-diff --replay` refuses a checkpoint with the same config but other weights."""
     a, b = _diverging_archives(tmp_path)
     other = tmp_path / "other"
     shutil.copytree(tiny, other)
@@ -218,7 +218,7 @@ def test_tap_diff_replay_refuses_other_weights(tiny, tmp_path, capsys):
 
 
 def test_taps_diff_and_the_tap_diff_alias(tmp_path, capsys):
-    """#11 item 6: `qwen4exp taps diff` (nested, as list/record), `tap-diff` kept as an alias."""
+    """`qwen4exp taps diff` (nested, as list/record), `tap-diff` kept as an alias."""
     ids = _ids(tmp_path)
     for n in ("A", "B"):
         assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(tmp_path / n), "--taps", "logits"]) == 0

@@ -24,7 +24,7 @@ from reference.paths import FIXTURES
 pytestmark = []
 
 FIXTURE_NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/golden.npz"))
-TOL_GOLDEN = 1e-4   # issue 5 float32 acceptance (see module docstring)
+TOL_GOLDEN = 1e-4   # the float32 acceptance bound (see module docstring)
 TOL_SELF = 1e-5     # same kernels, different batching/chunking: summation order only
 
 

@@ -301,7 +301,7 @@ def test_split_gdn_decode_matches_legacy_twin_dense_and_locates_a_dropped_state(
             res[(name, fused)] = (o.get(), dst.get())
             assert rel_err(res[(name, fused)][0], tout) < TOL and rel_err(res[(name, fused)][1], tst) < TOL, \
                 (seed, name, fused)
-    # fusing the gates is NOT bitwise (H200, round 2: last-ulp differences, e.g. -6.9068568e-03 vs -6.9068559e-03):
+    # fusing the gates is NOT bitwise (H200: last-ulp differences, e.g. -6.9068568e-03 vs -6.9068559e-03):
     # the in-kernel gates and the gdn_gates ElementwiseKernel are compiled separately and may round exp / log1p
     # differently by an ulp. An ulp of g or beta moves the read-out by ~1e-7 relative; 1e-6 = ~8 float32 ulps of
     # margin, while every negative control below moves it by >= 1e-3.

@@ -4,13 +4,13 @@ tiny-fp8), incrementally (chunked prefill, batched decode, verify + rollback, sn
 handle), its taps map onto the registry and agree with the reference's, its declared limits are enforced,
 and a perturbed module makes ``qwen4exp parity`` fail at that block (the negative control).
 
-Finding (asserted, not hidden): on tiny-hc3 (3 indexer heads, relu-summed scores) several blocks often score
+Asserted, not hidden: on tiny-hc3 (3 indexer heads, relu-summed scores) several blocks often score
 exactly 0.0 (on tiny-hc2 and tiny-fp8 some scenario prompts meet such ties too); the official ``scores.topk`` (torch CPU) then does not take the lower block index that the
 registry's canonical order (and the reference) take, so the two models select different blocks on ordinary
 prompts. tap-diff locates it at ``layers.2.self_attn.indexer.selected_blocks`` as a tie-break; the
 counterfactual -- the reference made to break ties as ``torch.topk`` does -- agrees with the official model
 to float32 precision. Both are valid resolutions of the tie: ``qwen4exp parity`` judges them tie-equivalent
-(issue 13; tests/parity/test_scenario_ties.py) and passes.
+(parity.harness.ties; tests/parity/test_scenario_ties.py) and passes.
 
 Tolerance: float32 official vs float32 reference differ by accumulation order only: the measured worst
 logit error on the fixtures is ~1e-5 of logits ~20 (README, tests/reference/test_fixtures.py), so 1e-4
@@ -316,8 +316,8 @@ def test_bad_options_are_one_clear_error():
 @pytest.mark.slow
 def test_parity_cli_all_scenarios_on_every_fixture(capsys):
     """Every scenario (ci level) and the KL harness pass on every fixture; on the fixtures whose prompts meet
-    exact indexer ties (the finding of the module docstring) the official CPU picks there are tie-equivalent:
-    reported as such (tie-equivalent positions), never a FAIL (issue 13's tie rule, parity.harness.ties)."""
+    exact indexer ties (the module docstring) the official CPU picks there are tie-equivalent: reported as
+    such (tie-equivalent positions), never a FAIL (the tie rule, parity.harness.ties)."""
     _need_oracle()
     from parity.cli import main
     for fx in FIXTURES:

@@ -55,7 +55,7 @@ def test_hash_twin_is_what_the_fill_uses():
 def test_real_depth_estimates():
     cfg = ModelConfig.from_dict(S.real_width_config(48))
     est = {f: S.weights_bytes_estimate(cfg, f)["total"] / 1e9 for f in S.WEIGHT_FORMATS}
-    # model-facts: BF16 ~250 GB, FP8 ~131 GB (issue 16), NVFP4 experts ~68 GB + BF16 rest
+    # model-facts: BF16 ~250 GB, FP8 ~131 GB, NVFP4 experts ~68 GB + BF16 rest
     assert 240 < est["bf16"] < 260 and 120 < est["fp8"] < 135 and 70 < est["nvfp4"] < 85
     f = Ms.flops_per_token(cfg, 1024)
     routed = 48 * 10 * 3 * 640 * 2560  # the 10 routed experts of every layer

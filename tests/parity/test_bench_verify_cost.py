@@ -1,4 +1,4 @@
-"""The verify-cost bench (issue 17 item 5): the acceptance-curve arithmetic, and one CPU run on tiny-mtp
+"""The verify-cost bench: the acceptance-curve arithmetic, and one CPU run on tiny-mtp
 (the GPU run at real widths is ci/gpu_bench.sh step 3)."""
 from __future__ import annotations
 

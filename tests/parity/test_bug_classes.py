@@ -39,7 +39,7 @@ def test_bug_class_fault_is_caught_and_located(entry):
     truth = None if scenario == "self_consistency" else _truth(fx)
     r = run_case(scenario, case, be, truth)
     if fault is faults.TopkTiesHigherIndex:
-        # issue 13's tie rule: a pick that differs only INSIDE an exact tie set is a valid resolution (the official
+        # the tie rule: a pick that differs only INSIDE an exact tie set is a valid resolution (the official
         # implementation's own CPU top-k does this); it is judged tie-equivalent against the reference forced to
         # it, never failed. A pick outside the tie set still fails (tests/parity/test_verdict_matrix.py).
         assert r.status == "pass" and r.tie_equivalent, (r.status, r.failure, r.tie_equivalent)
@@ -76,7 +76,7 @@ def test_r38_zero_ple_conv_kernel_is_refused_at_config_load(tmp_path):
         ModelConfig.from_dict(raw)
 
 
-def test_clean_reference_passes_the_issue14_cases():
+def test_clean_reference_passes_the_bug_class_cases():
     """Control of the control for the cases added with the bug classes (the fixtures they run on)."""
     seen = set()
     for _ids, _fault, scenario, prefix, fx, _loc in faults.BUG_CLASSES:

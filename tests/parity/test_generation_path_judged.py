@@ -1,14 +1,14 @@
-"""Fresh-eyes findings 2 and 5 (docs/parity.md, "The generation path" and the self-consistency skips).
+"""The generation path is judged, and unsupported operations are skipped (docs/parity.md, "The generation
+path" and the self-consistency skips).
 
-2: the kl row judges the generation path -- ``prefill_last`` against the truth's last prompt row (the prefill
-   thresholds) and ``decode_greedy``'s tokens against the truth's argmax along their own continuation (a
-   disagreement inside the kl row's near-tie band is no failure). Before the fix a backend whose generation
-   path was wrong (the tester's mybe:PrefillLastWrong / mybe:DecodeGreedyWrong) passed ``qwen4exp parity``.
-5: a self-consistency case needing an operation the backend declares unsupported (verify, rollback) is
-   skipped with its reason; before the fix the suite called it, the backend raised NotImplementedError and
-   the row was an ERROR (a false FAIL).
+* the kl row judges the generation path -- ``prefill_last`` against the truth's last prompt row (the prefill
+  thresholds) and ``decode_greedy``'s tokens against the truth's argmax along their own continuation (a
+  disagreement inside the kl row's near-tie band is no failure): a backend whose ``prefill_last`` or
+  ``decode_greedy`` is wrong (PrefillLastWrong / DecodeGreedyWrong below) fails ``qwen4exp parity``;
+* a self-consistency case needing an operation the backend declares unsupported (verify, rollback) is
+  skipped with its reason, never called (an ERROR row would be a false FAIL).
 
-The test backends wrap the reference by composition, as the tester's /work/tb/mybe.py does (copied here).
+The test backends wrap the reference by composition, as an outside plug-in backend would.
 """
 from __future__ import annotations
 

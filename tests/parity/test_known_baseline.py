@@ -1,4 +1,4 @@
-"""``--known`` baselines are precise and bound (issue 13 item 5; fresh-eyes report item 1): a known cause is
+"""``--known`` baselines are precise and bound: a known cause is
 its root cause id AND where it failed AND how large it was AND whether the top-1 token flipped there; a baseline
 of another model or backend is refused. Negative controls: a different fault at another position, a larger fault
 at the same position, a second fault next to the known one and a new top-1 flip each FAIL, named."""

@@ -80,7 +80,7 @@ def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
 def test_level_long_cpu_path_reduced(monkeypatch, request):
     """Real widths (16 experts for the CPU), one case: a decode walking across the real bound 2051. Not run by
     default (CI's plain ``pytest`` skips it): ``pytest -m slow tests/parity/test_level_long.py`` or
-    ``QWEN4EXP_RUN_SLOW=1``. Measured 2026-12-01 on the 2 shared cores of the dev machine (load ~8): one NumPy
+    ``QWEN4EXP_RUN_SLOW=1``. Measured on the 2 shared cores of the dev machine (load ~8): one NumPy
     reference forward of 2070 tokens at real width 275 s, the engine CPU prefill 228 s (max |logit diff| 3e-6)."""
     import os
     if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("QWEN4EXP_RUN_SLOW"):
@@ -139,7 +139,7 @@ def _slow(request):
 ], ids=["qsa-position-cap-32768", "ple-chunk-cap-8192"])
 def test_level_long_fault_past_a_real_cap_is_caught_and_located(monkeypatch, request, fault, case, max_tokens,
                                                                 located):
-    """Measured 2026-12-02 on the 2 shared cores of the dev machine: see docs/parity.md (--level long)."""
+    """Measured on the 2 shared cores of the dev machine: see docs/parity.md (--level long)."""
     _slow(request)
     from parity.harness.scenarios.runner import run_case
     from parity.suites import faults

@@ -260,8 +260,8 @@ def test_counterfactual_dense_attention_matches_llama_cpp(fixture):
 
 
 def test_counterfactual_rollback_across_calls_restores_the_recurrent_state_one_token_too_early():
-    """Finding 8 confirmed: after prefill(6) + decode(1) + rollback(1), llama.cpp's GDN conv state is the
-    right one (after 6 tokens) but its recurrent state is the one after 5 tokens. The reference given
+    """docs/outside-engines.md, finding 8: after prefill(6) + decode(1) + rollback(1), llama.cpp's GDN conv
+    state is the right one (after 6 tokens) but its recurrent state is the one after 5 tokens. The reference given
     exactly that state matches llama.cpp's first diverging tap (layers.0.linear_attn.out) to float32."""
     from parity.backends import open_backend, truth_model
     from taps.recorder import Recorder

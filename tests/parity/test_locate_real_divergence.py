@@ -1,4 +1,4 @@
-"""A located cause is a real divergence (fresh-eyes 3-4, outside checker 1-4).
+"""A located cause is a real divergence.
 
 * a tap counts as diverged only beyond the run's multiple of its own floor measured on the same history
   (saved beside the archives as profile.toml; ``taps diff`` with it, or with the bundled default, agrees),

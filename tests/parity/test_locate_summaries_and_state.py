@@ -1,4 +1,4 @@
-"""Locating (issue 14): one-line summaries list the taps only one side recorded; compare_state names the first
+"""Locating: one-line summaries list the taps only one side recorded; compare_state names the first
 stale array in dataflow order; the kl row's locating replays on the instance that ran every prompt."""
 from __future__ import annotations
 

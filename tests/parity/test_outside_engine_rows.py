@@ -65,7 +65,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11], [3, 4, 5, 6], [40, 41, 42, 43, 
 
 
 def test_kl_topk_row_counts_each_failing_prompt(tmp_path):
-    """All four prompts failing -> 4 failed cases of 4 (the row used to say 1, i.e. '3/4 passed')."""
+    """All four prompts failing -> 4 failed cases of 4 (not 1, i.e. '3/4 passed')."""
     row = _row([0, 1, 2, 3], PROMPTS, tmp_path)
     assert row.status == "fail" and (row.cases, row.failed_cases) == (4, 4), (row.cases, row.failed_cases)
     # the prefix-reuse pattern re-sends prompt 0: a prompt is still one case

@@ -1,15 +1,13 @@
-"""``qwen4exp parity`` / ``kl`` / ``logits`` against a second new user's findings (faulty plug-in backends
-wrapping the reference). Each test reproduces one finding and fails without its fix:
+"""``qwen4exp parity`` / ``kl`` / ``logits`` against faulty plug-in backends wrapping the reference:
 
-1/3  a backend raising inside the KL harness or a case: an ERROR row, table + report.json, verdict FAIL, exit 1
-2    a fault after the last tap (in the returned logits) is named as such, with its FIRST bad position
-4    every scenario case checks top-1 agreement (bf16: >= 99%; float: every flip a near-tie); the KL row's
-     case count reflects the failing prompts
-6    the table's "first divergence" column uses the terminal width and wraps instead of cutting
-8    ``--out DIR`` whose report.json is a directory: refused before anything runs
-12   ``logits --out``: the parent must exist, an existing file needs --overwrite
-13   ``kl --b bogus`` names --b
-15   docs: the README table shows the separator row; module:Class needs to be importable (PYTHONPATH)
+* a backend raising inside the KL harness or a case: an ERROR row, table + report.json, verdict FAIL, exit 1;
+* a fault after the last tap (in the returned logits) is named as such, with its FIRST bad position;
+* every scenario case checks top-1 agreement (bf16: >= 99%; float: every flip a near-tie); the KL row's
+  case count reflects the failing prompts;
+* the table's "first divergence" column uses the terminal width and wraps instead of cutting;
+* ``--out DIR`` whose report.json is a directory: refused before anything runs;
+* ``logits --out``: the parent must exist, an existing file needs --overwrite; ``kl --b bogus`` names --b;
+* docs: the README table shows the separator row; module:Class needs to be importable (PYTHONPATH).
 """
 from __future__ import annotations
 
@@ -172,7 +170,7 @@ def test_table_uses_the_terminal_width_and_wraps_never_cuts(monkeypatch):
     assert len(body) > 1  # wrapped onto continuation lines, indented to the column
     pad = len(body[1]) - len(body[1].lstrip())
     first = body[0][pad:].rsplit(None, 2)[0]  # without the time and verdict cells
-    # nothing lost; each line break is at a space or right after a separator inside a long name (#15 finding 7)
+    # nothing lost; each line break is at a space or right after a separator inside a long name
     from parity.harness.report import _SEPARATORS
     cells = [first.strip()] + [ln.strip() for ln in body[1:]]
     assert "".join(cells).replace(" ", "") == long.replace(" ", "")

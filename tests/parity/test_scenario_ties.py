@@ -1,4 +1,4 @@
-"""Tie-equivalence on the scenario path (issue 13, docs/parity.md "Ties"): a backend whose QSA / MoE picks differ
+"""Tie-equivalence on the scenario path (docs/parity.md "Ties"): a backend whose QSA / MoE picks differ
 from the reference's only inside a tie set passes every scenario as tie-equivalent, by the same rule and code as
 the kl row (parity.harness.ties.judge_ties), with its tie-equivalent positions reported apart from agreement;
 a pick outside the tie set still fails, located at the selection tap.

@@ -1,4 +1,4 @@
-"""The verdict matrix (issue 13): models unlike ``tiny`` x correct and faulty backends, every cell's verdict
+"""The verdict matrix: models unlike ``tiny`` x correct and faulty backends, every cell's verdict
 asserted (docs/parity.md, "Verdict matrix"). Built at test time from seeded random weights
 (tests/verdict_matrix_helpers.py). The CI subset runs by default; the whole matrix is ``slow``.
 

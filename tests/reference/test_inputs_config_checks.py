@@ -1,6 +1,6 @@
-"""Bad config.json / index / safetensors-header / generation_config.json values found by a fresh-eyes tester.
+"""Bad config.json / index / safetensors-header / generation_config.json values.
 
-Each case is a copy of a bundled fixture with ONE edit, run the way the tester ran it: through
+Each case is a copy of a bundled fixture with ONE edit, run the way a user runs it: through
 ``parity.cli.main`` (exit 2, one stderr line naming the key / file, no traceback) or the library call
 (one ConfigError / CheckpointError / InputError). Every group has a negative control: the same input made
 valid is accepted, so a check that rejected everything would fail here too.
@@ -131,8 +131,8 @@ def test_bool_field_cli_prints_the_key(tmp_path, capsys):
 
 # ------------------------------------------------------------------ 4. huge sizes: no hang, clear bounds
 def test_huge_num_experts_config_only_is_fast(tmp_path, capsys):
-    """num_experts 10**7 used to hang > 30 s (per-expert names enumerated per layer). The listing is now
-    independent of num_experts; 10 s is a loose ceiling for a ~0.2 s command on a loaded CI core."""
+    """num_experts 10**7 in config.json alone is answered fast: the tensor listing does not enumerate
+    per-expert names per layer, so its cost is independent of num_experts; 10 s is a loose ceiling for a ~0.2 s command on a loaded CI core."""
     c = _copy(tmp_path)
     _edit_json(c / "config.json", num_experts=10_000_000)
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
-"""Bad input found by a fresh-eyes tester: non-UTF-8 files, a file given as MODEL, a directory without
+"""Bad input: non-UTF-8 files, a file given as MODEL, a directory without
 config.json, config.json without model_type / vocab_size, non-string JSON prompts, --precision help.
 
-Every case reproduces the failing command: exit 2, ONE stderr line naming the thing, no traceback.
+Every case runs the command: exit 2, ONE stderr line naming the thing, no traceback.
 Each group carries a negative control (the same input made valid is accepted), so a check that refused
 everything would fail here too.
 """
@@ -63,7 +63,7 @@ def test_non_utf8_config_json_is_exit_2_naming_the_file(tmp_path, capsys, tiny, 
 
 @pytest.mark.parametrize("backend", ["reference", "engine:device=cpu"])
 def test_non_utf8_config_json_parity_names_the_file(tmp_path, capsys, tiny, backend):
-    # before the fix: "--backend 'engine': cannot be opened ... UnicodeDecodeError" without the file
+    # the message names config.json, not just "--backend 'engine': cannot be opened ... UnicodeDecodeError"
     d = _copy(tiny, tmp_path / "ck")
     (d / "config.json").write_bytes(NOT_UTF8)
     assert main(["parity", str(d), "--backend", backend, "--scenario", "kl", "--no-progress"]) == 2

@@ -13,7 +13,7 @@ from reference.model import ReferenceModel
 from reference.paths import FIXTURES
 
 FIXTURE_NAMES = ["tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8"]
-# Acceptance bound of issue 3: max|diff| <= 1e-4 * max|logit|. The official code runs float32 with its own
+# Acceptance bound of the reference: max|diff| <= 1e-4 * max|logit|. The official code runs float32 with its own
 # summation orders (observed 2e-7 .. 6e-6 relative), so the bound has >= 15x headroom and still fails by
 # orders of magnitude on any real modelling error (negative controls below: >= 1e-3).
 REL = 1e-4

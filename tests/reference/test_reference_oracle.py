@@ -19,7 +19,7 @@ from reference_helpers import EOS, official_model, tiny_config_dict  # noqa: E40
 from taps import recorder as recmod  # noqa: E402
 
 pytestmark = pytest.mark.oracle
-REL = 1e-4  # issue 3 acceptance bound (official float32 vs reference; observed ~1e-6, see test_reference_goldens)
+REL = 1e-4  # the reference's acceptance bound (official float32 vs reference; observed ~1e-6, see test_reference_goldens)
 TIE_TOL = 1e-5  # relative gap under which two block scores count as tied (float32 score rounding ~1e-7)
 
 

@@ -1,4 +1,4 @@
-"""tap-diff rules the parity harness's location shares (issue 13 item 6 follow-up): ``until_position`` (a tap first
+"""tap-diff rules the parity harness's location shares: ``until_position`` (a tap first
 beyond tolerance after the first failing position is not the cause), the joined profile (never tighter than any
 part) and the profile file saved beside a location's archives (``taps diff --profile`` judges as it did)."""
 from __future__ import annotations

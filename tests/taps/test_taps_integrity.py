@@ -1,4 +1,4 @@
-"""Hardening of `qwen4exp taps record` / `tap-diff` found by a new user: corrupt chunks are refused (sha256
+"""Integrity of `qwen4exp taps record` / `tap-diff`: corrupt chunks are refused (sha256
 per chunk), taps that cannot be compared fail the diff, selections that record nothing are errors,
 messages name the right flag, and the parity harness's archives carry what `--replay` needs."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`taps record` / `tap-diff` findings of a second new user: output paths follow the shared rules
+"""`taps record` / `tap-diff` outputs: output paths follow the shared rules
 (reference/atomic.check_output_path; one line, exit 2, nothing written), `--backend` takes the parity
 backend names and the manifest names the device, a run that emitted taps only at positions outside
 the filter is reported as such (and tap-diff calls that a divergence, exit 1), and tap-diff validates
@@ -102,7 +102,7 @@ def test_writer_failure_at_publish_removes_tmp_and_keeps_the_old_archive(tmp_pat
         ArchiveWriter(f / "x.taps")
 
 
-# ------------------------------------------------------------------ backend names (item 9)
+# ------------------------------------------------------------------ backend names
 PLUGIN = textwrap.dedent('''
     from parity.backends import ReferenceBackend
 
@@ -173,7 +173,7 @@ def test_record_plugin_raising_is_backend_raised_exit_1(tmp_path, capsys, ids_fi
     assert not out.exists() and _leftovers(tmp_path) == []
 
 
-# ------------------------------------------------------------------ taps outside the filter (item 10)
+# ------------------------------------------------------------------ taps outside the filter
 def _rec(positions, emit_at, names=("embed_tokens.out", "logits")):
     rng = np.random.default_rng(0)
     with Recorder(None, positions=positions, meta={"token_ids": IDS}) as rec:
@@ -214,7 +214,7 @@ def test_tap_diff_all_taps_at_disjoint_positions_is_exit_1(tmp_path, capsys):
     assert "FIRST DIVERGENCE" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------ tap-diff flags (item 11)
+# ------------------------------------------------------------------ tap-diff flags
 def test_tap_diff_validates_memory_and_replay_up_front(tmp_path, capsys):
     for d in ("A", "B"):
         with Recorder(tmp_path / d, meta={"token_ids": IDS, "model": {"config_hash": CFG.config_hash()}}) as rec:
