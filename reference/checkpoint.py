@@ -35,40 +35,27 @@ import json
 import math
 import os
 import re
-import struct
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
-import ml_dtypes
 import numpy as np
 
 from reference.config import ModelConfig, load_config
 from reference.errors import CheckpointError, InputError
+# the file format and the tensor schema live in their own modules; their public names are re-exported here
+from reference.safetensors_file import DTYPES, _INT, _Entry, _parse_file, _st_dtype_name, write_safetensors  # noqa: F401
+from reference.tensor_schema import (MTP_LAYER, _NGRAM_FULL, _NGRAM_SHARD_RE, _defaulted_note,  # noqa: F401
+                                     _iter_required, _near, canonical_name, expected_shape, expected_shapes,
+                                     mtp_expected_shapes, required_names)
 
 __all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "expected_shapes", "expected_shape",
-           "required_names", "bench_ngram_gather", "write_safetensors", "DTYPES", "mtp_expected_shapes", "MTP_LAYER",
+           "required_names", "write_safetensors", "DTYPES", "mtp_expected_shapes", "MTP_LAYER",
            "E2M1_VALUES", "nvfp4_dequantize"]
 
-# safetensors dtype name -> numpy dtype (little-endian, as the format stores)
-DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
-}
-# valid safetensors dtypes this reader does not decode: accepted when a file opens (a checkpoint may carry
-# them in tensors we never read, e.g. quantisation metadata), refused with a clear error when read
-_OTHER_ST_BITS = {"U16": 16, "U32": 32, "U64": 64, "F8_E8M0": 8, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _FP8 = ("F8_E4M3", "F8_E5M2")
 #: E2M1 (NVFP4) code -> value: sign bit 3, exponent bits 2-1, mantissa bit 0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        dtype=np.float32)
-_INT = ("I64", "I32", "I16", "I8", "U8", "BOOL")
-_NP_TO_ST = {v: k for k, v in DTYPES.items()}
 
 
 def nvfp4_dequantize(packed: np.ndarray, scale: np.ndarray, scale2) -> np.ndarray:
@@ -87,197 +74,6 @@ def nvfp4_dequantize(packed: np.ndarray, scale: np.ndarray, scale2) -> np.ndarra
     codes *= np.repeat(np.asarray(scale, np.float32), 16, axis=-1)
     codes *= np.asarray(scale2, np.float32)
     return codes
-
-_PREFIXES = ("model.language_model.", "model.")
-_NGRAM_SHARD_RE = re.compile(r"^(layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
-_NGRAM_FULL = "layers.{i}.ple.ple_embedding.ngram_embedding.weight"
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
-
-
-def canonical_name(stored: str) -> str:
-    """Strip the checkpoint prefix: ``model.language_model.X`` / ``model.X`` -> ``X``;
-    ``model.visual.X`` -> ``visual.X``; ``lm_head.*`` and ``mtp.*`` are kept."""
-    for p in _PREFIXES:
-        if stored.startswith(p):
-            return stored[len(p):]
-    return stored
-
-
-def _st_dtype_name(a: np.ndarray) -> str:
-    try:
-        return _NP_TO_ST[a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype]
-    except KeyError:
-        raise CheckpointError(f"array dtype {a.dtype}: expected one of the safetensors dtypes "
-                              f"{sorted(DTYPES)}, found {a.dtype}") from None
-
-
-# --------------------------------------------------------------------------- expected shapes
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> expected shape of every tensor the text model can hold.
-
-    The fused expert layout (``mlp.experts.gate_up_proj`` / ``down_proj``) and both n-gram-table forms are
-    listed (a checkpoint holds one of each); the per-expert names
-    (``layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``) are not enumerated - that would cost
-    O(layers x num_experts) at every open - and :func:`expected_shape` answers for any one name of either
-    layout. MTP, vision and quantisation scales are not listed. Source: the ``__init__`` of each module in
-    modeling_qwen4_exp.py (``Qwen4ExpTextGatedResidual``, ``Qwen4ExpTextGatedDeltaNet``,
-    ``Qwen4ExpTextAttention``, ``Qwen4ExpTextQSAIndexer``, ``Qwen4ExpTextSparseMoeBlock``,
-    ``Qwen4ExpTextExperts``, ``Qwen4ExpTextPLELayer``, ``Qwen4ExpTextNGramEmbedding``).
-    """
-    H, V, hc, R = cfg.hidden_size, cfg.vocab_size, cfg.hc_count, cfg.hc_lowrank
-    hcH = hc * H
-    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H),
-                                       "hyper_connection_mixer.hc_norm.weight": (hcH,),
-                                       "hyper_connection_mixer.input_mix_weight_down.weight": (R, hcH),
-                                       "hyper_connection_mixer.input_mix_weight_up.weight": (hcH, R)}
-    E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    for i, lt in enumerate(cfg.layer_types):
-        p = f"layers.{i}."
-        for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
-            out[p + hcn + ".hc_norm.weight"] = (hcH,)
-            out[p + hcn + ".input_mix_weight_down.weight"] = (R, hcH)
-            out[p + hcn + ".input_mix_weight_up.weight"] = (hcH, R)
-            out[p + hcn + ".block_inject_weight.weight"] = (hc, hcH)
-        if lt == "linear_attention":
-            q = p + "linear_attn."
-            nv, conv = cfg.linear_num_value_heads, cfg.linear_conv_dim
-            out.update({q + "dt_bias": (nv,), q + "A_log": (nv,), q + "conv1d.weight": (conv, 1, cfg.linear_conv_kernel_dim),
-                        q + "norm.weight": (cfg.linear_value_head_dim,), q + "out_proj.weight": (H, cfg.linear_value_dim),
-                        q + "in_proj_qkv.weight": (conv, H), q + "in_proj_z.weight": (cfg.linear_value_dim, H),
-                        q + "in_proj_b.weight": (nv, H), q + "in_proj_a.weight": (nv, H)})
-        else:
-            q = p + "self_attn."
-            nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            out.update({q + "q_proj.weight": (2 * nh * hd, H), q + "k_proj.weight": (nkv * hd, H),
-                        q + "v_proj.weight": (nkv * hd, H), q + "o_proj.weight": (H, nh * hd),
-                        q + "q_norm.weight": (hd,), q + "k_norm.weight": (hd,)})
-            if cfg.attention_bias:
-                out.update({q + "q_proj.bias": (2 * nh * hd,), q + "k_proj.bias": (nkv * hd,),
-                            q + "v_proj.bias": (nkv * hd,), q + "o_proj.bias": (H,)})
-            if cfg.qsa_enabled:
-                ihd = cfg.indexer_head_dim
-                out.update({q + "indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + cfg.indexer_kv_heads) * ihd, H),
-                            q + "indexer.q_layernorm.weight": (ihd,), q + "indexer.k_layernorm.weight": (ihd,)})
-        m = p + "mlp."
-        out.update({m + "gate.weight": (E, H), m + "experts.gate_up_proj": (E, 2 * I, H),
-                    m + "experts.down_proj": (E, H, I), m + "shared_expert.gate_proj.weight": (S, H),
-                    m + "shared_expert.up_proj.weight": (S, H), m + "shared_expert.down_proj.weight": (H, S),
-                    m + "shared_expert_gate.weight": (1, H)})
-        if i in cfg.ple_layers:
-            lay = cfg.ple_layout(i)
-            q, P = p + "ple.", cfg.ple_embed_dim
-            out.update({q + "key_proj.weight": (hcH, P), q + "value_proj.weight": (H, P),
-                        q + "norm_key.weight": (hcH,), q + "norm_query.weight": (hcH,), q + "norm_conv.weight": (hcH,),
-                        q + "conv1d.weight": (hcH, 1, cfg.ple_conv_kernel_size),
-                        q + "ple_embedding.layer_multipliers": (cfg.ngram_size,),
-                        q + "ple_embedding.ngram_heads_vocab_sizes": (cfg.ngram_heads,),
-                        q + "ple_embedding.ngram_heads_offsets": (cfg.ngram_heads,),
-                        _NGRAM_FULL.format(i=i): (lay.padded_rows, lay.head_dim)})
-    return out
-
-
-_PER_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_MTP_PER_EXPERT_RE = re.compile(r"^mtp\.layers\.0\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-#: the ``layer`` argument of :meth:`_WeightsBase.expert` that names the MTP head's MoE (``mtp.layers.0.mlp``)
-MTP_LAYER = "mtp"
-
-
-def mtp_expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> expected shape of the MTP head's tensors (``mtp.*``; fused expert layout listed, the
-    per-expert names answered by :func:`expected_shape`). They are optional: a checkpoint without them is
-    complete (:func:`required_names` never lists them). Source: model-facts.md section 3 (the tensor census
-    and the vLLM/SGLang loaders; no official module exists): ``pre_fc_norm_embedding [H]``,
-    ``pre_fc_norm_hidden [hc*H]``, ``fc_embedding``/``fc_hidden [H, H]``, one full-attention (QSA) decoder
-    layer ``mtp.layers.0.*`` shaped like the trunk's, and ``mtp.hyper_connection_mixer.*``."""
-    H, hc, R = cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank
-    hcH = hc * H
-    # the layer is the trunk's full-attention layer: reuse the trunk's shape rules on a one-layer config
-    import dataclasses
-    one = expected_shapes(dataclasses.replace(cfg, layer_types=("indexed_attention",), num_hidden_layers=1,
-                                              ple_layer_ids=()))
-    out = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (hcH,),
-           "mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H),
-           "mtp.hyper_connection_mixer.hc_norm.weight": (hcH,),
-           "mtp.hyper_connection_mixer.input_mix_weight_down.weight": (R, hcH),
-           "mtp.hyper_connection_mixer.input_mix_weight_up.weight": (hcH, R)}
-    out.update({"mtp." + n: s for n, s in one.items() if n.startswith("layers.0.")})
-    return out
-
-
-def expected_shape(cfg: ModelConfig, name: str, shapes: dict | None = None) -> tuple[int, ...] | None:
-    """Expected shape of one canonical tensor ``name`` (either expert layout), or None when the text model
-    has no such tensor. ``shapes``: a precomputed :func:`expected_shapes` of ``cfg`` (saves recomputing)."""
-    if shapes is None:
-        shapes = expected_shapes(cfg)
-    exp = shapes.get(name)
-    if exp is not None:
-        return exp
-    m = _PER_EXPERT_RE.match(name)
-    if m and int(m.group(1)) < cfg.num_hidden_layers and int(m.group(2)) < cfg.num_experts:
-        H, I = cfg.hidden_size, cfg.moe_intermediate_size
-        return (H, I) if m.group(3) == "down" else (I, H)
-    m = _MTP_PER_EXPERT_RE.match(name)
-    if m and int(m.group(1)) < cfg.num_experts:
-        H, I = cfg.hidden_size, cfg.moe_intermediate_size
-        return (H, I) if m.group(2) == "down" else (I, H)
-    return None
-
-
-def required_names(cfg: ModelConfig, names: Iterable[str] = ()) -> list[str]:
-    """Canonical names a complete text checkpoint must hold. Experts count in either layout and the
-    n-gram table in either form (sharded or whole), judged from ``names`` (the stored canonical names).
-    ``lm_head.weight`` is not required when ``tie_word_embeddings`` is set. The PLE buffers
-    (``layer_multipliers`` ...) are derived from the config and not required."""
-    return list(_iter_required(cfg, names))
-
-
-def _iter_required(cfg: ModelConfig, names: Iterable[str] = ()):
-    """:func:`required_names` as a generator (a check can stop at the first missing name without listing
-    layers x num_experts per-expert names first)."""
-    names = set(names)
-    for n in expected_shapes(cfg):
-        if n == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if ".ple_embedding.layer_multipliers" in n or ".ngram_heads_" in n or n.endswith("ngram_embedding.weight"):
-            continue
-        if ".mlp.experts." in n:
-            continue
-        yield n
-    for i in range(cfg.num_hidden_layers):
-        m = f"layers.{i}.mlp.experts."
-        if (m + "gate_up_proj") in names or (m + "down_proj") in names:
-            yield m + "gate_up_proj"
-            yield m + "down_proj"
-        else:
-            for e in range(cfg.num_experts):
-                yield f"{m}{e}.gate_proj.weight"
-                yield f"{m}{e}.up_proj.weight"
-                yield f"{m}{e}.down_proj.weight"
-
-
-def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
-    """Up to ``k`` stored names close to ``name`` (same layer first; bounded work on 150k-tensor checkpoints)."""
-    import difflib
-    names = list(names)
-    parts = name.split(".")
-    scope = ".".join(parts[:2]) + "." if parts[0] == "layers" and len(parts) > 2 else parts[0]
-    pool = [n for n in names if n.startswith(scope)] or names
-    if len(pool) > 4000:
-        stem = name.rsplit(".", 1)[-1]
-        pool = [n for n in pool if n.endswith(stem)][:4000] or pool[:4000]
-    return difflib.get_close_matches(name, pool, n=k, cutoff=0.5)
-
-
-def _defaulted_note(cfg: ModelConfig, keys: Iterable[str]) -> str:
-    """`` (official default, not in config.json: vocab_size=248320)`` for those of ``keys`` the checkpoint's
-    config.json leaves out; `` (from config.json)`` when it sets them all or was not read from a file."""
-    src = cfg.source or {}
-    text = src.get("text_config") if isinstance(src.get("text_config"), dict) else src
-    missing = [k for k in keys if src and k not in text]
-    if not missing:
-        return " (from config.json)"
-    return " (official default, not in config.json: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in missing) + ")"
 
 
 # --------------------------------------------------------------------------- shared logic
@@ -819,81 +615,6 @@ class DictWeights(_WeightsBase):
         return cls(ck.config, {n: np.array(ck._raw(n)) for n in ck.names()})
 
 
-# --------------------------------------------------------------------------- safetensors files
-@dataclass
-class _Entry:
-    file: Path
-    stored_name: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def _read_header(path: Path) -> tuple[dict, int, int]:
-    """(header dict, data start, file size) of one safetensors file, with the corruption checks."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file: expected an 8-byte header length, "
-                                      f"found a {size}-byte file")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors file: header length {n} bytes "
-                                      f"runs beyond the file ({size} bytes)")
-            blob = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        hdr = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header: expected JSON, found undecodable bytes ({e})") from None
-    if not isinstance(hdr, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header: expected a JSON object, found {type(hdr).__name__}")
-    return hdr, 8 + n, size
-
-
-def _parse_file(path: Path) -> tuple[list[_Entry], dict]:
-    hdr, data0, size = _read_header(path)
-    meta = hdr.pop("__metadata__", {}) or {}
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__: expected a JSON object, "
-                              f"found {type(meta).__name__}")
-    out = []
-    def is_uint(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-    for name, info in hdr.items():
-        try:
-            dt, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}: expected dtype, shape and "
-                                  f"data_offsets, found {info!r}") from None
-        if not (isinstance(shape, list) and all(is_uint(x) for x in shape)):
-            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: shape: expected a list of "
-                                  f"integers >= 0, found {shape!r}")
-        if not (is_uint(b) and is_uint(e)):
-            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets: expected two "
-                                  f"integers >= 0, found {[b, e]!r}")
-        if not isinstance(dt, str) or (dt not in DTYPES and dt not in _OTHER_ST_BITS):
-            raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype: expected a safetensors dtype (one of "
-                                  f"{sorted(set(DTYPES) | set(_OTHER_ST_BITS))}), found {dt!r}")
-        shape = tuple(shape)
-        if not b <= e or data0 + e > size:
-            raise CheckpointError(f"{path}: truncated or corrupt file: tensor {name!r} data_offsets [{b}, {e}] run "
-                                  f"beyond the data section ({size - data0} bytes)")
-        # Python ints: no overflow on absurd shapes; sub-byte dtypes pack (rounded up to whole bytes)
-        bits = DTYPES[dt].itemsize * 8 if dt in DTYPES else _OTHER_ST_BITS[dt]
-        want = -(-math.prod(shape) * bits // 8)
-        if want != e - b:
-            raise CheckpointError(f"{path}: corrupt header: tensor {name!r} {dt}{list(shape)} needs {want} bytes, "
-                                  f"data_offsets give {e - b}")
-        out.append(_Entry(path, name, dt, shape, data0 + b, e - b))
-    return out, meta
-
-
 class Checkpoint(_WeightsBase):
     """A lazily read safetensors checkpoint (see the module docstring). Open with :meth:`open`.
 
@@ -1067,112 +788,3 @@ class Checkpoint(_WeightsBase):
                 for off in sorted({0, max(0, en.nbytes // 2 - 32), max(0, en.nbytes - 64)}):
                     h.update(os.pread(fd, min(64, en.nbytes - off), en.start + off))
         return h.hexdigest()[:32]
-
-
-# --------------------------------------------------------------------------- writing
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> Path:
-    """Write a safetensors file atomically (temp name in the same directory, then rename).
-
-    Any dtype of :data:`DTYPES` (incl. ml_dtypes bfloat16 / float8) is written; tensors are laid out in
-    name order. Used by fixtures and tests to create FP8 / BF16 / sharded checkpoints.
-    """
-    path = Path(path)
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    off = 0
-    arrs = []
-    for n in sorted(tensors):
-        a = np.ascontiguousarray(tensors[n])
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        header[n] = {"dtype": _st_dtype_name(a), "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        off += a.nbytes
-        arrs.append(a)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    from reference.atomic import atomic_open
-    with atomic_open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrs:
-            f.write(a.tobytes())
-    return path
-
-
-# --------------------------------------------------------------------------- benchmark
-def _statm_rss_bytes() -> tuple[int, int]:
-    """(resident, resident - shared) bytes of this process from /proc/self/statm."""
-    with open("/proc/self/statm") as f:
-        parts = f.read().split()
-    page = os.sysconf("SC_PAGE_SIZE")
-    return int(parts[1]) * page, (int(parts[1]) - int(parts[2])) * page
-
-
-def bench_ngram_gather(min_table_bytes: int = 256 * 1024 * 1024, *, head_dim: int = 160, n_shards: int = 8,
-                       n_gathers: int = 200, rows_per_gather: int = 4096, dtype: str = "BF16",
-                       directory: str | os.PathLike | None = None, seed: int = 0, progress: bool = False) -> dict:
-    """Gather random rows from a synthetic sharded n-gram table on disk; report speed and memory.
-
-    A sparse table (``min_table_bytes`` or more, split into ``n_shards`` safetensors files that hold
-    ``layers.0.ple.ple_embedding.ngram_embedding.shard_{k}.weight``) is written to a temp dir (files
-    are sparse, so a table far larger than RAM costs no disk), opened with :class:`Checkpoint`, and
-    ``n_gathers`` random batches of ``rows_per_gather`` rows are gathered with :meth:`ngram_rows`.
-
-    Returns:
-        dict: ``rows_per_s``, ``table_bytes``, ``rows`` (total gathered), ``rss_growth_bytes`` (statm
-        resident, after minus before the gathers, measured after a warm-up gather), ``anon_growth_bytes``
-        (resident minus shared), ``seconds``.
-    """
-    from tqdm import tqdm
-
-    st_dt = DTYPES[dtype]
-    row_bytes = head_dim * st_dt.itemsize
-    rows_per_shard = max(1, math.ceil(min_table_bytes / row_bytes / n_shards))
-    ngram_heads = 2
-    total = n_shards * rows_per_shard
-    with tempfile.TemporaryDirectory(dir=directory, prefix="ngram-bench-") as td:
-        root = Path(td)
-        # a config whose layer-0 PLE table has exactly `total` padded rows: two prime-sized heads near
-        # total / 4 (sum < total) padded to a multiple of `total`
-        base = max(3, total // (2 * ngram_heads))
-        cfg_d = dict(model_type="qwen4_exp_text", vocab_size=256, hidden_size=8, num_hidden_layers=1,
-                     num_attention_heads=1, num_key_value_heads=1, head_dim=8, linear_key_head_dim=4,
-                     linear_value_head_dim=4, linear_num_key_heads=1, linear_num_value_heads=1,
-                     moe_intermediate_size=4, shared_expert_intermediate_size=4, num_experts=1,
-                     num_experts_per_tok=1, hc_count=2, hc_lowrank=2, layer_types=["linear_attention"],
-                     ple_layer_ids=[1], ple_embed_dim=head_dim * ngram_heads, ngram_size=2,
-                     heads_per_ngram=ngram_heads, ngram_vocab_size_base=base,
-                     make_ngram_vocab_size_divisible_by=total, split_ngram_parts=n_shards, eos_token_id=0,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
-        cfg = ModelConfig.from_dict(cfg_d)
-        lay = cfg.ple_layout(0)
-        if lay.padded_rows != total:
-            raise RuntimeError(f"bench config: padded rows {lay.padded_rows} != {total}")
-        (root / "config.json").write_text(json.dumps(cfg_d))
-        wmap = {}
-        for k in range(n_shards):
-            name = f"model.layers.0.ple.ple_embedding.ngram_embedding.shard_{k}.weight"
-            fn = f"model-{k:05d}-of-{n_shards:05d}.safetensors"
-            hdr = {name: {"dtype": dtype, "shape": [rows_per_shard, head_dim],
-                          "data_offsets": [0, rows_per_shard * row_bytes]}}
-            blob = json.dumps(hdr).encode()
-            blob += b" " * (-len(blob) % 8)
-            with open(root / fn, "wb") as f:
-                f.write(struct.pack("<Q", len(blob)) + blob)
-                f.truncate(8 + len(blob) + rows_per_shard * row_bytes)  # sparse: reads as zeros
-            wmap[name] = fn
-        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
-        rng = np.random.default_rng(seed)
-        with Checkpoint.open(root) as ck:
-            ck.ngram_rows(0, rng.integers(0, total, size=rows_per_gather))  # warm-up
-            rss0, anon0 = _statm_rss_bytes()
-            t0 = time.perf_counter()
-            for _ in tqdm(range(n_gathers), disable=not progress, desc="gather", unit="batch"):
-                out = ck.ngram_rows(0, rng.integers(0, total, size=rows_per_gather))
-                del out
-            dt = time.perf_counter() - t0
-            rss1, anon1 = _statm_rss_bytes()
-    n = n_gathers * rows_per_gather
-    return {"rows_per_s": n / dt if dt > 0 else float("inf"), "table_bytes": total * row_bytes, "rows": n,
-            "rss_growth_bytes": rss1 - rss0, "anon_growth_bytes": anon1 - anon0, "seconds": dt}

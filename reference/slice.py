@@ -41,13 +41,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from reference.errors import InputError, UserError
+from reference.safetensors_file import StreamedTensor, write_streamed
 
 __all__ = ["SliceError", "SlicePlan", "plan_slice", "slice_checkpoint"]
 
@@ -266,55 +266,43 @@ def _rows_or_refuse(ck, name, en, rows, what):
 
 
 def _write_shard(ck, path: Path, jobs: list[dict], metadata: dict | None) -> int:
-    """Write one safetensors shard, streaming each tensor's kept rows from the source map in blocks.
-    Returns the bytes of tensor data written."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    plans, off = [], 0
+    """Write one safetensors shard (:func:`reference.safetensors_file.write_streamed`), streaming each
+    tensor's kept rows from the source map in blocks. Returns the bytes of tensor data written."""
+    out = []
     for j in sorted(jobs, key=lambda j: j["out"]):
         en = j["entry"]
         if j["array"] is not None:
             a = np.ascontiguousarray(j["array"])
-            shape, dtype, nbytes = list(a.shape), en.dtype, a.nbytes
+            out.append(StreamedTensor(j["out"], en.dtype, a.shape, a.nbytes, (a,)))
+            continue
+        rows = j["rows"]
+        shape = list(en.shape)
+        row_bytes = en.nbytes // shape[0] if shape and shape[0] else en.nbytes
+        if rows is not None:
+            shape[0] = len(rows)
+        nbytes = row_bytes * shape[0] if shape else en.nbytes
+        out.append(StreamedTensor(j["out"], en.dtype, tuple(shape), nbytes, _row_blocks(ck, en, rows)))
+    return write_streamed(path, out, metadata, atomic=False)  # inside the slice's atomic_dir
+
+
+def _row_blocks(ck, en, rows):
+    """The kept rows of source entry ``en`` (all when ``rows`` is None) as buffers of about _BLOCK_BYTES."""
+    mm = ck._map(en.file)
+    if not en.shape or not en.shape[0] or rows is None:
+        for s in range(0, en.nbytes, _BLOCK_BYTES):
+            yield memoryview(mm[en.start + s:en.start + min(en.nbytes, s + _BLOCK_BYTES)])
+        return
+    row_bytes = en.nbytes // en.shape[0]
+    per = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+    rows = np.asarray(rows, dtype=np.int64)
+    for s in range(0, rows.size, per):
+        blk = rows[s:s + per]
+        if blk.size and np.all(np.diff(blk) == 1):  # a contiguous run: one slice of the map
+            a = en.start + int(blk[0]) * row_bytes
+            yield memoryview(mm[a:a + blk.size * row_bytes])
         else:
-            rows = j["rows"]
-            shape = list(en.shape)
-            row_bytes = en.nbytes // shape[0] if shape and shape[0] else en.nbytes
-            if rows is not None:
-                shape[0] = len(rows)
-            nbytes = row_bytes * shape[0] if shape else en.nbytes
-            dtype = en.dtype
-        header[j["out"]] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + nbytes]}
-        plans.append((j, nbytes))
-        off += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for j, nbytes in plans:
-            en = j["entry"]
-            if j["array"] is not None:
-                f.write(np.ascontiguousarray(j["array"]).tobytes())
-                continue
-            mm = ck._map(en.file)
-            if not en.shape or not en.shape[0] or j["rows"] is None:
-                for s in range(0, en.nbytes, _BLOCK_BYTES):
-                    f.write(memoryview(mm[en.start + s:en.start + min(en.nbytes, s + _BLOCK_BYTES)]))
-                continue
-            row_bytes = en.nbytes // en.shape[0]
-            per = max(1, _BLOCK_BYTES // max(row_bytes, 1))
-            rows = np.asarray(j["rows"], dtype=np.int64)
-            for s in range(0, rows.size, per):
-                blk = rows[s:s + per]
-                if blk.size and np.all(np.diff(blk) == 1):  # a contiguous run: one slice of the map
-                    a = en.start + int(blk[0]) * row_bytes
-                    f.write(memoryview(mm[a:a + blk.size * row_bytes]))
-                else:
-                    view = mm[en.start:en.start + en.nbytes].reshape(en.shape[0], row_bytes)
-                    f.write(np.ascontiguousarray(view[blk]).tobytes())
-    return off
+            view = mm[en.start:en.start + en.nbytes].reshape(en.shape[0], row_bytes)
+            yield np.ascontiguousarray(view[blk])
 
 
 def _copy_side_files(src: Path, dst: Path, plan: SlicePlan) -> None:

@@ -583,7 +583,7 @@ def run_extras(spec: dict) -> dict:
     """Checkpoint n-gram gather rows/s and tap-diff MB/s where those modules offer their bench hooks."""
     out = {"kind": "extras"}
     try:
-        from reference.checkpoint import bench_ngram_gather
+        from reference.bench_ngram import bench_ngram_gather
         r = bench_ngram_gather(int(spec.get("table_bytes", 64 << 20)), n_gathers=int(spec.get("gathers", 20)),
                                rows_per_gather=int(spec.get("rows_per_gather", 1024)))
         out["ngram_gather"] = {k: r[k] for k in ("rows_per_s", "table_bytes", "rows", "seconds")}

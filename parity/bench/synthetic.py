@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from reference.checkpoint import _WeightsBase
 from reference.config import ModelConfig
+from reference.safetensors_file import StreamedTensor, write_streamed
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -178,25 +178,20 @@ def _nbytes(shape, kind) -> int:
 
 
 def _write_shard(path: Path, specs, pool: _Pool, bar) -> None:
-    header, off = {}, 0
+    # one safetensors writer (reference.safetensors_file); inside the checkpoint's atomic_dir
+    out = []
     for name, shape, kind, _ in specs:
-        nbytes = _nbytes(shape, kind)
         dt = "I64" if isinstance(kind, np.ndarray) else "BF16"
-        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-        off += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, shape, kind, _ in specs:
-            if isinstance(kind, np.ndarray):
-                f.write(kind.tobytes())
-                continue
-            for piece in pool.pieces(kind, int(np.prod(shape)), name):
-                f.write(piece.view(np.uint16).data)
-                if bar is not None:
-                    bar.update(piece.nbytes)
+        chunks = (kind,) if isinstance(kind, np.ndarray) else _pieces(pool, kind, shape, name, bar)
+        out.append(StreamedTensor(name, dt, tuple(shape), _nbytes(shape, kind), chunks))
+    write_streamed(path, out, atomic=False)
+
+
+def _pieces(pool: _Pool, kind, shape, name: str, bar):
+    for piece in pool.pieces(kind, int(np.prod(shape)), name):
+        yield piece.view(np.uint16)
+        if bar is not None:
+            bar.update(piece.nbytes)
 
 
 #: the real model's decoder layers (model-facts: num_hidden_layers 48); synthetic checkpoints stop there

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from fixture_helpers import FIXTURE_NAMES, fixture_dir
-from reference.checkpoint import (Checkpoint, CheckpointError, DictWeights, bench_ngram_gather, canonical_name,
+from reference.bench_ngram import bench_ngram_gather
+from reference.checkpoint import (Checkpoint, CheckpointError, DictWeights, canonical_name,
                                   write_safetensors)
 from reference.errors import InputError
 
