@@ -8,24 +8,26 @@ import sys
 import types
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from parity.cli import main
+from reference.checkpoint import Checkpoint, write_safetensors
 from reference.paths import bundled_model
 
 
 def _nan_lm_head(tmp_path) -> Path:
     """A copy of fixtures/tiny whose every lm_head.weight value is the BF16 NaN 0x7fc0."""
-    torch = pytest.importorskip("torch")
-    from safetensors.torch import load_file, save_file
     dst = tmp_path / "nan"
     shutil.copytree(bundled_model("tiny"), dst)
     f = dst / "model.safetensors"
-    d = load_file(str(f))
+    with Checkpoint.open(dst) as ck:
+        d = {ck.stored_name(n): np.array(ck.get_raw(n)) for n in ck.names()}
     w = d["lm_head.weight"]
-    d["lm_head.weight"] = torch.full(w.shape, 0x7FC0, dtype=torch.int16).view(torch.bfloat16)
-    save_file(d, str(f), metadata={"format": "pt"})
+    assert w.dtype == ml_dtypes.bfloat16, w.dtype
+    d["lm_head.weight"] = np.full(w.shape, 0x7FC0, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    write_safetensors(f, d, metadata={"format": "pt"})
     return dst
 
 
@@ -248,6 +250,7 @@ def test_bench_warmup_help_says_zero_is_allowed(capsys):
 
 # --- 8: logits of the wrong shape contribute no KL figure; the message says which side is which
 SHORT = '''
+import ml_dtypes
 import numpy as np
 from parity.backends import ReferenceBackend
 

@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import itertools
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +18,6 @@ from engine.backend import cuda_source
 from engine.kernels import linear as L
 from engine.kernels import moe as M
 
-NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 
 
 def _decode_choices():
@@ -98,7 +95,7 @@ def _real_width_exprs():
     return sorted(exprs)
 
 
-def _compile(exprs, tmp_path):
+def _compile(nvcc, exprs, tmp_path):
     """nvcc over the text NVRTC gets (headers inlined, the nvcc-only instantiations left out) plus ``exprs``."""
     text = cuda_source("moe_fused.cu")
     assert "#ifndef __CUDACC_RTC__" in text
@@ -106,19 +103,19 @@ def _compile(exprs, tmp_path):
     body = "\n".join(f"    (void)&{e};" for e in exprs)
     src = tmp_path / "inst.cu"
     src.write_text(f"{text}\nvoid instantiate_all() {{\n{body}\n}}\n")
-    return subprocess.run([NVCC, "-c", "-std=c++17", "--gpu-architecture=sm_90", "-o", str(tmp_path / "inst.o"),
+    return subprocess.run([nvcc, "-c", "-std=c++17", "--gpu-architecture=sm_90", "-o", str(tmp_path / "inst.o"),
                            str(src)], capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent): fused instantiations not compiled")
-def test_real_width_fused_instantiations_compile(tmp_path):
+@pytest.mark.nvcc
+def test_real_width_fused_instantiations_compile(nvcc, tmp_path):
     exprs = _real_width_exprs()
     assert any("moe_route<float" in e for e in exprs) and any("moe_gemv_mma<" in e for e in exprs)
-    r = _compile(exprs, tmp_path)
+    r = _compile(nvcc, exprs, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     # negative control: a template the file does not define is reported
-    r = _compile(["moe_gemv_densex<1, float, 1, 1, 1, true>"], tmp_path)
+    r = _compile(nvcc, ["moe_gemv_densex<1, float, 1, 1, 1, true>"], tmp_path)
     assert r.returncode != 0 and "moe_gemv_densex" in r.stderr
 
 

@@ -17,24 +17,25 @@ import pytest
 from parity.cli import main
 from parity.harness.kl import KLThresholds, compare_logits, kl_rounding_floor, verdict
 from parity_fakes import _Wrap, reference_capabilities
+from reference.checkpoint import Checkpoint, write_safetensors
 from reference.paths import bundled_model
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """tiny with lm_head.weight x 1e-4 (golden files left out: the reference is the truth)."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    """tiny with lm_head.weight x 1e-4 (golden files left out: the reference is the truth). Written with the
+    reference's own safetensors reader/writer (stored dtypes kept, bfloat16 through ml_dtypes): no torch."""
     src = bundled_model("tiny")
     dst = tmp_path_factory.mktemp("small") / "small"
     dst.mkdir()
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith("golden") and f.name != "model.safetensors":
             shutil.copy(f, dst / f.name)
-    w = load_file(str(src / "model.safetensors"))
+    with Checkpoint.open(src) as ck:
+        w = {ck.stored_name(n): np.array(ck.get_raw(n)) for n in ck.names()}
     lm = w["lm_head.weight"]
-    w["lm_head.weight"] = (lm.to(torch.float32) * 1e-4).to(lm.dtype)
-    save_file(w, str(dst / "model.safetensors"))
+    w["lm_head.weight"] = (lm.astype(np.float32) * np.float32(1e-4)).astype(lm.dtype)
+    write_safetensors(dst / "model.safetensors", w)
     return dst
 
 
