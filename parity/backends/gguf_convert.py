@@ -57,6 +57,17 @@ QWEN35_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{
                       r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+#: the files llama.cpp's converter builds a vocabulary from (a HF fast tokenizer, a SentencePiece model, a
+#: GPT-2 style vocab.json + merges.txt); a checkpoint with none of them gets the converter's 'none' vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_dir) -> bool:
+    """Whether ``model_dir`` holds any of :data:`TOKENIZER_FILES` (else it is converted with ``no_vocab``:
+    :func:`run_converter`)."""
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def pre_tokenizer_label(model_dir) -> str | None:
     """The llama.cpp pre-tokenizer label (``tokenizer.ggml.pre``) whose rules equal the checkpoint's
     ``tokenizer.json`` pre-tokenizer, or None when none is known to.
@@ -399,7 +410,7 @@ def run_converter(conv, src, outfile, *, outtype: str = "f32", label: str = "", 
 
 def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", timeout=CONVERT_TIMEOUT_S) -> dict:
     """Convert ``model_dir`` to GGUF (cached under ``<cache>/gguf/``); returns ``{"gguf", "reparams",
-    "checks", "converter"}``.
+    "checks", "converter"}`` (+ ``"vocab"`` when the checkpoint has no tokenizer files).
 
     ``outtype`` f32: the fixtures' BF16/F32 weights are kept exactly, so what is judged is llama.cpp's
     arithmetic, not a rounding of the weights.
@@ -431,7 +442,10 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
                                f"checkpoint to compute the same function, found max |dlogit| {chk['max_abs_diff']:.3g} "
                                f"({chk['by']})")
     tmp = root / "model.gguf.part"
-    r = run_converter(conv, src, tmp, outtype=outtype, label=label, timeout=timeout)
+    # no tokenizer files (synthetic weights): token ids -> logits, the function judged, needs none; the GGUF
+    # gets the converter's 'none' vocabulary of vocab_size dummy tokens, as the bench's peer conversion does
+    no_vocab = not has_tokenizer(model_dir)
+    r = run_converter(conv, src, tmp, outtype=outtype, label=label, no_vocab=no_vocab, timeout=timeout)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         msg = refusal_message(r.stderr)
@@ -440,7 +454,9 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
         raise EngineRefused(f"llama.cpp {version}", "converter", msg, offer_for(msg, model_dir, reparams))
     os.replace(tmp, gguf)
     doc = {"gguf": str(gguf), "reparams": reparams, "checks": checks, "converter": str(conv),
-           **({"tokenizer_label": label} if label else {})}
+           **({"tokenizer_label": label} if label else {}),
+           **({"vocab": f"none: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in the checkpoint, so the GGUF "
+                        f"holds vocab_size dummy tokens (token ids -> logits only)"} if no_vocab else {})}
     info.write_text(json.dumps(doc, indent=1), encoding="utf-8")
     return doc
 

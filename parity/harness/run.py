@@ -67,29 +67,41 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
 
 def topk_report(report, be, model, prompts):
     """``qwen4exp parity`` of an OpenAI-compatible server: one kl-topk row (see parity.backends.openai and
-    parity.harness.topk); the scenarios need sequences the API does not expose, so each is a skipped row
-    with that reason (a skip never counts as a pass: the kl-topk row carries the verdict)."""
+    parity.harness.topk) judged by the thresholds of the floor measured on this model and prompts
+    (parity.harness.floor.thresholds_for_run, as every other row); the scenarios need sequences the API does
+    not expose, so each is a skipped row with that reason (a skip never counts as a pass: the kl-topk row
+    carries the verdict). A row that compared nothing, or whose top-k mass cannot resolve a useful fault, is
+    INCONCLUSIVE with counts 0/0 (nothing vouched for)."""
     from parity.backends import truth_model
+    from parity.harness.floor import thresholds_for_run
     from parity.harness.report import ScenarioRow
     from parity.harness.scenarios import SCENARIOS
     from parity.harness.topk import run_topk
     from parity.prompts import load_prompts
     t0 = time.perf_counter()
     ps = load_prompts(prompts, model, be.config.vocab_size, be.config.max_position_embeddings)
+    truth = truth_model(model)
+    th, floor, _ = thresholds_for_run(truth.weights, be, ps)
+    report.meta.update(thresholds=th.to_json(), floor=floor.to_json())
+    limits = th.to_json()
     try:
-        res = run_topk(be, truth_model(model), ps)
-        status = "pass" if res["passed"] else "fail"
+        res = run_topk(be, truth, ps, thresholds=th)
+        status = res["status"]
         f = res["first"]
         first = None if f is None else (f"prompt {f['prompt']} ({f['pattern']}): first divergent position "
                                         f"{f['position']} ({'greedy continuation' if f['greedy_region'] else 'prompt'}"
-                                        f"; KL on the top-{be.topk} {f['kl']:.3g}, top-1 "
+                                        f"; KL on the top-{be.topk} {f['kl']:.3g} (limit {f['bound']:.3g}), top-1 "
                                         f"{'same' if f['top1'] else 'differs'})")
         if f is not None and f.get("echo"):
             first = (f"prompt {f['prompt']} ({f['pattern']}): the server's echo drops or moves the token at position "
                      f"{f['position']}, so its rows from there cannot be attributed (a server defect)")
-        if res["prompts"] == 0:
-            first = f"no prompt survives the text round trip ({res['skipped_unsendable']} skipped)"
-        detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= {res['threshold_kl']:g}; "
+        if status == "inconclusive":
+            first = res["inconclusive"]
+        detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= (tol x scale + the server's "
+                  f"float32 logprob rounding)^2 per position (tol {th.tol_rel:.3g}); worst KL / limit "
+                  f"{res['worst_kl_over_bound']:.3g}; smallest fault resolved at every position "
+                  f"{res['resolution_rel']:.3g} of the logit scale (least truth mass on the top-k "
+                  f"{res['min_mass_truth']:.3g}); "
                   f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
                   f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
                   f"{res['skipped_unsendable']} prompts not sendable as text"
@@ -97,14 +109,16 @@ def topk_report(report, be, model, prompts):
                      + ", ".join(f"prompt {m['prompt']} at position {m['position']}" for m in res['echo_misaligned'])
                      if res["echo_misaligned"] else ""))
         # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its
-        # request patterns does); no prompt sendable is one failed case
-        n_bad = len(res["failed_prompts"]) if res["prompts"] else 1
-        report.rows.append(ScenarioRow("kl-topk", res["prompts"], 0 if res["passed"] else n_bad, res["worst_kl"],
+        # request patterns does); an inconclusive row vouches for no prompt: 0/0
+        cases = 0 if status == "inconclusive" else res["prompts"]
+        n_bad = len(res["failed_prompts"]) if status == "fail" else 0
+        report.rows.append(ScenarioRow("kl-topk", cases, n_bad, res["worst_kl"],
                                        float("nan"), first, time.perf_counter() - t0, status, detail,
-                                       failures=[res] if status != "pass" else []))
+                                       failures=[res] if status != "pass" else [], thresholds=limits))
     except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
         report.rows.append(ScenarioRow("kl-topk", 1, 1, float("nan"), float("nan"), f"backend raised "
-                                       f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e)))
+                                       f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e),
+                                       thresholds=limits))
     report.meta["openai"] = {"convention": be.convention, "requests": be.requests}
     for name in SCENARIOS:
         report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None, 0.0, "skip",

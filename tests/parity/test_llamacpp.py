@@ -5,6 +5,7 @@ reproduction and counterfactual). Skipped cleanly without llama-cpp-python or it
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -45,7 +46,8 @@ def _cache(tmp_path_factory):
 
 def _parity(fixture, spec, scenarios=None):
     from parity.harness.run import run_parity
-    return run_parity(bundled_model(fixture), spec, scenarios or ["kl", "budget"], level="ci", progress=False)
+    m = fixture if isinstance(fixture, Path) else bundled_model(fixture)   # a fixture's name or a checkpoint
+    return run_parity(m, spec, scenarios or ["kl", "budget"], level="ci", progress=False)
 
 
 # --- as shipped: every fixture is refused, with llama.cpp's own message ---------------------------------
@@ -162,16 +164,24 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def server():
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("fastapi")
-    pytest.importorskip("sse_starlette")
-    pytest.importorskip("starlette_context")
     from parity.backends import gguf_convert as gc
     m = bundled_model("tiny")
     gguf = gc.convert(m, gc.installed_version(), reparams=gc.parse_reparams("auto", m))["gguf"]
+    with _serve(gguf) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serve(gguf):
+    """llama_cpp.server on ``gguf`` at a free loopback port (bounded start-up wait), stopped on exit. The KV
+    cache is float32 (``--type_k/--type_v 0``, GGML_TYPE_F32): the server is judged as a float32 engine, and its
+    default f16 cache moves tiny's logprobs by ~2e-4 of the logit scale, ~10x the float32 tolerance."""
+    for mod in ("uvicorn", "fastapi", "sse_starlette", "starlette_context"):  # llama_cpp.server's own imports
+        pytest.importorskip(mod)
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-                             "--host", "127.0.0.1", "--n_ctx", "512", "--logits_all", "true", "--n_threads", "1"],
+                             "--host", "127.0.0.1", "--n_ctx", "512", "--logits_all", "true", "--n_threads", "1",
+                             "--type_k", "0", "--type_v", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -220,6 +230,62 @@ def test_openai_passes_where_llama_cpp_agrees(server):
     # negative control: the same answers judged against another model's truth fail, at the first row
     bad = run_topk(be, truth_model(bundled_model("tiny-hc2")), [ids], n_new=3)
     assert not bad["passed"] and bad["first"]["position"] == 1, bad
+
+
+def _near_uniform(dst, factor):
+    """tiny with ``lm_head`` scaled by ``factor``: every next-token row near uniform (logit scale ~0.9 x factor;
+    the top-20 of the 512 ids hold ~4% of the probability), the rest of the function unchanged -- including
+    llama.cpp's defect A (QSA converted as dense: wrong from position 11)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(bundled_model("tiny"), dst, ignore=shutil.ignore_patterns("golden*"))
+    ts = load_file(str(dst / "model.safetensors"))
+    ts["lm_head.weight"] = (ts["lm_head.weight"].float() * factor).to(ts["lm_head.weight"].dtype)
+    save_file({k: v.contiguous() for k, v in ts.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+#: three plain prompts (no ',': llama-cpp-python drops echoed tokens equal to its default BOS id 11, finding G)
+PLAIN = ["The quick brown fox jumps over the lazy dog near the river bank.",
+         "Once upon a time there was a small village in the mountains.",
+         "Water boils at one hundred degrees at sea level they say."]
+
+
+@pytest.mark.slow  # a conversion, a server and two parity runs: ~1 min on one core
+def test_openai_on_a_near_uniform_model_is_never_pass(tmp_path):
+    """A known-wrong server (llama.cpp's dense QSA, wrong from position 11) on a near-uniform model (logit scale
+    ~1e-4, top-20 holding ~1.5-4% of each row): its lower-bound KL is ~1e-11, far under the former fixed limit
+    (tol^2 at unit scale, ~4e-9), which passed it blind (measured: PASS, 3 prompts). Judged by the limit that
+    follows the model's scale it is not PASS; where llama.cpp is right (below the QSA budget) the row cannot
+    resolve a useful fault and is INCONCLUSIVE, never FAIL; --backend llama.cpp on the same GGUF FAILs."""
+    import json
+    from parity.backends import gguf_convert as gc
+    from parity.backends import open_backend, truth_model
+    from parity.harness.topk import run_topk
+    m = _near_uniform(tmp_path / "near-uniform", 1e-4)
+    prompts = tmp_path / "plain.json"
+    prompts.write_text(json.dumps(PLAIN))
+    conv = gc.convert(m, gc.installed_version(), reparams=gc.parse_reparams("auto", m))
+    with _serve(conv["gguf"]) as url:
+        from parity.harness.run import run_parity
+        rep = run_parity(m, f"openai:url={url}", ["kl"], prompts=prompts, level="ci", progress=False)
+        below = run_topk(open_backend(f"openai:url={url}", m), truth_model(m),
+                         [[60, 61, 62, 63, 64, 65, 66, 67, 68, 69]], n_new=1, prefix_reuse=False)
+    row = rep.rows[0]
+    assert row.scenario == "kl-topk" and row.status in ("fail", "inconclusive") and rep.exit_code in (1, 3), \
+        (row.status, row.first_divergence, row.detail)
+    res = row.failures[0]
+    assert res["prompts"] == 3 and not res["echo_misaligned"], res
+    # the trap is real: the worst lower-bound KL is below the limit at unit logit scale (what the row compared
+    # against before), and the top-k sees only a few percent of each row
+    assert res["worst_kl"] < rep.meta["thresholds"]["max_kl_at_unit_scale"], res
+    assert res["min_mass_truth"] < 0.1 and res["resolution_rel"] > 1e-2, res
+    # llama.cpp right (10 tokens + 1, below the budget): INCONCLUSIVE with its reason, far from any FAIL
+    # (measured worst KL / limit 2e-4)
+    assert below["status"] == "inconclusive" and "too little" in below["inconclusive"], below
+    assert below["worst_kl_over_bound"] < 0.1, below
+    lc = _parity(m, f"llama.cpp:gguf={conv['gguf']}", ["kl"])
+    assert lc.rows[0].status == "fail"
 
 
 def test_openai_refuses_non_http_url():
