@@ -37,7 +37,8 @@ def register(subparsers) -> None:
                    help="write a KL histogram and per-position KL plot (needs matplotlib: pip install -e '.[plot]')")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out / --plot file (only when the run completes)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr (default: a bar on a "
+                   "terminal, else a plain line per prompt and every 10 s)")
     add_traceback(p)
     p.set_defaults(func=run)
 
@@ -168,10 +169,11 @@ def run(args) -> int:
                              f"layers.0.self_attn.o_proj.weight; `qwen4exp info {args.model or 'tiny'}` describes "
                              f"it), found no tensor of that name")
     prompts = load_prompts(args.prompts, model, cfg.vocab_size, cfg.max_position_embeddings)
+    from parity.harness.progress import progress_mode
     from parity.harness.run import run_kl_command
     try:
         rep = run_kl_command(model, a, b, prompts, greedy_tokens=args.greedy_tokens,
-                             perturb_name=args.perturb, progress=not args.no_progress and sys.stderr.isatty())
+                             perturb_name=args.perturb, progress=progress_mode(args.no_progress))
     except (KeyboardInterrupt, UserError):
         raise
     except (Exception, SystemExit) as e:  # noqa: BLE001 - a backend crashed mid-run: an ERROR verdict, never its code

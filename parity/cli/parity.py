@@ -60,7 +60,8 @@ def register(subparsers) -> None:
     p.add_argument("--below-bound", action="store_true",
                    help="confine the scenarios and the kl row below the QSA bound (cases reaching past it are "
                         "skipped; the kl row's prompts and greedy continuation are cut to end at bound - 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr (default: a bar on a "
+                   "terminal, else a plain line per finished case and every 10 s)")
     add_traceback(p)
     p.set_defaults(func=run)
 
@@ -160,7 +161,8 @@ def run(args) -> int:
         from parity.harness.scenarios import parse_page_sizes
         from reference.config import load_config
         pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
-    progress = not args.no_progress and sys.stderr.isatty()
+    from parity.harness.progress import progress_mode
+    progress = progress_mode(args.no_progress)  # a bar on a terminal, plain lines otherwise
     known, identity, prompts_id = None, None, None
     if args.known is not None or args.write_known is not None:
         from parity.harness.causes import model_identity, prompts_identity

@@ -884,7 +884,7 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
 
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,
            floor_pair: tuple | None = None, perturbed_b: Callable[..., object] | None = None,
-           perturbed_note: str = "", progress: bool = True, floor=None, weights=None, thresholds=None) -> KLReport:
+           perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None) -> KLReport:
     """Run the KL harness: b against a over ``prompts`` (prefill rows and greedy decode rows) plus the controls.
 
     Args:
@@ -900,13 +900,13 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             (the negative control, see :func:`negative_control`; a zero-argument callable is used at full size).
         thresholds: the run's thresholds when already derived from ``floor`` (with its measured tap profile);
             None: :func:`thresholds_for` of b's precision and the floor.
+        progress: ``"bar"`` / True (a tqdm bar), ``"lines"`` (a plain line per prompt, for a stderr that is not a
+            terminal) or a false value (none): :func:`parity.harness.progress.progress_bar`.
     Returns:
         :class:`KLReport` (``status`` PASS / FAIL / INCONCLUSIVE, ``exit_code`` 0 / 1 / 3).
     Raises:
         InputError: empty prompt set.
     """
-    from tqdm.auto import tqdm
-
     from parity.backends import one_shot_logits
     from parity.harness.floor import measure_floor, stores_of
 
@@ -941,7 +941,12 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     from parity.harness.floor import unresolvable
     # a coarse floor: the logits may not show a pick outside the tie set, so the selections are read on every prompt
     coarse = floor is not None and unresolvable(th, floor) is not None
-    for i, ids in enumerate(tqdm(prompts, desc=f"kl {name_b} vs {name_a}", disable=not progress, leave=False)):
+    from parity.harness.progress import progress_bar
+    bar = progress_bar(len(prompts), f"kl {name_b} vs {name_a}", progress)
+    for i, ids in enumerate(prompts):
+        if i:
+            bar.update(1)   # prompt i - 1 is finished (named by the label still set)
+        bar.set_postfix_str(f"prompt {i + 1} of {len(prompts)} ({len(ids)} tokens)")
         ids = [int(t) for t in ids]
         la = one_shot_logits(a, ids)
         lb = one_shot_logits(b, ids)
@@ -1000,6 +1005,8 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         if g is not None:
             greedy.append(g)
         per_prompt.append((cmps[-1], dc))
+    bar.update(1)
+    bar.close()
     pre = LogitComparison.concat(cmps)
     dec = LogitComparison.concat(dcmps) if dcmps else None
     cmp = LogitComparison.concat([pre] + ([dec] if dec is not None else []))

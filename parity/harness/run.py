@@ -136,7 +136,9 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     parity.harness.floor.thresholds_for_run); a tolerance too coarse for a useful fault makes passing rows
     'inconclusive'. ``known``: the ``--known`` baseline (:class:`parity.harness.causes.KnownCauses`, identity
     already checked); ``below_bound``: confine the scenarios and the kl row below the QSA bound
-    (:func:`confine_kl_prompts`; parity.harness.causes).
+    (:func:`confine_kl_prompts`; parity.harness.causes). ``progress``: ``"bar"`` / True, ``"lines"`` (a plain line
+    per finished case and every 10 s, for a stderr that is not a terminal) or a false value
+    (:func:`parity.harness.progress.progress_bar`).
 
     An exception raised by the backend under test inside a case or the KL harness does not escape: it
     becomes an 'error' row / case (a failed case; the report's exit code is 1).
@@ -145,8 +147,6 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         BackendError / InputError: the backend cannot be opened, bad options or prompts (before anything runs).
     """
     from pathlib import Path
-
-    from tqdm.auto import tqdm
 
     from parity.backends import opener, truth_model
     from parity.harness.report import ParityReport, ScenarioRow
@@ -211,8 +211,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     limits = th.to_json()   # what every row (and every scenario operation) is judged by
     archive_dir = Path(out_dir) / "taps" if out_dir else None
     total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
-    bar = tqdm(total=total, desc="parity", unit="case", disable=not progress or invalid is not None, leave=False,
-               file=sys.stderr)
+    from parity.harness.progress import progress_bar
+    bar = progress_bar(total, "parity", progress if invalid is None else None)
     try:
         for name in scenarios:
             t0 = time.perf_counter()
@@ -220,6 +220,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 report.rows.append(_inconclusive_row(name, invalid, limits))
                 continue
             if name == "kl":
+                bar.set_postfix_str("kl")
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
                                               archive_dir=archive_dir, floor=floor, known=known, thresholds=th,
