@@ -92,7 +92,7 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
 
 
 def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, positions=None,
-                  truth_logits=None, thresholds=None, profile=None) -> str:
+                  truth_logits=None, thresholds=None, profile=None, backend=None) -> str:
     """First divergence between two tap archives as one line, via ``taps.diff.diff_archives``.
 
     Args:
@@ -104,6 +104,8 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
             The first failing position (``truth_logits`` vs ``returned``) confines the diff to positions at or
             before it: a cause lies there.
         profile: the tap-diff profile (default :func:`judging_profile_of` of ``thresholds``).
+        backend: the backend under test: taps it does not declare (``Backend.produces_taps``) are never
+            listed as missing in it.
     Returns:
         e.g. ``first divergence layers.1.ple.out at position 17 (max_rel 3.1e-01; last agreeing
         layers.1.ple.gate)``, or a line saying why no tap-diff could be made.
@@ -124,9 +126,28 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
     first_bad = _first_bad_vs_truth(returned, positions, truth_logits, thresholds)
     rep = _diff(truth_arc, be_arc, profile=profile or judging_profile_of(thresholds, precision), force=True,
                 until_position=first_bad)
-    cover = rep.coverage_note("the truth", "the backend") if hasattr(rep, "coverage_note") else ""
+    cover = _coverage(rep, backend)
     return _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad) + \
         (f" [{cover}]" if cover else "")
+
+
+def _coverage(rep, backend) -> str:
+    """The tap-coverage clause of a located cell: the taps the backend should have recorded (it declares them,
+    ``parity.backends.base.declares_tap``) but did not, and any it recorded the truth has not."""
+    from parity.backends.base import declares_tap
+    if not hasattr(rep, "coverage_note"):
+        return ""
+    missing = [n for n in rep.missing_in_b if backend is None or declares_tap(backend, n)]
+    show = 4
+    parts = []
+    if missing:
+        parts.append("missing in the backend: " + ", ".join(missing[:show])
+                     + (f" (+{len(missing) - show} more)" if len(missing) > show else ""))
+    if rep.missing_in_a:
+        extra = rep.missing_in_a
+        parts.append("extra in the backend (not in the truth): " + ", ".join(extra[:show])
+                     + (f" (+{len(extra) - show} more)" if len(extra) > show else ""))
+    return "; ".join(parts)
 
 
 _FLOOR_CACHE: dict = {}
@@ -307,7 +328,7 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
         line = diff_archives(truth_arc, be_arc, prec, returned=run.recorded_out, positions=positions,
-                             truth_logits=tl, thresholds=th, profile=prof)
+                             truth_logits=tl, thresholds=th, profile=prof, backend=backend)
     except Exception as e:  # noqa: BLE001
         return where + f"tap-diff failed: {type(e).__name__}: {e}", archives
     entered = None
@@ -472,4 +493,4 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", 
     th = thresholds or thresholds_for(prec)
     return diff_archives(truth_arc, be_arc, prec, returned=returned, positions=list(range(len(ids))),
                          truth_logits=truth_logits, thresholds=th,
-                         profile=judging_profile_of(th, prec, truth_model, ids, backend)), archives
+                         profile=judging_profile_of(th, prec, truth_model, ids, backend), backend=backend), archives
