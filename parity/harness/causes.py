@@ -118,11 +118,12 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
     elif d is not None:
         tap = d.group(1)
         pos = int(d.group(2)) if d.group(2) else None
+    elif divergence.startswith("batching") or "batching:" in divergence:
+        # a batch of requests: one prefill_batch call, else a batched decode (its rows then agree inside: the
+        # batch, not the returned logits of a single sequence, is the cause)
+        tap, op = "batching", (op if op.endswith("prefill_batch") else "batched decode")
     elif "returned logits" in divergence:
         tap = "returned logits"
-    elif divergence.startswith("batching") or "batching:" in divergence:
-        # a batch of requests: one prefill_batch call, else a batched decode
-        tap, op = "batching", (op if op.endswith("prefill_batch") else "batched decode")
     elif divergence.startswith(("refused", "sequence length", "state ")):
         tap = divergence.split(":")[0].split("(")[0].strip()
     if pos is None:   # the first failing position (not the operation's start, which the description may name first)
@@ -328,7 +329,7 @@ class KnownCauses:
         there is at most the recorded one + :data:`KNOWN_BAND` x ``tol_rel`` (this run's tolerance; None: the
         baseline's), and no top-1 flip is new there. Returns ``(excused, what is new)`` (``""`` when excused).
         """
-        at = self.causes.get(rc.get("id"))
+        at = self.causes.get(cause_id_of(rc.get("id")))
         if at is None:
             return False, f"root cause {rc.get('id')!r} is not in the --known baseline"
         tol = tol_rel if tol_rel is not None else (self.tol_rel or 0.0)
