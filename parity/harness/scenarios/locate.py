@@ -251,9 +251,15 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
         prefix = (f"state leaks between runs: an identical replay on the same backend instance fails earlier "
                   f"(op {again.op}, first run op {failed_op}); at the replay's failure: ")
         failed_op, failed_seq = again.op, again.seq
-        again2 = _replay(case, backend, truth, th)
-        if not (isinstance(again2, CaseFailure) and again2.op == failed_op and again2.seq == failed_seq):
-            return prefix + "not reproducible again: nondeterministic", archives
+        # a leak repeats: every later identical run fails at that earlier op (a backend whose outputs vary run
+        # to run -- random tie-breaking, a race -- fails somewhere else or passes in one of them)
+        for _ in range(CONFIRM_REPLAYS):
+            again2 = _replay(case, backend, truth, th)
+            if not (isinstance(again2, CaseFailure) and again2.op == failed_op and again2.seq == failed_seq):
+                return (f"nondeterministic: identical runs of the case on the same backend instance fail at "
+                        f"different operations (op {failed_op} in the first, then {_outcome(again)}, then "
+                        f"{_outcome(again2)}): outputs that vary run to run (e.g. random tie-breaking), not "
+                        f"state leaking between runs"), archives
     elif not (isinstance(again, CaseFailure) and again.op == failed_op and again.seq == failed_seq
               and (first_failure is None or not _deterministic(backend) or again.what == first_failure)):
         got = ("passes" if isinstance(again, Run) else
@@ -263,19 +269,50 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
                 f"(first run failed at op {failed_op}, seq {failed_seq or '?'}; the replay {got})"), archives
     # 1. batching?
     probe = _replay(case, backend, truth, th, unbatch_at=failed_op)
-    if isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > failed_op):
+    if _passes_op(probe, failed_op):
+        # batching only if it repeats: batched it fails again there, alone it passes again (a backend whose
+        # outputs vary run to run would pass alone, or fail batched, by chance)
+        for _ in range(CONFIRM_REPLAYS):
+            batched, alone = _replay(case, backend, truth, th), _replay(case, backend, truth, th, unbatch_at=failed_op)
+            if not (isinstance(batched, CaseFailure) and batched.op == failed_op and batched.seq == failed_seq) \
+                    or not _passes_op(alone, failed_op):
+                return (prefix + f"nondeterministic: identical runs of the case on the same backend instance "
+                        f"differ at op {failed_op} (batched: {_outcome(batched)}; one sequence at a time: "
+                        f"{_outcome(alone)}): outputs that vary run to run (e.g. random tie-breaking), not "
+                        f"batching"), archives
+    if _passes_op(probe, failed_op):
         alone = "prefilled alone (its own prefill_batch call)" if _is_prefill_batch(probe) else "decoded alone"
         where = (f"batching: sequence {failed_seq or '?'} is correct when {alone} at op {failed_op}, "
                  f"wrong in the batch")
         inside = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
-                                  record_batched=True)
+                                  record_batched=True, first_failure=first_failure)
         return prefix + where + (f"; in the batch, {inside[0]}" if inside[0] else ""), inside[1]
     from parity.backends.base import capabilities_of
     if capabilities_of(backend).get("taps", True) is False:  # no taps: the failing check itself locates it
         what = probe.what if isinstance(probe, CaseFailure) else f"op {failed_op}"
         return prefix + f"{what} (backend records no taps: located by operation and position only)", archives
-    out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size)
+    out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
+                           first_failure=first_failure)
     return (prefix + out[0] if out[0] else prefix + "could not record the failing operation"), out[1]
+
+
+#: extra identical replays that must repeat a claim of batching or of state leaking between runs before it is
+#: made: a backend whose outputs vary run to run (a coin flip per run) survives k of them with chance 2**-k
+CONFIRM_REPLAYS = 2
+
+
+def _passes_op(probe, op: int) -> bool:
+    """Whether a replay passed operation ``op`` (it passed, or failed only later)."""
+    return isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > op)
+
+
+def _outcome(r) -> str:
+    """A replay's outcome in a few words."""
+    if isinstance(r, Run):
+        return "passes"
+    if isinstance(r, CaseFailure):
+        return f"fails at op {r.op}" + (f", seq {r.seq}" if r.seq else "")
+    return f"raises {type(r).__name__}"
 
 
 def _is_prefill_batch(probe) -> bool:
@@ -292,7 +329,7 @@ def _deterministic(backend) -> bool:
 
 
 def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
-                     record_batched: bool = False) -> tuple[str, list[str]]:
+                     record_batched: bool = False, first_failure: str | None = None) -> tuple[str, list[str]]:
     """Steps 2-4 of :func:`locate`: record the failing op (``record_batched``: a batched decode as the batch,
     the failing sequence's position only), record the truth, tap-diff. Returns (line, archive paths)."""
     archives: list[str] = []
@@ -327,6 +364,12 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
+        if (first_failure and "logit error" in first_failure and run.recorded_out is not None
+                and not (isinstance(rep, CaseFailure) and rep.op == failed_op and rep.seq == failed_seq)
+                and _first_bad_vs_truth(run.recorded_out, positions, tl, th) is None):
+            return (where + "nondeterministic: the replay recording the taps passes this operation, which the "
+                    "first run failed (outputs that vary run to run, e.g. random tie-breaking; or recording taps "
+                    "changes the backend's path)"), archives
         line = diff_archives(truth_arc, be_arc, prec, returned=run.recorded_out, positions=positions,
                              truth_logits=tl, thresholds=th, profile=prof, backend=backend)
     except Exception as e:  # noqa: BLE001
