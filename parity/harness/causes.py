@@ -118,6 +118,8 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
     elif d is not None:
         tap = d.group(1)
         pos = int(d.group(2)) if d.group(2) else None
+    elif "nondeterministic" in divergence:   # identical runs differ: no tap, no operation is to blame
+        tap = "nondeterministic"
     elif divergence.startswith("batching") or "batching:" in divergence:
         # a batch of requests: one prefill_batch call, else a batched decode (its rows then agree inside: the
         # batch, not the returned logits of a single sequence, is the cause)
