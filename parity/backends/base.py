@@ -237,6 +237,22 @@ def truth_model(model_path, dtype=np.float32, weights=None):
     return ReferenceModel(ck, dtype=dtype)
 
 
+def declares_tap(be, name: str) -> bool:
+    """Whether backend ``be`` declares that it produces tap ``name`` (:attr:`Backend.produces_taps`; a backend
+    without a declaration: every tap). Templates: ``{i}`` / ``{p}`` match one layer index, ``*`` any text."""
+    import fnmatch
+    import re
+    decl = getattr(be, "produces_taps", None)
+    if decl is None:
+        return True
+    for t in decl:
+        pat = "".join(r"\d+" if part in ("{i}", "{p}") else ".*" if part == "*" else re.escape(part)
+                      for part in re.split(r"(\{i\}|\{p\}|\*)", str(t)))
+        if re.fullmatch(pat, name) or fnmatch.fnmatchcase(name, str(t)):
+            return True
+    return False
+
+
 def capabilities_of(be) -> dict:
     """A backend's capabilities with the protocol defaults filled in (duck-typed backends may omit some)."""
     return {**Backend.capabilities, **(getattr(be, "capabilities", None) or {})}
@@ -408,6 +424,11 @@ class Backend:
 
     name = "backend"
     precision = "float32"
+    #: the taps this backend produces, as registry name templates (``{i}``: any layer index, e.g.
+    #: ``"layers.{i}.mlp.out"``; a plain name for one tap; ``*`` globs allowed), or None: every registry tap.
+    #: An outside engine declares the few it has, so a located failure lists as missing only the taps it
+    #: should have had (:func:`declares_tap`), never the ones it has no counterpart for by design.
+    produces_taps: tuple | None = None
 
     #: capabilities every backend declares; override in subclasses. Each operation of :data:`OPERATIONS` is
     #: True / False, or 'limited' with its limit (see :func:`capability`); the suites skip or narrow the cases

@@ -19,7 +19,8 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", metavar="FILE",
-                     help="several prompts run as one batch: one per line, or JSON lines with 'prompt' or 'messages'")
+                     help="several prompts run as one batch: the JSON list every verb reads (texts or token-id "
+                          "lists), or one per line, or JSON lines with 'prompt' or 'messages'")
     p.add_argument("--chat", action="store_true", help="wrap prompt(s) as a user turn with the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--no-thinking", action="store_true", help="chat: end the prompt with an empty think block")
@@ -106,16 +107,27 @@ def _check_messages(msgs: list, where: str) -> None:
 
 
 def _read_prompts(path: str, with_lines: bool = False):
-    """The prompts of a ``--prompts`` file: plain-text lines (strings) or JSON lines with a ``prompt``
+    """The prompts of a ``--prompts`` file: the JSON list every verb reads (texts or token-id lists,
+    :func:`parity.prompts.prompt_items`), else plain-text lines (strings) or JSON lines with a ``prompt``
     string or a ``messages`` list (validated, :func:`_check_messages`). With ``with_lines`` returns
-    ``(prompts, line_numbers)``.
+    ``(prompts, places)``: line numbers, or ``"item N"`` for a JSON list.
 
     Raises:
         InputError: naming ``FILE:LINE`` and the field.
     """
     from reference.errors import InputError
     from reference.textio import read_utf8
-    lines = read_utf8(path, f"--prompts {path}").splitlines()
+    text = read_utf8(path, f"--prompts {path}")
+    if text.lstrip().startswith("["):
+        try:
+            listed = isinstance(json.loads(text), list)
+        except ValueError:
+            listed = False   # plain text that happens to start with '[': one prompt per line
+        if listed:   # the --prompts format of every verb (parity.prompts.prompt_items): texts or token-id lists
+            from parity.prompts import prompt_items
+            items = prompt_items(text, path)
+            return (items, [f"item {n}" for n in range(len(items))]) if with_lines else items
+    lines = text.splitlines()
     out, nums = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -179,10 +191,23 @@ def run(args: argparse.Namespace) -> int:
             if v is not None:
                 raise InputError(f"{flag} {v}: expected no {flag} with an outside backend (give its options in "
                                  f"--backend module:Class:key=value), found --backend {args.backend!r}")
-        backend_class(args.backend)  # unimportable: said before tokenizing anything
-    elif name not in ("reference", "engine"):
-        raise InputError(f"--backend {args.backend!r}: expected reference, engine or module:Class, found "
-                         f"{args.backend!r}")
+    if plugin or name not in ("reference", "engine"):
+        # any backend that decodes (the official model, llama.cpp, module:Class): unknown names and unimportable
+        # classes are said before tokenizing anything
+        from parity.backends.base import Backend
+        cls = backend_class(args.backend)[0]
+        if not plugin:
+            plugin = True   # opened from its spec as is, like an outside engine
+            for flag, v in (("--precision", args.precision), ("--device", args.device)):
+                if v is not None:
+                    raise InputError(f"{flag} {v}: expected no {flag} with --backend {name} (give its options in "
+                                     f"--backend {name}:key=value), found --backend {args.backend!r}")
+        from parity.backends.base import capabilities_of
+        if getattr(cls, "decode", None) is Backend.decode or capabilities_of(cls).get("sequences", True) is False:
+            raise InputError(f"--backend {args.backend!r}: expected a backend that decodes sequences (reference, "
+                             f"engine, transformers, llama.cpp or module:Class), found {cls.__name__}, which "
+                             + ("declares no sequences (top-k logprobs only)"
+                                if capabilities_of(cls).get("sequences", True) is False else "does not implement decode"))
     if plugin:
         pass
     elif args.precision is not None:
@@ -235,9 +260,23 @@ def run(args: argparse.Namespace) -> int:
         raw, where = [args.prompt], ["--prompt"]
     else:
         raw, where = _read_prompts(args.prompts, with_lines=True)
-        where = [f"--prompts {args.prompts}:{n}" for n in where]
-    texts, template_source = [], None
-    for item, at in zip(raw, where):
+        where = [f"--prompts {args.prompts}:{n}" if isinstance(n, int) else f"--prompts {args.prompts}: {n}"
+                 for n in where]
+    from reference.config import load_config
+    from reference.session import check_ids, check_length
+    cfg = load_config(model_dir)
+    texts, template_source, given = [], None, {}
+    for k, (item, at) in enumerate(zip(raw, where)):
+        if isinstance(item, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in item):
+            # token ids (the JSON list format): used as given, checked before the model loads
+            if args.chat:
+                raise InputError(f"{at}: expected a text with --chat (the chat template wraps text), found token ids")
+            if not item:
+                raise InputError(f"{at}: expected at least one token, found an empty prompt")
+            check_length(len(item), cfg.max_position_embeddings, at)
+            given[k] = check_ids(item, cfg.vocab_size, at).tolist()
+            texts.append(None)
+            continue
         if args.chat or isinstance(item, list):
             msgs = item if isinstance(item, list) else (
                 ([{"role": "system", "content": args.system}] if args.system else []) +
@@ -253,7 +292,11 @@ def run(args: argparse.Namespace) -> int:
             texts.append(text)
         else:
             texts.append(item)
-    prompts = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    prompts = [given[k] if k in given else tok.encode(t, add_special_tokens=False).ids for k, t in enumerate(texts)]
+    for ids, at in zip(prompts, where):   # input checked before the model loads
+        if not ids:
+            raise InputError(f"{at}: expected at least one token, found an empty prompt")
+        check_length(len(ids), cfg.max_position_embeddings, at)
     if args.no_thinking and template_source is None:
         print("note: --no-thinking has no effect without --chat (no chat template is applied)", file=sys.stderr)
     if args.system and template_source is None:

@@ -184,6 +184,8 @@ def run(args) -> int:
                                     out_dir=stage, progress=progress, **extra)
                 report.reproduce = _reproduce(args)
                 doc = replace_paths(report.to_json(), str(stage), str(Path(args.out)))
+                for r in report.rows:   # the table names the archives at their final place too (the next command)
+                    r.failures = replace_paths(r.failures, str(stage), str(Path(args.out)))
                 unwritten = unwritten_archives(doc)
                 if unwritten:  # an incomplete result set is never swapped in: the old results stay
                     raise _Incomplete

@@ -588,8 +588,8 @@ class BackendLM:
 
 def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "auto", precision: str | None = None,
             max_seqs: int = 8) -> BackendLM:
-    """Open ``backend`` ('reference', 'engine' or an outside ``module:Class[:key=value,...]`` spec, opened
-    as is) on the checkpoint through
+    """Open ``backend`` ('reference', 'engine', or any other ``--backend`` spec -- 'transformers', 'llama.cpp',
+    ``module:Class[:key=value,...]`` -- opened as is) on the checkpoint through
     :func:`parity.backends.open_backend` and wrap it as a :class:`BackendLM`.
 
     ``device`` applies to the engine: 'cuda', 'cpu' or 'auto' (cuda when a GPU is usable); ``precision``:
@@ -602,9 +602,10 @@ def open_lm(model_dir: str | Path, backend: str = "reference", device: str = "au
     from parity.backends import open_backend, parse_backend_spec
 
     if backend not in ("reference", "engine"):
-        if ":" in str(backend) and parse_backend_spec(backend).plugin:  # an outside engine, as the opener gives it
-            return BackendLM(open_backend(str(backend), model_dir))
-        raise InputError(f"backend: expected 'reference', 'engine' or 'module:Class', found {backend!r}")
+        # any other backend (transformers, llama.cpp, module:Class) from its spec as is; an unknown name is the
+        # registry's InputError
+        parse_backend_spec(str(backend))
+        return BackendLM(open_backend(str(backend), model_dir))
     if device not in ("auto", "cpu", "cuda"):
         raise InputError(f"device: expected auto, cpu or cuda, found {device!r}")
     if device == "cuda" or (backend == "engine" and device == "auto"):

@@ -1,11 +1,14 @@
 """One root cause at a time: failures grouped by their first divergence, and a baseline of known causes.
 
-A failure's **root cause** is ``(tap, condition)``: the first diverging tap named by tap-diff (or what stands
-in for it: 'returned logits' after the last tap, 'batching', a 'selection outside the tie set' of a QSA/MoE
-layer, 'logits' when no tap-diff was made) and the condition it appeared under: the operation kind
-(prefill, chunked prefill, decode, batched decode, verify, restore, ...) and the regime (below or past the QSA
-bound). Its ``id`` is ``"<tap> | <operation> | <regime>"``: the same bug met by several cases and scenarios
-has one id, so report.json and the table list it once with every case it explains.
+A failure's **root cause** is the first diverging tap named by tap-diff (or what stands in for it: 'returned
+logits' after the last tap, 'batching', a 'selection outside the tie set' of a QSA/MoE layer that no earlier tap
+explains, 'logits' when no tap-diff was made). Its ``id`` is that tap: one bug diverges first at one tap, whatever
+operation met it (a one-block MLP bug fails the kl prompts, every prefill, chunked prefill, batch and decode at
+the same tap and first position), so report.json and the table list it once with every case it explains, the
+operations it was met in and its first position. The failure's own operation kind (prefill, chunked prefill,
+decode, batched decode, verify, restore, ...) and regime (below or past the QSA bound) stay in the record; a cause
+carries the regime label only where the bound matters -- every failure of it lies past the QSA bound (below it
+the indexer keeps every token, so such a bug is one of selection).
 
 A failure also carries its **fault** (:func:`fault_of`): where it is -- every failing position of the failing
 comparison (``"prompt I position P"`` in the KL harness) -- with the logit error there (in units of the logit
@@ -25,7 +28,7 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["root_cause", "group_causes", "fault_of", "model_identity", "prompts_identity", "write_known", "read_known",
+__all__ = ["root_cause", "cause_id", "cause_id_of", "group_causes", "fault_of", "model_identity", "prompts_identity", "write_known", "read_known",
            "KnownCauses",
            "KNOWN_VERSION", "KNOWN_BAND"]
 
@@ -55,9 +58,37 @@ def _operation(failure: str) -> str:
             return kind
     if f.startswith("prefill"):
         return "chunked prefill" if " in chunks of " in head else "prefill"
+    if f.startswith("piece ["):   # one piece of a chunked prefill interleaved with other sequences' pieces
+        return "chunked prefill"
     if "decode" in head:
         return "decode"
     return "check"
+
+
+def cause_id(tap: str) -> str:
+    """The root cause id of a first divergence at ``tap``: the tap itself (a baseline written with the older
+    ``"<tap> | <operation> | <regime>"`` ids reads back through :func:`cause_id_of`)."""
+    return str(tap)
+
+
+def cause_id_of(old_or_new: str) -> str:
+    """A stored cause id in the current form: ``"<tap> | <operation> | <regime>"`` (older baselines) -> ``"<tap>"``."""
+    return cause_id(str(old_or_new).split(" | ")[0])
+
+
+def _earlier(tap: str, tap_pos, sel_layer: int, sel_pos: int) -> bool:
+    """Whether a tap-diff first divergence ``tap`` at ``tap_pos`` (None: unknown) comes before a selection of layer
+    ``sel_layer`` at ``sel_pos`` in the forward: an earlier position, or the same position in an earlier layer (or
+    outside the layers before them: the embedding)."""
+    from reference.taphook import layer_of
+    if tap_pos is None:
+        return False
+    tap_pos = int(tap_pos)
+    if tap_pos != sel_pos:
+        return tap_pos < sel_pos
+    if not tap.startswith("layers."):
+        return tap.startswith(("embed", "hc_expand", "ple_input"))
+    return layer_of(tap) < sel_layer
 
 
 def root_cause(failure: str | None, divergence: str | None, config=None, scenario: str = "") -> dict:
@@ -77,18 +108,24 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
         op = f"kl {gen.group(1)}"
     tap, pos = "logits", None
     m = _TIE.search(failure) if "outside the tie set" in failure else None
+    d = _TAP.search(divergence)
+    if m and d is not None and _earlier(d.group(1), d.group(2), int(m.group(2)), int(m.group(3))):
+        m = None   # the pick outside the tie set follows from an earlier divergence: that one is the cause
     if m:
         tap = f"layers.{m.group(2)}." + ("self_attn.indexer.selected_blocks" if m.group(1) == "QSA blocks"
                                           else "mlp.gate.topk_ids")
         pos = int(m.group(3))
-    elif (d := _TAP.search(divergence)) is not None:
+    elif d is not None:
         tap = d.group(1)
         pos = int(d.group(2)) if d.group(2) else None
+    elif "nondeterministic" in divergence:   # identical runs differ: no tap, no operation is to blame
+        tap = "nondeterministic"
+    elif divergence.startswith("batching") or "batching:" in divergence:
+        # a batch of requests: one prefill_batch call, else a batched decode (its rows then agree inside: the
+        # batch, not the returned logits of a single sequence, is the cause)
+        tap, op = "batching", (op if op.endswith("prefill_batch") else "batched decode")
     elif "returned logits" in divergence:
         tap = "returned logits"
-    elif divergence.startswith("batching") or "batching:" in divergence:
-        # a batch of requests: one prefill_batch call, else a batched decode
-        tap, op = "batching", (op if op.endswith("prefill_batch") else "batched decode")
     elif divergence.startswith(("refused", "sequence length", "state ")):
         tap = divergence.split(":")[0].split("(")[0].strip()
     if pos is None:   # the first failing position (not the operation's start, which the description may name first)
@@ -103,7 +140,7 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
         regime = "past the QSA bound" if (s.has_qsa and pos + 1 > s.bound) else "below the QSA bound"
     layer = layer_of(tap) if tap.startswith("layers.") else None
     block = tap.split(".")[2] if layer is not None and len(tap.split(".")) > 2 else tap
-    return {"id": f"{tap} | {op} | {regime}", "tap": tap, "layer": layer, "block": block, "operation": op,
+    return {"id": cause_id(tap), "tap": tap, "layer": layer, "block": block, "operation": op,
             "regime": regime, "position": pos}
 
 
@@ -153,7 +190,9 @@ def _places(locs, n: int = 3) -> str:
 
 
 def group_causes(rows) -> list[dict]:
-    """Group every failing case of the report's rows by root cause id: ``[{"id", "tap", ..., "cases": [labels],
+    """Group every failing case of the report's rows by root cause id (its tap): ``[{"id", "tap", ..., "operations":
+    [every operation kind it was met in], "position": its first position, "regime": "past the QSA bound" when
+    every failure of it lies past the bound else None, "cases": [labels],
     "first": first failure message, "known": bool, "fault": {location: [worst err_rel, any top-1 flip]},
     "worst_logit_err_rel", "top1_flip"[, "known_note"]}]`` in order of first appearance (``known``: every case
     of it was excused by the ``--known`` baseline; ``known_note``: what is new in the first one it did not)."""
@@ -164,7 +203,13 @@ def group_causes(rows) -> list[dict]:
             if not rc:
                 continue
             g = out.setdefault(rc["id"], {**rc, "cases": [], "first": f.get("failure") or f.get("reason"),
-                                          "known": True, "fault": {}})
+                                          "known": True, "fault": {}, "operations": [], "regimes": []})
+            if rc.get("operation") not in g["operations"]:
+                g["operations"].append(rc.get("operation"))
+            g["regimes"].append(rc.get("regime"))
+            p = rc.get("position")
+            if p is not None and (g.get("position") is None or p < g["position"]):
+                g["position"] = p
             g["known"] = g["known"] and bool(f.get("known"))
             if f.get("known_note") and not g.get("known_note"):   # the first reason the baseline did not excuse it
                 g["known_note"] = f["known_note"]
@@ -178,6 +223,10 @@ def group_causes(rows) -> list[dict]:
         errs = [e for e, _ in g["fault"].values() if e is not None]
         g["worst_logit_err_rel"] = max(errs) if errs else None
         g["top1_flip"] = any(fl for _, fl in g["fault"].values())
+        regimes = g.pop("regimes")
+        # the bound matters only when the cause shows nowhere below it
+        g["regime"] = "past the QSA bound" if regimes and all(x == "past the QSA bound" for x in regimes) else None
+        g["operation"] = ", ".join(str(o) for o in g["operations"])
     return list(out.values())
 
 
@@ -239,7 +288,7 @@ class KnownCauses:
         self.tol_rel = _err(doc.get("tol_rel"))
         self.causes: dict[str, dict] = {}
         for c in doc["causes"]:
-            at = self.causes.setdefault(c["id"], {})
+            at = self.causes.setdefault(cause_id_of(c["id"]), {})
             for loc, (e, flip) in (c.get("positions") or {}).items():
                 at[loc] = [_err(e), bool(flip)]
 
@@ -282,7 +331,7 @@ class KnownCauses:
         there is at most the recorded one + :data:`KNOWN_BAND` x ``tol_rel`` (this run's tolerance; None: the
         baseline's), and no top-1 flip is new there. Returns ``(excused, what is new)`` (``""`` when excused).
         """
-        at = self.causes.get(rc.get("id"))
+        at = self.causes.get(cause_id_of(rc.get("id")))
         if at is None:
             return False, f"root cause {rc.get('id')!r} is not in the --known baseline"
         tol = tol_rel if tol_rel is not None else (self.tol_rel or 0.0)

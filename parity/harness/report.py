@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ScenarioRow", "ParityReport", "write_json_atomic", "render_table", "jsonable"]
+__all__ = ["ScenarioRow", "ParityReport", "write_json_atomic", "render_table", "jsonable", "next_step",
+           "next_step_lines"]
 
 
 def jsonable(x: Any):
@@ -66,6 +67,9 @@ class ScenarioRow:
     tie_equivalent: int = 0  # positions passing only under the backend's tie resolution (parity.harness.ties)
     #: where: one entry per case (or kl prompt) with tie-equivalent positions: {"case", "op", "seq", "positions"}
     tie_equivalent_at: list = field(default_factory=list)
+    #: the largest logit error over the row's compared positions in units of the logit scale there (what
+    #: ``thresholds['tol_rel']`` judges; inf for a non-finite row); None where the row has no such figure
+    worst_logit_err_rel: float | None = None
 
     def to_json(self) -> dict:
         """The row as a JSON-ready dict (``jsonable``)."""
@@ -138,7 +142,8 @@ class ParityReport:
                          "verdict": self.verdict, "verdict_line": self.verdict_line,
                          "known_cases": self.known_cases,
                          "meta": self.meta, "root_causes": group_causes(self.rows),
-                         "tie_equivalent_positions": sum(r.tie_equivalent for r in self.rows), "scenarios": [r.to_json() for r in self.rows]})
+                         "tie_equivalent_positions": sum(r.tie_equivalent for r in self.rows),
+                         "next_step": next_step(self), "scenarios": [r.to_json() for r in self.rows]})
 
 
 def _fmt(x: float) -> str:
@@ -169,7 +174,8 @@ LEGEND = [
     "the logit scale (the std of the reference's logits there), tol a multiple of the precision floor (KL and "
     "top-1 near ties follow from it; docs/parity.md, Thresholds)",
     "worst logit err: the largest |backend - reference| logit over every position and token, each row's common "
-    "offset removed (softmax ignores it; judged relative to the logit scale, see limits)",
+    "offset removed (softmax ignores it), in units of the logit scale at its position ('xscale'): the figure the "
+    "limit beside it judges (a bare number: the absolute error, for a row judged otherwise)",
     "INCONCLUSIVE: nothing failed, but the run cannot vouch for a pass (a floor too coarse for a useful fault, an "
     "unflagged negative control, or a tie too large to search); known: failing only through a --known root "
     "cause at the positions the baseline recorded, no larger than recorded + one tolerance band, no new top-1 "
@@ -190,6 +196,81 @@ def _where(cause: dict) -> str:
     return (f"at {', '.join(locs[:3])}" + (f" and {len(locs) - 3} more" if len(locs) > 3 else "")
             + (f", worst err {float(e):.2g}xscale" if e is not None else "")
             + (", top-1 flipped" if cause.get("top1_flip") else ""))
+
+
+def _worst_failure(report: ParityReport) -> dict | None:
+    """The failing case with the largest judged error (``worst_logit_err_rel``; a non-finite one first), those
+    with tap archives before those without; None when nothing failed."""
+    fails = [f for r in report.rows if r.status in ("fail", "error") for f in (r.failures or [])
+             if isinstance(f, dict) and not f.get("known")]
+    if not fails:
+        return None
+
+    def size(f):
+        e = f.get("worst_logit_err_rel")
+        try:
+            e = float(e)
+        except (TypeError, ValueError):
+            e = -1.0
+        return (bool(_archive_pair(f)), float("inf") if e != e else e)
+    return max(fails, key=size)
+
+
+def _archive_pair(f: dict):
+    """``(truth archive, backend archive, profile.toml)`` of a failing case as written under ``--out`` (the first
+    pair: the failing operation's), or None when it has none (no ``--out``, not written, no taps)."""
+    from parity.harness.scenarios.locate import NOT_WRITTEN
+    arcs = [a for a in (f.get("archives") or []) if isinstance(a, str) and not a.startswith(NOT_WRITTEN)]
+    truth = next((a for a in arcs if Path(a).name == "truth.taps"), None)
+    if truth is None:
+        return None
+    backend = str(Path(truth).with_name("backend.taps"))
+    if backend not in arcs:
+        return None
+    return truth, backend, str(Path(truth).with_name("profile.toml"))
+
+
+def next_step(report: ParityReport) -> dict | None:
+    """What to run next after a FAIL: ``{"case", "worst_logit_err_rel", "command"}`` with ``command`` the
+    ``qwen4exp taps diff TRUTH BACKEND --profile PROFILE --replay MODEL`` of the worst failing case
+    (:func:`_worst_failure`) on its archives under ``--out`` (the profile the location judged with), or
+    ``command`` None and ``advice`` saying to re-run with ``--out DIR`` when no archives were kept. None when
+    nothing failed."""
+    import shlex
+    f = _worst_failure(report)
+    if f is None:
+        return None
+    label = f.get("label") or f"{f.get('scenario', '?')}/{f.get('case', '?')}"
+    out = {"case": label, "worst_logit_err_rel": f.get("worst_logit_err_rel"), "command": None}
+    pair = _archive_pair(f)
+    if pair is None:
+        out["advice"] = ("re-run with --out DIR to keep the tap archives of the failing cases, then diff them with "
+                         "qwen4exp taps diff")
+        return out
+    truth, backend, profile = pair
+    cmd = ["qwen4exp", "taps", "diff", truth, backend]
+    if Path(profile).is_file():
+        cmd += ["--profile", profile]
+    out["command"] = shlex.join(cmd + ["--replay", str(report.model)])
+    return out
+
+
+def next_step_lines(report: ParityReport) -> list[str]:
+    """The lines after the table of a FAIL (:func:`next_step`); none otherwise."""
+    nx = next_step(report)
+    if nx is None:
+        return []
+    e = nx.get("worst_logit_err_rel")
+    size = ""
+    if e is not None:
+        try:
+            size = f" (worst logit err {float(e):.2e}xscale)"
+        except (TypeError, ValueError):
+            size = f" (worst logit err {e}xscale)"
+    head = f"next: the worst failing case is {nx['case']}{size}; "
+    if nx["command"] is None:
+        return [head + nx["advice"]]
+    return [head + "bisect its first divergence with:", "  " + nx["command"]]
 
 
 def _limits(th: dict) -> str:
@@ -301,6 +382,9 @@ def _row_cells(report: ParityReport) -> list[list[str]]:
                 return "-"
             return "ERROR" if r.status == "error" and (x is None or not math.isfinite(x)) else _fmt(x)
         kl, err = value(r.worst_kl), value(r.worst_logit_err)
+        if r.worst_logit_err_rel is not None and err not in ("-", "ERROR"):   # the judged figure, beside its limit
+            rel = float(r.worst_logit_err_rel)
+            err = f"{rel:.2e}xscale" if math.isfinite(rel) else str(rel)
         rows.append([r.scenario, cases, kl, _limits(r.thresholds), err, div, f"{r.seconds:.1f}s", r.status.upper()])
     return rows
 
@@ -363,9 +447,14 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         notes.append(f"root causes ({len(causes)}):")
         for k, c in enumerate(causes, 1):
             where = _where(c)
-            notes.append(f"  [{k}] {c['id']}{' (known)' if c['known'] else ''}: {len(c['cases'])} case(s), "
-                         f"e.g. {c['cases'][0]}" + (f"; {where}" if where else "")
+            met = ", ".join(str(o) for o in (c.get("operations") or [c.get("operation")]) if o)
+            first = f", first at position {c['position']}" if c.get("position") is not None else ""
+            regime = f" ({c['regime']} only)" if c.get("regime") else ""
+            notes.append(f"  [{k}] {c['id']}{regime}{' (known)' if c['known'] else ''}: {len(c['cases'])} case(s), "
+                         f"e.g. {c['cases'][0]}" + (f"; met in {met}{first}" if met else "")
+                         + (f"; {where}" if where else "")
                          + (f"; not excused by --known: {c['known_note']}" if c.get("known_note") else ""))
+    notes += next_step_lines(report)
     if legend:
         width = cols if cols is not None else 10_000
         notes.append("legend:")

@@ -370,6 +370,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     doc["root_cause"] = root_cause(rep.reason, first, getattr(getattr(truth, "model", None), "config", None))
     doc["label"] = "kl"
     doc["fault"] = _kl_fault(rep, prompts) if status == "fail" else None
+    rel = np.asarray(rep.comparison.rel_err(), dtype=np.float64)
+    worst_rel = (float(np.max(np.where(np.isfinite(rel), rel, np.inf))) if rel.size else None)
+    doc["worst_logit_err_rel"] = worst_rel
     if status == "fail" and known is not None:   # the same cause at the same places, no larger, no new top-1 flip
         ok, why = known.judge(doc["root_cause"], doc["fault"], rep.thresholds.tol_rel)
         if ok:
@@ -384,7 +387,7 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
               for t in (rep.ties or {}).get("tie_equivalent", []) if t["positions"]]
     return ScenarioRow("kl", len(prompts), 0 if n_known else n_bad, rep.comparison.worst_kl(),
                        rep.comparison.summary()["max_logit_err"],
-                       first, time.perf_counter() - t0, status, detail,
+                       first, time.perf_counter() - t0, status, detail, worst_logit_err_rel=worst_rel,
                        failures=[doc] if (status != "pass" or doc.get("known")) else [],
                        known=n_known, tie_equivalent=tie_eq, tie_equivalent_at=tie_at,
                        thresholds=rep.thresholds.to_json(),

@@ -13,7 +13,7 @@ from pathlib import Path
 from reference.errors import InputError
 from reference.session import check_ids, check_length
 
-__all__ = ["DEFAULT_PROMPTS", "load_prompts"]
+__all__ = ["DEFAULT_PROMPTS", "load_prompts", "prompt_items"]
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "default.json"
 
@@ -35,6 +35,36 @@ def _id_prompts(items, vocab_size: int) -> list[list[int]]:
     return out
 
 
+def prompt_items(text: str, where) -> list:
+    """The items of a prompt file's ``text`` (the one ``--prompts`` format of every verb): a non-empty JSON list
+    whose items are texts or lists of integer token ids, in order (texts checked to be text, not tokenized).
+
+    Args:
+        text: the file's content (decoded UTF-8); where: the file, as error messages name it.
+    Returns:
+        list of ``str`` | ``list[int]``.
+    Raises:
+        InputError: not JSON, not a non-empty list, or an item that is neither a text nor an id list (naming
+            ``--prompts FILE``, the item and what was found).
+    """
+    from reference.textio import check_text
+    try:
+        items = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"--prompts {where}: expected a JSON list of texts or token-id lists, found unreadable "
+                         f"content ({e})") from None
+    if not isinstance(items, list) or not items:
+        raise InputError(f"--prompts {where}: expected a non-empty JSON list, found {type(items).__name__}"
+                         + (" (empty)" if isinstance(items, list) else ""))
+    for n, it in enumerate(items):
+        if isinstance(it, str):
+            check_text(it, f"--prompts {where}: item {n}")  # a lone surrogate ("\ud800") is not text
+        elif not (isinstance(it, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in it)):
+            raise InputError(f"--prompts {where}: item {n}: expected a text or a list of integer token ids, found "
+                             f"{type(it).__name__}")
+    return items
+
+
 def load_prompts(path, model_dir, vocab_size: int, max_positions: int | None = None) -> list[list[int]]:
     """Read a prompt file (default: the bundled set) into token-id lists.
 
@@ -53,20 +83,11 @@ def load_prompts(path, model_dir, vocab_size: int, max_positions: int | None = N
     p = Path(path) if path is not None else DEFAULT_PROMPTS
     from reference.textio import read_utf8
     text = read_utf8(p, f"--prompts {p}", "JSON file")
-    try:
-        items = json.loads(text)
-    except ValueError as e:
-        raise InputError(f"--prompts {p}: expected a JSON list of texts or token-id lists, found unreadable "
-                         f"content ({e})") from None
-    if not isinstance(items, list) or not items:
-        raise InputError(f"--prompts {p}: expected a non-empty JSON list, found {type(items).__name__}"
-                         + (" (empty)" if isinstance(items, list) else ""))
+    items = prompt_items(text, p)
     tok = None
     out = []
-    from reference.textio import check_text
     for n, it in enumerate(items):
         if isinstance(it, str):
-            check_text(it, f"--prompts {p}: item {n}")  # a lone surrogate ("\\ud800") is not text
             if tok is None:
                 from reference.tokenizer import TokenizerMissingError, load_tokenizer
                 try:
@@ -77,11 +98,8 @@ def load_prompts(path, model_dir, vocab_size: int, max_positions: int | None = N
                                          f"({e}); give token-id lists instead (e.g. [[1, 2, 3], [4, 5]])") from None
                     return _id_prompts(items, vocab_size)
             ids = tok.encode(it).ids
-        elif isinstance(it, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in it):
-            ids = list(it)
         else:
-            raise InputError(f"--prompts {p}: item {n}: expected a text or a list of integer token ids, found "
-                             f"{type(it).__name__}")
+            ids = list(it)
         if not ids:
             raise InputError(f"--prompts {p}: item {n}: expected at least one token, found an empty prompt")
         if max_positions is not None:

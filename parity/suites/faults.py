@@ -33,7 +33,7 @@ import numpy as np
 from parity.backends import ReferenceBackend
 
 __all__ = ["RollbackForgetsPLEConv", "RestoreSkipsIndexerKeys", "ChunkDropsNgramContext", "BudgetOffByOne",
-           "FAULTS", "BUG_CLASSES", "MTPStateNotRolledBack", "MTPHnormPerStream", "MTPStaleDraftSelection",
+           "FAULTS", "BUG_CLASSES", "SharedExpertDownScaledOneLayer", "MTPStateNotRolledBack", "MTPHnormPerStream", "MTPStaleDraftSelection",
            "MTP_FAULTS"]
 
 
@@ -845,6 +845,22 @@ class PleChunkCapAt16(PleChunkCap):
 
     fault_name = "ple-chunk-cap-16"
     cap = 16
+
+
+class SharedExpertDownScaledOneLayer(_Fault):
+    """A loader defect confined to one block: layer 1's shared-expert ``down_proj`` read with a 2% gain
+    (a wrong per-tensor scale). Every operation that runs layer 1's MLP meets the same bug, below and past the
+    QSA bound alike: the report must name it as one root cause, at ``layers.1.mlp``."""
+
+    fault_name = "shared-expert-down-scaled-one-layer"
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        """The reference backend on weights whose layer-1 shared-expert down projection is scaled by 1.02."""
+        ck = load_weights(model_path, opts.pop("perturb", None))
+        name = "layers.1.mlp.shared_expert.down_proj.weight"
+        ck = ck.with_override(name, ck.get(name, dtype=np.float32) * np.float32(1.02))
+        return super().open(model_path, weights=ck, **opts)
 
 
 #: The bug classes of /work/shared/bug-classes.md implemented as faults: ``(class ids, fault, scenario, case

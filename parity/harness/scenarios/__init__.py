@@ -149,6 +149,7 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
     nothing = float("nan") if ran and all(r.status == "error" for r in ran) else None  # none ran: '-'
     wk = max((r.worst_kl for r in compared), default=nothing)
     we = max((r.worst_logit_err for r in compared), default=nothing)
+    wr = max((float(r.worst_logit_err_rel) for r in compared), default=None)  # the figure the limit judges
     tb = next((r.traceback for r in ran if r.status == "error" and r.traceback), None)
     first = next((r for r in failed), None)
     skipped = [r for r in results if r.status == "skip"]
@@ -176,7 +177,7 @@ def summarize_results(name: str, results, seconds: float, inconclusive: str | No
         from parity.harness.scenarios.speculative_rollback import MTP_TRUTH_PROVENANCE
         notes["mtp_truth_provenance"] = MTP_TRUTH_PROVENANCE
     return ScenarioRow(scenario=name.replace("_", "-"), cases=len(ran), failed_cases=len(failed), worst_kl=wk,
-                       worst_logit_err=we, first_divergence=where, seconds=seconds,
+                       worst_logit_err=we, worst_logit_err_rel=wr, first_divergence=where, seconds=seconds,
                        status=status, detail=detail, failures=[{**r.to_json(), "label": r.label}
                                                                 for r in failed + known],
                        skipped=len(skipped), skips=[{"case": r.label, "reason": r.failure} for r in skipped]

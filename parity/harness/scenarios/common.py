@@ -34,6 +34,39 @@ __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfin
 # those); a flip farther from a tie fails at once, at every precision (no fraction of flips is excused).
 
 
+def batch_row(arc, rank: int, count: int):
+    """The recording ``arc`` of one batched call in which ``count`` sequences share each recorded position, cut to
+    the rows of the ``rank``-th of them (batch order: a batched emit lists its rows in the batch's order, so the
+    k-th row at a position belongs to the k-th sequence there). A tap emitted fewer times than ``count`` at a
+    position (not per sequence) is kept as is.
+
+    Args:
+        arc: a :class:`taps.archive.TapSource` (the in-memory recording of the call).
+    Returns:
+        a :class:`taps.archive.MemoryArchive` with, per tap and position, the one row of that sequence.
+    """
+    import numpy as np
+    from taps.archive import MemoryArchive
+    data, taps = {}, {}
+    manifest = dict(getattr(arc, "manifest", {}) or {})
+    for name in arc.names():
+        pos = np.asarray(arc.positions(name), dtype=np.int64)
+        val = np.asarray(arc.get(name))
+        keep = np.ones(len(pos), dtype=bool)
+        for p in np.unique(pos):
+            at = np.nonzero(pos == p)[0]
+            if len(at) == count:
+                keep[at] = False
+                keep[at[rank]] = True
+        data[name] = [(pos[keep].copy(), np.array(val[keep], copy=True))]
+        t = dict((manifest.get("taps") or {}).get(name) or {})
+        t["rows"] = int(keep.sum())
+        t["segments"] = []
+        taps[name] = t
+    manifest["taps"] = taps
+    return MemoryArchive(manifest, data)
+
+
 def _null():
     import contextlib
     return contextlib.nullcontext()
@@ -484,9 +517,11 @@ class Run:
     def finish(self) -> None:
         """End-of-case checks (none left: every row is judged where it is compared; kept for the runner)."""
 
-    def _recording(self, op: int, positions, seq: Seq):
+    def _recording(self, op: int, positions, seq: Seq, row: tuple[int, int] | None = None):
         """Context manager: records taps when op == record_at, or for every op of sequence ``record_all``
-        (else a no-op)."""
+        (else a no-op). ``row``: ``(rank, count)`` when ``count`` sequences of one batched call are at the
+        recorded position and ``seq`` is the ``rank``-th of them in batch order: a tap carries no sequence id,
+        so each tap's rows at that position are matched to the sequence by that order (:func:`batch_row`)."""
         import contextlib
         at, every = self.record_at == op, self.record_all is not None and seq.label == self.record_all
         if not (at or every):
@@ -498,6 +533,8 @@ class Run:
             with run.be.taps(None, positions=list(positions)) as rec:
                 yield rec
             arc = rec.archive()
+            if row is not None and row[1] > 1:
+                arc = batch_row(arc, *row)
             if at:
                 run.recorded = (arc, seq.label, list(positions), list(seq.hist))
             if every:
@@ -653,7 +690,10 @@ class Run:
             i = next((j for j, s in enumerate(seqs) if s.label == self.record_seq), 0)
             import contextlib
             keep = self._keeping(seqs[0], [starts[0]]) if len(seqs) == 1 else contextlib.nullcontext()
-            with self._recording(op, [starts[i]], seqs[i]), keep:
+            # sequences of the batch at the same position (a fork's parent and child) emit rows at one position:
+            # the recorded one's rows are found by its rank among them
+            same = [j for j, st in enumerate(starts) if st == starts[i]]
+            with self._recording(op, [starts[i]], seqs[i], row=(same.index(i), len(same))), keep:
                 out = np.asarray(self.be.decode([s.h for s in seqs], ids))
             self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):

@@ -92,7 +92,7 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
 
 
 def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, positions=None,
-                  truth_logits=None, thresholds=None, profile=None) -> str:
+                  truth_logits=None, thresholds=None, profile=None, backend=None) -> str:
     """First divergence between two tap archives as one line, via ``taps.diff.diff_archives``.
 
     Args:
@@ -104,6 +104,8 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
             The first failing position (``truth_logits`` vs ``returned``) confines the diff to positions at or
             before it: a cause lies there.
         profile: the tap-diff profile (default :func:`judging_profile_of` of ``thresholds``).
+        backend: the backend under test: taps it does not declare (``Backend.produces_taps``) are never
+            listed as missing in it.
     Returns:
         e.g. ``first divergence layers.1.ple.out at position 17 (max_rel 3.1e-01; last agreeing
         layers.1.ple.gate)``, or a line saying why no tap-diff could be made.
@@ -124,9 +126,28 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
     first_bad = _first_bad_vs_truth(returned, positions, truth_logits, thresholds)
     rep = _diff(truth_arc, be_arc, profile=profile or judging_profile_of(thresholds, precision), force=True,
                 until_position=first_bad)
-    cover = rep.coverage_note("the truth", "the backend") if hasattr(rep, "coverage_note") else ""
+    cover = _coverage(rep, backend)
     return _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad) + \
         (f" [{cover}]" if cover else "")
+
+
+def _coverage(rep, backend) -> str:
+    """The tap-coverage clause of a located cell: the taps the backend should have recorded (it declares them,
+    ``parity.backends.base.declares_tap``) but did not, and any it recorded the truth has not."""
+    from parity.backends.base import declares_tap
+    if not hasattr(rep, "coverage_note"):
+        return ""
+    missing = [n for n in rep.missing_in_b if backend is None or declares_tap(backend, n)]
+    show = 4
+    parts = []
+    if missing:
+        parts.append("missing in the backend: " + ", ".join(missing[:show])
+                     + (f" (+{len(missing) - show} more)" if len(missing) > show else ""))
+    if rep.missing_in_a:
+        extra = rep.missing_in_a
+        parts.append("extra in the backend (not in the truth): " + ", ".join(extra[:show])
+                     + (f" (+{len(extra) - show} more)" if len(extra) > show else ""))
+    return "; ".join(parts)
 
 
 _FLOOR_CACHE: dict = {}
@@ -230,9 +251,15 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
         prefix = (f"state leaks between runs: an identical replay on the same backend instance fails earlier "
                   f"(op {again.op}, first run op {failed_op}); at the replay's failure: ")
         failed_op, failed_seq = again.op, again.seq
-        again2 = _replay(case, backend, truth, th)
-        if not (isinstance(again2, CaseFailure) and again2.op == failed_op and again2.seq == failed_seq):
-            return prefix + "not reproducible again: nondeterministic", archives
+        # a leak repeats: every later identical run fails at that earlier op (a backend whose outputs vary run
+        # to run -- random tie-breaking, a race -- fails somewhere else or passes in one of them)
+        for _ in range(CONFIRM_REPLAYS):
+            again2 = _replay(case, backend, truth, th)
+            if not (isinstance(again2, CaseFailure) and again2.op == failed_op and again2.seq == failed_seq):
+                return (f"nondeterministic: identical runs of the case on the same backend instance fail at "
+                        f"different operations (op {failed_op} in the first, then {_outcome(again)}, then "
+                        f"{_outcome(again2)}): outputs that vary run to run (e.g. random tie-breaking), not "
+                        f"state leaking between runs"), archives
     elif not (isinstance(again, CaseFailure) and again.op == failed_op and again.seq == failed_seq
               and (first_failure is None or not _deterministic(backend) or again.what == first_failure)):
         got = ("passes" if isinstance(again, Run) else
@@ -242,19 +269,50 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
                 f"(first run failed at op {failed_op}, seq {failed_seq or '?'}; the replay {got})"), archives
     # 1. batching?
     probe = _replay(case, backend, truth, th, unbatch_at=failed_op)
-    if isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > failed_op):
+    if _passes_op(probe, failed_op):
+        # batching only if it repeats: batched it fails again there, alone it passes again (a backend whose
+        # outputs vary run to run would pass alone, or fail batched, by chance)
+        for _ in range(CONFIRM_REPLAYS):
+            batched, alone = _replay(case, backend, truth, th), _replay(case, backend, truth, th, unbatch_at=failed_op)
+            if not (isinstance(batched, CaseFailure) and batched.op == failed_op and batched.seq == failed_seq) \
+                    or not _passes_op(alone, failed_op):
+                return (prefix + f"nondeterministic: identical runs of the case on the same backend instance "
+                        f"differ at op {failed_op} (batched: {_outcome(batched)}; one sequence at a time: "
+                        f"{_outcome(alone)}): outputs that vary run to run (e.g. random tie-breaking), not "
+                        f"batching"), archives
+    if _passes_op(probe, failed_op):
         alone = "prefilled alone (its own prefill_batch call)" if _is_prefill_batch(probe) else "decoded alone"
         where = (f"batching: sequence {failed_seq or '?'} is correct when {alone} at op {failed_op}, "
                  f"wrong in the batch")
         inside = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
-                                  record_batched=True)
+                                  record_batched=True, first_failure=first_failure)
         return prefix + where + (f"; in the batch, {inside[0]}" if inside[0] else ""), inside[1]
     from parity.backends.base import capabilities_of
     if capabilities_of(backend).get("taps", True) is False:  # no taps: the failing check itself locates it
         what = probe.what if isinstance(probe, CaseFailure) else f"op {failed_op}"
         return prefix + f"{what} (backend records no taps: located by operation and position only)", archives
-    out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size)
+    out = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
+                           first_failure=first_failure)
     return (prefix + out[0] if out[0] else prefix + "could not record the failing operation"), out[1]
+
+
+#: extra identical replays that must repeat a claim of batching or of state leaking between runs before it is
+#: made: a backend whose outputs vary run to run (a coin flip per run) survives k of them with chance 2**-k
+CONFIRM_REPLAYS = 2
+
+
+def _passes_op(probe, op: int) -> bool:
+    """Whether a replay passed operation ``op`` (it passed, or failed only later)."""
+    return isinstance(probe, Run) or (isinstance(probe, CaseFailure) and probe.op > op)
+
+
+def _outcome(r) -> str:
+    """A replay's outcome in a few words."""
+    if isinstance(r, Run):
+        return "passes"
+    if isinstance(r, CaseFailure):
+        return f"fails at op {r.op}" + (f", seq {r.seq}" if r.seq else "")
+    return f"raises {type(r).__name__}"
 
 
 def _is_prefill_batch(probe) -> bool:
@@ -271,7 +329,7 @@ def _deterministic(backend) -> bool:
 
 
 def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
-                     record_batched: bool = False) -> tuple[str, list[str]]:
+                     record_batched: bool = False, first_failure: str | None = None) -> tuple[str, list[str]]:
     """Steps 2-4 of :func:`locate`: record the failing op (``record_batched``: a batched decode as the batch,
     the failing sequence's position only), record the truth, tap-diff. Returns (line, archive paths)."""
     archives: list[str] = []
@@ -306,8 +364,14 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     where = f"op {failed_op}, seq {label}, positions {positions[0]}..{positions[-1]}: "
     try:
         tl = truth.logits(list(hist[:max(positions) + 1]))[list(positions)]
+        if (first_failure and "logit error" in first_failure and run.recorded_out is not None
+                and not (isinstance(rep, CaseFailure) and rep.op == failed_op and rep.seq == failed_seq)
+                and _first_bad_vs_truth(run.recorded_out, positions, tl, th) is None):
+            return (where + "nondeterministic: the replay recording the taps passes this operation, which the "
+                    "first run failed (outputs that vary run to run, e.g. random tie-breaking; or recording taps "
+                    "changes the backend's path)"), archives
         line = diff_archives(truth_arc, be_arc, prec, returned=run.recorded_out, positions=positions,
-                             truth_logits=tl, thresholds=th, profile=prof)
+                             truth_logits=tl, thresholds=th, profile=prof, backend=backend)
     except Exception as e:  # noqa: BLE001
         return where + f"tap-diff failed: {type(e).__name__}: {e}", archives
     entered = None
@@ -472,4 +536,4 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", 
     th = thresholds or thresholds_for(prec)
     return diff_archives(truth_arc, be_arc, prec, returned=returned, positions=list(range(len(ids))),
                          truth_logits=truth_logits, thresholds=th,
-                         profile=judging_profile_of(th, prec, truth_model, ids, backend)), archives
+                         profile=judging_profile_of(th, prec, truth_model, ids, backend), backend=backend), archives
