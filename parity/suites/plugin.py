@@ -140,3 +140,24 @@ def qwen4exp_backends(qwen4exp_settings):
     for be in cache.values():
         if hasattr(be, "close"):
             be.close()
+
+
+@pytest.fixture(scope="session")
+def qwen4exp_thresholds(qwen4exp_settings, qwen4exp_truth):
+    """Session fixture: ``get(backend) -> KLThresholds``, the limits every case is judged by, derived as
+    ``qwen4exp parity`` and ``qwen4exp kl`` derive them (:func:`parity.harness.floor.thresholds_for_run` on
+    the truth's weights over the default KL prompt set), so one model + backend + level gets one limit
+    whichever entry point runs it. Measured once per activation-store set of the backends opened."""
+    from parity.harness.floor import stores_label, stores_of, thresholds_for_run
+    from parity.prompts import load_prompts
+    model = qwen4exp_settings[1]
+    cache: dict = {}
+
+    def get(be):
+        key = (stores_label(stores_of(be)), getattr(be, "precision", "float32"))
+        if key not in cache:
+            cfg = be.config
+            prompts = load_prompts(None, model, cfg.vocab_size, cfg.max_position_embeddings)
+            cache[key] = thresholds_for_run(qwen4exp_truth.model.weights, be, prompts)[0]
+        return cache[key]
+    return get
