@@ -33,6 +33,7 @@ from reference.blocks.rope import inv_freq, rope_cos_sin
 from reference.taphook import layer_of
 from reference.errors import InputError
 from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows
+from reference.order import blocked_matmul_t, current as current_order
 from reference.session import Session, SessionState, check_ids
 from reference import taphook as _taphook
 
@@ -235,6 +236,9 @@ class ReferenceModel:
                 raise CheckpointError("lm_head.weight: expected in the checkpoint (tie_word_embeddings is false), "
                                       "found nothing")
             name = "embed_tokens.weight"
+        blk = current_order().linear_block
+        if blk and h.dtype == np.float32:   # an alternative evaluation order (reference.order)
+            return blocked_matmul_t(h, self.w(name), blk)
         if h.shape[0] <= FUSED_MAX_ROWS and name not in self._cache:
             raw = self._bf16_raw(name)
             if raw is not None and raw.ndim == 2:

@@ -465,6 +465,10 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         for name in dict.fromkeys(r.scenario for r in report.rows):
             if name in meaning:
                 notes += ["  " + t for t in _cell_lines(f"{name}: {meaning[name]}", max(20, width - 4))]
+    sf = report.meta.get("smallest_fault_rel")
+    if sf is not None:   # the run's resolution: what a fault must move to be caught
+        notes.append(f"resolution: the smallest fault this run can catch moves a logit by {sf:.2g} of the logit scale "
+                     f"(the limit; a useful fault is {report.meta.get('useful_fault_rel', 0.01):g})")
     tail = f"verdict: {report.verdict_line}  (backend {report.backend}, model {report.model})"
     text = "\n".join(lines + notes + [tail])
     if console is not None:

@@ -204,7 +204,10 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     if truth is not None and invalid is None:
         from parity.harness.floor import thresholds_for_run   # thresholds from the floor measured on this model
         th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
-        report.meta.update(thresholds=th.to_json(), floor=floor.to_json())
+        from parity.harness.kl import USEFUL_FAULT_REL
+        # the resolution: a fault moving some logit by more than the limit (relative to the logit scale) FAILs
+        report.meta.update(thresholds=th.to_json(), floor=floor.to_json(), smallest_fault_rel=th.tol_rel,
+                           useful_fault_rel=USEFUL_FAULT_REL)
     else:
         from parity.harness.kl import thresholds_for
         th = thresholds_for(report.meta["precision"])

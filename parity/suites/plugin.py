@@ -140,3 +140,30 @@ def qwen4exp_backends(qwen4exp_settings):
     for be in cache.values():
         if hasattr(be, "close"):
             be.close()
+
+
+def thresholds_of(model, weights, backend):
+    """The :class:`parity.harness.kl.KLThresholds` ``qwen4exp parity`` judges ``backend`` by on ``model``: the
+    floor of the backend's stores measured on ``weights`` (the truth's) over the default KL prompt set
+    (:func:`parity.harness.floor.thresholds_for_run`, as the CLI without ``--prompts``)."""
+    from parity.harness.floor import thresholds_for_run
+    from parity.prompts import load_prompts
+    cfg = backend.config
+    prompts = load_prompts(None, model, cfg.vocab_size, cfg.max_position_embeddings)
+    return thresholds_for_run(weights, backend, prompts)[0]
+
+
+@pytest.fixture(scope="session")
+def qwen4exp_thresholds(qwen4exp_settings, qwen4exp_truth):
+    """Session fixture: ``get(backend) -> KLThresholds``, the limits every case is judged by, derived as
+    ``qwen4exp parity`` and ``qwen4exp kl`` derive them (:func:`thresholds_of`), so one model + backend + level
+    gets one limit whichever entry point runs it. Measured once per activation-store set of the backends."""
+    from parity.harness.floor import stores_label, stores_of
+    cache: dict = {}
+
+    def get(be):
+        key = (stores_label(stores_of(be)), getattr(be, "precision", "float32"))
+        if key not in cache:
+            cache[key] = thresholds_of(qwen4exp_settings[1], qwen4exp_truth.model.weights, be)
+        return cache[key]
+    return get

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 
-def test_scenario_case(qwen4exp_case, qwen4exp_settings, qwen4exp_backends, qwen4exp_truth):
-    """Run one scenario case on the chosen backend; it must pass (skipped when the case is skipped)."""
+def test_scenario_case(qwen4exp_case, qwen4exp_settings, qwen4exp_backends, qwen4exp_truth, qwen4exp_thresholds):
+    """Run one scenario case on the chosen backend against the limits ``qwen4exp parity`` would use
+    (measured on this model, ``qwen4exp_thresholds``); it must pass (skipped when the case is skipped)."""
     from parity.backends import BackendError
     from parity.harness.scenarios import cases_for
     from parity.harness.scenarios.runner import run_case
@@ -15,7 +16,7 @@ def test_scenario_case(qwen4exp_case, qwen4exp_settings, qwen4exp_backends, qwen
     except BackendError as e:
         pytest.fail(f"backend {qwen4exp_settings[0]!r} could not be opened: {e}", pytrace=False)
     case = next(c for c in cases_for(name, be.config, qwen4exp_settings[2]) if c.name == case_name)
-    res = run_case(name, case, be, qwen4exp_truth, page_size=ps)
+    res = run_case(name, case, be, qwen4exp_truth, page_size=ps, thresholds=qwen4exp_thresholds(be))
     if res.status == "skip":
         pytest.skip(res.failure)
     assert res.status == "pass", (f"{res.label}: {res.status}: {res.failure}\n"

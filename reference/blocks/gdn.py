@@ -16,6 +16,7 @@ from reference.blocks.linear import linear
 from reference.blocks.norms import gated_rms_norm, sigmoid, silu, softplus
 from reference.blocks.ple import dilated_causal_conv
 from reference.numba_kernels import delta_rule_recurrent, unit_lower_solve
+from reference.order import current as current_order
 
 __all__ = ["conv_history", "l2norm", "delta_rule_chunked", "delta_rule_recurrent", "delta_rule_recurrent_numpy", "gdn_block",
            "CHUNK_SIZE"]
@@ -124,6 +125,8 @@ def gdn_block(x: np.ndarray, w: dict, conv_state: np.ndarray, rec_state: np.ndar
     g = -np.exp(w["A_log"]) * softplus(a + w["dt_bias"])
     q = l2norm(q) * dt(dk ** -0.5)
     k = l2norm(k)
+    if mode == "auto" and current_order().gdn != "auto":   # another legitimate form (the floor's envelope)
+        mode = current_order().gdn
     if mode == "recurrent" or (mode == "auto" and T == 1):
         core, new_rec = delta_rule_recurrent(q, k, v, g, beta, rec_state)
     else:

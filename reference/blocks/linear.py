@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from reference.numba_kernels import bf16_matmul_t
+from reference.order import blocked_matmul_t, current as current_order
 
 __all__ = ["BF16Matrix", "linear", "FUSED_MAX_ROWS"]
 
@@ -58,8 +59,12 @@ class BF16Matrix:
 def linear(x: np.ndarray, w) -> np.ndarray:
     """``x @ W.T``: x ``[N, K]``, W ``[O, K]`` (array or :class:`BF16Matrix`) -> ``[N, O]`` in ``x.dtype``.
 
-    For a plain array this is exactly ``x @ w.T``.
+    For a plain array this is exactly ``x @ w.T``. Inside :func:`reference.order.evaluation_order` with a
+    ``linear_block`` (float32 only) the sum runs in that split-K order instead (the floor's envelope).
     """
+    blk = current_order().linear_block
+    if blk and x.dtype == np.float32:
+        return blocked_matmul_t(x, w.upcast(x.dtype) if isinstance(w, BF16Matrix) else w, blk)
     if not isinstance(w, BF16Matrix):
         return x @ w.T
     if x.dtype == np.float32 and x.ndim == 2 and x.shape[0] <= FUSED_MAX_ROWS:

@@ -1,0 +1,124 @@
+"""The float32 floor is an envelope over legitimate float32 evaluation orders (reference.order), the tap
+tolerances follow the same rule, and every entry point (CLI parity, kl, the pytest plugin) derives one limit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fixture_helpers import fixture_dir
+
+FIX = fixture_dir("tiny")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    from parity.backends import load_weights
+    return load_weights(FIX)
+
+
+def _stream(cfg, n=24):
+    from parity.harness.scenarios.common import token_stream
+    return token_stream(cfg, n, seed=3)
+
+
+def test_blocked_matmul_is_the_same_product_in_another_rounding_order():
+    from reference.order import blocked_matmul_t
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 70)).astype(np.float32)
+    w = rng.standard_normal((9, 70)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    for block in (1, 4, 16, 64, 100):   # a last partial block and a block wider than K included
+        got = blocked_matmul_t(x, w, block)
+        assert got.dtype == np.float32 and got.shape == (5, 9)
+        # float32 rounding only: K = 70 terms of |x w| ~ 1 each, so |error| <= 70 u sum|x w| (gamma_K bound)
+        bound = 70 * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w.T.astype(np.float64)))
+        assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_an_evaluation_order_changes_the_float32_rounding_only_and_is_restored(weights):
+    from reference.errors import InputError
+    from reference.model import ReferenceModel
+    from reference.order import ALTERNATIVES, EvalOrder, NATIVE, current, evaluation_order
+    ids = _stream(weights.config)
+    m32, m64 = ReferenceModel(weights, dtype=np.float32), ReferenceModel(weights, dtype=np.float64)
+    l64 = m64.forward(ids)
+    native = m32.forward(ids)
+    scale = l64.std(axis=-1, keepdims=True)
+    for o in ALTERNATIVES:
+        with evaluation_order(o):
+            assert current() is o
+            alt = m32.forward(ids)
+        assert current() is NATIVE
+        assert not np.array_equal(alt, native), o.name                 # the mechanism is active ...
+        # ... and changes nothing but float32 rounding: far below a useful fault (1e-2 of the scale)
+        assert np.max(np.abs(alt - l64) / scale) < 1e-4, o.name
+    with pytest.raises(RuntimeError):
+        with evaluation_order(ALTERNATIVES[0]):
+            raise RuntimeError("inside")
+    assert current() is NATIVE                                          # restored on an exception too
+    with pytest.raises(InputError, match="gdn"):
+        EvalOrder("bad", gdn="sideways")
+    with pytest.raises(InputError, match="EvalOrder"):
+        with evaluation_order("split-k4"):
+            pass
+
+
+def test_the_float32_floor_is_the_envelope_over_the_orders(weights):
+    from parity.harness.floor import FLOOR_ORDERS, floor_prompts, measure_floor
+    from parity.prompts import load_prompts
+    cfg = weights.config
+    fl = measure_floor(weights, floor_prompts(cfg, load_prompts(None, FIX, cfg.vocab_size)))
+    assert set(fl.by_order) == {o.name for o in FLOOR_ORDERS} and len(FLOOR_ORDERS) >= 3
+    assert fl.logit_rel == max(fl.by_order.values()) == fl.f32_logit_rel
+    # on tiny another order's noise exceeds the native one's (one order alone would be a tighter, wrong floor)
+    assert fl.logit_rel > fl.by_order["native"]
+    assert fl.to_json()["by_order"] == fl.by_order
+
+
+def test_tap_tolerances_use_the_same_envelope(weights, monkeypatch):
+    import parity.harness.floor as F
+    from reference.order import NATIVE
+    ids = _stream(weights.config, 20)
+    env = F.tap_floor_profile(weights, ids).floors
+    monkeypatch.setattr(F, "FLOOR_ORDERS", (NATIVE,))
+    one = F.tap_floor_profile(weights, ids).floors
+    assert env.keys() == one.keys() and env
+    assert all(env[k][0] >= one[k][0] and env[k][1] >= one[k][1] for k in env)
+    assert any(env[k][0] > one[k][0] for k in env)      # some tap's floor is raised by another order
+
+
+def test_cli_kl_and_plugin_derive_one_limit(weights, monkeypatch):
+    """`parity` (run_parity), `kl` (run_kl's own floor) and the pytest plugin (parity.suites.plugin) judge one
+    model + backend with the same limit (the plugin used the nominal one before). Scenario suites are stubbed:
+    only the thresholds each entry point derives are compared."""
+    import parity.harness.run as R
+    import parity.harness.scenarios as S
+    from parity.backends import open_backend
+    from parity.harness.floor import floor_prompts, measure_floor, stores_of
+    from parity.harness.kl import thresholds_for
+    from parity.harness.report import ScenarioRow
+    from parity.prompts import load_prompts
+    from parity.suites.plugin import thresholds_of
+    monkeypatch.setattr(S, "run_scenario", lambda name, *a, **k: [])
+    monkeypatch.setattr(S, "summarize_results", lambda name, *a, **k: ScenarioRow(name, 0, 0, 0.0, 0.0, None, 0.0,
+                                                                                   "skip"))
+    meta = R.run_parity(FIX, "reference", ["budget"], level="ci", progress=False).meta
+    be = open_backend("reference", FIX)
+    try:
+        plugin = thresholds_of(FIX, weights, be).tol_rel
+        ps = load_prompts(None, FIX, weights.config.vocab_size)
+        kl = thresholds_for("float32", measure_floor(weights, floor_prompts(weights.config, ps), stores_of(be))).tol_rel
+    finally:
+        be.close() if hasattr(be, "close") else None
+    assert meta["thresholds"]["tol_rel"] == plugin == kl
+    assert meta["smallest_fault_rel"] == plugin          # the report states the run's resolution
+
+
+def test_the_report_states_the_smallest_fault_it_can_catch():
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    rep = ParityReport("reference", "tiny")
+    rep.rows.append(ScenarioRow("budget", 1, 0, 0.0, 0.0, None, 0.1, "pass"))
+    rep.meta.update(smallest_fault_rel=8.4e-5, useful_fault_rel=1e-2)
+    text = render_table(rep)
+    assert "smallest fault this run can catch moves a logit by 8.4e-05 of the logit scale" in text
+    assert rep.to_json()["meta"]["smallest_fault_rel"] == 8.4e-5

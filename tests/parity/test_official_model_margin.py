@@ -1,0 +1,92 @@
+"""The specification passes everywhere, with margin: the official implementation (transformers, CPU float32)
+PASSes every bundled fixture, each row's worst logit error at most HALF its limit (the limit bounds any correct
+float32 evaluation, parity.harness.floor: the envelope over evaluation orders), and a float32 fault of the
+useful size (parity.harness.kl.USEFUL_FAULT_REL of the logit scale) injected into the same official model
+still FAILs, located at its block.
+
+Runtime (2 cores): every fixture at ``--level ci`` (every scenario and the kl row) and ``tiny`` at full --
+the other fixtures share tiny's block code and differ in hyper-connection count, weight format and the MTP
+head, which the ci level already covers; the fault test is one prompt (seconds).
+"""
+from __future__ import annotations
+
+import pytest
+
+from fixture_helpers import fixture_dir
+
+pytestmark = pytest.mark.oracle
+
+#: every bundled fixture (fixtures/build.py)
+FIXTURES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8", "tiny-nvfp4", "tiny-mtp", "tiny-hc3-mtp")
+
+#: a correct float32 implementation's worst error may use at most this fraction of a row's limit (the margin
+#: the issue asks of the specification: the other half is left to engines with yet other summation orders)
+MARGIN = 0.5
+
+
+def _need_oracle():
+    pytest.importorskip("torch", reason="the official model needs the `oracle` extra (torch)")
+    pytest.importorskip("transformers.models.qwen4_exp", reason="transformers with qwen4_exp not installed")
+
+
+def _margins(doc) -> list[str]:
+    """Each judged row whose worst logit error exceeds MARGIN x its limit, as text (empty: all inside)."""
+    bad = []
+    for r in doc["scenarios"]:
+        tol = (r.get("thresholds") or {}).get("tol_rel")
+        err = r.get("worst_logit_err")
+        if tol is None or err is None or r.get("status") == "skip":
+            continue
+        if not err <= MARGIN * tol:
+            bad.append(f"{r['scenario']}: worst {err:.3g} > {MARGIN:g} x limit {tol:.3g}")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fx,level", [(f, "ci") for f in FIXTURES] + [("tiny", "full")])
+def test_the_official_model_passes_every_fixture_with_margin(fx, level):
+    _need_oracle()
+    from parity.harness.run import run_parity
+    from parity.harness.scenarios import SCENARIOS
+    rep = run_parity(fixture_dir(fx), "transformers:device=cpu", ["kl", *SCENARIOS], level=level, progress=False)
+    doc = rep.to_json()
+    assert rep.exit_code == 0 and doc["verdict"] == "pass", \
+        (fx, level, [(r["scenario"], r["status"], r["first_divergence"]) for r in doc["scenarios"]])
+    assert not _margins(doc), (fx, level, _margins(doc))
+    assert doc["meta"]["smallest_fault_rel"] == doc["meta"]["thresholds"]["tol_rel"]
+
+
+def test_a_fault_of_the_useful_size_in_the_official_model_fails_located():
+    """A wrong constant in one block (layer 2's shared-expert down projection scaled by 1 + eps), eps sized on
+    the reference so the fault moves the logits by USEFUL_FAULT_REL of the scale at its worst position: the
+    official model carrying it FAILs the limit ``parity`` uses and tap-diff names layer 2's MLP."""
+    _need_oracle()
+    import numpy as np
+
+    from parity.backends import load_weights, open_backend, truth_model
+    from parity.harness.kl import USEFUL_FAULT_REL, compare_logits, verdict
+    from parity.harness.scenarios.common import token_stream
+    from parity.harness.scenarios.locate import locate_one_shot
+    from parity.suites.plugin import thresholds_of
+    from reference.model import ReferenceModel
+    fx = fixture_dir("tiny")
+    name = "layers.2.mlp.shared_expert.down_proj.weight"
+    truth = truth_model(fx)
+    ids = token_stream(truth.config, 24, seed=11)
+    clean = truth.forward(ids)
+
+    def effect(eps):
+        w = load_weights(fx, perturb=(name, lambda a: a * (1.0 + eps)))
+        return float(np.max(compare_logits(clean, ReferenceModel(w).forward(ids)).rel_err()))
+    eps = 1e-2 * USEFUL_FAULT_REL / effect(1e-2)       # the response is linear in eps at this size
+    assert 0.5 * USEFUL_FAULT_REL <= effect(eps) <= 1.5 * USEFUL_FAULT_REL
+    be = open_backend("transformers", fx, perturb=(name, lambda a: a * (1.0 + eps)))
+    try:
+        th = thresholds_of(fx, truth.weights, be)
+        assert th.tol_rel < USEFUL_FAULT_REL / 10        # the run resolves the fault with room to spare
+        ok, why = verdict(compare_logits(clean, be.logits(ids)), th)
+        assert not ok, why
+        where, _ = locate_one_shot(be, truth, ids, thresholds=th)
+        assert "first divergence layers.2.mlp" in where, where
+    finally:
+        be.close()
