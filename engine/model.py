@@ -760,9 +760,6 @@ class EngineModel:
         ih, ihd, r = c.indexer_n_heads, c.indexer_head_dim, c.indexer_compress_ratio
         ps, eps, rd = pool.page_size, c.rms_norm_eps, c.rotary_dim
         rec, positions, pos_dev, rows = st.rec, st.positions, st.pos_dev, st.rows_dev
-        legacy = xp is not np and K_qsa.QSA_IMPL == "legacy"  # A/B: the previous cupy slot + scatter ops
-        if legacy:
-            slots = K_qsa.token_slots(pool.block_tables, rows, pos_dev, ps)
         # --- indexer: queries, raw keys, block keys, scores, top-k
         parts = self._fused_linear(x, q + "fused_in_proj")
         if parts is not None:
@@ -773,7 +770,7 @@ class EngineModel:
             k_lin = K_lin.linear(x, w[q + "k_proj.weight"])
             v_lin = K_lin.linear(x, w[q + "v_proj.weight"])
         # without taps the three head norms + RoPEs run as one kernel (bitwise the same numbers)
-        fused_prep = xp is not np and not legacy and rec is None
+        fused_prep = xp is not np and rec is None
         if fused_prep:
             q_idx, qq_p, kk_p = K_qsa.qsa_prep_heads(
                 qk, qg, k_lin, w[q + "indexer.q_layernorm.weight"], w[q + "q_norm.weight"], w[q + "k_norm.weight"],
@@ -796,18 +793,14 @@ class EngineModel:
                     apply_rope(kk_, pos_dev, self.inv_freq, rd), v_lin.reshape(T, nkv, hd))
 
         bk_args = (w[q + "indexer.k_layernorm.weight"], self.inv_freq, rd, r, ps, eps)
-        if legacy:
-            pool.idx_k[i][slots] = qk[:, ih * ihd:]
+        # one launch writes the raw indexer keys, K and V at the slots (decode: and the block keys)
+        gate, qq, kk, vv = attn_qkv()
+        fuse = st.mode == "decode"  # one token per table row: a block's other raw keys are already pooled
+        n_vis = K_qsa.qsa_write_tokens(
+            pool.idx_k[i], pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, pos_dev, qk[:, ih * ihd:], kk,
+            vv, ps, block_keys=(pool.blk_k[i], bk_args[0], self.inv_freq, rd, r, eps) if fuse else None)
+        if not fuse:
             K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev, *bk_args)
-            n_vis = pos_dev + 1
-        else:  # one launch writes the raw indexer keys, K and V at the slots (decode: and the block keys)
-            gate, qq, kk, vv = attn_qkv()
-            fuse = st.mode == "decode"  # one token per table row: a block's other raw keys are already pooled
-            n_vis = K_qsa.qsa_write_tokens(
-                pool.idx_k[i], pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, pos_dev, qk[:, ih * ihd:], kk,
-                vv, ps, block_keys=(pool.blk_k[i], bk_args[0], self.inv_freq, rd, r, eps) if fuse else None)
-            if not fuse:
-                K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev, *bk_args)
         n_blocks = st.n_blocks
         scores, sel = K_qsa.qsa_select(q_idx, pool.blk_k[i], pool.block_tables, rows, n_vis, n_blocks, r, ps,
                                        c.block_topk)
@@ -830,11 +823,7 @@ class EngineModel:
                     rec.emit(q + "indexer.selected_tokens",
                              selected_tokens(sel_h, np.asarray(self.syncs.host(positions)), r, c.indexer_budget + r - 1),
                              positions=positions)
-        # --- attention projections, K/V into the pages (legacy order), sparse attention, sigmoid output gate
-        if legacy:
-            gate, qq, kk, vv = attn_qkv()
-            pool.kv_k[i][slots] = kk
-            pool.kv_v[i][slots] = vv
+        # --- sparse attention, sigmoid output gate
         core = K_qsa.qsa_sparse_attention(qq, pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, n_vis, sel, r, ps,
                                           hd ** -0.5, n_blocks=n_blocks)
         self._emit(rec, q + "core_out", core.reshape(T, nh * hd), positions)
