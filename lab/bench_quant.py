@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                         L.QGEMV2_CONFIG.update(prev[1])
                 w = one = None
         # batch-16 decode as routed: 16 tokens x top-10 of 512 experts (~150 distinct experts of 1-2 rows), the
-        # MoE's own tile size for 16 tokens (moe._rows_per_tile); a fresh routing per launch in the rotation
+        # MoE's own tile size for 16 tokens (tiles.default_rows_per_tile); a fresh routing per launch in the rotation
         E, T = 512, 16
         rng = np.random.default_rng(3)
         for fmt in ("nvfp4", "fp8"):

@@ -29,7 +29,7 @@ from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import ptr_or_null
 from engine.kernels.linear import grouped_linear, launch_plan, linear
 from engine.kernels.tiles import (GEMV_MAX_ROWS, GroupTiles, MoERoute, combine, moe_route_tables,  # noqa: F401 (re-exported)
-                                  rows_per_tile)
+                                  default_rows_per_tile)
 from reference.blocks import moe as _ref_moe
 from reference.blocks.norms import silu as _ref_silu
 
@@ -228,7 +228,7 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Fused decode chain (cuda/moe_fused.cu)
+# Decode chain (cuda/moe_route.cu, the shared-expert stream)
 
 #: The decode chain of the MoE block for 1..16 tokens (cupy, no expert parallelism): top-k + route tables in one
 #: single-block launch after the router GEMV (``cuda/moe_route.cu``, in place of router_topk + memset + moe_tables),
@@ -271,7 +271,7 @@ def _route_block(xp, logits, top_k: int, norm_topk_prob: bool):
     if not (1 <= k <= min(E, 64)) or nw < 1:
         return None
     S = T * k
-    rpt = rows_per_tile(T, k, E)
+    rpt = default_rows_per_tile(T, k, E)
     max_tiles = S // rpt + min(E, S)
     ids = _empty(xp, (T, k), dtype=xp.int32)
     w = _empty(xp, (T, k), dtype=xp.float32)

@@ -18,7 +18,7 @@ from engine.kernels.dense_common import KernelInputError, f32_contig, is_cupy, k
 from reference.blocks.norms import sigmoid as _ref_sigmoid
 
 __all__ = ["GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows", "GroupTiles", "MoERoute", "DECODE_ROWS_PER_TILE",
-           "rows_per_tile", "moe_route_tables", "combine"]
+           "default_rows_per_tile", "moe_route_tables", "combine"]
 
 #: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
 GEMV_MAX_ROWS = 16
@@ -70,7 +70,7 @@ class MoERoute:
 DECODE_ROWS_PER_TILE = int(os.environ.get("QWEN4EXP_MOE_DECODE_RPT", "4"))
 
 
-def rows_per_tile(T: int, k: int, E: int) -> int:
+def default_rows_per_tile(T: int, k: int, E: int) -> int:
     """Decode: one token: one slot per tile (GEMV); 2..16 tokens: :data:`DECODE_ROWS_PER_TILE`. Prefill:
     16-row GEMV tiles while experts average <= 32 rows (weights read once per 16 rows, little padding),
     64-row GEMM tiles above."""
@@ -88,7 +88,7 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
     Args:
         ids: int ``[T, top_k]`` expert ids in ``[0, num_experts)``.
         num_experts: ``E``.
-        rows_per_tile: slots per tile (1, 4, 16: GEMV; 64: GEMM); default by :func:`rows_per_tile`.
+        rows_per_tile: slots per tile (1, 4, 16: GEMV; 64: GEMM); default by :func:`default_rows_per_tile`.
     Returns:
         :class:`MoERoute` on the device of ``ids``.
     Raises:
@@ -100,7 +100,7 @@ def moe_route_tables(ids, num_experts: int, rows_per_tile: int | None = None) ->
     T, k = ids.shape
     S = T * k
     E = int(num_experts)
-    rpt = rows_per_tile(T, k, E) if rows_per_tile is None else int(rows_per_tile)
+    rpt = default_rows_per_tile(T, k, E) if rows_per_tile is None else int(rows_per_tile)
     if not is_cupy(xp):
         flat = np.asarray(ids, dtype=np.int64).reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= E):

@@ -273,7 +273,7 @@ extern "C" __global__ void qsa_write_tokens(const int* __restrict__ bt, const lo
 
 // ------------------------------------------------------------------------------------------ block keys (split)
 // grid T, block 32 * ceil(Di / 32) (Di <= 1024): thread d owns channel d, so the ratio raw-key loads of every
-// channel are in flight at once (the legacy kernel walks the channels with one warp). Same values up to the order of
+// channel are in flight at once (qsa_block_keys walks the channels with one warp). Same values up to the order of
 // the sum of squares (a fixed-order block reduction instead of a warp's).
 extern "C" __global__ void qsa_block_keys_split(const float* __restrict__ idx_k, float* __restrict__ blk_k,
                                                 const int* __restrict__ bt, const long long* __restrict__ rows,
@@ -475,8 +475,8 @@ extern "C" __global__ void qsa_topk_split(const float* __restrict__ scores, cons
 // QSA_TILE tokens: K and V rows are loaded as float4 into registers one tile AHEAD (the next tile's loads are in
 // flight while this tile computes), parked in shared memory, scored against the group's queries (a warp per token),
 // softmax-updated per head (a warp per head), and accumulated (a thread per channel). Token slots are resolved
-// QSA_CHUNK at a time (one per thread). Writes (max, sum, unnormalised acc) per (t, h, split) in the legacy layout;
-// qsa_attn_combine_split merges the splits in index order. Float32 throughout; vs the legacy kernel only the order
+// QSA_CHUNK at a time (one per thread). Writes (max, sum, unnormalised acc) per (t, h, split) in qsa_attn_partial's layout;
+// qsa_attn_combine_split merges the splits in index order. Float32 throughout; vs qsa_attn_partial only the order
 // of the softmax sums differs (per-tile online softmax instead of per-warp strided). Needs QSA_HEAD_DIM % 4 == 0.
 #ifndef QSA_GROUP
 #define QSA_GROUP 12       // query heads per KV head; the host compiles with -DQSA_GROUP=<Hq / Hkv>
@@ -518,7 +518,7 @@ qsa_attn_partial_split(const float* __restrict__ q, const float* __restrict__ kv
     const long long nv = n_visible[t];
     const long long nc = nv / ratio;
     const int* sel_row = sel + (long long)t * ksel;
-    // the selected blocks: the row's valid (>= 0) prefix, at most min(nc, ksel) entries (as the legacy kernel)
+    // the selected blocks: the row's valid (>= 0) prefix, at most min(nc, ksel) entries (as qsa_attn_partial)
     const long long cap = nc < (long long)ksel ? nc : (long long)ksel;
     int first = 0x7fffffff;
     for (long long i = tid; i < cap; i += QSA_GT)
