@@ -17,7 +17,6 @@ modeling_qwen4_exp.py (e.g. ``Qwen4ExpTextMLP.forward``, ``Qwen4ExpTextExperts.f
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -34,10 +33,10 @@ __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE
 
 _GEMV_WARPS = 8  # rows of W per GEMV block (one warp each)
 _GEMM_BN = 64
-#: The tensor-core GEMV (``cuda/dense_linear_mma.cu``) for BF16 weights and 2..16 rows per weight pass;
-#: ``QWEN4EXP_MMA_GEMV=0`` in the environment (read once, at import) turns it off (the float32-FMA GEMV
-#: of ``dense_linear.cu`` is used instead). Tests may monkeypatch this flag.
-MMA_GEMV_ENABLED = os.environ.get("QWEN4EXP_MMA_GEMV", "1").strip() != "0"
+#: The tensor-core GEMV (``cuda/dense_linear_mma.cu``) for BF16 weights and 2..16 rows per weight pass (the
+#: float32-FMA GEMV of ``dense_linear.cu`` serves one row, float32 weights and unaligned shapes). A module flag, not
+#: an environment switch: the tests and the micro-bench (``lab/bench_dense.py``) set it to run the FMA kernel beside it.
+MMA_GEMV_ENABLED = True
 #: The streaming quantised GEMV (``qgemv2_*`` of ``cuda/quant_linear.cu``) serves FP8 / NVFP4 weights at 1..16 rows
 #: whenever the 16-byte chunk path is possible; the scalar ``qgemv_*_s`` kernels serve the rest (unaligned, odd K).
 #: ``qgemv2`` configuration per (format, activation-row tile): ``(G, RL, U)`` = lanes per row slot, weight rows
