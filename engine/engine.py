@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.backend import get_xp
 from engine.kernels.seq_limits import seq_kernel_limits
+from engine.graphs import DecodeGraphs
 from engine.model import EngineModel, Segment
 from engine.state import CapacityError, Snapshot, StateError, StatePool
 from reference.errors import InputError
@@ -52,7 +53,7 @@ class Engine:
             :mod:`engine.ple_table`). The path in use is ``limits['ple_table']``.
         progress: show weight-upload progress (tqdm).
         cuda_graphs: replay batched decode steps as CUDA graphs (cuda only; each graph verified against an
-            eager step before use, see :class:`engine.model.DecodeGraphs`). Default: on, unless the
+            eager step before use, see :class:`engine.graphs.DecodeGraphs`). Default: on, unless the
             environment sets ``QWEN4EXP_CUDA_GRAPHS=0``.
         devices: expert parallelism (:mod:`engine.parallel`): a list of CUDA device ids (distinct ids:
             NCCL; the first runs the trunk and owns all state) or a number of ranks / repeated ids (the
@@ -125,7 +126,6 @@ class Engine:
         if self.comm is not None and type(self.comm).__name__ == "NcclComm":
             cuda_graphs = False  # one graph per device would be needed; the sharded step runs eagerly
         if cuda_graphs and device == "cuda":
-            from engine.model import DecodeGraphs
             self.graphs = DecodeGraphs(self.model)
         self.limits = self.pool.limits()
         self.limits["weight_bytes"] = self.model.weight_bytes()
@@ -312,7 +312,7 @@ class Engine:
         state as calling :meth:`decode_greedy` ``steps`` times and feeding each result back, but pipelined
         on the GPU once the batch's CUDA graphs are in steady state: each step's token ids are the previous
         step's device argmax, so its first layers run while the host reads the previous tokens and gathers
-        their PLE rows (:meth:`engine.model.DecodeGraphs.pipelined_step`).
+        their PLE rows (:meth:`engine.graphs.DecodeGraphs.pipelined_step`).
 
         Args:
             seqs: the batch; ids: ``[B]`` tokens to feed first; steps: number of steps (>= 1).

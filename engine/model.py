@@ -27,9 +27,9 @@ from engine.backend import to_numpy
 from engine.kernels import gdn as K_gdn
 from engine.kernels import linear as K_lin
 from engine.kernels import norms as K_norms
-from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
-from engine.kernels.quant import QuantWeight, fp8_from_stored, nvfp4_from_stored, stack_experts, stack_rows
+from engine.kernels.dense_common import bf16_bits_to_float32
 from engine.ple_table import PLETable
+from engine.weights import ModelWeights
 from reference import taphook as tap_recorder
 
 __all__ = ["EngineModel", "Segment"]
@@ -74,7 +74,7 @@ class SyncCounter:
         return to_numpy(a)
 
 
-class EngineModel:
+class EngineModel(ModelWeights):
     """Device weights + the forward pass.
 
     Args:
@@ -141,276 +141,6 @@ class EngineModel:
             lay = c.ple_layout(i)
             self.ple_meta[i] = (np.asarray(lay.multipliers, np.int64), np.asarray(lay.head_vocab_sizes, np.int64),
                                 np.asarray(lay.head_offsets, np.int64))
-
-    # ------------------------------------------------------------------ weights
-    def _weight_names(self):
-        """(canonical name, 'mat' | 'vec') for every dense tensor the forward reads (experts apart)."""
-        c = self.config
-        out = [("embed_tokens.weight", "mat"), ("lm_head.weight", "mat")]
-        for hcn in ("hyper_connection_mixer",):
-            out += [(f"{hcn}.hc_norm.weight", "vec"), (f"{hcn}.input_mix_weight_down.weight", "mat"),
-                    (f"{hcn}.input_mix_weight_up.weight", "mat")]
-        for i, lt in enumerate(c.layer_types):
-            out += self._layer_weight_names(i, lt)
-        return out
-
-    def _layer_weight_names(self, i, lt):
-        """(name, kind) of decoder layer ``i`` of type ``lt`` (experts apart)."""
-        c = self.config
-        out = []
-        p = f"layers.{i}."
-        for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
-            out += [(p + hcn + ".hc_norm.weight", "vec"), (p + hcn + ".input_mix_weight_down.weight", "mat"),
-                    (p + hcn + ".input_mix_weight_up.weight", "mat"), (p + hcn + ".block_inject_weight.weight", "mat")]
-        if lt == "linear_attention":
-            q = p + "linear_attn."
-            out += [(q + "in_proj_qkv.weight", "mat"), (q + "in_proj_z.weight", "mat"), (q + "in_proj_b.weight", "mat"),
-                    (q + "in_proj_a.weight", "mat"), (q + "out_proj.weight", "mat"), (q + "conv1d.weight", "conv"),
-                    (q + "A_log", "vec"), (q + "dt_bias", "vec"), (q + "norm.weight", "vec")]
-        else:
-            q = p + "self_attn."
-            out += [(q + "q_proj.weight", "mat"), (q + "k_proj.weight", "mat"), (q + "v_proj.weight", "mat"),
-                    (q + "o_proj.weight", "mat"), (q + "q_norm.weight", "vec"), (q + "k_norm.weight", "vec"),
-                    (q + "indexer.index_qk_proj.weight", "mat"), (q + "indexer.q_layernorm.weight", "vec"),
-                    (q + "indexer.k_layernorm.weight", "vec")]
-        m = p + "mlp."
-        out += [(m + "gate.weight", "f32mat"), (m + "shared_expert.gate_proj.weight", "mat"),
-                (m + "shared_expert.up_proj.weight", "mat"), (m + "shared_expert.down_proj.weight", "mat"),
-                (m + "shared_expert_gate.weight", "mat")]
-        if i in c.ple_layers:
-            q = p + "ple."
-            out += [(q + "key_proj.weight", "mat"), (q + "value_proj.weight", "mat"), (q + "norm_key.weight", "vec"),
-                    (q + "norm_query.weight", "vec"), (q + "norm_conv.weight", "vec"), (q + "conv1d.weight", "conv")]
-        return out
-
-    def _fuse_weights(self) -> None:
-        """Stack the projections that read the same input into one device matrix each (one GEMV launch
-        instead of several in a decode step), and replace each weight by its row view of the stack (no
-        second copy): GDN ``in_proj_{qkv,z,b,a}``, QSA ``indexer.index_qk_proj`` + ``{q,k,v}_proj``,
-        hyper-connection ``input_mix_weight_down`` + ``block_inject_weight``, shared expert
-        ``gate_proj`` + ``up_proj``; where the GDN group mixes formats (FP8 release: ``qkv`` and ``z`` FP8,
-        ``b`` and ``a`` BF16), ``in_proj_qkv`` + ``in_proj_z`` alone. Quantised members stack when all are of one
-        format and their scale blocks allow row views (:func:`engine.kernels.quant.stack_rows`,
-        :meth:`QuantWeight.rows`). A group whose matrices differ in dtype (a BF16 and a kept-float32 weight)
-        stays separate. ``self.fused[key]`` lists ``(name, first row, end row)``."""
-        xp, c = self.xp, self.config
-        groups = []
-        layers = list(enumerate(c.layer_types))
-        if self.mtp_layer is not None:
-            layers.append((self.mtp_layer, "indexed_attention"))
-        for i, lt in layers:
-            p = f"layers.{i}."
-            for hcn in ("attn_hyper_connection", "mlp_hyper_connection"):
-                groups.append((p + hcn + ".fused_down_inject",
-                               [p + hcn + ".input_mix_weight_down.weight", p + hcn + ".block_inject_weight.weight"]))
-            if lt == "linear_attention":
-                q = p + "linear_attn."
-                groups.append((q + "fused_in_proj", [q + "in_proj_qkv.weight", q + "in_proj_z.weight",
-                                                     q + "in_proj_b.weight", q + "in_proj_a.weight"]))
-            else:
-                q = p + "self_attn."
-                groups.append((q + "fused_in_proj", [q + "indexer.index_qk_proj.weight", q + "q_proj.weight",
-                                                     q + "k_proj.weight", q + "v_proj.weight"]))
-            m = p + "mlp."
-            groups.append((m + "fused_shared_gate_up", [m + "shared_expert.gate_proj.weight",
-                                                        m + "shared_expert.up_proj.weight"]))
-            if lt == "linear_attention":  # FP8 release: qkv and z are F8_E4M3, b and a BF16
-                groups.append((p + "linear_attn.fused_in_proj_qkv_z", [p + "linear_attn.in_proj_qkv.weight",
-                                                                       p + "linear_attn.in_proj_z.weight"]))
-        for key, names in groups:
-            ws = [self.w.get(n) for n in names]
-            if any(w is None or w.ndim != 2 for w in ws) or any(n in self.fused_members for n in names):
-                continue
-            quant = [isinstance(w, QuantWeight) for w in ws]
-            if all(quant):  # stored formats: one stack when the scale blocks allow row views of it
-                try:
-                    fused = stack_rows(ws)
-                    starts = np.cumsum([0] + [w.shape[0] for w in ws])
-                    views = [fused.rows(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-                except ValueError:
-                    continue
-            elif any(quant) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
-                continue
-            else:
-                fused = xp.concatenate(ws, axis=0)
-                starts = np.cumsum([0] + [w.shape[0] for w in ws])
-                views = [fused[int(a):int(b)] for a, b in zip(starts[:-1], starts[1:])]
-            spans = []
-            for n, v, a, b in zip(names, views, starts[:-1], starts[1:]):
-                self.w[n] = v
-                spans.append((n, int(a), int(b)))
-            self.fused_members.update(names)
-            self.w[key] = fused
-            self.fused[key] = spans
-
-    def _fused_linear(self, x, key):
-        """``x @ W.T`` for every member of fused group ``key`` in one launch: a list of ``[T, rows_j]``
-        column blocks (contiguous copies when ``T > 1``), or None when the group was not fused."""
-        spans = self.fused.get(key)
-        if spans is None:
-            return None
-        y = K_lin.linear(x, self.w[key])
-        if y.shape[0] == 1:
-            return [y[:, a:b] for _, a, b in spans]  # one row: column blocks are contiguous views
-        return [self.xp.ascontiguousarray(y[:, a:b]) for _, a, b in spans]
-
-    def _dev_mat(self, a: np.ndarray):
-        """A host float32 matrix as a device weight of this precision (BF16 bits or float32).
-
-        In BF16 mode a matrix whose values are not all exactly representable in BF16 (FP8 block-scaled
-        weights dequantised on load, F32 checkpoints trained in higher precision) stays float32: the
-        engine never adds a quantisation the checkpoint does not have. ``self.kept_float32`` counts
-        them; load prints one notice."""
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        if self.precision == "bf16":
-            bits = to_bf16_bits(a)
-            if np.array_equal(bf16_bits_to_float32(bits), a):
-                return self.xp.asarray(bits)
-            self.kept_float32 = getattr(self, "kept_float32", 0) + 1
-        return self.xp.asarray(a)
-
-    def _bf16_raw(self, name: str):
-        """The stored BF16 bits of ``name`` (host uint16, memory-mapped) when it is stored as BF16, else None."""
-        try:
-            if self.ck.dtype(name) != "BF16":
-                return None
-            return np.ascontiguousarray(np.asarray(self.ck.get_raw(name)).view(np.uint16))
-        except Exception:  # overrides / in-memory weights: take the generic path
-            return None
-
-    def _quant(self, name: str) -> QuantWeight | None:
-        """``name`` as a host QuantWeight when it is stored quantised (FP8 E4M3 with a block or per-tensor
-        scale; NVFP4 U8 codes with ``weight_scale`` + ``weight_scale_2``) and ``quantized == 'stored'``,
-        else None."""
-        if self.quantized != "stored":
-            return None
-        try:
-            dt = self.ck.dtype(name)
-        except Exception:
-            return None
-        base = name[:-len(".weight")] if name.endswith(".weight") else name
-        if dt == "F8_E4M3":
-            sc = self.ck._scale_for(name)
-            if sc is None:
-                return None  # the reader raises its own error when the weight is read
-            return fp8_from_stored(self.ck.get_raw(name), self.ck.get_raw(sc), self.ck._block)
-        if dt == "U8" and self.ck.has(base + ".weight_scale_2"):
-            return nvfp4_from_stored(self.ck.get_raw(name), self.ck.get_raw(base + ".weight_scale"),
-                                     self.ck.get_raw(base + ".weight_scale_2"))
-        return None
-
-    def _load(self, name: str, kind: str, src: str | None = None):
-        """Device copy of weight ``name`` read from checkpoint tensor ``src`` (default ``name``)."""
-        name = src or name
-        if kind == "mat" and name != "embed_tokens.weight":  # the embedding is gathered by rows, never quantised
-            qw = self._quant(name)
-            if qw is not None:
-                return qw.to(self.xp)
-        if kind == "mat" and self.precision == "bf16":
-            raw = self._bf16_raw(name)
-            if raw is not None:  # stored BF16: upload the bits as they are (no float round trip)
-                return self.xp.asarray(raw)
-        a = self.ck.get(name, dtype=np.float32)
-        if kind == "mat":
-            return self._dev_mat(a)
-        if kind == "conv":  # [C, 1, K] -> [C, K]
-            return self.xp.asarray(np.ascontiguousarray(a.reshape(a.shape[0], a.shape[-1]), dtype=np.float32))
-        # 'vec' and 'f32mat' (the router stays float32: a BF16 router would move top-k ties)
-        return self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
-
-    def _load_experts(self, progress: bool):
-        c = self.config
-        it = range(c.num_hidden_layers)
-        if progress:
-            from tqdm import tqdm
-            it = tqdm(it, desc="upload experts", unit="layer")
-        for i in it:
-            self._load_layer_experts(i, f"layers.{i}.mlp.experts.", i)
-
-    def _load_layer_experts(self, i, m: str, expert_layer):
-        """Routed experts of layer ``i`` into ``self.w`` (``layers.{i}.mlp.experts.{gate_up,down}``), read from the
-        checkpoint prefix ``m`` (fused or per-expert) / ``ck.expert(expert_layer, e)``."""
-        c = self.config
-        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
-        key = f"layers.{i}.mlp.experts."
-        dev = getattr(self.ck, "device_experts", None)
-        if dev is not None and m == key:  # synthetic weights built on the device (parity.bench.synthetic_device)
-            self.w[key + "gate_up"], self.w[key + "down"] = dev(i, self.xp, self.precision)
-            return
-        q = self._quant_experts(i, m)
-        if q is not None:  # stored FP8 / NVFP4: kept as stored, dequantised inside the kernels
-            self.w[key + "gate_up"], self.w[key + "down"] = q[0].to(self.xp), q[1].to(self.xp)
-            return
-        if self.precision == "bf16" and self.ck.has(m + "gate_up_proj"):
-            gu_raw, dn_raw = self._bf16_raw(m + "gate_up_proj"), self._bf16_raw(m + "down_proj")
-            if gu_raw is not None and dn_raw is not None:  # fused BF16 layout == the kernel's layout
-                self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu_raw)
-                self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn_raw)
-                return
-        if self.precision == "bf16" and self.ck.has(m + "0.gate_proj.weight") \
-                and self._bf16_raw(m + "0.gate_proj.weight") is not None:  # per-expert BF16: stack the bits
-            gu16 = np.empty((E, 2 * I, H), np.uint16)
-            dn16 = np.empty((E, H, I), np.uint16)
-            for e in range(E):
-                gu16[e, :I] = self._bf16_raw(f"{m}{e}.gate_proj.weight")
-                gu16[e, I:] = self._bf16_raw(f"{m}{e}.up_proj.weight")
-                dn16[e] = self._bf16_raw(f"{m}{e}.down_proj.weight")
-            self.w[f"layers.{i}.mlp.experts.gate_up"] = self.xp.asarray(gu16)
-            self.w[f"layers.{i}.mlp.experts.down"] = self.xp.asarray(dn16)
-            return
-        gu = np.empty((E, 2 * I, H), np.float32)
-        dn = np.empty((E, H, I), np.float32)
-        for e in range(E):
-            g, u, d = self.ck.expert(expert_layer, e, dtype=np.float32)
-            gu[e, :I], gu[e, I:], dn[e] = g, u, d
-        self.w[f"layers.{i}.mlp.experts.gate_up"] = self._dev_mat(gu)
-        self.w[f"layers.{i}.mlp.experts.down"] = self._dev_mat(dn)
-
-    def _load_mtp(self) -> None:
-        """The MTP head's weights: its decoder layer as trunk-shaped ``layers.{L}.*`` (read from
-        ``mtp.layers.0.*``), its fusion and mixer weights under their own ``mtp.*`` names."""
-        L = self.config.num_hidden_layers
-        self.mtp_layer = L
-        pre = f"layers.{L}."
-        for name, kind in self._layer_weight_names(L, "indexed_attention"):
-            self.w[name] = self._load(name, kind, src="mtp.layers.0." + name[len(pre):])
-        for n, kind in (("mtp.pre_fc_norm_embedding.weight", "vec"), ("mtp.pre_fc_norm_hidden.weight", "vec"),
-                        ("mtp.fc_embedding.weight", "mat"), ("mtp.fc_hidden.weight", "mat"),
-                        ("mtp.hyper_connection_mixer.hc_norm.weight", "vec"),
-                        ("mtp.hyper_connection_mixer.input_mix_weight_down.weight", "mat"),
-                        ("mtp.hyper_connection_mixer.input_mix_weight_up.weight", "mat")):
-            self.w[n] = self._load(n, kind)
-        from reference.checkpoint import MTP_LAYER
-        self._load_layer_experts(L, "mtp.layers.0.mlp.experts.", MTP_LAYER)
-
-    def _quant_experts(self, i: int, m: str | None = None):
-        """Layer ``i``'s routed experts (checkpoint prefix ``m``, default ``layers.{i}.mlp.experts.``) as host
-        QuantWeights ``(gate_up [E, 2I, H], down [E, H, I])`` when stored quantised (per-expert or fused FP8
-        layout; per-expert NVFP4), else None."""
-        E = self.config.num_experts
-        m = m or f"layers.{i}.mlp.experts."
-        if self.ck.has(m + "gate_up_proj"):
-            gu, dn = self._quant(m + "gate_up_proj"), self._quant(m + "down_proj")
-            if gu is None or dn is None:
-                return None
-            return gu, dn  # the fused layout's block scales are defined over the stacked gate + up rows
-        if not self.ck.has(m + "0.gate_proj.weight") or self._quant(m + "0.gate_proj.weight") is None:
-            return None
-        gus, dns = [], []
-        for e in range(E):
-            g, u, d = (self._quant(f"{m}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
-            if g is None or u is None or d is None:
-                return None
-            gus.append(stack_rows([g, u]))
-            dns.append(d)
-        return stack_experts(gus), stack_experts(dns)
-
-    def weight_bytes(self) -> int:
-        """Bytes held by the loaded weight arrays (sum of ``nbytes`` over ``self.w``; a fused stack counted
-        once, not again through its members' row views)."""
-        members = {n for spans in self.fused.values() for n, _, _ in spans}
-        own = int(sum(a.nbytes for k, a in self.w.items() if k not in members))
-        return own if self.ep is None else own + self.ep.weight_bytes()[0]
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, rec, name, value, positions):
@@ -760,9 +490,6 @@ class EngineModel:
         ih, ihd, r = c.indexer_n_heads, c.indexer_head_dim, c.indexer_compress_ratio
         ps, eps, rd = pool.page_size, c.rms_norm_eps, c.rotary_dim
         rec, positions, pos_dev, rows = st.rec, st.positions, st.pos_dev, st.rows_dev
-        legacy = xp is not np and K_qsa.QSA_IMPL == "legacy"  # A/B: the previous cupy slot + scatter ops
-        if legacy:
-            slots = K_qsa.token_slots(pool.block_tables, rows, pos_dev, ps)
         # --- indexer: queries, raw keys, block keys, scores, top-k
         parts = self._fused_linear(x, q + "fused_in_proj")
         if parts is not None:
@@ -773,7 +500,7 @@ class EngineModel:
             k_lin = K_lin.linear(x, w[q + "k_proj.weight"])
             v_lin = K_lin.linear(x, w[q + "v_proj.weight"])
         # without taps the three head norms + RoPEs run as one kernel (bitwise the same numbers)
-        fused_prep = xp is not np and not legacy and rec is None
+        fused_prep = xp is not np and rec is None
         if fused_prep:
             q_idx, qq_p, kk_p = K_qsa.qsa_prep_heads(
                 qk, qg, k_lin, w[q + "indexer.q_layernorm.weight"], w[q + "q_norm.weight"], w[q + "k_norm.weight"],
@@ -796,18 +523,14 @@ class EngineModel:
                     apply_rope(kk_, pos_dev, self.inv_freq, rd), v_lin.reshape(T, nkv, hd))
 
         bk_args = (w[q + "indexer.k_layernorm.weight"], self.inv_freq, rd, r, ps, eps)
-        if legacy:
-            pool.idx_k[i][slots] = qk[:, ih * ihd:]
+        # one launch writes the raw indexer keys, K and V at the slots (decode: and the block keys)
+        gate, qq, kk, vv = attn_qkv()
+        fuse = st.mode == "decode"  # one token per table row: a block's other raw keys are already pooled
+        n_vis = K_qsa.qsa_write_tokens(
+            pool.idx_k[i], pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, pos_dev, qk[:, ih * ihd:], kk,
+            vv, ps, block_keys=(pool.blk_k[i], bk_args[0], self.inv_freq, rd, r, eps) if fuse else None)
+        if not fuse:
             K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev, *bk_args)
-            n_vis = pos_dev + 1
-        else:  # one launch writes the raw indexer keys, K and V at the slots (decode: and the block keys)
-            gate, qq, kk, vv = attn_qkv()
-            fuse = st.mode == "decode"  # one token per table row: a block's other raw keys are already pooled
-            n_vis = K_qsa.qsa_write_tokens(
-                pool.idx_k[i], pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, pos_dev, qk[:, ih * ihd:], kk,
-                vv, ps, block_keys=(pool.blk_k[i], bk_args[0], self.inv_freq, rd, r, eps) if fuse else None)
-            if not fuse:
-                K_qsa.qsa_block_keys(pool.idx_k[i], pool.blk_k[i], pool.block_tables, rows, pos_dev, *bk_args)
         n_blocks = st.n_blocks
         scores, sel = K_qsa.qsa_select(q_idx, pool.blk_k[i], pool.block_tables, rows, n_vis, n_blocks, r, ps,
                                        c.block_topk)
@@ -830,11 +553,7 @@ class EngineModel:
                     rec.emit(q + "indexer.selected_tokens",
                              selected_tokens(sel_h, np.asarray(self.syncs.host(positions)), r, c.indexer_budget + r - 1),
                              positions=positions)
-        # --- attention projections, K/V into the pages (legacy order), sparse attention, sigmoid output gate
-        if legacy:
-            gate, qq, kk, vv = attn_qkv()
-            pool.kv_k[i][slots] = kk
-            pool.kv_v[i][slots] = vv
+        # --- sparse attention, sigmoid output gate
         core = K_qsa.qsa_sparse_attention(qq, pool.kv_k[i], pool.kv_v[i], pool.block_tables, rows, n_vis, sel, r, ps,
                                           hd ** -0.5, n_blocks=n_blocks)
         self._emit(rec, q + "core_out", core.reshape(T, nh * hd), positions)
@@ -946,262 +665,3 @@ def _sigmoid_gate(xp):
                                                   "out = core * (1.0f / (1.0f + expf(-gate)));",
                                                   "qwen4exp_sigmoid_gate")
     return _SIGMOID_GATE["k"]
-
-
-class DecodeGraphs:
-    """Batched decode steps replayed as CUDA graphs (cupy only).
-
-    A graph is keyed by the batch's slab rows and the QSA score width rounded up to ``bucket`` blocks
-    (``n_blocks`` only sets the width of the score row: blocks past a query's visible count score -inf,
-    so a wider row selects exactly the same blocks). The graph computes the logits and their row argmax
-    (the greedy next tokens) into static device buffers.
-
-    Memory: both graphs allocate from the entry's private pool, in which the tail's temporaries may reuse
-    the head's addresses (they run in order); what must outlive a step while the next head runs (the
-    argmax tokens) is allocated outside that pool. The logits of a pipelined step may be overwritten by
-    the next step's head: only :meth:`Engine.decode_greedy` (not pipelined) exposes them.
-
-    Steady-state step (a key's graph captured and verified): the host half
-    (:meth:`EngineModel.prepare_host`: token ids, positions, n-gram hashing, PLE row gather) writes into the
-    graph's own pinned staging buffers, two asynchronous host->device copies fill its static inputs
-    (ids + positions; PLE rows), then the graph is launched. No pageable copy, no synchronisation; the
-    caller's copy of the logits or tokens is the step's only device->host transfer.
-
-    Safety: a key is run eagerly the first time (kernels compile); then captured (into a private memory
-    pool, so no other allocation can reuse the graph's buffers) and its first ``verify_replays`` replays are
-    checked against an eager run of the same step from a snapshot of the batch's state (1e-5 relative,
-    summation order is identical so they agree to rounding). A capture that fails (an op not allowed
-    while capturing) or a replay that disagrees disables graphs for that key: the step runs eagerly.
-    """
-
-    def __init__(self, model, bucket: int = 512, max_graphs: int = 16, verify_replays: int = 2):
-        import cupy as cp
-        self.cp = cp
-        self.model = model
-        self.bucket = int(bucket)
-        self.max_graphs = int(max_graphs)
-        self.verify_replays = int(verify_replays)
-        # a blocking stream: ordered with the legacy default stream every other engine op runs on
-        self.stream = cp.cuda.Stream()
-        self.entries: dict = {}
-        self.seen: dict = {}
-        self.failed: dict = {}
-        self.stats = {"eager": 0, "captures": 0, "replays": 0, "verified": 0, "failed": 0, "pipelined": 0}
-        self._side = None  # stream for the pipelined token copies
-
-    def _nb(self, n_blocks: int) -> int:
-        return -(-int(n_blocks) // self.bucket) * self.bucket
-
-    def _key_of(self, segs):
-        """The graph key of a decode batch, from the host only: (slab rows, bucketed score width)."""
-        r = self.model.config.indexer_compress_ratio or 1
-        nb = self._nb(max(1, (max(s.start for s in segs) + 1) // r))
-        return (tuple(int(s.seq.slab) for s in segs), nb), nb
-
-    def decode(self, pool, segs):
-        """One decode step for ``segs`` (one token each).
-
-        Returns:
-            (logits ``[B, V]`` float32, tokens ``[B]`` int64 = the row argmax), both on the device; a
-            replayed graph's outputs are its static buffers, valid until the next step of the same key.
-        """
-        m = self.model
-        key, nb = self._key_of(segs)
-        e = self.entries.get(key)
-        if e is not None and e["checks"] >= self.verify_replays:
-            return self._fast_replay(pool, segs, e)
-        st = m.prepare_step(pool, segs, "decode", None)
-        st.n_blocks = nb
-        if e is None:
-            n = self.seen.get(key, 0)
-            self.seen[key] = n + 1
-            if key in self.failed or n < 1:
-                return self._eager(pool, st, segs)
-            e = self._capture(pool, st, segs, key)
-            if e is None:
-                return self._eager(pool, st, segs)
-        return self._verified_replay(pool, st, segs, key, e)
-
-    def _eager(self, pool, st, segs):
-        from engine.kernels.sampling import row_argmax
-        self.stats["eager"] += 1
-        lg = self.model.run_step(pool, st, segs)
-        return lg, row_argmax(lg)
-
-    def _fast_replay(self, pool, segs, e):
-        """Steady state: host half into the pinned staging, two async copies, launch."""
-        B = len(segs)
-        for k in ("pos_staged", "staged"):  # the previous copies out of the staging buffers are done
-            if e[k] is not None:
-                e[k].synchronize()
-        st = self.model.prepare_host(pool, segs, "decode", None, ple_out=e["host_emb"])
-        hi = e["host_i64"]
-        hi[:B] = st.ids
-        hi[B:] = st.positions
-        s = self.stream
-        e["dev_i64"].set(hi, stream=s)
-        for i, buf in e["emb"].items():
-            src = st.emb[i]
-            if isinstance(src, np.ndarray):
-                buf.set(src, stream=s)  # src is e["host_emb"][i] (pinned): asynchronous
-            else:
-                with s:
-                    buf[...] = src
-        e["staged"] = s.record()
-        e["head"].launch(stream=s)
-        e["tail"].launch(stream=s)
-        self.stats["replays"] += 1
-        return e["out"], e["tok"]
-
-    def _replay_from_device(self, st, e):
-        with self.stream:
-            e["ids"][...] = st.ids_dev
-            e["pos"][...] = st.pos_dev
-            for i, buf in e["emb"].items():
-                buf[...] = st.emb[i]
-        e["head"].launch(stream=self.stream)
-        e["tail"].launch(stream=self.stream)
-        self.stats["replays"] += 1
-        return e["out"], e["tok"]
-
-    def _verified_replay(self, pool, st, segs, key, e):
-        from engine.kernels.sampling import row_argmax
-        snaps = [pool.snapshot(s.seq) for s in segs]
-        try:
-            ref = self.model.run_step(pool, st, segs).copy()
-            for s, sn in zip(segs, snaps):
-                pool.restore(s.seq, sn)
-            got, tok = self._replay_from_device(st, e)
-            cp = self.cp
-            err = float(cp.abs(got - ref).max() / cp.maximum(cp.abs(ref).max(), 1e-30))
-            self.model.syncs.count += 1  # the check's scalar copy (first replays of a key only)
-            if not err <= 1e-5:
-                self.failed[key] = f"replay differs from eager (rel {err:.2e})"
-                self.stats["failed"] += 1
-                del self.entries[key]
-                for s, sn in zip(segs, snaps):
-                    pool.restore(s.seq, sn)
-                lg = self.model.run_step(pool, st, segs)
-                return lg, row_argmax(lg)
-            e["checks"] += 1
-            self.stats["verified"] += 1
-            return got, tok
-        finally:
-            for sn in snaps:
-                sn.release()
-
-    def _capture(self, pool, st, segs, key):
-        import cupyx
-
-        from engine.kernels.sampling import row_argmax
-        cp = self.cp
-        m = self.model
-        if len(self.entries) >= self.max_graphs:
-            self.entries.pop(next(iter(self.entries)))
-        B = len(segs)
-        dev_i64 = cp.empty((2 * B,), np.int64)
-        e = {"dev_i64": dev_i64, "ids": dev_i64[:B], "pos": dev_i64[B:],
-             "host_i64": cupyx.empty_pinned((2 * B,), np.int64),
-             "emb": {i: a.copy() for i, a in st.emb.items()},
-             "host_emb": {i: cupyx.empty_pinned(tuple(a.shape), np.float32) for i, a in st.emb.items()
-                          if m.ple[i].mode == "pinned"},
-             "tok_host": cupyx.empty_pinned((B,), np.int64),
-             "staged": None, "pos_staged": None, "mem": cp.cuda.MemoryPool(), "checks": 0}
-        e["ids"][...] = st.ids_dev
-        e["pos"][...] = st.pos_dev
-        # the tokens outlive the step (the pipelined loop copies them out while the next head runs), so they
-        # must not live in the graphs' pool, where the head's temporaries may take the same addresses
-        e["tok"] = cp.empty((B,), np.int64)
-        cst = Step()
-        cst.mode, cst.rec, cst.positions, cst.slabs = "decode", None, st.positions, st.slabs
-        cst.ids_dev, cst.pos_dev, cst.emb = e["ids"], e["pos"], e["emb"]
-        cst.rows_dev, cst.slabs_dev = st.rows_dev.copy(), st.slabs_dev.copy()
-        cst.n_blocks = st.n_blocks
-        e["rows"], e["slabs"] = cst.rows_dev, cst.slabs_dev
-        cp.cuda.Device().synchronize()  # inputs in place before capture starts
-        try:
-            with self.stream:
-                with cp.cuda.using_allocator(e["mem"].malloc):
-                    self.stream.begin_capture()
-                    try:
-                        h = m.run_step(pool, cst, segs, part="head")
-                    finally:
-                        ga = self.stream.end_capture()
-                    self.stream.begin_capture()
-                    try:
-                        out = m.run_step(pool, cst, segs, part="tail", h=h)
-                        tok = row_argmax(out, out=e["tok"])
-                    finally:
-                        gb = self.stream.end_capture()
-        except Exception as ex:  # an op that cannot be captured: run this key eagerly from now on
-            self.failed[key] = f"{type(ex).__name__}: {ex}"[:200]
-            self.stats["failed"] += 1
-            return None
-        e["head"], e["tail"], e["h"], e["out"], e["tok"] = ga, gb, h, out, tok
-        self.entries[key] = e
-        self.stats["captures"] += 1
-        return e
-
-    def steady(self, segs):
-        """The captured and verified entry for this decode batch, or None."""
-        e = self.entries.get(self._key_of(segs)[0])
-        return e if e is not None and e["checks"] >= self.verify_replays else None
-
-    def pipelined_step(self, pool, seqs, e, prev_done, known=None):
-        """One greedy step whose token ids are the previous step's device argmax (``e['tok']``), launched
-        before the host has read them: the head graph (embedding + layers before the first host-PLE layer)
-        runs while the host copies the previous tokens out, hashes their n-grams, gathers the PLE rows and
-        uploads them; then the tail graph. Sequence lengths must already count the previous step.
-
-        Args:
-            seqs: the batch (same slab rows as ``e``'s key; pages are reserved here).
-            e: the steady entry of this batch (:meth:`steady`), whose last replay produced ``e['tok']``.
-            prev_done: the event recorded after the previous step's tail.
-            known: the previous tokens when the host already has them (no copy is made then).
-        Returns:
-            (host int64 ``[B]`` previous tokens = this step's inputs, event after this step's tail).
-        """
-        cp, s, m = self.cp, self.stream, self.model
-        B = len(seqs)
-        for q in seqs:
-            pool.reserve(q, 1)
-        for k in ("pos_staged", "staged"):  # earlier copies out of the pinned staging are done
-            if e[k] is not None:
-                e[k].synchronize()
-        hi = e["host_i64"]
-        hi[B:] = [q.length for q in seqs]
-        e["pos"].set(hi[B:], stream=s)
-        with s:
-            e["ids"][...] = e["tok"]  # device feedback: this step's inputs are the previous argmax
-        e["pos_staged"] = s.record()
-        e["head"].launch(stream=s)
-        fetched = None
-        if known is not None:
-            toks = np.asarray(known, dtype=np.int64)
-        else:  # the previous tokens to the host on a side stream (ordered after the previous tail only)
-            if self._side is None:
-                self._side = cp.cuda.Stream(non_blocking=True)
-            side = self._side
-            side.wait_event(prev_done)
-            e["tok"].get(stream=side, out=e["tok_host"])
-            fetched = side.record()
-            fetched.synchronize()
-            m.syncs.count += 1
-            toks = np.array(e["tok_host"], copy=True)
-        segs = [Segment(q, toks[j:j + 1]) for j, q in enumerate(seqs)]
-        st = m.prepare_host(pool, segs, "decode", None, ple_out=e["host_emb"])
-        for i, buf in e["emb"].items():
-            src = st.emb[i]
-            if isinstance(src, np.ndarray):
-                buf.set(src, stream=s)
-            else:
-                with s:
-                    buf[...] = src
-        e["staged"] = s.record()
-        if fetched is not None:
-            s.wait_event(fetched)  # the tail rewrites e['tok'] only after the copy above read it
-        e["tail"].launch(stream=s)
-        self.stats["replays"] += 1
-        self.stats["pipelined"] += 1
-        return toks, s.record()
-

@@ -238,10 +238,11 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
         out[name] = round(float(np.median(ts)), 1)
     out["sum"] = round(sum(v for v in out.values()), 1)
     from engine.kernels import moe as K_moe
-    keep = K_moe.DECODE_ROWS_PER_TILE
+    from engine.kernels import tiles as K_tiles
+    keep = K_tiles.DECODE_ROWS_PER_TILE
     i0 = 0
     for rpt in (1, 4, 16):
-        K_moe.DECODE_ROWS_PER_TILE = rpt
+        K_tiles.DECODE_ROWS_PER_TILE = rpt
         f = (lambda: m._moe(i0, x, None, st.positions))
         f()
         cp.cuda.Device().synchronize()
@@ -260,9 +261,9 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
             a1.synchronize()
             ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
         out[f"moe_rpt{rpt}"] = round(float(np.median(ts)), 1)
-    K_moe.DECODE_ROWS_PER_TILE = keep
+    K_tiles.DECODE_ROWS_PER_TILE = keep
     keep = K_moe.FUSED_DECODE
-    for fused in (False, True):  # the MoE block's unfused chain vs the fused decode chain (moe_fused.cu)
+    for fused in (False, True):  # the MoE block's unfused chain vs the decode chain (moe_route.cu)
         K_moe.FUSED_DECODE = fused
         f = (lambda: m._moe(i0, x, None, st.positions))
         f()

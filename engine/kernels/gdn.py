@@ -22,7 +22,6 @@ inputs), ``l2norm`` (eps 1e-6 inside the rsqrt), ``torch_chunk_gated_delta_rule`
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -34,12 +33,11 @@ from reference.errors import InputError
 
 L2NORM_EPS = 1e-6  # official l2norm default, used with use_qk_l2norm_in_kernel=True
 _BLOCK = 128
-#: which CUDA recurrent kernel serves decode / verify (module flag, for A/B): ``"split"`` = 8 warps per
-#: (sequence, value head, 32 columns), each holding 1/8 of the key rows (``gdn_recurrent_split_f32_f32``; float32
-#: only; up to GDN_SPLIT_MAX_TPS tokens per sequence on average); ``"legacy"`` = one warp per 32 columns holding
-#: every key row (``gdn_recurrent_<dtypes>``, also the prefill path). Same math; the split kernel sums the two
-#: key-row reductions per warp then over the warps (a different float32 summation order, deterministic).
-GDN_IMPL = os.environ.get("QWEN4EXP_SEQ_KERNELS", "split")  # QWEN4EXP_SEQ_KERNELS=legacy: the start value
+#: which CUDA recurrent kernel runs: up to GDN_SPLIT_MAX_TPS tokens per sequence on average (decode, verify;
+#: float32), 8 warps per (sequence, value head, 32 columns), each holding 1/8 of the key rows
+#: (``gdn_recurrent_split_f32_f32``); above (prefill) or in float64, one warp per 32 columns holding every key row
+#: (``gdn_recurrent_<dtypes>``). Same math; the split kernel sums the two key-row reductions per warp then over the
+#: warps (a different float32 summation order, deterministic).
 GDN_SPLIT_MAX_TPS = 16
 _GDN_WARPS = 8  # GDN_W in gdn.cu
 
@@ -464,9 +462,7 @@ def _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, gat
     out = cp.empty((N, Hv, Dv), dtype=dt)
     if N == 0:
         return out
-    if GDN_IMPL not in ("split", "legacy"):
-        raise InputError(f"gated delta: GDN_IMPL: expected 'split' or 'legacy', found {GDN_IMPL!r}")
-    split = (GDN_IMPL == "split" and dt == np.float32 and state.dtype == np.float32 and Dk >= _GDN_WARPS
+    split = (dt == np.float32 and state.dtype == np.float32 and Dk >= _GDN_WARPS
              and N <= GDN_SPLIT_MAX_TPS * B)
     if gates is not None and not split:  # the unfused path: the gates kernel, then the recurrence
         g, beta = gdn_gates(*gates)
@@ -518,7 +514,7 @@ def gated_delta_decode(q, k, v, g, beta, state, slots):
 
 
 def gated_delta_decode_gates(q, k, v, a, b, A_log, dt_bias, state, slots):
-    """:func:`gdn_gates` + :func:`gated_delta_decode` in one call: on the GPU (float32, ``GDN_IMPL == "split"``)
+    """:func:`gdn_gates` + :func:`gated_delta_decode` in one call: on the GPU (float32, the split kernel)
     the gates are computed inside the recurrent kernel (one launch instead of two; the same float32 formula, but not
     bitwise the two-launch result: the in-kernel exp / log1p may differ from the gates kernel's by an ulp, measured
     on the H200 as last-ulp differences of the read-out).

@@ -30,7 +30,7 @@ Weights:
   FP8 expert stacks (MoE) stay on the grouped kernels of ``quant_linear.cu``.
 
 MoE prefill (:func:`moe_experts_tc`): the routed slots are gathered (and split) into a tile-padded buffer, one
-tile of :data:`MOE_TILE_ROWS` rows per entry of the device tile table of :func:`engine.kernels.moe.moe_route_tables`
+tile of :data:`MOE_TILE_ROWS` rows per entry of the device tile table of :func:`engine.kernels.tiles.moe_route_tables`
 (tile ``t`` owns padded rows ``[t * R, (t + 1) * R)``; its three parts are stored one after the other), and one
 ``cublasGemmBatchedEx`` per projection runs every tile's ``3 R`` part rows against its expert's weights through
 device pointer arrays (``gemm_tc.cu:tile_ptrs``): each expert's weights are read once per tile, not once per part.
@@ -65,6 +65,7 @@ import numpy as np
 
 from engine.backend import cupy_or_none
 from engine.kernels.dense_common import empty as _empty
+from engine.kernels.tiles import combine, moe_route_tables
 from engine.kernels.dense_common import KernelInputError, NULL_PTR, f32_contig, kernel, ptr_or_null, weight_kind
 
 __all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_PAD_NVFP4", "MOE_MAX_TOKENS",
@@ -538,15 +539,13 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
         x: ``[T, H]`` float32 cupy array (contiguous).
         ids, weights: ``[T, k]`` expert ids (int32) and routing weights (float32).
         gate_up: ``[E, 2I, H]``; down: ``[E, H, I]`` (BF16 bits or NVFP4 QuantWeight stacks).
-        route: the :class:`engine.kernels.moe.MoERoute` of ``ids`` (its tile table is rebuilt for
+        route: the :class:`engine.kernels.tiles.MoERoute` of ``ids`` (its tile table is rebuilt for
             :data:`MOE_TILE_ROWS` rows per tile when it was built for another height).
         shared, shared_gate: optional shared-expert output ``[T, H]`` and its ``[T]`` pre-sigmoid gate.
     Returns:
         ``[T, H]`` float32: ``sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` (+ the gated shared
         expert), combined by ``dense_moe.cu:moe_combine`` exactly as the grouped path.
     """
-    from engine.kernels import moe as _moe  # moe imports this module
-
     cp = cupy_or_none()
     T, H = (int(s) for s in x.shape)
     if T > MOE_MAX_TOKENS > 0:  # bound the padded buffers: token chunks, each routed on its own
@@ -554,7 +553,7 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
         for a in range(0, T, MOE_MAX_TOKENS):
             b = min(T, a + MOE_MAX_TOKENS)
             ia = cp.ascontiguousarray(ids[a:b])
-            ra = _moe.moe_route_tables(ia, int(gate_up.shape[0]), rows_per_tile=MOE_TILE_ROWS)
+            ra = moe_route_tables(ia, int(gate_up.shape[0]), rows_per_tile=MOE_TILE_ROWS)
             out[a:b] = moe_experts_tc(x[a:b], ia, cp.ascontiguousarray(weights[a:b]), gate_up, down, route=ra,
                                       shared=None if shared is None else shared[a:b],
                                       shared_gate=None if shared_gate is None else shared_gate[a:b])
@@ -565,7 +564,7 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
     S = T * k
     R = int(MOE_TILE_ROWS)
     if route.rows_per_tile != R or route.tiles is None:
-        route = _moe.moe_route_tables(ids, E, rows_per_tile=R)
+        route = moe_route_tables(ids, E, rows_per_tile=R)
     tiles = route.tiles
     MT = tiles.max_tiles
     P = MT * R
@@ -599,4 +598,4 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
     sp = _empty(cp, (max(S, 1),), dtype=cp.int32)[:S]
     slot_pos = route.slot_pos if route.slot_pos.dtype == np.int32 else route.slot_pos.astype(cp.int32)
     kernel("gemm_tc.cu", "slot_pad")(_grid1(S), (256,), (slot_pos, pad, np.int32(S), sp))
-    return _moe._combine(y, dataclasses.replace(route, slot_pos=sp), weights, shared, shared_gate, T=T, k=k, H=H)
+    return combine(y, dataclasses.replace(route, slot_pos=sp), weights, shared, shared_gate, T=T, k=k, H=H)

@@ -17,62 +17,35 @@ modeling_qwen4_exp.py (e.g. ``Qwen4ExpTextMLP.forward``, ``Qwen4ExpTextExperts.f
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.dense_common import NULL_PTR, kernel, ptr_or_null, sm_count
+from engine.kernels.tiles import GEMM_TILE_ROWS, GEMV_MAX_ROWS, GroupTiles, gemv_tile_rows
 from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
                                          same_device, weight_as_float, weight_kind)
 
 __all__ = ["linear", "grouped_linear", "GroupTiles", "GEMV_MAX_ROWS", "GEMM_TILE_ROWS", "gemv_tile_rows",
-           "MMA_GEMV_ENABLED", "QGEMV2_ENABLED", "QGEMV2_CONFIG", "dense_kernel_choice", "quant_kernel_choice",
+           "MMA_GEMV_ENABLED", "QGEMV2_CONFIG", "dense_kernel_choice", "quant_kernel_choice",
            "launch_plan"]
 
-#: Rows per weight matrix up to which the decode GEMV is used (above: the tiled GEMM).
-GEMV_MAX_ROWS = 16
-#: Rows of one GEMM tile (the MoE tile tables for prefill use this).
-GEMM_TILE_ROWS = 64
 _GEMV_WARPS = 8  # rows of W per GEMV block (one warp each)
 _GEMM_BN = 64
-#: The tensor-core GEMV (``cuda/dense_linear_mma.cu``) for BF16 weights and 2..16 rows per weight pass;
-#: ``QWEN4EXP_MMA_GEMV=0`` in the environment (read once, at import) turns it off (the float32-FMA GEMV
-#: of ``dense_linear.cu`` is used instead). Tests may monkeypatch this flag.
-MMA_GEMV_ENABLED = os.environ.get("QWEN4EXP_MMA_GEMV", "1").strip() != "0"
-#: The streaming quantised GEMV (``qgemv2_*`` of ``cuda/quant_linear.cu``) for FP8 / NVFP4 weights at 1..16 rows;
-#: ``QWEN4EXP_QGEMV2=0`` (read once, at import) selects the previous ``qgemv_*`` kernels (A/B). Tests and the
-#: micro-bench (``engine/kernels/bench_quant.py``) may monkeypatch it.
-QGEMV2_ENABLED = os.environ.get("QWEN4EXP_QGEMV2", "1").strip() != "0"
+#: The tensor-core GEMV (``cuda/dense_linear_mma.cu``) for BF16 weights and 2..16 rows per weight pass (the
+#: float32-FMA GEMV of ``dense_linear.cu`` serves one row, float32 weights and unaligned shapes). A module flag, not
+#: an environment switch: the tests and the micro-bench (``lab/bench_dense.py``) set it to run the FMA kernel beside it.
+MMA_GEMV_ENABLED = True
+#: The streaming quantised GEMV (``qgemv2_*`` of ``cuda/quant_linear.cu``) serves FP8 / NVFP4 weights at 1..16 rows
+#: whenever the 16-byte chunk path is possible; the scalar ``qgemv_*_s`` kernels serve the rest (unaligned, odd K).
 #: ``qgemv2`` configuration per (format, activation-row tile): ``(G, RL, U)`` = lanes per row slot, weight rows
 #: per lane, chunks per lane loaded before any is decoded. Only the combinations quant_linear.cu instantiates
-#: (``QGEMV2_FAMILY``) exist; the micro-bench swaps entries to compare them. Defaults: the fastest measured on the
+#: (``QGEMV2_FAMILY``) exist; the micro-bench (``lab/bench_quant.py``) swaps entries to compare them. Defaults: the fastest measured on the
 #: H200 (bench_quant, 2026-12-02 03:18 UTC; routed-expert shapes, docs/kernels_quant.md): 1 row (2, 2, 3) for both
 #: formats (NVFP4 gate_up 17.1 us vs 26.8 for (4, 1, 5) and 33.6 for the previous kernel), 4 and 16 rows (4, 2, 3).
 QGEMV2_CONFIG = {("nvfp4", 1): (2, 2, 3), ("nvfp4", 4): (4, 2, 3), ("nvfp4", 16): (4, 2, 3),
                  ("fp8", 1): (2, 2, 3), ("fp8", 4): (4, 2, 3), ("fp8", 16): (4, 2, 3)}
-
-
-def gemv_tile_rows(m: int) -> int:
-    """Activation rows sharing one GEMV weight pass for ``m`` rows: 1, 4 or 16."""
-    return 1 if m <= 1 else (4 if m <= 4 else 16)
-
-
-class GroupTiles:
-    """A device-side tile table for grouped launches: tile ``i`` covers rows
-    ``[start[i], start[i] + count[i])`` (``count <= rows_per_tile``) of weight matrix ``expert[i]``.
-
-    Attributes:
-        expert, start, count: int32 device arrays ``[max_tiles]`` (entries past ``n_tiles`` unused).
-        n_tiles: int32 device array ``[1]``: how many entries are valid (never read by the host).
-        max_tiles: host int, the launch grid's tile dimension (worst case).
-        rows_per_tile: host int, ``GEMV_MAX_ROWS``-style bound the table was built for.
-    """
-
-    def __init__(self, expert, start, count, n_tiles, max_tiles: int, rows_per_tile: int):
-        self.expert, self.start, self.count, self.n_tiles = expert, start, count, n_tiles
-        self.max_tiles, self.rows_per_tile = int(max_tiles), int(rows_per_tile)
 
 
 def _check_x_w(x, w, name_x="x", name_w="w"):
@@ -132,7 +105,7 @@ def grouped_linear(x, w, offsets, *, row_index=None, tiles: GroupTiles | None = 
             the CUDA path reads ``tiles`` instead and never syncs on ``offsets``).
         row_index: optional int32 ``[S]`` rows of ``x`` to gather (``S`` rows computed); else ``S = R``.
         tiles: (cupy only, required there) the device tile table built from the same routing, e.g. by
-            :func:`engine.kernels.moe.moe_route_tables`.
+            :func:`engine.kernels.tiles.moe_route_tables`.
         out: optional ``[S, N]`` float32 output, written in full.
     Returns:
         ``[S, N]`` float32 in segment (sorted) order.
@@ -273,23 +246,22 @@ def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, ali
 
 
 def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec: bool, sms: int | None = None,
-                        v2: bool | None = None, config: tuple[int, int, int] | None = None) -> tuple[str, int]:
+                        config: tuple[int, int, int] | None = None) -> tuple[str, int]:
     """Which ``quant_linear.cu`` kernel a launch over a quantised weight uses (pure host logic).
 
     Args:
         fmt: 'fp8' or 'nvfp4'. rpt: activation rows per weight pass (1, 4, 16; 64 = the tiled GEMM).
         N, K: logical weight shape. grid_y: row tiles launched. vec: 16-byte chunks possible (K a multiple of
             the chunk, aligned pointers, fp8 scale blocks a multiple of 16 columns).
-        sms: streaming multiprocessors (default: the current GPU's). v2: use the streaming ``qgemv2`` kernels
-            (default :data:`QGEMV2_ENABLED`). config: ``(G, RL, U)`` for ``qgemv2`` (default
-            :data:`QGEMV2_CONFIG` ``[fmt, rpt]``).
+        sms: streaming multiprocessors (default: the current GPU's). config: ``(G, RL, U)`` for ``qgemv2``
+            (default :data:`QGEMV2_CONFIG` ``[fmt, rpt]``).
     Returns:
         ``(kernel name, grid x)``. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
         ``32 / G`` slots of ``RL`` rows; ``KS`` is the smallest power of two up to 8 with which every lane's
         chunks are loaded in one round (``G * KS * U >= K / chunk``), doubled while the launch has fewer
-        blocks than twice the SMs. Otherwise the previous kernels: 8 warps per block, each over 4 weight rows
-        (``r4``, 1 and 4 activation rows) or 1 (16 rows); short, wide matrices split K of one row over the 8
-        warps of a block (``r1_ks8``); ``_s`` = the scalar path for unaligned shapes.
+        blocks than twice the SMs. Otherwise (not vec) the scalar ``qgemv_*_s`` kernels: 8 warps per block, each over
+        4 weight rows (``r4``, 1 and 4 activation rows) or 1 (16 rows); short, wide matrices split K of one row
+        over the 8 warps of a block (``r1_ks8``).
     Raises:
         KernelInputError: ``rpt`` not 1, 4, 16 or 64.
     """
@@ -298,8 +270,7 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
     if rpt not in (1, 4, 16):
         raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
     sms = sm_count() if sms is None else int(sms)
-    use_v2 = QGEMV2_ENABLED if v2 is None else bool(v2)
-    if use_v2 and vec:
+    if vec:
         G, RL, U = QGEMV2_CONFIG[fmt, rpt] if config is None else config
         kc = K // (32 if fmt == "nvfp4" else 16)
         ks = 1
@@ -314,7 +285,7 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
     ks = 1
     if -(-N // (_GEMV_WARPS * r)) * grid_y < 2 * sms:  # few blocks for the SMs: 8 warps split K of one row
         ks, r = 8, 1
-    return f"qgemv_{fmt}_nt{rpt}_r{r}_ks{ks}_{'v' if vec else 's'}", -(-N // ((_GEMV_WARPS // ks) * r))
+    return f"qgemv_{fmt}_nt{rpt}_r{r}_ks{ks}_s", -(-N // ((_GEMV_WARPS // ks) * r))
 
 
 def _quant_fargs(w, x, N, K):

@@ -28,7 +28,6 @@ selected tokens with ``scaling = head_dim ** -0.5``; the sigmoid output gate is 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
@@ -42,25 +41,13 @@ from reference.numba_kernels import block_topk_select
 
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
-#: which CUDA kernels run (module flag, for A/B): ``"split"`` = the decode-oriented kernels (GQA-shared split-KV
-#: attention with loads in flight for up to QSA_SPLIT_MAX_T query tokens, the radix-4-pass top-k with parallel
-#: scans, a thread per channel block keys, and the model's fused token write); ``"legacy"`` = the previous kernels
-#: and the model's cupy slot/scatter ops. Both give the same selection; float32 sums may differ in order only.
-#: The environment variable QWEN4EXP_SEQ_KERNELS=legacy sets the start value (this flag and gdn.GDN_IMPL).
-QSA_IMPL = os.environ.get("QWEN4EXP_SEQ_KERNELS", "split")
 #: the split attention serves at most this many query tokens per launch (decode batches, verify); more (prefill)
-#: run the legacy kernel, whose per-query-head CTAs suit many queries
+#: run the per-query-head kernel (qsa_attn_partial), whose CTAs suit many queries
 QSA_SPLIT_MAX_T = 64
 _SPLIT_TILE = 16  # QSA_TILE in qsa.cu
 _SM_COUNT = {}
 _TOPK_THREADS = 1024
 _ATTN_WARPS = 4  # QSA_WARPS in qsa.cu
-
-
-def _impl():
-    if QSA_IMPL not in ("split", "legacy"):
-        raise InputError(f"qsa: QSA_IMPL: expected 'split' or 'legacy', found {QSA_IMPL!r}")
-    return QSA_IMPL
 
 
 def _sm_count(cp):
@@ -325,7 +312,7 @@ def qsa_block_keys(idx_k, blk_k, block_tables, rows, positions, k_norm_weight, i
     for n, a in (("idx_k", idx_k), ("blk_k", blk_k)):
         _f32_gpu(n, a)
     mod = load_module("qsa.cu")
-    split = _impl() == "split" and Di <= 1024
+    split = Di <= 1024  # the thread-per-channel kernel; wider keys: one warp per token
     mod.get_function("qsa_block_keys_split" if split else "qsa_block_keys")(
         (T,), (32 * (-(-Di // 32)) if split else 32,),
         (idx_k, blk_k, cp.ascontiguousarray(block_tables, dtype=cp.int32), cp.ascontiguousarray(rows, dtype=cp.int64),
@@ -433,12 +420,11 @@ def qsa_topk(scores, n_visible, ratio: int, k: int):
     p2 = 1
     while p2 < k:
         p2 *= 2
-    split = _impl() == "split"
-    load_module("qsa.cu").get_function("qsa_topk_split" if split else "qsa_topk")(
+    load_module("qsa.cu").get_function("qsa_topk_split")(
         (T,), (_TOPK_THREADS,),
         (cp.ascontiguousarray(scores), cp.ascontiguousarray(n_visible, dtype=cp.int64), out, np.int64(NB),
          np.int32(ratio), np.int32(k), np.int32(p2)),
-        shared_mem=max(p2 * 8, (_TOPK_THREADS // 32) * 256 * 4) if split else p2 * 8)
+        shared_mem=max(p2 * 8, (_TOPK_THREADS // 32) * 256 * 4))
     return out
 
 
@@ -508,7 +494,7 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
         return out
     ksel = selected.shape[1]
     bound = ksel * ratio + ratio - 1  # most tokens one query can attend (QSA's budget + incomplete tail)
-    if (_impl() == "split" and 0 < T <= QSA_SPLIT_MAX_T and D % 4 == 0
+    if (0 < T <= QSA_SPLIT_MAX_T and D % 4 == 0
             and all(int(a.data.ptr) % 16 == 0 for a in (q, kv_k, kv_v))):
         qc = cp.ascontiguousarray(q)
         if int(qc.data.ptr) % 16 == 0:

@@ -145,17 +145,15 @@ def test_stack_rows_keeps_every_scale():
 
 
 def test_quant_kernel_choice():
-    old = dict(sms=132, v2=False)  # the previous kernels (kept for A/B)
-    assert L.quant_kernel_choice("fp8", 1, 10240, 2560, 1, vec=True, **old) == ("qgemv_fp8_nt1_r4_ks1_v", 320)
-    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, vec=True, **old) == ("qgemv_fp8_nt1_r1_ks8_v", 2560)
-    assert L.quant_kernel_choice("fp8", 1, 320, 10240, 1, vec=True, **old) == ("qgemv_fp8_nt1_r1_ks8_v", 320)
-    assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, vec=True, **old) == ("qgemv_nvfp4_nt16_r1_ks1_v",
-                                                                                    16384)
-    # unaligned / odd K: the scalar path of the previous family, whatever v2 says
-    assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, vec=False, sms=132) == ("qgemv_nvfp4_nt4_r4_ks1_s", 4096)
+    # unaligned / odd K: the scalar kernels (4 weight rows per warp; few blocks for the SMs: 8 warps split K)
+    scalar = dict(sms=132, vec=False)
+    assert L.quant_kernel_choice("nvfp4", 4, 131072, 2560, 1, **scalar) == ("qgemv_nvfp4_nt4_r4_ks1_s", 4096)
+    assert L.quant_kernel_choice("fp8", 1, 10240, 2560, 1, **scalar) == ("qgemv_fp8_nt1_r4_ks1_s", 320)
+    assert L.quant_kernel_choice("fp8", 1, 2560, 640, 1, **scalar) == ("qgemv_fp8_nt1_r1_ks8_s", 2560)
+    assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, **scalar) == ("qgemv_nvfp4_nt16_r1_ks1_s", 16384)
     # streaming kernels: KS so that one round of U chunks per lane covers a row (nvfp4 gate_up: 80 chunks =
     # 4 lanes x 4 warps x 5; down: 20 = 4 x 1 x 5), rows per block (8 / KS) * (32 / G) * RL
-    v2 = dict(sms=132, v2=True, config=(4, 1, 5))
+    v2 = dict(sms=132, config=(4, 1, 5))
     assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 20, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks4_u5", 80)
     assert L.quant_kernel_choice("nvfp4", 1, 2560, 640, 20, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks1_u5", 40)
     assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 20, vec=True, **v2) == ("qgemv2_fp8_nt1_g4_r1_ks8_u5", 160)
@@ -214,7 +212,7 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
         assert {int(x) for x in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+),", body)} == {int(n)}, n
         assert f"#if QL_NT({n})\nQGEMV2_FAMILY_NT{n}(fp8, FP8S)\nQGEMV2_FAMILY_NT{n}(nvfp4, NVFP4S)" in src
     assert dense_common.kernel_module_options("quant_linear.cu", "qgemv2_nvfp4_nt16_g2_r2_ks8_u3") == ("-DQGEMV2_NT=16",)
-    assert dense_common.kernel_module_options("quant_linear.cu", "qgemv_nvfp4_nt16_r1_ks1_v") == ()
+    assert dense_common.kernel_module_options("quant_linear.cu", "qgemv_nvfp4_nt16_r1_ks1_s") == ()
     assert dense_common.kernel_module_options("dense_linear.cu", "qgemv2_fp8_nt1_g4_r1_ks1_u5") == ()
     configs = {}
     for nt, g, rl, u in re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam2):
@@ -229,12 +227,12 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
                 for K in (64, 640, 2560, 10240):
                     for grid_y in (1, 12, 500):
                         for vec in (True, False):
-                            for v2 in (True, False):
-                                cfgs = sorted(configs.get(rpt, {None})) if v2 else [None]
-                                for cfg in cfgs:
-                                    picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132, v2=v2,
-                                                                     config=cfg)[0])
+                            cfgs = sorted(configs.get(rpt, {None})) if vec else [None]
+                            for cfg in cfgs:
+                                picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132,
+                                                                 config=cfg)[0])
     assert picked <= entries, sorted(picked - entries)
+    assert not any(n.startswith("qgemv_") and n.endswith("_v") for n in picked)  # one kernel per op
     assert len(picked) >= 40
 
 

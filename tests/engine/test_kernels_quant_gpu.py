@@ -6,8 +6,8 @@ outputs poisoned before the launch. The kernels' dequantisation is checked bit f
 tolerance (1e-5: float32 summation order only, see test_kernels_dense_gpu.py). Negative controls: one
 perturbed code is caught and located in its output column; a swapped expert is caught.
 
-Both GEMV families run: the streaming ``qgemv2_*`` (default) and the previous ``qgemv_*`` (``impl='v1'``,
-kept for A/B). Every instantiated ``qgemv2`` configuration (parsed from the source) is checked to decode
+The decode GEMVs are the streaming ``qgemv2_*`` (16-byte chunks) and the scalar ``qgemv_*_s`` (unaligned
+shapes; the ``impl`` fixture names the engine's one dispatch). Every instantiated ``qgemv2`` configuration (parsed from the source) is checked to decode
 bit for bit through its own fast path: with one-hot activation rows, ``y[t, n] = deq[n, k_t]`` exactly
 (one product by 1.0 plus exact zeros), over all FP8 codes and every finite E4M3 scale code.
 """
@@ -36,10 +36,10 @@ def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
 
 
-@pytest.fixture(params=["v2", "v1"])
-def impl(request, monkeypatch):
-    monkeypatch.setattr(L, "QGEMV2_ENABLED", request.param == "v2")
-    return request.param
+@pytest.fixture
+def impl():
+    """The engine's GEMV dispatch (one family per shape: qgemv2 with 16-byte chunks, else the scalar kernels)."""
+    return "v2"
 
 
 @pytest.fixture

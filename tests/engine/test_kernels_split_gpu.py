@@ -1,5 +1,6 @@
-"""The decode-oriented ("split") QSA / GDN CUDA kernels vs the legacy kernels, the NumPy twins and float64 dense
-semantics, at the real model's widths, on seeded random inputs (contexts 1025 and 8192, batch 1 and 16).
+"""The decode-oriented ("split") QSA / GDN CUDA kernels vs the prefill kernels of the same ops (run on decode-sized
+inputs), the NumPy twins and float64 dense semantics, at the real model's widths, on seeded random inputs (contexts
+1025 and 8192, batch 1 and 16).
 
 Every device allocation is poisoned (bytes 0x7F) so an output a kernel forgot to write cannot match. Negative
 controls: a wrong block in a selection, a perturbed score, a token written at the wrong position and a dropped slice
@@ -48,10 +49,15 @@ def poisoned_allocations():
 
 @pytest.fixture
 def impl(monkeypatch):
-    """Set both module flags: impl('legacy') / impl('split')."""
+    """impl('prefill'): even decode-sized calls take the prefill kernels (the per-query-head attention, the
+    one-warp-per-32-columns GDN recurrence) by lowering the dispatch thresholds; impl('split'): the dispatch as
+    shipped. (Top-k and the block keys at these widths have one kernel each.)"""
+    split_t, split_tps = qsa.QSA_SPLIT_MAX_T, gdn.GDN_SPLIT_MAX_TPS
+
     def set_(name):
-        monkeypatch.setattr(qsa, "QSA_IMPL", name)
-        monkeypatch.setattr(gdn, "GDN_IMPL", name)
+        assert name in ("prefill", "split"), name
+        monkeypatch.setattr(qsa, "QSA_SPLIT_MAX_T", 0 if name == "prefill" else split_t)
+        monkeypatch.setattr(gdn, "GDN_SPLIT_MAX_TPS", 0 if name == "prefill" else split_tps)
     return set_
 
 
@@ -85,7 +91,7 @@ def _selection(rng, nv, k):
 
 # ------------------------------------------------------------------------------------------------ attention
 @pytest.mark.parametrize("page_size", [3, 16])
-def test_split_attention_matches_legacy_twin_dense_and_catches_a_wrong_block(page_size, impl):
+def test_split_attention_matches_prefill_kernel_twin_dense_and_catches_a_wrong_block(page_size, impl):
     seed, rng = seeded_rng()
     lengths = [1025, 8192, 9, 2051]
     pool = Pool(rng, lengths, page_size, {"kv_k": (HKV, D), "kv_v": (HKV, D)})
@@ -106,14 +112,14 @@ def test_split_attention_matches_legacy_twin_dense_and_catches_a_wrong_block(pag
                                         sel, RATIO, page_size, D ** -0.5)
         outs = {}
         # hints: none (the selection's capacity), the true bound, and one far too small (the last split takes the rest)
-        for name, hint in (("legacy", None), ("split", None), ("split", nb), ("split", 1)):
+        for name, hint in (("prefill", None), ("split", None), ("split", nb), ("split", 1)):
             impl(name)
             o = qsa.qsa_sparse_attention(g(q), dev["kv_k"], dev["kv_v"], bt, g(rows), g(nv), g(sel), RATIO,
                                          page_size, D ** -0.5, n_blocks=hint)
             assert _poison_free(o), (seed, name, hint)
             outs[(name, hint)] = o.get()
             assert rel_err(outs[(name, hint)], twin) < TOL, (seed, name, hint, T)
-        assert rel_err(outs[("split", None)], outs[("legacy", None)]) < TOL, seed
+        assert rel_err(outs[("split", None)], outs[("prefill", None)]) < TOL, seed
         # float64 dense truth on the first query
         t = 0
         sl = pool.slots(int(rows[t]), np.arange(lengths[int(rows[t])]))
@@ -152,7 +158,7 @@ def test_split_attention_reads_the_valid_prefix_of_the_selection_row(impl):
     twin = qsa.qsa_sparse_attention(q, pool.arrays["kv_k"], pool.arrays["kv_v"], pool.block_tables, rows, nv, trunc,
                                     RATIO, 16, D ** -0.5)
     got = {}
-    for name in ("legacy", "split"):
+    for name in ("prefill", "split"):
         impl(name)
         got[name] = qsa.qsa_sparse_attention(g(q), dev["kv_k"], dev["kv_v"], g(pool.block_tables), g(rows), g(nv),
                                              g(sel), RATIO, 16, D ** -0.5).get()
@@ -163,7 +169,7 @@ def test_split_attention_reads_the_valid_prefix_of_the_selection_row(impl):
 
 
 # ------------------------------------------------------------------------------------------------ top-k
-def test_split_topk_exact_equals_legacy_and_twin_and_locates_a_perturbed_score(impl):
+def test_split_topk_exact_equals_twin_and_canonical_order_and_locates_a_perturbed_score(impl):
     seed, rng = seeded_rng()
     NB = 20000
     scores = rng.choice(np.array([0.0, 0.25, 1.0, 3.0], np.float32), size=(9, NB))
@@ -177,7 +183,7 @@ def test_split_topk_exact_equals_legacy_and_twin_and_locates_a_perturbed_score(i
                    NB * RATIO, 513 * RATIO])
     twin = qsa.qsa_topk(scores, nv, RATIO, TOPK)
     got = {}
-    for name in ("legacy", "split"):
+    for name in ("split",):
         impl(name)
         got[name] = qsa.qsa_topk(g(scores), g(nv), RATIO, TOPK).get()
         assert np.array_equal(got[name], twin), (seed, name)
@@ -211,7 +217,7 @@ def test_split_block_keys_and_fused_token_write(page_size, impl):
     rows = np.concatenate([np.zeros(1025, np.int64), np.full(9, 2)])
     pos = np.concatenate([np.arange(1025), np.arange(9)])
     keys = {}
-    for name in ("legacy", "split"):
+    for name in ("split",):
         impl(name)
         d = g(pool.arrays["blk_k"])
         qsa.qsa_block_keys(g(pool.arrays["idx_k"]), d, bt, g(rows), g(pos), g(w), g(invf), ROT, RATIO, page_size, EPS)
@@ -221,7 +227,7 @@ def test_split_block_keys_and_fused_token_write(page_size, impl):
     # compared where keys were written (the pool's x50 garbage elsewhere must stay untouched, exactly)
     done = np.concatenate([pool.slots(int(r_), [int(p_)]) for r_, p_ in zip(rows, pos) if (p_ + 1) % RATIO == 0])
     rest = np.setdiff1d(np.arange(len(tw)), done)
-    for name in ("legacy", "split"):
+    for name in ("split",):
         assert rel_err(keys[name][done], tw[done]) < TOL and np.array_equal(keys[name][rest], tw[rest]), (seed, name)
     # the fused decode write: one token per row, at block-completing and non-completing positions
     rows_d, pos_d = np.array([0, 1, 2]), np.array([1023, 8190, 7])  # 1024 % 4 == 0 completes; 8191 does not
@@ -242,8 +248,8 @@ def test_split_block_keys_and_fused_token_write(page_size, impl):
     done = np.concatenate([pool.slots(int(r_), [int(p_)]) for r_, p_ in zip(rows_d, pos_d) if (p_ + 1) % RATIO == 0])
     assert len(done) == 2 and rel_err(devs["blk_k"].get()[done], twin["blk_k"][done]) < TOL, seed
     assert np.array_equal(np.delete(devs["blk_k"].get(), done, 0), np.delete(twin["blk_k"], done, 0)), seed
-    # bitwise: the fused block key equals the legacy block-key kernel run after a plain write
-    impl("legacy")
+    # bitwise: the fused block key equals the block-key kernel run after a plain write
+    impl("prefill")
     ref = {k: g(v) for k, v in pool.arrays.items()}
     qsa.qsa_write_tokens(ref["idx_k"], ref["kv_k"], ref["kv_v"], bt, g(rows_d), g(pos_d), g(isrc), g(ksrc), g(vsrc),
                          page_size)
@@ -280,7 +286,7 @@ def _locate(got, want):
 
 
 @pytest.mark.parametrize("B", [1, 16])
-def test_split_gdn_decode_matches_legacy_twin_dense_and_locates_a_dropped_state(B, impl):
+def test_split_gdn_decode_matches_prefill_kernel_twin_dense_and_locates_a_dropped_state(B, impl):
     seed, rng = seeded_rng()
     S = B + 3
     q, k, v, a, b, A_log, dtb, state = _gdn_inputs(rng, B, S)
@@ -289,7 +295,7 @@ def test_split_gdn_decode_matches_legacy_twin_dense_and_locates_a_dropped_state(
     tst = state.copy()
     tout = gdn.gated_delta_decode(q, k, v, gg, bb, tst, slots)
     res = {}
-    for name in ("legacy", "split"):
+    for name in ("prefill", "split"):
         impl(name)
         for fused in (False, True):
             dst = g(state)
@@ -337,14 +343,14 @@ def test_split_gdn_verify_checkpoints_and_forced_prefill(impl, monkeypatch):
     slots, cu = np.array([3, 1]), np.array([0, 2, 6])
     tst, tck = state.copy(), np.zeros((N, HV, DK, DV), np.float32)
     tout = gdn.gated_delta_recurrent(q, k, v, gg, bb, tst, slots, cu, checkpoints=tck)
-    for name in ("legacy", "split"):
+    for name in ("prefill", "split"):
         impl(name)
         dst, ck = g(state), cp.empty((N, HV, DK, DV), cp.float32)
         o = gdn.gated_delta_recurrent(g(q), g(k), g(v), g(gg), g(bb), dst, g(slots), g(cu), checkpoints=ck)
         assert _poison_free(o) and _poison_free(ck), (seed, name)
         assert rel_err(o.get(), tout) < TOL and rel_err(dst.get(), tst) < TOL and rel_err(ck.get(), tck) < TOL, \
             (seed, name)
-    # a prefill through the split kernel (forced; the default sends long sequences to the legacy kernel)
+    # a prefill through the split kernel (forced; the default sends long sequences to the one-warp kernel)
     monkeypatch.setattr(gdn, "GDN_SPLIT_MAX_TPS", 1 << 30)
     T = 40
     q, k, v, a, b, A_log, dtb, state = _gdn_inputs(rng, T, 1)

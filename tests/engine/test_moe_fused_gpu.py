@@ -1,13 +1,12 @@
-"""GPU tests of the MoE decode chain (``moe.FUSED_DECODE``: engine/kernels/cuda/moe_route.cu, the shared-expert
-stream; ``moe.GEMV_EPILOGUES``: the handshake epilogues of engine/kernels/cuda/moe_fused.cu).
+"""GPU tests of the MoE decode chain (``moe.FUSED_DECODE``, the default: engine/kernels/cuda/moe_route.cu, the
+shared-expert stream) against the grouped chain of ``moe.moe_experts``.
 
 The chain computes every value with the same expression as the unfused chain (the GEMV bodies are shared,
 the top-k emulates router_topk's 256-thread reductions, SwiGLU and combine are dense_moe.cu's formulas), so the
 checks are bit-for-bit (``view(uint32)`` equality), no tolerance; a sanity check against the float64 twin uses the
 dense tests' 1e-5 (float32 summation order only, see test_kernels_dense_gpu.py). Outputs are poisoned (NaN / -7)
-before each launch, so an epilogue that did not run is caught. Negative controls: a swapped expert, a wrong top-k
-selection and a dropped shared expert are each caught at exactly the tokens concerned; stale handshake counters
-(no last block) leave the outputs unwritten and are caught. Graph replays: bit-exact, counters back to zero.
+before each launch, so a step that did not run is caught. Negative controls: a swapped expert, a wrong top-k
+selection and a dropped shared expert are each caught at exactly the tokens concerned. Graph replays: bit-exact.
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ cp = pytest.importorskip("cupy", reason="GPU tests need cupy (pip install '.[gpu
 
 from engine.backend import gpu_available  # noqa: E402
 from engine.kernels import dense_common  # noqa: E402
-from engine.kernels import linear as L  # noqa: E402
 from engine.kernels import moe as M  # noqa: E402
 from engine.kernels.dense_common import to_bf16_bits  # noqa: E402
 from engine.kernels.quant import QuantWeight  # noqa: E402
@@ -82,33 +80,19 @@ def run(W, k, x, *, shared=True, stacked=True):
 
 
 def both(monkeypatch, W, k, x, **kw):
-    """(unfused, fused) results, and the fused chain's record of which steps ran fused."""
+    """(grouped, decode-chain) results, and the decode chain's record of whether its route block ran."""
     monkeypatch.setattr(M, "FUSED_DECODE", False)
     ref = run(W, k, x, **kw)
     monkeypatch.setattr(M, "FUSED_DECODE", True)
     log = []
-    route_fused, launch_epi, route_block = M._route_fused, M._launch_epi, M._route_block
-
-    def route_logged(*a, **k_):
-        r = route_fused(*a, **k_)
-        log.append(("route", r is not None))
-        return r
+    route_block = M._route_block
 
     def route_block_logged(*a, **k_):
         r = route_block(*a, **k_)
         log.append(("route_block", r is not None))
         return r
-
-    def epi_logged(*a, **k_):
-        r = launch_epi(*a, **k_)
-        log.append((f"epi{a[2]}", r))
-        return r
-    monkeypatch.setattr(M, "_route_fused", route_logged)
-    monkeypatch.setattr(M, "_launch_epi", epi_logged)
     monkeypatch.setattr(M, "_route_block", route_block_logged)
     fused = run(W, k, x, **kw)
-    monkeypatch.setattr(M, "_route_fused", route_fused)
-    monkeypatch.setattr(M, "_launch_epi", launch_epi)
     monkeypatch.setattr(M, "_route_block", route_block)
     cp.cuda.Device().synchronize()
     return ref, fused, log
@@ -121,18 +105,13 @@ def check_same(ref, fused):
     same(fused.out, ref.out)
 
 
-MODES = ["chain", "chain-one-stream", "epilogues"]
+MODES = ["chain", "chain-one-stream"]
 
 
 def set_mode(monkeypatch, mode):
     """chain: the default decode chain (route block, shared-expert stream); chain-one-stream: without the side
-    stream; epilogues: the handshake epilogues of moe_fused.cu, every tail fused however long."""
+    stream."""
     monkeypatch.setattr(M, "SHARED_STREAM", mode != "chain-one-stream")
-    monkeypatch.setattr(M, "GEMV_EPILOGUES", mode == "epilogues")
-    if mode == "epilogues":
-        monkeypatch.setattr(L, "QGEMV2_ENABLED", False)  # the epilogues have twins of the qgemv bodies only
-        for lim in ("EPI_SWIGLU_PAIR_MAX", "EPI_SWIGLU_TILE_MAX", "EPI_COMBINE_MAX"):
-            monkeypatch.setattr(M, lim, 1 << 30)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -141,15 +120,12 @@ def set_mode(monkeypatch, mode):
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_fused_bit_identical_to_unfused(rng, monkeypatch, shape, fmt, T, mode):
     if shape == "narrow" and fmt in ("f32", "fp8"):
-        pytest.skip("narrow shape: bf16 and nvfp4 cover the split-K epilogues (keeps the compile count down)")
+        pytest.skip("narrow shape: bf16 and nvfp4 cover the split-K GEMVs (keeps the compile count down)")
     set_mode(monkeypatch, mode)
     W, k = weights(rng, fmt, **SHAPES[shape])
     x = cp.asarray(rng.standard_normal((T, SHAPES[shape]["H"])).astype(np.float32))
     ref, fused, log = both(monkeypatch, W, k, x)
-    if mode == "epilogues":
-        assert sorted(log) == [("epi1", True), ("epi1", True), ("epi2", True), ("route", True)], log  # all fused
-    else:
-        assert log == [("route_block", True)], log
+    assert log == [("route_block", True)], log
     check_same(ref, fused)
     # sanity: both equal the float64 twin to float32 summation order where the routing has no near-tie
     Wn = {n: (a if isinstance(a, QuantWeight) else cp.asnumpy(a)) for n, a in W.items()}
@@ -169,36 +145,21 @@ def test_fused_bit_identical_to_unfused(rng, monkeypatch, shape, fmt, T, mode):
 
 @pytest.mark.parametrize("T", [1, 5])
 def test_fused_fallbacks_stay_bit_identical(rng, monkeypatch, T):
-    """A BF16 router at T = 5 takes the tensor-core GEMV (no fused route twin) and an unstacked shared expert the
-    unfused shared path: those steps run unfused, the rest fused, results still bit for bit."""
-    set_mode(monkeypatch, "epilogues")
+    """A BF16 router at T = 5 takes the tensor-core GEMV and an unstacked shared expert the grouped shared path (no
+    side stream): results still bit for bit."""
+    set_mode(monkeypatch, "chain")
     W, k = weights(rng, "bf16", **SHAPES["wide"], router_bf16=True)
     x = cp.asarray(rng.standard_normal((T, 256)).astype(np.float32))
     ref, fused, log = both(monkeypatch, W, k, x, stacked=False)
-    assert log[0] == ("route", T == 1) and ("epi1", True) in log, log
+    assert log == [("route_block", True)], log
     check_same(ref, fused)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_fused_default_tail_limits_at_16_tokens(rng, monkeypatch, fmt):
-    """At 16 tokens the default limits leave some epilogues unfused (epilogue_plan): the mix is still bit for bit,
-    on both stream modes."""
-    monkeypatch.setattr(M, "GEMV_EPILOGUES", True)
-    monkeypatch.setattr(L, "QGEMV2_ENABLED", False)  # the epilogues have twins of the qgemv bodies only
-    W, k = weights(rng, fmt, **SHAPES["wide"])
-    x = cp.asarray(rng.standard_normal((16, 256)).astype(np.float32))
-    for side in (True, False):
-        monkeypatch.setattr(M, "SHARED_STREAM", side)
-        ref, fused, log = both(monkeypatch, W, k, x)
-        assert ("route", True) in log, log
-        check_same(ref, fused)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_graph_replay_bit_exact(rng, monkeypatch, mode):
     """Captured as a CUDA graph (no host synchronisation in the chain; the shared-expert stream forked and joined
-    inside the capture) and replayed on new inputs: every replay equals the unfused eager result bit for bit, and
-    the handshake counters are back to zero. (Measured failing before the side stream's arrays were kept alive up
+    inside the capture) and replayed on new inputs: every replay equals the grouped chain's eager result bit for
+    bit. (Measured failing before the side stream's arrays were kept alive up
     to the join: the pool handed them to the main stream's next allocations, a race in the replay.)"""
     set_mode(monkeypatch, mode)
     W, k = weights(rng, "bf16", **SHAPES["wide"])
@@ -207,7 +168,7 @@ def test_fused_graph_replay_bit_exact(rng, monkeypatch, mode):
     x = xs[0].copy()
     monkeypatch.setattr(M, "FUSED_DECODE", True)
     run(W, k, x)
-    run(W, k, x)  # warm: compiled modules, the memory pool, the counters
+    run(W, k, x)  # warm: compiled modules, the memory pool
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
@@ -225,7 +186,6 @@ def test_fused_graph_replay_bit_exact(rng, monkeypatch, mode):
         outs.append(cp.asnumpy(o.out).copy())
     same(outs[0], outs[-1])  # the same input replayed again: the same bits
     assert not np.array_equal(outs[0], outs[1])
-    assert int(M.fused_counters(cp).sum()) == 0
 
 
 def test_negative_swapped_expert_caught(rng, monkeypatch):
@@ -268,26 +228,6 @@ def test_negative_wrong_topk_and_dropped_shared_caught(rng, monkeypatch):
     check_same(ref_ns, fused_ns)
     diff = np.abs(cp.asnumpy(fused_ns.out) - cp.asnumpy(fused.out)).max(1)
     assert (diff > 1e-5).all()
-
-
-def test_negative_stale_counters_caught(rng, monkeypatch):
-    """Counters not reset (a handshake bug): no block draws the last ticket, the epilogues never run and the
-    poisoned outputs are caught; zeroed again, the chain is exact."""
-    set_mode(monkeypatch, "epilogues")
-    W, k = weights(rng, "bf16", **SHAPES["wide"])
-    x = cp.asarray(rng.standard_normal((2, 256)).astype(np.float32))
-    ref, fused, _ = both(monkeypatch, W, k, x)
-    check_same(ref, fused)
-    cnt = M.fused_counters(cp)
-    cnt.fill(1 << 30)
-    try:
-        bad = run(W, k, x)
-        cp.cuda.Device().synchronize()
-        assert not np.isfinite(cp.asnumpy(bad.out)).all()
-        assert (cp.asnumpy(bad.topk_ids) == -7).all()  # the poison: top-k never ran
-    finally:
-        cnt.fill(0)
-    check_same(ref, run(W, k, x))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-fp8", "tiny-nvfp4"])

@@ -197,12 +197,12 @@ extern "C" __global__ void gdn_unit_lower_solve_f32(const float* L, float* x, in
 }
 
 // ---------------------------------------------------------------------------------------------- recurrent (split)
-// The decode / verify variant (engine.kernels.gdn.GDN_IMPL = "split"; the kernel above stays selectable as
-// "legacy"). grid (B, Hv, ceil(Dv / 32)), block 32 * GDN_W: lane = value column j, warp w = key rows
+// The decode / verify kernel (up to engine.kernels.gdn.GDN_SPLIT_MAX_TPS tokens per sequence; the kernel above
+// serves prefill). grid (B, Hv, ceil(Dv / 32)), block 32 * GDN_W: lane = value column j, warp w = key rows
 // [w * GDN_RPW, (w + 1) * GDN_RPW): every thread holds GDN_RPW state values, so the state slab is read by 8x more
 // threads with all their loads in flight. mem_j = sum_i S_ij k_i and o_j = sum_i S_ij q_i are per-warp partial sums
 // over the warp's rows, then the warps' partials in order 0..GDN_W-1 (shared memory, two barriers per token;
-// deterministic): the only numerical difference to the legacy kernel is this summation order. cu == nullptr means
+// deterministic): the only numerical difference to the one-warp kernel is this summation order. cu == nullptr means
 // one token per sequence (decode; no offsets array). q / k / v token rows are q_ld / k_ld / v_ld floats apart (column
 // slices of the conv output are read in place). a != nullptr fuses the gates: g = -exp(A_log) * softplus(a +
 // dt_bias) (torch threshold 20), beta = sigmoid(b), the formula of gdn_gates' float32 kernel (not bitwise: that
@@ -239,7 +239,7 @@ gdn_recurrent_split_f32_f32(const float* __restrict__ q, const float* __restrict
     for (long long t = t0; t < t1; ++t) {
         const float* qt = q + t * q_ld + hk * GDN_DK;  // token rows may be strided (columns of the conv output)
         const float* kt = k + t * k_ld + hk * GDN_DK;
-        // l2 norms as the legacy kernel computes them (lane-strided partials, butterfly), in every warp
+        // l2 norms as the one-warp kernel computes them (lane-strided partials, butterfly), in every warp
         float sq = 0.f, sk = 0.f;
         for (int i = lane; i < GDN_DK; i += 32) {
             const float a = qt[i], c = kt[i];

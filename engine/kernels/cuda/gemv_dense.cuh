@@ -1,7 +1,6 @@
 // GEMV body over BF16 / float32 weights (dense_linear.cu documents it).
-// Moved out of dense_linear.cu unchanged so that engine/kernels/cuda/moe_fused.cu can reuse the same
-// bodies (bit-identical results by construction). nvcc finds this header beside the including source; NVRTC
-// gets it inlined (engine.backend.cuda_source).
+// Included by dense_linear.cu. nvcc finds this header beside the including source; NVRTC gets it inlined
+// (engine.backend.cuda_source).
 #pragma once
 
 #include "common.cuh"

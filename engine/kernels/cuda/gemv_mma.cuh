@@ -1,7 +1,6 @@
 // Tensor-core GEMV bodies for BF16 weights (dense_linear_mma.cu documents them).
-// Moved out of dense_linear_mma.cu unchanged so that engine/kernels/cuda/moe_fused.cu can reuse the same
-// bodies (bit-identical results by construction). nvcc finds this header beside the including source; NVRTC
-// gets it inlined (engine.backend.cuda_source).
+// Included by dense_linear_mma.cu. nvcc finds this header beside the including source; NVRTC gets it inlined
+// (engine.backend.cuda_source).
 #pragma once
 
 #include "common.cuh"

@@ -1,7 +1,6 @@
 // Stored-format weight loaders (FP8, NVFP4) and their GEMV body (quant_linear.cu documents them).
-// Moved out of quant_linear.cu unchanged so that engine/kernels/cuda/moe_fused.cu can reuse the same
-// bodies (bit-identical results by construction). nvcc finds this header beside the including source; NVRTC
-// gets it inlined (engine.backend.cuda_source).
+// Included by quant_linear.cu. nvcc finds this header beside the including source; NVRTC gets it inlined
+// (engine.backend.cuda_source).
 #pragma once
 
 #include "common.cuh"

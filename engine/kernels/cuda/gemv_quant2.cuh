@@ -4,7 +4,7 @@
 // (common.cuh). Self-contained otherwise (no host headers; NVRTC gets it inlined, engine/backend.py).
 #pragma once
 
-// The default decode GEMV for FP8 / NVFP4 (the qgemv_* family of quant_linear.cu stays selectable for A/B).
+// The decode GEMV for FP8 / NVFP4 (every launch with 16-byte chunks; the scalar qgemv_*_s kernels serve the rest).
 //
 // Work split: a block of 8 warps; KS warps split K (their partial sums are added in shared memory in a fixed
 // order: deterministic, no atomics), 8 / KS warp row groups. A warp is 32 / G slots of G lanes; a slot owns RL

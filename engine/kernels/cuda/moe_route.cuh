@@ -1,4 +1,4 @@
-// MoE routing device functions shared by moe_route.cu (the decode chain's route kernel) and moe_fused.cu:
+// MoE routing device functions of moe_route.cu (the decode chain's route kernel):
 // softmax + top-k of one token per warp, bit-identical to dense_moe.cu's router_topk (256 threads), and the route
 // tables of dense_moe.cu's moe_tables for one block. No host headers.
 #pragma once

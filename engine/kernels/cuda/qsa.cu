@@ -95,85 +95,6 @@ extern "C" __global__ void qsa_index_scores(const float* __restrict__ q, const f
     if (lane == 0) out[t * NB + n] = total / sqrt_d;
 }
 
-// ------------------------------------------------------------------------------------------ top-k
-// Composite key: order-preserving score bits (high 32) | (0xFFFFFFFF - block) (low 32): a larger key is a better
-// block (higher score, then lower index), all keys distinct. Radix-select the kk-th largest key (8 passes of 8
-// bits), gather the kk keys >= it, bitonic-sort them descending in shared memory (p2 = pow2 >= k entries).
-__device__ __forceinline__ unsigned long long qsa_key(float s, long long n) {
-    float c = s + 0.0f;  // -0 -> +0 so equal scores tie
-    unsigned u = __float_as_uint(c);
-    unsigned hi = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    return ((unsigned long long)hi << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)n);
-}
-
-extern "C" __global__ void qsa_topk(const float* __restrict__ scores, const long long* __restrict__ n_visible,
-                                    int* __restrict__ out, long long NB, int ratio, int k, int p2) {
-    extern __shared__ unsigned long long buf[];
-    __shared__ unsigned int hist[256];
-    __shared__ unsigned long long s_prefix, s_mask;
-    __shared__ long long s_remaining;
-    __shared__ int s_count;
-    const int t = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-    const float* row = scores + (long long)t * NB;
-    long long nc = n_visible[t] / ratio;
-    if (nc > NB) nc = NB;
-    const int kk = nc < (long long)k ? (int)nc : k;
-    if (kk == 0) {
-        for (int i = tid; i < k; i += nt) out[(long long)t * k + i] = -1;
-        return;
-    }
-    if (tid == 0) { s_prefix = 0ull; s_mask = 0ull; s_remaining = kk; s_count = 0; }
-    __syncthreads();
-    if (nc > k) {
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            for (int i = tid; i < 256; i += nt) hist[i] = 0u;
-            __syncthreads();
-            const unsigned long long prefix = s_prefix, mask = s_mask;
-            for (long long n = tid; n < nc; n += nt) {
-                unsigned long long key = qsa_key(row[n], n);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255ull], 1u);
-            }
-            __syncthreads();
-            if (tid == 0) {
-                long long cum = 0;
-                for (int d = 255; d >= 0; --d) {
-                    if (cum + (long long)hist[d] >= s_remaining) {
-                        s_prefix |= ((unsigned long long)d) << shift;
-                        s_mask |= 255ull << shift;
-                        s_remaining -= cum;
-                        break;
-                    }
-                    cum += hist[d];
-                }
-            }
-            __syncthreads();
-        }
-    }
-    const unsigned long long thr = (nc > k) ? s_prefix : 0ull;
-    for (long long n = tid; n < nc; n += nt) {
-        unsigned long long key = qsa_key(row[n], n);
-        if (key >= thr) buf[atomicAdd(&s_count, 1)] = key;
-    }
-    __syncthreads();
-    for (int i = kk + tid; i < p2; i += nt) buf[i] = 0ull;
-    __syncthreads();
-    for (int size = 2; size <= p2; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = tid; i < p2; i += nt) {
-                int j = i ^ stride;
-                if (j > i) {
-                    unsigned long long a = buf[i], b = buf[j];
-                    bool desc = (i & size) == 0;
-                    if (desc ? (a < b) : (a > b)) { buf[i] = b; buf[j] = a; }
-                }
-            }
-            __syncthreads();
-        }
-    }
-    for (int i = tid; i < k; i += nt)
-        out[(long long)t * k + i] = i < kk ? (int)(0xFFFFFFFFu - (unsigned)(buf[i] & 0xFFFFFFFFull)) : -1;
-}
-
 // ------------------------------------------------------------------------------------------ sparse attention
 // Split-KV ("flash decoding"): the query's token list (selected blocks' tokens, then the tail) is cut into
 // n_split contiguous pieces of tps tokens. qsa_attn_partial: grid (T, Hq, n_split), block 32*QSA_WARPS; each warp
@@ -282,8 +203,8 @@ extern "C" __global__ void qsa_attn_combine(const float* __restrict__ pm, const 
 }
 
 // ============================================================================================ decode-oriented
-// The kernels below are the split variants (engine.kernels.qsa.QSA_IMPL = "split"); the ones above stay
-// selectable ("legacy") for A/B. Same selection semantics; only float32 summation orders differ (noted per kernel).
+// The kernels below serve decode and verify (and every top-k); the ones above serve prefill (more than
+// engine.kernels.qsa.QSA_SPLIT_MAX_T queries) and wide indexer keys. Same selection semantics.
 
 // ------------------------------------------------------------------------------------------ token write
 // grid T, block >= 32 (a multiple of 32). For token t at pos[t] of table row rows[t]: slot = its pool slot;
@@ -352,7 +273,7 @@ extern "C" __global__ void qsa_write_tokens(const int* __restrict__ bt, const lo
 
 // ------------------------------------------------------------------------------------------ block keys (split)
 // grid T, block 32 * ceil(Di / 32) (Di <= 1024): thread d owns channel d, so the ratio raw-key loads of every
-// channel are in flight at once (the legacy kernel walks the channels with one warp). Same values up to the order of
+// channel are in flight at once (qsa_block_keys walks the channels with one warp). Same values up to the order of
 // the sum of squares (a fixed-order block reduction instead of a warp's).
 extern "C" __global__ void qsa_block_keys_split(const float* __restrict__ idx_k, float* __restrict__ blk_k,
                                                 const int* __restrict__ bt, const long long* __restrict__ rows,
@@ -554,8 +475,8 @@ extern "C" __global__ void qsa_topk_split(const float* __restrict__ scores, cons
 // QSA_TILE tokens: K and V rows are loaded as float4 into registers one tile AHEAD (the next tile's loads are in
 // flight while this tile computes), parked in shared memory, scored against the group's queries (a warp per token),
 // softmax-updated per head (a warp per head), and accumulated (a thread per channel). Token slots are resolved
-// QSA_CHUNK at a time (one per thread). Writes (max, sum, unnormalised acc) per (t, h, split) in the legacy layout;
-// qsa_attn_combine_split merges the splits in index order. Float32 throughout; vs the legacy kernel only the order
+// QSA_CHUNK at a time (one per thread). Writes (max, sum, unnormalised acc) per (t, h, split) in qsa_attn_partial's layout;
+// qsa_attn_combine_split merges the splits in index order. Float32 throughout; vs qsa_attn_partial only the order
 // of the softmax sums differs (per-tile online softmax instead of per-warp strided). Needs QSA_HEAD_DIM % 4 == 0.
 #ifndef QSA_GROUP
 #define QSA_GROUP 12       // query heads per KV head; the host compiles with -DQSA_GROUP=<Hq / Hkv>
@@ -597,7 +518,7 @@ qsa_attn_partial_split(const float* __restrict__ q, const float* __restrict__ kv
     const long long nv = n_visible[t];
     const long long nc = nv / ratio;
     const int* sel_row = sel + (long long)t * ksel;
-    // the selected blocks: the row's valid (>= 0) prefix, at most min(nc, ksel) entries (as the legacy kernel)
+    // the selected blocks: the row's valid (>= 0) prefix, at most min(nc, ksel) entries (as qsa_attn_partial)
     const long long cap = nc < (long long)ksel ? nc : (long long)ksel;
     int first = 0x7fffffff;
     for (long long i = tid; i < cap; i += QSA_GT)

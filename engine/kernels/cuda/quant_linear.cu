@@ -13,7 +13,7 @@
 // reader's (reference/checkpoint.py); only the summation order differs.
 //
 // qgemv2_*: decode, the default (gemv_quant2.cuh; docs/kernels_quant.md): streaming loads, hardware E4M3 decode.
-// qgemv_* : decode, the previous kernels (QWEN4EXP_QGEMV2=0), and the scalar path of both (unaligned / odd K).
+// qgemv_*_s: decode, the scalar path (unaligned pointers / odd K).
 //          1, 4 or 16 activation rows per weight pass. R weight rows per warp (4 for 1 and 4
 //          activation rows, else 1), KS warps may split K; every lane loads 16 bytes of each row per chunk (16
 //          FP8 or 32 NVFP4 weights) with several chunks in flight, decodes each weight once and reuses it for
@@ -42,7 +42,7 @@
 #define QL_NT(n) 0
 #endif
 
-// the loaders and the qgemv body (shared with moe_fused.cu)
+// the loaders and the qgemv body
 #include "gemv_quant.cuh"
 
 #define QCOMMON_ARGS                                                                                         \
@@ -68,21 +68,13 @@
 #define nvfp4_MAKE_LC NVFP4_MAKE
 
 #define QGEMV_FAMILY(FMT, LD) \
-    QGEMV_ENTRY(FMT, LD, 1, 1, 1, true, v) \
     QGEMV_ENTRY(FMT, LD, 1, 1, 1, false, s) \
-    QGEMV_ENTRY(FMT, LD, 1, 4, 1, true, v) \
     QGEMV_ENTRY(FMT, LD, 1, 4, 1, false, s) \
-    QGEMV_ENTRY(FMT, LD, 1, 1, 8, true, v) \
     QGEMV_ENTRY(FMT, LD, 1, 1, 8, false, s) \
-    QGEMV_ENTRY(FMT, LD, 4, 1, 1, true, v) \
     QGEMV_ENTRY(FMT, LD, 4, 1, 1, false, s) \
-    QGEMV_ENTRY(FMT, LD, 4, 4, 1, true, v) \
     QGEMV_ENTRY(FMT, LD, 4, 4, 1, false, s) \
-    QGEMV_ENTRY(FMT, LD, 4, 1, 8, true, v) \
     QGEMV_ENTRY(FMT, LD, 4, 1, 8, false, s) \
-    QGEMV_ENTRY(FMT, LD, 16, 1, 1, true, v) \
     QGEMV_ENTRY(FMT, LD, 16, 1, 1, false, s) \
-    QGEMV_ENTRY(FMT, LD, 16, 1, 8, true, v) \
     QGEMV_ENTRY(FMT, LD, 16, 1, 8, false, s)
 
 #if QL_BASE
@@ -91,7 +83,7 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
-// qgemv2_* : the streaming decode GEMV (the default; the qgemv_* family above stays selectable for A/B). Design,
+// qgemv2_* : the streaming decode GEMV (every launch with 16-byte chunks). Design,
 // decode and exactness argument: gemv_quant2.cuh and docs/kernels_quant.md.
 #include "gemv_quant2.cuh"
 
@@ -107,7 +99,7 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
 #define nvfp4_MAKE2_LC NVFP4S ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};
 
 // Configurations (NT, G, RL, U; each with KS 1, 2, 4, 8, chosen by the host): the defaults of
-// engine/kernels/linear.py QGEMV2_CONFIG and the alternatives the micro-bench compares (bench_quant.py). Why small G: the activation loads of
+// engine/kernels/linear.py QGEMV2_CONFIG and the alternatives the micro-bench compares (lab/bench_quant.py). Why small G: the activation loads of
 // a warp touch G distinct 128-byte lines (NVFP4: a 16-byte chunk is 32 weights = 128 bytes of float32
 // activations), which is what bounds L1 at 4 and 16 rows.
 #define QGEMV2_KS(FMT, LD, NT, G, RL, U)                                                                      \
@@ -116,7 +108,7 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
     QGEMV2_ENTRY(FMT, LD, NT, G, RL, 4, U)                                                                    \
     QGEMV2_ENTRY(FMT, LD, NT, G, RL, 8, U)
 
-// qgemv2 instances begin (tests/engine/test_engine_quant.py and bench_quant.py read these lines)
+// qgemv2 instances begin (tests/engine/test_engine_quant.py and lab/bench_quant.py read these lines)
 #define QGEMV2_FAMILY_NT1(FMT, LD)  \
     QGEMV2_KS(FMT, LD, 1, 4, 1, 5)  \
     QGEMV2_KS(FMT, LD, 1, 2, 1, 5)  \

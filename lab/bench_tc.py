@@ -1,7 +1,7 @@
 """Micro-benchmark of the tensor-core prefill GEMM (engine/kernels/gemm_tc.py) at the real model widths, new path
 against the float32-FMA kernels it replaces, each figure from one process.
 
-Run on a GPU: ``python -m engine.kernels.bench_tc [--json OUT] [--quick]``. Rows:
+Run on a GPU: ``python -m lab.bench_tc [--json OUT] [--quick]``. Rows:
 
 * ``dense_<fmt>_M<M>_N<N>_K<K>_<path>_TFLOPs``: model FLOP (``2 M N K``) per second; ``path`` is ``tc`` (the
   3-part split with the default ``K_CHUNK``), ``tc_kc0`` / ``tc_kc1024`` (the hi part unchunked / in chunks of

@@ -1,7 +1,7 @@
 """Benchmark of the dense CUDA kernels at the real model widths (hidden 2560, 512 experts top-10 of
 width 640, hc_count 4, hc_lowrank 320, PLE 16 heads x 160).
 
-Run on a GPU: ``python -m engine.kernels.bench_dense [--json OUT]``. The ``gemv_bf16_mma_*`` /
+Run on a GPU: ``python -m lab.bench_dense [--json OUT]``. The ``gemv_bf16_mma_*`` /
 ``gemv_bf16_fma_*`` rows time the BF16 GEMV at 4 and 16 rows with the tensor-core kernel
 (``dense_linear_mma.cu``) and with the float32-FMA kernel (``linear.MMA_GEMV_ENABLED`` off). Times are CUDA-event medians
 over repeated launches on fresh random (never zero) data; bandwidth figures count the bytes each

@@ -1,10 +1,11 @@
 """Micro-benchmark of the quantised decode GEMVs (``engine/kernels/cuda/quant_linear.cu``) at the routed-expert
 shapes of the real model: gate_up ``[10 experts x 1280 x 2560]`` and down ``[10 x 2560 x 640]``, FP8 and NVFP4,
 1 / 4 / 16 activation rows per expert, grouped (the MoE launch, through its device tile table) and dense (one
-matrix of the same bytes), the previous ``qgemv_*`` kernels (``v1``) against the streaming ``qgemv2_*``
-(``v2``, the default configuration, and every other instantiated configuration: ``v2_g{G}_r{RL}_u{U}``).
+matrix of the same bytes), the streaming ``qgemv2_*`` kernels (``v2``, the default configuration, and every
+other instantiated configuration: ``v2_g{G}_r{RL}_u{U}``). (The previous ``qgemv_*_v`` kernels, ``v1`` in older
+JSONs, are gone from the engine.)
 
-Run on a GPU: ``python -m engine.kernels.bench_quant [--reps 50] [--quick] [--json OUT]``. Consecutive launches
+Run on a GPU: ``python -m lab.bench_quant [--reps 50] [--quick] [--json OUT]``. Consecutive launches
 read different groups of 10 experts out of a stack of 3x the L2 cache (so weights come from HBM, as in a decode
 step); times are CUDA-event medians over ``--reps`` replays of a CUDA graph of the launches (:func:`_median_us`);
 GB/s counts the bytes a launch must move (codes + scales + global scales of the 10 experts, activations, outputs).
@@ -75,7 +76,7 @@ def _variants(L, fmt, rpt):
     cfgs = [(int(g), int(rl), int(u)) for nt, g, rl, u in
             re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam) if int(nt) == rpt]
     default = L.QGEMV2_CONFIG[fmt, rpt]
-    out = [("v1", False, None), ("v2", True, default)]
+    out = [("v2", True, default)]
     out += [(f"v2_g{g}_r{rl}_u{u}", True, (g, rl, u)) for g, rl, u in cfgs if (g, rl, u) != default]
     return out
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
 
     Args:
         argv: ``--reps N`` (timed graph replays per figure, default 50), ``--json FILE`` (also write the results
-            there, atomically), ``--quick`` (only v1 and the default v2).
+            there, atomically), ``--quick`` (only the default v2).
     Returns:
         0. JSON keys: ``*_us`` microseconds, ``*_GBps`` GB/s, ``*_frac`` fraction of the measured copy bandwidth,
         ``*_kernel`` the kernel a grouped launch used. Printed (compact, so a device call's output tail holds it
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="only v1 and the default v2")
+    ap.add_argument("--quick", action="store_true", help="only the default v2")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     src = dst = None  # free the 2 GiB
     print(f"d2d_copy_GBps {copy:.0f}", flush=True)
     l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 50 << 20))
-    prev = (L.QGEMV2_ENABLED, dict(L.QGEMV2_CONFIG))
+    prev = (None, dict(L.QGEMV2_CONFIG))
     try:
         for fmt in ("nvfp4", "fp8"):
             for shape, (N, K) in SHAPES.items():
@@ -140,9 +141,8 @@ def main(argv=None) -> int:
                     y = cp.empty((rpt * TOP_K, N), cp.float32)
                     io = x.nbytes + y.nbytes
                     for label, v2, cfg in _variants(L, fmt, rpt):
-                        if args.quick and label not in ("v1", "v2"):
+                        if args.quick and label != "v2":
                             continue
-                        L.QGEMV2_ENABLED = v2
                         if cfg is not None:
                             L.QGEMV2_CONFIG[fmt, rpt] = cfg
                         fns = [lambda r=r: L.grouped_linear(x, w, r.offsets, row_index=r.sorted_token, tiles=r.tiles,
@@ -162,9 +162,8 @@ def main(argv=None) -> int:
                     xd = rs.standard_normal((rpt, K), dtype=cp.float32)
                     yd = cp.empty((rpt, TOP_K * N), cp.float32)
                     for label, v2, cfg in _variants(L, fmt, rpt):
-                        if args.quick and label not in ("v1", "v2"):
+                        if args.quick and label != "v2":
                             continue
-                        L.QGEMV2_ENABLED = v2
                         if cfg is not None:
                             L.QGEMV2_CONFIG[fmt, rpt] = cfg
                         fns = [lambda wd=wd: L.linear(xd, wd, out=yd) for wd in one]
@@ -176,7 +175,7 @@ def main(argv=None) -> int:
                         L.QGEMV2_CONFIG.update(prev[1])
                 w = one = None
         # batch-16 decode as routed: 16 tokens x top-10 of 512 experts (~150 distinct experts of 1-2 rows), the
-        # MoE's own tile size for 16 tokens (moe._rows_per_tile); a fresh routing per launch in the rotation
+        # MoE's own tile size for 16 tokens (tiles.default_rows_per_tile); a fresh routing per launch in the rotation
         E, T = 512, 16
         rng = np.random.default_rng(3)
         for fmt in ("nvfp4", "fp8"):
@@ -190,9 +189,8 @@ def main(argv=None) -> int:
                 used = float(np.mean([len(np.unique(i)) for i in ids]))
                 nbytes = used * _expert_bytes(w) + x.nbytes + y.nbytes
                 for label, v2, cfg in _variants(L, fmt, routes[0].rows_per_tile):
-                    if args.quick and label not in ("v1", "v2"):
+                    if args.quick and label != "v2":
                         continue
-                    L.QGEMV2_ENABLED = v2
                     if cfg is not None:
                         L.QGEMV2_CONFIG[fmt, routes[0].rows_per_tile] = cfg
                     fns = [lambda r=r: L.grouped_linear(x, w, r.offsets, row_index=r.sorted_token, tiles=r.tiles,
@@ -206,7 +204,6 @@ def main(argv=None) -> int:
                     L.QGEMV2_CONFIG.update(prev[1])
                 w = None
     finally:
-        L.QGEMV2_ENABLED = prev[0]
         L.QGEMV2_CONFIG.clear()
         L.QGEMV2_CONFIG.update(prev[1])
     _summary(res)
