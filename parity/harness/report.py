@@ -241,7 +241,9 @@ def next_step(report: ParityReport) -> dict | None:
     if f is None:
         return None
     label = f.get("label") or f"{f.get('scenario', '?')}/{f.get('case', '?')}"
-    out = {"case": label, "worst_logit_err_rel": f.get("worst_logit_err_rel"), "command": None}
+    # an ERROR case compared nothing: no error figure (0 would read as perfect)
+    err = None if f.get("status") == "error" else f.get("worst_logit_err_rel")
+    out = {"case": label, "worst_logit_err_rel": err, "command": None}
     pair = _archive_pair(f)
     if pair is None:
         out["advice"] = ("re-run with --out DIR to keep the tap archives of the failing cases, then diff them with "

@@ -231,7 +231,7 @@ def test_table_explains_itself(capsys):
     out = capsys.readouterr().out
     flat = " ".join(out.split())  # the legend wraps at the terminal's width (xdist workers: another width)
     for words in ("legend:", "cases: passed/run", "one case is", "KL(reference||backend)", "KL(backend||reference)",
-                  "worst logit err:", "judged relative to", "limits:", "budget: the QSA indexer_budget"):
+                  "worst logit err:", "the figure the limit beside it judges", "limits:", "budget: the QSA indexer_budget"):
         assert words in flat, words
     body = [ln for ln in out.splitlines() if ln.startswith(("kl ", "budget "))]
     # the limit measured on this model (a multiple of its float32 floor, relative to the logit scale)

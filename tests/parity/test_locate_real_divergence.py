@@ -164,8 +164,10 @@ def test_a_batching_fault_of_prefill_batch_is_named_batching():
                  thresholds=_th())
     assert r.status == "fail"
     assert r.divergence.startswith("batching: sequence ragged0-len80 is correct when prefilled alone"), r.divergence
-    # the wrong rows leave the batched call after every tap: in the batch, the returned logits are the cause
-    assert "in the batch, " in r.divergence and r.root_cause["tap"] == "returned logits", r.root_cause
+    # the wrong rows leave the batched call after every tap: in the batch, the returned logits differ; the cause
+    # is the batching itself (one cause per tap: a batching divergence is the batching cause)
+    assert "in the batch, " in r.divergence and "returned logits" in r.divergence, r.divergence
+    assert r.root_cause["tap"] == "batching", r.root_cause
     assert r.root_cause["operation"] == "prefill_batch", r.root_cause   # before: "check"
 
 
@@ -182,7 +184,8 @@ def test_root_cause_names_the_prefill_batch_operation():
         for divergence in ("returned logits differ from the backend's own logits tap, first at position 5",
                            "batching: sequence s is correct when prefilled alone (its own prefill_batch call)"):
             rc = root_cause(failure, divergence, cfg)
-            assert rc["operation"] == want and rc["id"].split(" | ")[1] == want, (failure, divergence, rc)
+            # the operation is named; the cause id is the tap alone (one bug is one cause across operations)
+            assert rc["operation"] == want and rc["id"] == rc["tap"], (failure, divergence, rc)
     d = root_cause("decode batch of 3: seq b0: logit error 1 at position 20", "batching: sequence b0 is correct "
                    "when decoded alone", cfg)
     assert d["tap"] == "batching" and d["operation"] == "batched decode", d

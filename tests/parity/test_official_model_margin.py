@@ -34,7 +34,7 @@ def _margins(doc) -> list[str]:
     bad = []
     for r in doc["scenarios"]:
         tol = (r.get("thresholds") or {}).get("tol_rel")
-        err = r.get("worst_logit_err")
+        err = r.get("worst_logit_err_rel")   # the judged figure, relative to the logit scale like tol_rel
         if tol is None or err is None or r.get("status") == "skip":
             continue
         if not err <= MARGIN * tol:
