@@ -71,7 +71,7 @@ for i in "${!BACKENDS[@]}"; do
   OMP_NUM_THREADS=$half OPENBLAS_NUM_THREADS=$half MKL_NUM_THREADS=$half NUMBA_NUM_THREADS=$half \
   QWEN4EXP_LONG_MAX_TOKENS=2200 timeout -k 20 "$lim" \
     python3 -m parity.cli parity "$MODEL" --backend "${BACKENDS[$i]}" --scenario kl budget --level long \
-    --prompts "$PROMPTS" --page-sizes 16 --format text --no-progress --overwrite --out "$OUT/realwidth/$i" \
+    --prompts "$PROMPTS" --page-sizes 16 --format text --overwrite --out "$OUT/realwidth/$i" \
     >"$OUT/realwidth_$i.txt" 2>&1 &
   pids+=($!)
 done
@@ -89,7 +89,10 @@ done
     f="$OUT/realwidth_$i.txt"
     echo "  --backend ${BACKENDS[$i]} (rc=${rcs[$i]}):"
     if [ "${rcs[$i]}" = 124 ] || [ "${rcs[$i]}" = 137 ]; then
-      echo "    TIMEOUT: killed after ${lim}s, no verdict (the last lines of $f:)"; tail -n 3 "$f" | sed 's/^/    /'
+      # the progress lines (one per finished case, and every 10 s) say how far it got; none: still measuring the
+      # floor / the truth, which run before the first case
+      echo "    TIMEOUT: killed after ${lim}s, no verdict; $f holds $(grep -c "" "$f") lines, the last:"
+      tail -n 3 "$f" | sed 's/^/    /'
     elif grep -q "^scenario  " "$f"; then  # the verdict table and the verdict line
       sed -n '/^scenario  /,/^legend:/p' "$f" | grep -v "^legend:" | sed 's/^/    /'; grep "^verdict" "$f" | sed 's/^/    /'
     else tail -n 8 "$f" | sed 's/^/    /'; fi
