@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The real-width period of ci/gpu: one period (3 GDN + 1 QSA layers, PLE on layer 1) at the real widths with the
-# real vocabulary (248,320) and REALWIDTH_EXPERTS routed experts (default 32, top-10), random BF16 weights
+# The real-width period of ci/gpu: one period (3 GDN + 1 QSA layers with PLE, as real_width_config lays out four) at
+# the real widths with the real vocabulary (248,320) and REALWIDTH_EXPERTS routed experts (default 32, top-10), random
+# BF16 weights
 # (parity.bench.synthetic.cached_synthetic; the n-gram table scaled down as in every synthetic checkpoint), judged by
 #     qwen4exp parity MODEL --backend B --scenario kl budget --level long --prompts P --page-sizes 16
 # for the engine's float32 and bf16 paths on CUDA. P: token-id prompts of REALWIDTH_LENGTHS tokens (default
@@ -10,7 +11,7 @@
 #
 #     OUT=<dir> bash ci/gpu_realwidth.sh      (ci/gpu runs it; NO_REALWIDTH=1 there skips it)
 #
-# REALWIDTH_BUDGET_S (default 220) bounds the whole step, checkpoint write included: the two runs go side by side
+# REALWIDTH_BUDGET_S (default 200) bounds the whole step, checkpoint write included: the two runs go side by side
 # (each on half of the CPU cores: the reference's truth and floor on the CPU are the cost, not the engine), each
 # killed by `timeout` at the budget left; a killed run is reported TIMEOUT (no verdict) and fails the step.
 # REALWIDTH_MODEL (a checkpoint or fixture name) and REALWIDTH_BACKENDS (space-separated specs) replace the model
@@ -21,7 +22,7 @@ set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT/realwidth"
-budget="${REALWIDTH_BUDGET_S:-220}"
+budget="${REALWIDTH_BUDGET_S:-200}"
 t0=$(date +%s)
 left() { local s=$(( budget - ($(date +%s) - t0) )); [ "$s" -ge 1 ] && echo "$s" || echo 1; }  # timeout 0 = none
 SUM="$OUT/realwidth_summary.txt"
