@@ -28,6 +28,17 @@ def _read_by_code(root: Path = ROOT) -> dict[str, set[str]]:
     return out
 
 
+#: Switches the product no longer reads (their kernels are gone: one kernel per op). Named here only, so no other
+#: file needs to spell them to hold them absent.
+RETIRED = {
+    "QWEN4EXP_SEQ_KERNELS": "the legacy QSA / GDN sequence kernels",
+    "QWEN4EXP_MMA_GEMV": "the float32-FMA GEMV in place of the tensor-core one",
+    "QWEN4EXP_QGEMV2": "the first qgemv_* quantised GEMV kernels",
+    "QWEN4EXP_MOE_FUSED": "the unfused MoE decode chain (the fused chain is the only decode path)",
+    "QWEN4EXP_MOE_EPILOGUES": "the GEMV-epilogue MoE decode chain",
+}
+
+
 def _table(doc: Path) -> set[str]:
     return {m.group(1) for m in re.finditer(r"^\| `(QWEN4EXP_[A-Z0-9_]+)` \|", doc.read_text(encoding="utf-8"), re.M)}
 
@@ -52,3 +63,17 @@ def test_the_check_sees_an_undocumented_switch(tmp_path):
     code = _read_by_code(tmp_path)
     assert set(code) == {"QWEN4EXP_NEW_PATH", "QWEN4EXP_OTHER"}
     assert set(code) - _table(doc) == {"QWEN4EXP_NEW_PATH"}
+
+
+def test_retired_switches_are_read_nowhere_and_not_documented():
+    code, table = _read_by_code(), _table(ROOT / "docs" / "environment.md")
+    still = {k: sorted(code[k]) for k in RETIRED if k in code}
+    assert not still, f"retired switches still named in code: {still}"
+    assert not set(RETIRED) & table, f"docs/environment.md lists retired switches: {sorted(set(RETIRED) & table)}"
+
+
+def test_the_check_sees_a_retired_switch_coming_back(tmp_path):
+    # negative control: a module reading a retired switch again is found by the scan the test above relies on
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "y.py").write_text('import os\nOLD = os.environ.get("QWEN4EXP_MOE_FUSED", "0")\n')
+    assert set(_read_by_code(tmp_path)) & set(RETIRED) == {"QWEN4EXP_MOE_FUSED"}

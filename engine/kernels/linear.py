@@ -42,7 +42,7 @@ MMA_GEMV_ENABLED = True
 #: ``qgemv2`` configuration per (format, activation-row tile): ``(G, RL, U)`` = lanes per row slot, weight rows
 #: per lane, chunks per lane loaded before any is decoded. Only the combinations quant_linear.cu instantiates
 #: (``QGEMV2_FAMILY``) exist; the micro-bench (``lab/bench_quant.py``) swaps entries to compare them. Defaults: the fastest measured on the
-#: H200 (bench_quant, 2026-12-02 03:18 UTC; routed-expert shapes, docs/kernels_quant.md): 1 row (2, 2, 3) for both
+#: H200 (``lab/bench_quant.py`` at the routed-expert shapes; docs/kernels_quant.md, docs/performance.md): 1 row (2, 2, 3) for both
 #: formats (NVFP4 gate_up 17.1 us vs 26.8 for (4, 1, 5) and 33.6 for the previous kernel), 4 and 16 rows (4, 2, 3).
 QGEMV2_CONFIG = {("nvfp4", 1): (2, 2, 3), ("nvfp4", 4): (4, 2, 3), ("nvfp4", 16): (4, 2, 3),
                  ("fp8", 1): (2, 2, 3), ("fp8", 4): (4, 2, 3), ("fp8", 16): (4, 2, 3)}

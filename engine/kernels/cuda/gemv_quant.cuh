@@ -80,8 +80,7 @@ struct NVFP4W {
 // R weight rows per warp ((8 / KS) * R rows per block of 8 warps), KS warps split K. VEC: 16-byte chunks,
 // U chunks per row fetched before any is decoded; each 8-element piece of the activation rows is loaded
 // once and reused for the R rows (the activations are float32: 8x (NVFP4) / 4x (FP8) the weight bytes, so
-// reading them once per weight row made the 1-row kernels L1-bound; measured 2026-12-01, see
-// docs/performance.md).
+// reading them once per weight row made the 1-row kernels L1-bound, as measured: docs/performance.md).
 template <typename LD, int NT, int R, int KS, bool VEC>
 __device__ __forceinline__ void qgemv_body(const LD& ld, const float* __restrict__ X, const int* __restrict__ row_index,
                                            float* __restrict__ Y, const int* tile_expert, const int* tile_start,

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The real-width period of ci/gpu: one period (3 GDN + 1 QSA layers with PLE, as real_width_config lays out four) at
+# the real widths with the real vocabulary (248,320) and REALWIDTH_EXPERTS routed experts (default 32, top-10), random
+# BF16 weights
+# (parity.bench.synthetic.cached_synthetic; the n-gram table scaled down as in every synthetic checkpoint), judged by
+#     qwen4exp parity MODEL --backend B --scenario kl budget --level long --prompts P --page-sizes 16
+# for the engine's float32 and bf16 paths on CUDA. P: token-id prompts of REALWIDTH_LENGTHS tokens (default
+# 7 600 2100: short, mid, past the QSA bound of 2051), the harness's own token stream. --level long keeps the
+# budget suite at the real bound (a prompt crossing it, a decode walking across it, the selections checked);
+# QWEN4EXP_LONG_MAX_TOKENS=2200 keeps the long level's one truth stream at the bound cases (2066 tokens).
+#
+#     OUT=<dir> bash ci/gpu_realwidth.sh      (ci/gpu runs it; NO_REALWIDTH=1 there skips it)
+#
+# REALWIDTH_BUDGET_S (default 200) bounds the whole step, checkpoint write included: the two runs go side by side
+# (each on half of the CPU cores: the reference's truth and floor on the CPU are the cost, not the engine), each
+# killed by `timeout` at the budget left; a killed run is reported TIMEOUT (no verdict) and fails the step.
+# REALWIDTH_MODEL (a checkpoint or fixture name) and REALWIDTH_BACKENDS (space-separated specs) replace the model
+# and the backends, for a check of this script on the CPU (e.g. REALWIDTH_MODEL=tiny REALWIDTH_BACKENDS=reference).
+# Writes $OUT/realwidth_<n>.txt (each run's output), $OUT/realwidth/<n>/ (its report.json) and
+# $OUT/realwidth_summary.txt (the verdicts ci/gpu's summary prints); exit 0 when every run passed.
+set -u
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT/realwidth"
+budget="${REALWIDTH_BUDGET_S:-200}"
+t0=$(date +%s)
+left() { local s=$(( budget - ($(date +%s) - t0) )); [ "$s" -ge 1 ] && echo "$s" || echo 1; }  # timeout 0 = none
+SUM="$OUT/realwidth_summary.txt"
+read -r -a BACKENDS <<<"${REALWIDTH_BACKENDS:-engine:device=cuda,precision=float32 engine:device=cuda,precision=bf16}"
+LENGTHS="${REALWIDTH_LENGTHS:-7 600 2100}"
+
+# the checkpoint (written once into the synthetic cache; an interrupted write leaves nothing the next call uses)
+if [ -n "${REALWIDTH_MODEL:-}" ]; then
+  MODEL="$REALWIDTH_MODEL"
+else
+  MODEL=$(timeout -k 20 "$(left)" python3 -c "
+from parity.bench.synthetic import cached_synthetic
+n = int('${REALWIDTH_EXPERTS:-32}')
+print(cached_synthetic(4, overrides={'num_experts': n, 'num_experts_per_tok': min(10, n)}, progress=False))
+" 2>"$OUT/realwidth_model.log")
+  rc=$?
+  if [ "$rc" != 0 ] || [ -z "$MODEL" ]; then
+    { echo "real-width period: no checkpoint (rc=$rc$([ "$rc" = 124 ] && echo ", TIMEOUT after ${budget}s"))"
+      tail -n 5 "$OUT/realwidth_model.log"; } | tee "$SUM"
+    exit 1
+  fi
+fi
+
+# the prompts: one JSON list of token-id lists (the --prompts format of every verb), ids from the model's vocabulary
+PROMPTS="$OUT/realwidth/prompts.json"
+if ! desc=$(python3 - "$MODEL" "$PROMPTS" $LENGTHS 2>"$OUT/realwidth_prompts.log" <<'EOF'
+import sys
+from parity.harness.scenarios.common import token_stream
+from reference.atomic import atomic_write_json
+from reference.config import load_config
+from reference.paths import resolve_model
+cfg = load_config(resolve_model(sys.argv[1]))
+atomic_write_json(sys.argv[2], [token_stream(cfg, int(n), seed=4100 + i) for i, n in enumerate(sys.argv[3:])], indent=None)
+print(f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
+      f"vocab {cfg.vocab_size}")
+EOF
+); then
+  { echo "real-width period: the prompts could not be written"; tail -n 5 "$OUT/realwidth_prompts.log"; } | tee "$SUM"
+  exit 1
+fi
+
+# the runs, side by side, each on half of the cores (BLAS, OpenMP and Numba threads)
+half=$(( $(nproc) / ${#BACKENDS[@]} )); [ "$half" -ge 1 ] || half=1
+lim=$(left)
+pids=()
+for i in "${!BACKENDS[@]}"; do
+  OMP_NUM_THREADS=$half OPENBLAS_NUM_THREADS=$half MKL_NUM_THREADS=$half NUMBA_NUM_THREADS=$half \
+  QWEN4EXP_LONG_MAX_TOKENS=2200 timeout -k 20 "$lim" \
+    python3 -m parity.cli parity "$MODEL" --backend "${BACKENDS[$i]}" --scenario kl budget --level long \
+    --prompts "$PROMPTS" --page-sizes 16 --format text --overwrite --out "$OUT/realwidth/$i" \
+    >"$OUT/realwidth_$i.txt" 2>&1 &
+  pids+=($!)
+done
+rc_all=0
+rcs=()
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"; r=$?; rcs+=("$r")
+  [ "$r" = 0 ] || rc_all=1
+done
+
+{
+  echo "real-width period ($desc; $MODEL; prompts of ${LENGTHS// /, } tokens; kl + budget at --level long;" \
+       "$(( $(date +%s) - t0 ))s of a ${budget}s budget):"
+  for i in "${!BACKENDS[@]}"; do
+    f="$OUT/realwidth_$i.txt"
+    echo "  --backend ${BACKENDS[$i]} (rc=${rcs[$i]}):"
+    if [ "${rcs[$i]}" = 124 ] || [ "${rcs[$i]}" = 137 ]; then
+      # the progress lines (one per finished case, and every 10 s) say how far it got; none: still measuring the
+      # floor / the truth, which run before the first case
+      echo "    TIMEOUT: killed after ${lim}s, no verdict; $f holds $(grep -c "" "$f") lines, the last:"
+      tail -n 3 "$f" | sed 's/^/    /'
+    elif grep -q "^scenario  " "$f"; then  # the verdict table and the verdict line
+      sed -n '/^scenario  /,/^legend:/p' "$f" | grep -v "^legend:" | sed 's/^/    /'; grep "^verdict" "$f" | sed 's/^/    /'
+    else tail -n 8 "$f" | sed 's/^/    /'; fi
+  done
+} >"$SUM"
+cat "$SUM"
+exit "$rc_all"

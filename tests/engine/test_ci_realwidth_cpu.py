@@ -1,0 +1,49 @@
+"""ci/gpu_realwidth.sh on the CPU: the prompts file it writes is the --prompts format the harness reads, the two
+backend runs side by side print their verdicts into the summary, and a run its budget kills is a TIMEOUT that fails
+the step (never a PASS). The real-width model and CUDA backends are replaced through REALWIDTH_MODEL /
+REALWIDTH_BACKENDS; on the GPU machine ci/gpu runs it as written."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "ci" / "gpu_realwidth.sh"
+
+
+def _run(tmp_path, budget: int, lengths: str = "7 20"):
+    env = {**os.environ, "OUT": str(tmp_path), "REALWIDTH_MODEL": "tiny", "REALWIDTH_LENGTHS": lengths,
+           "REALWIDTH_BACKENDS": "reference engine:device=cpu,precision=float32", "REALWIDTH_BUDGET_S": str(budget)}
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    assert subprocess.run(["bash", "-n", str(ROOT / "ci" / "gpu")], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_verdicts_of_both_runs_in_the_summary(tmp_path, request):
+    # ~25 s on 2 shared cores (two parity runs on tiny): with the slow tests only
+    if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("QWEN4EXP_RUN_SLOW"):
+        pytest.skip("slow: run with -m slow or QWEN4EXP_RUN_SLOW=1")
+    r = _run(tmp_path, budget=800)
+    summary = (tmp_path / "realwidth_summary.txt").read_text()
+    assert r.returncode == 0, r.stdout + r.stderr
+    prompts = json.loads((tmp_path / "realwidth" / "prompts.json").read_text())
+    assert [len(p) for p in prompts] == [7, 20]
+    assert summary.count("verdict: PASS") == 2, summary
+    for name in ("kl", "budget"):
+        assert summary.count(f"    {name} ") == 2, summary
+
+
+def test_a_run_killed_by_the_budget_is_a_timeout_and_fails(tmp_path):
+    # negative control: a budget far below a run's cost must never read as a verdict, let alone a PASS
+    r = _run(tmp_path, budget=3)
+    summary = (tmp_path / "realwidth_summary.txt").read_text()
+    assert r.returncode == 1
+    assert summary.count("TIMEOUT") == 2 and "PASS" not in summary, summary
