@@ -59,16 +59,17 @@ class VllmBackend(OpenAIBackend):
         body = {"model": self.model, "prompt": ids, "max_tokens": int(n_new), "temperature": 0,
                 "logprobs": self.topk, "prompt_logprobs": self.topk, "return_tokens_as_token_ids": True}
         ch = (self._request("POST", "/v1/completions", body).get("choices") or [{}])[0]
+        ran = ch.get("prompt_token_ids")  # the ids the server ran, where it says: first, so a drop is located
+        if ran is not None and [int(t) for t in ran] != ids:
+            p = next((i for i, (a, b) in enumerate(zip(ran, ids)) if int(a) != b), min(len(ran), len(ids)))
+            raise EchoMisaligned(f"backend {self.name}: expected prompt_token_ids to be the {len(ids)} ids sent, "
+                                 f"found {len(ran)} ids differing at position {p}: its rows cannot be attributed "
+                                 f"to positions", p)
         plp = ch.get("prompt_logprobs")
         if not isinstance(plp, list) or len(plp) != len(ids):
             found = f"{len(plp)} entries" if isinstance(plp, list) else repr(plp)[:60]
             raise BackendError(f"backend {self.name}: expected choices[0].prompt_logprobs with one entry per prompt "
                                f"token ({len(ids)}), found {found} (a server without vLLM's prompt_logprobs)")
-        ran = ch.get("prompt_token_ids")
-        if ran is not None and [int(t) for t in ran] != ids:
-            p = next((i for i, (a, b) in enumerate(zip(ran, ids)) if int(a) != b), min(len(ran), len(ids)))
-            raise EchoMisaligned(f"backend {self.name}: expected prompt_token_ids to be the {len(ids)} ids sent, "
-                                 f"found {len(ran)} ids differing at position {p}", p)
         rows = []
         for p, d in enumerate(plp):
             if d is None:
