@@ -36,6 +36,10 @@ Handles from one backend must never be passed to another. Errors from bad input 
 
 The TRUTH for every comparison is :func:`truth_model` 's ``forward`` -- the reference's single full
 forward over the same tokens.
+
+A *server backend* (an engine behind an API that returns top-k log-probabilities, not logits) follows the
+second protocol of this module, :class:`TopkServer`: no sequences, one ``prompt_topk`` request per prompt,
+judged by the kl-topk row (parity.harness.topk). parity.backends.openai is its OpenAI-API base.
 """
 from __future__ import annotations
 

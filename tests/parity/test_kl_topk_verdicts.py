@@ -1,5 +1,5 @@
 """The kl-topk row (parity.harness.topk) cannot pass blind and does not fail a correct server: judged with
-servers built on the reference (tests/topk_server_helpers.py; no llama.cpp, no network).
+servers built on the reference (tests/server_fakes.py; no llama.cpp, no network).
 
 - a correct server (the reference in float64 rounded to float32 logits, float32 log-softmax, as a server
   computes them) PASSes with margin;
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from reference.paths import bundled_model
-from topk_server_helpers import ReferenceLogprobs, ReferenceTopkServer
+from server_fakes import ReferenceLogprobs, ReferenceTopkServer
 
 TINY = bundled_model("tiny")
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11], [3, 4, 5, 6], [40, 41, 42, 43, 44], [7, 8, 9]]
@@ -42,7 +42,7 @@ def test_correct_server_passes_with_margin(server_model, tmp_path):
     row, rep = _row(ReferenceTopkServer(ReferenceLogprobs(server_model)), tmp_path)
     assert row.scenario == "kl-topk" and (row.status, row.cases, row.failed_cases) == ("pass", 4, 0), row.detail
     assert rep.exit_code == 0
-    # every correct float32 server must pass with margin: measured worst KL / limit ~1e-5 on tiny
+    # every correct float32 server must pass with margin: measured worst KL / limit ~2e-4 on tiny
     res = rep.rows[0]
     assert "worst KL / limit" in res.detail
     assert float(res.detail.split("worst KL / limit ")[1].split(";")[0]) < 0.5, res.detail

@@ -3,7 +3,7 @@
 (``--backend vllm``: token-id prompts, ``prompt_logprobs``).
 
 The vLLM-style backend is judged against a fake vLLM server on loopback (stdlib http.server,
-tests/topk_server_helpers.serve_vllm) answering logprobs computed from the reference: no real vLLM or SGLang
+tests/server_fakes.serve_vllm) answering logprobs computed from the reference: no real vLLM or SGLang
 server can be installed here. The real llama_cpp.server runs in tests/parity/test_llamacpp.py."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from parity.backends import open_backend, registry, truth_model
 from parity.backends.base import EchoMisaligned, TopkServer
 from reference.paths import bundled_model
-from topk_server_helpers import ReferenceLogprobs, serve_vllm
+from server_fakes import ReferenceLogprobs, serve_vllm
 
 TINY = bundled_model("tiny")
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def test_vllm_style_server_sends_token_ids_and_passes_a_correct_server(server_mo
     with serve_vllm(ReferenceLogprobs(server_model)) as (url, bodies):
         be, res = _run(url)
     assert res["status"] == "pass" and res["prompts"] == 3 and res["skipped_unsendable"] == 0, res
-    assert res["worst_kl_over_bound"] < 0.5, res  # a correct float32 server passes with margin (measured ~1e-5)
+    assert res["worst_kl_over_bound"] < 0.5, res  # a correct float32 server passes with margin (measured ~2e-4)
     assert be.convention == "openai" and be.name == f"vllm:{url}" and be.retokenized == 0
     # the prompt travelled as ids, with vLLM's fields (no text, no echo)
     b = bodies[-1]

@@ -1,6 +1,6 @@
-"""A server that answers top-k logprobs computed from the reference model, as a correct float32 server would,
-for the kl-topk row's tests: in process (:class:`ReferenceTopkServer`, the TopkServer protocol) or as a
-vLLM-style HTTP server on loopback (:func:`serve_vllm`, stdlib http.server)."""
+"""Servers that answer top-k logprobs computed from the reference model, as a correct float32 server would, for
+the kl-topk row's tests (tests/ is on sys.path): in process (:class:`ReferenceTopkServer`, the TopkServer
+protocol) or as a vLLM-style HTTP server on loopback (:func:`serve_vllm`, stdlib http.server)."""
 from __future__ import annotations
 
 import contextlib
