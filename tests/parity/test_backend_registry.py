@@ -87,6 +87,11 @@ def test_the_module_scan_sees_an_unregistered_backend(tmp_path, monkeypatch):
     (fake / "vllm.py").write_text("class VllmBackend:\n    @classmethod\n    def open(cls, path):\n        pass\n")
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     assert _modules_defining_backends() == {"parity.backends.vllm": "VllmBackend"}
+    # ... and one whose open() is inherited from another module's class (a sibling of a server base)
+    (fake / "sibling.py").write_text("from parity.backends.vllm import VllmBackend\n\n\n"
+                                     "class SiblingBackend(VllmBackend):\n    scheme = 'sibling'\n")
+    assert _modules_defining_backends() == {"parity.backends.vllm": "VllmBackend",
+                                            "parity.backends.sibling": "SiblingBackend"}
 
 
 def test_no_hand_kept_list_of_backend_names_outside_the_entries():
