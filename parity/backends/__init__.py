@@ -1,6 +1,7 @@
 """The parity backends: the Backend protocol (:mod:`parity.backends.base`, whose docstring states it),
 one module per backend (:mod:`~parity.backends.reference`, :mod:`~parity.backends.engine`; outside
-engines land here too), the one opener every caller uses (:func:`open_backend`,
+engines land here too; the server backends -- :class:`~parity.backends.base.TopkServer` -- build on
+:mod:`~parity.backends.openai`), the one opener every caller uses (:func:`open_backend`,
 :mod:`parity.backends.registry`) and snapshot files (:mod:`parity.backends.snapshot_file`).
 
 Open a model on a backend only through :func:`open_backend` (``--backend NAME`` or ``module:Class``).

@@ -36,6 +36,10 @@ Handles from one backend must never be passed to another. Errors from bad input 
 
 The TRUTH for every comparison is :func:`truth_model` 's ``forward`` -- the reference's single full
 forward over the same tokens.
+
+A *server backend* (an engine behind an API that returns top-k log-probabilities, not logits) follows the
+second protocol of this module, :class:`TopkServer`: no sequences, one ``prompt_topk`` request per prompt,
+judged by the kl-topk row (parity.harness.topk). parity.backends.openai is its OpenAI-API base.
 """
 from __future__ import annotations
 
@@ -602,6 +606,95 @@ class Backend:
 
     def close(self) -> None:
         """Release resources (default: nothing)."""
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name}>"
+
+
+# ------------------------------------------------------------------------------ the top-k server protocol
+class EchoMisaligned(BackendError):
+    """A server's answer does not attribute its rows to the prompt's positions: the echo (or the per-prompt-token
+    logprobs) dropped, moved or replaced prompt tokens, so every later row would be judged at the wrong position.
+    ``position``: the first prompt position whose token the answer does not hold where it should."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = int(position)
+
+
+class TopkServer:
+    """The protocol of a server backend: an engine reached through an API that returns, per position, the top-k
+    log-probabilities of its distribution rather than full logits (an OpenAI-style completions server).
+
+    It is not a sequence backend (``capabilities['topk_only']`` is True, which makes ``qwen4exp parity`` run
+    the one ``kl-topk`` row of :func:`parity.harness.topk.run_topk`, the scenarios skipped with the reason),
+    and that row reads only these members::
+
+        Cls.open(model_path, **opts) -> TopkServer  # connects (and may probe the server) before anything is judged
+        be.name -> str ; be.config -> ModelConfig ; be.precision -> one of PRECISIONS (picks the thresholds)
+        be.topk -> int                    # the k asked for per position
+        be.requests -> int                # requests made so far ...
+        be.max_requests -> int            # ... and the most this backend will make (the row stops there)
+        be.convention -> str | None       # which row the server puts at token i: 'openai' (the distribution OF
+                                          # token i) or 'after-token' (the one after it); measured or declared
+        be.retokenized -> int             # answers in which the server ran other ids than the prompt's
+        be.sendable(ids) -> bool          # whether this prompt can be sent so that the server runs exactly ids
+        be.mappable(token_id) -> bool     # whether a logprob the server gives can be attributed to this id
+        be.prompt_topk(ids, n_new=1) -> (rows, greedy, ran)
+        be.close()
+
+    ``prompt_topk`` sends one prompt with ``n_new`` greedy (temperature 0) tokens after it and returns
+    ``rows[p]`` = {token id: logprob (nats)} of the distribution AFTER position p of ``ran + greedy``
+    (p = 0 .. len(ran) + len(greedy) - 2; None where the server gave no row), whatever convention the server
+    answers in; ``greedy``: the generated ids (None for a token that maps to no single id; generation may stop
+    early); ``ran``: the prompt ids the server ran (``ids``, unless it tokenized a text prompt otherwise).
+    It raises :class:`EchoMisaligned` when the answer cannot be attributed to positions (a server defect the row
+    fails at that position), :class:`BackendError` for any other unusable answer, and
+    :class:`reference.errors.InputError` for a prompt that is not :meth:`sendable`.
+
+    The sequence operations of :class:`Backend` exist (the opener checks for them) and raise BackendError.
+    Subclasses implement :meth:`open`, :meth:`sendable`, :meth:`mappable` and :meth:`prompt_topk`.
+    """
+
+    name = "server"
+    precision = "float32"
+    topk: int = 20
+    requests: int = 0
+    max_requests: int = 64
+    convention: str | None = None
+    retokenized: int = 0
+    capabilities = {"page_sizes": None, "batched_decode": False, "perturb": False, "state_arrays": False,
+                    "snapshot_file": False, "rollback": False, "snapshot": False, "taps": False,
+                    "sequences": False, "topk_only": True}
+
+    @classmethod
+    def open(cls, model_path, **opts) -> "TopkServer":
+        """Connect to the server for the checkpoint at ``model_path`` (its config and, where prompts travel as
+        text, its tokenizer). Raises InputError (bad options) or BackendError (the server does not answer)."""
+        raise NotImplementedError
+
+    def sendable(self, ids: Sequence[int]) -> bool:
+        """Whether the prompt ``ids`` can be sent so that the server runs exactly these ids."""
+        raise NotImplementedError
+
+    def mappable(self, token_id: int) -> bool:
+        """Whether a logprob the server returns can be attributed to ``token_id`` (a token string several ids
+        decode to cannot: its logprob counts as unmapped, and the id's absence from a top-k is not a fault)."""
+        raise NotImplementedError
+
+    def prompt_topk(self, ids: Sequence[int], n_new: int = 1):
+        """One request: ``(rows, greedy, ran)`` as the class docstring states."""
+        raise NotImplementedError
+
+    def _not_a_sequence_backend(self, *a, **k):
+        raise BackendError(f"backend {self.name}: not a sequence backend (a server gives top-k logprobs only; "
+                           f"qwen4exp parity runs its kl-topk row)")
+
+    new_sequence = prefill = decode = forward_tokens = rollback = snapshot = restore = position = free = \
+        _not_a_sequence_backend
+
+    def close(self) -> None:
+        """Release resources (default: nothing; the server is not ours)."""
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name}>"

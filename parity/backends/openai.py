@@ -1,20 +1,21 @@
-"""The ``openai`` backend: a running OpenAI-compatible server judged through its completions API.
-
-    --backend openai:url=http://127.0.0.1:PORT,model=NAME[,topk=K,timeout=S,max_requests=N]
+"""The OpenAI-API base of the server backends: a running OpenAI-compatible completions server judged through
+its ``/v1/completions`` answers (the :class:`parity.backends.base.TopkServer` protocol).
 
 A server gives no full logits, only per-position top-k logprobs: of the prompt (``echo`` + ``logprobs``)
-and of a greedy continuation. So this backend is not a sequence backend: ``qwen4exp parity`` runs one
-``kl-topk`` row with it (the scenarios are skipped, each with its reason). Per position the server's
-top-k (its tokens mapped back to ids through the model's tokenizer) is compared with the truth's full
-distribution coarse-grained to the same k ids plus one "tail" bucket: the KL of that coarse-graining is
-a lower bound of the full KL (data-processing inequality), so a failure is a real divergence; the tail
-mass is stated. Top-1 is compared on the top-k.
+and of a greedy continuation. So a server backend is not a sequence backend: ``qwen4exp parity`` runs one
+``kl-topk`` row with it (parity.harness.topk; the scenarios are skipped, each with its reason).
 
-The prompt travels as text (the completions API takes no token ids on llama_cpp.server), so only
-prompts whose ids survive decode -> encode are sent, and the server's echoed tokens are checked against
-them. Which row the server puts at ``top_logprobs[i]`` -- OpenAI's distribution *of* token i, or the
-distribution *after* token i (llama-cpp-python 0.3.36) -- is measured from the greedy continuation
-(the generated token is the argmax of the row it was drawn from) and reported.
+:class:`OpenAIBackend` speaks the API as OpenAI documents it: the prompt travels as text (the model's
+tokenizer decodes the ids; only prompts whose ids survive decode -> encode are sent), the answer echoes the
+prompt's tokens as strings with ``top_logprobs`` keyed by token string, mapped back to ids through the
+tokenizer, and the echoed strings are checked against the prompt's. Which row the server puts at
+``top_logprobs[i]`` -- OpenAI's distribution *of* token i, or the distribution *after* token i -- is measured
+from the greedy continuation (the generated token is the argmax of the row it was drawn from) and reported.
+A server's own ways live in a subclass in its own file, registered in parity.backends.registry:
+``openai`` (parity.backends.llama_cpp_server: llama_cpp.server) and ``vllm`` (parity.backends.vllm: token-id
+prompts, ``prompt_logprobs``). A subclass overrides the hooks :meth:`OpenAIBackend.server_tokens` (the ids a
+server tokenizes a text into), :attr:`OpenAIBackend.echo_note` and, for another transport,
+:meth:`OpenAIBackend.answer` (one request -> the rows per token in the server's convention).
 
 Requests are bounded: ``max_requests`` (default 64) and ``timeout`` seconds each (default 30).
 """
@@ -28,58 +29,50 @@ from pathlib import Path
 
 from reference.errors import InputError
 
-from parity.backends.base import BackendEntry, BackendError
+from parity.backends.base import BackendError, EchoMisaligned, TopkServer  # noqa: F401 - EchoMisaligned: its old home
 
 
-class EchoMisaligned(BackendError):
-    """The server's echo dropped or moved prompt tokens: its rows cannot be attributed to positions.
-    ``position``: the first prompt position whose echoed token is not the prompt's."""
+class OpenAIBackend(TopkServer):
+    """An OpenAI completions-API client (text prompts, echoed token strings); see the module docstring."""
 
-    def __init__(self, message: str, position: int):
-        super().__init__(message)
-        self.position = int(position)
-
-
-class OpenAIBackend:
-    """A completions-API client with the harness's top-k comparison; see the module docstring."""
-
-    precision = "float32"
-    capabilities = {"page_sizes": None, "batched_decode": False, "perturb": False, "state_arrays": False,
-                    "snapshot_file": False, "rollback": False, "snapshot": False, "taps": False,
-                    "sequences": False, "topk_only": True}
+    #: the backend's name in ``name`` (``SCHEME:URL``) and in its messages (a subclass: its registry name)
+    scheme = "openai"
+    #: what the server is known to do that misaligns an echo, appended to :class:`EchoMisaligned`'s message
+    echo_note = ""
 
     def __init__(self, model_path, cfg, url, model, topk, timeout, max_requests):
         self.model_path, self.config = model_path, cfg
         self.url, self.model, self.topk = url.rstrip("/"), model, int(topk)
         self.timeout, self.max_requests = float(timeout), int(max_requests)
-        self.requests = 0
-        self.name = f"openai:{self.url}"
-        self._tok = _tokenizer(model_path)
-        self._str2id = _string_map(self._tok, cfg.vocab_size)
+        self.requests, self.retokenized = 0, 0
+        self.name = f"{self.scheme}:{self.url}"
+        self._tok, self._str2id = self.token_strings(model_path, cfg)
+        self._mapped = set(self._str2id.values())
         self.convention = None  # 'openai' | 'after-token', measured from the greedy tokens
         self._votes = {"openai": 0, "after-token": 0}
 
-    # the harness checks for these protocol names; this backend is not a sequence backend
-    def _no(self, *a, **k):
-        raise BackendError(f"backend {self.name}: not a sequence backend (an OpenAI-compatible server gives "
-                           f"top-k logprobs only; qwen4exp parity runs its kl-topk row)")
-    new_sequence = prefill = decode = forward_tokens = rollback = snapshot = restore = position = free = _no
+    def token_strings(self, model_path, cfg):
+        """``(tokenizer, {decoded single-token string: id})`` the prompts and answers travel through (text).
+        Raises InputError: the checkpoint has no ``tokenizer.json``."""
+        tok = _tokenizer(model_path, self.scheme)
+        return tok, _string_map(tok, cfg.vocab_size)
 
     @classmethod
     def open(cls, model_path, *, url=None, model=None, topk=20, timeout=30, max_requests=64, page_size=None,
              perturb=None, **opts):
-        """Connect (one ``GET /v1/models`` within ``timeout``).
+        """Connect (one ``GET /v1/models`` within ``timeout``), then measure the row convention (:meth:`_probe`).
 
         Raises:
             InputError: no url, a non-http url, unknown options. BackendError: the server does not answer.
         """
         from reference.config import load_config
         if opts:
-            raise InputError(f"openai backend options: expected url, model, topk, timeout, max_requests; found {sorted(opts)}")
+            raise InputError(f"{cls.scheme} backend options: expected url, model, topk, timeout, max_requests; "
+                             f"found {sorted(opts)}")
         if not url or not str(url).startswith(("http://", "https://")):
-            raise InputError(f"openai backend: expected url=http://HOST:PORT, found {url!r}")
+            raise InputError(f"{cls.scheme} backend: expected url=http://HOST:PORT, found {url!r}")
         if perturb is not None:
-            raise BackendError("openai backend: perturb: not supported")
+            raise BackendError(f"{cls.scheme} backend: perturb: not supported")
         be = cls(model_path, load_config(model_path), url, model or "", topk, timeout, max_requests)
         doc = be._request("GET", "/v1/models")
         if not be.model:
@@ -91,7 +84,7 @@ class OpenAIBackend:
     def _probe(self, tries: int = 3):
         """Measure the row convention before judging: short prompts of mappable, sendable ids with 8
         greedy tokens each, until the greedy tokens have voted (at most ``tries`` requests)."""
-        good = sorted(set(self._str2id.values()))
+        good = [i for i in range(self.config.vocab_size) if self.mappable(i)]
         for t in range(tries):
             ids = good[t * 7:(t + 1) * 7]
             if len(ids) < 2 or not self.sendable(ids):
@@ -123,20 +116,39 @@ class OpenAIBackend:
         text = self._tok.decode(list(ids), skip_special_tokens=False)
         return self._tok.encode(text, add_special_tokens=False).ids == list(ids)
 
-    def prompt_topk(self, ids, n_new: int = 1):
-        """One completions request: ``ids`` echoed with top-k logprobs, plus ``n_new`` greedy tokens.
+    def mappable(self, token_id) -> bool:
+        """Whether ``token_id`` decodes to a string no other id decodes to (so a logprob keyed by that string is
+        this id's)."""
+        return int(token_id) in self._mapped
 
-        Returns ``(rows, greedy, ids)`` (``ids``: the ids the server ran -- its own tokenization of the
-        text when it differs, from ``/extras/tokenize``): ``rows[p]`` = {id: logprob} of the distribution *after* position p
-        (p = 0 .. len(ids)+n_new-2, None where the server gave none), ``greedy`` the generated ids.
+    def server_tokens(self, text: str) -> list[int] | None:
+        """The ids the server tokenizes ``text`` into, where it says (a tokenize endpoint); None: it does not
+        say (the OpenAI API has no such endpoint). Asked only when the echoed strings differ from the prompt's."""
+        return None
+
+    def prompt_topk(self, ids, n_new: int = 1):
+        """One completions request: ``ids`` with top-k logprobs, plus ``n_new`` greedy tokens.
+
+        Returns ``(rows, greedy, ids)`` as :class:`parity.backends.base.TopkServer` states (``ids``: the ids the
+        server ran -- its own tokenization of the text when it differs, from :meth:`server_tokens`):
+        ``rows[p]`` = {id: logprob} of the distribution *after* position p (p = 0 .. len(ids)+n_new-2, None
+        where the server gave none), ``greedy`` the generated ids.
         Raises:
-            InputError: ``ids`` do not survive the text round trip.
-            BackendError: the server's answer does not echo the prompt's tokens.
-            EchoMisaligned: the echo holds the tokens but drops or moves some (a server defect, located).
+            InputError: ``ids`` are not :meth:`sendable`.
+            BackendError: the server's answer does not hold the prompt's tokens, or no greedy token tells the
+                row convention.
+            EchoMisaligned: the answer holds the tokens but drops or moves some (a server defect, located).
         """
-        ids = [int(t) for t in ids]
+        ids, greedy, rows = self.answer([int(t) for t in ids], int(n_new))
+        return self._rows_after(ids, greedy, rows)
+
+    def answer(self, ids: list[int], n_new: int):
+        """One request -> ``(ran, greedy, rows)``: the prompt ids the server ran, the generated ids (None where a
+        token maps to no single id) and ``rows[i]`` the server's row at token i of ``ran + greedy`` in its own
+        convention ({id: logprob}, None where it gave none). Here: the text prompt, echoed. Raises as
+        :meth:`prompt_topk`."""
         if not self.sendable(ids):
-            raise InputError(f"openai backend: prompt of {len(ids)} ids: expected ids that survive "
+            raise InputError(f"{self.scheme} backend: prompt of {len(ids)} ids: expected ids that survive "
                              f"decode -> encode (the completions API carries text), found otherwise")
         text = self._tok.decode(ids, skip_special_tokens=False)
         body = {"model": self.model, "prompt": text, "max_tokens": int(n_new), "temperature": 0, "echo": True,
@@ -147,15 +159,12 @@ class OpenAIBackend:
         if len(toks) < len(ids) or "".join(toks[:len(ids)]) != "".join(
                 self._tok.decode([t], skip_special_tokens=False) for t in ids).replace("\ufffd", ""):
             # the echoed strings differ (the server's token strings, e.g. byte pieces, or its own tokenization
-            # of the text): judge the ids it ran (its /extras/tokenize); counted as retokenized only when
-            # those ids differ from the prompt's
-            try:
-                srv = [int(t) for t in self._request("POST", "/extras/tokenize", {"input": text})["tokens"]]
-            except (BackendError, KeyError, TypeError, ValueError):
-                srv = None
+            # of the text): judge the ids it ran (where it says), counted as retokenized only when those ids
+            # differ from the prompt's
+            srv = self.server_tokens(text)
             if srv and len(toks) >= len(srv) and srv != ids:
                 ids = srv
-                self.retokenized = getattr(self, "retokenized", 0) + 1
+                self.retokenized += 1
         if len(toks) < len(ids):
             raise BackendError(f"backend {self.name}: expected the echo of the {len(ids)} prompt tokens, found "
                                f"{len(toks)} tokens not matching them (the server tokenized the text differently)")
@@ -165,16 +174,18 @@ class OpenAIBackend:
                 f"backend {self.name}: expected the echo to hold prompt token {p} ({ids[p]}, "
                 f"{self._tok.decode([ids[p]], skip_special_tokens=False)!r}) at echo position {p}, found "
                 f"{toks[p]!r}: the server dropped or moved echoed tokens, so its top_logprobs rows cannot be "
-                f"attributed to positions (llama-cpp-python 0.3.36 skips every echoed token equal to its BOS id; a "
-                f"GGUF without a BOS id gets the default 11)", p)
-        n_new = len(toks) - len(ids)  # generation may stop early (an end-of-sequence token)
-        greedy = [self._id_of(s) for s in toks[len(ids):]]
+                f"attributed to positions" + (f" ({self.echo_note})" if self.echo_note else ""), p)
+        greedy = [self._id_of(s) for s in toks[len(ids):]]  # generation may stop early (an end-of-sequence token)
         rows = [None if d is None else {i: float(v) for s, v in d.items() if (i := self._id_of(s)) is not None}
                 for d in tops]
-        # where does the generated token's row sit? OpenAI: top_logprobs[i] is the row token i was drawn
-        # from; llama-cpp-python 0.3.36: the row *after* token i. Greedy: each generated token is the
-        # argmax of its row, so count the matches of both readings (over every request so far)
-        T = len(ids)
+        return ids, greedy, rows
+
+    def _rows_after(self, ids, greedy, rows):
+        """The rows *after* each position, from the server's rows per token: where does the generated token's
+        row sit? OpenAI: ``rows[i]`` is the row token i was drawn from; llama-cpp-python 0.3.36: the row *after*
+        token i. Greedy: each generated token is the argmax of its row, so count the matches of both readings
+        (over every request so far) and read the rows by the winner."""
+        T, n_new = len(ids), len(greedy)
 
         def best(r):
             return max(r, key=r.get) if r else None
@@ -191,10 +202,7 @@ class OpenAIBackend:
         if self.convention is None:
             raise BackendError(f"backend {self.name}: cannot tell which row top_logprobs[i] is (OpenAI's "
                                f"distribution of token i, or the one after it): no greedy token was mappable")
-        if self.convention == "openai":  # row after position p = top_logprobs[p + 1]
-            after = rows[1:] + [None]
-        else:
-            after = rows
+        after = list(rows[1:]) + [None] if self.convention == "openai" else list(rows)  # openai: after p = rows[p+1]
         return after[:T + n_new - 1], greedy, ids
 
     def _echo_misaligned(self, toks, ids) -> int | None:
@@ -214,15 +222,12 @@ class OpenAIBackend:
     def _id_of(self, s):
         return self._str2id.get(s)
 
-    def close(self):
-        """Nothing to release (the server is not ours)."""
 
-
-def _tokenizer(model_path):
+def _tokenizer(model_path, scheme: str = "openai"):
     from tokenizers import Tokenizer
     p = Path(model_path) / "tokenizer.json"
     if not p.is_file():
-        raise InputError(f"openai backend: expected {str(p)!r} (prompts travel as text), found nothing there")
+        raise InputError(f"{scheme} backend: expected {str(p)!r} (prompts travel as text), found nothing there")
     return Tokenizer.from_file(str(p))
 
 
@@ -233,9 +238,3 @@ def _string_map(tok, vocab) -> dict:
     for i in range(min(vocab, tok.get_vocab_size())):
         seen.setdefault(tok.decode([i], skip_special_tokens=False), []).append(i)
     return {s: v[0] for s, v in seen.items() if len(v) == 1 and s and "\ufffd" not in s}
-
-
-# an outside engine behind an OpenAI-style HTTP server (docs/outside-engines.md)
-BACKEND = BackendEntry("openai", OpenAIBackend,
-                       {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
-                       help="a running OpenAI-style completions server, docs/outside-engines.md")

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from reference.errors import InputError, UserError
 
-from parity.backends import engine, llamacpp, openai, reference, transformers
+from parity.backends import engine, llama_cpp_server, llamacpp, reference, transformers, vllm
 from parity.backends.base import Backend, BackendEntry, BackendError, PRECISIONS  # noqa: F401
 from parity.backends.refusal import EngineRefused
 
@@ -20,7 +20,8 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     engine.BACKEND,
     transformers.BACKEND,
     llamacpp.BACKEND,
-    openai.BACKEND,
+    llama_cpp_server.BACKEND,
+    vllm.BACKEND,
 )}
 
 

@@ -1,6 +1,7 @@
-"""The top-k comparison of an OpenAI-compatible server (``parity.backends.openai``) against the truth.
+"""The top-k comparison of a server backend (the :class:`parity.backends.base.TopkServer` protocol: an
+OpenAI-compatible server, parity.backends.openai and its subclasses) against the truth.
 
-Per position the server's top-k (ids mapped back through the model's tokenizer) is compared with the
+Per position the server's top-k (ids as the backend maps them, :meth:`TopkServer.mappable`) is compared with the
 truth's full distribution coarse-grained to the same k ids plus one "tail" bucket: the KL of that
 coarse-graining is a lower bound of the full KL (data-processing inequality), so a failure is a real
 divergence; the tail mass is stated.
@@ -124,7 +125,8 @@ def topk_compare(truth_logits: np.ndarray, rows, mappable=lambda i: True, thresh
 
 def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: float = 120.0,
              prefix_reuse: bool = True) -> dict:
-    """The kl-topk row of an :class:`parity.backends.openai.OpenAIBackend` ``be``: every sendable prompt
+    """The kl-topk row of a server backend ``be`` (:class:`parity.backends.base.TopkServer`; only its public
+    members are read): every sendable prompt
     (at most ``be.max_requests`` requests, ``budget_s`` seconds), prompt positions and ``n_new`` greedy
     positions against the truth. With ``prefix_reuse``, one more request pattern: the first sendable prompt
     of >= 8 tokens is sent as its first half, then whole, so a server that reuses a cached prefix (as
@@ -157,10 +159,9 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
            "max_tail_server": 0.0, "top1_mismatch": 0, "greedy_unmappable": 0, "patterns": {}, "failed_prompts": [],
            "echo_misaligned": [], "resolution_rel": 0.0, "min_mass_truth": float("nan"), "worst_kl_over_bound": 0.0,
            "unresolved_positions": 0}
-    ids_ok = set(be._str2id.values())
+    from parity.backends.base import EchoMisaligned
 
     def judge(pi, ids, pattern):
-        from parity.backends.openai import EchoMisaligned
         try:
             rows, greedy, ids = be.prompt_topk(ids, n_new=n_new)  # ids: those the server ran
         except EchoMisaligned as e:  # the server's answer misplaces rows: a defect of its own, at that position
@@ -178,7 +179,7 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
         rows = rows[:len(ids) + n_ok - 1] if n_ok < len(greedy) else rows
         out["greedy_unmappable"] += len(greedy) - n_ok
         tl = truth.forward(seq[:max(1, len(rows))])
-        c = topk_compare(tl, rows, mappable=lambda i: i in ids_ok, thresholds=th, precision=prec)
+        c = topk_compare(tl, rows, mappable=be.mappable, thresholds=th, precision=prec)
         ok = ~c["fault"]
         out["patterns"][pattern] = out["patterns"].get(pattern, 0) + 1
         judged = c["k"] >= 0
@@ -220,8 +221,8 @@ def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: f
     elif out["positions"] == 0:
         out["status"] = "inconclusive"
         out["inconclusive"] = (f"nothing compared: {out['prompts']} prompt(s) sent, {out['skipped_unsendable']} not "
-                               f"sendable as text (the completions API carries text: a prompt whose ids do not "
-                               f"survive decode -> encode cannot be sent), no top-k row mapped to an id")
+                               f"sendable (a server that carries text cannot be sent a prompt whose ids do not "
+                               f"survive decode -> encode), no top-k row mapped to an id")
     elif out["resolution_rel"] > USEFUL_FAULT_REL:
         out["status"] = "inconclusive"
         out["inconclusive"] = (f"the top-{getattr(be, 'topk', '?')} logprobs hold too little of the truth's "

@@ -47,20 +47,32 @@ def test_help_and_errors_list_every_registered_name(capsys):
 
 def _modules_defining_backends() -> dict[str, str]:
     """module -> class name, for every parity/backends module whose top level defines a class with an
-    ``open`` classmethod (a backend), read from the source."""
-    out = {}
+    ``open`` classmethod (a backend) -- its own, or one inherited from such a class of these modules -- read
+    from the source."""
+    classes = []
     for f in sorted((REPO / "parity" / "backends").glob("*.py")):
         tree = ast.parse(f.read_text(encoding="utf-8"))
         for node in tree.body:
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
-                    isinstance(b, ast.FunctionDef) and b.name == "open" for b in node.body):
-                out[f"parity.backends.{f.stem}"] = node.name
-    return out
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                own = any(isinstance(b, ast.FunctionDef) and b.name == "open" for b in node.body)
+                classes.append((f"parity.backends.{f.stem}", node.name, bases, own))
+    with_open = {name for _, name, _, own in classes if own}
+    while True:  # inherited open(): a subclass of a class with one has one
+        more = {name for _, name, bases, _ in classes if bases & with_open} - with_open
+        if not more:
+            break
+        with_open |= more
+    return {mod: name for mod, name, _, _ in classes if name in with_open}
 
 
 def test_every_backend_module_registers_its_entry():
     found = _modules_defining_backends()
-    found.pop("parity.backends.base")  # the protocol's base class, not a backend
+    found.pop("parity.backends.base")  # the protocol's base classes, not backends
+    # a base class that registered backends subclass (parity.backends.openai: the OpenAI-API base of the
+    # server backends) is not a backend of its own; anything else defining open() must be registered
+    bases = {(c.__module__, c.__name__) for e in registry.BACKENDS.values() for c in e.cls.__mro__[1:]}
+    found = {m: c for m, c in found.items() if (m, c) not in bases}
     registered = {e.cls.__module__: e.cls.__name__ for e in registry.BACKENDS.values()}
     assert found == registered
     for mod in found:
@@ -75,6 +87,11 @@ def test_the_module_scan_sees_an_unregistered_backend(tmp_path, monkeypatch):
     (fake / "vllm.py").write_text("class VllmBackend:\n    @classmethod\n    def open(cls, path):\n        pass\n")
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     assert _modules_defining_backends() == {"parity.backends.vllm": "VllmBackend"}
+    # ... and one whose open() is inherited from another module's class (a sibling of a server base)
+    (fake / "sibling.py").write_text("from parity.backends.vllm import VllmBackend\n\n\n"
+                                     "class SiblingBackend(VllmBackend):\n    scheme = 'sibling'\n")
+    assert _modules_defining_backends() == {"parity.backends.vllm": "VllmBackend",
+                                            "parity.backends.sibling": "SiblingBackend"}
 
 
 def test_no_hand_kept_list_of_backend_names_outside_the_entries():

@@ -288,6 +288,35 @@ def test_openai_on_a_near_uniform_model_is_never_pass(tmp_path):
     assert lc.rows[0].status == "fail"
 
 
+@pytest.mark.slow  # a conversion and a kl run: ~20-40 s on one core
+def test_checkpoint_without_tokenizer_files_is_converted_and_judged(tmp_path):
+    """A checkpoint with no tokenizer files (synthetic weights) is converted with the converter's 'none'
+    vocabulary (token ids -> logits need none) and judged, never REFUSED for its tokenizer: the
+    re-parameterisations it gets are the function-preserving ones only (no tokenizer-label: there is no
+    pre-tokenizer to label), it agrees with the truth below the QSA budget and FAILs at llama.cpp's known
+    divergence (dense QSA, position 11)."""
+    import shutil
+    from parity.backends import gguf_convert as gc
+    from parity.backends import open_backend, truth_model
+    from parity.harness.kl import compare_logits, thresholds_for, verdict
+    src = bundled_model("tiny")
+    m = tmp_path / "tiny-no-tokenizer"
+    m.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy2(src / f, m / f)
+    assert gc.has_tokenizer(src) and not gc.has_tokenizer(m)
+    be = open_backend("llama.cpp:reparam=auto", m)
+    assert be.conversion["vocab"].startswith("none: no tokenizer files"), be.conversion
+    assert be.conversion["reparams"] == ["ple-pad"] and "tokenizer_label" not in be.conversion, be.conversion
+    ids = [5, 17, 99, 3, 250, 7, 8, 9, 10, 11]   # below the QSA budget: llama.cpp agrees there
+    ok, why = verdict(compare_logits(truth_model(m).forward(ids), be.logits(ids)), thresholds_for("float32"))
+    be.close()
+    assert ok, why
+    rep = _parity(m, "llama.cpp:reparam=auto", ["kl"])
+    assert rep.verdict == "fail" and rep.rows[0].status == "fail", (rep.verdict, rep.meta.get("refused"))
+    assert "layers.2.self_attn.core_out at position 11 " in rep.rows[0].first_divergence, rep.rows[0].first_divergence
+
+
 def test_openai_refuses_non_http_url():
     from reference.errors import InputError
     from parity.backends import open_backend

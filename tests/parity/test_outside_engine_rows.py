@@ -11,26 +11,29 @@ import shlex
 import numpy as np
 import pytest
 
+from parity.backends.base import TopkServer
 from reference.paths import bundled_model
 
 TINY = bundled_model("tiny")
 
 
-class FakeTopkServer:
-    """The subset of parity.backends.openai.OpenAIBackend that parity.harness.topk.run_topk reads."""
+class FakeTopkServer(TopkServer):
+    """A server backend (parity.backends.base.TopkServer, the protocol parity.harness.topk.run_topk reads)."""
 
-    topk, convention, max_requests = 5, "before-token", 64
+    topk, convention, max_requests = 5, "openai", 64
 
     def __init__(self, bad_prompts=()):
         from parity.backends import truth_model
         self.truth = truth_model(TINY)
         self.config = self.truth.config
-        self._str2id = {str(i): i for i in range(self.config.vocab_size)}
         self.bad = {tuple(p) for p in bad_prompts}
         self.requests, self.retokenized = 0, 0
 
     def sendable(self, ids):
         return True
+
+    def mappable(self, token_id):
+        return 0 <= int(token_id) < self.config.vocab_size
 
     def prompt_topk(self, ids, n_new=1):
         self.requests += 1

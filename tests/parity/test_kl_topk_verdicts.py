@@ -1,0 +1,105 @@
+"""The kl-topk row (parity.harness.topk) cannot pass blind and does not fail a correct server: judged with
+servers built on the reference (tests/server_fakes.py; no llama.cpp, no network).
+
+- a correct server (the reference in float64 rounded to float32 logits, float32 log-softmax, as a server
+  computes them) PASSes with margin;
+- a logit fault of the useful size (parity.harness.kl.USEFUL_FAULT_REL of the logit scale) FAILs every prompt;
+- a top-k that holds too little of the truth's probability to resolve that fault (a near-uniform model) is
+  INCONCLUSIVE with the reason, also when the server carries the fault (the blind pass this guards against);
+- a row that compared nothing (no prompt sendable, or no row given) is INCONCLUSIVE with counts 0/0.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from reference.paths import bundled_model
+from server_fakes import ReferenceLogprobs, ReferenceTopkServer
+
+TINY = bundled_model("tiny")
+PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11], [3, 4, 5, 6], [40, 41, 42, 43, 44], [7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def server_model():
+    from parity.backends import truth_model
+    return truth_model(TINY, dtype=np.float64)
+
+
+def _row(be, tmp_path):
+    """The kl-topk row of ``qwen4exp parity`` (thresholds from the floor measured on tiny) and its report."""
+    from parity.harness.report import ParityReport
+    from parity.harness.run import topk_report
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(PROMPTS))
+    rep = topk_report(ParityReport(backend="fake-server", model=str(TINY)), be, TINY, f)
+    return rep.rows[0], rep
+
+
+def test_correct_server_passes_with_margin(server_model, tmp_path):
+    row, rep = _row(ReferenceTopkServer(ReferenceLogprobs(server_model)), tmp_path)
+    assert row.scenario == "kl-topk" and (row.status, row.cases, row.failed_cases) == ("pass", 4, 0), row.detail
+    assert rep.exit_code == 0
+    # every correct float32 server must pass with margin: measured worst KL / limit ~2e-4 on tiny
+    res = rep.rows[0]
+    assert "worst KL / limit" in res.detail
+    assert float(res.detail.split("worst KL / limit ")[1].split(";")[0]) < 0.5, res.detail
+
+
+def test_fault_of_the_useful_size_fails_every_prompt(server_model, tmp_path):
+    from parity.harness.kl import USEFUL_FAULT_REL
+    row, rep = _row(ReferenceTopkServer(ReferenceLogprobs(server_model, fault_rel=USEFUL_FAULT_REL)), tmp_path)
+    assert (row.status, row.cases, row.failed_cases) == ("fail", 4, 4), (row.status, row.first_divergence)
+    assert rep.exit_code == 1
+    res = row.failures[0]
+    # located at the first position with a row (position 0: the distribution after the first token)
+    assert res["first"]["prompt"] == 0 and res["first"]["position"] == 0 and res["first"]["kl"] > res["first"]["bound"]
+    # the row could resolve that fault everywhere: a FAIL, not a lack of resolution
+    assert res["resolution_rel"] < USEFUL_FAULT_REL, res
+
+
+def _near_uniform():
+    """tiny with lm_head scaled by 1e-4: every next-token row near uniform (its top-20 of 512 ids holds ~4%)."""
+    from parity.backends import truth_model
+    from parity.backends.base import load_weights
+    w = load_weights(TINY, perturb=("lm_head.weight", lambda a: a * 1e-4))
+    return truth_model(TINY, weights=w), truth_model(TINY, dtype=np.float64, weights=w)
+
+
+@pytest.mark.parametrize("fault_multiple", [0.0, 1.0])
+def test_too_little_top_k_mass_is_inconclusive_with_the_reason(fault_multiple):
+    from parity.harness.kl import USEFUL_FAULT_REL
+    from parity.harness.topk import run_topk
+    truth, srv = _near_uniform()
+    res = run_topk(ReferenceTopkServer(ReferenceLogprobs(srv, fault_rel=fault_multiple * USEFUL_FAULT_REL)),
+                   truth, PROMPTS)
+    # correct or carrying the useful fault: the lower bound sees too little to tell them apart, never PASS
+    assert res["status"] == "inconclusive" and not res["passed"], res
+    assert "hold too little of the truth's probability" in res["inconclusive"], res["inconclusive"]
+    assert res["resolution_rel"] > USEFUL_FAULT_REL and res["min_mass_truth"] < 0.1, res
+    assert res["unresolved_positions"] == res["positions"] > 0, res
+
+
+def test_too_little_mass_does_not_hide_a_divergence_it_proves():
+    """A fault the lower bound proves even from a few percent of the mass (here 30x the useful size) FAILs."""
+    from parity.harness.kl import USEFUL_FAULT_REL
+    from parity.harness.topk import run_topk
+    truth, srv = _near_uniform()
+    res = run_topk(ReferenceTopkServer(ReferenceLogprobs(srv, fault_rel=30 * USEFUL_FAULT_REL)), truth, PROMPTS)
+    assert res["status"] == "fail" and res["resolution_rel"] > USEFUL_FAULT_REL, res
+
+
+@pytest.mark.parametrize("how", ["no prompt sendable", "no row given"])
+def test_nothing_compared_is_inconclusive_with_zero_cases(server_model, tmp_path, how):
+    be = ReferenceTopkServer(ReferenceLogprobs(server_model), sendable=(lambda ids: False) if how.startswith("no p")
+                             else None, no_rows=how == "no row given")
+    row, rep = _row(be, tmp_path)
+    assert (row.status, row.cases, row.failed_cases) == ("inconclusive", 0, 0), (row.status, row.cases)
+    assert rep.exit_code == 3
+    assert row.first_divergence.startswith("nothing compared"), row.first_divergence
+    res = row.failures[0]
+    assert res["positions"] == 0
+    assert res["skipped_unsendable"] == (4 if how.startswith("no p") else 0) and be.requests == (
+        0 if how.startswith("no p") else 6), (res, be.requests)  # 4 prompts + the prefix-reuse pair (half, whole)

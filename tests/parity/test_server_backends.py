@@ -1,0 +1,154 @@
+"""Server backends: the top-k protocol (parity.backends.base.TopkServer), the OpenAI-API base
+(parity.backends.openai), its llama_cpp.server subclass (``--backend openai``) and the vLLM-style sibling
+(``--backend vllm``: token-id prompts, ``prompt_logprobs``).
+
+The vLLM-style backend is judged against a fake vLLM server on loopback (stdlib http.server,
+tests/server_fakes.serve_vllm) answering logprobs computed from the reference: no real vLLM or SGLang
+server can be installed here. The real llama_cpp.server runs in tests/parity/test_llamacpp.py."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity.backends import open_backend, registry, truth_model
+from parity.backends.base import EchoMisaligned, TopkServer
+from reference.paths import bundled_model
+from server_fakes import ReferenceLogprobs, serve_vllm
+
+TINY = bundled_model("tiny")
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11], [3, 4, 5, 6], [40, 41, 42, 43, 44]]
+
+
+@pytest.fixture(scope="module")
+def server_model():
+    return truth_model(TINY, dtype=np.float64)
+
+
+def test_server_backends_are_registered_siblings_of_the_openai_base():
+    from parity.backends.llama_cpp_server import LlamaCppServerBackend
+    from parity.backends.openai import OpenAIBackend
+    from parity.backends.vllm import VllmBackend
+    assert registry.backend_class("openai:url=http://x")[0] is LlamaCppServerBackend  # the spelling as before
+    assert registry.backend_class("vllm:url=http://x")[0] is VllmBackend
+    for cls in (LlamaCppServerBackend, VllmBackend):
+        assert issubclass(cls, OpenAIBackend) and issubclass(cls, TopkServer)
+        assert cls.capabilities["topk_only"]
+    assert registry.BACKEND_OPTIONS["vllm"] == registry.BACKEND_OPTIONS["openai"]
+
+
+def _private_reads(tree, var="be") -> list[str]:
+    return sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                   and n.value.id == var and n.attr.startswith("_")})
+
+
+def test_the_kl_topk_row_reads_only_the_public_protocol():
+    src = (REPO / "parity" / "harness" / "topk.py").read_text(encoding="utf-8")
+    assert _private_reads(ast.parse(src)) == []
+    members = {n.attr for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id == "be"}
+    # every member it reads is one the protocol declares
+    assert members <= set(dir(TopkServer)), members - set(dir(TopkServer))
+    # negative control: the scan sees a private read
+    assert _private_reads(ast.parse("ok = set(be._str2id.values())")) == ["_str2id"]
+
+
+def test_llama_cpp_server_asks_its_tokenize_endpoint_and_the_base_does_not():
+    from parity.backends.llama_cpp_server import LlamaCppServerBackend
+    from parity.backends.openai import OpenAIBackend
+    from reference.config import load_config
+    calls = []
+    for cls in (OpenAIBackend, LlamaCppServerBackend):
+        be = cls(TINY, load_config(TINY), "http://127.0.0.1:1", "m", 5, 1, 10)
+        be._request = lambda method, path, body=None: calls.append((method, path, body)) or {"tokens": [1, 2]}
+        calls.clear()
+        got = be.server_tokens("ab")
+        if cls is OpenAIBackend:
+            assert got is None and calls == []  # the OpenAI API has no tokenize endpoint
+        else:
+            assert got == [1, 2] and calls == [("POST", "/extras/tokenize", {"input": "ab"})]
+            assert "BOS id" in be.echo_note
+
+
+def _run(url, model=TINY, **kw):
+    from parity.harness.topk import run_topk
+    be = open_backend(f"vllm:url={url},topk=20", model)
+    return be, run_topk(be, truth_model(model), PROMPTS, **kw)
+
+
+def test_vllm_style_server_sends_token_ids_and_passes_a_correct_server(server_model):
+    with serve_vllm(ReferenceLogprobs(server_model)) as (url, bodies):
+        be, res = _run(url)
+    assert res["status"] == "pass" and res["prompts"] == 3 and res["skipped_unsendable"] == 0, res
+    assert res["worst_kl_over_bound"] < 0.5, res  # a correct float32 server passes with margin (measured ~2e-4)
+    assert be.convention == "openai" and be.name == f"vllm:{url}" and be.retokenized == 0
+    # the prompt travelled as ids, with vLLM's fields (no text, no echo)
+    b = bodies[-1]
+    assert b["prompt"] == PROMPTS[-1] and b["prompt_logprobs"] == 20 and b["logprobs"] == 20, b
+    assert b["return_tokens_as_token_ids"] is True and "echo" not in b
+    # every prompt position and every greedy one was judged: 9 + 3 + 4 rows from the prompts, +4 greedy each,
+    # and the prefix-reuse pair (5 + 4 rows, 10 + 4 rows)
+    assert res["positions"] == (9 + 4) + (3 + 4) + (4 + 4) + (4 + 4) + (9 + 4), res["positions"]
+
+
+def test_vllm_style_server_with_a_fault_of_the_useful_size_fails(server_model):
+    from parity.harness.kl import USEFUL_FAULT_REL
+    with serve_vllm(ReferenceLogprobs(server_model, fault_rel=USEFUL_FAULT_REL)) as (url, _):
+        _, res = _run(url)
+    assert res["status"] == "fail" and sorted(res["failed_prompts"]) == [0, 1, 2], res
+    assert res["first"]["prompt"] == 0 and res["first"]["position"] == 0, res["first"]
+
+
+def test_vllm_style_server_that_drops_a_prompt_token_fails_at_that_position(server_model):
+    with serve_vllm(ReferenceLogprobs(server_model), drop=2) as (url, _):
+        be = open_backend(f"vllm:url={url}", TINY)
+        with pytest.raises(EchoMisaligned, match="prompt_token_ids .* differing at position 2"):
+            be.prompt_topk(PROMPTS[0], n_new=1)
+        from parity.harness.topk import run_topk
+        res = run_topk(be, truth_model(TINY), PROMPTS[:1], prefix_reuse=False)
+    assert res["status"] == "fail" and res["positions"] == 0, res  # nothing judged from the shifted rows
+    assert [(m["prompt"], m["position"]) for m in res["echo_misaligned"]] == [(0, 2)]
+
+
+def test_vllm_style_row_without_its_prompt_token_is_misaligned():
+    from parity.backends.vllm import VllmBackend
+    from reference.config import load_config
+    be = VllmBackend(TINY, load_config(TINY), "http://127.0.0.1:1", "m", 5, 1, 10)
+    ids = [5, 6, 7]
+    rows = [None, {"6": {"logprob": -0.1}}, {"9": {"logprob": -0.2}}]   # entry 2 holds 9, not prompt token 7
+    be._request = lambda method, path, body=None: {"choices": [{"prompt_logprobs": rows, "logprobs": {
+        "tokens": ["token_id:1"], "top_logprobs": [{"token_id:1": -0.1}]}}]}
+    with pytest.raises(EchoMisaligned, match=r"prompt_logprobs\[2\] to hold prompt token 2 \(7\)") as ei:
+        be.prompt_topk(ids, n_new=1)
+    assert ei.value.position == 2
+    # control: with the prompt token in its row the same answer reads row by row (after p = row of p + 1)
+    rows[2] = {"7": {"logprob": -0.2}, "9": {"logprob": -3.0}}
+    be.convention = None
+    after, greedy, ran = be.prompt_topk(ids, n_new=1)
+    assert ran == ids and greedy == [1] and after == [{6: -0.1}, {7: -0.2, 9: -3.0}, {1: -0.1}]
+    assert be.convention == "openai"
+
+
+def test_vllm_style_server_without_prompt_logprobs_is_a_clear_error():
+    from parity.backends.base import BackendError
+    from parity.backends.vllm import VllmBackend
+    from reference.config import load_config
+    be = VllmBackend(TINY, load_config(TINY), "http://127.0.0.1:1", "m", 5, 1, 10)
+    be._request = lambda method, path, body=None: {"choices": [{"logprobs": {"tokens": [], "top_logprobs": []}}]}
+    with pytest.raises(BackendError, match="expected choices\\[0\\].prompt_logprobs with one entry per prompt token"):
+        be.prompt_topk([5, 6, 7], n_new=1)
+
+
+def test_vllm_style_server_through_qwen4exp_parity(server_model, tmp_path):
+    """The whole verb: one kl-topk row judged with the measured thresholds, the scenarios skipped."""
+    from parity.harness.run import run_parity
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(PROMPTS))
+    with serve_vllm(ReferenceLogprobs(server_model)) as (url, _):
+        rep = run_parity(TINY, f"vllm:url={url}", ["kl"], prompts=f, level="ci", progress=False)
+    assert rep.rows[0].scenario == "kl-topk" and rep.rows[0].status == "pass" and rep.exit_code == 0, rep.rows[0]
+    assert rep.rows[0].cases == 3 and all(r.status == "skip" for r in rep.rows[1:])
