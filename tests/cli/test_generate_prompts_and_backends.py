@@ -95,3 +95,27 @@ def test_generate_runs_the_official_model(tiny, tmp_path, capsys):
             assert int(np.argmax(row)) == t, (p, g, j)
             compared += 1
     assert compared >= 2   # the check compared tokens, not only near ties
+
+
+def test_every_registered_backend_that_decodes_reaches_the_model(tiny, capsys, monkeypatch):
+    """The gate of ``generate`` over the whole registry: each built-in backend whose class decodes sequences is
+    handed to the model opener, each that does not is refused before it (exit 2, one line)."""
+    import parity.generate as G
+    from parity.backends.base import Backend, capabilities_of
+    from parity.backends.registry import BACKENDS
+    from reference.errors import InputError
+    seen = []
+
+    def opened(model_dir, backend, **kw):
+        seen.append(str(backend).split(":")[0])
+        raise InputError("stopped at the model opener")
+    monkeypatch.setattr(G, "open_lm", opened)
+    decoding = []
+    for name, entry in BACKENDS.items():
+        decodes = entry.cls.decode is not Backend.decode and capabilities_of(entry.cls).get("sequences", True)
+        assert main(["generate", "--backend", name, "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+        line = one_line_error(capsys, "stopped at the model opener" if decodes else "decodes sequences")
+        assert (name in seen) == bool(decodes), (name, line)
+        decoding += [name] if decodes else []
+    # the backends that decode, by name: the official model and llama.cpp among them; the top-k-only server not
+    assert {"reference", "engine", "transformers", "llama.cpp"} <= set(decoding) and "openai" not in decoding
