@@ -207,7 +207,8 @@ def _cmd_record(args) -> int:
 
 # ---------------------------------------------------------------- diff
 def _cmd_diff(args) -> int:
-    from taps.diff import diff_archives, render_table, replay_check
+    from taps.diff import diff_archives, render_table
+    from taps.replay import replay_check
     from reference.errors import InputError
     if args.memory_mb < 1:
         raise InputError(f"--memory-mb {args.memory_mb}: expected a memory budget >= 1 (MB), found {args.memory_mb}")

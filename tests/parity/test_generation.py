@@ -447,7 +447,8 @@ def test_cli_prompt_longer_than_context(tmp_path, capsys):
     tgt["max_position_embeddings"] = 8
     (d / "config.json").write_text(json.dumps(cfg))
     rc, out, err = _cli(["generate", str(d), "--prompt", "hello " * 20, "--backend", "reference"], capsys)
-    assert rc == 2 and "context" in err
+    # refused when the prompt is read, naming the limit (the context) and the prompt's length
+    assert rc == 2 and "--prompt" in err and "max_position_embeddings=8" in err and "found" in err
 
 
 def test_tiny_checkpoint_template_agrees_with_builtin_rules():

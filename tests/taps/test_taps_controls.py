@@ -23,7 +23,8 @@ from reference.blocks.qsa import canonical_topk
 from reference.checkpoint import Checkpoint
 from reference.model import ReferenceModel
 from taps import registry
-from taps.diff import diff_archives, replay_check
+from taps.diff import diff_archives
+from taps.replay import replay_check
 from taps.recorder import Recorder
 
 CK = Checkpoint.open(bundled_model("tiny"))

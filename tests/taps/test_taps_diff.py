@@ -258,7 +258,7 @@ def test_bench_reports_throughput(tmp_path):
 @given(scores=st.lists(st.integers(-3, 3), min_size=2, max_size=12), k=st.integers(1, 4), data=st.data())
 def test_property_own_consistency_check(scores, k, data):
     # integer scores make exact ties common; canonical = score descending, then lower index
-    from taps.diff import _canonical_violation
+    from taps.accumulate import _canonical_violation
     s = np.array(scores, dtype=np.float64)
     k = min(k, len(s) - 1)
     canon = np.lexsort((np.arange(len(s)), -s))[:k]
