@@ -248,13 +248,16 @@ def test_split_block_keys_and_fused_token_write(page_size, impl):
     done = np.concatenate([pool.slots(int(r_), [int(p_)]) for r_, p_ in zip(rows_d, pos_d) if (p_ + 1) % RATIO == 0])
     assert len(done) == 2 and rel_err(devs["blk_k"].get()[done], twin["blk_k"][done]) < TOL, seed
     assert np.array_equal(np.delete(devs["blk_k"].get(), done, 0), np.delete(twin["blk_k"], done, 0)), seed
-    # bitwise: the fused block key equals the block-key kernel run after a plain write
+    # the fused block key equals the block-key kernel run after a plain write: to float32 rounding at the written
+    # slots (the two kernels reduce the block's RMS norm in different orders; TOL, this file's kernel-vs-kernel
+    # float32 tolerance, ~170 unit roundoffs), exactly everywhere else (nothing else is written)
     impl("prefill")
     ref = {k: g(v) for k, v in pool.arrays.items()}
     qsa.qsa_write_tokens(ref["idx_k"], ref["kv_k"], ref["kv_v"], bt, g(rows_d), g(pos_d), g(isrc), g(ksrc), g(vsrc),
                          page_size)
     qsa.qsa_block_keys(ref["idx_k"], ref["blk_k"], bt, g(rows_d), g(pos_d), g(w), g(invf), ROT, RATIO, page_size, EPS)
-    assert np.array_equal(devs["blk_k"].get(), ref["blk_k"].get()), seed
+    assert rel_err(devs["blk_k"].get()[done], ref["blk_k"].get()[done]) < TOL, seed
+    assert np.array_equal(np.delete(devs["blk_k"].get(), done, 0), np.delete(ref["blk_k"].get(), done, 0)), seed
     # negative control: a token written one position late is caught and located at exactly two slots
     impl("split")
     bad = {k: g(v) for k, v in pool.arrays.items()}
