@@ -9,6 +9,7 @@
 * :func:`selected_attention` -- QSA softmax attention over each query's selected tokens only (cost
   ``T * budget``, not ``T * L``: histories past 32768 positions).
 * :func:`bf16_matmul_t` -- ``x @ W.T`` straight from a BF16 weight's stored bits (no float32 copy of ``W``).
+* :func:`split_k_matmul_t` -- ``x @ W.T`` as a split-K sum (the evaluation orders of ``reference.order``).
 
 Every kernel is ``@njit(cache=True)`` and called with at most two signatures (float32 / float64), so
 the JIT cost is paid once per machine. Each has a plain NumPy twin in the block modules that the
@@ -20,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 __all__ = ["delta_rule_recurrent", "ngram_hash_rows", "ngram_hash_rows_batch", "unit_lower_solve", "block_topk_select",
-           "selected_attention", "bf16_matmul_t"]
+           "selected_attention", "bf16_matmul_t", "split_k_matmul_t"]
 
 
 @njit(cache=True, fastmath=False)
@@ -438,3 +439,46 @@ def bf16_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     _bf16_matmul_kernel(x, bits, out)
     return out
 
+
+
+@njit(cache=True, parallel=True, fastmath={'contract'})
+def _split_k_kernel(xt, w, block, out):  # pragma: no cover - compiled
+    K, N = xt.shape
+    nb = (K + block - 1) // block
+    for o in prange(w.shape[0]):
+        acc = np.zeros(N, dtype=xt.dtype)
+        part = np.empty(N, dtype=xt.dtype)
+        for bi in range(nb - 1, -1, -1):      # the last block's partial first, then the earlier ones
+            part[:] = 0
+            for j in range(bi * block, min(K, (bi + 1) * block)):
+                wv = w[o, j]
+                for t in range(N):            # vectorised over the rows of x (xt is x transposed)
+                    part[t] += xt[j, t] * wv
+            for t in range(N):
+                acc[t] += part[t]
+        for t in range(N):
+            out[t, o] = acc[t]
+
+
+def split_k_matmul_t(x: np.ndarray, w: np.ndarray, block: int) -> np.ndarray:
+    """``x @ w.T`` as a split-K sum in ``x.dtype`` (Numba, parallel over the rows of ``w``).
+
+    Args:
+        x: ``[N, K]`` float32/float64 activations; w: ``[O, K]`` of the same dtype; block: ``>= 1`` input
+            features per partial.
+    Returns:
+        ``[N, O]`` in ``x.dtype``: per output, each block ``[s, s + block)``'s partial summed in order of the
+        features, the partials accumulated from the LAST block to the first (a split-K GEMM's order; the
+        rounding sequence ``reference.order`` names). A partial's multiply-adds may fuse (FMA, as GEMM kernels
+        do): the only floating-point liberty taken.
+    Raises:
+        ValueError: shapes or dtypes do not match, or ``block < 1``.
+    Cost: ``N * O * K`` multiply-adds vectorised over ``N``, one pass over ``w`` (the lm_head of a real
+    vocabulary in seconds, where a NumPy loop of ``K / block`` products re-reads an ``[N, O]`` array per block).
+    """
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype or block < 1:
+        raise ValueError(f"split_k_matmul_t: expected x [N, K], w [O, K] of one dtype and block >= 1, found "
+                         f"{x.shape} {x.dtype}, {w.shape} {w.dtype}, block {block}")
+    out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    _split_k_kernel(np.ascontiguousarray(x.T), np.ascontiguousarray(w), int(block), out)
+    return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference.errors import InputError
+from reference.numba_kernels import split_k_matmul_t
 
 __all__ = ["EvalOrder", "NATIVE", "ALTERNATIVES", "evaluation_order", "current", "blocked_matmul_t"]
 
@@ -77,11 +78,9 @@ def evaluation_order(order: EvalOrder):
 
 
 def blocked_matmul_t(x: np.ndarray, w: np.ndarray, block: int) -> np.ndarray:
-    """``x @ w.T`` (x ``[N, K]``, w ``[O, K]``, same float dtype) as a split-K sum: the partial products of
-    input-feature blocks ``[s, s + block)`` accumulated in ``x.dtype`` from the last block to the first."""
-    K = x.shape[-1]
-    starts = list(range(0, K, block))[::-1]
-    acc = x[..., starts[0]:] @ w[:, starts[0]:].T
-    for s in starts[1:]:
-        acc += x[..., s:s + block] @ w[:, s:s + block].T
-    return acc
+    """``x @ w.T`` (x ``[..., K]``, w ``[O, K]``, same float dtype) as a split-K sum: the partial products of
+    input-feature blocks ``[s, s + block)`` accumulated in ``x.dtype`` from the last block to the first
+    (:func:`reference.numba_kernels.split_k_matmul_t`). Returns ``[..., O]``."""
+    lead = x.shape[:-1]
+    out = split_k_matmul_t(np.ascontiguousarray(x.reshape(-1, x.shape[-1])), w, block)
+    return out.reshape(*lead, w.shape[0])
