@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from parity.backends import ReferenceBackend
+from reference.session import SessionState
 
 
 class MTPStateNotRolledBack(ReferenceBackend):
@@ -32,7 +33,6 @@ class MTPStateNotRolledBack(ReferenceBackend):
         return head, R
 
     def _residuals(self, toks):
-        from reference.session import SessionState
         res: list = []
         self.model._run(SessionState.empty(self.config, self.model.dtype), toks, "none", residual_out=res)
         return res[0]
