@@ -34,7 +34,7 @@ import numpy as np
 from parity.harness.jsonio import jsonable
 from parity.harness.sizes import sizes
 from parity.harness.thresholds import position_faults
-from reference.atomic import atomic_write_json
+from reference import atomic
 from reference.errors import InputError
 from reference.taphook import layer_of
 
@@ -268,7 +268,7 @@ def write_known(path, causes: list[dict], meta: dict | None = None) -> Path:
                        "worst_logit_err_rel": c.get("worst_logit_err_rel"), "top1_flip": bool(c.get("top1_flip")),
                        "positions": c.get("fault") or {}, "first": c.get("first"), "cases": c.get("cases", [])}
                       for c in causes]}
-    return atomic_write_json(path, jsonable(doc), indent=1)
+    return atomic.atomic_write_json(path, jsonable(doc), indent=1)
 
 
 class KnownCauses:

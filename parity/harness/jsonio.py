@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from reference.atomic import atomic_write_json
+from reference import atomic
 
 __all__ = ["jsonable", "write_json_atomic"]
 
@@ -33,4 +33,5 @@ def jsonable(x: Any):
 def write_json_atomic(path, obj) -> Path:
     """Write ``obj`` (made :func:`jsonable`) as indented JSON to ``path`` via a temp file + rename
     (:func:`reference.atomic.atomic_write_json`: mode per umask)."""
-    return atomic_write_json(path, jsonable(obj), indent=1)
+    # looked up on the module at each call, so a stand-in writer (a simulated full disk) reaches every caller
+    return atomic.atomic_write_json(path, jsonable(obj), indent=1)

@@ -25,7 +25,7 @@ from parity.harness.floor import stores_of, tap_floor_profile
 from parity.harness.metrics import compare_logits, offset_free_error
 from parity.harness.scenarios.common import CaseFailure, Run
 from parity.harness.thresholds import position_faults, thresholds_for, tie_band
-from reference.atomic import atomic_write_bytes
+from reference import atomic
 from taps.archive import ArchiveWriter
 from taps.diff import diff_archives as _diff
 from taps.diff import judging_profile, profile_toml
@@ -459,7 +459,7 @@ def _save(root, scenario, case, page_size, *arcs, meta: dict | None = None, prof
     d.mkdir(parents=True, exist_ok=True)
     if profile is not None:
         names = sorted(set().union(*(a.names() for a in arcs)))
-        atomic_write_bytes(d / "profile.toml", profile_toml(profile, names).encode())
+        atomic.atomic_write_bytes(d / "profile.toml", profile_toml(profile, names).encode())
     for tag, arc in zip(("truth", "backend"), arcs):
         path = d / f"{tag}.taps"
         w = ArchiveWriter(path, overwrite=True)
