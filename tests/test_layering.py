@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("reference", "taps", "engine", "parity")
 RANK = {p: k for k, p in enumerate(PACKAGES)}
@@ -126,15 +124,6 @@ def _is_package_init_edge(src: str, dst: str) -> bool:
     return dst.startswith(src + ".") or src.startswith(dst + ".")
 
 
-# Circles that exist today and are being taken apart; a circle not listed here fails the test, and an entry
-# is deleted once its circle is gone (test_known_circles_still_exist says which).
-KNOWN_CIRCLES = [
-    ["engine.kernels.gemm_tc", "engine.kernels.linear", "engine.kernels.moe"],
-    ["parity.harness.causes", "parity.harness.floor", "parity.harness.kl", "parity.harness.report",
-     "parity.harness.scenarios.common", "parity.harness.ties"],
-]
-
-
 def _circles(graph) -> list[list[str]]:
     """Import circles of ``graph``, a package's ``__init__`` re-exporting its own submodules left out."""
     return _cycles({s: {d for d in deps if not _is_package_init_edge(s, d)} for s, deps in graph.items()})
@@ -143,8 +132,8 @@ def _circles(graph) -> list[list[str]]:
 def test_no_import_cycles():
     # every import counts, the ones inside functions too: a lazy import hides a circle from the interpreter,
     # not from a reader, and it still ties the two modules into one unit
-    new = [c for c in _circles(_graph()) if c not in KNOWN_CIRCLES]
-    assert not new, "import circles:\n" + "\n".join(" <-> ".join(c) for c in new)
+    found = _circles(_graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_no_import_cycles_at_module_top():
@@ -176,14 +165,6 @@ def test_the_checker_catches_a_function_level_circle(tmp_path):
     assert _circles(g) == [["pkg.a", "pkg.b"], ["pkg.sub.d", "pkg.sub.e"]]
     # only the module-top arrows: no circle (what the interpreter would see at import time)
     assert _circles(_graph(top_level_only=True, root=tmp_path, packages=("pkg",))) == []
-
-
-def test_known_circles_still_exist():
-    # keeps KNOWN_CIRCLES honest: an entry whose circle is gone is reported so the list only shrinks
-    found = _circles(_graph())
-    gone = [c for c in KNOWN_CIRCLES if c not in found]
-    if gone:
-        pytest.skip("circles gone, delete them from KNOWN_CIRCLES: " + "; ".join(" <-> ".join(c) for c in gone))
 
 
 def test_the_checker_catches_a_back_edge_and_a_cycle():

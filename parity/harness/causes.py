@@ -24,9 +24,19 @@ fails, naming what is new.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
+
+import numpy as np
+
+from parity.harness.jsonio import jsonable
+from parity.harness.sizes import sizes
+from parity.harness.thresholds import position_faults
+from reference import atomic
+from reference.errors import InputError
+from reference.taphook import layer_of
 
 __all__ = ["root_cause", "cause_id", "cause_id_of", "group_causes", "fault_of", "model_identity", "prompts_identity", "write_known", "read_known",
            "KnownCauses",
@@ -80,7 +90,6 @@ def _earlier(tap: str, tap_pos, sel_layer: int, sel_pos: int) -> bool:
     """Whether a tap-diff first divergence ``tap`` at ``tap_pos`` (None: unknown) comes before a selection of layer
     ``sel_layer`` at ``sel_pos`` in the forward: an earlier position, or the same position in an earlier layer (or
     outside the layers before them: the embedding)."""
-    from reference.taphook import layer_of
     if tap_pos is None:
         return False
     tap_pos = int(tap_pos)
@@ -100,7 +109,6 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
     Returns:
         ``{"id", "tap", "layer", "block", "operation", "regime", "position"}``.
     """
-    from reference.taphook import layer_of
     failure, divergence = failure or "", divergence or ""
     op = "kl decode" if "decode:" in failure and failure.startswith("prompt") else _operation(failure)
     gen = re.match(r"prompt \d+: (prefill_last|decode_greedy) ", failure.lstrip())
@@ -134,7 +142,6 @@ def root_cause(failure: str | None, divergence: str | None, config=None, scenari
         pos = int(p.group(1)) if p is not None else None
     regime = "?"
     if config is not None and pos is not None:
-        from parity.harness.scenarios.common import sizes
         s = sizes(config)
         # position p sees p + 1 tokens; at and below `bound` visible tokens QSA keeps every token
         regime = "past the QSA bound" if (s.has_qsa and pos + 1 > s.bound) else "below the QSA bound"
@@ -154,9 +161,6 @@ def fault_of(cmp, th, offset: int = 0, prefix: str = "") -> dict:
     Returns:
         ``{"<prefix>position P": [err_rel (float; inf for a non-finite row), top1_flip (bool)]}``.
     """
-    import numpy as np
-
-    from parity.harness.kl import position_faults
     bad = np.nonzero(position_faults(cmp, th))[0]
     rel = np.asarray(cmp.rel_err(), dtype=np.float64)
     top1 = np.asarray(cmp.top1, dtype=bool)
@@ -237,7 +241,7 @@ def model_identity(model_path) -> dict:
     Raises:
         CheckpointError / ConfigError: the checkpoint cannot be opened.
     """
-    from reference.checkpoint import Checkpoint
+    from reference.checkpoint import Checkpoint   # slow to import (over 1 s): only for a --known baseline
     ck = Checkpoint.open(str(model_path))
     return {"config_hash": ck.config.config_hash(), "weights_fingerprint": ck.fingerprint()}
 
@@ -245,8 +249,6 @@ def model_identity(model_path) -> dict:
 def prompts_identity(prompts) -> str:
     """sha256 of the kl prompts' token ids (``[[int]]``, in order): a baseline's positions ("prompt I position P")
     mean something only for the prompts they were measured on."""
-    import hashlib
-    import json
     return hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()
 
 
@@ -261,14 +263,12 @@ def write_known(path, causes: list[dict], meta: dict | None = None) -> Path:
     The caller checks the path first (``parity.cli.common.check_out``: no overwrite without --overwrite, the
     parent must exist).
     """
-    from parity.harness.report import jsonable
-    from reference.atomic import atomic_write_json
     doc = {"version": KNOWN_VERSION, **(meta or {}),
            "causes": [{"id": c["id"], "tap": c.get("tap"), "operation": c.get("operation"), "regime": c.get("regime"),
                        "worst_logit_err_rel": c.get("worst_logit_err_rel"), "top1_flip": bool(c.get("top1_flip")),
                        "positions": c.get("fault") or {}, "first": c.get("first"), "cases": c.get("cases", [])}
                       for c in causes]}
-    return atomic_write_json(path, jsonable(doc), indent=1)
+    return atomic.atomic_write_json(path, jsonable(doc), indent=1)
 
 
 class KnownCauses:
@@ -303,7 +303,6 @@ class KnownCauses:
         Raises:
             InputError: naming the file, this run's model / backend and the baseline's.
         """
-        from reference.errors import InputError
         diff = [k for k in ("config_hash", "weights_fingerprint") if self.model.get(k) != model.get(k)]
         if diff:
             here = ", ".join(f"{k} {model.get(k)}" for k in diff)
@@ -365,7 +364,6 @@ def read_known(path) -> KnownCauses:
         InputError: unreadable, not JSON, not a baseline, or one of an older version (naming the file and
             what was found).
     """
-    from reference.errors import InputError
     p = Path(path)
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))

@@ -18,23 +18,31 @@ float64 run's, so a floor is continuous rounding noise and never the jump of a s
 verdict-matrix models the all-BF16 store rounding left to pick for itself flips 1..30 rows and errs 1.5..4x
 more). Selections are judged separately, with ties (:func:`tie_report`): a backend may pick differently only
 inside a tie set at the cut (exact ties, or scores within the tie band of this floor's score floor,
-:func:`parity.harness.ties.tie_band`).
+:func:`parity.harness.thresholds.tie_band`).
 
 A store floor is dominated by the stores on the residual path: on the verdict-matrix models every store kind
 in BF16 gives 0.087..0.40 of the logit scale, the KV stores alone ~1.5e-3 (:func:`floor_breakdown`; the
 reason of a run too coarse to resolve a useful fault names them, :func:`unresolvable`).
 
-Logit errors are measured relative to the model's logit scale, :func:`parity.harness.kl.logit_scale`
+Logit errors are measured relative to the model's logit scale, :func:`parity.harness.metrics.logit_scale`
 (the per-position standard deviation of the truth's logits).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from parity.harness.metrics import compare_logits
+from parity.harness.sizes import sizes, token_stream
+from parity.harness.thresholds import UNIT_ROUNDOFF, USEFUL_FAULT_REL, thresholds_for, tie_band
+from reference import taphook
+from reference.errors import InputError
 from reference.order import ALTERNATIVES, NATIVE, evaluation_order
+from taps import registry
+from taps.diff import Profile
 
 __all__ = ["FLOOR_ORDERS", "STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
            "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
@@ -44,10 +52,6 @@ __all__ = ["FLOOR_ORDERS", "STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "
 STORE_KINDS = ("residual", "block_io", "kv")
 #: the formats a reduced-precision floor can round to
 ROUNDINGS = ("bf16", "fp16", "fp8")
-#: unit roundoff 2^-(p) of each format (p = mantissa bits + 1 -> u = 2^-p): the smallest meaningful relative
-#: floor (a measured floor below it means the logits happened to be exact, not that an engine can do better)
-UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11,
-                 "fp8": 2.0 ** -4}
 _E4M3_MAX = 448.0
 #: the float32 evaluation orders a float32 floor is the envelope (maximum) of: the reference's own and the
 #: alternatives of :mod:`reference.order` (split-K accumulations, both forms of the gated delta rule). One
@@ -95,9 +99,8 @@ def rounder(fmt, kinds: Sequence[str] = STORE_KINDS):
     Raises:
         InputError: unknown format or kind.
     """
-    import ml_dtypes
+    import ml_dtypes   # over 1 s to import: only where a rounding floor is measured
 
-    from reference.errors import InputError
     per = dict(fmt) if isinstance(fmt, dict) else {k: fmt for k in kinds}
     for k, f in per.items():
         if f not in ROUNDINGS:
@@ -332,7 +335,6 @@ class Floor:
 
 
 def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
-    from parity.harness.kl import compare_logits
     c = compare_logits(ref, x)
     rel = c.rel_err()
     return (float(np.max(rel)) if rel.size else 0.0), c.worst_kl()
@@ -351,7 +353,7 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     Returns:
         :class:`Floor` (``precision`` = :func:`stores_label` of the stores rounded).
     """
-    from reference.model import ReferenceModel
+    from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
     if isinstance(precision, dict):
         stores = dict(precision)
     elif precision in ("float32", "float64"):
@@ -359,7 +361,6 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     elif precision in ROUNDINGS:
         stores = {k: precision for k in STORE_KINDS}
     else:
-        from reference.errors import InputError
         raise InputError(f"floor precision: expected float32/float64 or one of {ROUNDINGS}, found {precision!r}")
     m64 = ReferenceModel(weights, dtype=np.float64)
     m32 = ReferenceModel(weights, dtype=np.float32)
@@ -398,8 +399,6 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     fl.by_order = by_order
     # the truth's ties are reported at the band a backend of these stores is judged with (parity.harness.ties):
     # exact ties, and floor-level near ties within 2 x multiple x this floor's score floor
-    from parity.harness.kl import thresholds_for
-    from parity.harness.ties import tie_band
     band = tie_band(thresholds_for("float32" if mr is None else "bf16", fl))
     for i, log in enumerate(logs):
         rep = tie_report(log, weights.config, band)
@@ -414,7 +413,6 @@ def floor_breakdown(weights, prompts: Sequence[Sequence[int]], floor: Floor) -> 
     prompts, selections forced to float64's). Says which stores make a floor coarse (on the verdict-matrix
     models the BF16 KV stores alone are ~1e-3 of the logit scale, the residual and block stores 0.05..0.3).
     Cost: one :func:`measure_floor` per store kind. A float32 floor or a one-kind floor is returned as is."""
-    import dataclasses
     if len(floor.stores) < 2:
         return floor
     fmt = dict(_parse_label(floor.precision))
@@ -434,10 +432,9 @@ def _parse_label(label: str):
 
 def unresolvable(th, floor: Floor | None = None) -> str | None:
     """Why a run under thresholds ``th`` cannot resolve a fault of useful size
-    (:data:`parity.harness.kl.USEFUL_FAULT_REL`), or None when it can: the tolerance is at or above that size.
+    (:data:`parity.harness.thresholds.USEFUL_FAULT_REL`), or None when it can: the tolerance is at or above that size.
     The reason names the floor and, when ``floor.by_kind`` is measured (:func:`floor_breakdown`), each store
     kind's own floor and which of them alone would be resolvable."""
-    from parity.harness.kl import USEFUL_FAULT_REL
     if np.isfinite(th.tol_rel) and th.tol_rel < USEFUL_FAULT_REL:
         return None
     prec = floor.precision if floor is not None else th.precision
@@ -453,9 +450,6 @@ def unresolvable(th, floor: Floor | None = None) -> str | None:
 def with_tap_profile(th, weights, ids, stores: dict | None = None):
     """``th`` with its ``tap_profile`` measured (:func:`tap_floor_profile` at ``th.multiple``, index flips
     within the tie band): tap-diff then localises against this model's own per-tap floor."""
-    import dataclasses
-
-    from parity.harness.ties import tie_band
     prof = tap_floor_profile(weights, ids, stores, th.multiple, tie_band(th))
     return dataclasses.replace(th, tap_profile=prof)
 
@@ -464,7 +458,6 @@ def floor_prompts(config, prompts: Sequence[Sequence[int]] | None = None, seed: 
     """The prompts a run's floor is measured on: ``prompts`` (the KL set) plus one deterministic token stream
     reaching two compress blocks past the QSA bound (the scenarios' sparse regime, where the selection cuts
     are), with EOS ids inside (the PLE reset)."""
-    from parity.harness.scenarios.common import sizes, token_stream
     s = sizes(config)
     n = min(s.bound + 2 * s.ratio + 1, int(getattr(config, "max_position_embeddings", 1 << 30)))
     out = [list(map(int, p)) for p in (prompts or [])]
@@ -478,10 +471,9 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
 
     Returns:
         ``(KLThresholds, Floor, inconclusive)``: ``inconclusive`` is None, or the reason the tolerance cannot
-        resolve a fault of useful size (:data:`parity.harness.kl.USEFUL_FAULT_REL`) -- then a passing row
+        resolve a fault of useful size (:data:`parity.harness.thresholds.USEFUL_FAULT_REL`) -- then a passing row
         is INCONCLUSIVE, never PASS.
     """
-    from parity.harness.kl import thresholds_for
     fps = floor_prompts(weights.config, prompts)
     fl = measure_floor(weights, fps, stores_of(backend))
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
@@ -505,10 +497,7 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
     row's scores is a near tie. Returns a :class:`taps.diff.Profile`; the per-tap figures are in its
     ``source`` text's companion attribute ``floors`` (``{tap: (rel_l2, atol_rms)}``).
     """
-    from reference import taphook
-    from reference.model import ReferenceModel
-    from taps import registry
-    from taps.diff import Profile
+    from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
 
     class _Keep:
         def __init__(self):

@@ -1,12 +1,10 @@
-"""Logit-KL metrics and the KL harness (``qwen4exp kl``).
+"""The KL harness (``qwen4exp kl``): backend b against the truth a over a prompt set, with its controls.
 
-The metrics compare two backends' next-token distributions position by position. They work on
-plain arrays (``[T, V]`` logits, float32 or float64) and are computed in float64 so the metric
-itself adds no noise above the backends'. Every threshold is a multiple of a precision floor MEASURED on
-the model and prompts of the run (:mod:`parity.harness.floor`), and logit errors are judged relative to the
-model's logit scale (:func:`logit_scale`): no constant depends on one checkpoint. The harness
-(:func:`run_kl`) runs both backends over a prompt set, judges the prefill rows and the greedy decode rows,
-and computes three controls in the same run:
+The harness (:func:`run_kl`) runs both backends over a prompt set, judges the prefill rows, the greedy decode
+rows and the generation path (:func:`generation_paths`) with the comparison metrics of
+:mod:`parity.harness.metrics` and the rules and thresholds of :mod:`parity.harness.thresholds` (a multiple of
+the precision floor MEASURED on the model and prompts of the run, :mod:`parity.harness.floor`), and computes
+three controls in the same run:
 
 * **determinism** -- backend b run twice on every prompt: bitwise equal when b declares ``deterministic``;
   otherwise its run-to-run spread is measured and must be within the tolerance (else INCONCLUSIVE);
@@ -16,14 +14,12 @@ and computes three controls in the same run:
   :data:`CONTROL_MARGIN` x the tolerance with every selection forced to the truth's picks (a continuous
   effect), must be flagged (else INCONCLUSIVE, never a backend FAIL).
 
-Logit errors are judged with each row's common offset removed (:func:`offset_free_error`): softmax ignores it.
-
-Formula source: standard definitions (KL(P||Q) = sum_v P_v (log P_v - log Q_v)); the distribution is
-the softmax of the LM-head logits as in the official ``Qwen4ExpForCausalLM.forward`` (modeling_qwen4_exp.py).
+The metric and threshold names are re-exported here for the callers that import them from this module.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,6 +27,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from parity.backends import capabilities_of, one_shot_logits
+from parity.backends.base import capability, decode_greedy_of, prefill_last_of
+from parity.harness.floor import (floor_breakdown, floor_prompts, forced_logits, logged_logits, measure_floor,
+                                  stores_of, unresolvable)
+from parity.harness.metrics import (FLOOR_MAX_KL, PERCENTILES, LogitComparison, compare_logits,  # noqa: F401
+                                    greedy_agreement, kl_per_position, kl_rounding_floor, log_softmax, logit_scale,
+                                    offset_free_error, rerun_spread, summarize)
+from parity.harness.progress import progress_bar
+from parity.harness.scenarios.case import Case
+from parity.harness.thresholds import (FLOOR_MULTIPLE, FLOOR_OF, NOMINAL_GROWTH, USEFUL_FAULT_REL,  # noqa: F401
+                                       KLThresholds, kl_bound, pick_faults, position_faults, thresholds_for,
+                                       top1_flips, verdict)
+from parity.harness.ties import MAX_RESOLUTIONS, judge_ties, outside_pick
 from reference.errors import InputError
 
 __all__ = ["log_softmax", "kl_per_position", "summarize", "compare_logits", "LogitComparison", "logit_scale",
@@ -41,536 +50,6 @@ __all__ = ["log_softmax", "kl_per_position", "summarize", "compare_logits", "Log
 #: the three verdicts a judgement can reach (``qwen4exp`` exit codes 0 / 1 / 3: parity/cli)
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 
-PERCENTILES = (("mean", None), ("median", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9), ("max", 100.0))
-
-# Kept for callers of the former absolute floor check; the harness now derives every bound from a measured floor.
-FLOOR_MAX_KL = 1e-6
-
-
-def _check_logits(name: str, x) -> np.ndarray:
-    a = np.asarray(x)
-    if a.ndim == 1:
-        a = a[None, :]
-    if a.ndim != 2:
-        raise InputError(f"{name}: expected logits of shape [T, V], found shape {a.shape}")
-    if not np.issubdtype(a.dtype, np.floating):
-        raise InputError(f"{name}: expected float logits, found dtype {a.dtype}")
-    return a
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64.
-
-    Args:
-        logits: ``[T, V]`` (or ``[V]``) float32/float64.
-    Returns:
-        ``[T, V]`` float64 log-probabilities. Non-finite inputs propagate (they are a fault to report).
-    """
-    x = _check_logits("logits", logits).astype(np.float64)
-    m = np.max(x, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    z = x - m
-    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
-
-
-def kl_per_position(logits_p: np.ndarray, logits_q: np.ndarray) -> np.ndarray:
-    """KL(P || Q) per position, P = softmax(logits_p), Q = softmax(logits_q).
-
-    Args:
-        logits_p, logits_q: ``[T, V]`` float logits of the same shape.
-    Returns:
-        ``[T]`` float64, >= 0 (clipped at 0 against rounding); inf/nan where a row is non-finite.
-    Raises:
-        InputError: shapes differ or are not ``[T, V]``.
-    """
-    p = _check_logits("logits_p", logits_p)
-    q = _check_logits("logits_q", logits_q)
-    if p.shape != q.shape:
-        raise InputError(f"logits: expected equal shapes [T, V], found {p.shape} and {q.shape}")
-    lp, lq = log_softmax(p), log_softmax(q)
-    kl = _kl_rows(lp, lq)
-    return np.where(np.isnan(kl), np.nan, np.maximum(kl, 0.0))
-
-
-def _kl_rows(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
-    """``[T]`` sum_v P_v (log P_v - log Q_v) from log-probabilities, with the convention 0 log 0 = 0: a token P
-    gives probability 0 (a -inf logit) adds nothing, so a row truncated to -inf by one side gives KL = inf in
-    the direction that sees the truncation, not nan (nan only from a nan logit)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        p = np.exp(lp)
-        terms = np.where(p == 0.0, 0.0, p * (lp - lq))
-    return np.sum(terms, axis=-1)
-
-
-def kl_rounding_floor(vocab: int) -> float:
-    """The float64 rounding floor of :func:`_kl_rows` on ``[., vocab]`` rows of log-probabilities from
-    :func:`log_softmax`: a KL at or below it cannot be told from 0 (float64, logits units squared: none).
-
-    Why this formula: each log-probability is ``lp_v = z_v - lse`` with ``lse = log sum_u exp(z_u)``. Its float64
-    absolute error is at most ``eps64 * (|lp_v| + |lse| + ceil(log2 V) + 2)``: one rounding of the subtraction
-    (relative to ``|lp_v|``), one of the log (relative to ``|lse|``), the pairwise sum of V exp terms (relative
-    error ``<= ceil(log2 V) eps64``, which the log turns into an absolute one) and the exp itself. Weighted by
-    ``p_v`` and summed, ``sum_v p_v |lp_v|`` is the entropy ``<= ln V`` and ``0 <= lse <= ln V`` (``z <= 0``, its
-    max 0), so ``sum_v p_v (lp_v - lq_v)`` carries an error of at most ``eps64 * (2 ln V + ceil(log2 V) + 2)``
-    from each side's log-probabilities: twice that in all (the final sum of the V terms adds a relative
-    error of the KL itself, negligible). A distribution near uniform -- a model with a small logit scale --
-    has KL values of this size from rounding alone (e.g. 8e-16 for V = 512), so a threshold
-    ``(tol_rel * scale) ** 2`` below it would fail a correct backend; the logit rule still judges such rows.
-
-    Args:
-        vocab: V >= 1.
-    """
-    v = max(int(vocab), 1)
-    eps = float(np.finfo(np.float64).eps)
-    return 2.0 * eps * (2.0 * np.log(v) + np.ceil(np.log2(v)) + 2.0)
-
-
-def summarize(values: np.ndarray) -> dict:
-    """mean, median, p90, p99, p99.9, max of a 1-D array (float64; nan-propagating: a nan is a fault; +inf
-    entries give inf where they reach the percentile, never nan)."""
-    v = np.asarray(values, dtype=np.float64).ravel()
-    if v.size == 0:
-        return {k: float("nan") for k, _ in PERCENTILES}
-    out = {}
-    srt = np.sort(v)
-    for key, q in PERCENTILES:
-        if q is None:
-            out[key] = float(np.mean(v))
-            continue
-        # linear interpolation between order statistics (numpy's default), written out so that a step towards
-        # +inf (a KL of a -inf logit) is inf, never the nan of inf - inf
-        pos = q / 100.0 * (v.size - 1)
-        lo, hi = int(np.floor(pos)), int(np.ceil(pos))
-        frac = pos - lo
-        if np.isposinf(srt[hi]) and (frac > 0 or lo == hi):
-            out[key] = float("inf")
-        else:
-            out[key] = float(srt[lo] + (srt[hi] - srt[lo]) * frac) if hi != lo else float(srt[lo])
-    if np.isnan(v).any():
-        out = {k: float("nan") for k in out}
-    return out
-
-
-def _topk_sets(logits: np.ndarray, k: int) -> np.ndarray:
-    """``[T, k]`` token ids of each row's ``k`` largest logits, value descending then lower token id first (the
-    canonical tie-break of the project): a stable argsort's first ``k``. Rows whose ``k``-th value is not tied
-    with an excluded one and that hold no NaN take a partition (O(V), not O(V log V): prefills past 32768
-    positions compare ``[T, V]`` rows); every other row the stable sort itself."""
-    T, V = logits.shape
-    k = min(k, V)
-    x = -np.asarray(logits)
-    if k >= V or V <= 64 or T == 0:
-        return np.argsort(x, axis=-1, kind="stable")[:, :k]
-    part = np.argpartition(x, k - 1, axis=-1)[:, :k]
-    vals = np.take_along_axis(x, part, -1)
-    with np.errstate(invalid="ignore"):
-        kth = vals.max(axis=-1)
-        ok = ((x <= kth[:, None]).sum(axis=-1) == k) & ~np.isnan(x).any(axis=-1)
-    out = np.take_along_axis(part, np.lexsort((part, vals), axis=-1), -1)  # value, then token id
-    bad = np.nonzero(~ok)[0]
-    if bad.size:
-        out[bad] = np.argsort(x[bad], axis=-1, kind="stable")[:, :k]
-    return out
-
-
-def logit_scale(logits: np.ndarray) -> np.ndarray:
-    """The model's logit scale per position: the standard deviation of each row over the vocabulary (float64).
-
-    Why the std: an offset common to all logits changes nothing (softmax is shift-invariant), so the scale
-    must ignore the mean; what an error does to the distribution is measured against the spread of the
-    logits (KL ~ Var_P(delta)/2, and an argmax flips only where two logits are closer than twice the error).
-    A checkpoint with logits of max |logit| 0.2 has a scale ~0.05 and an error of 5e-3 there is 10% of it,
-    however small it is in absolute terms. A row of equal logits has scale 0: it is floored at the smallest
-    positive float so any error on it is judged infinite (an engine must reproduce a uniform row exactly
-    to rounding, and a measured floor is never exactly 0 there either).
-    """
-    x = _check_logits("logits", logits).astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        sd = np.std(x, axis=-1)
-    return np.where(np.isfinite(sd), np.maximum(sd, np.finfo(np.float64).tiny), np.nan)
-
-
-@dataclass
-class LogitComparison:
-    """Per-position comparison of backend a (the truth) against backend b over one set of positions.
-
-    All arrays are ``[T]``: ``kl_ab`` = KL(P_a||P_b), ``kl_ba`` = KL(P_b||P_a), ``top1`` (bool),
-    ``top5_overlap`` (fraction in [0, 1]), ``top_prob_diff`` = P_b(t) - P_a(t) for a's top token t,
-    ``max_abs_err`` = max_v |logit_b - logit_a - offset| (the logit error once the row's common offset is
-    removed: :func:`offset_free_error`), ``scale`` = :func:`logit_scale` of a's logits,
-    ``top1_gap`` = logit_a[a's argmax] - logit_a[b's argmax] (0 where they agree: how far from a tie a flip is),
-    ``offset`` = the per-row offset removed (mean over the vocabulary of logit_b - logit_a; softmax ignores it),
-    ``kl_floor`` = the float64 rounding floor of the KL values (:func:`kl_rounding_floor` of the vocabulary size;
-    0 when the comparison was built without logits, i.e. no floor known).
-    """
-
-    kl_ab: np.ndarray
-    kl_ba: np.ndarray
-    top1: np.ndarray
-    top5_overlap: np.ndarray
-    top_prob_diff: np.ndarray
-    max_abs_err: np.ndarray
-    scale: np.ndarray = None
-    top1_gap: np.ndarray = None
-    offset: np.ndarray = None
-    kl_floor: np.ndarray = None
-
-    def __post_init__(self):
-        n = np.asarray(self.kl_ab).shape
-        if self.scale is None:
-            self.scale = np.ones(n)
-        if self.top1_gap is None:
-            self.top1_gap = np.zeros(n)
-        if self.offset is None:
-            self.offset = np.zeros(n)
-        if self.kl_floor is None:
-            self.kl_floor = np.zeros(n)
-
-    @staticmethod
-    def concat(items: Sequence["LogitComparison"]) -> "LogitComparison":
-        """Concatenate several comparisons position-wise (an empty one when ``items`` is empty)."""
-        if not items:
-            z = np.zeros(0)
-            return LogitComparison(z, z, z.astype(bool), z, z, z, z, z, z, z)
-        return LogitComparison(*[np.concatenate([getattr(i, f.name) for i in items])
-                                 for f in dataclasses.fields(LogitComparison)])
-
-    def select(self, idx) -> "LogitComparison":
-        """The comparison restricted to positions ``idx`` (a slice, index array or bool mask)."""
-        return LogitComparison(*[np.asarray(getattr(self, f.name))[idx] for f in dataclasses.fields(LogitComparison)])
-
-    @property
-    def n(self) -> int:
-        """Number of positions compared."""
-        return int(self.kl_ab.size)
-
-    def rel_err(self) -> np.ndarray:
-        """``[T]`` worst logit error relative to the logit scale: ``max_abs_err / scale`` (nan propagates)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.asarray(self.max_abs_err, dtype=np.float64) / np.asarray(self.scale, dtype=np.float64)
-
-    def offset_rel(self) -> float:
-        """The largest per-row offset removed (:attr:`offset`), relative to the row's logit scale (0 when no
-        position; nan rows skipped): a figure, never a fault (softmax ignores a per-row offset)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            r = np.abs(np.asarray(self.offset, dtype=np.float64)) / np.asarray(self.scale, dtype=np.float64)
-        r = r[np.isfinite(r)]
-        return float(np.max(r)) if r.size else 0.0
-
-    def summary(self) -> dict:
-        """JSON-ready summary: KL stats both directions, top-1 agreement, top-5 overlap, prob-diff RMS/max,
-        worst logit error (absolute and relative to the logit scale, per-row offset removed) and the largest
-        per-row offset removed (absolute and relative)."""
-        n = self.n
-        rel = self.rel_err()
-        off = np.abs(np.asarray(self.offset, dtype=np.float64))
-        off = off[np.isfinite(off)]
-        return {
-            "positions": n,
-            "kl_ab": summarize(self.kl_ab),
-            "kl_ba": summarize(self.kl_ba),
-            "top1_agreement": float(np.mean(self.top1)) if n else float("nan"),
-            "top5_overlap": float(np.mean(self.top5_overlap)) if n else float("nan"),
-            "top_prob_diff_rms": float(np.sqrt(np.mean(self.top_prob_diff ** 2))) if n else float("nan"),
-            "top_prob_diff_max": float(np.max(np.abs(self.top_prob_diff))) if n else float("nan"),
-            "max_logit_err": float(np.max(self.max_abs_err)) if n else float("nan"),
-            "max_logit_err_rel": (float("nan") if np.isnan(rel).any() else float(np.max(rel))) if n else float("nan"),
-            "logit_scale_median": float(np.median(self.scale)) if n else float("nan"),
-            "max_removed_offset": float(np.max(off)) if off.size else 0.0,
-            "max_removed_offset_rel": self.offset_rel(),
-        }
-
-    def worst_kl(self) -> float:
-        """max over positions of max(KL(a||b), KL(b||a)); nan/inf when any row is non-finite."""
-        if not self.n:
-            return 0.0
-        both = np.maximum(self.kl_ab, self.kl_ba)
-        return float(np.nan) if np.isnan(both).any() else float(np.max(both))
-
-
-def offset_free_error(logits_a: np.ndarray, logits_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the logit error once the row's common offset is removed: ``(max_v |b - a - c|, c)``, both ``[T]``
-    float64, with ``c`` = the mean over the vocabulary of ``b - a`` (the offset minimising the squared error).
-
-    Softmax ignores a per-row offset (logits + 3, or log-probabilities returned instead of logits, give the same
-    distribution), so such a shift is no error; any error that differs across the entries of a row remains (its
-    residual is at least half its range). Entries not finite on both sides: ``c`` is taken over the finite
-    common entries; equal infinities (both -inf: a token both sides exclude) agree; one side finite and the
-    other infinite is an infinite error; a nan on either side gives nan. ``a``, ``b``: ``[T, V]`` float arrays
-    of equal shape (callers check).
-    """
-    a = np.asarray(logits_a, dtype=np.float64)
-    b = np.asarray(logits_b, dtype=np.float64)
-    common = np.isfinite(a) & np.isfinite(b)
-    with np.errstate(invalid="ignore", over="ignore"):
-        d = np.where(common, b - a, 0.0)
-        cnt = np.sum(common, axis=-1)
-        c = np.sum(d, axis=-1) / np.maximum(cnt, 1)
-        res = np.abs(d - c[..., None])
-        agree_inf = ~common & (a == b)
-        res = np.where(common | agree_inf, np.where(common, res, 0.0),
-                       np.where(np.isnan(a) | np.isnan(b), np.nan, np.inf))
-    return np.max(res, axis=-1), c
-
-
-def rerun_spread(first: np.ndarray, second: np.ndarray, truth: np.ndarray) -> float:
-    """A backend's run-to-run spread on one prompt: max over positions of :func:`offset_free_error` between its
-    two runs' ``[T, V]`` logits, relative to the truth's :func:`logit_scale` (the unit every logit error is
-    judged in). inf when the two runs' shapes differ or a row is not finite on both runs alike."""
-    x, y, t = np.asarray(first), np.asarray(second), np.asarray(truth)
-    if x.shape != y.shape or x.ndim not in (1, 2) or x.size == 0:
-        return float("inf")
-    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    err, _ = offset_free_error(x, y)
-    sc = logit_scale(t) if t.reshape(-1, t.shape[-1]).shape == x.shape else logit_scale(x)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rel = err / sc
-    return float(np.max(rel)) if np.isfinite(rel).all() else float("inf")
-
-
-def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitComparison:
-    """Compare two ``[T, V]`` logit arrays position by position (see :class:`LogitComparison`; a is the truth).
-    The logit error is judged after removing each row's common offset (:func:`offset_free_error`).
-
-    Raises:
-        InputError: shapes differ or are not 2-D float arrays.
-    """
-    a = _check_logits("logits_a", logits_a)
-    b = _check_logits("logits_b", logits_b)
-    if a.shape != b.shape:
-        raise InputError(f"logits: expected equal shapes [T, V], found {a.shape} (a) and {b.shape} (b)")
-    la, lb = log_softmax(a), log_softmax(b)
-    pa, pb = np.exp(la), np.exp(lb)
-    kl_ab, kl_ba = _kl_rows(la, lb), _kl_rows(lb, la)
-    kl_ab = np.where(np.isnan(kl_ab), np.nan, np.maximum(kl_ab, 0.0))
-    kl_ba = np.where(np.isnan(kl_ba), np.nan, np.maximum(kl_ba, 0.0))
-    ta, tb = _topk_sets(a, 1)[:, 0], _topk_sets(b, 1)[:, 0]
-    t5a, t5b = _topk_sets(a, 5), _topk_sets(b, 5)
-    k = t5a.shape[1]
-    overlap = np.array([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(t5a, t5b)], dtype=np.float64)
-    rows = np.arange(a.shape[0])
-    diff = pb[rows, ta] - pa[rows, ta]
-    a64 = a.astype(np.float64)
-    err, off = offset_free_error(a64, b)
-    with np.errstate(invalid="ignore"):
-        gap = a64[rows, ta] - a64[rows, tb]
-    return LogitComparison(kl_ab, kl_ba, ta == tb, overlap, diff, err, logit_scale(a), gap, off,
-                           np.full(a.shape[0], kl_rounding_floor(a.shape[1])))
-
-
-def greedy_agreement(tokens_a: Sequence[int], tokens_b: Sequence[int]) -> int:
-    """Length of the common prefix of two greedy continuations."""
-    n = 0
-    for x, y in zip(tokens_a, tokens_b):
-        if int(x) != int(y):
-            break
-        n += 1
-    return n
-
-
-#: how many times its floor a backend's relative logit error may be, per declared precision.
-#: float64/float32: a correct float32 engine computes the same function with the same unit roundoff as the
-#: float32 reference, so its error against float64 is of the floor's order; only the summation order (GEMM
-#: tiling, chunked scans, fused kernels) changes the constant, and the float32 floor is already the envelope
-#: over several orders (parity.harness.floor.FLOOR_ORDERS). Measured against the float32 truth: the official
-#: model on CPU 0.12..0.28 of 8x that floor on the bundled fixtures, the engine CPU path 0.2-0.6x the floor on
-#: the verdict-matrix models; 8x keeps a factor >= 2 (a correct engine may use half the limit) while a fault
-#: of 1e-3 of max |logit| (about 4e-3 of the logit scale) stays ~50x above an 8e-5 limit.
-#: Reduced precision: the floor rounds at every store point of a correct engine (floor.STORE_KINDS), so a correct
-#: engine rounding at those points or fewer is at most about the floor; the max over positions of a sum of
-#: many independent roundings fluctuates by < 2x between two such engines; 4x covers that with a factor 2.
-FLOOR_MULTIPLE = {"float64": 8.0, "float32": 8.0, "bf16": 4.0, "fp16": 4.0, "fp8": 4.0}
-#: the nominal floor's format per declared precision (only without a measured floor)
-FLOOR_OF = {"float64": "float32", "float32": "float32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
-#: used ONLY when no floor was measured (a direct call of :func:`thresholds_for` without one): the floor is
-#: then assumed to be the format's unit roundoff times this growth (sqrt of the summed lengths times the
-#: depth of a small model). Every harness entry point (run_kl, run_parity, the scenario runner under
-#: run_parity) measures the floor instead; reports say which was used.
-NOMINAL_GROWTH = 128.0
-
-
-@dataclass(frozen=True)
-class KLThresholds:
-    """Pass thresholds of one backend on one model (docs/parity.md, "Thresholds").
-
-    ``tol_rel``: the largest per-position logit error allowed, relative to the logit scale
-    (:func:`logit_scale`): ``max_v |truth - backend| <= tol_rel * scale`` at every position. The KL and top-1
-    rules follow from it (see :func:`verdict`). ``floor_rel``: the floor it is a multiple of; ``multiple``:
-    :data:`FLOOR_MULTIPLE`; ``precision``: the backend's declared precision; ``source``: 'measured ...' or
-    'nominal ...'. ``max_kl`` / ``near_tie_rel`` are derived (per unit scale) for display.
-    """
-
-    tol_rel: float
-    floor_rel: float = float("nan")
-    multiple: float = float("nan")
-    precision: str = "float32"
-    source: str = "nominal"
-    score_rel: float = float("nan")   # the floor's selection-score floor (sets the tie band, parity.harness.ties)
-    #: a taps.diff.Profile measured on this model (parity.harness.floor.tap_floor_profile), used by tap-diff
-    #: localisation; None: the bundled profile of the precision
-    tap_profile: object = field(default=None, compare=False, repr=False)
-
-    @property
-    def max_kl(self) -> float:
-        """The KL bound at unit logit scale: ``tol_rel ** 2`` (per position it is ``(tol_rel * scale) ** 2``)."""
-        return self.tol_rel ** 2
-
-    @property
-    def near_tie_rel(self) -> float:
-        """The near-tie gap relative to the logit scale: ``2 * tol_rel``."""
-        return 2.0 * self.tol_rel
-
-    def to_json(self) -> dict:
-        """JSON-ready fields."""
-        return {"tol_rel": self.tol_rel, "floor_rel": self.floor_rel, "multiple": self.multiple,
-                "precision": self.precision, "source": self.source, "score_rel": self.score_rel,
-                "max_kl_at_unit_scale": self.max_kl,
-                "near_tie_rel": self.near_tie_rel}
-
-
-def thresholds_for(precision: str, floor=None) -> KLThresholds:
-    """The :class:`KLThresholds` of a backend precision ('float64', 'float32', 'bf16', 'fp16', 'fp8').
-
-    Args:
-        floor: a :class:`parity.harness.floor.Floor` measured on this model (float32 floor for float
-            precisions, the precision's rounding floor otherwise), or None (nominal, see :data:`NOMINAL_GROWTH`).
-            A measured floor below the format's unit roundoff is raised to it.
-    Raises:
-        InputError: unknown precision, or a floor of the wrong kind.
-    """
-    from parity.harness.floor import UNIT_ROUNDOFF
-    if precision not in FLOOR_MULTIPLE:
-        raise InputError(f"backend precision: expected one of {sorted(FLOOR_MULTIPLE)}, found {precision!r}")
-    if floor is None:
-        kind = FLOOR_OF[precision]
-        mult = FLOOR_MULTIPLE[kind]
-        fr = UNIT_ROUNDOFF[kind] * NOMINAL_GROWTH
-        return KLThresholds(mult * fr, fr, mult, precision, f"nominal (no floor measured: {kind} unit roundoff "
-                                                            f"x {NOMINAL_GROWTH:g})", fr)
-    # the floor's own kind decides the multiple: a float32 floor (the backend rounds no activation store) gets
-    # the float32 multiple whatever the weight precision, a rounding floor the reduced-precision one
-    rounded = bool(floor.stores)
-    fmt = floor.precision.split("[")[0] if rounded else "float32"
-    mult = FLOOR_MULTIPLE.get(fmt, FLOOR_MULTIPLE["bf16"]) if rounded else FLOOR_MULTIPLE["float32"]
-    fr = max(float(floor.logit_rel), UNIT_ROUNDOFF["float32"])
-    return KLThresholds(mult * fr, fr, mult, precision,
-                        f"measured ({floor.precision} floor {fr:.3g} of the logit scale over {floor.positions} "
-                        f"positions)", max(float(floor.score_rel), UNIT_ROUNDOFF["float32"]))
-
-
-def top1_flips(top1, top1_gap, scale, th: KLThresholds) -> np.ndarray:
-    """``[T]`` bool: the kl row's near-tie rule -- a top-1 disagreement (``top1`` False) is a fault only where the
-    truth's gap between its argmax and the backend's pick (``top1_gap``, logits units) exceeds the near-tie band
-    ``2 * tol_rel * scale`` (an error of at most tol on each of the two logits can flip exactly those)."""
-    tol = th.tol_rel * np.asarray(scale, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        return ~np.asarray(top1, dtype=bool) & (np.asarray(top1_gap, dtype=np.float64) > 2.0 * tol)
-
-
-def pick_faults(truth_rows, picks, th: KLThresholds):
-    """The kl row's top-1 rule (:func:`top1_flips`) for tokens a backend picked greedily: ``picks[i]`` against
-    the truth's argmax of ``truth_rows[i]`` (value descending, lower token id first), a disagreement failing
-    only outside the near-tie band ``2 * tol_rel * scale`` (an exact or near tie at the top may be broken
-    either way). The one implementation behind the generation path's ``decode_greedy`` tokens and the MTP
-    cases' drafts and speculative greedy tokens.
-
-    Args:
-        truth_rows: ``[n, V]`` the truth's logits of the rows the tokens were picked from.
-        picks: ``[n]`` token ids in ``[0, V)`` (the caller checks the range).
-    Returns:
-        ``(faults [n] bool, best [n] int64, gap [n] float64, band [n] float64)``: the picks outside the band, the
-        truth's argmax, its logit minus the pick's, and the band ``2 * tol_rel * scale``. A pick with ``gap`` 0..band
-        that differs from ``best`` is tie-equivalent.
-    """
-    truth_rows = np.asarray(truth_rows)
-    picks = np.asarray(picks, dtype=np.int64).reshape(-1)
-    r = np.arange(len(picks))
-    best = _topk_sets(truth_rows, 1)[:, 0] if len(picks) else np.zeros(0, np.int64)
-    with np.errstate(invalid="ignore"):
-        gap = truth_rows[r, best].astype(np.float64) - truth_rows[r, picks]
-    scale = logit_scale(truth_rows) if len(picks) else np.zeros(0)
-    return (top1_flips(best == picks, gap, scale, th), best.astype(np.int64), gap,
-            2.0 * th.tol_rel * np.asarray(scale, dtype=np.float64))
-
-
-def kl_bound(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
-    """``[T]`` float64: the KL rule's bound per position, ``max((tol_rel * scale) ** 2, kl_floor)`` -- the
-    second-order bound of :func:`verdict`, never below the float64 rounding floor of the KL computation itself
-    (:func:`kl_rounding_floor`: on a model with a small logit scale ``(tol_rel * scale) ** 2`` falls below it)."""
-    tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
-    return np.maximum(tol ** 2, np.asarray(cmp.kl_floor, dtype=np.float64))
-
-
-def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
-    """``[T]`` bool: positions failing :func:`verdict`'s rules (non-finite, logit error, KL, top-1 gap)."""
-    tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
-    both = np.maximum(cmp.kl_ab, cmp.kl_ba)
-    with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(both) | ~np.isfinite(cmp.max_abs_err)
-        bad |= cmp.max_abs_err > tol
-        bad |= both > kl_bound(cmp, th)
-        bad |= top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
-    return bad
-
-
-def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True, offset: int = 0) -> tuple[bool, str]:
-    """(passed, reason) of a comparison against thresholds. Per position t, with ``tol_t = tol_rel * scale_t``:
-
-    * logits finite;
-    * ``max_v |delta| <= tol_t`` (the worst logit error is part of the verdict);
-    * ``KL <= tol_t ** 2`` (either direction): KL ~ Var_P(delta)/2 <= max|delta|^2/2 to second order, so a
-      position within the logit rule is within this one with a factor 2 for higher-order terms; it only adds
-      a check where the second-order picture breaks down. The bound is never below the float64 rounding floor
-      of the KL itself (:func:`kl_bound`, :func:`kl_rounding_floor`);
-    * a top-1 flip only where the truth's gap between the two tokens is ``<= 2 * tol_t`` (a near tie: an
-      error of at most tol_t on each logit can flip exactly those). ``top1=False`` skips this rule.
-
-    ``offset`` is added to the positions the reason names (a comparison of rows starting at that position).
-    """
-    tol = th.tol_rel * np.asarray(cmp.scale, dtype=np.float64)
-    both = np.maximum(cmp.kl_ab, cmp.kl_ba)
-    if not cmp.n:
-        return True, "no positions"
-    if (~np.isfinite(both)).any() or (~np.isfinite(cmp.max_abs_err)).any():
-        bad = ~np.isfinite(both) | ~np.isfinite(cmp.max_abs_err)
-        w = int(np.argmax(bad))
-        if np.isnan(both[w]) or np.isnan(cmp.max_abs_err[w]):
-            return False, f"non-finite KL (nan logits) at position {offset + w}"
-        return False, (f"KL inf at position {offset + w}: one side gives probability 0 (a -inf logit) to a token "
-                       f"the other gives probability > 0")
-    rel = cmp.rel_err()
-    w = int(np.argmax(rel))
-    if rel[w] > th.tol_rel:
-        return False, (f"logit error {rel[w]:.3g} of the logit scale > {th.tol_rel:.3g} ({th.multiple:g}x floor "
-                       f"{th.floor_rel:.3g}) at position {offset + w}")
-    bound = kl_bound(cmp, th)
-    klr = both / np.maximum(bound, np.finfo(np.float64).tiny)
-    if (klr > 1).any():
-        w = int(np.argmax(klr))
-        if bound[w] > tol[w] ** 2:
-            return False, (f"KL {both[w]:.3g} > the float64 rounding floor of the KL {bound[w]:.3g} (above "
-                           f"(tol x scale)^2 = {tol[w] ** 2:.3g}) at position {offset + w}")
-        return False, f"KL {both[w]:.3g} > (tol x scale)^2 = {tol[w] ** 2:.3g} at position {offset + w}"
-    if top1:
-        flips = top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
-        if flips.any():
-            w = int(np.argmax(flips))
-            return False, (f"top-1 differs at position {offset + w} with truth gap {cmp.top1_gap[w]:.3g} > near-tie "
-                           f"2 x tol x scale = {2 * tol[w]:.3g}")
-    why = f"logit error {float(np.max(rel)):.3g} <= {th.tol_rel:.3g} of the logit scale; max KL {float(np.max(both)):.3g}"
-    off = cmp.offset_rel()
-    if off > th.tol_rel:   # a figure, not a fault: say it, since a raw |difference| would have been far larger
-        why += f"; a per-row logit offset of up to {off:.3g} of the logit scale removed (softmax ignores it)"
-    return True, why
-
-
-# ----------------------------------------------------------------------------------------------- the harness
-
-#: the size of fault the harness must be able to resolve on a model, relative to the logit scale: the issue's
-#: range of faults that matter (a wrong constant, a stale state entry, a tie broken outside its set) moves logits
-#: by 1e-3..1e-2 of max |logit|, i.e. up to ~4e-2 of the scale (max |logit| is ~4 std on these models). A model
-#: and precision whose tolerance is above it cannot tell such a fault from rounding: the verdict is INCONCLUSIVE.
-USEFUL_FAULT_REL = 1e-2
 #: the negative control's perturbation is sized so that its effect on the logits is this many times the
 #: tolerance (detectable by design, with margin for the nonlinearity of the response)
 CONTROL_MARGIN = 10.0
@@ -682,8 +161,6 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
     argmax)``}`` (positions absolute in the prompt + continuation). A wrong shape or dtype is a fault, never an
     exception.
     """
-    from parity.backends import one_shot_logits
-    from parity.backends.base import capability, decode_greedy_of, prefill_last_of
     faults, rows_judged, toks_judged, toks_same = [], 0, 0, 0
     V = int(np.asarray(truth_last[0]).shape[-1]) if len(truth_last) else 0
     bd = capability(b, "batched_decode")   # a declared limit's max_tokens is the largest batch
@@ -771,7 +248,6 @@ def _weights_of(be):
 
 
 def _call_perturbed(factory, scale):
-    import inspect
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -790,8 +266,6 @@ def _effect(pb_factory, scale, truths, prompts, logs=None):
     pb = _call_perturbed(pb_factory, scale)
     if pb is None:
         return None, False
-    from parity.backends import one_shot_logits
-    from parity.harness.floor import forced_logits
     model = getattr(pb, "model", None)
     forced = logs is not None and hasattr(model, "selection_hook") and hasattr(model, "forward")
     try:
@@ -838,7 +312,6 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
     """
     logs = None
     if truth_model is not None and hasattr(truth_model, "selection_hook"):
-        from parity.harness.floor import logged_logits
         logs = [logged_logits(truth_model, [int(t) for t in ids])[1] for ids in prompts]
     full, forced = _effect(pb_factory, 1.0, truths, prompts, logs)
     pre = f"{note}: " if note else ""
@@ -909,9 +382,6 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     Raises:
         InputError: empty prompt set.
     """
-    from parity.backends import one_shot_logits
-    from parity.harness.floor import measure_floor, stores_of
-
     if not prompts:
         raise InputError("prompts: expected at least one prompt, found none")
     t0 = time.perf_counter()
@@ -925,25 +395,20 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         if w is not None:
             # the prompts plus the stream past the QSA bound: the same floor as ``qwen4exp parity`` measures
             # (parity.harness.floor.floor_prompts), so `kl` and `parity --scenario kl` judge alike
-            from parity.harness.floor import floor_prompts
             floor_ps = floor_prompts(w.config, prompts)
             floor = measure_floor(w, floor_ps, stores_of(b))
             measured_here = w
     th = thresholds if thresholds is not None else thresholds_for(prec, floor)
     name_a, name_b = getattr(a, "name", type(a).__name__), getattr(b, "name", type(b).__name__)
     cmps, dcmps, det_ok, det_bad, greedy = [], [], True, [], []
-    from parity.backends import capabilities_of
     # a backend claiming determinism must repeat bitwise; any other is allowed its own measured run-to-run noise
     claims_det = bool(capabilities_of(b).get("deterministic"))
     spread, spread_at = 0.0, None
     la_all, truth_last = [], []
     tie_rows, outside, per_prompt, unresolved = [], [], [], []
-    from parity.harness.ties import MAX_RESOLUTIONS as MAX_RESOLUTIONS_NOTE
     truth_model = getattr(a, "model", None) if floor is not None else None
-    from parity.harness.floor import unresolvable
     # a coarse floor: the logits may not show a pick outside the tie set, so the selections are read on every prompt
     coarse = floor is not None and unresolvable(th, floor) is not None
-    from parity.harness.progress import progress_bar
     bar = progress_bar(len(prompts), f"kl {name_b} vs {name_a}", progress)
     for i, ids in enumerate(prompts):
         if i:
@@ -976,7 +441,6 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         c = compare_logits(truth, be)
         bad = position_faults(c, th)
         if bad.any() and truth_model is not None and hasattr(truth_model, "selection_hook"):
-            from parity.harness.ties import judge_ties
             tj = judge_ties(truth_model, path, be, bad, th, floor, backend=b)
             if tj.outside:
                 outside.append(f"prompt {i}: {tj.outside}")
@@ -989,10 +453,9 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                 c, truth = c2, tj.logits
                 if still.any() and tj.truncated and int(np.argmax(still)) >= min(tj.truncated):
                     unresolved.append(f"prompt {i}: rows from position {int(np.argmax(still))} follow a tie with more "
-                                      f"than {MAX_RESOLUTIONS_NOTE} resolutions (position {min(tj.truncated)}): the "
+                                      f"than {MAX_RESOLUTIONS} resolutions (position {min(tj.truncated)}): the "
                                       f"backend's choice cannot be searched; a backend with selection taps can be judged")
         elif coarse and truth_model is not None and hasattr(truth_model, "selection_hook"):
-            from parity.harness.ties import outside_pick
             o = outside_pick(truth_model, path, be, th, b)
             if o:
                 outside.append(f"prompt {i}: {o}")
@@ -1067,7 +530,6 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                                        "detail": "not measured (no reference weights): nominal thresholds"}
         inconclusive.append("no measured precision floor")
     else:
-        from parity.harness.floor import floor_breakdown, unresolvable
         why = unresolvable(th, floor)
         if why and measured_here is not None and not floor.by_kind:
             floor = floor_breakdown(measured_here, floor_ps, floor)   # which stores make it coarse
@@ -1096,8 +558,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         inconclusive.insert(0, "determinism: " + controls["determinism"]["detail"])
         if passed is False and not outside:
             # a failure the backend's own run-to-run noise can explain (within tolerance + spread) is not a verdict
-            import dataclasses as _dc
-            wide = _dc.replace(th, tol_rel=th.tol_rel + (spread if np.isfinite(spread) else np.inf))
+            wide = dataclasses.replace(th, tol_rel=th.tol_rel + (spread if np.isfinite(spread) else np.inf))
             if np.isfinite(spread) and all(verdict(c_pre, wide)[0] and (c_dec is None or verdict(c_dec, wide)[0])
                                            for c_pre, c_dec in per_prompt):
                 passed = None
@@ -1122,7 +583,6 @@ def decode_case(ids: Sequence[int], tokens: Sequence[int]):
     """A scenario :class:`~parity.harness.scenarios.common.Case` replaying one KL prompt and its greedy decode:
     prefill ``ids``, then decode ``tokens[:-1]`` one by one (the path the KL harness judged), so a decode
     failure is located through the scenario machinery (tap-diff, and the search through the state)."""
-    from parity.harness.scenarios.common import Case
     ids, tokens = [int(t) for t in ids], [int(t) for t in tokens]
 
     def fn(run):

@@ -6,40 +6,20 @@ first divergence (if any), time, verdict. JSON files are written to a temporary 
 from __future__ import annotations
 
 import math
+import os
+import shlex
+import shutil
+import sys
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
-from typing import Any
+
+from parity.harness.causes import group_causes
+from parity.harness.jsonio import jsonable, write_json_atomic  # noqa: F401 (re-exported: callers import them here)
+from parity.harness.scenarios.locate import NOT_WRITTEN
+from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
 
 __all__ = ["ScenarioRow", "ParityReport", "write_json_atomic", "render_table", "jsonable", "next_step",
            "next_step_lines"]
-
-
-def jsonable(x: Any):
-    """A JSON-safe copy: numpy scalars/arrays to Python, non-finite floats to strings ('nan', 'inf')."""
-    try:
-        import numpy as np
-        if isinstance(x, np.generic):
-            x = x.item()
-        elif isinstance(x, np.ndarray):
-            x = x.tolist()
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    return x
-
-
-def write_json_atomic(path, obj) -> Path:
-    """Write ``obj`` (made :func:`jsonable`) as indented JSON to ``path`` via a temp file + rename
-    (:func:`reference.atomic.atomic_write_json`: mode per umask)."""
-    from reference.atomic import atomic_write_json
-    return atomic_write_json(path, jsonable(obj), indent=1)
 
 
 @dataclass
@@ -97,7 +77,6 @@ class ParityReport:
     def exit_code(self) -> int:
         """:data:`reference.errors.EXIT_DIVERGENCE` (1) when any row's status is 'fail' or 'error', else
         :data:`~reference.errors.EXIT_INCONCLUSIVE` (3) when any row is 'inconclusive', else 0."""
-        from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
         if any(r.status in ("fail", "error", "refused") for r in self.rows):  # refused: the engine's defect
             return EXIT_DIVERGENCE
         # a skipped case never counts as a pass: a report with no passing row judged nothing
@@ -136,7 +115,6 @@ class ParityReport:
 
     def to_json(self) -> dict:
         """The ``--json`` document: backend, model, exit code, verdict ('pass'/'fail'), meta and every row."""
-        from parity.harness.causes import group_causes
         return jsonable({"backend": self.backend, "model": self.model, "reproduce": self.reproduce,
                          "exit_code": self.exit_code,
                          "verdict": self.verdict, "verdict_line": self.verdict_line,
@@ -219,7 +197,6 @@ def _worst_failure(report: ParityReport) -> dict | None:
 def _archive_pair(f: dict):
     """``(truth archive, backend archive, profile.toml)`` of a failing case as written under ``--out`` (the first
     pair: the failing operation's), or None when it has none (no ``--out``, not written, no taps)."""
-    from parity.harness.scenarios.locate import NOT_WRITTEN
     arcs = [a for a in (f.get("archives") or []) if isinstance(a, str) and not a.startswith(NOT_WRITTEN)]
     truth = next((a for a in arcs if Path(a).name == "truth.taps"), None)
     if truth is None:
@@ -236,7 +213,6 @@ def next_step(report: ParityReport) -> dict | None:
     (:func:`_worst_failure`) on its archives under ``--out`` (the profile the location judged with), or
     ``command`` None and ``advice`` saying to re-run with ``--out DIR`` when no archives were kept. None when
     nothing failed."""
-    import shlex
     f = _worst_failure(report)
     if f is None:
         return None
@@ -340,9 +316,6 @@ def _cell_lines(text: str, width: int | None) -> list[str]:
 def _terminal_columns() -> int | None:
     """The width to fit: the COLUMNS variable when set, else the terminal's when stdout is a terminal; None
     for a pipe or a file (CI logs): rows are then never wrapped, so names stay whole for grep."""
-    import os
-    import shutil
-    import sys
     if os.environ.get("COLUMNS", "").isdigit():
         return int(os.environ["COLUMNS"])
     if not sys.stdout.isatty():
@@ -437,7 +410,6 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         lines += [" " * pad + more for more in cell[1:]]
     verdict = report.verdict_line.split(" (")[0]
     notes = []
-    from parity.harness.causes import group_causes
     causes = group_causes(report.rows)
     skips = skip_notes(report)
     if skips:   # the reasons of every skip and narrowing (the cases column counts them)

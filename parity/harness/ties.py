@@ -22,28 +22,23 @@ either way); exact ties are always inside.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from taps import registry
+from parity.backends import one_shot_logits
 from parity.harness.floor import SelectionLog, TieReport, logged_logits, tie_report
+from parity.harness.metrics import compare_logits
+from parity.harness.thresholds import position_faults, tie_band  # noqa: F401 (tie_band: re-exported here)
+from reference.taphook import layer_of
+from taps import registry
 
 __all__ = ["SELECTION_TAPS", "TieJudgement", "tie_band", "judge_ties", "backend_selections", "outside_pick"]
 
 SELECTION_TAPS = ("layers.*.self_attn.indexer.selected_blocks", "layers.*.mlp.gate.topk_ids")
 MAX_RESOLUTIONS = 256  # resolutions tried per tied position (each one forward: beyond it a backend needs selection taps)
-
-
-def tie_band(th) -> float:
-    """The near-tie band, relative to a selection layer's score scale (its largest |score|): ``2 * multiple * score floor`` (a
-    backend whose scores are within ``multiple`` floors of the truth's may order two candidates this close
-    either way). ``th``: the run's :class:`parity.harness.kl.KLThresholds` (``score_rel``: the score floor of
-    the floor they come from: float32, or the store-rounding one of the backend's stores)."""
-    from parity.harness.floor import UNIT_ROUNDOFF
-    sr = th.score_rel if np.isfinite(th.score_rel) else UNIT_ROUNDOFF["float32"]
-    return 2.0 * th.multiple * max(float(sr), UNIT_ROUNDOFF["float32"])
 
 
 @dataclass
@@ -66,14 +61,12 @@ class TieJudgement:
 def backend_selections(backend, ids) -> SelectionLog | None:
     """The backend's QSA / MoE selections over one full prefill of ``ids`` from its taps, or None when it
     emits none (then only the resolution search applies)."""
-    from parity.backends import one_shot_logits
     try:
         with backend.taps(None, include=list(SELECTION_TAPS)) as rec:
             one_shot_logits(backend, ids)
         arc = rec.archive()
     except Exception:  # noqa: BLE001 - a backend without taps is judged by the search
         return None
-    from reference.taphook import layer_of
     log = SelectionLog()
     for name in arc.names():
         i = layer_of(name)
@@ -123,7 +116,6 @@ def _diff_in_ties(kind, truth_sel: dict, be_sel: dict, ties: TieReport, scores: 
 
 def _n_resolutions(cut) -> int:
     """How many ways the cut's tied slots can be filled: C(|tie set|, |kept from it|)."""
-    import math
     return math.comb(len(cut["tie_set"]), len(cut["inside"]))
 
 
@@ -240,7 +232,6 @@ def judge_ties(truth_model, ids: Sequence[int], be_logits: np.ndarray, bad: np.n
     Returns:
         :class:`TieJudgement`; ``logits`` is None when the prompt has no tied cut at or before a failing position.
     """
-    from parity.harness.kl import compare_logits, position_faults
     canon, log = canon_log if canon_log is not None else logged_logits(truth_model, ids)
     ties = tie_report(log, truth_model.config, tie_band(th))
     out = TieJudgement(cuts=ties)

@@ -1,5 +1,5 @@
 """Every in-scope class of the public bug list (/work/shared/bug-classes.md, mapped in docs/parity.md) is an
-injected fault (parity/suites/faults.py BUG_CLASSES) that ONE named case catches and locates at the block
+injected fault (parity/suites/faults/ BUG_CLASSES) that ONE named case catches and locates at the block
 holding it. Each fault runs against exactly that case (fast); the control of the control: the same cases
 pass on the clean reference (tests/parity/test_parity_scenarios.py runs every case on it)."""
 from __future__ import annotations

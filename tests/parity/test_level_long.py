@@ -128,7 +128,7 @@ def _slow(request):
         pytest.skip("slow: run with -m slow or QWEN4EXP_RUN_SLOW=1")
 
 
-# The faults that exist only past the REAL caps (parity/suites/faults.py; their cap-16 twins are the tiny fixtures'
+# The faults that exist only past the REAL caps (parity/suites/faults/; their cap-16 twins are the tiny fixtures'
 # R28 controls): the long case that reaches the cap must fail and name the block holding the fault. The history
 # cap keeps each run to the stream its case needs (16400: the chunk case; none: positions past 32768). Ordered
 # longest first: the shorter stream is a prefix of the longer one, answered from the same truth forward.

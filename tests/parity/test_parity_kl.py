@@ -196,7 +196,7 @@ def test_topk_sets_partition_equals_the_stable_sort():
     """The partition path of the top-k sets (used on [T, V] rows of long prefills) gives exactly the stable
     argsort's first k: value descending, lower token id first -- exact ties at the cut, uniform rows, NaN and
     +-inf rows included (those take the sort itself); a reversed tie-break would differ."""
-    from parity.harness.kl import _topk_sets
+    from parity.harness.metrics import topk_sets
     rng = np.random.default_rng(0)
     for dt in (np.float32, np.float64):
         a = np.round(rng.standard_normal((500, 300)), 1).astype(dt)  # ~60 distinct values: ties everywhere
@@ -206,8 +206,8 @@ def test_topk_sets_partition_equals_the_stable_sort():
         a[8, 100] = np.inf
         a[9] = -np.inf
         for k in (1, 5, 299, 300):
-            assert np.array_equal(_topk_sets(a, k), np.argsort(-a, axis=-1, kind="stable")[:, :k]), (dt, k)
-    assert _topk_sets(a, 5)[6].tolist() == [0, 1, 2, 3, 4]
+            assert np.array_equal(topk_sets(a, k), np.argsort(-a, axis=-1, kind="stable")[:, :k]), (dt, k)
+    assert topk_sets(a, 5)[6].tolist() == [0, 1, 2, 3, 4]
     assert (299 - np.argsort(-a[6, ::-1], kind="stable")[:5]).tolist() != [0, 1, 2, 3, 4]  # negative control
 
 

@@ -14,20 +14,31 @@ batching bug ("correct alone, wrong in a batch") from a state bug.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from parity.harness.kl import compare_logits, KLThresholds, position_faults, verdict
-from reference.config import qsa_visible_bound
-from reference.errors import InconclusiveError, UserError
+from parity.backends.base import capabilities_of, capability
+from parity.harness.causes import fault_of
+from parity.harness.floor import SelectionLog
+from parity.harness.metrics import compare_logits
+# the case, its outcome and the sizes are re-exported: the suites and their callers import them from here
+from parity.harness.scenarios.case import Case, CaseConfined, CaseFailure, CaseResult, CaseSkip  # noqa: F401
+from parity.harness.scenarios.truth import NonFiniteTruth, TruthCache, check_truth_finite  # noqa: F401
+from parity.harness.sizes import GDN_CHUNK, Sizes, page_sizes_for, sizes, token_stream  # noqa: F401
+from parity.harness.thresholds import KLThresholds, position_faults, verdict
+from parity.harness.ties import SELECTION_TAPS, judge_ties
+from reference.errors import UserError
+from reference.taphook import layer_of
+from taps.archive import MemoryArchive
 
 __all__ = ["Case", "Run", "TruthCache", "CaseResult", "CaseFailure", "CaseConfined", "CaseSkip", "page_sizes_for", "sizes",
            "token_stream", "Sizes"]
 
 
-# --- verdicts. Every logit row a case compares is judged by parity.harness.kl.verdict against the run's
+# --- verdicts. Every logit row a case compares is judged by parity.harness.thresholds.verdict against the run's
 # thresholds: a multiple of the precision floor measured on this model (parity.harness.floor), relative to the
 # truth row's logit scale. Its top-1 rule is the near-tie rule of the whole harness: an argmax may flip only where
 # the truth's two tokens are within 2 x tol x scale (an error within tolerance on each logit can flip exactly
@@ -45,8 +56,6 @@ def batch_row(arc, rank: int, count: int):
     Returns:
         a :class:`taps.archive.MemoryArchive` with, per tap and position, the one row of that sequence.
     """
-    import numpy as np
-    from taps.archive import MemoryArchive
     data, taps = {}, {}
     manifest = dict(getattr(arc, "manifest", {}) or {})
     for name in arc.names():
@@ -68,123 +77,7 @@ def batch_row(arc, rank: int, count: int):
 
 
 def _null():
-    import contextlib
     return contextlib.nullcontext()
-
-
-class CaseConfined(Exception):
-    """Raised when a case would reach past the QSA bound in a run confined below it (the case is skipped)."""
-
-
-class CaseFailure(Exception):
-    """Raised inside a case at its first failing check (caught by :func:`run_case`)."""
-
-    def __init__(self, op: int, what: str, divergence: str | None = None, seq: str | None = None):
-        super().__init__(what)
-        self.op = op
-        self.seq = seq
-        self.what = what
-        self.divergence = divergence
-
-
-class CaseSkip(Exception):
-    """Raised inside a case when it needs an operation the backend declares unsupported, or beyond the limit
-    it declares (:func:`parity.backends.base.capability`); ``reason`` says which and why. The case is recorded
-    as skipped -- never as a pass -- even when its earlier checks passed."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass
-class Case:
-    """One scenario case: ``fn(run)``; ``needs``: backend capabilities it requires (e.g. 'snapshot_file')."""
-
-    name: str
-    fn: Callable[["Run"], None]
-    needs: tuple[str, ...] = ()
-    batch: bool = False  # drives several concurrent sequences
-
-
-@dataclass
-class CaseResult:
-    """Outcome of one case at one page size. ``status``: 'pass' | 'fail' | 'error' | 'skip' (``failure`` then
-    holds the skip reason; a skipped case is never counted as passed)."""
-
-    scenario: str
-    case: str
-    page_size: int | None
-    status: str
-    checks: int = 0
-    worst_kl: float = 0.0
-    worst_logit_err: float = 0.0
-    worst_logit_err_rel: float = 0.0  # relative to the logit scale (what the verdict judges)
-    tie_flips: int = 0                # argmax flips inside the near-tie gap (allowed)
-    tie_equivalent: list = field(default_factory=list)  # [op, seq, positions]: passed under a tie resolution
-    root_cause: dict | None = None    # parity.harness.causes.root_cause of a failure
-    fault: dict | None = None         # its failing positions, error / scale, top-1 flips (causes.fault_of)
-    known_note: str | None = None     # why the --known baseline does not excuse it (what is new)
-    known: bool = False               # failed only through a root cause of the --known baseline
-    failure: str | None = None
-    failed_op: int | None = None
-    failed_seq: str | None = None
-    divergence: str | None = None
-    archives: list = field(default_factory=list)
-    seconds: float = 0.0
-    narrowed: list = field(default_factory=list)  # parts left out for declared limits (the rest was judged)
-    traceback: str | None = None  # the backend's stack trace when status is 'error'
-
-    @property
-    def label(self) -> str:
-        """``scenario/case``, with `` [page N]`` when a page size is set."""
-        ps = "" if self.page_size is None else f" [page {self.page_size}]"
-        return f"{self.scenario}/{self.case}{ps}"
-
-    def to_json(self) -> dict:
-        """The result as a JSON-ready dict (``jsonable``)."""
-        from parity.harness.report import jsonable
-        return jsonable(self.__dict__)
-
-
-# ----------------------------------------------------------------------------------------------- sizes
-@dataclass(frozen=True)
-class Sizes:
-    """The sizes the suites cut at, all from the model config.
-
-    ``bound`` = indexer_budget + indexer_compress_ratio - 1 (at and below it QSA keeps every token);
-    ``ratio`` = indexer_compress_ratio; ``gdn_chunk`` = 64 (the chunked gated delta rule's block);
-    ``ple_window`` = (ple_conv_kernel_size - 1) * ngram_size (carried PLE conv history);
-    ``ngram_ctx`` = ngram_size - 1 (carried n-gram token context); ``eos`` = the PLE reset id.
-    """
-
-    bound: int
-    ratio: int
-    budget: int
-    gdn_chunk: int
-    ple_window: int
-    ngram_ctx: int
-    vocab: int
-    eos: int | None
-    has_qsa: bool
-    has_ple: bool
-    has_gdn: bool
-    other_eos: tuple = ()  # EOS ids after the first: end generation but do NOT reset the n-gram history
-
-
-GDN_CHUNK = 64  # torch_chunk_gated_delta_rule(chunk_size=64), modeling_qwen4_exp.py
-
-
-def sizes(config) -> Sizes:
-    """The :class:`Sizes` of a :class:`reference.config.ModelConfig`."""
-    has_qsa = bool(config.qsa_enabled and "indexed_attention" in config.layer_types)
-    ratio = config.indexer_compress_ratio if has_qsa else 4
-    budget = config.indexer_budget if has_qsa else 8
-    return Sizes(bound=qsa_visible_bound(budget, ratio), ratio=ratio, budget=budget, gdn_chunk=GDN_CHUNK,
-                 ple_window=config.ple_conv_state_len, ngram_ctx=config.ngram_size - 1, vocab=config.vocab_size,
-                 eos=config.ple_eos_token_id, has_qsa=has_qsa, has_ple=bool(config.ple_layer_ids),
-                 has_gdn="linear_attention" in config.layer_types,
-                 other_eos=tuple(int(e) for e in config.eos_token_ids[1:] if e != config.ple_eos_token_id))
 
 
 #: rank of a state array's kind inside its layer, in dataflow order (PLE before the mixer; the n-gram context
@@ -202,112 +95,6 @@ def state_order(name: str) -> tuple:
     if len(parts) == 3 and parts[1].isdigit() and parts[0] in _STATE_KIND:
         return (0, int(parts[1]), _STATE_KIND[parts[0]], _STATE_RANK.get(parts[2], 9), name)
     return (1, 0, 0, 0, name)
-
-
-def page_sizes_for(config) -> list[int]:
-    """Paged-cache page sizes the suites run with: one equal to the compress ratio (divides it), one
-    twice it (a multiple), and ratio + 1 (neither divides nor is divided by it, so compress blocks
-    straddle pages)."""
-    r = sizes(config).ratio
-    out = [r, 2 * r, r + 1]
-    return sorted(set(p for p in out if p >= 1))
-
-
-def token_stream(config, n: int, seed: int, eos_every: int | None = None) -> list[int]:
-    """``n`` deterministic pseudo-random token ids in [0, vocab) avoiding the EOS id, with an EOS
-    inserted every ``eos_every`` tokens when given (to exercise the n-gram reset)."""
-    s = sizes(config)
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, s.vocab, size=n).tolist()
-    if s.eos is not None:
-        ids = [t if t != s.eos else (t + 1) % s.vocab for t in ids]
-        if eos_every:
-            for i in range(eos_every - 1, n, eos_every):
-                ids[i] = s.eos
-    return [int(t) for t in ids]
-
-
-# ----------------------------------------------------------------------------------------------- truth
-class NonFiniteTruth(InconclusiveError):
-    """The truth (the reference's full-forward logits) holds NaN or infinity: nothing can be judged
-    against it (exit 3). ``position``: the first non-finite position."""
-
-    def __init__(self, position: int, value: float, what: str = "reference logits"):
-        super().__init__(f"the truth is invalid: {what} at position {position} are not finite (found {value}); "
-                         f"the checkpoint's weights or inputs give NaN/Inf, so no backend can be judged against it "
-                         f"(check the checkpoint: `qwen4exp info MODEL`)")
-        self.position = position
-
-
-def check_truth_finite(logits, what: str = "reference logits") -> None:
-    """Raise :class:`NonFiniteTruth` naming the first position of ``logits`` ``[T, V]`` that is NaN/Inf."""
-    from reference.errors import first_nonfinite
-    bad = first_nonfinite(logits)
-    if bad is not None:
-        raise NonFiniteTruth(bad[0], bad[1], what)
-
-
-class TruthCache:
-    """Truth logits: ``model.forward(history)`` (one full forward), cached. A cached forward over a
-    longer history also answers every prefix of it (the model is causal). At most ``max_bytes`` of
-    logits are kept (oldest evicted first: a real vocabulary makes each entry ~1 MB per token)."""
-
-    def __init__(self, model, max_bytes: int = 2 << 30):
-        self.model = model
-        self.max_bytes = int(max_bytes)
-        self._cache: dict[tuple, np.ndarray] = {}
-
-    def logits(self, hist: Sequence[int]) -> np.ndarray:
-        """``[len(hist), V]`` truth logits of every position of ``hist``."""
-        key = tuple(int(t) for t in hist)
-        n = len(key)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        for k, v in self._cache.items():
-            if len(k) > n and k[:n] == key:
-                return v[:n]
-        out = np.asarray(self.model.forward(list(key)))
-        check_truth_finite(out)
-        self._put(key, out)
-        return out
-
-    def _put(self, key: tuple, out: np.ndarray) -> None:
-        n = len(key)
-        # drop cached prefixes of the new entry (they are answered by it now)
-        for k in [k for k in self._cache if len(k) < n and key[:len(k)] == k]:
-            del self._cache[k]
-        self._cache[key] = out
-        while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > self.max_bytes:
-            del self._cache[next(iter(self._cache))]
-
-    def logged(self, hist: Sequence[int]):
-        """``(logits [T, V], SelectionLog)`` of the truth's canonical forward over ``hist``
-        (:func:`parity.harness.floor.logged_logits`: every block score and selection), answered from a logged
-        forward over a longer history when one is kept (the model is causal: rows and visible blocks sliced), else
-        computed once (its logits also serve :meth:`logits`). One logged forward is kept (the latest)."""
-        from parity.harness.floor import SelectionLog, logged_logits
-        key = tuple(int(t) for t in hist)
-        n = len(key)
-        got = getattr(self, "_logged", None)
-        if got is None or len(got[0]) < n or got[0][:n] != key:
-            out, log = logged_logits(self.model, list(key))
-            check_truth_finite(out)
-            self._logged = got = (key, out, log)
-            if not any(len(k) >= n and k[:n] == key for k in self._cache):
-                self._put(key, out)
-        _, out, log = got
-        r = self.model.config.indexer_compress_ratio or 1
-        cut = SelectionLog(qsa_scores={i: a[:n, :n // r] for i, a in log.qsa_scores.items()},
-                           qsa_sel={i: a[:n] for i, a in log.qsa_sel.items()},
-                           moe_probs={i: a[:n] for i, a in log.moe_probs.items()},
-                           moe_ids={i: a[:n] for i, a in log.moe_ids.items()})
-        return out[:n], cut
-
-    def prime(self, hist: Sequence[int]) -> None:
-        """Compute (once) the truth over a history the case will reach piece by piece, so every
-        intermediate comparison is answered by this one forward."""
-        self.logits(hist)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -376,7 +163,6 @@ class Run:
         #: confine the case below the QSA bound (``--below-bound``): the most visible tokens a sequence may hold
         #: (the bound itself: ``len(hist) <= limit``); an operation reaching past it skips the case
         self.limit: int | None = None
-        from parity.backends.base import capabilities_of
         self.caps = capabilities_of(backend)
         self.current_op = None  # the protocol operation in progress (names a CapabilityLimit's operation)
         self.narrowed: list[str] = []  # parts left out for declared limits (see narrow)
@@ -395,7 +181,6 @@ class Run:
     # --- capabilities
     def cap(self, op: str):
         """The backend's normalised declaration for ``op`` (:func:`parity.backends.base.capability`)."""
-        from parity.backends.base import capability
         return capability(self.caps, op)
 
     def refusal(self, op: str, what: str, ok=None) -> str | None:
@@ -438,7 +223,7 @@ class Run:
 
     def _compare(self, op: int, desc: str, s: Seq, logits: np.ndarray, start: int, k: int) -> None:
         """Compare ``k`` rows of ``logits`` (positions start..start+k-1 of s.hist) with the truth (KL only:
-        see :func:`parity.harness.kl.verdict`)."""
+        see :func:`parity.harness.thresholds.verdict`)."""
         logits = np.asarray(logits)
         end = start + k
         if logits.shape != (k, self.sizes.vocab) or end > len(s.hist):
@@ -470,7 +255,6 @@ class Run:
             first = int(np.argmax(bad)) if bad.any() else 0
             rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
             worst = int(np.argmax(rel))
-            from parity.harness.causes import fault_of
             self.fault = fault_of(cmp, self.th, offset=start)
             self.fail(op, f"{desc}: seq {s.label}: {why} (first failing position {start + first}, worst logit error at "
                           f"position {start + worst})", seq=s.label)
@@ -486,8 +270,6 @@ class Run:
         model = getattr(self.truth, "model", None)
         if model is None or not hasattr(model, "selection_hook"):
             return False, why, None
-        from parity.harness.kl import compare_logits
-        from parity.harness.ties import judge_ties
         V = logits.shape[1]
         be = np.full((end, V), np.nan)
         for p, r in s.rows.items():
@@ -522,7 +304,6 @@ class Run:
         (else a no-op). ``row``: ``(rank, count)`` when ``count`` sequences of one batched call are at the
         recorded position and ``seq`` is the ``rank``-th of them in batch order: a tap carries no sequence id,
         so each tap's rows at that position are matched to the sequence by that order (:func:`batch_row`)."""
-        import contextlib
         at, every = self.record_at == op, self.record_all is not None and seq.label == self.record_all
         if not (at or every):
             return contextlib.nullcontext()
@@ -544,11 +325,9 @@ class Run:
     def _keeping(self, s: "Seq", positions):
         """Context manager: with :attr:`keep_selections` (and taps usable, and no tap recording of this run),
         records the backend's selection taps at ``positions`` into ``s.sel``; else a no-op."""
-        import contextlib
         if not self.keep_selections or self.record_at is not None or self.record_all is not None \
                 or not self.cap("taps").usable:
             return contextlib.nullcontext()
-        from parity.harness.ties import SELECTION_TAPS
         run = self
 
         @contextlib.contextmanager
@@ -571,8 +350,6 @@ class Run:
         reads them from one full prefill)."""
         if not s.sel:
             return None
-        from parity.harness.floor import SelectionLog
-        from reference.taphook import layer_of
         log = SelectionLog()
         for name, rows in s.sel.items():
             if any(p not in rows for p in range(end)):
@@ -688,7 +465,6 @@ class Run:
                 d += " (replayed one sequence at a time)"
         else:
             i = next((j for j, s in enumerate(seqs) if s.label == self.record_seq), 0)
-            import contextlib
             keep = self._keeping(seqs[0], [starts[0]]) if len(seqs) == 1 else contextlib.nullcontext()
             # sequences of the batch at the same position (a fork's parent and child) emit rows at one position:
             # the recorded one's rows are found by its rank among them

@@ -17,10 +17,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from parity.backends import capabilities_of, one_shot_logits
+from parity.backends.base import declares_tap
+from parity.harness.floor import stores_of, tap_floor_profile
+from parity.harness.metrics import compare_logits, offset_free_error
 from parity.harness.scenarios.common import CaseFailure, Run
+from parity.harness.thresholds import position_faults, thresholds_for, tie_band
+from reference import atomic
+from taps.archive import ArchiveWriter
+from taps.diff import diff_archives as _diff
+from taps.diff import judging_profile, profile_toml
+from taps.recorder import Recorder, format_ranges, position_ranges
 
 __all__ = ["locate", "diff_archives", "locate_one_shot"]
-
 
 
 #: how a failing case's ``archives`` entry reads when its tap archives could not be written (the verdict
@@ -63,7 +74,6 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
     Returns ``(message or None, compared)``: ``compared`` is True when a logits tap was compared with
     the returned rows (then a None message means they match and the truth comparison adds nothing).
     """
-    import numpy as np
     if returned is None or not len(positions):
         return None, False
     ret = np.asarray(returned, dtype=np.float64)
@@ -81,7 +91,6 @@ def _returned_vs_tap(be_arc, returned, positions, precision: str) -> str | None:
                 continue
             scale = max(float(np.max(np.abs(t))) if t.size else 0.0, 1e-30)
             # a per-row offset is no difference (softmax ignores it): the kl harness's own error measure
-            from parity.harness.kl import offset_free_error
             err = float(offset_free_error(t[None, :], ret[i][None, :])[0][0])
             bad = ~np.isfinite(ret[i]).all() or not err <= rel * scale
             if bad:
@@ -110,14 +119,9 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
         e.g. ``first divergence layers.1.ple.out at position 17 (max_rel 3.1e-01; last agreeing
         layers.1.ple.gate)``, or a line saying why no tap-diff could be made.
     """
-    try:
-        from taps.diff import diff_archives as _diff
-    except ImportError as e:
-        return f"tap-diff unavailable (taps.diff: {e})"
     if not be_arc.names():
         outside = ((getattr(be_arc, "manifest", None) or {}).get("outside_positions") or {}).get("positions")
         if outside:   # it did emit, at positions other than the ones asked for
-            from taps.recorder import format_ranges, position_ranges
             want = (be_arc.manifest.get("filters") or {}).get("positions")
             want_s = format_ranges(position_ranges(want)) if want else "?"
             return (f"backend emitted taps at positions {format_ranges(outside)}, expected {want_s} "
@@ -134,7 +138,6 @@ def diff_archives(truth_arc, be_arc, precision: str = "float32", returned=None, 
 def _coverage(rep, backend) -> str:
     """The tap-coverage clause of a located cell: the taps the backend should have recorded (it declares them,
     ``parity.backends.base.declares_tap``) but did not, and any it recorded the truth has not."""
-    from parity.backends.base import declares_tap
     if not hasattr(rep, "coverage_note"):
         return ""
     missing = [n for n in rep.missing_in_b if backend is None or declares_tap(backend, n)]
@@ -165,20 +168,16 @@ def judging_profile_of(thresholds, precision: str = "float32", model=None, ids=N
     Tolerance: the multiple is the run's (``thresholds.multiple``, 8 for float32), the one the logits are judged
     at. Measured on the chunk-boundary cases of tiny (the reference prefilling in chunks of 1..79 vs its one-shot
     forward, the engine on CPU): every tap within 0.41 of this limit, while a 3e-3 lm_head fault is 1.8e5 over it."""
-    from taps.diff import judging_profile
     here = None
     weights = getattr(model, "weights", None)
     mult = float(getattr(thresholds, "multiple", float("nan")))
     if weights is not None and ids and mult == mult:
-        from parity.harness.floor import stores_of
         stores = stores_of(backend) if backend is not None else None
         key = (id(weights), tuple(int(t) for t in ids), tuple(sorted((stores or {}).items())), mult,
                getattr(thresholds, "score_rel", None))
         here = _FLOOR_CACHE.get(key)
         if here is None:
             try:
-                from parity.harness.floor import tap_floor_profile
-                from parity.harness.ties import tie_band
                 here = tap_floor_profile(weights, list(ids), stores, mult, tie_band(thresholds))
             except Exception:  # noqa: BLE001 - the run's profile (or the bundled one) still judges
                 here = None
@@ -219,10 +218,8 @@ def _line(rep, truth_arc, be_arc, precision, returned, positions, first_bad=None
 def _first_bad_vs_truth(returned, positions, truth_logits, thresholds) -> int | None:
     """First absolute position whose returned logits fail the KL threshold (or are non-finite) against
     the truth's rows; None when not computable or none fails."""
-    import numpy as np
     if returned is None or truth_logits is None or thresholds is None or not positions:
         return None
-    from parity.harness.kl import compare_logits, position_faults
     ret, tl = np.asarray(returned), np.asarray(truth_logits)
     k = min(len(ret), len(tl), len(positions))
     if not k:
@@ -287,7 +284,6 @@ def locate(scenario: str, case, backend, truth, th, failed_op: int | None, faile
         inside = _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, archive_dir, page_size,
                                   record_batched=True, first_failure=first_failure)
         return prefix + where + (f"; in the batch, {inside[0]}" if inside[0] else ""), inside[1]
-    from parity.backends.base import capabilities_of
     if capabilities_of(backend).get("taps", True) is False:  # no taps: the failing check itself locates it
         what = probe.what if isinstance(probe, CaseFailure) else f"op {failed_op}"
         return prefix + f"{what} (backend records no taps: located by operation and position only)", archives
@@ -324,7 +320,6 @@ def _is_prefill_batch(probe) -> bool:
 def _deterministic(backend) -> bool:
     """Whether the backend claims bitwise-identical reruns (then even the failure message must repeat; for
     others, whose reductions may reorder run to run, the failing operation and sequence must)."""
-    from parity.backends import capabilities_of
     return bool(capabilities_of(backend).get("deterministic"))
 
 
@@ -333,7 +328,6 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     """Steps 2-4 of :func:`locate`: record the failing op (``record_batched``: a batched decode as the batch,
     the failing sequence's position only), record the truth, tap-diff. Returns (line, archive paths)."""
     archives: list[str] = []
-    from parity.backends.base import capabilities_of
     if capabilities_of(backend).get("taps", True) is False:
         return "", archives  # nothing to record: the caller's line stands alone
     # 2. record the backend
@@ -346,7 +340,6 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
     be_arc, label, positions, hist = run.recorded
     # 3. record the truth
     try:
-        from taps.recorder import Recorder
         with Recorder(None, positions=positions, meta={"backend": "truth", "token_ids": list(hist)}) as rec:
             truth.model.forward(list(hist[:max(positions) + 1]))
         truth_arc = rec.archive()
@@ -408,8 +401,6 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
     divergent operation (its archives, so the claim can be saved and replayed), or None (nothing diverges
     before the failing operation, or the replay could not record).
     """
-    from taps.diff import diff_archives as _diff
-    from taps.recorder import Recorder
     rep = _replay(case, backend, truth, th, record_all=label)
     run = getattr(rep, "run", rep if isinstance(rep, Run) else None)
     if run is None or not run.recorded_all:
@@ -467,14 +458,8 @@ def _save(root, scenario, case, page_size, *arcs, meta: dict | None = None, prof
         d = d / _safe(sub)
     d.mkdir(parents=True, exist_ok=True)
     if profile is not None:
-        from reference.atomic import atomic_write_bytes
-        from taps.diff import profile_toml
         names = sorted(set().union(*(a.names() for a in arcs)))
-        atomic_write_bytes(d / "profile.toml", profile_toml(profile, names).encode())
-    try:
-        from taps.archive import ArchiveWriter
-    except ImportError:
-        return out
+        atomic.atomic_write_bytes(d / "profile.toml", profile_toml(profile, names).encode())
     for tag, arc in zip(("truth", "backend"), arcs):
         path = d / f"{tag}.taps"
         w = ArchiveWriter(path, overwrite=True)
@@ -500,13 +485,9 @@ def _manifest_fields(arc) -> dict:
 def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", thresholds=None) -> tuple[str, list[str]]:
     """tap-diff of one prompt's one-shot logits: the backend's ``logits(ids)`` against the truth's full
     forward, all positions recorded. Returns (divergence line, archive paths)."""
-    from taps.recorder import Recorder
 
     ids = [int(t) for t in ids]
-    from parity.backends.base import capabilities_of
     if capabilities_of(backend).get("taps", True) is False:  # no taps: the first divergent position only
-        from parity.backends import one_shot_logits
-        from parity.harness.kl import thresholds_for
         th = thresholds_for(getattr(backend, "precision", "float32"))
         first = _first_bad_vs_truth(one_shot_logits(backend, ids), list(range(len(ids))),
                                     truth_model.forward(ids), th)
@@ -514,7 +495,6 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", 
                 f"position only)"), []
     try:
         with backend.taps(None, meta={"token_ids": ids}) as rec_b:
-            from parity.backends import one_shot_logits
             returned = one_shot_logits(backend, ids)
         be_arc = rec_b.archive()
         with Recorder(None, meta={"backend": "truth", "token_ids": ids}) as rec_t:
@@ -523,7 +503,6 @@ def locate_one_shot(backend, truth_model, ids, *, archive_dir=None, label="kl", 
     except Exception as e:  # noqa: BLE001
         return f"could not record taps: {type(e).__name__}: {e}", []
     archives: list[str] = []
-    from parity.harness.kl import thresholds_for
     prec = getattr(backend, "precision", "float32")
     if archive_dir is not None:
         try:

@@ -6,7 +6,7 @@ import time
 import traceback
 
 from parity.backends.base import CapabilityLimit, SUPPORTED, capability
-from parity.harness.kl import thresholds_for
+from parity.harness.thresholds import thresholds_for
 from parity.harness.scenarios.common import Case, CaseConfined, CaseFailure, CaseResult, CaseSkip, Run, TruthCache
 from parity.harness.scenarios.locate import locate
 from reference.errors import InconclusiveError, UserError
