@@ -46,7 +46,7 @@ Capabilities (see :func:`parity.backends.base.capability`):
 * ``state_arrays``: supported (every cache tensor, named ``layers.{i}.<field>``); ``snapshot_file``: unsupported.
 * ``taps``: limited -- forward hooks on the official modules, mapped onto the registry names (below); they are
   installed for a forward only while a tap recorder listens (``reference.taphook.current()``), so plain forwards
-  take torch's hook-free call path.
+  take torch's hook-free call path. ``produces_taps`` (:data:`TAPS`) declares exactly the taps they emit.
 * ``perturb``: supported (weights and module outputs).
 
 The tap map (official module under the text model ``model`` / ``model.language_model``; hook; registry name):
