@@ -34,7 +34,9 @@ def _margins(doc) -> list[str]:
     bad = []
     for r in doc["scenarios"]:
         tol = (r.get("thresholds") or {}).get("tol_rel")
-        err = r.get("worst_logit_err")
+        # the judged figure is relative to the logit scale (what tol_rel limits); worst_logit_err is absolute
+        rel = r.get("worst_logit_err_rel")
+        err = rel if rel is not None else r.get("worst_logit_err")
         if tol is None or err is None or r.get("status") == "skip":
             continue
         if not err <= MARGIN * tol:
