@@ -5,12 +5,13 @@ copy a rollback restores) is caught by the same comparison (the negative control
 option is parsed, applied and a bad value refused with exit code 2; the backend declares exactly the taps its
 hooks emit; llama.cpp declares the taps of its node map.
 
-Tolerance ``REL`` (1e-4 of the row's largest |logit|): the cached and the full forward of the official float32
-model differ in evaluation order only -- the GDN layers' chunked delta rule (a prefill) against its one-token
-recurrent step (a decode), attention over cached keys against one causal matrix -- each a float32 rounding
-(2^-24 relative) summed over a few hundred terms per op and six layers: measured on tiny at most 3.5e-6 of
-the largest logit (4 prompts of 40 tokens, decode and verify + rollback), so REL leaves a margin of ~30. The perturbation of the negative controls (5% of the state's
-RMS, :data:`parity.backends.transformers.PERTURB_REL`) moves the next logits by far more than REL (asserted:
+Tolerance ``REL`` (1e-4 of the largest |logit| compared): the cached and the full forward of the official
+float32 model differ in evaluation order only -- the GDN layers' chunked delta rule (a prefill) against its
+one-token recurrent step (a decode), attention over cached keys against one causal matrix -- each a float32
+rounding (2^-24 relative) summed over a few hundred terms per op and six layers: measured on tiny at most
+3.5e-6 of the largest logit (4 prompts of 40 tokens, decode and verify + rollback), so REL leaves a margin of
+~30. The perturbation of the negative controls (5% of the state's RMS,
+:data:`parity.backends.transformers.PERTURB_REL`) must move the next logits by more than 10 x REL (asserted:
 a control that moved nothing would make the positive checks vacuous)."""
 from __future__ import annotations
 
