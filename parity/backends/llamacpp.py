@@ -169,6 +169,9 @@ class LlamaCppBackend(Backend):
     """llama.cpp (through llama-cpp-python) as a parity backend; see the module docstring."""
 
     precision = "float32"
+    #: the taps :data:`TAP_MAP` records (a located cell lists only these as missing; NO_COUNTERPART never)
+    produces_taps = tuple(dict.fromkeys(t for v in TAP_MAP.values() if v is not None
+                                        for t in (v if isinstance(v, list) else [v])))
 
     def __init__(self, model_path, cfg, gguf: str, conv: dict, *, threads=1, seqs=8, ctx=4096, rs=8, kv="f32", fa="off"):
         ll = _ll()

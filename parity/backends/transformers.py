@@ -46,7 +46,7 @@ Capabilities (see :func:`parity.backends.base.capability`):
 * ``state_arrays``: supported (every cache tensor, named ``layers.{i}.<field>``); ``snapshot_file``: unsupported.
 * ``taps``: limited -- forward hooks on the official modules, mapped onto the registry names (below); they are
   installed for a forward only while a tap recorder listens (``reference.taphook.current()``), so plain forwards
-  take torch's hook-free call path.
+  take torch's hook-free call path. ``produces_taps`` (:data:`TAPS`) declares exactly the taps they emit.
 * ``perturb``: supported (weights and module outputs).
 
 The tap map (official module under the text model ``model`` / ``model.language_model``; hook; registry name):
@@ -109,6 +109,19 @@ NOT_YET_MAPPED = ("hyper_connection_mixer.hc_norm.out", "layers.{i}.attn_hyper_c
                   "layers.{i}.self_attn.indexer.q_layernorm.out", "layers.{i}.self_attn.indexer.selected_tokens",
                   "layers.{i}.self_attn.k_norm.out", "layers.{i}.self_attn.q_norm.out")
 
+#: the registry taps the tap hooks emit (the tap map of the module docstring; ``{i}``: a layer index), what a
+#: located cell may list as missing (:attr:`parity.backends.base.Backend.produces_taps`): never a tap of
+#: NO_COUNTERPART or NOT_YET_MAPPED
+TAPS = ("embed_tokens.out", "layers.{i}.ple.ple_embedding.out", "layers.{i}.ple.out",
+        "layers.{i}.attn_hyper_connection.in", "layers.{i}.attn_hyper_connection.out",
+        "layers.{i}.attn_hyper_connection.injection_weights", "layers.{i}.linear_attn.core_out",
+        "layers.{i}.linear_attn.out", "layers.{i}.self_attn.indexer.block_scores",
+        "layers.{i}.self_attn.indexer.selected_blocks", "layers.{i}.self_attn.out",
+        "layers.{i}.attn_hyper_connection.combine", "layers.{i}.mlp_hyper_connection.out",
+        "layers.{i}.mlp_hyper_connection.injection_weights", "layers.{i}.mlp.gate.router_logits",
+        "layers.{i}.mlp.gate.topk_weights", "layers.{i}.mlp.gate.topk_ids", "layers.{i}.mlp.out",
+        "layers.{i}.mlp_hyper_connection.combine", "hyper_connection_mixer.out", "logits")
+
 #: the module-output fault: ``out + PERTURB_REL * rms(out)`` -- 5% of the output's scale, far above float32
 #: noise (~1e-6 relative) and still small enough that it is the kind of error a real kernel bug makes
 PERTURB_REL = 0.05
@@ -155,6 +168,7 @@ class TransformersBackend(Backend):
     module docstring for the options, capabilities and the tap map)."""
 
     name = "transformers"
+    produces_taps = TAPS
 
     def __init__(self, model, config, torch_dtype, device, name, model_path, load_note, crop_ok):
         torch = _import_torch()
@@ -504,7 +518,9 @@ class TransformersBackend(Backend):
                                   f"forward_tokens call, right after it"
                                   + ("" if pv is None else f" ({len(pv[2])} token(s))"))
         cache, pos, drafted = pv
-        s.cache, s.pos, s.pre_verify = copy.deepcopy(cache), pos, None
+        # the pre-verify copy is this sequence's own (forward_tokens made it, nothing else holds it) and is used
+        # once: it becomes the cache as it is, no second copy
+        s.cache, s.pos, s.pre_verify = cache, pos, None
         keep = drafted[:len(drafted) - n]
         if keep:
             self._forward(s, keep)
@@ -668,9 +684,10 @@ def _fused_expert(name: str):
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-# the official implementation; device also takes cuda:N, perturb a module path (layers.2.mlp): both are
-# checked by TransformersBackend.open
+# the official implementation; device also takes cuda:N, perturb a module path (layers.2.mlp), threads a positive
+# integer or auto: each is checked by TransformersBackend.open
 BACKEND = BackendEntry("transformers", TransformersBackend,
                        {"device": str, "dtype": ("float32", "bfloat16"), "load": ("auto", "pretrained", "reader"),
-                        "perturb": str, "page_size": int},
-                       help="the official implementation; device cpu or cuda[:N], perturb a module path")
+                        "perturb": str, "page_size": int, "threads": str},
+                       help="the official implementation; device cpu or cuda[:N], perturb a module path, "
+                            "threads N or auto")
