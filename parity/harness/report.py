@@ -222,8 +222,8 @@ def next_step(report: ParityReport) -> dict | None:
     out = {"case": label, "worst_logit_err_rel": err, "command": None}
     pair = _archive_pair(f)
     if pair is None:
-        out["advice"] = ("re-run with --out DIR to keep the tap archives of the failing cases, then diff them with "
-                         "qwen4exp taps diff")
+        out["advice"] = f.get("advice") or ("re-run with --out DIR to keep the tap archives of the failing cases, "
+                                            "then diff them with qwen4exp taps diff")
         return out
     truth, backend, profile = pair
     cmd = ["qwen4exp", "taps", "diff", truth, backend]

@@ -86,39 +86,14 @@ def topk_report(report, be, model, prompts):
     limits = th.to_json()
     try:
         res = run_topk(be, truth, ps, thresholds=th)
-        status = res["status"]
-        f = res["first"]
-        first = None if f is None else (f"prompt {f['prompt']} ({f['pattern']}): first divergent position "
-                                        f"{f['position']} ({'greedy continuation' if f['greedy_region'] else 'prompt'}"
-                                        f"; KL on the top-{be.topk} {f['kl']:.3g} (limit {f['bound']:.3g}), top-1 "
-                                        f"{'same' if f['top1'] else 'differs'})")
-        if f is not None and f.get("echo"):
-            first = (f"prompt {f['prompt']} ({f['pattern']}): the server's echo drops or moves the token at position "
-                     f"{f['position']}, so its rows from there cannot be attributed (a server defect)")
-        if status == "inconclusive":
-            first = res["inconclusive"]
-        detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= (tol x scale + the server's "
-                  f"float32 logprob rounding)^2 per position (tol {th.tol_rel:.3g}); worst KL / limit "
-                  f"{res['worst_kl_over_bound']:.3g}; smallest fault resolved at every position "
-                  f"{res['resolution_rel']:.3g} of the logit scale (least truth mass on the top-k "
-                  f"{res['min_mass_truth']:.3g}); "
-                  f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
-                  f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
-                  f"{res['skipped_unsendable']} prompts not sendable as text"
-                  + (f"; echo misaligned in {len(res['echo_misaligned'])} request(s): "
-                     + ", ".join(f"prompt {m['prompt']} at position {m['position']}" for m in res['echo_misaligned'])
-                     if res["echo_misaligned"] else ""))
-        # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its
-        # request patterns does); an inconclusive row vouches for no prompt: 0/0
-        cases = 0 if status == "inconclusive" else res["prompts"]
-        n_bad = len(res["failed_prompts"]) if status == "fail" else 0
-        report.rows.append(ScenarioRow("kl-topk", cases, n_bad, res["worst_kl"],
-                                       float("nan"), first, time.perf_counter() - t0, status, detail,
-                                       failures=[res] if status != "pass" else [], thresholds=limits))
     except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
+        import traceback
         report.rows.append(ScenarioRow("kl-topk", 1, 1, float("nan"), float("nan"), f"backend raised "
                                        f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e),
-                                       thresholds=limits))
+                                       thresholds=limits, traceback=traceback.format_exc()))
+        res = None
+    if res is not None:
+        report.rows.append(_topk_row(res, be, th, limits, t0))
     report.meta["openai"] = {"convention": be.convention, "requests": be.requests}
     for name in SCENARIOS:
         report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None, 0.0, "skip",
@@ -126,6 +101,48 @@ def topk_report(report, be, model, prompts):
                                        "not expose", skipped=1))
     return report
 
+
+
+def _topk_row(res: dict, be, th, limits: dict, t0: float):
+    """The kl-topk :class:`ScenarioRow` of a :func:`parity.harness.topk.run_topk` result ``res``."""
+    from parity.harness.report import ScenarioRow
+    status = res["status"]
+    f = res["first"]
+    if f is not None and f.get("echo"):   # an echo record has no KL bound: the server's rows cannot be attributed
+        first = (f"prompt {f['prompt']} ({f['pattern']}): the server's echo drops or moves the token at position "
+                 f"{f['position']}, so its rows from there cannot be attributed (a server defect)")
+    elif f is not None:
+        first = (f"prompt {f['prompt']} ({f['pattern']}): first divergent position {f['position']} "
+                 f"({'greedy continuation' if f['greedy_region'] else 'prompt'}; KL on the top-{be.topk} "
+                 f"{f['kl']:.3g} (limit {f['bound']:.3g}), top-1 {'same' if f['top1'] else 'differs'})")
+    else:
+        first = None
+    if status == "inconclusive":
+        first = res["inconclusive"]
+    detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= (tol x scale + the server's "
+              f"float32 logprob rounding)^2 per position (tol {th.tol_rel:.3g}); worst KL / limit "
+              f"{res['worst_kl_over_bound']:.3g}; smallest fault resolved at every position "
+              f"{res['resolution_rel']:.3g} of the logit scale (least truth mass on the top-k "
+              f"{res['min_mass_truth']:.3g}); "
+              f"max server tail mass {res['max_tail_server']:.3g}; server row convention: {res['convention']}; "
+              f"{res['requests']} requests ({', '.join(f'{k} x{v}' for k, v in res['patterns'].items())}); "
+              f"{res['skipped_unsendable']} prompts not sendable"
+              + (f"; echo misaligned in {len(res['echo_misaligned'])} request(s): "
+                 + ", ".join(f"prompt {m['prompt']} at position {m['position']}" for m in res['echo_misaligned'])
+                 if res["echo_misaligned"] else ""))
+    if status == "fail":   # the first thing to rule out before blaming the graph: the server's own precision
+        detail += ("; the limit is float32's: a server storing its KV cache in f16 (llama.cpp's default) fails it "
+                   "by that rounding alone (llama_cpp.server: --type_k 0 --type_v 0 for a float32 cache)")
+    # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its request
+    # patterns does); an inconclusive row vouches for no prompt: 0/0
+    cases = 0 if status == "inconclusive" else res["prompts"]
+    n_bad = len(res["failed_prompts"]) if status == "fail" else 0
+    fail = {**res, "label": f"kl-topk/prompt {f['prompt']}" if f is not None else "kl-topk",
+            "advice": ("a server exposes no tensor taps: to locate the divergence, run the same engine in process "
+                       "(e.g. --backend llama.cpp on the same GGUF) with --out DIR, then qwen4exp taps diff")}
+    # no logit error: a server returns top-k logprobs, not logits ('-' in the table)
+    return ScenarioRow("kl-topk", cases, n_bad, res["worst_kl"], None, first, time.perf_counter() - t0,
+                       status, detail, failures=[fail] if status != "pass" else [], thresholds=limits)
 
 def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
                out_dir=None, progress=True, known=None, below_bound=False):
@@ -203,7 +220,13 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     floor, coarse = None, None
     if truth is not None and invalid is None:
         from parity.harness.floor import thresholds_for_run   # thresholds from the floor measured on this model
+        tf = time.perf_counter()
+        if progress:   # the floor is the run's first long step: a quiet log must still say what runs
+            print("parity: measuring this model's precision floor (the limits every row is judged by)",
+                  file=sys.stderr, flush=True)
         th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
+        if progress:
+            print(f"parity: floor measured in {time.perf_counter() - tf:.0f}s", file=sys.stderr, flush=True)
         from parity.harness.kl import USEFUL_FAULT_REL
         # the resolution: a fault moving some logit by more than the limit (relative to the logit scale) FAILs
         report.meta.update(thresholds=th.to_json(), floor=floor.to_json(), smallest_fault_rel=th.tol_rel,

@@ -103,3 +103,37 @@ def test_nothing_compared_is_inconclusive_with_zero_cases(server_model, tmp_path
     assert res["positions"] == 0
     assert res["skipped_unsendable"] == (4 if how.startswith("no p") else 0) and be.requests == (
         0 if how.startswith("no p") else 6), (res, be.requests)  # 4 prompts + the prefix-reuse pair (half, whole)
+
+
+class _DropsEchoOfFirstPrompt(ReferenceTopkServer):
+    """A server whose echo of the first prompt loses the token at position 3 (llama_cpp.server drops an echoed
+    token that equals its default BOS id); the other prompts are answered correctly."""
+
+    def prompt_topk(self, ids, n_new=1):
+        from parity.backends.base import EchoMisaligned
+        if list(ids) == PROMPTS[0]:
+            self.requests += 1
+            raise EchoMisaligned("the echo holds no token at position 3", 3)
+        return super().prompt_topk(ids, n_new)
+
+
+def test_an_echo_defect_first_is_a_located_fail_not_an_error(server_model, tmp_path):
+    """The first finding of the run is a dropped echo token (a record with no KL bound): the row is a FAIL of the
+    server located at that prompt and position, with its own next step -- not the harness's own crash reported
+    as 'backend raised'."""
+    from parity.harness.report import next_step_lines
+    row, rep = _row(_DropsEchoOfFirstPrompt(ReferenceLogprobs(server_model)), tmp_path)
+    assert (row.status, row.cases, row.failed_cases) == ("fail", 4, 1), (row.status, row.first_divergence)
+    assert "echo drops or moves the token at position 3" in row.first_divergence, row.first_divergence
+    assert "backend raised" not in row.first_divergence and rep.exit_code == 1
+    lines = next_step_lines(rep)
+    assert lines and "kl-topk/prompt 0" in lines[0] and "no tensor taps" in lines[0], lines
+
+
+def test_a_server_that_raises_is_an_error_row_with_its_traceback(server_model, tmp_path):
+    class Raises(ReferenceTopkServer):
+        def prompt_topk(self, ids, n_new=1):
+            raise RuntimeError("connection reset")
+    row, rep = _row(Raises(ReferenceLogprobs(server_model)), tmp_path)
+    assert row.status == "error" and "RuntimeError: connection reset" in row.first_divergence
+    assert row.traceback and "connection reset" in row.traceback
