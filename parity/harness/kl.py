@@ -162,6 +162,7 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
     exception.
     """
     faults, rows_judged, toks_judged, toks_same = [], 0, 0, 0
+    last_rel = 0.0   # the worst judged error of a prefill_last row (relative to its logit scale)
     V = int(np.asarray(truth_last[0]).shape[-1]) if len(truth_last) else 0
     bd = capability(b, "batched_decode")   # a declared limit's max_tokens is the largest batch
     batch = max(1, min(GENERATION_BATCH, bd.max_tokens or GENERATION_BATCH)) if bd.usable else 1
@@ -180,8 +181,10 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
                                    "detail": f"returned shape {row.shape} dtype {row.dtype}, expected ({V},) float "
                                              f"= [vocab_size]"})
                     continue
-                ok, why = verdict(compare_logits(np.asarray(truth_last[i])[None], row[None]), th, offset=pos)
+                cmp = compare_logits(np.asarray(truth_last[i])[None], row[None])
+                ok, why = verdict(cmp, th, offset=pos)
                 rows_judged += 1
+                last_rel = max(last_rel, float(np.max(cmp.rel_err())))
                 if not ok:
                     faults.append({"prompt": i, "op": "prefill_last", "position": pos, "detail": why})
                 toks[i] = [int(np.argmax(row))]
@@ -229,7 +232,8 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
                                "detail": f"greedy token {int(pick[j])} at position {len(ids) + j + 1} (row of position {len(ids) + j}), the truth's "
                                          f"argmax {int(best[j])} with gap {gap[j]:.3g} > near-tie 2 x tol x scale = "
                                          f"{band[j]:.3g}"})
-    return {"ok": not faults, "faults": faults, "prefill_last_rows": rows_judged, "decode_greedy_tokens": toks_judged,
+    return {"ok": not faults, "faults": faults, "prefill_last_rows": rows_judged, "prefill_last_max_rel": last_rel,
+            "decode_greedy_tokens": toks_judged,
             "decode_greedy_as_decode": toks_same}
 
 

@@ -398,6 +398,12 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     doc["fault"] = _kl_fault(rep, prompts) if status == "fail" else None
     rel = np.asarray(rep.comparison.rel_err(), dtype=np.float64)
     worst_rel = (float(np.max(np.where(np.isfinite(rel), rel, np.inf))) if rel.size else None)
+    # the judged figure covers every row the verdict judged: prefill, decode and the generation path's rows
+    others = [g.get("decode_max_logit_err_rel") for g in (rep.greedy or [])]
+    others.append((rep.generation or {}).get("prefill_last_max_rel"))
+    others = [float(x) for x in others if x is not None]
+    vals = ([worst_rel] if worst_rel is not None else []) + others
+    worst_rel = max(vals) if vals else None
     doc["worst_logit_err_rel"] = worst_rel
     if status == "fail" and known is not None:   # the same cause at the same places, no larger, no new top-1 flip
         ok, why = known.judge(doc["root_cause"], doc["fault"], rep.thresholds.tol_rel)

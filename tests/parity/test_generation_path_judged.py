@@ -88,6 +88,10 @@ def test_wrong_generation_path_fails_located_at_the_operation(capsys, cls, op):
     if op == "prefill_last":   # at the last prompt position, which the prefill() rows judged equal
         assert all(f["position"] == len_ - 1 for f, len_ in
                    zip(faults, [p for p in row["failures"][0]["per_prompt_positions"]]))
+        # the row's judged error column covers the generation path's rows too (a FAIL never shows a passing
+        # figure beside its limit)
+        assert row["worst_logit_err_rel"] > row["thresholds"]["tol_rel"], (row["worst_logit_err_rel"],
+                                                                           row["thresholds"])
 
 
 @pytest.mark.parametrize("cls", [Wrap, DecodeGreedyRight])
