@@ -220,6 +220,16 @@ def next_step(report: ParityReport) -> dict | None:
     # an ERROR case compared nothing: no error figure (0 would read as perfect)
     err = None if f.get("status") == "error" else f.get("worst_logit_err_rel")
     out = {"case": label, "worst_logit_err_rel": err, "command": None}
+    if f.get("status") == "error":
+        out["advice"] = ("the backend raised (" + str(f.get("failure") or "?") + "): its stack trace is in "
+                         "report.json and on stderr with --traceback; a case that raises is judged no further")
+        return out
+    if (f.get("root_cause") or {}).get("tap") == "returned logits":
+        # every tap agreed with the truth: a tap diff would say AGREE; the fault is after the last tap
+        out["advice"] = ("every recorded tap agrees with the truth, the returned logits do not: the fault is in "
+                         "what the backend returns after its last tap (the lm_head output's copy, slicing, batching "
+                         "or dtype), not in a block; compare the backend's logits tap with its returned rows")
+        return out
     pair = _archive_pair(f)
     if pair is None:
         out["advice"] = f.get("advice") or ("re-run with --out DIR to keep the tap archives of the failing cases, "
@@ -423,7 +433,8 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
             where = _where(c)
             met = ", ".join(str(o) for o in (c.get("operations") or [c.get("operation")]) if o)
             first = f", first at position {c['position']}" if c.get("position") is not None else ""
-            regime = f" ({c['regime']} only)" if c.get("regime") else ""
+            # the QSA bound matters only to a QSA layer's taps; elsewhere a late position is no regime
+            regime = f" ({c['regime']} only)" if c.get("regime") and "self_attn" in str(c.get("tap")) else ""
             notes.append(f"  [{k}] {c['id']}{regime}{' (known)' if c['known'] else ''}: {len(c['cases'])} case(s), "
                          f"e.g. {c['cases'][0]}" + (f"; met in {met}{first}" if met else "")
                          + (f"; {where}" if where else "")

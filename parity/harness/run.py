@@ -180,8 +180,10 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         probe = op()  # fails here, clearly, when the backend cannot be opened
     except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
         report = ParityReport(backend=backend_label(backend_spec), model=str(model), meta={"refused": e.to_json()})
-        report.rows.append(ScenarioRow("open", 1, 1, float("nan"), float("nan"),
-                                       f"REFUSED by {e.engine} {e.stage}: {e.message}",
+        # nothing was compared: no KL, no error figure ('-'); the offered re-parameterisation is in the cell
+        offer = f"; {e.offer}" if e.offer else ""
+        report.rows.append(ScenarioRow("open", 1, 1, None, None,
+                                       f"REFUSED by {e.engine} {e.stage}: {e.message}{offer}",
                                        time.perf_counter() - t_open, "refused", e.offer))
         return report
     caps = capabilities_of(probe)

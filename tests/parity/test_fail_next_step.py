@@ -155,3 +155,61 @@ def test_a_located_cell_lists_only_the_taps_the_backend_declares():
     assert "self_attn" not in line, line                                # not declared: never listed
     undeclared = diff_archives(truth, be, backend=object())             # no declaration: every registry tap
     assert "layers.0.self_attn.out" in undeclared and "layers.1.mlp.out" in undeclared, undeclared
+
+
+class _RaisesInRollback:
+    """The reference, except that rollback raises (a backend's own crash)."""
+
+    @classmethod
+    def open(cls, model_path, **opts):
+        from parity.backends.reference import ReferenceBackend
+
+        class Raises(ReferenceBackend):
+            def rollback(self, h, n):
+                raise RuntimeError("rollback exploded")
+        return Raises.open(model_path, **opts)
+
+
+def test_a_backend_that_raises_is_one_cause_named_by_its_operation_with_the_traceback_advice(tmp_path):
+    """An ERROR case's cause is the exception in the operation that raised (not 'logits ... met in check'), and
+    the next step points at the stack trace, not at tap archives that no ERROR case writes."""
+    import sys
+    import types
+    from parity.harness.run import run_parity
+    mod = types.ModuleType("raises_in_rollback_backend")
+    mod.B = _RaisesInRollback
+    sys.modules[mod.__name__] = mod
+    try:
+        rep = run_parity(TINY, f"{mod.__name__}:B", ["speculative_rollback"], level="ci", out_dir=tmp_path,
+                         progress=False)
+    finally:
+        del sys.modules[mod.__name__]
+    causes = group_causes(rep.rows)
+    assert rep.exit_code == 1 and [c["id"] for c in causes] == ["backend raised"], [c["id"] for c in causes]
+    assert causes[0]["operation"] == "rollback", causes[0]
+    nx = next_step(rep)
+    assert nx["command"] is None and "--traceback" in nx["advice"] and "rollback exploded" in nx["advice"], nx
+    assert "re-run with --out" not in nx["advice"]
+
+
+def test_returned_logits_cause_gets_no_taps_diff_that_would_say_agree(tmp_path):
+    from parity.harness.run import run_parity
+    rep = run_parity(TINY, "parity.suites.faults:NanInReturnedLogits", ["kl"], level="ci", out_dir=tmp_path,
+                     progress=False)
+    nx = next_step(rep)
+    assert rep.exit_code == 1 and nx["command"] is None, nx
+    assert "every recorded tap agrees" in nx["advice"], nx
+
+
+def test_the_regime_label_is_printed_only_for_a_qsa_tap():
+    """A late-position MLP cause (all its failures past the bound) prints no QSA-bound label; a QSA tap's does."""
+    from parity.backends.reference import ReferenceBackend
+    from parity.harness.scenarios.common import sizes
+    cfg = ReferenceBackend.open(TINY).config
+    b = sizes(cfg).bound
+    f = "decode batch of 1: seq a: logit error 1 of the logit scale > 1e-5 (first failing position {p}, worst {p})"
+    for tap, shown in (("layers.2.self_attn.indexer.selected_blocks", True), ("layers.1.mlp.out", False)):
+        d = "first divergence " + tap + " at position {p} (max_rel 1)"
+        rep = ParityReport("b", "m", [_row([_fail(f"c{p}", f.format(p=p), d.format(p=p), cfg) for p in (b, b + 3)])])
+        text = render_table(rep, columns=400)
+        assert ("past the QSA bound only" in text) == shown, (tap, text)

@@ -67,6 +67,12 @@ def test_as_shipped_is_refused(fixture, stage, message):
     assert rep.verdict == "refused" and rep.exit_code == 1
     assert rep.meta["refused"]["stage"] == stage
     assert rep.meta["refused"]["message"].startswith(message), rep.meta["refused"]
+    # the table compares nothing ('-', never nan) and names the offered re-parameterisation where there is one
+    from parity.harness.report import render_table
+    text = render_table(rep, columns=2000)
+    assert " nan " not in text, text
+    offer = rep.meta["refused"].get("offer")
+    assert not offer or offer in text, (offer, text)
 
 
 # --- with the function-preserving re-parameterisations ------------------------------------------------

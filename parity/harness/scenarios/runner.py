@@ -91,7 +91,7 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
         res.divergence = f"refused: {e}"
     except (Exception, SystemExit) as e:  # a backend's sys.exit() is a crash of the case, never the run's exit code
         res.status = "error"
-        res.failure = f"{type(e).__name__}: {e}"
+        res.failure = f"{type(e).__name__}: {e}" + (f" (raised in {run.current_op})" if run.current_op else "")
         res.divergence = "".join(traceback.format_exception_only(type(e), e)).strip()
         res.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         res.failed_op = run.ops - 1
@@ -112,6 +112,10 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     if res.status in ("fail", "error"):
         from parity.harness.causes import root_cause
         res.root_cause = root_cause(res.failure, res.divergence, backend.config, scenario)
+        if res.status == "error":   # the backend raised: the cause is the exception, in the operation it raised in
+            res.root_cause = {**res.root_cause, "id": "backend raised", "tap": "backend raised", "layer": None,
+                              "block": "backend raised", "operation": run.current_op or "?", "regime": "?",
+                              "position": None}
         res.fault = run.fault
         if known is not None:   # excused only by the same cause at the same places, no larger, no new top-1 flip
             res.known, why = known.judge(res.root_cause, res.fault, th.tol_rel)
