@@ -19,6 +19,11 @@ pytestmark = pytest.mark.oracle
 #: every bundled fixture (fixtures/build.py)
 FIXTURES = ("tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8", "tiny-nvfp4", "tiny-mtp", "tiny-hc3-mtp")
 
+#: fixtures whose ci-level scenario prompts meet exact zero-score indexer ties, measured: tiny-hc3; tiny-hc2
+#: (budget prefill_far-above_len20 at layer 1 position 12, speculative batch_mixed_accepts at position 11);
+#: tiny-fp8 (speculative batch_mixed_accepts, layer 2 position 15: blocks 0 and 3 tie). tiny meets none.
+TIE_SCENARIO_FIXTURES = ("tiny-hc2", "tiny-hc3", "tiny-fp8")
+
 #: a correct float32 implementation's worst error may use at most this fraction of a row's limit (the margin
 #: the issue asks of the specification: the other half is left to engines with yet other summation orders)
 MARGIN = 0.5
@@ -53,6 +58,10 @@ def test_the_official_model_passes_every_fixture_with_margin(fx, level):
     assert rep.exit_code == 0 and doc["verdict"] == "pass", \
         (fx, level, [(r["scenario"], r["status"], r["first_divergence"]) for r in doc["scenarios"]])
     assert not _margins(doc), (fx, level, _margins(doc))
+    if fx in TIE_SCENARIO_FIXTURES and level == "ci":
+        # the official CPU picks at exact indexer ties are tie-equivalent: reported as such, never a FAIL
+        assert doc["tie_equivalent_positions"] > 0, fx
+        assert any(r["tie_equivalent_at"] for r in doc["scenarios"]), fx
     assert doc["meta"]["smallest_fault_rel"] == doc["meta"]["thresholds"]["tol_rel"]
 
 
