@@ -614,6 +614,14 @@ def _load_pretrained(model_path: Path, tdt):
         v.out_hidden_size = hcfg.text_config.hidden_size
         note += " (checkpoint has no vision tensors: vision tower shrunk to one 16-wide block, unused by text)"
     cls = getattr(transformers, arch)
+    # the reader's checks first (headers only): a missing, mis-shaped or truncated tensor is one error naming the
+    # tensor, its file and the shapes, where from_pretrained reports only that its conversion failed
+    from reference.checkpoint import Checkpoint
+    ck = Checkpoint.open(model_path)
+    try:
+        ck.validate()
+    finally:
+        ck.close()
     try:
         model = cls.from_pretrained(str(model_path), config=hcfg, dtype=tdt, attn_implementation="eager")
     except Exception as e:

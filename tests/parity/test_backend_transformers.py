@@ -341,3 +341,35 @@ def test_rollback_by_crop_on_a_model_without_gdn(tmp_path):
     res = run_scenario("speculative_rollback", lambda **kw: open_backend("transformers", tmp_path, **kw),
                        TruthCache(truth), level="ci", locate_on_fail=False)
     assert res and all(r.status == "pass" and not r.narrowed for r in res), [(r.case, r.status, r.failure) for r in res]
+
+
+@pytest.mark.oracle
+def test_a_broken_checkpoint_is_one_error_naming_the_tensor(tmp_path):
+    """The official backend runs the reader's checks before from_pretrained: a mis-shaped tensor and a truncated
+    file are each one CheckpointError naming the tensor (and the file), not transformers' 'conversion failed'."""
+    _need_oracle()
+    import shutil
+    from reference.errors import CheckpointError
+    from reference.paths import bundled_model
+    from reference.safetensors_file import write_safetensors
+    from safetensors.numpy import load_file
+    src = bundled_model("tiny")
+    bad = tmp_path / "shape"
+    shutil.copytree(src, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    name = next(n for n in t if n.endswith("mlp.experts.2.down_proj.weight"))
+    t[name] = np.ascontiguousarray(t[name][:, :-1])
+    write_safetensors(bad / "model.safetensors", t)
+    with pytest.raises(CheckpointError, match=r"experts\.2\.down_proj\.weight.*expected \[\d+, \d+\].*found"):
+        _open_path(bad)
+    trunc = tmp_path / "trunc"
+    shutil.copytree(src, trunc)
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[:-600])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated or corrupt file: tensor"):
+        _open_path(trunc)
+
+
+def _open_path(path):
+    from parity.backends import open_backend
+    return open_backend("transformers", path)
