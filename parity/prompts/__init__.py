@@ -59,9 +59,14 @@ def prompt_items(text: str, where) -> list:
     for n, it in enumerate(items):
         if isinstance(it, str):
             check_text(it, f"--prompts {where}: item {n}")  # a lone surrogate ("\ud800") is not text
-        elif not (isinstance(it, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in it)):
+        elif not isinstance(it, list):
             raise InputError(f"--prompts {where}: item {n}: expected a text or a list of integer token ids, found "
                              f"{type(it).__name__}")
+        else:
+            bad = next((j for j, x in enumerate(it) if not isinstance(x, int) or isinstance(x, bool)), None)
+            if bad is not None:   # name the element, as the out-of-range check does
+                raise InputError(f"--prompts {where}: item {n}: expected integer token ids, found "
+                                 f"{it[bad]!r} ({type(it[bad]).__name__}) at index {bad}")
     return items
 
 

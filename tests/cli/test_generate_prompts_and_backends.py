@@ -41,7 +41,7 @@ def test_a_json_list_file_gives_generate_several_prompts(tiny, tmp_path, capsys)
 @pytest.mark.parametrize("items, needles", [
     ([], ["non-empty JSON list"]),
     (["fine", 5], ["item 1", "a text or a list of integer token ids"]),
-    (["fine", [1, True]], ["item 1", "a text or a list of integer token ids"]),
+    (["fine", [1, True]], ["item 1", "expected integer token ids", "True (bool) at index 1"]),
     ([[]], ["item 0", "empty prompt"]),
     (["fine", ""], ["item 1", "empty prompt"]),
     ([[1, 2], "VOCAB"], ["item 1", "VOCAB"]),

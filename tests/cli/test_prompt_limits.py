@@ -39,3 +39,12 @@ def test_prompt_of_exactly_max_positions_is_read(tmp_path):
     f.write_text(json.dumps([[1] * cfg.max_position_embeddings]))
     ps = load_prompts(f, bundled_model("tiny"), cfg.vocab_size, cfg.max_position_embeddings)
     assert len(ps[0]) == cfg.max_position_embeddings
+
+
+@pytest.mark.parametrize("item,found", [([1, 2.5, 3], "2.5 (float) at index 1"), ([1, True, 3], "True (bool) at index 1"),
+                                        ([1, 2, "3"], "'3' (str) at index 2")])
+def test_a_bad_token_id_element_is_named_with_its_index(item, found, tmp_path, capsys):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([[4, 5], item]))
+    assert main(["parity", "tiny", "--scenario", "kl", "--no-progress", "--prompts", str(f)]) == 2
+    one_line_error(capsys, str(f), "item 1", found)
