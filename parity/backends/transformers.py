@@ -607,21 +607,22 @@ def _load_pretrained(model_path: Path, tdt):
     if arch not in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"):
         raise BackendError(f"backend transformers: config.json architectures: expected Qwen4ExpForCausalLM or "
                            f"Qwen4ExpForConditionalGeneration, found {arch!r}")
-    note = f"{arch}.from_pretrained"
-    if arch == "Qwen4ExpForConditionalGeneration" and not _stores_vision(model_path):
-        v = hcfg.vision_config
-        v.depth, v.hidden_size, v.intermediate_size, v.num_heads, v.num_position_embeddings = 1, 16, 16, 1, 4
-        v.out_hidden_size = hcfg.text_config.hidden_size
-        note += " (checkpoint has no vision tensors: vision tower shrunk to one 16-wide block, unused by text)"
-    cls = getattr(transformers, arch)
     # the reader's checks first (headers only): a missing, mis-shaped or truncated tensor is one error naming the
     # tensor, its file and the shapes, where from_pretrained reports only that its conversion failed
     from reference.checkpoint import Checkpoint
     ck = Checkpoint.open(model_path)
     try:
         ck.validate()
+        stores_vision = any(n.startswith("visual.") for n in ck.names())
     finally:
         ck.close()
+    note = f"{arch}.from_pretrained"
+    if arch == "Qwen4ExpForConditionalGeneration" and not stores_vision:
+        v = hcfg.vision_config
+        v.depth, v.hidden_size, v.intermediate_size, v.num_heads, v.num_position_embeddings = 1, 16, 16, 1, 4
+        v.out_hidden_size = hcfg.text_config.hidden_size
+        note += " (checkpoint has no vision tensors: vision tower shrunk to one 16-wide block, unused by text)"
+    cls = getattr(transformers, arch)
     try:
         model = cls.from_pretrained(str(model_path), config=hcfg, dtype=tdt, attn_implementation="eager")
     except Exception as e:
@@ -630,15 +631,6 @@ def _load_pretrained(model_path: Path, tdt):
                            f"{type(e).__name__}: {msg} (load=reader reads the weights with reference.checkpoint "
                            f"instead)") from e
     return model, note
-
-
-def _stores_vision(model_path: Path) -> bool:
-    from reference.checkpoint import Checkpoint
-    ck = Checkpoint.open(model_path)
-    try:
-        return any(n.startswith("visual.") for n in ck.names())
-    finally:
-        ck.close()
 
 
 def _load_reader(model_path: Path, cfg, tdt, quant):
