@@ -100,15 +100,20 @@ def _earlier(tap: str, tap_pos, sel_layer: int, sel_pos: int) -> bool:
     return layer_of(tap) < sel_layer
 
 
-def root_cause(failure: str | None, divergence: str | None, config=None, scenario: str = "") -> dict:
+def root_cause(failure: str | None, divergence: str | None, config=None, scenario: str = "",
+               raised_in: str | None = None) -> dict:
     """The root cause of one failure (see the module docstring).
 
     Args:
         failure: the failing check's message; divergence: the located first divergence (may be None);
-        config: the model config (for the QSA bound), or None.
+        config: the model config (for the QSA bound), or None; raised_in: for a case whose backend raised, the
+        operation it raised in ('?' unknown): the cause is then the exception there, no tap.
     Returns:
         ``{"id", "tap", "layer", "block", "operation", "regime", "position"}``.
     """
+    if raised_in is not None:
+        return {"id": cause_id("backend raised"), "tap": "backend raised", "layer": None, "block": "backend raised",
+                "operation": raised_in, "regime": "?", "position": None}
     failure, divergence = failure or "", divergence or ""
     op = "kl decode" if "decode:" in failure and failure.startswith("prompt") else _operation(failure)
     gen = re.match(r"prompt \d+: (prefill_last|decode_greedy) ", failure.lstrip())

@@ -111,11 +111,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
                                               first_failure=res.failure)
     if res.status in ("fail", "error"):
         from parity.harness.causes import root_cause
-        res.root_cause = root_cause(res.failure, res.divergence, backend.config, scenario)
-        if res.status == "error":   # the backend raised: the cause is the exception, in the operation it raised in
-            res.root_cause = {**res.root_cause, "id": "backend raised", "tap": "backend raised", "layer": None,
-                              "block": "backend raised", "operation": run.current_op or "?", "regime": "?",
-                              "position": None}
+        res.root_cause = root_cause(res.failure, res.divergence, backend.config, scenario,
+                                    raised_in=(run.current_op or "?") if res.status == "error" else None)
         res.fault = run.fault
         if known is not None:   # excused only by the same cause at the same places, no larger, no new top-1 flip
             res.known, why = known.judge(res.root_cause, res.fault, th.tol_rel)
