@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import traceback
 
 
 #: greedy tokens of the KL harness (parity.harness.kl.run_kl's default, the continuation ``qwen4exp parity`` judges)
@@ -87,10 +88,9 @@ def topk_report(report, be, model, prompts):
     try:
         res = run_topk(be, truth, ps, thresholds=th)
     except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
-        import traceback
         report.rows.append(ScenarioRow("kl-topk", 1, 1, float("nan"), float("nan"), f"backend raised "
                                        f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e),
-                                       thresholds=limits, traceback=traceback.format_exc()))
+                                       thresholds=limits, traceback=_format_tb(e)))
         res = None
     if res is not None:
         report.rows.append(_topk_row(res, be, th, limits, t0))
@@ -500,7 +500,6 @@ def _exc_name(e: BaseException) -> str:
 
 def _format_tb(e: BaseException) -> str:
     """The full stack trace of ``e`` (kept in report.json, printed with ``--traceback``)."""
-    import traceback
     return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
