@@ -53,6 +53,8 @@ __all__ = ["Checkpoint", "DictWeights", "CheckpointError", "canonical_name", "ex
            "E2M1_VALUES", "nvfp4_dequantize"]
 
 _FP8 = ("F8_E4M3", "F8_E5M2")
+#: the checkpoint's integer buffers (name suffixes); every other parameter is stored in a float dtype or as NVFP4 codes
+_INT_BUFFERS = (".layer_multipliers", ".ngram_heads_offsets", ".ngram_heads_vocab_sizes")
 #: E2M1 (NVFP4) code -> value: sign bit 3, exponent bits 2-1, mantissa bit 0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        dtype=np.float32)
@@ -207,6 +209,8 @@ class _WeightsBase:
         if self.is_nvfp4(name):
             shape = tuple(shape[:-1]) + (2 * shape[-1],)  # two E2M1 codes per stored byte
         exp = expected_shape(self.config, name, self._expected)
+        if exp is not None and not name.endswith(_INT_BUFFERS):
+            self._check_weight_dtype(name)
         m = _NGRAM_SHARD_RE.match(name)
         if exp is not None and tuple(shape) != exp:
             if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -225,6 +229,15 @@ class _WeightsBase:
                     raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected "
                                           f"[rows, {hd}] (head_dim = ple_embed_dim / ngram heads), found {list(shape)}")
         self._checked.add(name)
+
+    def _check_weight_dtype(self, name: str) -> None:
+        """A model parameter is stored in a float dtype, or as NVFP4 U8 codes (with its ``weight_scale_2``); an
+        integer dtype would be read as integers and silently change the model's function. Only the integer
+        buffers (:data:`_INT_BUFFERS`) are integers."""
+        sd = self._stored()[name][0]
+        if sd in _INT and not self.is_nvfp4(name):
+            raise CheckpointError(f"{self._source()}: tensor {name!r}: expected a float dtype (F32, BF16, F16, F64, "
+                                  f"F8_E4M3) or NVFP4 U8 codes with a weight_scale_2, found {sd}")
 
     # --- reading ------------------------------------------------------------------------
     def get_raw(self, name: str) -> np.ndarray:

@@ -4,6 +4,7 @@ overrides, fingerprint, atomic writes, and every error case (each a CheckpointEr
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -424,6 +425,22 @@ def test_wrong_shape_reported_on_access(tmp_path):
     with pytest.raises(CheckpointError, match="unexpected shape"):
         ck.validate()
     assert ck.get("layers.0.linear_attn.in_proj_a.weight").shape == (4, 64)
+
+
+@pytest.mark.parametrize("key", ["model.layers.0.attn_hyper_connection.hc_norm.weight", "model.layers.0.linear_attn.A_log",
+                                 "model.layers.0.mlp.experts.3.up_proj.weight"])
+def test_parameter_stored_as_integers_is_an_error(tmp_path, key):
+    """A float parameter stored with an integer dtype would be read as integers: an error naming the tensor and the
+    dtypes, on access and in validate(); the integer buffers stay readable (the control)."""
+    t = _tensors("tiny-hc2")
+    t[key] = np.round(t[key].astype(np.float32) * 100).astype(np.int32)
+    ck = Checkpoint.open(_write_ck(tmp_path, _config("tiny-hc2"), t))
+    name = key[len("model."):]
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}'.*expected a float dtype.*found I32"):
+        ck.get(name)
+    with pytest.raises(CheckpointError, match="expected a float dtype"):
+        ck.validate()
+    assert ck.get("layers.2.ple.ple_embedding.layer_multipliers").dtype == np.int64
 
 
 def _ck_with_a_log_dtype(tmp_path, dtype: bytes):
