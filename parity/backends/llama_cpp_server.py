@@ -1,7 +1,7 @@
 """The ``openai`` backend: an OpenAI-compatible completions server, with what llama_cpp.server (llama-cpp-python
 0.3.36) does its own way handled, judged through the OpenAI-API base (:mod:`parity.backends.openai`).
 
-    --backend openai:url=http://127.0.0.1:PORT,model=NAME[,topk=K,timeout=S,max_requests=N]
+    --backend openai:url=http://127.0.0.1:PORT,model=NAME[,topk=K,timeout=S,max_requests=N,precision=P]
 
 llama_cpp.server's ways, each measured on 0.3.36 (docs/outside-engines.md, findings E and G):
 - ``top_logprobs[i]`` is the distribution *after* token i (OpenAI's is the one *of* token i): the base measures
@@ -34,5 +34,5 @@ class LlamaCppServerBackend(OpenAIBackend):
 
 # an outside engine behind an OpenAI-style HTTP server (docs/outside-engines.md)
 BACKEND = BackendEntry("openai", LlamaCppServerBackend,
-                       {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
+                       {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int, "precision": str},
                        help="a running OpenAI-style completions server, docs/outside-engines.md")

@@ -18,6 +18,11 @@ server tokenizes a text into), :attr:`OpenAIBackend.echo_note` and, for another 
 :meth:`OpenAIBackend.answer` (one request -> the rows per token in the server's convention).
 
 Requests are bounded: ``max_requests`` (default 64) and ``timeout`` seconds each (default 30).
+
+``precision`` (default ``float32``) is what the server computes in, as its operator knows it: ``float32`` judges
+it as a float32 engine; ``bf16`` / ``fp16`` / ``fp8`` judge it with the floor of an engine that rounds every
+activation store (residual, block inputs/outputs, KV cache) to that format (parity.harness.floor.stores_of),
+and its log-probabilities with that format's rounding -- e.g. ``fp16`` for llama.cpp's default F16 KV cache.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ class OpenAIBackend(TopkServer):
     scheme = "openai"
     #: what the server is known to do that misaligns an echo, appended to :class:`EchoMisaligned`'s message
     echo_note = ""
+    #: the ``precision=`` values a server can be judged at (float64 is the reference's own, no server's)
+    PRECISION_CHOICES = ("float32", "bf16", "fp16", "fp8")
 
     def __init__(self, model_path, cfg, url, model, topk, timeout, max_requests):
         self.model_path, self.config = model_path, cfg
@@ -58,22 +65,27 @@ class OpenAIBackend(TopkServer):
         return tok, _string_map(tok, cfg.vocab_size)
 
     @classmethod
-    def open(cls, model_path, *, url=None, model=None, topk=20, timeout=30, max_requests=64, page_size=None,
-             perturb=None, **opts):
+    def open(cls, model_path, *, url=None, model=None, topk=20, timeout=30, max_requests=64, precision="float32",
+             page_size=None, perturb=None, **opts):
         """Connect (one ``GET /v1/models`` within ``timeout``), then measure the row convention (:meth:`_probe`).
 
         Raises:
-            InputError: no url, a non-http url, unknown options. BackendError: the server does not answer.
+            InputError: no url, a non-http url, a precision outside :data:`PRECISION_CHOICES`, unknown options.
+            BackendError: the server does not answer.
         """
         from reference.config import load_config
         if opts:
-            raise InputError(f"{cls.scheme} backend options: expected url, model, topk, timeout, max_requests; "
-                             f"found {sorted(opts)}")
+            raise InputError(f"{cls.scheme} backend options: expected url, model, topk, timeout, max_requests, "
+                             f"precision; found {sorted(opts)}")
+        if precision not in cls.PRECISION_CHOICES:
+            raise InputError(f"{cls.scheme}:precision: expected one of {', '.join(cls.PRECISION_CHOICES)} (what the "
+                             f"server computes in), found {precision!r}")
         if not url or not str(url).startswith(("http://", "https://")):
             raise InputError(f"{cls.scheme} backend: expected url=http://HOST:PORT, found {url!r}")
         if perturb is not None:
             raise BackendError(f"{cls.scheme} backend: perturb: not supported")
         be = cls(model_path, load_config(model_path), url, model or "", topk, timeout, max_requests)
+        be.precision = str(precision)
         doc = be._request("GET", "/v1/models")
         if not be.model:
             data = doc.get("data") or [{}]

@@ -1,7 +1,7 @@
 """The ``vllm`` backend: a vLLM-style OpenAI-compatible completions server that takes token-id prompts and
 returns ``prompt_logprobs``, judged through the OpenAI-API base (:mod:`parity.backends.openai`).
 
-    --backend vllm:url=http://127.0.0.1:PORT,model=NAME[,topk=K,timeout=S,max_requests=N]
+    --backend vllm:url=http://127.0.0.1:PORT,model=NAME[,topk=K,timeout=S,max_requests=N,precision=P]
 
 One request per prompt: ``prompt`` as the list of token ids (no text round trip, so every prompt is sent and
 no tokenizer is needed), ``prompt_logprobs=k`` (vLLM's extension: ``choices[0].prompt_logprobs[i]`` is the
@@ -102,6 +102,6 @@ class VllmBackend(OpenAIBackend):
 
 # a vLLM-style server: token-id prompts, prompt_logprobs (docs/outside-engines.md)
 BACKEND = BackendEntry("vllm", VllmBackend,
-                       {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int},
+                       {"url": str, "model": str, "topk": int, "timeout": int, "max_requests": int, "precision": str},
                        help="a running vLLM-style completions server (token-id prompts, prompt_logprobs), "
                             "docs/outside-engines.md")

@@ -130,9 +130,13 @@ def _topk_row(res: dict, be, th, limits: dict, t0: float):
               + (f"; echo misaligned in {len(res['echo_misaligned'])} request(s): "
                  + ", ".join(f"prompt {m['prompt']} at position {m['position']}" for m in res['echo_misaligned'])
                  if res["echo_misaligned"] else ""))
-    if status == "fail":   # the first thing to rule out before blaming the graph: the server's own precision
+    prec = getattr(be, "precision", "float32")
+    if status == "fail" and prec == "float32":   # the first thing to rule out before blaming the graph
         detail += ("; the limit is float32's: a server storing its KV cache in f16 (llama.cpp's default) fails it "
-                   "by that rounding alone (llama_cpp.server: --type_k 0 --type_v 0 for a float32 cache)")
+                   "by that rounding alone (llama_cpp.server: --type_k 0 --type_v 0 for a float32 cache, or judge "
+                   "it at its precision: precision=fp16)")
+    elif prec != "float32":
+        detail += f"; judged at precision {prec} (every activation store rounded to {prec} in the floor)"
     # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its request
     # patterns does); an inconclusive row vouches for no prompt: 0/0
     cases = 0 if status == "inconclusive" else res["prompts"]

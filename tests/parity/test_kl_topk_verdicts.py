@@ -137,3 +137,45 @@ def test_a_server_that_raises_is_an_error_row_with_its_traceback(server_model, t
     row, rep = _row(Raises(ReferenceLogprobs(server_model)), tmp_path)
     assert row.status == "error" and "RuntimeError: connection reset" in row.first_divergence
     assert row.traceback and "connection reset" in row.traceback
+
+
+@pytest.fixture(scope="module")
+def fp16_store_model():
+    """A correct server that stores every activation (residual, block inputs/outputs, KV cache) in fp16, as
+    llama.cpp's default F16 KV cache and fp16 activations do: the reference in float32 with those stores rounded."""
+    from parity.backends import truth_model
+    from parity.harness.floor import rounder
+    m = truth_model(TINY, dtype=np.float32)
+    m.store_round = rounder("fp16")
+    return m
+
+
+def test_server_precision_option_judges_a_reduced_precision_server_at_its_own_floor(fp16_store_model, tmp_path):
+    """``precision=fp16``: a correct fp16-store server is not failed at its own floor, while judged as float32 it
+    FAILs by that rounding alone (the control that the option matters). On tiny the fp16 floor (tol ~1.7e-2 of
+    the logit scale, measured) is above the useful fault, so the row cannot vouch for a pass: INCONCLUSIVE with
+    the reason, never PASS; a fault above the row's resolution still FAILs (the wider limit does not blind it)."""
+    as_f32 = ReferenceTopkServer(ReferenceLogprobs(fp16_store_model))
+    row32, _ = _row(as_f32, tmp_path)
+    assert row32.status == "fail", row32.detail
+    assert "precision=fp16" in row32.detail   # the FAIL names the option that rules the server's precision out
+    at_fp16 = ReferenceTopkServer(ReferenceLogprobs(fp16_store_model))
+    at_fp16.precision = "fp16"
+    row16, rep16 = _row(at_fp16, tmp_path)
+    assert row16.status in ("pass", "inconclusive") and row16.failed_cases == 0, row16.detail
+    assert "judged at precision fp16" in row16.detail and rep16.meta["floor"]["precision"].startswith("fp16[")
+    if row16.status == "inconclusive":
+        assert "smallest fault" in row16.detail or "resolve" in row16.detail, row16.detail
+    resolved = float(row16.detail.split("smallest fault resolved at every position ")[1].split(" ")[0])
+    faulty = ReferenceTopkServer(ReferenceLogprobs(fp16_store_model, fault_rel=2 * resolved))
+    faulty.precision = "fp16"
+    rowf, _ = _row(faulty, tmp_path)
+    assert rowf.status == "fail" and rowf.failed_cases >= 1, rowf.detail
+
+
+@pytest.mark.parametrize("bad", ["float64", "int8"])
+def test_server_precision_option_rejects_values_no_server_computes_in(bad):
+    from parity.backends.registry import open_backend
+    from reference.errors import InputError
+    with pytest.raises(InputError, match=r"precision: expected one of float32, bf16, fp16, fp8.*found"):
+        open_backend(f"openai:url=http://127.0.0.1:9,precision={bad}", TINY)
