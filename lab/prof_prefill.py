@@ -9,7 +9,8 @@ Run on a GPU from the repository root:
 * ``python -m lab.prof_prefill FMT --time 512,4096 [--ab]``: per prompt length, the median of 3 prefills (CUDA
   events, after one warm-up) in ms and tokens/s; ``--ab`` also times them with the FP8 / NVFP4 experts on their
   grouped float32-FMA kernels (``gemm_tc.MOE_MAX_PAD_FP8`` / ``MOE_MAX_PAD_NVFP4`` = 0: the MoE's tensor-core path
-  off, the dense projections unchanged), the "before" of the tensor-core MoE in the same process.
+  off, the dense projections unchanged), the "before" of the tensor-core MoE in the same process, timed first
+  (cupy's pool never shrinks: the GiB it holds after each mode are that mode's peak, then the larger of both).
 
 ``FMT``: ``bf16``, ``fp8`` or ``nvfp4`` (``parity.bench.synthetic``'s real-width weights). The engine runs at
 ``precision="bf16"`` (float32 activations and accumulation on the stored weights), one sequence, the whole prompt
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         cp.cuda.Device().synchronize()
         cp.cuda.runtime.profilerStop()
         return 0
-    modes = [("tc", None)] + ([("grouped", 0.0)] if args.ab else [])
+    modes = ([("grouped", 0.0)] if args.ab else []) + [("tc", None)]  # (grouped first: its pool peak shows apart)
     pool = cp.get_default_memory_pool()
     for name, pad in modes:
         saved = TC.MOE_MAX_PAD_FP8, TC.MOE_MAX_PAD_NVFP4
