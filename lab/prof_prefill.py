@@ -12,6 +12,10 @@ Run on a GPU from the repository root:
   off, the dense projections unchanged), the "before" of the tensor-core MoE in the same process, timed first
   (cupy's pool never shrinks: the GiB it holds after each mode are that mode's peak, then the larger of both).
 
+* ``--sweep-scratch-mb 512,8192`` / ``--sweep-tile-rows 32,128`` (with ``--time``): the tensor-core MoE again at
+  each FP8 scratch budget (``gemm_tc.MOE_FP8_SCRATCH_BYTES``) / tile height (``gemm_tc.MOE_TILE_ROWS``), at the
+  longest ``--time`` length.
+
 ``FMT``: ``bf16``, ``fp8`` or ``nvfp4`` (``parity.bench.synthetic``'s real-width weights). The engine runs at
 ``precision="bf16"`` (float32 activations and accumulation on the stored weights), one sequence, the whole prompt
 in one chunk, last logits only. Peak device memory (cupy's pool) is printed with ``--time``.
@@ -32,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--time", default="", help="comma-separated prompt lengths to time (no profiler region)")
     ap.add_argument("--ab", action="store_true", help="with --time: also the grouped-kernel MoE (before)")
+    ap.add_argument("--sweep-scratch-mb", default="", help="with --time: FP8 scratch budgets to time (MiB)")
+    ap.add_argument("--sweep-tile-rows", default="", help="with --time: MoE tile heights to time")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -59,14 +65,20 @@ def main(argv=None) -> int:
         cp.cuda.Device().synchronize()
         cp.cuda.runtime.profilerStop()
         return 0
-    modes = ([("grouped", 0.0)] if args.ab else []) + [("tc", None)]  # (grouped first: its pool peak shows apart)
+    # (name, [(module attribute, value)], lengths); the grouped mode first: its pool peak shows apart
+    modes = ([("grouped", [("MOE_MAX_PAD_FP8", 0.0), ("MOE_MAX_PAD_NVFP4", 0.0)], lens)] if args.ab else [])
+    modes.append(("tc", [], lens))
+    modes += [(f"tc_scratch{v}MiB", [("MOE_FP8_SCRATCH_BYTES", int(v) << 20)], lens[-1:])
+              for v in args.sweep_scratch_mb.split(",") if v.strip()]
+    modes += [(f"tc_R{v}", [("MOE_TILE_ROWS", int(v))], lens[-1:]) for v in args.sweep_tile_rows.split(",")
+              if v.strip()]
     pool = cp.get_default_memory_pool()
-    for name, pad in modes:
-        saved = TC.MOE_MAX_PAD_FP8, TC.MOE_MAX_PAD_NVFP4
-        if pad is not None:
-            TC.MOE_MAX_PAD_FP8 = TC.MOE_MAX_PAD_NVFP4 = pad
+    for name, sets, mlens in modes:
+        saved = [(a, getattr(TC, a)) for a, _ in sets]
+        for a, v in sets:
+            setattr(TC, a, v)
         try:
-            for n in lens:
+            for n in mlens:
                 prefill(n)  # warm-up (kernels compiled, pool grown)
                 times = []
                 for _ in range(3):
@@ -81,7 +93,8 @@ def main(argv=None) -> int:
                       f"({n / ms * 1e3:.0f} tok/s; all {', '.join(f'{t:.1f}' for t in times)}); pool "
                       f"{pool.total_bytes() / 2**30:.2f} GiB held")
         finally:
-            TC.MOE_MAX_PAD_FP8, TC.MOE_MAX_PAD_NVFP4 = saved
+            for a, v in saved:
+                setattr(TC, a, v)
     return 0
 
 
