@@ -220,7 +220,8 @@ def test_linear_tc_nvfp4(N_, K, halves, monkeypatch):
         assert changed.min() >= N_ // 2 and changed.size > 0.9 * (N_ // 2)
 
 
-@pytest.mark.parametrize("N_,K,rb", [(512, 2560, 128), (300, 200, 64), (1280, 640, 32)])
+# (100, 130, 64): K % 4 != 0, the scalar path of fp8_to_bf16x3
+@pytest.mark.parametrize("N_,K,rb", [(512, 2560, 128), (300, 200, 64), (1280, 640, 32), (100, 130, 64)])
 def test_linear_tc_fp8(monkeypatch, N_, K, rb):
     """FP8: the nine part-by-part GEMMs on the reader's float32 weights, within the float32 bound (K + 9 terms)."""
     rng = _rng(27)
