@@ -96,12 +96,16 @@ MOE_MAX_PAD_NVFP4 = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD_NVFP4", "64"))
 MOE_MAX_TOKENS = int(os.environ.get("QWEN4EXP_TC_MOE_MAX_TOKENS", "8192"))
 #: The MoE uses the tensor-core path while ``moe_tc_max_tiles(S, E) * R <= MOE_MAX_PAD * S`` (padding bound).
 MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
-#: The padding bound for FP8 experts (grouped kernels: float32 FMAs too, but the tensor-core path runs nine part GEMMs
-#: per projection and dequantises the used experts each pass, three times the NVFP4 path's work).
-MOE_MAX_PAD_FP8 = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD_FP8", "16"))
+#: The padding bound for FP8 experts. The tensor-core path runs nine part GEMMs per projection and dequantises every
+#: used expert each pass (a fixed ~6 ms per real-width layer), so it needs more tokens per expert than NVFP4: measured
+#: on the H200 (4-layer real-width prefill, lab/prof_prefill.py): 4096 tokens (1.8x padding) 564.6 -> 505.1 ms, but
+#: 512 tokens (7.4x) 94.9 -> 105.3 ms and 256 (13.8x) 52.0 -> 80.3 ms; the crossing, interpolated, near 1,000 tokens
+#: (~4x). 3: the path from ~1,650 tokens at real widths.
+MOE_MAX_PAD_FP8 = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD_FP8", "3"))
 #: Bytes of dequantised FP8 expert weights (three BF16 parts, 6 bytes per weight) the MoE holds at once: the tiles
-#: run in windows of at most this many bytes / (6 N K) tiles, each dequantising only the experts its tiles use
-#: (a full stack at real widths would take 10 GB per projection; 2 GiB: 109 experts of gate_up / down).
+#: run in windows of at most this many bytes / (6 N K) tiles, each dequantising only the experts its tiles use (a
+#: whole real-width gate_up stack would take 10 GB; 2 GiB: windows of 109 gate_up / 218 down tiles). Measured at
+#: 4096 tokens (4-layer prefill): 512 MiB 531.7 ms, 2 GiB 505.1 ms, 8 GiB (one window) 576.0 ms.
 MOE_FP8_SCRATCH_BYTES = int(float(os.environ.get("QWEN4EXP_TC_MOE_FP8_SCRATCH_MB", "2048")) * (1 << 20))
 #: At most this many columns of K per GEMM call of the hi part (0: all of K; equal chunks). The tensor core's
 #: internal accumulation truncates, so a chain of K / 16 steps biases a long dot product by ~K/16 float32 ulps:
