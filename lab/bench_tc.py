@@ -11,8 +11,9 @@ Run on a GPU: ``python -m lab.bench_tc [--json OUT] [--quick]``. Rows:
 * ``bf16_gemm_8192_1part_TFLOPs``: one BF16 cuBLAS GEMM 8192^3 through ``linear`` with ``SPLITS = 1`` (the split
   pass included): the matmul rate the 35% goal refers to, same process.
 * ``moe_<fmt>_T<T>_<path>``: the routed experts of one MoE block (512 experts top-10 of width 640, hidden 2560),
-  ``_ms`` and ``_TFLOPs`` (model FLOP ``2 S (2 I H + H I)``, ``S = T * 10``); ``tc_R<R>`` sweeps the tile rows;
-  ``_reldiff_vs_old``: relative difference of the outputs of both paths.
+  ``_ms`` and ``_TFLOPs`` (model FLOP ``2 S (2 I H + H I)``, ``S = T * 10``) of BF16 / NVFP4 / FP8 experts on the
+  tensor-core path (``tc_R<R>``, padding bound lifted; BF16 sweeps the tile rows R) and on the grouped kernels
+  (``old``); ``_reldiff_vs_old``: relative difference of the outputs of both paths.
 
 Times are CUDA-event medians after warm-up; random data of fixed seeds.
 """
@@ -67,15 +68,18 @@ def main(argv=None) -> int:
         s2 = (rs.uniform(0.001, 0.01, size=(E * 2,))).astype(cp.float32)
         return QuantWeight("nvfp4", shape, q, sc, s2, s2_rows=N // 2)
 
-    def fp8(N, K):
-        q = rs.randint(0, 256, size=(N, K), dtype=cp.int32).astype(cp.uint8)
+    def fp8(*shape):
+        *lead, N, K = shape
+        lead = tuple(lead)
+        q = rs.randint(0, 256, size=lead + (N, K), dtype=cp.int32).astype(cp.uint8)
         q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
-        sc = rs.uniform(0.001, 0.02, size=(-(-N // 128), -(-K // 128))).astype(cp.float32)
-        return QuantWeight("fp8", (N, K), q, sc, rb=128, cb=128)
+        sc = rs.uniform(0.001, 0.02, size=lead + (-(-N // 128), -(-K // 128))).astype(cp.float32)
+        return QuantWeight("fp8", shape, q, sc, rb=128, cb=128)
 
     def setflags(enabled=True, splits=3, kc=TC.K_CHUNK, R=64):
         TC.TC_ENABLED, TC.SPLITS, TC.K_CHUNK, TC.MOE_TILE_ROWS = enabled, splits, kc, R
         TC.MOE_MAX_PAD = 1e9 if enabled else TC.MOE_MAX_PAD
+        TC.MOE_MAX_PAD_FP8 = 1e9 if enabled else TC.MOE_MAX_PAD_FP8
 
     def relerr(y, x, w):
         xs = cp.asnumpy(x[:64]).astype(np.float64)
@@ -118,8 +122,9 @@ def main(argv=None) -> int:
     E, I, H, k = 512, 640, 2560, 10
     flop = lambda T: 2 * T * k * (2 * I * H + H * I)  # noqa: E731
     router = rs.standard_normal((E, H), dtype=cp.float32) * 0.05
-    for fmt in ("bf16", "nvfp4"):
-        gu, dn = (bf16(E, 2 * I, H), bf16(E, H, I)) if fmt == "bf16" else (nvfp4(E, 2 * I, H), nvfp4(E, H, I))
+    for fmt in ("bf16", "nvfp4", "fp8"):
+        make = {"bf16": bf16, "nvfp4": nvfp4, "fp8": fp8}[fmt]
+        gu, dn = make(E, 2 * I, H), make(E, H, I)
         for T in (4096,) if args.quick else (512, 4096):
             x = rs.standard_normal((T, H), dtype=cp.float32)
             setflags(enabled=False)
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
             t = _timer(cp, lambda: MO.moe_experts(x, ids, wts, gu, dn), reps=3, warm=1)
             res[f"moe_{fmt}_T{T}_old_ms"] = t * 1e3
             res[f"moe_{fmt}_T{T}_old_TFLOPs"] = flop(T) / t / 1e12
-            for R in (64,) if args.quick or fmt == "nvfp4" else (32, 64, 128):
+            for R in (64,) if args.quick or fmt != "bf16" else (32, 64, 128):
                 setflags(R=R)
                 t = _timer(cp, lambda: MO.moe_experts(x, ids, wts, gu, dn), reps=3, warm=1)
                 key = f"moe_{fmt}_T{T}_tc_R{R}"

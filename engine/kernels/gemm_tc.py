@@ -21,13 +21,19 @@ Weights:
   ``(code * scale) * scale_2`` followed by a float32 sum: the one float32 rounding per weight of the reader moves to
   one rounding per output; float32-accurate (relative difference ~eps32).
 * float32 (the router): cuBLAS SGEMM, ``CUBLAS_COMPUTE_32F_PEDANTIC`` (no TF32): a float32 GEMM.
-* FP8 (128 x 128 block scales varying along K, so no scale can be moved out of the K sum), dense projections:
+* FP8 (128 x 128 block scales varying along K, so no scale can be moved out of the K sum):
   ``cuda/gemm_tc.cu:fp8_to_bf16x3`` dequantises each weight to float32 exactly as the reader (``code * scale``) and
   splits it into three BF16 parts too; the nine part-by-part GEMMs (smallest first) accumulate every exact
   product ``x_i w_j`` of the parts, i.e. a float32 sum of the exact products ``x_k w_k`` with the reader's weights
   (bound ``(K + 9) eps32 sum |x w|``). Three times the GEMMs of BF16 (ceiling ~1/9 of the BF16 rate), still far
-  above the float32-FMA tiled GEMM. ``QWEN4EXP_TC_FP8=0`` (:data:`FP8_ENABLED`) keeps FP8 on ``quant_linear.cu``.
-  FP8 expert stacks (MoE) stay on the grouped kernels of ``quant_linear.cu``.
+  above the float32-FMA kernels. Dense projections: nine GEMMs. Expert stacks (MoE): per weight part one batched
+  GEMM over the tiles (which carry all three activation parts), lo first, accumulating (``beta`` 0, 1, 1), so each
+  tile's part products are again sums of all nine exact pair products. A whole stack in three BF16 parts is 6 bytes
+  per weight (10 GB for one real-width gate_up), so the tiles run in windows (:func:`moe_fp8_windows`): a window
+  of ``w`` tiles uses at most ``min(w, E)`` experts (the tile table is sorted by expert), whose parts must fit
+  :data:`MOE_FP8_SCRATCH_BYTES`; ``gemm_tc.cu:tile_ptrs`` numbers the window's experts into scratch slots and
+  ``fp8_to_bf16x3`` dequantises only those (an expert whose tiles straddle two windows is dequantised twice).
+  ``QWEN4EXP_TC_FP8=0`` (:data:`FP8_ENABLED`) keeps FP8, dense and experts, on ``quant_linear.cu``.
 
 MoE prefill (:func:`moe_experts_tc`): the routed slots are gathered (and split) into a tile-padded buffer, one
 tile of :data:`MOE_TILE_ROWS` rows per entry of the device tile table of :func:`engine.kernels.tiles.moe_route_tables`
@@ -40,7 +46,9 @@ output's reduction. The batch is sized by the host-known worst case ``S // R + m
 (``S = T * top_k``); tiles past the device-side count are computed on whatever their padded rows hold and never
 read. Nothing is copied to the host. The MoE uses the path only when that worst case pads the slots at most
 :data:`MOE_MAX_PAD` times (BF16; few tokens per expert: the grouped GEMV tiles of ``linear.py`` stay), or
-:data:`MOE_MAX_PAD_NVFP4` times for NVFP4 experts (whose grouped kernels are float32 FMAs).
+:data:`MOE_MAX_PAD_NVFP4` / :data:`MOE_MAX_PAD_FP8` times for NVFP4 / FP8 experts (whose grouped kernels are
+float32 FMAs); otherwise (and for decode, below :data:`TC_MIN_ROWS` tokens) the grouped kernels of
+``quant_linear.cu`` / ``linear.py`` run.
 
 cuBLAS: called straight into libcublas through ctypes (:class:`_CtypesBlas`: cupy's binding has no
 ``cublasGemmBatchedEx`` and refuses cuBLAS calls during stream capture; it remains a dense-only fallback, which the
@@ -67,10 +75,12 @@ from engine.backend import cupy_or_none
 from engine.kernels.dense_common import empty as _empty
 from engine.kernels.tiles import combine, moe_route_tables
 from engine.kernels.dense_common import KernelInputError, NULL_PTR, f32_contig, kernel, ptr_or_null, weight_kind
+from engine.kernels.quant import QuantWeight
 
-__all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_PAD_NVFP4", "MOE_MAX_TOKENS",
-           "K_CHUNK", "FP8_ENABLED", "SPLITS", "BLAS_ERRORS", "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe",
-           "available", "blas_backend", "linear_tc", "moe_experts_tc", "moe_tc_max_tiles"]
+__all__ = ["TC_ENABLED", "TC_MIN_ROWS", "MOE_TILE_ROWS", "MOE_MAX_PAD", "MOE_MAX_PAD_NVFP4", "MOE_MAX_PAD_FP8",
+           "MOE_FP8_SCRATCH_BYTES", "MOE_MAX_TOKENS", "K_CHUNK", "FP8_ENABLED", "SPLITS", "BLAS_ERRORS",
+           "split3_twin", "tc_weight_ok", "use_tc", "use_tc_moe", "available", "blas_backend", "linear_tc",
+           "moe_experts_tc", "moe_tc_max_tiles", "moe_fp8_windows"]
 
 #: Master switch of the tensor-core prefill path (``QWEN4EXP_TC_PREFILL=0`` turns it off).
 TC_ENABLED = os.environ.get("QWEN4EXP_TC_PREFILL", "1").strip() != "0"
@@ -86,6 +96,17 @@ MOE_MAX_PAD_NVFP4 = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD_NVFP4", "64"))
 MOE_MAX_TOKENS = int(os.environ.get("QWEN4EXP_TC_MOE_MAX_TOKENS", "8192"))
 #: The MoE uses the tensor-core path while ``moe_tc_max_tiles(S, E) * R <= MOE_MAX_PAD * S`` (padding bound).
 MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
+#: The padding bound for FP8 experts. The tensor-core path runs nine part GEMMs per projection and dequantises every
+#: used expert each pass (a fixed ~6 ms per real-width layer), so it needs more tokens per expert than NVFP4: measured
+#: on the H200 (4-layer real-width prefill, lab/prof_prefill.py): 4096 tokens (1.8x padding) 564.6 -> 505.1 ms, but
+#: 512 tokens (7.4x) 94.9 -> 105.3 ms and 256 (13.8x) 52.0 -> 80.3 ms; the crossing, interpolated, near 1,000 tokens
+#: (~4x). 3: the path from ~1,650 tokens at real widths.
+MOE_MAX_PAD_FP8 = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD_FP8", "3"))
+#: Bytes of dequantised FP8 expert weights (three BF16 parts, 6 bytes per weight) the MoE holds at once: the tiles
+#: run in windows of at most this many bytes / (6 N K) tiles, each dequantising only the experts its tiles use (a
+#: whole real-width gate_up stack would take 10 GB; 2 GiB: windows of 109 gate_up / 218 down tiles). Measured at
+#: 4096 tokens (4-layer prefill): 512 MiB 531.7 ms, 2 GiB 505.1 ms, 8 GiB (one window) 576.0 ms.
+MOE_FP8_SCRATCH_BYTES = int(float(os.environ.get("QWEN4EXP_TC_MOE_FP8_SCRATCH_MB", "2048")) * (1 << 20))
 #: At most this many columns of K per GEMM call of the hi part (0: all of K; equal chunks). The tensor core's
 #: internal accumulation truncates, so a chain of K / 16 steps biases a long dot product by ~K/16 float32 ulps:
 #: measured on the H200 (M = 4096, bench_tc) 2.7e-6 relative at K = 2560 and 6.8e-6 at K = 6144 unchunked, 6.0e-7
@@ -95,7 +116,8 @@ MOE_MAX_PAD = float(os.environ.get("QWEN4EXP_TC_MOE_MAX_PAD", "4"))
 #: 6144 / 10240 in 2 / 3 chunks); 1024 gives about the FMA GEMM's error. Only the hi part (FP8: the hi x hi pair)
 #: is chunked: mid and lo are <= 2^-8 of it and add <= 2^-8 of its bias.
 K_CHUNK = int(os.environ.get("QWEN4EXP_TC_K_CHUNK", "4096"))
-#: FP8 dense weights on the tensor cores (nine GEMMs; ``QWEN4EXP_TC_FP8=0``: quant_linear.cu's tiled GEMM).
+#: FP8 weights on the tensor cores, dense and expert stacks (nine part GEMMs; ``QWEN4EXP_TC_FP8=0``: quant_linear.cu's
+#: tiled and grouped GEMMs).
 FP8_ENABLED = os.environ.get("QWEN4EXP_TC_FP8", "1").strip() != "0"
 #: Activation parts multiplied (3: exact; 2 drops lo, 1 keeps hi only: negative controls / speed bounds).
 SPLITS = 3
@@ -152,21 +174,24 @@ def use_tc(rows: int, w, *, enabled: bool | None = None, min_rows: int | None = 
 
 
 def use_tc_moe(T: int, k: int, E: int, gate_up, down, *, enabled: bool | None = None, min_rows: int | None = None,
-               tile_rows: int | None = None, max_pad: float | None = None) -> bool:
-    """The MoE dispatch rule (pure host logic): :func:`use_tc`'s for ``T`` tokens, BF16 or NVFP4 expert stacks, and
-    the padded batch ``moe_tc_max_tiles(T * k, E) * R`` at most ``max_pad`` times ``T * k`` (default
-    :data:`MOE_MAX_PAD`, :data:`MOE_MAX_PAD_NVFP4` when an expert stack is NVFP4)."""
+               tile_rows: int | None = None, max_pad: float | None = None, fp8: bool | None = None) -> bool:
+    """The MoE dispatch rule (pure host logic): :func:`use_tc`'s for ``T`` tokens, BF16, NVFP4 or (when
+    :data:`FP8_ENABLED`) FP8 expert stacks, and the padded batch ``moe_tc_max_tiles(T * k, E) * R`` at most
+    ``max_pad`` times ``T * k`` (default :data:`MOE_MAX_PAD`; :data:`MOE_MAX_PAD_NVFP4` when an expert stack is
+    NVFP4, else :data:`MOE_MAX_PAD_FP8` when one is FP8)."""
     enabled = TC_ENABLED if enabled is None else bool(enabled)
     min_rows = TC_MIN_ROWS if min_rows is None else int(min_rows)
     R = MOE_TILE_ROWS if tile_rows is None else int(tile_rows)
+    fp8 = FP8_ENABLED if fp8 is None else bool(fp8)
     if max_pad is None:
         nv = any(tc_weight_ok(w, ("nvfp4",)) for w in (gate_up, down))
-        max_pad = MOE_MAX_PAD_NVFP4 if nv else MOE_MAX_PAD
+        f8 = any(tc_weight_ok(w, ("fp8",)) for w in (gate_up, down))
+        max_pad = MOE_MAX_PAD_NVFP4 if nv else (MOE_MAX_PAD_FP8 if f8 else MOE_MAX_PAD)
     max_pad = float(max_pad)
     S = T * k
     if not (enabled and T >= max(min_rows, 1) and S > 0):
         return False
-    if not all(tc_weight_ok(w, ("bf16", "nvfp4")) for w in (gate_up, down)):
+    if not all(tc_weight_ok(w, ("bf16", "nvfp4", "fp8") if fp8 else ("bf16", "nvfp4")) for w in (gate_up, down)):
         return False
     # every per-tile pointer of the batched GEMM 16-byte aligned: expert strides and tile heights multiples of 8
     if R % 8 or any((int(w.shape[1]) * int(w.shape[2])) % 8 for w in (gate_up, down)):
@@ -416,14 +441,27 @@ def _bf16_weight(xp, w):
     return out, (xp.ascontiguousarray(w.scale2), N // w.s2_rows, int(w.s2_rows))
 
 
+def _fp8_dequant3(xp, w, out, slots: int, pslots: int, slot_expert=None) -> None:
+    """``fp8_to_bf16x3``: the three BF16 parts of the float32-dequantised FP8 weight ``w`` ([N, K], or a stack
+    [E, N, K] with ``slot_expert``, int32 ``[slots]``: the expert of each slot, -1 skipped) into uint16 ``out``
+    ``[3, pslots, N, K]`` (part-major; slots ``[0, slots)`` written)."""
+    N, K = (int(s) for s in w.shape[-2:])
+    q = w.q if w.q.flags.c_contiguous else xp.ascontiguousarray(w.q)
+    sc = w.scale if w.scale.flags.c_contiguous else xp.ascontiguousarray(w.scale)
+    vec4 = 1 if (K % 4 == 0 and q.data.ptr % 4 == 0) else 0
+    per = -(-N * K // (256 * (4 if vec4 else 1)))
+    gx = max(1, min(per, max(8, 4096 // max(slots, 1))))  # ~4096 blocks in all: enough to stream at full bandwidth
+    kernel("gemm_tc.cu", "fp8_to_bf16x3")((gx, max(slots, 1)), (256,), (
+        q, sc, ptr_or_null(slot_expert), np.int32(pslots), out, np.int32(N), np.int32(K), np.int32(w.rb),
+        np.int32(w.cb), np.int32(sc.shape[-1]), np.int32(vec4)))
+
+
 def _fp8_parts(xp, w):
     """The three BF16 parts of the float32-dequantised FP8 weight ``w`` [N, K]: uint16 ``[3 * N, K]`` (hi, mid, lo)."""
     N, K = (int(s) for s in w.shape)
-    q = w.q if w.q.flags.c_contiguous else xp.ascontiguousarray(w.q)
-    sc = w.scale if w.scale.flags.c_contiguous else xp.ascontiguousarray(w.scale)
     out = xp.empty((3 * N, K), dtype=xp.uint16)
-    kernel("gemm_tc.cu", "fp8_to_bf16x3")(_grid1(N * K), (256,), (
-        q, sc, out, np.int32(N), np.int32(K), np.int32(w.rb), np.int32(w.cb), np.int32(sc.shape[-1])))
+    if N * K:
+        _fp8_dequant3(xp, w, out, 1, 1)
     return out
 
 
@@ -518,18 +556,59 @@ def moe_tc_max_tiles(S: int, E: int, R: int | None = None) -> int:
     return S // R + min(E, S)
 
 
-def _grouped_gemm(cp, wb, parts, C3, tiles, R: int, N: int, K: int):
+def moe_fp8_windows(max_tiles: int, E: int, N: int, K: int, budget: int | None = None) -> list[tuple[int, int, int]]:
+    """The windows of the tile table an FP8 expert projection runs in (pure host logic): ``(t0, count, nslots)``
+    for tiles ``[t0, t0 + count)``, covering ``[0, max_tiles)`` in order; a window's tiles use at most
+    ``nslots = min(count, E)`` distinct experts (tiles are sorted by expert), whose three BF16 parts (``6 N K``
+    bytes each) fit ``budget`` (default :data:`MOE_FP8_SCRATCH_BYTES`; at least one tile per window)."""
+    budget = MOE_FP8_SCRATCH_BYTES if budget is None else int(budget)
+    wt = max(1, min(int(max_tiles), budget // max(6 * int(N) * int(K), 1)))
+    return [(t0, min(wt, max_tiles - t0), min(wt, max_tiles - t0, int(E))) for t0 in range(0, int(max_tiles), wt)]
+
+
+def _grouped_gemm(cp, w, parts, C3, tiles, R: int, N: int, K: int):
     """``C3`` (part-interleaved ``[3 * P, N]`` float32) = the three parts of every tile's rows times the weights of
-    the tile's expert: one gemmBatchedEx over all tiles, ``3 R`` columns per tile (weights read once per tile)."""
+    the tile's expert, ``3 R`` columns per tile (weights read once per tile). ``w``: BF16 bits ``[E, N, K]`` (one
+    gemmBatchedEx over all tiles) or an FP8 stack (:func:`moe_fp8_windows`: per window of tiles, its experts
+    dequantised into three BF16 parts, then one gemmBatchedEx per weight part, lo first, accumulating)."""
     MT = tiles.max_tiles
-    ptrs = cp.empty((3, MT), dtype=cp.uint64)
-    kernel("gemm_tc.cu", "tile_ptrs")(_grid1(MT), (256,), (
-        tiles.expert, tiles.n_tiles, np.int32(MT), np.uint64(wb.data.ptr), np.int64(N * K * 2),
-        np.uint64(parts.data.ptr), np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4), ptrs))
-    row = MT * 8
-    _blas().gemm_batched(_handle(), _OP_T, _OP_N, N, 3 * R, K, _ONE.ctypes.data, ptrs.data.ptr, _R_16BF, K,
-                         ptrs.data.ptr + row, _R_16BF, K, _ZERO.ctypes.data, ptrs.data.ptr + 2 * row, _R_32F, N, MT,
-                         _COMPUTE_32F, _GEMM_DEFAULT)
+    blas, h = _blas(), _handle()
+    b_tile, c_tile = np.int64(3 * R * K * 2), np.int64(3 * R * N * 4)
+    if weight_kind(w) != "fp8":
+        ptrs = cp.empty((3, MT), dtype=cp.uint64)
+        kernel("gemm_tc.cu", "tile_ptrs")((1,), (1024,), (
+            tiles.expert, tiles.n_tiles, np.int32(0), np.int32(MT), np.int32(0), NULL_PTR, np.int32(0),
+            np.uint64(w.data.ptr), np.int64(N * K * 2), np.int64(0), np.int32(1), np.uint64(parts.data.ptr), b_tile,
+            np.uint64(C3.data.ptr), c_tile, ptrs))
+        row = MT * 8
+        blas.gemm_batched(h, _OP_T, _OP_N, N, 3 * R, K, _ONE.ctypes.data, ptrs.data.ptr, _R_16BF, K,
+                          ptrs.data.ptr + row, _R_16BF, K, _ZERO.ctypes.data, ptrs.data.ptr + 2 * row, _R_32F, N, MT,
+                          _COMPUTE_32F, _GEMM_DEFAULT)
+        return
+    if not (w.q.flags.c_contiguous and w.scale.flags.c_contiguous):  # (once, not per window)
+        w = QuantWeight("fp8", w.shape, cp.ascontiguousarray(w.q), cp.ascontiguousarray(w.scale), rb=w.rb, cb=w.cb)
+    wins = moe_fp8_windows(MT, int(w.shape[0]), N, K)
+    cap = max((ns for _, _, ns in wins), default=1)
+    scratch = cp.empty((3, cap, N, K), dtype=cp.uint16)  # part-major: part j of slot s at (j * cap + s) * N * K
+    for t0, cnt, ns in wins:
+        slot_expert = cp.empty(ns, dtype=cp.int32)
+        ptrs = cp.empty((5, cnt), dtype=cp.uint64)
+        kernel("gemm_tc.cu", "tile_ptrs")((1,), (1024,), (
+            tiles.expert, tiles.n_tiles, np.int32(t0), np.int32(cnt), np.int32(1), slot_expert, np.int32(ns),
+            np.uint64(scratch.data.ptr), np.int64(N * K * 2), np.int64(cap * N * K * 2), np.int32(3),
+            np.uint64(parts.data.ptr), b_tile, np.uint64(C3.data.ptr), c_tile, ptrs))
+        _fp8_dequant3(cp, w, scratch, ns, cap, slot_expert)
+        row = cnt * 8
+        for j, beta in ((2, _ZERO), (1, _ONE), (0, _ONE)):  # weight parts lo, mid, hi: the smallest products first
+            blas.gemm_batched(h, _OP_T, _OP_N, N, 3 * R, K, _ONE.ctypes.data, ptrs.data.ptr + j * row, _R_16BF, K,
+                              ptrs.data.ptr + 3 * row, _R_16BF, K, beta.ctypes.data, ptrs.data.ptr + 4 * row, _R_32F,
+                              N, cnt, _COMPUTE_32F, _GEMM_DEFAULT)
+
+
+def _expert_operand(cp, w):
+    """What :func:`_grouped_gemm` takes for an expert stack: ``(BF16 bits, NVFP4 scale_2 info or None)``, or the FP8
+    QuantWeight itself (dequantised there, window by window)."""
+    return (w, None) if weight_kind(w) == "fp8" else _bf16_weight(cp, w)
 
 
 def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared_gate=None):
@@ -538,7 +617,7 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
     Args:
         x: ``[T, H]`` float32 cupy array (contiguous).
         ids, weights: ``[T, k]`` expert ids (int32) and routing weights (float32).
-        gate_up: ``[E, 2I, H]``; down: ``[E, H, I]`` (BF16 bits or NVFP4 QuantWeight stacks).
+        gate_up: ``[E, 2I, H]``; down: ``[E, H, I]`` (BF16 bits, NVFP4 or FP8 QuantWeight stacks).
         route: the :class:`engine.kernels.tiles.MoERoute` of ``ids`` (its tile table is rebuilt for
             :data:`MOE_TILE_ROWS` rows per tile when it was built for another height).
         shared, shared_gate: optional shared-expert output ``[T, H]`` and its ``[T]`` pre-sigmoid gate.
@@ -570,7 +649,7 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
     P = MT * R
     # gate/up: tokens gathered into the padded tile layout and split
     xparts = _split_rows(cp, x, P, row_index=route.sorted_token, tiles=tiles, tm=R)
-    wgu, s2gu = _bf16_weight(cp, gate_up)
+    wgu, s2gu = _expert_operand(cp, gate_up)
     gu3 = _empty(cp, (3 * P, I2), dtype=cp.float32)
     _grouped_gemm(cp, wgu, xparts, gu3, tiles, R, I2, H)
     del wgu, xparts
@@ -581,7 +660,7 @@ def moe_experts_tc(x, ids, weights, gate_up, down, *, route, shared=None, shared
         gu3, hparts, s2[0], np.int32(s2[1]), np.int32(s2[2]), tiles.expert, tiles.count, tiles.n_tiles, np.int32(R),
         np.int64(P), np.int32(I), np.int32(_nparts())))
     del gu3
-    wd, s2d = _bf16_weight(cp, down)
+    wd, s2d = _expert_operand(cp, down)
     y3 = _empty(cp, (3 * P, H), dtype=cp.float32)
     _grouped_gemm(cp, wd, hparts, y3, tiles, R, H, I)
     del wd, hparts

@@ -103,7 +103,8 @@ def test_use_tc_moe_padding_rule_at_real_widths():
     f32 = np.zeros((2, 4, 8), np.float32)
     assert not TC.use_tc_moe(4096, k, E, f32, gu, **kw)  # float32 experts: the grouped path
     fp8 = QuantWeight("fp8", (2, 4, 8), np.zeros((2, 4, 8), np.uint8), np.ones((2, 1, 1), np.float32), rb=128, cb=128)
-    assert not TC.use_tc_moe(4096, k, E, fp8, fp8, **kw)  # FP8 experts: the grouped path
+    assert TC.use_tc_moe(4096, k, E, fp8, fp8, **kw, fp8=True)  # FP8 experts: nine part GEMMs per projection
+    assert not TC.use_tc_moe(4096, k, E, fp8, fp8, **kw, fp8=False)  # QWEN4EXP_TC_FP8=0: the grouped kernels
     nv = _nvfp4_weight((2, 4, 32))
     assert TC.use_tc_moe(4096, k, E, nv, nv, **kw)
     # NVFP4 (float32-FMA grouped kernels): the wider default padding bound (64): 512 tokens (7.4x) and 64 (52x)
@@ -116,6 +117,40 @@ def test_use_tc_moe_padding_rule_at_real_widths():
     odd = to_bf16_bits(np.zeros((2, 3, 5), np.float32))
     assert not TC.use_tc_moe(4096, k, E, odd, gu, **kw)
     del I, H
+
+
+def test_use_tc_moe_fp8_experts_take_their_own_padding_bound(monkeypatch):
+    """FP8 expert stacks are held to MOE_MAX_PAD_FP8 (not the BF16 or NVFP4 bound): 512 tokens x top-10 over 512
+    experts pad 7.4x, 256 tokens 13.8x, 64 tokens 52x."""
+    E, k = 512, 10
+    fp8 = QuantWeight("fp8", (2, 4, 8), np.zeros((2, 4, 8), np.uint8), np.ones((2, 1, 1), np.float32), rb=128, cb=128)
+    kw = dict(enabled=True, min_rows=64, tile_rows=64, fp8=True)
+    # the default bound (3, from the measured prefill times in its comment): 4096 and 2048 tokens (1.8x, 2.6x) on
+    # the tensor cores, 1024 (4.2x) and 512 on the grouped kernels
+    assert TC.use_tc_moe(4096, k, E, fp8, fp8, **kw) and TC.use_tc_moe(2048, k, E, fp8, fp8, **kw)
+    assert not TC.use_tc_moe(1024, k, E, fp8, fp8, **kw) and not TC.use_tc_moe(512, k, E, fp8, fp8, **kw)
+    monkeypatch.setattr(TC, "MOE_MAX_PAD", 1.0)
+    monkeypatch.setattr(TC, "MOE_MAX_PAD_NVFP4", 1e9)
+    monkeypatch.setattr(TC, "MOE_MAX_PAD_FP8", 8.0)
+    assert TC.use_tc_moe(512, k, E, fp8, fp8, **kw) and not TC.use_tc_moe(256, k, E, fp8, fp8, **kw)
+    monkeypatch.setattr(TC, "MOE_MAX_PAD_FP8", 16.0)
+    assert TC.use_tc_moe(256, k, E, fp8, fp8, **kw) and not TC.use_tc_moe(64, k, E, fp8, fp8, **kw)
+
+
+def test_moe_fp8_windows_cover_the_tiles_within_the_budget():
+    """The FP8 MoE's windows: consecutive, covering every tile once, each window's experts (at most one per tile,
+    at most E) inside the scratch budget; at real widths 2 GiB holds 109 experts (11 windows at 4096 tokens)."""
+    N, K = 1280, 2560
+    per = 6 * N * K
+    for MT, E, budget in [(1152, 512, 2 << 30), (1152, 512, 1 << 40), (7, 3, 2 * per), (5, 8, 1), (1, 8, per),
+                          (600, 512, 100 * per + 5)]:
+        wins = TC.moe_fp8_windows(MT, E, N, K, budget)
+        assert wins[0][0] == 0 and all(a + c == b for (a, c, _), (b, _, _) in zip(wins, wins[1:]))
+        assert sum(c for _, c, _ in wins) == MT
+        assert all(ns == min(c, E) and ns * per <= max(budget, per) for _, c, ns in wins)
+    assert len(TC.moe_fp8_windows(1152, 512, N, K, 2 << 30)) == 11
+    assert TC.moe_fp8_windows(1152, 512, N, K, 2 << 30)[0] == (0, 109, 109)
+    assert TC.moe_fp8_windows(1152, 512, N, K, 1 << 40) == [(0, 1152, 512)]  # everything at once: E slots
 
 
 def test_moe_max_tiles_matches_route_tables_formula():
@@ -208,7 +243,10 @@ def _tables(ids, E, TM):
                 count=np.array(tc), n_tiles=len(te), max_tiles=S // TM + min(E, S))
 
 
-def _emulate_moe_tc(x, ids, wts, gu, dn, TM):
+_SLOT_SLIP = False  # negative control of the FP8 windows: tile_ptrs' slot replaced by the tile's expert
+
+
+def _emulate_moe_tc(x, ids, wts, gu, dn, TM, budget=None):
     T, H = x.shape
     E, I2, _ = gu.shape
     I, k = I2 // 2, ids.shape[1]
@@ -239,12 +277,33 @@ def _emulate_moe_tc(x, ids, wts, gu, dn, TM):
         return row_index[s] if row_index is not None else s
 
     def grouped_gemm(w, B3):  # tile_ptrs + gemmBatchedEx: tile t's 3 TM rows times its expert's weights
-        N = w.shape[1]
+        N, K = w.shape[1], w.shape[2]
         C3 = np.full((3 * P, N), np.nan)
-        for t in range(MT):
-            e = tb["expert"][t] if t < nt else 0
-            rows = slice(t * 3 * TM, (t + 1) * 3 * TM)  # b_tile = c_tile = 3 TM rows
-            C3[rows] = B3[rows] @ w[e].T
+        if not isinstance(w, QuantWeight):
+            w = _f64w(w)
+            for t in range(MT):
+                e = tb["expert"][t] if t < nt else 0
+                rows = slice(t * 3 * TM, (t + 1) * 3 * TM)  # b_tile = c_tile = 3 TM rows
+                C3[rows] = B3[rows] @ w[e].T
+            return C3
+        te = tb["expert"]
+        for t0, cnt, ns in TC.moe_fp8_windows(MT, E, N, K, budget):
+            slot_expert, slot = np.full(ns, -1), {}
+            for i in range(cnt):  # tile_ptrs, windowed
+                t = t0 + i
+                slot[t] = 0
+                if t < nt:
+                    d = sum(int(te[u] != te[u - 1]) for u in range(t0 + 1, t + 1))
+                    if i == 0 or te[t] != te[t - 1]:
+                        slot_expert[d] = te[t]
+                    slot[t] = te[t] if _SLOT_SLIP else d
+            # fp8_to_bf16x3 over the window's slots (unused slots: whatever the scratch held, here NaN)
+            scratch = [[bf16_bits_to_float32(p).astype(np.float64) for p in TC.split3_twin(w[int(e)].dequantize())]
+                       if e >= 0 else [np.full((N, K), np.nan)] * 3 for e in slot_expert]
+            for t in range(t0, t0 + cnt):
+                rows = slice(t * 3 * TM, (t + 1) * 3 * TM)
+                s = slot[t] if slot[t] < ns else 0
+                C3[rows] = sum(B3[rows] @ scratch[s][j].T for j in (2, 1, 0))  # weight parts lo, mid, hi
         return C3
 
     def sum3(C3, r, n):
@@ -254,7 +313,7 @@ def _emulate_moe_tc(x, ids, wts, gu, dn, TM):
 
     x_src = x
     xp3 = split_rows([padded_source(r, tb["sorted_token"]) for r in range(P)], H)
-    gu3 = grouped_gemm(_f64w(gu), xp3)
+    gu3 = grouped_gemm(gu, xp3)
     h = np.zeros((P, I), np.float32)
     for r in range(P):
         t = r // TM
@@ -263,7 +322,7 @@ def _emulate_moe_tc(x, ids, wts, gu, dn, TM):
             h[r] = (g / (1 + np.exp(-g))) * u
     x_src = h
     hp3 = split_rows([r if padded_source(r, None) >= 0 else padded_source(r, None) for r in range(P)], I)
-    y3 = grouped_gemm(_f64w(dn), hp3)
+    y3 = grouped_gemm(dn, hp3)
     y = np.array([sum3(y3, r, np.arange(H)) if r // TM < nt else np.full(H, np.nan) for r in range(P)])
     pad = np.full(ids.size, -1)
     for r in range(P):  # pad_of_sorted
@@ -305,18 +364,59 @@ def test_moe_tile_layout_emulation_equals_the_twin(TM):
     assert not (np.all(np.isfinite(wrong)) and np.linalg.norm(wrong - ref) / np.linalg.norm(ref) < 1e-3)
 
 
+def _fp8_stack(rng, E, N, K, blk):
+    q = rng.integers(0, 256, size=(E, N, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    sc = rng.uniform(0.01, 0.2, size=(E, -(-N // blk), -(-K // blk))).astype(np.float32)
+    return QuantWeight("fp8", (E, N, K), q, sc, rb=blk, cb=blk)
+
+
+@pytest.mark.parametrize("windows", [1, 2, None])
+def test_moe_tile_layout_emulation_fp8_windows_equal_the_twin(windows):
+    """FP8 experts: the windows of tiles (their slot tables, the dequantised parts of each slot, three weight-part
+    GEMMs) composed as the kernels compose them equal the twin's MoE on the reader's weights; a slot mix-up (the
+    tile's expert used as its slot in the window's scratch) is caught."""
+    global _SLOT_SLIP
+    from engine.kernels import moe as MO
+    rng = np.random.default_rng(9)
+    E, H, I, k, T, TM = 6, 16, 8, 2, 29, 8
+    gu, dn = _fp8_stack(rng, E, 2 * I, H, 8), _fp8_stack(rng, E, H, I, 8)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    used = np.array([0, 1, 3, 4, 5])  # expert 2 unused: slots differ from expert ids even in one window
+    ids = np.stack([rng.choice(used, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.random((T, k)).astype(np.float32)
+    budget = None if windows is None else windows * 6 * 2 * I * H  # slots of one / two experts: windows straddle
+    got = _emulate_moe_tc(x, ids, wts, gu, dn, TM, budget=budget if budget else 1 << 40)
+    ref = MO.moe_experts(x.astype(np.float64), ids, wts.astype(np.float64), gu, dn)
+    assert np.all(np.isfinite(got))
+    assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 1e-6  # float32 h only: ~1e-7
+    _SLOT_SLIP = True
+    try:
+        wrong = _emulate_moe_tc(x, ids, wts, gu, dn, TM, budget=budget if budget else 1 << 40)
+    finally:
+        _SLOT_SLIP = False
+    assert not (np.all(np.isfinite(wrong)) and np.linalg.norm(wrong - ref) / np.linalg.norm(ref) < 1e-3)
+
+
 def test_layout_formulas_are_the_kernels():
     """The emulated formulas are gemm_tc.cu's (guards the emulation above against drift)."""
     src = (ROOT / "engine/kernels/cuda/gemm_tc.cu").read_text()
     for frag in ("if (!interleave) return p * rows + r;", "return (3 * t + p) * TM + (r - t * TM);",
                  "const float* c = C3 + ((3 * t) * TM + j) * N + n;", "return (c[2 * ps] + c[ps]) + c[0];",
-                 "ptrs[(long long)max_tiles + t] = B + (unsigned long long)(t * b_tile);",
+                 "ptrs[(long long)nw * count + i] = B + (unsigned long long)(t * (long long)b_tile);",
+                 "ptrs[(long long)j * count + i] = W + (unsigned long long)(j * a_part + slot * a_stride);",
+                 "for (int u = t0 + 1; u <= t; ++u) d += tile_expert[u] != tile_expert[u - 1];",
+                 "if (i == 0 || tile_expert[t] != tile_expert[t - 1]) slot_expert[d] = tile_expert[t];",
+                 "const long long e = slot_expert != nullptr ? (long long)slot_expert[s] : (long long)s;",
+                 "if (e < 0) return;",
                  "if (j < tile_count[t]) pad[tile_start[t] + j] = (int)r;", "out[s] = p >= 0 ? pad[p] : -1;",
                  "(g / (1.f + expf(-g))) * u"):
         assert frag in src, frag
     py = (ROOT / "engine/kernels/gemm_tc.py").read_text()
-    for frag in ("np.int64(3 * R * K * 2), np.uint64(C3.data.ptr), np.int64(3 * R * N * 4)",
-                 "gemm_batched(_handle(), _OP_T, _OP_N, N, 3 * R, K,"):
+    for frag in ("b_tile, c_tile = np.int64(3 * R * K * 2), np.int64(3 * R * N * 4)",
+                 "blas.gemm_batched(h, _OP_T, _OP_N, N, 3 * R, K,",
+                 "for j, beta in ((2, _ZERO), (1, _ONE), (0, _ONE)):",
+                 "_fp8_dequant3(cp, w, scratch, ns, cap, slot_expert)"):
         assert frag in py, frag
 
 

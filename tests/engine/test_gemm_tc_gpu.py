@@ -14,7 +14,9 @@ Sharp checks are exact: a one-hot power-of-two weight matrix reproduces the acti
 activation bit, part mix-up or layout mistake shows). The split kernel equals its NumPy twin bit for bit.
 Negative controls: the 2-part split (lo dropped, ``gemm_tc.SPLITS = 2``) fails that exactness and is measurably
 less accurate; a perturbed NVFP4 E4M3 scale and a perturbed global scale are caught and located; a swapped expert
-changes exactly its tokens. Every output the ops allocate is pre-filled with NaN (POISON). Seeds are fixed.
+changes exactly its tokens. FP8 (dense and expert stacks): nine exact part products per weight, so the bound is
+(K + 9) eps32 sum_k |x_k w_k| (the dense FP8 test and the MoE's grouped GEMM, window by window); a doubled
+block scale is caught and located. Every output the ops allocate is pre-filled with NaN (POISON). Seeds are fixed.
 """
 from __future__ import annotations
 
@@ -218,7 +220,8 @@ def test_linear_tc_nvfp4(N_, K, halves, monkeypatch):
         assert changed.min() >= N_ // 2 and changed.size > 0.9 * (N_ // 2)
 
 
-@pytest.mark.parametrize("N_,K,rb", [(512, 2560, 128), (300, 200, 64), (1280, 640, 32)])
+# (100, 130, 64): K % 4 != 0, the scalar path of fp8_to_bf16x3
+@pytest.mark.parametrize("N_,K,rb", [(512, 2560, 128), (300, 200, 64), (1280, 640, 32), (100, 130, 64)])
 def test_linear_tc_fp8(monkeypatch, N_, K, rb):
     """FP8: the nine part-by-part GEMMs on the reader's float32 weights, within the float32 bound (K + 9 terms)."""
     rng = _rng(27)
@@ -286,10 +289,19 @@ def test_linear_tc_graph_capture_replay_bit_exact(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------- MoE
+def _fp8_stack(rng, E, N, K, blk=64):
+    q = rng.integers(0, 256, size=(E, N, K), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    sc = rng.uniform(0.001, 0.02, size=(E, -(-N // blk), -(-K // blk))).astype(np.float32)
+    return QuantWeight("fp8", (E, N, K), q, sc, rb=blk, cb=blk)
+
+
 def _moe_case(rng, fmt, E=24, H=256, I=96, k=5, T=300):
     if fmt == "bf16":
         gu = to_bf16_bits(rng.standard_normal((E, 2 * I, H)) * 0.1)
         dn = to_bf16_bits(rng.standard_normal((E, H, I)) * 0.1)
+    elif fmt == "fp8":  # 64 x 64 blocks: scales vary along K inside every expert (down: a partial last block)
+        gu, dn = _fp8_stack(rng, E, 2 * I, H), _fp8_stack(rng, E, H, I)
     else:
         gu, dn = _nvfp4(rng, (E, 2 * I, H)), _nvfp4(rng, (E, H, I), halves=False)
     x = rng.standard_normal((T, H)).astype(np.float32)
@@ -302,13 +314,29 @@ def _dev(w):
     return w.to(cp) if isinstance(w, QuantWeight) else cp.asarray(w)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def _swap_experts(w, a, b):
+    """Stack ``w`` with experts a and b swapped (BF16 bits or a QuantWeight: codes and every per-expert scale)."""
+    E = w.shape[0]
+    order = np.arange(E)
+    order[[a, b]] = order[[b, a]]
+    if not isinstance(w, QuantWeight):
+        return w[order]
+    if w.fmt == "fp8":
+        return QuantWeight("fp8", w.shape, w.q[order], w.scale[order], rb=w.rb, cb=w.cb)
+    return QuantWeight("nvfp4", w.shape, w.q[order], w.scale[order], w.scale2.reshape(E, -1)[order].reshape(-1),
+                       s2_rows=w.s2_rows)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8"])
 @pytest.mark.parametrize("R", [16, 64])
 def test_moe_experts_tc_vs_grouped_and_float64(monkeypatch, fmt, R):
     rng = _rng(31)
     gu, dn, x, ids, wts = _moe_case(rng, fmt)
     monkeypatch.setattr(TC, "MOE_TILE_ROWS", R)
     monkeypatch.setattr(TC, "MOE_MAX_PAD", 1e9)
+    monkeypatch.setattr(TC, "MOE_MAX_PAD_FP8", 1e9)
+    if fmt == "fp8":  # scratch for 5 experts: the tiles run in several windows (a window's experts: <= its tiles)
+        monkeypatch.setattr(TC, "MOE_FP8_SCRATCH_BYTES", 5 * 6 * 2 * 96 * 256)
     T, k = ids.shape
     assert TC.use_tc_moe(T, k, gu.shape[0], gu, dn)
     assert TC.available(grouped=True), f"no batched GEMM: caller {TC.blas_backend(verbose=True)}"
@@ -329,18 +357,71 @@ def test_moe_experts_tc_vs_grouped_and_float64(monkeypatch, fmt, R):
     # negative control: experts a and b swapped in down -> exactly their tokens change
     monkeypatch.setattr(TC, "TC_ENABLED", True)
     a, b = int(ids[0, 0]), int(ids[0, 1])
-    E = gu.shape[0]
-    order = np.arange(E)
-    order[[a, b]] = order[[b, a]]
-    if fmt == "bf16":
-        bad = dn[order]
-    else:
-        bad = QuantWeight("nvfp4", dn.shape, dn.q[order], dn.scale[order], dn.scale2.reshape(E, -1)[order].reshape(-1),
-                          s2_rows=dn.s2_rows)
+    bad = _swap_experts(dn, a, b)
     ob = cp.asnumpy(MO.moe_experts(args[0], args[1], args[2], args[3], _dev(bad), shared=cp.asarray(sh),
                                    shared_gate=cp.asarray(sg)))
     users = {t for t in range(T) if a in ids[t] or b in ids[t]}
     assert {int(t) for t in np.nonzero(np.abs(ob - o).max(1) > 1e-6)[0]} == users
+
+
+@pytest.mark.parametrize("budget_experts", [1, 3, 1000])
+def test_moe_fp8_grouped_gemm_within_the_float32_bound(monkeypatch, budget_experts):
+    """FP8 experts, one projection (gate_up) through the windows of tiles: every valid padded row's sum of the
+    three part products is held elementwise to (K + 9) eps32 sum_k |x_k w_k| against float64 on the reader's weights
+    (the nine exact part products per weight, float32 accumulation), for scratches of 1 and 3 experts (windows that
+    split an expert's tiles) and of all experts. Negative control: one block scale of one expert doubled is caught
+    in exactly that expert's rows and that block's columns."""
+    rng = _rng(35)
+    E, H, I, k, T, R = 12, 256, 96, 3, 200, 16
+    gu = _fp8_stack(rng, E, 2 * I, H)
+    x = _wide_floats(rng, T * H).reshape(T, H)  # all 24 bits random, exponents 2^-60..2^60
+    # expert 0 unused: a window's slots are not the expert ids (only the used experts are dequantised)
+    ids = np.stack([1 + rng.choice(E - 1, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    monkeypatch.setattr(TC, "MOE_FP8_SCRATCH_BYTES", budget_experts * 6 * 2 * I * H)
+    route = MO.moe_route_tables(cp.asarray(ids), E, rows_per_tile=R)
+    tiles = route.tiles
+    P = tiles.max_tiles * R
+    w64 = _w64(gu)
+    te, ts, tc = (cp.asnumpy(a) for a in (tiles.expert, tiles.start, tiles.count))
+    nt = int(cp.asnumpy(tiles.n_tiles)[0])
+    tok = cp.asnumpy(route.sorted_token)
+
+    def run(w, xx):
+        parts = TC._split_rows(cp, cp.asarray(xx), P, row_index=route.sorted_token, tiles=tiles, tm=R)
+        c3 = cp.full((3 * P, 2 * I), cp.nan, dtype=cp.float32)
+        TC._grouped_gemm(cp, w.to(cp), parts, c3, tiles, R, 2 * I, H)
+        c3 = cp.asnumpy(c3).reshape(-1, 3, R, 2 * I)  # [tile, part, row, n]
+        return (c3[:, 2] + c3[:, 1]) + c3[:, 0]  # sum3's order
+    got = run(gu, x)
+    x64 = x.astype(np.float64)
+    rows = [(t, j, int(tok[ts[t] + j])) for t in range(nt) for j in range(tc[t])]
+    assert len(rows) == T * k
+    worst = 0.0
+    for t, j, s in rows:
+        ref = w64[te[t]] @ x64[s]
+        bound = (H + 9) * EPS32 * (np.abs(w64[te[t]]) @ np.abs(x64[s]))
+        err = np.abs(got[t, j].astype(np.float64) - ref)
+        worst = max(worst, float((err / bound).max()))
+        assert np.all(err <= bound), f"tile {t} row {j}: max err/bound {float((err / bound).max()):.3g}"
+    print(f"fp8 grouped GEMM, scratch of {budget_experts} experts: max err / bound {worst:.3g}")
+    # negative control (standard normal activations: every row's sum is not dominated by one huge term): expert e's
+    # block (1, 2) scale doubled -> caught in every row of e, in columns 64..127 only
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    bad = gu.to(np)
+    bad.scale = bad.scale.copy()
+    e = int(te[nt // 2])
+    bad.scale[e, 1, 2] *= 2
+    gb = run(bad, x)
+    caught = set()
+    for t, j, s in rows:
+        ref = w64[te[t]] @ x64[s]
+        bound = (H + 9) * EPS32 * (np.abs(w64[te[t]]) @ np.abs(x64[s]))
+        cols = np.nonzero(np.abs(gb[t, j].astype(np.float64) - ref) > bound)[0]
+        if cols.size:
+            assert te[t] == e and cols.min() >= 64 and cols.max() < 128, (t, j, cols[:5])
+            caught.add((t, j))
+    assert len(caught) == sum(int(tc[t]) for t in range(nt) if te[t] == e)
 
 
 def test_moe_experts_tc_token_chunks(monkeypatch):
@@ -359,11 +440,14 @@ def test_moe_experts_tc_token_chunks(monkeypatch):
     assert float(np.linalg.norm(chunked - whole) / np.linalg.norm(whole)) < REL_TOL
 
 
-def test_moe_experts_tc_two_part_negative_control_and_graph(monkeypatch):
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moe_experts_tc_two_part_negative_control_and_graph(monkeypatch, fmt):
     rng = _rng(32)
-    gu, dn, x, ids, wts = _moe_case(rng, "bf16", T=200)
+    gu, dn, x, ids, wts = _moe_case(rng, fmt, T=200)
     monkeypatch.setattr(TC, "MOE_MAX_PAD", 1e9)
-    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(wts), cp.asarray(gu), cp.asarray(dn))
+    monkeypatch.setattr(TC, "MOE_MAX_PAD_FP8", 1e9)
+    monkeypatch.setattr(TC, "MOE_FP8_SCRATCH_BYTES", 4 * 6 * 2 * 96 * 256)  # FP8: windows of 4 tiles
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(wts), _dev(gu), _dev(dn))
     ref = MO.moe_experts(x.astype(np.float64), ids, wts.astype(np.float64), gu, dn)
 
     def r(o):
@@ -403,6 +487,7 @@ def test_engine_prefill_on_tensor_cores_within_selfcheck_bounds(monkeypatch, nam
     monkeypatch.setattr(dense_common, "POISON", False)
     monkeypatch.setattr(TC, "TC_MIN_ROWS", 2)  # every multi-token prefill chunk (the fixtures' prompts are short)
     monkeypatch.setattr(TC, "MOE_MAX_PAD", 1e9)
+    monkeypatch.setattr(TC, "MOE_MAX_PAD_FP8", 1e9)
     monkeypatch.setattr(TC, "MOE_TILE_ROWS", 16)
     calls = {"linear": 0, "moe": 0}
     lin, moe = TC.linear_tc, TC.moe_experts_tc
@@ -418,6 +503,5 @@ def test_engine_prefill_on_tensor_cores_within_selfcheck_bounds(monkeypatch, nam
     monkeypatch.setattr(TC, "moe_experts_tc", count_moe)
     f = selfcheck.fixture_figures(name, "cuda")
     print(name, f, calls)
-    # (tiny-fp8's experts are FP8 stacks: they stay on the grouped quant_linear.cu kernels)
-    assert calls["linear"] > 0 and (calls["moe"] > 0) == (name != "tiny-fp8"), calls
+    assert calls["linear"] > 0 and calls["moe"] > 0, calls
     assert selfcheck.verdict(f) == [], f

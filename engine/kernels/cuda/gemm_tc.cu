@@ -9,14 +9,16 @@
 //                     the float32 global scale (weight_scale_2) is applied to the GEMM's output instead.
 //   scale_rows_s2   : C[r, n] *= scale_2[expert(r) * per + n / s2_rows] (that output scale).
 //   fp8_to_bf16x3   : FP8 block-scaled weights -> the three BF16 parts of each float32 dequantised weight (the
-//                     reader's value): nine part-by-part GEMMs give the float32 sum of the exact products.
+//                     reader's value): nine part-by-part GEMMs give the float32 sum of the exact products. One
+//                     matrix, or the experts of a stack named by a slot table (the MoE's window of tiles).
 //   swiglu_split3   : h = silu(g) * u of a padded gate/up output (moe_swiglu's formula; g, u = the sum of their three
 //                     part products, then the optional scale_2 of each half), written directly as the three BF16
 //                     parts of the down projection's input.
 //   reduce3_rows    : y = (lo + mid) + hi of the three part products (+ optional scale_2), the down output.
 //   pad_of_sorted   : padded row of every sorted MoE slot; slot_pad: the padded row of every original slot.
-//   tile_ptrs       : the per-tile pointer arrays of cublasGemmBatchedEx (weights of the tile's expert, the
-//                     tile's activation rows per part, its output rows).
+//   tile_ptrs       : the per-tile pointer arrays of cublasGemmBatchedEx (weights of the tile's expert, or of its
+//                     slot in a scratch of dequantised experts, one array per weight part; the tile's activation
+//                     rows, its output rows), over a window of the tile table, and that window's slot table.
 //
 // Tile-padded layout (grouped launches): tile t of the tile table (engine.kernels.linear.GroupTiles, TM rows per
 // tile) owns padded rows [t * TM, (t + 1) * TM); its row j < count[t] is sorted slot start[t] + j, rows
@@ -111,22 +113,52 @@ extern "C" __global__ void nvfp4_to_bf16(const unsigned char* __restrict__ Q, co
     o[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// FP8 (E4M3 codes, float32 block scales [ceil(N / rb), ncb]) -> the three BF16 parts of each dequantised weight
-// w = float(code) * scale[n / rb][k / cb] (quant_linear.cu's and the reader's float32 product, so w is the reference's
-// weight bit for bit), split exactly by split3: out + p * N * K holds part p (hi, mid, lo) of W [N, K]. One thread per
-// weight.
+// FP8 (E4M3 codes, float32 block scales) -> the three BF16 parts of each dequantised weight
+// w = float(code) * scale[n / rb][k / cb] (quant_linear.cu's and the reader's float32 product, so w is the
+// reference's weight bit for bit), split exactly by split3. Q [E, N, K] codes and S [E, ceil(N / rb), ncb] scales of
+// a stack (E = 1: one matrix); slot s = blockIdx.y of the output holds expert slot_expert[s] (slot_expert null: expert s; -1: the
+// slot is unused and skipped), part p of it at out + (p * pslots + s) * N * K (hi, mid, lo). Grid-stride over the
+// N * K weights of a slot; vec4 (K % 4 == 0, Q 4-byte aligned): four weights of one row per step.
 extern "C" __global__ void fp8_to_bf16x3(const unsigned char* __restrict__ Q, const float* __restrict__ S,
-                                         bf16_bits_t* __restrict__ out, int N, int K, int rb, int cb, int ncb) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+                                         const int* __restrict__ slot_expert, int pslots,
+                                         bf16_bits_t* __restrict__ out, int N, int K, int rb, int cb, int ncb,
+                                         int vec4) {
+    const int s = blockIdx.y;
+    const long long e = slot_expert != nullptr ? (long long)slot_expert[s] : (long long)s;
+    if (e < 0) return;
     const long long nk = (long long)N * K;
-    if (i >= nk) return;
-    const int n = (int)(i / K), k = (int)(i - (long long)n * K);
-    const float w = e4m3_to_f32(Q[i]) * S[(long long)(n / rb) * ncb + k / cb];
-    unsigned int h, m, l;
-    split3(w, h, m, l);
-    out[i] = (bf16_bits_t)(h >> 16);
-    out[i + nk] = (bf16_bits_t)(m >> 16);
-    out[i + 2 * nk] = (bf16_bits_t)(l >> 16);
+    const unsigned char* q = Q + e * nk;
+    const float* sc = S + e * ((long long)((N + rb - 1) / rb) * ncb);
+    bf16_bits_t* o = out + (long long)s * nk;
+    const long long ps = (long long)pslots * nk;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    if (vec4) {
+        for (long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; 4 * i4 < nk; i4 += step) {
+            const long long i = 4 * i4;
+            const int n = (int)(i / K), k = (int)(i - (long long)n * K);
+            const unsigned int c = __ldg(reinterpret_cast<const unsigned int*>(q) + i4);
+            const float* sr = sc + (long long)(n / rb) * ncb;
+            float w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) w[j] = e4m3_to_f32((c >> (8 * j)) & 0xffu) * sr[(k + j) / cb];
+            uint2 h, m, l;
+            split_pair(w[0], w[1], h.x, m.x, l.x);
+            split_pair(w[2], w[3], h.y, m.y, l.y);
+            reinterpret_cast<uint2*>(o)[i4] = h;
+            reinterpret_cast<uint2*>(o + ps)[i4] = m;
+            reinterpret_cast<uint2*>(o + 2 * ps)[i4] = l;
+        }
+        return;
+    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nk; i += step) {
+        const int n = (int)(i / K), k = (int)(i - (long long)n * K);
+        const float w = e4m3_to_f32(q[i]) * sc[(long long)(n / rb) * ncb + k / cb];
+        unsigned int h, m, l;
+        split3(w, h, m, l);
+        o[i] = (bf16_bits_t)(h >> 16);
+        o[i + ps] = (bf16_bits_t)(m >> 16);
+        o[i + 2 * ps] = (bf16_bits_t)(l >> 16);
+    }
 }
 
 // C [rows, N] float32: C[r, n] *= S2[e * per + n / s2_rows], e = tile_expert[r / TM] (grouped; rows of tiles past
@@ -224,17 +256,39 @@ extern "C" __global__ void slot_pad(const int* __restrict__ slot_pos, const int*
     out[s] = p >= 0 ? pad[p] : -1;
 }
 
-// ptrs [3][max_tiles] (device addresses) of one cublasGemmBatchedEx: A = W + expert * a_stride, B = B + t * b_tile,
-// C = C + t * c_tile (bytes; b_tile / c_tile cover a tile's three parts). Tiles past n_tiles use expert 0 (computed,
-// never read).
-extern "C" __global__ void tile_ptrs(const int* __restrict__ tile_expert, const int* __restrict__ n_tiles,
-                                     int max_tiles, unsigned long long W, long long a_stride, unsigned long long B,
-                                     long long b_tile, unsigned long long C, long long c_tile,
+// ptrs [nw + 2][count] (device addresses) of the cublasGemmBatchedEx calls over tiles t0 .. t0 + count - 1 of the
+// tile table (i = t - t0): A_j = W + j * a_part + slot(t) * a_stride (j < nw: the weight parts), B = B + t * b_tile,
+// C = C + t * c_tile (bytes; b_tile / c_tile cover a tile's three activation parts). windowed == 0: slot(t) =
+// tile_expert[t] (W is the whole stack). windowed: W is a scratch of nslots dequantised experts; slot(t) = the number
+// of expert changes among tiles t0 .. t (tiles are sorted by expert, so a window of count tiles uses at most
+// min(count, E) = nslots slots) and slot_expert[slot] = that expert (-1: unused slot). Tiles past n_tiles use slot 0
+// (computed, never read). One block.
+extern "C" __global__ void tile_ptrs(const int* __restrict__ tile_expert, const int* __restrict__ n_tiles, int t0,
+                                     int count, int windowed, int* __restrict__ slot_expert, int nslots,
+                                     unsigned long long W, long long a_stride, long long a_part, int nw,
+                                     unsigned long long B, long long b_tile, unsigned long long C, long long c_tile,
                                      unsigned long long* __restrict__ ptrs) {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= max_tiles) return;
-    const long long e = t < *n_tiles ? tile_expert[t] : 0;
-    ptrs[t] = W + (unsigned long long)(e * a_stride);
-    ptrs[(long long)max_tiles + t] = B + (unsigned long long)(t * b_tile);
-    ptrs[2 * (long long)max_tiles + t] = C + (unsigned long long)(t * c_tile);
+    const int nt = *n_tiles;
+    if (windowed) {
+        for (int s = threadIdx.x; s < nslots; s += blockDim.x) slot_expert[s] = -1;
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const int t = t0 + i;
+        long long slot = 0;
+        if (t < nt) {
+            if (windowed) {
+                int d = 0;
+                for (int u = t0 + 1; u <= t; ++u) d += tile_expert[u] != tile_expert[u - 1];
+                if (i == 0 || tile_expert[t] != tile_expert[t - 1]) slot_expert[d] = tile_expert[t];
+                slot = d;
+            } else {
+                slot = tile_expert[t];
+            }
+        }
+        for (int j = 0; j < nw; ++j)
+            ptrs[(long long)j * count + i] = W + (unsigned long long)(j * a_part + slot * a_stride);
+        ptrs[(long long)nw * count + i] = B + (unsigned long long)(t * (long long)b_tile);
+        ptrs[(long long)(nw + 1) * count + i] = C + (unsigned long long)(t * (long long)c_tile);
+    }
 }
