@@ -263,7 +263,7 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
         out[f"moe_rpt{rpt}"] = round(float(np.median(ts)), 1)
     K_tiles.DECODE_ROWS_PER_TILE = keep
     keep = K_moe.FUSED_DECODE
-    for fused in (False, True):  # the MoE block's unfused chain vs the decode chain (moe_route.cu)
+    for fused in (False, True):  # the MoE block's grouped chain vs the three-launch decode block (moe_decode.cu)
         K_moe.FUSED_DECODE = fused
         f = (lambda: m._moe(i0, x, None, st.positions))
         f()
