@@ -93,6 +93,27 @@ def graph_us(cp, fn, reps):
     return float(np.median(ts)), out, graph_nodes(g)
 
 
+def launch_breakdown(cp, M, fn, reps):
+    """Device time of each launch ``fn`` makes through ``moe.kernel`` (recorded once, then each replayed alone as a
+    CUDA graph: the decode launches are idempotent and their tickets reset themselves): ``{name: us}``."""
+    rec, orig = [], M.kernel
+
+    def recording(fname, name):
+        k = orig(fname, name)
+
+        def call(grid, block, args, **kw):
+            rec.append((name, k, grid, block, args, kw))
+            return k(grid, block, args, **kw)
+        return call
+    M.kernel = recording
+    try:
+        fn()
+    finally:
+        M.kernel = orig
+    return {f"{j}:{name}": round(graph_us(cp, lambda: k(grid, block, args, **kw), reps)[0], 1)
+            for j, (name, k, grid, block, args, kw) in enumerate(rec)}
+
+
 def expert_bytes(w) -> float:
     """Stored bytes of one expert of stack ``w`` (codes + scales)."""
     return w.nbytes / w.shape[0]
@@ -143,6 +164,10 @@ def main():
                   f"GB/s x{row['speedup']:.2f} | rel diff {rel:.1e} ids {'same' if same_ids else 'DIFFER'} | nodes "
                   + "; ".join(f"{n} " + ("n/a" if v[3] is None else f"{v[3]['kernel']}/{v[3]['memset']}/{v[3]['other']}")
                               for n, v in res.items()), flush=True)
+            M.FUSED_DECODE = True
+            row["decode_launch_us"] = launch_breakdown(cp, M, block, args.reps)
+            print("  decode launches alone (us): " + ", ".join(f"{n} {v}" for n, v in row["decode_launch_us"].items()),
+                  flush=True)
             rows.append(row)
             if not same_ids or rel > 1e-5:
                 bad.append((fmt, T))

@@ -273,7 +273,7 @@ __device__ __forceinline__ void moe_gu_item(const LD& ld, long long e, int n, in
 #pragma unroll
     for (int t = 0; t < MT; ++t) xo[t] = (t < count ? tok[t] : 0) * H;
     float acc[2][MT];
-    moe_rows_dot<LD, MT, 32, 32, 2, 4>(ld, e, nr, x, xo, count, H, lane, acc);
+    moe_rows_dot<LD, MT, 32, 32, 2, 3>(ld, e, nr, x, xo, count, H, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int t = 0; t < MT; ++t)
@@ -283,6 +283,23 @@ __device__ __forceinline__ void moe_gu_item(const LD& ld, long long e, int n, in
             }
     }
 }
+
+// The accumulators a block of an item with `count` tokens runs with: 1, 4 or MT (the entry's bound), chosen at run
+// time, so that the common items of a 16-token step (one or two tokens each) run the light body; the order of every
+// sum is the same in all three (batch invariance).
+#define MOE_BY_COUNT(count, MT, CALL)                                                                             \
+    do {                                                                                                         \
+        if ((count) <= 1) {                                                                                      \
+            constexpr int MC = 1;                                                                                \
+            CALL;                                                                                                \
+        } else if ((MT) > 4 && (count) <= 4) {                                                                   \
+            constexpr int MC = (MT) > 4 ? 4 : (MT);                                                              \
+            CALL;                                                                                                \
+        } else {                                                                                                 \
+            constexpr int MC = (MT);                                                                             \
+            CALL;                                                                                                \
+        }                                                                                                        \
+    } while (0)
 
 template <typename LR, typename LS, int MT>
 __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int has_shared, const float* __restrict__ x,
@@ -298,7 +315,7 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
         int tok[MT];
 #pragma unroll
         for (int t = 0; t < MT; ++t) tok[t] = t;
-        moe_gu_item<LS, MT>(ls, 0, n, Is, H, x, tok, T, hs, tok, Is);
+        MOE_BY_COUNT(T, MT, (moe_gu_item<LS, MC>(ls, 0, n, Is, H, x, tok, T, hs, tok, Is)));
         return;
     }
     if (item >= *n_items || n >= I) return;
@@ -309,7 +326,8 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
         tok[t] = t < count ? item_tok[item * MT + t] : 0;
         slot[t] = t < count ? item_slot[item * MT + t] : 0;
     }
-    moe_gu_item<LR, MT>(lr, item_expert[item], n, I, H, x, tok, count, h, slot, I);
+    const long long e = item_expert[item];
+    MOE_BY_COUNT(count, MT, (moe_gu_item<LR, MC>(lr, e, n, I, H, x, tok, count, h, slot, I)));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -351,14 +369,15 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
         int row[MT];
 #pragma unroll
         for (int t = 0; t < MT; ++t) row[t] = t;
-        moe_down_item<LS, MT>(ls, 0, H, Is, hs, row, T, ys);
+        MOE_BY_COUNT(T, MT, (moe_down_item<LS, MC>(ls, 0, H, Is, hs, row, T, ys)));
     } else {
         if (item >= ni) return;  // the whole block: no ticket
         const int count = item_count[item];
         int slot[MT];
 #pragma unroll
         for (int t = 0; t < MT; ++t) slot[t] = t < count ? item_slot[item * MT + t] : 0;
-        moe_down_item<LR, MT>(lr, item_expert[item], H, I, h, slot, count, y);
+        const long long e = item_expert[item];
+        MOE_BY_COUNT(count, MT, (moe_down_item<LR, MC>(lr, e, H, I, h, slot, count, y)));
     }
     if (!moe_last_block(counters + blockIdx.x, (unsigned int)(ni + (has_shared ? 1 : 0)))) return;
     for (int i = threadIdx.x; i < T * MOE_DOWN_ROWS; i += blockDim.x) {
@@ -390,12 +409,14 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
 #define MOE_nvfp4_MAKE(P) NVFP4S P##ld{P##Q, P##S, P##S2, P##q_es, P##s_es, P##s2_rows, P##s2_per_e};
 #define MOE_nvfp4_T NVFP4S
 
-// Blocks per SM the register budget is sized for: 1 and 4 tokens <= 128 registers, 16 tokens <= 255 (the
-// accumulators of 16 tokens x 2 rows would spill at 128).
-#define MOE_MINB(MT) ((MT) == 16 ? 1 : 2)
+// Blocks per SM the register budget is sized for (streaming: occupancy keeps the loads in flight): 1 token <= 80
+// (gate_up) / 64 (down) registers, 4 and 16 tokens <= 128 (the 16-token body, run by items of 5+ tokens and the
+// shared expert only, spills a little).
+#define MOE_GU_MINB(MT) ((MT) == 1 ? 3 : 2)
+#define MOE_DN_MINB(MT) ((MT) == 1 ? 4 : 2)
 
 #define MOE_PAIR_ENTRIES(FR, FS, MT)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, MOE_MINB(MT)) moe_gate_up_##FR##_##FS##_t##MT(                       \
+    extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB(MT)) moe_gate_up_##FR##_##FS##_t##MT(                       \
         MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, const float* x, int T, int H, int I, int Is,    \
         const int* n_items, const int* item_expert, const int* item_count, const int* item_tok,                   \
         const int* item_slot, float* h, float* hs) {                                                             \
@@ -403,7 +424,7 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
         moe_gate_up_body<MOE_##FR##_T, MOE_##FS##_T, MT>(r_ld, s_ld, has_shared, x, T, H, I, Is, n_items,         \
                                                          item_expert, item_count, item_tok, item_slot, h, hs);   \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, MOE_MINB(MT)) moe_down_##FR##_##FS##_t##MT(                          \
+    extern "C" __global__ void __launch_bounds__(256, MOE_DN_MINB(MT)) moe_down_##FR##_##FS##_t##MT(                          \
         MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, int T, int H, int I, int Is, int k,             \
         const int* n_items, const int* item_expert, const int* item_count, const int* item_slot, const float* h,  \
         const float* hs, const float* wts, const float* sg_logit, float* y, float* ys, float* out,                \
