@@ -212,7 +212,8 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
                                "shared_expert_gate or none, found a partial set")
     if (FUSED_DECODE and experts_fn is None and gate_up is not None and down is not None and is_cupy(same_device(x))
             and x.ndim == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS
-            and (shared_gate_proj is None or shared_gate_up is not None)):
+            and (shared_gate_proj is None or shared_gate_up is not None)
+            and x.shape[0] <= DECODE_BLOCK_MAX_TOKENS.get(weight_kind(gate_up), 0)):
         got = _moe_block_decode(x, router_weight, gate_up, down, top_k=top_k, norm_topk_prob=norm_topk_prob,
                                 shared_gate_up=shared_gate_up, shared_down_proj=shared_down_proj,
                                 shared_expert_gate=shared_expert_gate)
@@ -236,10 +237,17 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 
 #: The MoE block of a decode step (1..16 tokens, cupy, no expert parallelism; BF16 / FP8 / NVFP4 experts) in three
 #: launches (``cuda/moe_decode.cu``): router + shared gate + top-k + item table; gate_up + SwiGLU of every selected
-#: expert and of the shared expert; down + the weighted combine. The only decode path where its shapes fit (float32
-#: weights and the rest run the grouped chain of :func:`moe_experts`). A module flag (no environment switch) so the
-#: tests can run the grouped chain beside it.
+#: expert and of the shared expert; down + the weighted combine. Runs where :data:`DECODE_BLOCK_MAX_TOKENS` allows and
+#: its shapes fit; float32 weights and the rest run the grouped chain of :func:`moe_experts`. A module flag (no
+#: environment switch) so the tests can run the grouped chain beside it.
 FUSED_DECODE = True
+
+#: Per routed-expert format, the most tokens for which the decode block is the default: where it measured faster than
+#: the grouped chain on the H200 (lab/moe_fused_bench.py at the real widths, docs/performance.md): BF16 1.29x and FP8
+#: 1.06x at one token. NVFP4 experts (0.80x at one token) and 2..16 tokens (0.49-0.73x at 16: latency-bound launches,
+#: a serial top-k) run the grouped chain until the kernels beat it there. A module constant, not an environment
+#: switch: the tests and the bench raise every entry to 16 to run the block everywhere.
+DECODE_BLOCK_MAX_TOKENS = {"bf16": 1, "fp8": 1, "nvfp4": 0}
 
 _DOWN_ROWS = 32  # output rows per block of the down launch (moe_decode.cu MOE_DOWN_ROWS)
 _GU_ROWS = 8  # outputs per block of the gate_up launch (one warp each)
