@@ -36,6 +36,7 @@ RETIRED = {
     "QWEN4EXP_QGEMV2": "the first qgemv_* quantised GEMV kernels",
     "QWEN4EXP_MOE_FUSED": "the unfused MoE decode chain (the fused chain is the only decode path)",
     "QWEN4EXP_MOE_EPILOGUES": "the GEMV-epilogue MoE decode chain",
+    "QWEN4EXP_MOE_SHARED_STREAM": "the shared expert on a side stream (the decode block runs it in its own launches)",
 }
 
 

@@ -262,8 +262,10 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
             ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
         out[f"moe_rpt{rpt}"] = round(float(np.median(ts)), 1)
     K_tiles.DECODE_ROWS_PER_TILE = keep
-    keep = K_moe.FUSED_DECODE
-    for fused in (False, True):  # the MoE block's unfused chain vs the decode chain (moe_route.cu)
+    keep, keep_max = K_moe.FUSED_DECODE, K_moe.DECODE_BLOCK_MAX_TOKENS
+    # the MoE block's grouped chain vs the three-launch decode block (moe_decode.cu) wherever its shapes fit
+    K_moe.DECODE_BLOCK_MAX_TOKENS = dict.fromkeys(keep_max, 16)
+    for fused in (False, True):
         K_moe.FUSED_DECODE = fused
         f = (lambda: m._moe(i0, x, None, st.positions))
         f()
@@ -283,7 +285,7 @@ def component_graph_times(cp, eng, seqs, toks, reps=20):
             a1.synchronize()
             ts.append(cp.cuda.get_elapsed_time(a0, a1) * 1e3)
         out["moe_fused" if fused else "moe_unfused"] = round(float(np.median(ts)), 1)
-    K_moe.FUSED_DECODE = keep
+    K_moe.FUSED_DECODE, K_moe.DECODE_BLOCK_MAX_TOKENS = keep, keep_max
     return out
 
 

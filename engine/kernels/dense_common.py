@@ -125,16 +125,24 @@ def module(filename: str):
 
 
 _QGEMV2_NT = re.compile(r"^qgemv2_\w+?_nt(\d+)_")
+_MOE_PAIR = re.compile(r"^moe_(?:gate_up|down)_(bf16|fp8|nvfp4)_(bf16|fp8|nvfp4)_t\d+$")
+_MOE_FORMATS = ("bf16", "fp8", "nvfp4")  # moe_decode.cu's format indices
 
 
 def kernel_module_options(filename: str, name: str) -> tuple[str, ...]:
     """NVRTC options of the module that holds kernel ``name`` of ``filename``: ``quant_linear.cu``'s streaming
     GEMVs (``qgemv2_<fmt>_nt<N>_...``) are compiled per activation-row tile (``-DQGEMV2_NT=<N>``), apart from the
-    file's other kernels, each on first use (their instances would multiply the file's NVRTC time by ~4)."""
+    file's other kernels, each on first use (their instances would multiply the file's NVRTC time by ~4);
+    ``moe_decode.cu``'s expert kernels (``moe_{gate_up,down}_<routed>_<shared>_t<MT>``) per format pair
+    (``-DMOE_FR=<i> -DMOE_FS=<j>``), its router kernels in the module without defines."""
     if filename == "quant_linear.cu":
         m = _QGEMV2_NT.match(name)
         if m:
             return (f"-DQGEMV2_NT={int(m[1])}",)
+    if filename == "moe_decode.cu":
+        m = _MOE_PAIR.match(name)
+        if m:
+            return (f"-DMOE_FR={_MOE_FORMATS.index(m[1])}", f"-DMOE_FS={_MOE_FORMATS.index(m[2])}")
     return ()
 
 

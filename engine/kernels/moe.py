@@ -10,14 +10,15 @@ Top-k order is the project's canonical one: higher probability first, ties broke
 expert id. Expert weights are stacked as ``gate_up [E, 2*I, H]`` (rows ``[0, I)`` the gate projection,
 ``[I, 2I)`` the up projection: the official fused layout) and ``down [E, H, I]``.
 
-CUDA path (``engine/kernels/cuda/dense_moe.cu`` + the linear kernels): routing, counting, offsets,
-the sorted slot order and the tile tables are all computed on the device; grouped launches are
-sized by the worst case (``S // rows_per_tile + min(E, S)`` tiles, ``S = T * top_k``) and tiles past
-the device-side count exit at once. Nothing is copied to the host.
+CUDA path: for a decode step (1..16 tokens; BF16 / FP8 / NVFP4 experts) the whole block runs in three launches of
+``engine/kernels/cuda/moe_decode.cu`` (:data:`FUSED_DECODE`, :func:`_moe_block_decode`). Otherwise the grouped
+chain (``engine/kernels/cuda/dense_moe.cu`` + the linear kernels): routing, counting, offsets, the sorted slot order
+and the tile tables are all computed on the device; grouped launches are sized by the worst case
+(``S // rows_per_tile + min(E, S)`` tiles, ``S = T * top_k``) and tiles past the device-side count exit at once.
+Nothing is copied to the host on either path.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,14 +28,15 @@ from engine.kernels.dense_common import (KernelInputError, compute_dtype, f32_co
                                          weight_as_float)
 from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import ptr_or_null
-from engine.kernels.linear import grouped_linear, launch_plan, linear
-from engine.kernels.tiles import (GEMV_MAX_ROWS, GroupTiles, MoERoute, combine, moe_route_tables,  # noqa: F401 (re-exported)
-                                  default_rows_per_tile)
+from engine.kernels.dense_common import weight_kind
+from engine.kernels.linear import _quant_fargs, grouped_linear, linear
+from engine.kernels.tiles import (GEMV_MAX_ROWS, GroupTiles, MoERoute, combine,  # noqa: F401 (re-exported)
+                                  moe_route_tables)
 from reference.blocks import moe as _ref_moe
 from reference.blocks.norms import silu as _ref_silu
 
 __all__ = ["router_topk", "moe_route_tables", "MoERoute", "moe_experts", "moe_block", "MoEOut", "shared_expert",
-           "FUSED_DECODE", "SHARED_STREAM"]
+           "FUSED_DECODE"]
 
 
 def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
@@ -209,11 +211,14 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
         raise KernelInputError("shared expert: expected all four of gate_proj, up_proj, down_proj, "
                                "shared_expert_gate or none, found a partial set")
     if (FUSED_DECODE and experts_fn is None and gate_up is not None and down is not None and is_cupy(same_device(x))
-            and x.ndim == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
-        return _moe_block_fused(x, router_weight, gate_up, down, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                                shared_gate_proj=shared_gate_proj, shared_up_proj=shared_up_proj,
-                                shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate,
-                                shared_gate_up=shared_gate_up)
+            and x.ndim == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+            and (shared_gate_proj is None or shared_gate_up is not None)
+            and x.shape[0] <= DECODE_BLOCK_MAX_TOKENS.get(weight_kind(gate_up), 0)):
+        got = _moe_block_decode(x, router_weight, gate_up, down, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                shared_gate_up=shared_gate_up, shared_down_proj=shared_down_proj,
+                                shared_expert_gate=shared_expert_gate)
+        if got is not None:
+            return got
     logits = linear(x, router_weight)
     ids, w = router_topk(logits, top_k, norm_topk_prob)
     shared = sg = None
@@ -228,169 +233,137 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Decode chain (cuda/moe_route.cu, the shared-expert stream)
+# Decode block (cuda/moe_decode.cu): three launches for 1..16 tokens
 
-#: The decode chain of the MoE block for 1..16 tokens (cupy, no expert parallelism): top-k + route tables in one
-#: single-block launch after the router GEMV (``cuda/moe_route.cu``, in place of router_topk + memset + moe_tables),
-#: the shared expert as a parallel branch on a side stream (:data:`SHARED_STREAM`), the combine with all its loads in
-#: flight; results bit-identical to the grouped chain of :func:`moe_experts` (measured 1.03-1.05x faster on the H200,
-#: docs/kernels_moe_fused.md). The only decode path; a module flag (no environment switch) so the tests can run
-#: the grouped chain beside it and compare bit for bit.
+#: The MoE block of a decode step (1..16 tokens, cupy, no expert parallelism; BF16 / FP8 / NVFP4 experts) in three
+#: launches (``cuda/moe_decode.cu``): router + shared gate + top-k + item table; gate_up + SwiGLU of every selected
+#: expert and of the shared expert; down + the weighted combine. Runs where :data:`DECODE_BLOCK_MAX_TOKENS` allows and
+#: its shapes fit; float32 weights and the rest run the grouped chain of :func:`moe_experts`. A module flag (no
+#: environment switch) so the tests can run the grouped chain beside it.
 FUSED_DECODE = True
 
-#: With :data:`FUSED_DECODE`: the shared expert (gate/up + SwiGLU, down, its gate) runs on a second stream forked
-#: from and joined back into the caller's, so a CUDA graph holds it as a parallel branch beside the router and
-#: the routed gate/up (same kernels and inputs: same bits). ``$QWEN4EXP_MOE_SHARED_STREAM=0`` turns it off.
-SHARED_STREAM = os.environ.get("QWEN4EXP_MOE_SHARED_STREAM", "1").strip() != "0"
+#: Per routed-expert format, the most tokens for which the decode block is the default: where it measured faster than
+#: the grouped chain on the H200 (lab/moe_fused_bench.py at the real widths, docs/performance.md): BF16 1.29x and FP8
+#: 1.06x at one token. NVFP4 experts (0.80x at one token) and 2..16 tokens (0.49-0.73x at 16: latency-bound launches,
+#: a serial top-k) run the grouped chain until the kernels beat it there. A module constant, not an environment
+#: switch: the tests and the bench raise every entry to 16 to run the block everywhere.
+DECODE_BLOCK_MAX_TOKENS = {"bf16": 1, "fp8": 1, "nvfp4": 0}
 
-_SIDE: dict = {}
+_DOWN_ROWS = 32  # output rows per block of the down launch (moe_decode.cu MOE_DOWN_ROWS)
+_GU_ROWS = 8  # outputs per block of the gate_up launch (one warp each)
+_COUNTERS: dict = {}
 
 
-def _side_stream(xp):
-    """(stream, fork event, join event) of the device for the shared-expert branch (created on first use)."""
+def _counters(xp, n: int):
+    """The device's ticket counters (uint32, zero between launches: the last block of a launch resets its own), at
+    least ``n`` of them; grown (zeroed) on demand. One set per device: the decode launches run on one stream."""
     dev = xp.cuda.Device().id
-    got = _SIDE.get(dev)
-    if got is None:
-        got = _SIDE[dev] = (xp.cuda.Stream(non_blocking=True), xp.cuda.Event(disable_timing=True),
-                            xp.cuda.Event(disable_timing=True))
-    return got
+    c = _COUNTERS.get(dev)
+    if c is None or c.size < n:
+        c = _COUNTERS[dev] = xp.zeros(max(n, 64), dtype=xp.uint32)
+    return c
 
 
-def _run_plan(plan) -> None:
-    if plan is not None:
-        fname, kname, grid, args = plan
-        kernel(fname, kname)(grid, (256, 1, 1), args)
+def _token_bound(T: int) -> int:
+    """The accumulator bound MT (1, 4, 16) of the decode kernels for ``T`` tokens."""
+    return 1 if T == 1 else (4 if T <= 4 else 16)
 
 
-def _route_block(xp, logits, top_k: int, norm_topk_prob: bool):
-    """Top-k + route tables of ``logits [T, E]`` in one single-block launch (``moe_route.cu``: bit-identical to
-    :func:`router_topk` + :func:`moe_route_tables`); None when ``top_k`` or ``E`` do not fit its shared memory."""
-    T, E = logits.shape
-    k = int(top_k)
-    nw = min(16, T, (44 * 1024) // (4 * E))  # a warp per token, W * E floats (+ 4 KiB static) within 48 KiB
-    if not (1 <= k <= min(E, 64)) or nw < 1:
+def _fmt_args(w, K: int, act):
+    """``(format, loader arguments)`` of a BF16 / FP8 / NVFP4 weight (``[N, K]`` or an ``[E, N, K]`` stack) read
+    against the activations ``act`` by the decode kernels, or None when the format or the alignment does not fit them
+    (16-byte chunks, 16-byte aligned weights and activations: :func:`engine.kernels.linear._quant_fargs`' rule)."""
+    kind = weight_kind(w)
+    N = int(w.shape[-2])
+    if kind in ("fp8", "nvfp4"):
+        vec, fargs = _quant_fargs(w, act, N, K)
+        return (kind, fargs) if vec else None
+    if kind != "bf16" or K % 8 or act.data.ptr % 16:
         return None
-    S = T * k
-    rpt = default_rows_per_tile(T, k, E)
-    max_tiles = S // rpt + min(E, S)
-    ids = _empty(xp, (T, k), dtype=xp.int32)
-    w = _empty(xp, (T, k), dtype=xp.float32)
-    offsets = _empty(xp, E + 1, dtype=xp.int32)
-    sorted_token = _empty(xp, S, dtype=xp.int32)
-    slot_pos = _empty(xp, S, dtype=xp.int32)
-    te, ts, tc = (_empty(xp, max_tiles, dtype=xp.int32) for _ in range(3))
-    nt = _empty(xp, 1, dtype=xp.int32)  # written by the kernel (no memset)
-    kernel("moe_route.cu", "moe_route_block")(
-        (1,), (32 * nw,), (f32_contig(logits, "logits"), np.int32(T), np.int32(E), np.int32(k),
-                           np.int32(1 if norm_topk_prob else 0), np.int32(rpt), ids, w, offsets, sorted_token,
-                           slot_pos, te, ts, tc, nt), shared_mem=nw * E * 4)
-    return ids, w, MoERoute(offsets=offsets, sorted_token=sorted_token, slot_pos=slot_pos,
-                            tiles=GroupTiles(te, ts, tc, nt, max_tiles, rpt), rows_per_tile=rpt)
+    if w.dtype != np.uint16:
+        w = w.view(np.uint16)
+    if not w.flags.c_contiguous or w.data.ptr % 16:
+        return None
+    return kind, (w, np.int64(N * K if w.ndim == 3 else 0))
 
 
-def _combine_fast(xp, y, route: MoERoute, weights, shared, shared_gate, *, T: int, k: int, H: int, out=None):
-    """combine (:func:`engine.kernels.tiles.combine`, same expression and order, bit for bit) with every slot's load in flight
-    (``moe_route.cu:moe_combine_ilp``)."""
-    out = _empty(xp, (T, H), dtype=xp.float32) if out is None else out
-    n = T * H
-    if n:
-        kernel("moe_route.cu", "moe_combine_ilp")(
-            (-(-n // 256),), (256,), (y, route.slot_pos, f32_contig(weights, "weights"), ptr_or_null(shared),
-                                      ptr_or_null(shared_gate), out, np.int32(T), np.int32(k), np.int32(H)))
-    return out
-
-
-def _gate_up_swiglu(xp, plan, gu, h, I: int) -> None:
-    """The gate/up launch ``plan`` (into ``gu``), then the SwiGLU kernel ``h = silu(gate) * up`` (into ``h``, no
-    allocation)."""
-    _run_plan(plan)
-    _swiglu(gu, I, out=h)
-
-
-def _shared_expert_fused(xp, x, gate_proj, up_proj, down_proj, gate_up):
-    """:func:`shared_expert` through :func:`_gate_up_swiglu` (the unfused :func:`shared_expert` when not stacked)."""
-    T, H = x.shape
-    Is = int(gate_proj.shape[0])
-    if gate_up is None or tuple(gate_up.shape) != (2 * Is, H) or gate_proj.ndim != 2 or gate_proj.shape[1] != H:
-        return shared_expert(x, gate_proj, up_proj, down_proj, gate_up=gate_up)
-    gu = _empty(xp, (T, 2 * Is), dtype=xp.float32)
-    h = _empty(xp, (T, Is), dtype=xp.float32)
-    _gate_up_swiglu(xp, launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H), gu, h, Is)
-    return linear(h, down_proj)
-
-
-def _shared_branch(xp, x, gate_proj, down_proj, expert_gate, gate_up):
-    """Launch the shared expert on the side stream, forked from the current stream. Every array it touches is
-    allocated before the fork, on the current stream, and returned in ``keep``: the caller holds ``keep`` until it
-    has waited on the join event (freed earlier, the memory pool would hand those blocks to the current stream's
-    next allocations while the side stream may still use them: a race in eager runs and in graph replays).
+def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, shared_gate_up, shared_down_proj,
+                      shared_expert_gate):
+    """:func:`moe_block` for 1..16 tokens in three launches (``cuda/moe_decode.cu``; same arguments, the stacked
+    shared gate/up required when there is a shared expert). Results: the grouped chain's up to float32 summation
+    order (the router logits and every dot product are summed in another order; top-k, SwiGLU and the combine are
+    the same expressions), and independent of the other tokens of the step.
 
     Returns:
-        ``(shared [T, H], gate [T], join event, keep)`` or None (nothing launched) when the shapes do not fit.
+        :class:`MoEOut`, or None (nothing launched) when the formats or shapes do not fit the kernels.
     """
-    T, H = x.shape
-    Is = int(gate_proj.shape[0])
-    if (gate_up is None or tuple(gate_up.shape) != (2 * Is, H) or down_proj.ndim != 2 or tuple(down_proj.shape) !=
-            (H, Is) or expert_gate.ndim != 2 or tuple(expert_gate.shape) != (1, H)):
-        return None
-    gu = _empty(xp, (T, 2 * Is), dtype=xp.float32)
-    h = _empty(xp, (T, Is), dtype=xp.float32)
-    shared = _empty(xp, (T, H), dtype=xp.float32)
-    sg = _empty(xp, (T, 1), dtype=xp.float32)
-    plan = launch_plan(xp, x, None, gate_up, 0, gu, None, T, 2 * Is, H)
-    if plan is None:
-        return None
-    side, fork, join = _side_stream(xp)
-    fork.record(xp.cuda.get_current_stream())
-    side.wait_event(fork)
-    with side:  # no allocation on this stream
-        _gate_up_swiglu(xp, plan, gu, h, Is)
-        linear(h, down_proj, out=shared)
-        linear(x, expert_gate, out=sg)
-    join.record(side)
-    return shared, sg.reshape(-1), join, (x, gu, h, shared, sg)
-
-
-def _moe_block_fused(x, router_weight, gate_up, down, *, top_k, norm_topk_prob, shared_gate_proj, shared_up_proj,
-                     shared_down_proj, shared_expert_gate, shared_gate_up) -> MoEOut:
-    """:func:`moe_block` on the decode chain (same arguments, same results bit for bit): the router GEMV, then
-    top-k + tables in one launch (:func:`_route_block`), the shared expert on the side stream
-    (:data:`SHARED_STREAM`), the routed gate/up + SwiGLU and down, and the combine with every load in flight. A
-    step that does not fit runs the grouped pieces."""
     xp = same_device(x, router_weight, gate_up, down)
     T, H, E, I = _expert_shapes(x, gate_up, down)
-    x = f32_contig(x, "x")
-    join = shared = sg = keep = None
-    if SHARED_STREAM and shared_gate_proj is not None:
-        got = _shared_branch(xp, x, shared_gate_proj, shared_down_proj, shared_expert_gate, shared_gate_up)
-        if got is not None:
-            shared, sg, join, keep = got
-    logits = linear(x, router_weight)
-    got = _route_block(xp, logits, top_k, norm_topk_prob)
-    if got is None:
-        ids, w = router_topk(logits, top_k, norm_topk_prob)
-        route = moe_route_tables(ids, E)
-    else:
-        ids, w, route = got
-    k = int(ids.shape[1])
-    if shared_gate_proj is not None and join is None:
-        shared = f32_contig(_shared_expert_fused(xp, x, shared_gate_proj, shared_up_proj, shared_down_proj,
-                                                 shared_gate_up), "shared")
-        sg = f32_contig(linear(x, shared_expert_gate).reshape(-1), "shared_gate")
-    if shared is not None and (tuple(shared.shape) != (T, H) or sg.size != T):
-        raise KernelInputError(f"shared/shared_gate: expected [T={T}, H={H}] and [T, 1], found "
-                               f"{tuple(shared.shape)} / {tuple(sg.shape)}")
+    k = int(top_k)
     S = T * k
-    gu = _empty(xp, (S, 2 * I), dtype=xp.float32)
+    if not (1 <= k <= min(E, 64)) or S > 1024 or router_weight.ndim != 2 or tuple(router_weight.shape) != (E, H):
+        return None
+    topk_warps = min(8, T, (44 * 1024) // (4 * E))
+    if topk_warps < 1:
+        return None
+    rkind = weight_kind(router_weight)
+    if rkind not in ("f32", "bf16") or H % 8:
+        return None
+    rw = router_weight.view(np.uint16) if rkind == "bf16" and router_weight.dtype != np.uint16 else router_weight
+    if not rw.flags.c_contiguous or rw.data.ptr % 16:
+        return None
+    x = f32_contig(x, "x")
+    MT = _token_bound(T)
     h = _empty(xp, (S, I), dtype=xp.float32)
-    _gate_up_swiglu(xp, launch_plan(xp, x, route.sorted_token, gate_up, 2 * I * H, gu, route.tiles, S, 2 * I, H), gu,
-                    h, I)
+    r = _fmt_args(gate_up, H, x)
+    rd = _fmt_args(down, I, h)
+    if r is None or rd is None or r[0] != rd[0]:
+        return None
+    has_shared = shared_gate_up is not None
+    if has_shared:
+        Is = int(shared_gate_up.shape[0]) // 2
+        sgk = weight_kind(shared_expert_gate)
+        if (shared_gate_up.ndim != 2 or tuple(shared_gate_up.shape) != (2 * Is, H) or shared_down_proj.ndim != 2
+                or tuple(shared_down_proj.shape) != (H, Is) or sgk not in ("f32", "bf16")
+                or tuple(shared_expert_gate.shape) != (1, H)):
+            return None
+        hs = _empty(xp, (T, Is), dtype=xp.float32)
+        s = _fmt_args(shared_gate_up, H, x)
+        sd = _fmt_args(shared_down_proj, Is, hs)
+        if s is None or sd is None or s[0] != sd[0]:
+            return None
+        sgate = xp.ascontiguousarray(shared_expert_gate.reshape(-1))
+        if sgk == "bf16" and sgate.dtype != np.uint16:
+            sgate = sgate.view(np.uint16)
+    else:  # placeholders of the shared slot (never read: has_shared = 0)
+        Is, hs, s, sd, sgate, sgk = I, h, r, rd, None, "f32"
+    logits = _empty(xp, (T, E), dtype=xp.float32)
+    ids = _empty(xp, (T, k), dtype=xp.int32)
+    w = _empty(xp, (T, k), dtype=xp.float32)
+    sgl = _empty(xp, T, dtype=xp.float32)
+    max_items = min(E, S)
+    n_items = _empty(xp, 1, dtype=xp.int32)
+    item_expert, item_count = (_empty(xp, max_items, dtype=xp.int32) for _ in range(2))
+    item_tok, item_slot = (_empty(xp, max_items * MT, dtype=xp.int32) for _ in range(2))
     y = _empty(xp, (S, H), dtype=xp.float32)
+    ys = _empty(xp, (T, H), dtype=xp.float32) if has_shared else y
     out = _empty(xp, (T, H), dtype=xp.float32)
-    if join is not None:
-        xp.cuda.get_current_stream().wait_event(join)  # the shared expert's results, before the combine reads them
-    plan = launch_plan(xp, h, None, down, H * I, y, route.tiles, S, H, I)
-    _run_plan(plan)
-    _combine_fast(xp, y, route, w, shared, sg, T=T, k=k, H=H, out=out)
-    del keep  # the side stream's arrays, held until the current stream waited on its join
+    nb_down = -(-H // _DOWN_ROWS)
+    cnt = _counters(xp, 1 + nb_down)
+    i32 = np.int32
+    kernel("moe_decode.cu", f"moe_router_{rkind}_t{MT}")(
+        (-(-E // 2) + 1,), (256,),
+        (rw, x, i32(T), i32(E), i32(H), i32(k), i32(1 if norm_topk_prob else 0), i32(topk_warps), ptr_or_null(sgate),
+         i32(1 if sgk == "bf16" else 0), logits, sgl, ids, w, n_items, item_expert, item_count, item_tok, item_slot,
+         cnt), shared_mem=topk_warps * E * 4)
+    pair = f"{r[0]}_{s[0]}_t{MT}"
+    tables = (n_items, item_expert, item_count)
+    kernel("moe_decode.cu", f"moe_gate_up_{pair}")(
+        (-(-max(I, Is) // _GU_ROWS), max_items + 1, 1), (256,),
+        r[1] + s[1] + (i32(1 if has_shared else 0), x, i32(T), i32(H), i32(I), i32(Is)) + tables
+        + (item_tok, item_slot, h, hs))
+    kernel("moe_decode.cu", f"moe_down_{pair}")(
+        (nb_down, max_items + 1, 1), (256,),
+        rd[1] + sd[1] + (i32(1 if has_shared else 0), i32(T), i32(H), i32(I), i32(Is), i32(k)) + tables
+        + (item_slot, h, hs, w, sgl, y, ys, out, cnt[1:]))
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

@@ -155,7 +155,7 @@ def test_moe_fp8_windows_cover_the_tiles_within_the_budget():
 
 def test_moe_max_tiles_matches_route_tables_formula():
     """The batch of the MoE's batched GEMM is the tile table's worst case (moe_route_tables: S // R + min(E, S))."""
-    src = (ROOT / "engine/kernels/moe.py").read_text()
+    src = (ROOT / "engine/kernels/tiles.py").read_text()  # moe_route_tables
     assert "max_tiles = S // rpt + min(E, S)" in src
     for S, E, R in [(40960, 512, 64), (14, 8, 16), (3, 8, 16), (0, 8, 16)]:
         assert TC.moe_tc_max_tiles(S, E, R) == S // R + min(E, S)

@@ -1,8 +1,9 @@
-"""CPU checks of the MoE decode chain's host side (engine/kernels/moe.py, cuda/moe_route.cu), no GPU needed.
+"""CPU checks of the MoE decode block's host side (engine/kernels/moe.py, cuda/moe_decode.cu), no GPU needed.
 
-* The decode chain is the engine's only decode path (no environment switch selects another).
+* The decode block is the engine's decode path (no environment switch selects another).
 * The NumPy twin ignores the module flag.
-* The route kernel's formulas are the grouped chain's (bit identity rests on it).
+* The decode kernels' top-k, SwiGLU and combine are the grouped chain's expressions; no float atomics.
+* Every kernel name the host builds exists in the source, in the NVRTC module the options select.
 """
 from __future__ import annotations
 
@@ -12,14 +13,20 @@ import numpy as np
 
 from engine.backend import cuda_source
 from engine.kernels import moe as M
+from engine.kernels.dense_common import _MOE_FORMATS, kernel_module_options
 
 
-def test_decode_chain_is_the_default_and_not_switchable_by_the_environment():
+def test_decode_block_is_the_default_and_not_switchable_by_the_environment():
     assert M.FUSED_DECODE is True
-    # the one switch moe.py reads moves the shared expert between streams, not the chain (the retired chain
-    # switches are held absent everywhere by tests/test_environment_switches.py)
-    text = (M.__file__ and open(M.__file__).read())
-    assert set(re.findall(r"QWEN4EXP_[A-Z0-9_]*[A-Z0-9]", text)) == {"QWEN4EXP_MOE_SHARED_STREAM"}
+    text = open(M.__file__).read()
+    assert not re.findall(r"QWEN4EXP_[A-Z0-9_]*[A-Z0-9]", text)
+
+
+def test_decode_block_default_only_where_measured_faster():
+    """The default runs the decode block for one token of BF16 / FP8 experts only (docs/performance.md: faster than
+    the grouped chain there, slower for NVFP4 and at 16 tokens); no format of the kernels is left out of the table."""
+    assert M.DECODE_BLOCK_MAX_TOKENS == {"bf16": 1, "fp8": 1, "nvfp4": 0}
+    assert set(M.DECODE_BLOCK_MAX_TOKENS) == set(_MOE_FORMATS)
 
 
 def test_numpy_twin_ignores_the_flag(rng, monkeypatch):
@@ -37,23 +44,44 @@ def test_numpy_twin_ignores_the_flag(rng, monkeypatch):
     np.testing.assert_array_equal(run(), a)
 
 
-def test_fused_formulas_are_the_unfused_ones():
-    """The decode chain's top-k, tables and combine use the grouped chain's expressions (bit-identity rests on it;
-    guards drift): the shared expert's sigmoid gate, the combine's product order, the softmax terms, the tie order."""
-    _check_formulas(cuda_source("moe_route.cu"), cuda_source("dense_moe.cu"))
-
-
-def _check_formulas(fused, unfused):
-    pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * shared["),
-             ("acc += Y[(long long)p * H + h] * w[t * k + j];", "acc += yv[q] * wv[q];"),
+def test_decode_formulas_are_the_grouped_ones():
+    """The decode block's top-k (moe_route.cuh), SwiGLU and combine use the grouped chain's expressions (guards
+    drift): the shared expert's sigmoid gate, the combine's product order, the softmax terms, the tie order."""
+    dec = cuda_source("moe_decode.cu")
+    unf = cuda_source("dense_moe.cu")
+    pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * __ldcg(ys +"),
+             ("acc += Y[(long long)p * H + h] * w[t * k + j];",
+              "acc += __ldcg(y + (long long)(t * k + j) * H + n) * wts[t * k + j];"),
+             ("h[i] = (g / (1.f + expf(-g))) * u;", "= (g / (1.f + expf(-g))) * u;"),
              ("float v = expf(l[e] - m);", "float x = expf(__ldcg(l + e) - m);"),
              ("probs[e] = probs[e] / total;", "probs[e] = probs[e] / total;"),
              ("return pa > pb || (pa == pb && ia < ib);", "return pa > pb || (pa == pb && ia < ib);"),
              ("out_w[(long long)t * k + j] = renorm ? top_p[j] / sum : top_p[j];",
               "out_w[j] = renorm ? out_w[j] / sum : out_w[j];")]
-    if "moe_swiglu_rows" in fused:
-        pairs.append(("(g / (1.f + expf(-g))) * u", "(g[q] / (1.f + expf(-g[q]))) * u[q]"))
     for u, f in pairs:
-        assert u in unfused, u
-        assert f in fused, f
-    assert "atomicAdd(&" not in fused.split("moe_tables_block")[0]  # no float atomics before the tables' int counts
+        assert u in unf, u
+        assert f in dec, f
+    # integer tickets and counts only: every atomicAdd's target is an int / unsigned counter
+    targets = re.findall(r"atomicAdd\(([^,]+),", dec)
+    assert targets and set(targets) == {"counter", "&cnt[e]"}, targets
+
+
+def test_every_host_kernel_name_is_in_its_module():
+    src = cuda_source("moe_decode.cu")
+    routers = {int(m) for m in re.findall(r"^MOE_ROUTER_ENTRY\((\d+)\)$", src, re.M)}
+    pairs = set(re.findall(r"^MOE_PAIR\((\w+), (\w+)\)$", src, re.M))
+    assert routers == {M._token_bound(t) for t in range(1, 17)} == {1, 4, 16}
+    assert pairs == {(a, b) for a in _MOE_FORMATS for b in _MOE_FORMATS}
+    for a, b in pairs:  # each pair's entries compiled in the module of its defines, the routers in the base one
+        opts = kernel_module_options("moe_decode.cu", f"moe_down_{a}_{b}_t16")
+        assert opts == (f"-DMOE_FR={_MOE_FORMATS.index(a)}", f"-DMOE_FS={_MOE_FORMATS.index(b)}")
+        sel = f"#if MOE_SEL({_MOE_FORMATS.index(a)}, {_MOE_FORMATS.index(b)})\nMOE_PAIR({a}, {b})\n#endif"
+        assert sel in src, sel
+    assert kernel_module_options("moe_decode.cu", "moe_router_f32_t4") == ()
+    assert kernel_module_options("moe_decode.cu", "moe_down_f32_bf16_t4") == ()  # not a pair: no such entry
+
+
+def test_nvrtc_text_has_every_header_inlined():
+    """NVRTC resolves no local include: cuda_source must inline every header of moe_decode.cu (an include line with
+    a trailing comment is not matched by its pattern and would reach NVRTC as is)."""
+    assert not [ln for ln in cuda_source("moe_decode.cu").splitlines() if ln.lstrip().startswith("#include")]

@@ -1,6 +1,5 @@
-// MoE routing device functions of moe_route.cu (the decode chain's route kernel):
-// softmax + top-k of one token per warp, bit-identical to dense_moe.cu's router_topk (256 threads), and the route
-// tables of dense_moe.cu's moe_tables for one block. No host headers.
+// MoE routing device function of moe_decode.cu (the decode block's router kernel): softmax + top-k of one token
+// per warp, bit-identical to dense_moe.cu's router_topk (256 threads) for the same logits. No host headers.
 #pragma once
 
 __device__ __forceinline__ bool moe_better(float pa, int ia, float pb, int ib) {
@@ -62,68 +61,5 @@ __device__ __forceinline__ void moe_topk_warp(const float* l, int E, int k, int 
         float sum = 0.f;
         for (int j = 0; j < k; ++j) sum += out_w[j];
         for (int j = 0; j < k; ++j) out_w[j] = renorm ? out_w[j] / sum : out_w[j];
-    }
-}
-
-// Route tables for S = T * k slots (one block of any multiple of 32 threads up to 512, cnt: E ints of shared
-// memory): dense_moe.cu moe_tables' counts, offsets and tile table, with the sorted position of a slot its rank
-// among the earlier slots of its expert (deterministic; the results do not depend on the order anyway).
-__device__ __forceinline__ void moe_tables_block(const int* ids, int S, int k, int E, int TM, int* cnt,
-                                                 int* __restrict__ offsets, int* __restrict__ sorted_token,
-                                                 int* __restrict__ slot_pos, int* __restrict__ tile_expert,
-                                                 int* __restrict__ tile_start, int* __restrict__ tile_count,
-                                                 int* __restrict__ n_tiles) {
-    __shared__ int tsum[512];
-    __shared__ int ttil[512];
-    const int tid = threadIdx.x, nt = blockDim.x;
-    for (int e = tid; e < E; e += nt) cnt[e] = 0;
-    __syncthreads();
-    for (int s = tid; s < S; s += nt) {
-        int e = ids[s];
-        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-    }
-    __syncthreads();
-    const int chunk = (E + nt - 1) / nt;
-    const int e0 = min(E, tid * chunk), e1 = min(E, e0 + chunk);
-    int cs = 0, ct = 0;
-    for (int e = e0; e < e1; ++e) { cs += cnt[e]; ct += (cnt[e] + TM - 1) / TM; }
-    tsum[tid] = cs;
-    ttil[tid] = ct;
-    __syncthreads();
-    for (int d = 1; d < nt; d <<= 1) {  // inclusive Hillis-Steele scan
-        int a = tid >= d ? tsum[tid - d] : 0;
-        int b = tid >= d ? ttil[tid - d] : 0;
-        __syncthreads();
-        tsum[tid] += a;
-        ttil[tid] += b;
-        __syncthreads();
-    }
-    int off = tsum[tid] - cs, toff = ttil[tid] - ct;
-    for (int e = e0; e < e1; ++e) {
-        int c = cnt[e];
-        offsets[e] = off;
-        for (int q = 0; q * TM < c; ++q) {
-            tile_expert[toff] = e;
-            tile_start[toff] = off + q * TM;
-            tile_count[toff] = min(TM, c - q * TM);
-            ++toff;
-        }
-        cnt[e] = off;  // the expert's first sorted position
-        off += c;
-    }
-    if (tid == nt - 1) {
-        offsets[E] = tsum[nt - 1];
-        *n_tiles = ttil[nt - 1];
-    }
-    __syncthreads();
-    for (int s = tid; s < S; s += nt) {
-        int e = ids[s];
-        int pos = -1;
-        if (e >= 0 && e < E) {
-            pos = cnt[e];
-            for (int q = 0; q < s; ++q) pos += ids[q] == e;
-        }
-        slot_pos[s] = pos;
-        if (pos >= 0) sorted_token[pos] = s / k;
     }
 }

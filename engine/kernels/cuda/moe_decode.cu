@@ -1,0 +1,479 @@
+// The MoE block of a decode step (1..16 tokens) in three launches (engine/kernels/moe.py, _moe_block_decode):
+//
+//   moe_router_<rf>_t<MT>          : router logits [T, E] (warps split K of a row, partials added in a fixed order)
+//                                    and the shared expert's gate logit; the block that finishes last (a
+//                                    self-resetting ticket: CUDA-graph safe) runs the top-k of every token
+//                                    (moe_route.cuh's moe_topk_warp: router_topk's semantics and bits for the same
+//                                    logits) and the item table: the distinct selected experts in ascending id, each
+//                                    with its tokens (ascending) and their slots s = t * k + j.
+//   moe_gate_up_<fr>_<fs>_t<MT>    : h = silu(gate . x) * (up . x) for every (item, token) and for the shared expert
+//                                    (the last grid row), each expert's weight rows read once for all its tokens.
+//   moe_down_<fr>_<fs>_t<MT>       : y = down . h per (item, token) and per token for the shared expert; the block
+//                                    that finishes a row block last (a ticket per row block) writes
+//                                    out[t, n] = sum_j w[t, j] * y[t * k + j, n] + sigmoid(g[t]) * ys[t, n]
+//                                    (slots in order j, then the shared expert: the grouped chain's combine).
+//
+// rf: router weight format (f32, bf16); fr / fs: routed / shared expert format (bf16, fp8, nvfp4); MT: the token
+// bound (1, 4, 16) the accumulators are sized for (count <= MT tokens per item). Every sum's order depends on the
+// format and K only (a slot of G lanes, chunks q, q + CS, ...; a fixed xor butterfly; the combine in order j): never
+// on the other tokens of the step, so a token's result is the same whatever else is in the batch. No float
+// atomics; the tickets are integer counters reset by the block that takes the last ticket.
+//
+// Weights: the stored formats' streaming loaders of gemv_quant2.cuh (FP8S, NVFP4S: decode8, exactly the reference
+// reader's values) and the BF16 / float32 readers below; activations and accumulation float32. Requires K % 32 == 0
+// for NVFP4, K % 16 == 0 and cb % 16 == 0 for FP8, K % 8 == 0 otherwise, 16-byte aligned weights and activations
+// (the host checks and runs the grouped chain otherwise).
+//
+// Module split (NVRTC time): NVRTC builds one module per (fr, fs) pair with -DMOE_FR=<i> -DMOE_FS=<i> (that pair's
+// gate_up and down entries) and one without (the router entries), each on first use (dense_common.py:
+// kernel_module_options). nvcc (tests/engine/test_engine_nvcc.py) compiles everything.
+// Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
+
+// gemv_quant.cuh: u8 and common.cuh (e4m3_to_f32, e2m1_to_f32, dot8, block_sum); gemv_quant2.cuh: FP8S, NVFP4S,
+// ld_stream16; gemv_dense.cuh: bf16_lo, bf16_hi; moe_route.cuh: moe_topk_warp
+#include "gemv_quant.cuh"
+#include "gemv_quant2.cuh"
+#include "gemv_dense.cuh"
+#include "moe_route.cuh"
+
+struct BF16S {  // BF16 streaming reader (chunk = 8 weights = 16 bytes)
+    const unsigned short* Q;
+    long long q_es;
+    static constexpr int EPL = 8;
+    struct Raw {
+        uint4 v;
+    };
+    __device__ __forceinline__ float row_scale(long long, int) const { return 1.f; }
+    __device__ __forceinline__ Raw raw(long long e, int n, int c, int K) const {
+        Raw r;
+        r.v = ld_stream16(Q + e * q_es + (long long)n * K + (long long)c * 8);
+        return r;
+    }
+    __device__ __forceinline__ void decode8(const Raw& r, int, float, float* w) const {
+        w[0] = bf16_lo(r.v.x); w[1] = bf16_hi(r.v.x); w[2] = bf16_lo(r.v.y); w[3] = bf16_hi(r.v.y);
+        w[4] = bf16_lo(r.v.z); w[5] = bf16_hi(r.v.z); w[6] = bf16_lo(r.v.w); w[7] = bf16_hi(r.v.w);
+    }
+};
+
+struct F32S {  // float32 streaming reader (chunk = 8 weights = 2 x 16 bytes): the float32 router
+    const float* Q;
+    static constexpr int EPL = 8;
+    struct Raw {
+        uint4 a, b;
+    };
+    __device__ __forceinline__ float row_scale(long long, int) const { return 1.f; }
+    __device__ __forceinline__ Raw raw(long long, int n, int c, int K) const {
+        Raw r;
+        const float* p = Q + (long long)n * K + (long long)c * 8;
+        r.a = ld_stream16(p);
+        r.b = ld_stream16(p + 4);
+        return r;
+    }
+    __device__ __forceinline__ void decode8(const Raw& r, int, float, float* w) const {
+        w[0] = __uint_as_float(r.a.x); w[1] = __uint_as_float(r.a.y); w[2] = __uint_as_float(r.a.z);
+        w[3] = __uint_as_float(r.a.w); w[4] = __uint_as_float(r.b.x); w[5] = __uint_as_float(r.b.y);
+        w[6] = __uint_as_float(r.b.z); w[7] = __uint_as_float(r.b.w);
+    }
+};
+
+// acc[r][t] = deq(W_e)[nr[r], :] . X[xo[t] :][:K] for t < count (xo: element offsets of the activation rows). The lane with index q (0 <= q < CS) of a group of CS
+// lanes covering K takes chunks q, q + CS, q + 2 CS, ...; U chunks x RL rows are loaded before any is decoded (all
+// in flight). The G lanes of a slot (lanes of one warp) are then added by an xor butterfly: every lane of the slot
+// holds the slot's partial sum (CS > G: the caller adds the CS / G warps' partials in a fixed order).
+template <typename LD, int MT, int G, int CS, int RL, int U>
+__device__ __forceinline__ void moe_rows_dot(const LD& ld, long long e, const int (&nr)[RL], const float* __restrict__ X,
+                                             const int (&xo)[MT], int count, int K, int q, float (&acc)[RL][MT]) {
+    constexpr int EPL = LD::EPL;
+    float g[RL];
+#pragma unroll
+    for (int r = 0; r < RL; ++r) {
+        g[r] = ld.row_scale(e, nr[r]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
+    }
+    const int KC = K / EPL;
+    for (int c0 = q; c0 < KC; c0 += U * CS) {
+        typename LD::Raw raw[U][RL];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (c0 + u * CS < KC) {
+#pragma unroll
+                for (int r = 0; r < RL; ++r) raw[u][r] = ld.raw(e, nr[r], c0 + u * CS, K);
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * CS;
+            if (c < KC) {
+#pragma unroll
+                for (int p = 0; p < EPL / 8; ++p) {
+                    float w[RL][8];
+#pragma unroll
+                    for (int r = 0; r < RL; ++r) ld.decode8(raw[u][r], p, g[r], w[r]);
+#pragma unroll
+                    for (int t = 0; t < MT; ++t)
+                        if (t < count) {
+                            const float4* xp = reinterpret_cast<const float4*>(X + xo[t] + c * EPL + 8 * p);
+                            const float4 xa = xp[0], xb = xp[1];
+#pragma unroll
+                            for (int r = 0; r < RL; ++r) acc[r][t] += dot8(w[r], xa, xb);
+                        }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RL; ++r)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int off = G / 2; off > 0; off >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
+}
+
+// A block's ticket: true in the one block that arrives last of `expected` (after every block's writes are visible).
+// The last block resets the counter, so the next launch (or graph replay) starts from zero.
+__device__ __forceinline__ bool moe_last_block(unsigned int* counter, unsigned int expected) {
+    __shared__ int last;
+    __threadfence();  // this block's results, before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int t = atomicAdd(counter, 1u);
+        last = t == expected - 1u;
+        if (last) *counter = 0u;
+    }
+    __syncthreads();
+    if (last) __threadfence();  // the other blocks' results, before this block reads them
+    return last;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch 1: router + shared gate + top-k + item table. Grid: ceil(E / 2) + 1 blocks of 256 threads (2 router rows per
+// block, 4 warps split K of a row; the last block the shared gate logit); dynamic shared memory W * E floats (W top-k
+// warps, 1 <= W <= 8).
+constexpr int MOE_ROUTER_KS = 4;  // warps per router row
+
+template <typename LD, int MT>
+__device__ __forceinline__ void moe_router_body(const LD& ld, const float* __restrict__ x, int T, int E, int H, int k,
+                                                int renorm, int topk_warps, const void* sgate, int sgate_bf16,
+                                                float* __restrict__ logits, float* __restrict__ sg_logit,
+                                                int* __restrict__ ids, float* __restrict__ wts,
+                                                int* __restrict__ n_items, int* __restrict__ item_expert,
+                                                int* __restrict__ item_count, int* __restrict__ item_tok,
+                                                int* __restrict__ item_slot, unsigned int* counter) {
+    extern __shared__ float moe_dyn[];
+    __shared__ float part[8][MT];
+    __shared__ float red[33];
+    __shared__ int sids[1024];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (blockIdx.x < gridDim.x - 1) {
+        const int ks = warp % MOE_ROUTER_KS;
+        const int n = blockIdx.x * (8 / MOE_ROUTER_KS) + warp / MOE_ROUTER_KS;
+        const int nr[1] = {n < E ? n : E - 1};
+        int xo[MT];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) xo[t] = (t < T ? t : 0) * H;
+        float acc[1][MT];
+        moe_rows_dot<LD, MT, 32, 32 * MOE_ROUTER_KS, 1, 4>(ld, 0, nr, x, xo, T, H, ks * 32 + lane, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < MT; ++t) part[warp][t] = acc[0][t];
+        }
+        __syncthreads();
+        if (ks == 0 && lane < T && n < E) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < MOE_ROUTER_KS; ++w) s += part[warp + w][lane < MT ? lane : 0];
+            logits[(long long)lane * E + n] = s;
+        }
+    } else if (sgate != nullptr) {  // the shared expert's gate logit, g[t] = sgate . x[t]
+        for (int t = 0; t < T; ++t) {
+            float s = 0.f;
+            for (int i = threadIdx.x; i < H; i += blockDim.x)
+                s += (sgate_bf16 ? __uint_as_float(((unsigned int)((const unsigned short*)sgate)[i]) << 16)
+                                 : ((const float*)sgate)[i]) * x[(long long)t * H + i];
+            s = block_sum(s, red);
+            if (threadIdx.x == 0) sg_logit[t] = s;
+        }
+    }
+    if (!moe_last_block(counter, gridDim.x)) return;
+    // top-k of every token (router_topk's semantics, bits for the same logits)
+    if (warp < topk_warps)
+        for (int t = warp; t < T; t += topk_warps)
+            moe_topk_warp(logits + (long long)t * E, E, k, renorm, ids + (long long)t * k, wts + (long long)t * k,
+                          moe_dyn + warp * E);
+    __syncthreads();
+    // item table: distinct experts ascending, tokens ascending within an expert
+    const int S = T * k;
+    int* cnt = reinterpret_cast<int*>(moe_dyn);  // E ints (the top-k scratch is no longer needed)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    for (int s = threadIdx.x; s < S; s += blockDim.x) sids[s] = __ldcg(ids + s);
+    __syncthreads();
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const int e = sids[s];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int base = 0;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            const int e = e0 + lane;
+            const int c = e < E ? cnt[e] : 0;
+            const unsigned int m = __ballot_sync(0xffffffffu, c > 0);
+            const int pos = base + __popc(m & ((1u << lane) - 1u));
+            if (c > 0) {
+                item_expert[pos] = e;
+                item_count[pos] = c;
+            }
+            if (e < E) cnt[e] = c > 0 ? pos : -1;  // the expert's item
+            base += __popc(m);
+        }
+        if (lane == 0) *n_items = base;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const int e = sids[s];
+        if (e < 0 || e >= E) continue;
+        int rank = 0;  // earlier tokens that selected e (an expert appears once per token)
+        for (int q = 0; q < s; ++q) rank += sids[q] == e;
+        const int it = cnt[e];
+        item_tok[it * MT + rank] = s / k;
+        item_slot[it * MT + rank] = s;
+    }
+}
+
+#define MOE_ROUTER_ARGS                                                                                          \
+    const float *x, int T, int E, int H, int k, int renorm, int topk_warps, const void *sgate, int sgate_bf16,    \
+        float *logits, float *sg_logit, int *ids, float *wts, int *n_items, int *item_expert, int *item_count,    \
+        int *item_tok, int *item_slot, unsigned int *counter
+#define MOE_ROUTER_PASS                                                                                          \
+    x, T, E, H, k, renorm, topk_warps, sgate, sgate_bf16, logits, sg_logit, ids, wts, n_items, item_expert,       \
+        item_count, item_tok, item_slot, counter
+
+#define MOE_ROUTER_ENTRY(MT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) moe_router_f32_t##MT(const float* W, MOE_ROUTER_ARGS) {    \
+        F32S ld{W};                                                                                              \
+        moe_router_body<F32S, MT>(ld, MOE_ROUTER_PASS);                                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) moe_router_bf16_t##MT(const unsigned short* W,            \
+                                                                            MOE_ROUTER_ARGS) {                   \
+        BF16S ld{W, 0};                                                                                          \
+        moe_router_body<BF16S, MT>(ld, MOE_ROUTER_PASS);                                                         \
+    }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch 2: gate_up + SwiGLU. Grid: (ceil(max(I, Is) / 8), max_items + 1) blocks of 256 threads; warp w of block
+// (bx, item) owns output n = 8 bx + w of the item (rows n and N + n of its stacked gate_up, all 32 lanes over K).
+// Row blockIdx.y == gridDim.y - 1 is the shared expert (tokens 0..T-1), when present.
+template <typename LD, int MT>
+__device__ __forceinline__ void moe_gu_item(const LD& ld, long long e, int n, int N, int H, const float* __restrict__ x,
+                                            const int* tok, int count, float* __restrict__ out, const int* out_row,
+                                            int out_stride) {
+    const int lane = threadIdx.x & 31;
+    const int nr[2] = {n, N + n};
+    int xo[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) xo[t] = (t < count ? tok[t] : 0) * H;
+    float acc[2][MT];
+    moe_rows_dot<LD, MT, 32, 32, 2, 3>(ld, e, nr, x, xo, count, H, lane, acc);
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+            if (t < count) {
+                const float g = acc[0][t], u = acc[1][t];
+                out[(long long)out_row[t] * out_stride + n] = (g / (1.f + expf(-g))) * u;  // dense_moe.cu moe_swiglu
+            }
+    }
+}
+
+// The accumulators a block of an item with `count` tokens runs with: 1, 4 or MT (the entry's bound), chosen at run
+// time, so that the common items of a 16-token step (one or two tokens each) run the light body; the order of every
+// sum is the same in all three (batch invariance).
+#define MOE_BY_COUNT(count, MT, CALL)                                                                             \
+    do {                                                                                                         \
+        if ((count) <= 1) {                                                                                      \
+            constexpr int MC = 1;                                                                                \
+            CALL;                                                                                                \
+        } else if ((MT) > 4 && (count) <= 4) {                                                                   \
+            constexpr int MC = (MT) > 4 ? 4 : (MT);                                                              \
+            CALL;                                                                                                \
+        } else {                                                                                                 \
+            constexpr int MC = (MT);                                                                             \
+            CALL;                                                                                                \
+        }                                                                                                        \
+    } while (0)
+
+template <typename LR, typename LS, int MT>
+__device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int has_shared, const float* __restrict__ x,
+                                                 int T, int H, int I, int Is, const int* __restrict__ n_items,
+                                                 const int* __restrict__ item_expert,
+                                                 const int* __restrict__ item_count, const int* __restrict__ item_tok,
+                                                 const int* __restrict__ item_slot, float* __restrict__ h,
+                                                 float* __restrict__ hs) {
+    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int item = blockIdx.y;
+    if (item == gridDim.y - 1) {
+        if (!has_shared || n >= Is) return;
+        int tok[MT];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) tok[t] = t;
+        MOE_BY_COUNT(T, MT, (moe_gu_item<LS, MC>(ls, 0, n, Is, H, x, tok, T, hs, tok, Is)));
+        return;
+    }
+    if (item >= *n_items || n >= I) return;
+    const int count = item_count[item];
+    int tok[MT], slot[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        tok[t] = t < count ? item_tok[item * MT + t] : 0;
+        slot[t] = t < count ? item_slot[item * MT + t] : 0;
+    }
+    const long long e = item_expert[item];
+    MOE_BY_COUNT(count, MT, (moe_gu_item<LR, MC>(lr, e, n, I, H, x, tok, count, h, slot, I)));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch 3: down + combine. Grid: (ceil(H / 32), max_items + 1) blocks of 256 threads; a warp is 4 slots of 8 lanes,
+// slot s of warp w of block (bx, item) owns output row n = 32 bx + 4 w + s. Row gridDim.y - 1: the shared expert.
+constexpr int MOE_DOWN_ROWS = 32;
+
+template <typename LD, int MT>
+__device__ __forceinline__ void moe_down_item(const LD& ld, long long e, int H, int K, const float* __restrict__ hin,
+                                              const int* in_row, int count, float* __restrict__ y) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * MOE_DOWN_ROWS + warp * 4 + lane / 8;
+    const int nr[1] = {n < H ? n : H - 1};  // clamped: loads stay in bounds, the result is not written
+    int xo[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) xo[t] = (t < count ? in_row[t] : 0) * K;
+    float acc[1][MT];
+    moe_rows_dot<LD, MT, 8, 8, 1, 4>(ld, e, nr, hin, xo, count, K, lane % 8, acc);
+    if (lane % 8 == 0 && n < H) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+            if (t < count) y[(long long)in_row[t] * H + n] = acc[0][t];
+    }
+}
+
+template <typename LR, typename LS, int MT>
+__device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int has_shared, int T, int H, int I, int Is,
+                                              int k, const int* __restrict__ n_items,
+                                              const int* __restrict__ item_expert, const int* __restrict__ item_count,
+                                              const int* __restrict__ item_slot, const float* __restrict__ h,
+                                              const float* __restrict__ hs, const float* __restrict__ wts,
+                                              const float* __restrict__ sg_logit, float* __restrict__ y,
+                                              float* __restrict__ ys, float* __restrict__ out,
+                                              unsigned int* __restrict__ counters) {
+    const int item = blockIdx.y;
+    const int ni = *n_items;
+    if (item == gridDim.y - 1) {
+        if (!has_shared) return;
+        int row[MT];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) row[t] = t;
+        MOE_BY_COUNT(T, MT, (moe_down_item<LS, MC>(ls, 0, H, Is, hs, row, T, ys)));
+    } else {
+        if (item >= ni) return;  // the whole block: no ticket
+        const int count = item_count[item];
+        int slot[MT];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) slot[t] = t < count ? item_slot[item * MT + t] : 0;
+        const long long e = item_expert[item];
+        MOE_BY_COUNT(count, MT, (moe_down_item<LR, MC>(lr, e, H, I, h, slot, count, y)));
+    }
+    if (!moe_last_block(counters + blockIdx.x, (unsigned int)(ni + (has_shared ? 1 : 0)))) return;
+    for (int i = threadIdx.x; i < T * MOE_DOWN_ROWS; i += blockDim.x) {
+        const int t = i / MOE_DOWN_ROWS, n = blockIdx.x * MOE_DOWN_ROWS + i % MOE_DOWN_ROWS;
+        if (n >= H) continue;
+        float acc = 0.f;  // dense_moe.cu moe_combine: slots in order j, then the gated shared expert
+        for (int j = 0; j < k; ++j) acc += __ldcg(y + (long long)(t * k + j) * H + n) * wts[t * k + j];
+        if (has_shared) {
+            float g = sg_logit[t];
+            acc += (1.f / (1.f + expf(-g))) * __ldcg(ys + (long long)t * H + n);
+        }
+        out[(long long)t * H + n] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Entries. A format's loader arguments (the host passes them in this order; engine/kernels/moe.py _fmt_args):
+//   bf16 : Q (u16), q_es; fp8 : Q, S, q_es, s_es, rb, cb, ncb; nvfp4 : Q, S, S2, q_es, s_es, s2_rows, s2_per_e.
+#define MOE_bf16_ARGS(P) const unsigned short *P##Q, long long P##q_es
+#define MOE_bf16_MAKE(P) BF16S P##ld{P##Q, P##q_es};
+#define MOE_bf16_T BF16S
+#define MOE_fp8_ARGS(P) \
+    const u8 *P##Q, const float *P##S, long long P##q_es, long long P##s_es, int P##rb, int P##cb, int P##ncb
+#define MOE_fp8_MAKE(P) FP8S P##ld{P##Q, P##S, P##q_es, P##s_es, P##rb, P##cb, P##ncb};
+#define MOE_fp8_T FP8S
+#define MOE_nvfp4_ARGS(P)                                                                                        \
+    const u8 *P##Q, const u8 *P##S, const float *P##S2, long long P##q_es, long long P##s_es, int P##s2_rows,     \
+        int P##s2_per_e
+#define MOE_nvfp4_MAKE(P) NVFP4S P##ld{P##Q, P##S, P##S2, P##q_es, P##s_es, P##s2_rows, P##s2_per_e};
+#define MOE_nvfp4_T NVFP4S
+
+// Blocks per SM the register budget is sized for (streaming: occupancy keeps the loads in flight): 1 token <= 80
+// (gate_up) / 64 (down) registers, 4 and 16 tokens <= 128 (the 16-token body, run by items of 5+ tokens and the
+// shared expert only, spills a little).
+#define MOE_GU_MINB(MT) ((MT) == 1 ? 3 : 2)
+#define MOE_DN_MINB(MT) ((MT) == 1 ? 4 : 2)
+
+#define MOE_PAIR_ENTRIES(FR, FS, MT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB(MT)) moe_gate_up_##FR##_##FS##_t##MT(                       \
+        MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, const float* x, int T, int H, int I, int Is,    \
+        const int* n_items, const int* item_expert, const int* item_count, const int* item_tok,                   \
+        const int* item_slot, float* h, float* hs) {                                                             \
+        MOE_##FR##_MAKE(r_) MOE_##FS##_MAKE(s_)                                                                  \
+        moe_gate_up_body<MOE_##FR##_T, MOE_##FS##_T, MT>(r_ld, s_ld, has_shared, x, T, H, I, Is, n_items,         \
+                                                         item_expert, item_count, item_tok, item_slot, h, hs);   \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, MOE_DN_MINB(MT)) moe_down_##FR##_##FS##_t##MT(                          \
+        MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, int T, int H, int I, int Is, int k,             \
+        const int* n_items, const int* item_expert, const int* item_count, const int* item_slot, const float* h,  \
+        const float* hs, const float* wts, const float* sg_logit, float* y, float* ys, float* out,                \
+        unsigned int* counters) {                                                                                \
+        MOE_##FR##_MAKE(r_) MOE_##FS##_MAKE(s_)                                                                  \
+        moe_down_body<MOE_##FR##_T, MOE_##FS##_T, MT>(r_ld, s_ld, has_shared, T, H, I, Is, k, n_items,            \
+                                                      item_expert, item_count, item_slot, h, hs, wts, sg_logit,  \
+                                                      y, ys, out, counters);                                     \
+    }
+
+#define MOE_PAIR(FR, FS) MOE_PAIR_ENTRIES(FR, FS, 1) MOE_PAIR_ENTRIES(FR, FS, 4) MOE_PAIR_ENTRIES(FR, FS, 16)
+
+// format indices of -DMOE_FR / -DMOE_FS: 0 bf16, 1 fp8, 2 nvfp4 (engine/kernels/dense_common.py _MOE_FORMATS)
+#if !defined(__CUDACC_RTC__) || !defined(MOE_FR)
+MOE_ROUTER_ENTRY(1)
+MOE_ROUTER_ENTRY(4)
+MOE_ROUTER_ENTRY(16)
+#endif
+#if !defined(__CUDACC_RTC__)
+#define MOE_SEL(a, b) 1
+#elif defined(MOE_FR)
+#define MOE_SEL(a, b) (MOE_FR == (a) && MOE_FS == (b))
+#else
+#define MOE_SEL(a, b) 0
+#endif
+#if MOE_SEL(0, 0)
+MOE_PAIR(bf16, bf16)
+#endif
+#if MOE_SEL(0, 1)
+MOE_PAIR(bf16, fp8)
+#endif
+#if MOE_SEL(0, 2)
+MOE_PAIR(bf16, nvfp4)
+#endif
+#if MOE_SEL(1, 0)
+MOE_PAIR(fp8, bf16)
+#endif
+#if MOE_SEL(1, 1)
+MOE_PAIR(fp8, fp8)
+#endif
+#if MOE_SEL(1, 2)
+MOE_PAIR(fp8, nvfp4)
+#endif
+#if MOE_SEL(2, 0)
+MOE_PAIR(nvfp4, bf16)
+#endif
+#if MOE_SEL(2, 1)
+MOE_PAIR(nvfp4, fp8)
+#endif
+#if MOE_SEL(2, 2)
+MOE_PAIR(nvfp4, nvfp4)
+#endif
