@@ -46,7 +46,7 @@ from taps.diff import Profile
 
 __all__ = ["FLOOR_ORDERS", "STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
            "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
-           "with_tap_profile", "floor_breakdown", "unresolvable"]
+           "with_tap_profile", "floor_breakdown", "unresolvable", "tap_floors", "tap_profile_of"]
 
 #: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
 STORE_KINDS = ("residual", "block_io", "kv")
@@ -325,13 +325,16 @@ class Floor:
     #: ``{evaluation order name: logit_rel}``: the float32 floor of each order of :data:`FLOOR_ORDERS` (the
     #: float32 floor is their maximum)
     by_order: dict = field(default_factory=dict)
+    #: where this floor came from: "measured" or, with $QWEN4EXP_FLOOR_CACHE set, the cache entry it was read
+    #: from / written to (parity.harness.floor_cache); not part of the measurement
+    source: str = "measured"
 
     def to_json(self) -> dict:
         """JSON-ready fields (tie cuts summarised)."""
         return {"precision": self.precision, "logit_rel": self.logit_rel, "kl": self.kl, "score_rel": self.score_rel,
                 "f32_logit_rel": self.f32_logit_rel, "f32_score_rel": self.f32_score_rel,
                 "positions": self.positions, "stores": list(self.stores), "by_kind": dict(self.by_kind),
-                "by_order": dict(self.by_order), "ties": self.ties.summary()}
+                "by_order": dict(self.by_order), "ties": self.ties.summary(), "source": self.source}
 
 
 def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -474,10 +477,23 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
         resolve a fault of useful size (:data:`parity.harness.thresholds.USEFUL_FAULT_REL`) -- then a passing row
         is INCONCLUSIVE, never PASS.
     """
+    from parity.harness import floor_cache
     fps = floor_prompts(weights.config, prompts)
-    fl = measure_floor(weights, fps, stores_of(backend))
+    stores = stores_of(backend)
+    stream = floor_prompts(weights.config, None)[-1]
+    # the same weights, prompts, stores and code measure the same floor: kept once in $QWEN4EXP_FLOOR_CACHE
+    material = floor_cache.key_material(weights, fps, stores, stream) if floor_cache.cache_dir() else None
+    hit = floor_cache.load(material) if material is not None else None
+    if hit is not None:
+        fl, taps, path = hit
+        fl.source = f"read from {path}"
+    else:
+        fl = measure_floor(weights, fps, stores)
+        taps = tap_floors(weights, stream, stores)
+        if material is not None:
+            fl.source = f"measured, kept in {floor_cache.store(material, fl, taps)}"
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
-    th = with_tap_profile(th, weights, floor_prompts(weights.config, None)[-1], stores_of(backend))
+    th = dataclasses.replace(th, tap_profile=tap_profile_of(taps, th.multiple, tie_band(th), stores, len(stream)))
     if unresolvable(th, fl):   # a coarse floor: say which stores make it so (one floor per store kind)
         fl = floor_breakdown(weights, fps, fl)
     return th, fl, unresolvable(th, fl)
@@ -497,6 +513,15 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
     row's scores is a near tie. Returns a :class:`taps.diff.Profile`; the per-tap figures are in its
     ``source`` text's companion attribute ``floors`` (``{tap: (rel_l2, atol_rms)}``).
     """
+    return tap_profile_of(tap_floors(weights, ids, stores), multiple, score_rel, stores, len(ids))
+
+
+def tap_floors(weights, ids: Sequence[int], stores: dict | None = None) -> dict:
+    """Per activation tap of one forward over ``ids``, its floor ``(rel_l2, atol_rms)``: the float32 reference
+    (store-rounded for ``stores``) against float64, selections forced to the float64 run's, the envelope
+    over :data:`FLOOR_ORDERS` (each at least the float32 unit roundoff). The measurement behind
+    :func:`tap_floor_profile` (:func:`tap_profile_of` turns it into a profile). Cost: one float64 and one
+    float32 forward per order, every tap kept in float64."""
     from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
 
     class _Keep:
@@ -544,6 +569,13 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
             at = max(float(np.max(np.abs(d))) / rms, u)
             r0, a0 = floors.get(name, (0.0, 0.0))
             floors[name] = (max(r0, rel), max(a0, at))
+    return floors
+
+
+def tap_profile_of(floors: dict, multiple: float, score_rel: float | None, stores: dict | None, positions: int):
+    """The tap-diff :class:`taps.diff.Profile` of measured per-tap ``floors`` (:func:`tap_floors`) at
+    ``multiple``, index flips within ``score_rel`` near ties (:func:`tap_floor_profile` says how)."""
+    u = UNIT_ROUNDOFF["float32"]
     overrides = []
     for name, (rel, at) in floors.items():
         r = multiple * rel
@@ -554,6 +586,6 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
                    activation={"rel_l2": multiple * u * 64, "rtol": 0.0, "atol_rms": multiple * u * 64, "atol": 0.0,
                                "cos_min": 1.0 - (multiple * u * 64) ** 2 / 2},
                    index={"score_rtol": sr, "score_atol": 0.0}, overrides=overrides,
-                   source=f"measured on this model over {len(ids)} positions")
+                   source=f"measured on this model over {positions} positions")
     prof.floors = floors
     return prof

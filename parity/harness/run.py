@@ -228,7 +228,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                   file=sys.stderr, flush=True)
         th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
         if progress:
-            print(f"parity: floor measured in {time.perf_counter() - tf:.0f}s", file=sys.stderr, flush=True)
+            src = "" if floor.source == "measured" else f" ({floor.source})"
+            print(f"parity: floor ready in {time.perf_counter() - tf:.0f}s{src}", file=sys.stderr, flush=True)
         from parity.harness.kl import USEFUL_FAULT_REL
         # the resolution: a fault moving some logit by more than the limit (relative to the logit scale) FAILs
         report.meta.update(thresholds=th.to_json(), floor=floor.to_json(), smallest_fault_rel=th.tol_rel,
