@@ -11,9 +11,12 @@
 #
 #     OUT=<dir> bash ci/gpu_realwidth.sh      (ci/gpu runs it; NO_REALWIDTH=1 there skips it)
 #
-# REALWIDTH_BUDGET_S (default 200) bounds the whole step, checkpoint write included: the two runs go side by side
-# (each on half of the CPU cores: the reference's truth and floor on the CPU are the cost, not the engine), each
-# killed by `timeout` at the budget left; a killed run is reported TIMEOUT (no verdict) and fails the step.
+# REALWIDTH_BUDGET_S (default 240) bounds the whole step, checkpoint write included. The runs go one after the
+# other, each on all of the CPU cores (BLAS, OpenMP and Numba threads: the reference's truth and floor on the CPU
+# are the cost, not the engine), each killed by `timeout` at the budget left; a killed run is reported TIMEOUT (no
+# verdict) and fails the step. They share one floor measurement: QWEN4EXP_FLOOR_CACHE points at
+# $OUT/realwidth/floors (emptied first), where the first run keeps the floor it measured and the next ones read it
+# (parity.harness.floor_cache: keyed by the weights, the prompts, the stores, the orders and the code).
 # REALWIDTH_MODEL (a checkpoint or fixture name) and REALWIDTH_BACKENDS (space-separated specs) replace the model
 # and the backends, for a check of this script on the CPU (e.g. REALWIDTH_MODEL=tiny REALWIDTH_BACKENDS=reference).
 # Writes $OUT/realwidth_<n>.txt (each run's output), $OUT/realwidth/<n>/ (its report.json) and
@@ -22,7 +25,7 @@ set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT/realwidth"
-budget="${REALWIDTH_BUDGET_S:-200}"
+budget="${REALWIDTH_BUDGET_S:-240}"
 t0=$(date +%s)
 left() { local s=$(( budget - ($(date +%s) - t0) )); [ "$s" -ge 1 ] && echo "$s" || echo 1; }  # timeout 0 = none
 SUM="$OUT/realwidth_summary.txt"
@@ -64,22 +67,22 @@ EOF
   exit 1
 fi
 
-# the runs, side by side, each on half of the cores (BLAS, OpenMP and Numba threads)
-half=$(( $(nproc) / ${#BACKENDS[@]} )); [ "$half" -ge 1 ] || half=1
-lim=$(left)
-pids=()
+# the runs, one after the other, each on all of the cores, the floor measured by the first and read by the next
+cores=$(nproc)
+export QWEN4EXP_FLOOR_CACHE="$OUT/realwidth/floors"
+rm -rf "$QWEN4EXP_FLOOR_CACHE"
+rc_all=0
+rcs=()
+lims=()
+secs=()
 for i in "${!BACKENDS[@]}"; do
-  OMP_NUM_THREADS=$half OPENBLAS_NUM_THREADS=$half MKL_NUM_THREADS=$half NUMBA_NUM_THREADS=$half \
+  lim=$(left); lims+=("$lim"); ts=$(date +%s)
+  OMP_NUM_THREADS=$cores OPENBLAS_NUM_THREADS=$cores MKL_NUM_THREADS=$cores NUMBA_NUM_THREADS=$cores \
   QWEN4EXP_LONG_MAX_TOKENS=2200 timeout -k 20 "$lim" \
     python3 -m parity.cli parity "$MODEL" --backend "${BACKENDS[$i]}" --scenario kl budget --level long \
     --prompts "$PROMPTS" --page-sizes 16 --format text --overwrite --out "$OUT/realwidth/$i" \
-    >"$OUT/realwidth_$i.txt" 2>&1 &
-  pids+=($!)
-done
-rc_all=0
-rcs=()
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}"; r=$?; rcs+=("$r")
+    >"$OUT/realwidth_$i.txt" 2>&1
+  r=$?; rcs+=("$r"); secs+=("$(( $(date +%s) - ts ))")
   [ "$r" = 0 ] || rc_all=1
 done
 
@@ -88,11 +91,11 @@ done
        "$(( $(date +%s) - t0 ))s of a ${budget}s budget):"
   for i in "${!BACKENDS[@]}"; do
     f="$OUT/realwidth_$i.txt"
-    echo "  --backend ${BACKENDS[$i]} (rc=${rcs[$i]}):"
+    echo "  --backend ${BACKENDS[$i]} (rc=${rcs[$i]}, ${secs[$i]}s):"
     if [ "${rcs[$i]}" = 124 ] || [ "${rcs[$i]}" = 137 ]; then
       # the progress lines (one per finished case, and every 10 s) say how far it got; none: still measuring the
       # floor / the truth, which run before the first case
-      echo "    TIMEOUT: killed after ${lim}s, no verdict; $f holds $(grep -c "" "$f") lines, the last:"
+      echo "    TIMEOUT: killed after ${lims[$i]}s, no verdict; $f holds $(grep -c "" "$f") lines, the last:"
       tail -n 3 "$f" | sed 's/^/    /'
     elif grep -q "^scenario  " "$f"; then  # the verdict table and the verdict line
       sed -n '/^scenario  /,/^legend:/p' "$f" | grep -v "^legend:" | sed 's/^/    /'; grep "^verdict" "$f" | sed 's/^/    /'
