@@ -328,6 +328,9 @@ class Floor:
     #: where this floor came from: "measured" or, with $QWEN4EXP_FLOOR_CACHE set, the cache entry it was read
     #: from / written to (parity.harness.floor_cache); not part of the measurement
     source: str = "measured"
+    #: ``{tap: (rel_l2, atol_rms)}`` recorded from this floor's own forwards (:func:`measure_floor`'s ``tap_ids``),
+    #: else None; not part of :meth:`to_json`
+    tap_floors: dict | None = None
 
     def to_json(self) -> dict:
         """JSON-ready fields (tie cuts summarised)."""
@@ -343,7 +346,8 @@ def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return (float(np.max(rel)) if rel.size else 0.0), c.worst_kl()
 
 
-def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32") -> Floor:
+def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32",
+                  tap_ids: Sequence[int] | None = None) -> Floor:
     """Measure a floor on ``weights`` (a Checkpoint/DictWeights) over ``prompts`` (token-id lists).
 
     Args:
@@ -353,6 +357,9 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     then the largest order (``Floor.by_order`` keeps each order's figure).
     Cost: per prompt one float64, one float32 forward per order of :data:`FLOOR_ORDERS` and (reduced precision)
     one rounded float32 forward.
+    tap_ids: one of ``prompts`` whose forwards also give the per-tap floors (:func:`tap_floors` of those ids,
+        kept in ``Floor.tap_floors``): for the float32 floor (no stores) they are the same forwards, so the tap
+        profile costs no forward of its own; with stores, or ids not among the prompts, nothing is recorded.
     Returns:
         :class:`Floor` (``precision`` = :func:`stores_label` of the stores rounded).
     """
@@ -376,13 +383,25 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     n = 0
     logs = []
     by_order = {}
+    want_taps = None if stores or tap_ids is None else [int(t) for t in tap_ids]
+    tap_fl = None
     for ids in prompts:
-        l64, log = logged_logits(m64, ids)
+        keep = want_taps is not None and [int(t) for t in ids] == want_taps
+        if keep:   # these forwards are tap_floors' own: their taps kept (the float64 ones are its reference)
+            ref, (l64, log) = _captured(lambda: logged_logits(m64, ids))  # noqa: B023 - called at once
+            tap_fl = {}
+        else:
+            l64, log = logged_logits(m64, ids)
         logs.append(log)
         for o in FLOOR_ORDERS:   # the envelope over legitimate float32 evaluation orders
             s32 = SelectionLog()
             with evaluation_order(o):
-                l32 = forced_logits(m32, ids, log, s32)
+                if keep:
+                    got, l32 = _captured(lambda: forced_logits(m32, ids, log, s32))  # noqa: B023
+                    _merge_tap_floors(tap_fl, ref, got)
+                    del got
+                else:
+                    l32 = forced_logits(m32, ids, log, s32)
             e, k = _rel_err(l32, l64)
             by_order[o.name] = max(by_order.get(o.name, 0.0), e)
             f32_rel, f32_kl = max(f32_rel, e), max(f32_kl, k)
@@ -400,6 +419,8 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     else:
         fl = Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, TieReport(), tuple(sorted(stores)))
     fl.by_order = by_order
+    if tap_fl is not None:
+        fl.tap_floors = tap_fl
     # the truth's ties are reported at the band a backend of these stores is judged with (parity.harness.ties):
     # exact ties, and floor-level near ties within 2 x multiple x this floor's score floor
     band = tie_band(thresholds_for("float32" if mr is None else "bf16", fl))
@@ -488,8 +509,8 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
         fl, taps, path = hit
         fl.source = f"read from {path}"
     else:
-        fl = measure_floor(weights, fps, stores)
-        taps = tap_floors(weights, stream, stores)
+        fl = measure_floor(weights, fps, stores, tap_ids=stream)   # the stream is one of fps: no forward of its own
+        taps = fl.tap_floors if fl.tap_floors is not None else tap_floors(weights, stream, stores)
         if material is not None:
             fl.source = f"measured, kept in {floor_cache.store(material, fl, taps)}"
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
@@ -520,56 +541,67 @@ def tap_floors(weights, ids: Sequence[int], stores: dict | None = None) -> dict:
     """Per activation tap of one forward over ``ids``, its floor ``(rel_l2, atol_rms)``: the float32 reference
     (store-rounded for ``stores``) against float64, selections forced to the float64 run's, the envelope
     over :data:`FLOOR_ORDERS` (each at least the float32 unit roundoff). The measurement behind
-    :func:`tap_floor_profile` (:func:`tap_profile_of` turns it into a profile). Cost: one float64 and one
-    float32 forward per order, every tap kept in float64."""
+    :func:`tap_floor_profile` (:func:`tap_profile_of` turns it into a profile); :func:`measure_floor` records
+    the same figures from its own forwards when asked (``tap_ids``). Cost: one float64 and one float32 forward
+    per order, every tap kept in float64."""
     from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
 
-    class _Keep:
-        def __init__(self):
-            self.v = {}
-
-        def emit(self, name, value, positions=None, **_):
-            self.v.setdefault(name, []).append(np.array(value, dtype=np.float64, copy=True))
-
-    def run(m, log=None):
-        cap = _Keep()
-        tok = taphook.set_current(cap)
-        try:
-            if log is None:
-                lg, lo = logged_logits(m, ids)
-            else:
-                lg, lo = forced_logits(m, ids, log), log
-        finally:
-            taphook.reset_current(tok)
-        return {k: np.concatenate(v, axis=0) for k, v in cap.v.items()}, lo
-
-    u = UNIT_ROUNDOFF["float32"]
-    ref, log = run(ReferenceModel(weights, dtype=np.float64))
+    ref, (_, log) = _captured(lambda: logged_logits(ReferenceModel(weights, dtype=np.float64), ids))
     m = ReferenceModel(weights, dtype=np.float32)
     if stores:
         m.store_round = rounder(stores)
     floors = {}
     for o in FLOOR_ORDERS:   # per tap, the envelope over the float32 evaluation orders (as the logit floor)
         with evaluation_order(o):
-            got, _ = run(m, log)
-        for name, a in ref.items():
-            spec = registry.spec_for(name)
-            b = got.get(name)
-            if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
-                continue
-            fin = np.isfinite(a) & np.isfinite(b)
-            if not fin.any():
-                continue
-            with np.errstate(invalid="ignore"):
-                d = np.where(fin, b - a, 0.0)
-            aa = np.where(fin, a, 0.0)
-            na = float(np.sqrt(np.sum(aa * aa)))
-            rms = float(np.sqrt(np.mean(aa * aa))) or 1.0
-            rel = max(float(np.sqrt(np.sum(d * d))) / na if na else 0.0, u)
-            at = max(float(np.max(np.abs(d))) / rms, u)
-            r0, a0 = floors.get(name, (0.0, 0.0))
-            floors[name] = (max(r0, rel), max(a0, at))
+            got, _ = _captured(lambda: forced_logits(m, ids, log))  # noqa: B023 - called at once
+        _merge_tap_floors(floors, ref, got)
     return floors
+
+
+class _Keep:
+    """A tap recorder keeping every emitted value in float64 (for the per-tap floors)."""
+
+    def __init__(self):
+        self.v = {}
+
+    def emit(self, name, value, positions=None, **_):
+        self.v.setdefault(name, []).append(np.array(value, dtype=np.float64, copy=True))
+
+
+def _captured(fn):
+    """``(taps, fn())``: ``fn`` (a reference forward) run with every tap it emits kept, ``taps`` =
+    ``{name: [rows, ...] float64}``."""
+    cap = _Keep()
+    tok = taphook.set_current(cap)
+    try:
+        out = fn()
+    finally:
+        taphook.reset_current(tok)
+    return {k: np.concatenate(v, axis=0) for k, v in cap.v.items()}, out
+
+
+def _merge_tap_floors(floors: dict, ref: dict, got: dict) -> None:
+    """Fold one float32 order's taps ``got`` into ``floors`` (``{tap: (rel_l2, atol_rms)}``, the maximum over the
+    orders) against the float64 taps ``ref`` (activation taps only; each figure at least the float32 unit
+    roundoff)."""
+    u = UNIT_ROUNDOFF["float32"]
+    for name, a in ref.items():
+        spec = registry.spec_for(name)
+        b = got.get(name)
+        if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
+            continue
+        fin = np.isfinite(a) & np.isfinite(b)
+        if not fin.any():
+            continue
+        with np.errstate(invalid="ignore"):
+            d = np.where(fin, b - a, 0.0)
+        aa = np.where(fin, a, 0.0)
+        na = float(np.sqrt(np.sum(aa * aa)))
+        rms = float(np.sqrt(np.mean(aa * aa))) or 1.0
+        rel = max(float(np.sqrt(np.sum(d * d))) / na if na else 0.0, u)
+        at = max(float(np.max(np.abs(d))) / rms, u)
+        r0, a0 = floors.get(name, (0.0, 0.0))
+        floors[name] = (max(r0, rel), max(a0, at))
 
 
 def tap_profile_of(floors: dict, multiple: float, score_rel: float | None, stores: dict | None, positions: int):

@@ -97,7 +97,7 @@ def entry_path(material: dict, root: Path | None = None) -> Path | None:
 
 def _floor_to_json(fl) -> dict:
     import dataclasses
-    d = {f.name: getattr(fl, f.name) for f in dataclasses.fields(fl) if f.name != "ties"}
+    d = {f.name: getattr(fl, f.name) for f in dataclasses.fields(fl) if f.name not in ("ties", "tap_floors")}
     d["stores"] = list(fl.stores)
     d["ties"] = list(fl.ties.cuts)
     return d
@@ -107,7 +107,7 @@ def _floor_from_json(d: dict):
     import dataclasses
 
     from parity.harness.floor import Floor, TieReport
-    names = {f.name for f in dataclasses.fields(Floor)}
+    names = {f.name for f in dataclasses.fields(Floor)} - {"tap_floors"}   # kept beside the floor
     if set(d) != names:
         raise ValueError(f"floor fields {sorted(d)}, expected {sorted(names)}")
     return Floor(**{**d, "stores": tuple(d["stores"]), "ties": TieReport(cuts=list(d["ties"]))})

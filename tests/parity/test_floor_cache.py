@@ -69,15 +69,15 @@ def test_a_second_run_reads_the_floor_bitwise_and_measures_nothing(weights, coun
     n, root = counted
     ps = _prompts(weights.config)
     first = thresholds_for_run(weights, _Be(), ps)
-    assert n == {"floor": 1, "taps": 1} and first[1].source.startswith("measured, kept in")
+    assert n == {"floor": 1, "taps": 0} and first[1].source.startswith("measured, kept in")  # taps: from the floor's forwards
     assert len(list(root.glob("floor-*.json"))) == 1
     second = thresholds_for_run(weights, _Be(), ps)
-    assert n == {"floor": 1, "taps": 1}                     # nothing measured again
+    assert n == {"floor": 1, "taps": 0}                     # nothing measured again
     assert second[1].source.startswith("read from")
     _same(first, second)
     # a backend of another precision with the same stores shares the measurement (its multiple is its own)
     other = thresholds_for_run(weights, _Be("bf16", {}), ps)
-    assert n == {"floor": 1, "taps": 1}
+    assert n == {"floor": 1, "taps": 0}
     assert other[0].precision == "bf16" and other[1].f32_logit_rel == first[1].f32_logit_rel
 
 
@@ -151,3 +151,22 @@ def test_a_partial_or_foreign_entry_is_never_read(weights, counted):
     got = thresholds_for_run(weights, _Be(), ps)                       # measured again and the entry repaired
     assert n["floor"] == 2 and got[1].source.startswith("measured")
     assert floor_cache.load(mat) is not None
+
+
+def test_the_floors_own_forwards_give_the_tap_floors_of_a_separate_measurement(weights):
+    # the float32 floor's forwards over the stream are tap_floors' forwards: recording their taps gives the same
+    # per-tap floors as measuring them apart (with stores the floor's float32 forwards are unrounded: measured apart)
+    from parity.harness.floor import floor_prompts, measure_floor, tap_floors
+    ps = floor_prompts(weights.config, _prompts(weights.config))
+    stream = ps[-1]
+    fl = measure_floor(weights, ps, {}, tap_ids=stream)
+    apart = tap_floors(weights, stream, {})
+    assert fl.tap_floors is not None and set(fl.tap_floors) == set(apart) and len(apart) > 10
+    # bitwise for every tap but the logits: a fresh float32 model's first lm_head product of <= 64 rows runs the
+    # fused BF16 kernel, a model whose weight cache holds the upcast lm_head (the floor's, after its first prompt)
+    # runs BLAS on it -- two float32 orders of the same sum, so that tap's floor agrees to its own size only
+    assert {k: v for k, v in fl.tap_floors.items() if k != "logits"} == {k: v for k, v in apart.items() if k != "logits"}
+    (r1, a1), (r2, a2) = fl.tap_floors["logits"], apart["logits"]
+    assert 0.5 < r1 / r2 < 2 and 0.5 < a1 / a2 < 2
+    assert measure_floor(weights, ps, {"kv": "bf16"}, tap_ids=stream).tap_floors is None
+    assert measure_floor(weights, ps[:-1], {}, tap_ids=stream).tap_floors is None   # not among the prompts
