@@ -29,7 +29,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["ENV", "SCHEMA", "cache_dir", "key_material", "entry_path", "load", "store", "code_version"]
+__all__ = ["ENV", "SCHEMA", "cache_dir", "key_material", "entry_path", "load", "store", "code_version",
+           "control_material", "load_control", "store_control"]
 
 #: the environment variable naming the folder (unset or empty: no cache)
 ENV = "QWEN4EXP_FLOOR_CACHE"
@@ -86,13 +87,41 @@ def key_material(weights, prompts: Sequence[Sequence[int]], stores: dict, tap_id
             "orders": [dataclasses.asdict(o) for o in FLOOR_ORDERS], "code": code_version()}
 
 
-def entry_path(material: dict, root: Path | None = None) -> Path | None:
+def entry_path(material: dict, root: Path | None = None, kind: str = "floor") -> Path | None:
     """The entry file of ``material`` in ``root`` (default :func:`cache_dir`); None when no cache is set."""
     root = root if root is not None else cache_dir()
     if root is None:
         return None
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
-    return Path(root) / f"floor-{key[:40]}.json"
+    return Path(root) / f"{kind}-{key[:40]}.json"
+
+
+def _read(material: dict, kind: str):
+    """``(payload, path)`` of the entry of ``material``, or None (no cache, no entry, unreadable, or an entry of
+    other key material)."""
+    path = entry_path(material, kind=kind)
+    if path is None or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("material") != material or "payload" not in doc:
+        return None
+    return doc["payload"], path
+
+
+def _write(material: dict, kind: str, payload) -> Path | None:
+    from reference.atomic import atomic_write_json, write_failed
+    path = entry_path(material, kind=kind)
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_failed(path.parent, e) from e
+    return atomic_write_json(path, {"material": material, "payload": payload}, indent=None,
+                             default=lambda x: x.item() if hasattr(x, "item") else str(x))  # NumPy scalars
 
 
 def _floor_to_json(fl) -> dict:
@@ -116,16 +145,14 @@ def _floor_from_json(d: dict):
 def load(material: dict):
     """``(Floor, tap floors {tap: (rel_l2, atol_rms)}, path)`` of the cached entry of ``material``, or None (no
     cache set, no entry, or an entry that is unreadable, of another schema or of other key material)."""
-    path = entry_path(material)
-    if path is None or not path.is_file():
+    got = _read(material, "floor")
+    if got is None:
         return None
+    doc, path = got
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        if doc.get("material") != material:
-            return None
         fl = _floor_from_json(doc["floor"])
         taps = {str(k): (float(v[0]), float(v[1])) for k, v in doc["tap_floors"]}
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError):
         return None
     return fl, taps, path
 
@@ -136,14 +163,31 @@ def store(material: dict, floor, tap_floors: dict) -> Path | None:
     Raises:
         reference.errors.OutputWriteError: the folder cannot be created or written (named, with the OS reason).
     """
-    from reference.atomic import atomic_write_json, write_failed
-    path = entry_path(material)
-    if path is None:
+    if entry_path(material) is None:
         return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_failed(path.parent, e) from e
-    doc = {"material": material, "floor": _floor_to_json(floor),
-           "tap_floors": [[k, [float(v[0]), float(v[1])]] for k, v in tap_floors.items()]}
-    return atomic_write_json(path, doc, indent=None)
+    return _write(material, "floor", {"floor": _floor_to_json(floor),
+                                      "tap_floors": [[k, [float(v[0]), float(v[1])]] for k, v in tap_floors.items()]})
+
+
+def control_material(weights, prompts: Sequence[Sequence[int]], th, note: str) -> dict:
+    """Everything the negative control of a run depends on when it perturbs the REFERENCE (not the backend under
+    test): the weights, the prompts, the thresholds' numbers (tol_rel, floor_rel, multiple, score_rel: what its
+    verdicts read; the precision and source labels excluded), the perturbation's note (target and tensor) and the
+    code (the perturbation itself is :func:`parity.harness.run.perturbation`, under parity/harness)."""
+    ids = hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()
+    return {"schema": SCHEMA, "fingerprint": weights.fingerprint(), "files": _weight_files(weights), "prompts": ids,
+            "thresholds": [float(th.tol_rel), float(th.floor_rel), float(th.multiple), float(th.score_rel)],
+            "note": str(note), "code": code_version()}
+
+
+def load_control(material: dict):
+    """``(control dict, path)`` of a cached negative control, or None."""
+    got = _read(material, "control")
+    if got is None or not isinstance(got[0], dict) or "ok" not in got[0]:
+        return None
+    return got
+
+
+def store_control(material: dict, control: dict) -> Path | None:
+    """Keep a negative control's result (atomically); None when no cache is set."""
+    return _write(material, "control", control)

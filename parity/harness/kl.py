@@ -381,7 +381,8 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
 
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,
            floor_pair: tuple | None = None, perturbed_b: Callable[..., object] | None = None,
-           perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None) -> KLReport:
+           perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None,
+           control_weights=None) -> KLReport:
     """Run the KL harness: b against a over ``prompts`` (prefill rows and greedy decode rows) plus the controls.
 
     Args:
@@ -397,6 +398,9 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             (the negative control, see :func:`negative_control`; a zero-argument callable is used at full size).
         thresholds: the run's thresholds when already derived from ``floor`` (with its measured tap profile);
             None: :func:`thresholds_for` of b's precision and the floor.
+        control_weights: the reference weights ``perturbed_b`` perturbs, when it perturbs the reference (not b):
+            with ``$QWEN4EXP_FLOOR_CACHE`` set the control is then kept there and read back by a run with the same
+            weights, prompts, thresholds and code (:func:`parity.harness.floor_cache.control_material`).
         progress: ``"bar"`` / True (a tqdm bar), ``"lines"`` (a plain line per prompt, for a stderr that is not a
             terminal) or a false value (none): :func:`parity.harness.progress.progress_bar`.
     Returns:
@@ -568,9 +572,20 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         controls["negative_control"] = {"ok": False, "inconclusive": True, "detail": "not computed (no perturbed backend)"}
         inconclusive.append("negative control not computed")
     else:
-        nc = negative_control(perturbed_b, la_all, prompts, th, perturbed_note,
-                              truth_model=getattr(a, "model", None),
-                              logs=logs_a if all(lg is not None for lg in logs_a) else None)
+        from parity.harness import floor_cache
+        # a control perturbing the reference is the same for every backend judged with these thresholds on these
+        # prompts: kept once in $QWEN4EXP_FLOOR_CACHE (control_weights: given only for such a control)
+        mat = (floor_cache.control_material(control_weights, prompts, th, perturbed_note)
+               if control_weights is not None and floor_cache.cache_dir() else None)
+        hit = floor_cache.load_control(mat) if mat is not None else None
+        if hit is not None:
+            nc = {**hit[0], "source": f"read from {hit[1]}"}
+        else:
+            nc = negative_control(perturbed_b, la_all, prompts, th, perturbed_note,
+                                  truth_model=getattr(a, "model", None),
+                                  logs=logs_a if all(lg is not None for lg in logs_a) else None)
+            if mat is not None:
+                nc["source"] = f"measured, kept in {floor_cache.store_control(mat, nc)}"
         controls["negative_control"] = nc
         if not nc["ok"]:
             inconclusive.append("negative control: " + nc["detail"])

@@ -61,7 +61,8 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     def perturbed(scale=1.0):
         return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
     rep = run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                 perturbed_b=perturbed, perturbed_note=note, progress=progress, floor=floor, thresholds=thresholds)
+                 perturbed_b=perturbed, perturbed_note=note, progress=progress, floor=floor, thresholds=thresholds,
+                 control_weights=r32.model.weights if target == "reference" else None)
     rep.backend = b  # the instance that ran (and holds the history of) every prompt: locating replays on it
     return rep
 

@@ -145,7 +145,7 @@ def test_a_partial_or_foreign_entry_is_never_read(weights, counted):
     path.write_text(json.dumps(doc))
     assert floor_cache.load(mat) is None
     doc = json.loads(good)
-    del doc["floor"]["by_order"]                                       # an entry missing a field
+    del doc["payload"]["floor"]["by_order"]                            # an entry missing a field
     path.write_text(json.dumps(doc))
     assert floor_cache.load(mat) is None
     got = thresholds_for_run(weights, _Be(), ps)                       # measured again and the entry repaired
@@ -170,3 +170,66 @@ def test_the_floors_own_forwards_give_the_tap_floors_of_a_separate_measurement(w
     assert 0.5 < r1 / r2 < 2 and 0.5 < a1 / a2 < 2
     assert measure_floor(weights, ps, {"kv": "bf16"}, tap_ids=stream).tap_floors is None
     assert measure_floor(weights, ps[:-1], {}, tap_ids=stream).tap_floors is None   # not among the prompts
+
+
+# ------------------------------------------------------------------------------------------ negative control
+def _kl(weights, ps, th=None, note="reference with layers.0 perturbed", cw=True):
+    from parity.backends import open_backend
+    from parity.harness.floor import thresholds_for_run
+    from parity.harness.kl import run_kl
+    from parity.harness.run import default_perturb_target, perturbation
+    a, b = open_backend("reference", FIX), open_backend("reference", FIX)
+    if th is None:
+        th, fl, _ = thresholds_for_run(a.model.weights, b, ps)
+    else:
+        fl = thresholds_for_run(a.model.weights, b, ps)[1]
+    name = default_perturb_target(a.config)
+
+    def pb(scale=1.0):
+        return open_backend("reference", FIX, perturb=(name, perturbation(scale=scale)))
+    return run_kl(a, b, ps, greedy_tokens=2, perturbed_b=pb, perturbed_note=note, progress=False, floor=fl,
+                  thresholds=th, control_weights=a.model.weights if cw else None)
+
+
+@pytest.fixture
+def nc_counted(monkeypatch, tmp_path):
+    from parity.harness import kl as K
+    monkeypatch.setenv("QWEN4EXP_FLOOR_CACHE", str(tmp_path / "c"))
+    n = [0]
+    real = K.negative_control
+
+    def nc(*a, **k):
+        n[0] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(K, "negative_control", nc)
+    return n
+
+
+def test_a_reference_control_is_read_back_by_the_next_run(weights, nc_counted):
+    ps = _prompts(weights.config)
+    first = _kl(weights, ps)
+    second = _kl(weights, ps)
+    assert nc_counted[0] == 1
+    c1, c2 = first.controls["negative_control"], second.controls["negative_control"]
+    assert c1["source"].startswith("measured, kept in") and c2["source"].startswith("read from")
+    assert {k: v for k, v in c1.items() if k != "source"} == {k: v for k, v in c2.items() if k != "source"}
+    assert c1["ok"] and first.status == second.status
+
+
+@pytest.mark.parametrize("change", ["thresholds", "note", "prompts", "not the reference"])
+def test_the_control_key_negative_controls(weights, nc_counted, change):
+    import dataclasses
+    ps = _prompts(weights.config)
+    first = _kl(weights, ps)
+    kw = {}
+    if change == "thresholds":
+        kw["th"] = dataclasses.replace(first.thresholds, tol_rel=first.thresholds.tol_rel * 2)
+    elif change == "note":
+        kw["note"] = "reference with layers.1 perturbed"
+    elif change == "prompts":
+        ps = [ps[0][:-1], ps[1]]
+    else:
+        kw["cw"] = False        # the control perturbs the backend under test: never shared
+    rep = _kl(weights, ps, **kw)
+    assert nc_counted[0] == 2, change
+    assert "read from" not in rep.controls["negative_control"].get("source", "")
