@@ -25,13 +25,13 @@ __all__ = ["delta_rule_recurrent", "ngram_hash_rows", "ngram_hash_rows_batch", "
            "selected_attention", "bf16_matmul_t", "split_k_matmul_t", "bf16_upcast"]
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, parallel=True)
 def _delta_rule_kernel(q, k, v, g, beta, state, out):  # pragma: no cover - compiled
     T, Hk, dk = q.shape
     Hv = v.shape[1]
     dv = v.shape[2]
     rep = Hv // Hk
-    for h in range(Hv):
+    for h in prange(Hv):   # the value heads are independent recurrences (each its own state and outputs)
         kh = h // rep
         S = state[h]
         for t in range(T):
@@ -146,11 +146,11 @@ def ngram_hash_rows(context: np.ndarray, ids: np.ndarray, eos: int, multipliers,
                                  eos, multipliers, head_vocab_sizes, head_offsets, heads_per_ngram)[0]
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def _unit_lower_solve_kernel(A, B, X):  # pragma: no cover - compiled
     n_batch, C, _ = A.shape
     m = B.shape[2]
-    for h in range(n_batch):
+    for h in prange(n_batch):   # independent systems
         for i in range(C):
             for j in range(m):
                 acc = B[h, i, j]
