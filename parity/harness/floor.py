@@ -489,6 +489,32 @@ def floor_prompts(config, prompts: Sequence[Sequence[int]] | None = None, seed: 
     return out
 
 
+def _floor_payload(fl: Floor, taps: dict) -> dict:
+    """The JSON entry of a measured floor and its per-tap floors (:mod:`parity.harness.floor_cache`)."""
+    d = {f.name: getattr(fl, f.name) for f in dataclasses.fields(fl) if f.name not in ("ties", "tap_floors")}
+    d["stores"], d["ties"] = list(fl.stores), list(fl.ties.cuts)
+    return {"floor": d, "tap_floors": [[k, [float(v[0]), float(v[1])]] for k, v in taps.items()]}
+
+
+def _cached_floor(material: dict):
+    """``(Floor, tap floors, path)`` of the cache entry of ``material``, or None (none, or one lacking a field)."""
+    from parity.harness import floor_cache
+    got = floor_cache.load(material)
+    if got is None:
+        return None
+    doc, path = got
+    try:
+        d = doc["floor"]
+        names = {f.name for f in dataclasses.fields(Floor)} - {"tap_floors"}   # kept beside the floor
+        if set(d) != names:
+            return None
+        fl = Floor(**{**d, "stores": tuple(d["stores"]), "ties": TieReport(cuts=list(d["ties"]))})
+        taps = {str(k): (float(v[0]), float(v[1])) for k, v in doc["tap_floors"]}
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    return fl, taps, path
+
+
 def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None = None):
     """Measure the floor of ``backend``'s stores (:func:`stores_of`) on ``weights`` over :func:`floor_prompts`
     and derive the run's thresholds.
@@ -503,8 +529,9 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
     stores = stores_of(backend)
     stream = floor_prompts(weights.config, None)[-1]
     # the same weights, prompts, stores and code measure the same floor: kept once in $QWEN4EXP_FLOOR_CACHE
-    material = floor_cache.key_material(weights, fps, stores, stream) if floor_cache.cache_dir() else None
-    hit = floor_cache.load(material) if material is not None else None
+    material = (floor_cache.key_material(weights, fps, stores, stream, FLOOR_ORDERS) if floor_cache.cache_dir()
+                else None)
+    hit = _cached_floor(material) if material is not None else None
     if hit is not None:
         fl, taps, path = hit
         fl.source = f"read from {path}"
@@ -512,7 +539,7 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
         fl = measure_floor(weights, fps, stores, tap_ids=stream)   # the stream is one of fps: no forward of its own
         taps = fl.tap_floors if fl.tap_floors is not None else tap_floors(weights, stream, stores)
         if material is not None:
-            fl.source = f"measured, kept in {floor_cache.store(material, fl, taps)}"
+            fl.source = f"measured, kept in {floor_cache.store(material, _floor_payload(fl, taps))}"
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
     th = dataclasses.replace(th, tap_profile=tap_profile_of(taps, th.multiple, tie_band(th), stores, len(stream)))
     if unresolvable(th, fl):   # a coarse floor: say which stores make it so (one floor per store kind)
@@ -580,6 +607,44 @@ def _captured(fn):
     return {k: np.concatenate(v, axis=0) for k, v in cap.v.items()}, out
 
 
+#: elements per block of :func:`_tap_err_stats` (fixed, so the sums' order does not depend on the thread count)
+_TAP_BLOCK_ELEMENTS = 1 << 18
+
+
+def _tap_err_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, bool]:
+    """``(sum a^2, sum (b - a)^2, max |b - a|, any finite)`` over the entries finite on both sides of two float64
+    arrays of one shape, in row blocks of :data:`_TAP_BLOCK_ELEMENTS` on :func:`compare_threads` threads (a
+    real-width tap of 2060 tokens is ~100M values; the logits 511M): each block's float64 sums, then the blocks'
+    in their order."""
+    from parity.harness.metrics import compare_threads
+    if a.size == 0:
+        return 0.0, 0.0, 0.0, False
+    a2 = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
+    b2 = b.reshape(a2.shape)
+    step = max(1, _TAP_BLOCK_ELEMENTS // max(a2.shape[1], 1))
+
+    def part(s0):
+        x, y = a2[s0:s0 + step], b2[s0:s0 + step]
+        fin = np.isfinite(x) & np.isfinite(y)
+        with np.errstate(invalid="ignore"):
+            d = np.where(fin, y - x, 0.0)
+        xx = np.where(fin, x, 0.0)
+        return float(np.sum(xx * xx)), float(np.sum(d * d)), float(np.max(np.abs(d))) if d.size else 0.0, \
+            bool(fin.any())
+    starts = range(0, a2.shape[0], step)
+    n = min(compare_threads(), len(starts))
+    if n > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(n) as ex:
+            parts = list(ex.map(part, starts))
+    else:
+        parts = [part(s0) for s0 in starts]
+    sa = sd = md = 0.0
+    for pa, pd, pm, _ in parts:
+        sa, sd, md = sa + pa, sd + pd, max(md, pm)
+    return sa, sd, md, any(p[3] for p in parts)
+
+
 def _merge_tap_floors(floors: dict, ref: dict, got: dict) -> None:
     """Fold one float32 order's taps ``got`` into ``floors`` (``{tap: (rel_l2, atol_rms)}``, the maximum over the
     orders) against the float64 taps ``ref`` (activation taps only; each figure at least the float32 unit
@@ -590,16 +655,13 @@ def _merge_tap_floors(floors: dict, ref: dict, got: dict) -> None:
         b = got.get(name)
         if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
             continue
-        fin = np.isfinite(a) & np.isfinite(b)
-        if not fin.any():
+        sa, sd, md, any_fin = _tap_err_stats(a, b)
+        if not any_fin:
             continue
-        with np.errstate(invalid="ignore"):
-            d = np.where(fin, b - a, 0.0)
-        aa = np.where(fin, a, 0.0)
-        na = float(np.sqrt(np.sum(aa * aa)))
-        rms = float(np.sqrt(np.mean(aa * aa))) or 1.0
-        rel = max(float(np.sqrt(np.sum(d * d))) / na if na else 0.0, u)
-        at = max(float(np.max(np.abs(d))) / rms, u)
+        na = float(np.sqrt(sa))
+        rms = float(np.sqrt(sa / a.size)) or 1.0
+        rel = max(float(np.sqrt(sd)) / na if na else 0.0, u)
+        at = max(md / rms, u)
         r0, a0 = floors.get(name, (0.0, 0.0))
         floors[name] = (max(r0, rel), max(a0, at))
 

@@ -74,17 +74,17 @@ def _weight_files(weights) -> list[list]:
     return out
 
 
-def key_material(weights, prompts: Sequence[Sequence[int]], stores: dict, tap_ids: Sequence[int]) -> dict:
-    """Everything a floor measurement depends on (see the module docstring), as a JSON-ready dict."""
+def key_material(weights, prompts: Sequence[Sequence[int]], stores: dict, tap_ids: Sequence[int],
+                 orders: Sequence) -> dict:
+    """Everything a floor measurement depends on (see the module docstring), as a JSON-ready dict; ``orders``:
+    the evaluation orders measured (:data:`parity.harness.floor.FLOOR_ORDERS`, dataclasses)."""
     import dataclasses
-
-    from parity.harness.floor import FLOOR_ORDERS
     ids = hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()
     tap = hashlib.sha256(json.dumps([int(t) for t in tap_ids]).encode()).hexdigest()
     return {"schema": SCHEMA, "fingerprint": weights.fingerprint(), "files": _weight_files(weights),
             "prompts": ids, "prompt_lengths": [len(p) for p in prompts], "tap_stream": tap,
             "stores": {str(k): str(v) for k, v in sorted(dict(stores).items())},
-            "orders": [dataclasses.asdict(o) for o in FLOOR_ORDERS], "code": code_version()}
+            "orders": [dataclasses.asdict(o) for o in orders], "code": code_version()}
 
 
 def entry_path(material: dict, root: Path | None = None, kind: str = "floor") -> Path | None:
@@ -124,49 +124,22 @@ def _write(material: dict, kind: str, payload) -> Path | None:
                              default=lambda x: x.item() if hasattr(x, "item") else str(x))  # NumPy scalars
 
 
-def _floor_to_json(fl) -> dict:
-    import dataclasses
-    d = {f.name: getattr(fl, f.name) for f in dataclasses.fields(fl) if f.name not in ("ties", "tap_floors")}
-    d["stores"] = list(fl.stores)
-    d["ties"] = list(fl.ties.cuts)
-    return d
-
-
-def _floor_from_json(d: dict):
-    import dataclasses
-
-    from parity.harness.floor import Floor, TieReport
-    names = {f.name for f in dataclasses.fields(Floor)} - {"tap_floors"}   # kept beside the floor
-    if set(d) != names:
-        raise ValueError(f"floor fields {sorted(d)}, expected {sorted(names)}")
-    return Floor(**{**d, "stores": tuple(d["stores"]), "ties": TieReport(cuts=list(d["ties"]))})
-
-
 def load(material: dict):
-    """``(Floor, tap floors {tap: (rel_l2, atol_rms)}, path)`` of the cached entry of ``material``, or None (no
-    cache set, no entry, or an entry that is unreadable, of another schema or of other key material)."""
+    """``(payload, path)`` of the cached floor entry of ``material`` (the dict :func:`store` wrote), or None (no
+    cache set, no entry, or an entry that is unreadable or of other key material)."""
     got = _read(material, "floor")
-    if got is None:
+    if got is None or not isinstance(got[0], dict):
         return None
-    doc, path = got
-    try:
-        fl = _floor_from_json(doc["floor"])
-        taps = {str(k): (float(v[0]), float(v[1])) for k, v in doc["tap_floors"]}
-    except (ValueError, KeyError, TypeError, IndexError):
-        return None
-    return fl, taps, path
+    return got
 
 
-def store(material: dict, floor, tap_floors: dict) -> Path | None:
-    """Write the entry of ``material`` (atomically); returns its path, or None when no cache is set.
+def store(material: dict, payload: dict) -> Path | None:
+    """Write the floor entry of ``material`` (atomically); returns its path, or None when no cache is set.
 
     Raises:
         reference.errors.OutputWriteError: the folder cannot be created or written (named, with the OS reason).
     """
-    if entry_path(material) is None:
-        return None
-    return _write(material, "floor", {"floor": _floor_to_json(floor),
-                                      "tap_floors": [[k, [float(v[0]), float(v[1])]] for k, v in tap_floors.items()]})
+    return _write(material, "floor", payload)
 
 
 def control_material(weights, prompts: Sequence[Sequence[int]], th, note: str) -> dict:

@@ -76,3 +76,30 @@ def test_compare_threads_keeps_to_omp_num_threads(monkeypatch):
     assert M.compare_threads() == 1
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert M.compare_threads() >= 1
+
+
+def test_tap_error_stats_in_blocks_are_the_whole_array_figures(monkeypatch):
+    # the per-tap floor's sums over row blocks on threads: the whole-array float64 figures to float64 rounding,
+    # and bitwise the same for any thread count (the blocks are fixed, summed in their order)
+    from parity.harness import floor as F
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((37, 3, 50))
+    b = a + rng.standard_normal(a.shape) * 1e-6
+    a[2, 1, 7], b[5, 0, 3], a[9, 2, 9] = np.nan, np.inf, -np.inf
+    fin = np.isfinite(a) & np.isfinite(b)
+    d, aa = np.where(fin, b - a, 0.0), np.where(fin, a, 0.0)
+    want = (np.sum(aa * aa), np.sum(d * d), np.max(np.abs(d)))
+    monkeypatch.setattr(F, "_TAP_BLOCK_ELEMENTS", 150)      # 1 row of 150 values per block: 37 blocks
+    got = {}
+    for thr in ("1", "3"):
+        monkeypatch.setenv("OMP_NUM_THREADS", thr)
+        got[thr] = F._tap_err_stats(a, b)
+    assert got["1"] == got["3"]
+    sa, sd, md, anyf = got["1"]
+    assert anyf and md == want[2]
+    assert abs(sa - want[0]) <= 1e-12 * want[0] and abs(sd - want[1]) <= 1e-12 * want[1]
+    bad = b.copy()
+    bad[30, 2, 40] += 1e-3                                  # negative control: a fault in the last blocks counts
+    assert F._tap_err_stats(a, bad)[2] >= 0.9e-3
+    assert F._tap_err_stats(np.zeros((0, 4)), np.zeros((0, 4))) == (0.0, 0.0, 0.0, False)
+    assert F._tap_err_stats(np.full(3, np.nan), np.ones(3))[3] is False

@@ -96,7 +96,7 @@ def test_unset_writes_nothing(weights, monkeypatch, tmp_path):
     from parity.harness import floor_cache
     monkeypatch.delenv("QWEN4EXP_FLOOR_CACHE", raising=False)
     assert floor_cache.cache_dir() is None and floor_cache.entry_path({"x": 1}) is None
-    assert floor_cache.store({"x": 1}, None, {}) is None
+    assert floor_cache.store({"x": 1}, {}) is None
 
 
 @pytest.mark.parametrize("change", ["prompts", "stores", "weights", "code", "orders"])
@@ -129,28 +129,28 @@ def test_each_input_of_the_floor_is_in_the_key_negative_controls(weights, counte
 
 def test_a_partial_or_foreign_entry_is_never_read(weights, counted):
     from parity.harness import floor_cache
-    from parity.harness.floor import floor_prompts, stores_of, thresholds_for_run
+    from parity.harness.floor import FLOOR_ORDERS, _cached_floor, floor_prompts, stores_of, thresholds_for_run
     n, root = counted
     ps = _prompts(weights.config)
     thresholds_for_run(weights, _Be(), ps)
     mat = floor_cache.key_material(weights, floor_prompts(weights.config, ps), stores_of(_Be()),
-                                   floor_prompts(weights.config, None)[-1])
+                                   floor_prompts(weights.config, None)[-1], FLOOR_ORDERS)
     path = floor_cache.entry_path(mat)
     good = path.read_text()
-    assert floor_cache.load(mat) is not None
+    assert _cached_floor(mat) is not None
     path.write_text(good[: len(good) // 2])                           # a truncated file (not written atomically)
-    assert floor_cache.load(mat) is None
+    assert floor_cache.load(mat) is None and _cached_floor(mat) is None
     doc = json.loads(good)
     doc["material"]["prompts"] = "0" * 64                              # an entry of other inputs under this name
     path.write_text(json.dumps(doc))
-    assert floor_cache.load(mat) is None
+    assert _cached_floor(mat) is None
     doc = json.loads(good)
     del doc["payload"]["floor"]["by_order"]                            # an entry missing a field
     path.write_text(json.dumps(doc))
-    assert floor_cache.load(mat) is None
+    assert _cached_floor(mat) is None
     got = thresholds_for_run(weights, _Be(), ps)                       # measured again and the entry repaired
     assert n["floor"] == 2 and got[1].source.startswith("measured")
-    assert floor_cache.load(mat) is not None
+    assert _cached_floor(mat) is not None
 
 
 def test_the_floors_own_forwards_give_the_tap_floors_of_a_separate_measurement(weights):
