@@ -592,7 +592,27 @@ class _Keep:
         self.v = {}
 
     def emit(self, name, value, positions=None, **_):
-        self.v.setdefault(name, []).append(np.array(value, dtype=np.float64, copy=True))
+        self.v.setdefault(name, []).append(_float64_copy(value))
+
+
+def _float64_copy(value) -> np.ndarray:
+    """A float64 copy of ``value`` (a tap); a large one in row blocks on :func:`compare_threads` threads (a
+    real-width logits tap of 2060 tokens is 511M values; NumPy's cast releases the GIL)."""
+    a = np.asarray(value)
+    if a.size < (1 << 22) or a.ndim == 0 or a.shape[0] < 2:
+        return np.array(a, dtype=np.float64, copy=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from parity.harness.metrics import compare_threads
+    out = np.empty(a.shape, dtype=np.float64)
+    n = compare_threads()
+    step = max(1, -(-a.shape[0] // (4 * n)))
+
+    def put(s0):
+        out[s0:s0 + step] = a[s0:s0 + step]
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(put, range(0, a.shape[0], step)))
+    return out
 
 
 def _captured(fn):
@@ -604,7 +624,7 @@ def _captured(fn):
         out = fn()
     finally:
         taphook.reset_current(tok)
-    return {k: np.concatenate(v, axis=0) for k, v in cap.v.items()}, out
+    return {k: v[0] if len(v) == 1 else np.concatenate(v, axis=0) for k, v in cap.v.items()}, out
 
 
 #: elements per block of :func:`_tap_err_stats` (fixed, so the sums' order does not depend on the thread count)

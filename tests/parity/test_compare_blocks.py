@@ -103,3 +103,19 @@ def test_tap_error_stats_in_blocks_are_the_whole_array_figures(monkeypatch):
     assert F._tap_err_stats(a, bad)[2] >= 0.9e-3
     assert F._tap_err_stats(np.zeros((0, 4)), np.zeros((0, 4))) == (0.0, 0.0, 0.0, False)
     assert F._tap_err_stats(np.full(3, np.nan), np.ones(3))[3] is False
+
+
+def test_a_large_tap_is_copied_to_float64_on_threads_exactly(monkeypatch):
+    from parity.harness.floor import _float64_copy
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((1100, 4000)).astype(np.float32)   # 4.4M values: the threaded path
+    a[7, 3], a[900, 1] = np.nan, -np.inf
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    b = _float64_copy(a)
+    assert b.dtype == np.float64 and np.array_equal(b, a.astype(np.float64), equal_nan=True)
+    b[0, 0] = 123.0                                              # a copy: the tap is never aliased
+    assert a[0, 0] != 123.0
+    small = np.arange(5.0)
+    c = _float64_copy(small)
+    c[0] = 9.0
+    assert small[0] == 0.0
