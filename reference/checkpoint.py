@@ -88,6 +88,11 @@ class _NgramTable:
     scale_name: str | None            # table-wide per-tensor scale (FP8), or None
 
 
+#: BF16 tensors of at least this many values are upcast on all threads (reference.numba_kernels.bf16_upcast,
+#: exact as NumPy's cast; the lm_head of a real vocabulary is 636M values)
+_THREADED_UPCAST = 1 << 22
+
+
 class _WeightsBase:
     """The interface of docs/design.md over an abstract store of named arrays."""
 
@@ -319,6 +324,9 @@ class _WeightsBase:
             return np.array(raw, dtype=np.int64)
         if sd in _FP8:
             return self._dequant(name, raw, self._scale_for(name)).astype(dtype, copy=False)
+        if sd == "BF16" and raw.size >= _THREADED_UPCAST and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64)):
+            from reference.numba_kernels import bf16_upcast   # Numba: only for tensors worth the threads
+            return bf16_upcast(raw, dtype)
         return np.array(raw, dtype=dtype)
 
     # --- experts ------------------------------------------------------------------------

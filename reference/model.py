@@ -32,7 +32,7 @@ from reference.blocks.norms import sigmoid
 from reference.blocks.rope import inv_freq, rope_cos_sin
 from reference.taphook import layer_of
 from reference.errors import InputError
-from reference.numba_kernels import bf16_matmul_t, ngram_hash_rows
+from reference.numba_kernels import bf16_matmul_t, bf16_upcast, ngram_hash_rows
 from reference.order import blocked_matmul_t, current as current_order
 from reference.session import Session, SessionState, check_ids
 from reference import taphook as _taphook
@@ -249,7 +249,9 @@ class ReferenceModel:
         out = np.empty((h.shape[0], raw.shape[0]), dtype=self.dtype)
         step = 16384
         for s in range(0, raw.shape[0], step):
-            out[:, s:s + step] = h @ np.asarray(raw[s:s + step], dtype=self.dtype).T
+            chunk = raw[s:s + step]
+            w = bf16_upcast(chunk, self.dtype) if chunk.dtype.name == "bfloat16" else np.asarray(chunk, self.dtype)
+            out[:, s:s + step] = h @ w.T
         return out
 
     def _hc_w(self, prefix: str, combine: bool = True):

@@ -46,7 +46,7 @@ from taps.diff import Profile
 
 __all__ = ["FLOOR_ORDERS", "STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
            "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
-           "with_tap_profile", "floor_breakdown", "unresolvable"]
+           "with_tap_profile", "floor_breakdown", "unresolvable", "tap_floors", "tap_profile_of"]
 
 #: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
 STORE_KINDS = ("residual", "block_io", "kv")
@@ -325,13 +325,19 @@ class Floor:
     #: ``{evaluation order name: logit_rel}``: the float32 floor of each order of :data:`FLOOR_ORDERS` (the
     #: float32 floor is their maximum)
     by_order: dict = field(default_factory=dict)
+    #: where this floor came from: "measured" or, with $QWEN4EXP_FLOOR_CACHE set, the cache entry it was read
+    #: from / written to (parity.harness.floor_cache); not part of the measurement
+    source: str = "measured"
+    #: ``{tap: (rel_l2, atol_rms)}`` recorded from this floor's own forwards (:func:`measure_floor`'s ``tap_ids``),
+    #: else None; not part of :meth:`to_json`
+    tap_floors: dict | None = None
 
     def to_json(self) -> dict:
         """JSON-ready fields (tie cuts summarised)."""
         return {"precision": self.precision, "logit_rel": self.logit_rel, "kl": self.kl, "score_rel": self.score_rel,
                 "f32_logit_rel": self.f32_logit_rel, "f32_score_rel": self.f32_score_rel,
                 "positions": self.positions, "stores": list(self.stores), "by_kind": dict(self.by_kind),
-                "by_order": dict(self.by_order), "ties": self.ties.summary()}
+                "by_order": dict(self.by_order), "ties": self.ties.summary(), "source": self.source}
 
 
 def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -340,7 +346,8 @@ def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return (float(np.max(rel)) if rel.size else 0.0), c.worst_kl()
 
 
-def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32") -> Floor:
+def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32",
+                  tap_ids: Sequence[int] | None = None) -> Floor:
     """Measure a floor on ``weights`` (a Checkpoint/DictWeights) over ``prompts`` (token-id lists).
 
     Args:
@@ -350,6 +357,9 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     then the largest order (``Floor.by_order`` keeps each order's figure).
     Cost: per prompt one float64, one float32 forward per order of :data:`FLOOR_ORDERS` and (reduced precision)
     one rounded float32 forward.
+    tap_ids: one of ``prompts`` whose forwards also give the per-tap floors (:func:`tap_floors` of those ids,
+        kept in ``Floor.tap_floors``): for the float32 floor (no stores) they are the same forwards, so the tap
+        profile costs no forward of its own; with stores, or ids not among the prompts, nothing is recorded.
     Returns:
         :class:`Floor` (``precision`` = :func:`stores_label` of the stores rounded).
     """
@@ -373,13 +383,25 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     n = 0
     logs = []
     by_order = {}
+    want_taps = None if stores or tap_ids is None else [int(t) for t in tap_ids]
+    tap_fl = None
     for ids in prompts:
-        l64, log = logged_logits(m64, ids)
+        keep = want_taps is not None and [int(t) for t in ids] == want_taps
+        if keep:   # these forwards are tap_floors' own: their taps kept (the float64 ones are its reference)
+            ref, (l64, log) = _captured(lambda: logged_logits(m64, ids))  # noqa: B023 - called at once
+            tap_fl = {}
+        else:
+            l64, log = logged_logits(m64, ids)
         logs.append(log)
         for o in FLOOR_ORDERS:   # the envelope over legitimate float32 evaluation orders
             s32 = SelectionLog()
             with evaluation_order(o):
-                l32 = forced_logits(m32, ids, log, s32)
+                if keep:
+                    got, l32 = _captured(lambda: forced_logits(m32, ids, log, s32))  # noqa: B023
+                    _merge_tap_floors(tap_fl, ref, got)
+                    del got
+                else:
+                    l32 = forced_logits(m32, ids, log, s32)
             e, k = _rel_err(l32, l64)
             by_order[o.name] = max(by_order.get(o.name, 0.0), e)
             f32_rel, f32_kl = max(f32_rel, e), max(f32_kl, k)
@@ -397,6 +419,8 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
     else:
         fl = Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, TieReport(), tuple(sorted(stores)))
     fl.by_order = by_order
+    if tap_fl is not None:
+        fl.tap_floors = tap_fl
     # the truth's ties are reported at the band a backend of these stores is judged with (parity.harness.ties):
     # exact ties, and floor-level near ties within 2 x multiple x this floor's score floor
     band = tie_band(thresholds_for("float32" if mr is None else "bf16", fl))
@@ -465,6 +489,32 @@ def floor_prompts(config, prompts: Sequence[Sequence[int]] | None = None, seed: 
     return out
 
 
+def _floor_payload(fl: Floor, taps: dict) -> dict:
+    """The JSON entry of a measured floor and its per-tap floors (:mod:`parity.harness.floor_cache`)."""
+    d = {f.name: getattr(fl, f.name) for f in dataclasses.fields(fl) if f.name not in ("ties", "tap_floors")}
+    d["stores"], d["ties"] = list(fl.stores), list(fl.ties.cuts)
+    return {"floor": d, "tap_floors": [[k, [float(v[0]), float(v[1])]] for k, v in taps.items()]}
+
+
+def _cached_floor(material: dict):
+    """``(Floor, tap floors, path)`` of the cache entry of ``material``, or None (none, or one lacking a field)."""
+    from parity.harness import floor_cache
+    got = floor_cache.load(material)
+    if got is None:
+        return None
+    doc, path = got
+    try:
+        d = doc["floor"]
+        names = {f.name for f in dataclasses.fields(Floor)} - {"tap_floors"}   # kept beside the floor
+        if set(d) != names:
+            return None
+        fl = Floor(**{**d, "stores": tuple(d["stores"]), "ties": TieReport(cuts=list(d["ties"]))})
+        taps = {str(k): (float(v[0]), float(v[1])) for k, v in doc["tap_floors"]}
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    return fl, taps, path
+
+
 def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None = None):
     """Measure the floor of ``backend``'s stores (:func:`stores_of`) on ``weights`` over :func:`floor_prompts`
     and derive the run's thresholds.
@@ -474,10 +524,24 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
         resolve a fault of useful size (:data:`parity.harness.thresholds.USEFUL_FAULT_REL`) -- then a passing row
         is INCONCLUSIVE, never PASS.
     """
+    from parity.harness import floor_cache
     fps = floor_prompts(weights.config, prompts)
-    fl = measure_floor(weights, fps, stores_of(backend))
+    stores = stores_of(backend)
+    stream = floor_prompts(weights.config, None)[-1]
+    # the same weights, prompts, stores and code measure the same floor: kept once in $QWEN4EXP_FLOOR_CACHE
+    material = (floor_cache.key_material(weights, fps, stores, stream, FLOOR_ORDERS) if floor_cache.cache_dir()
+                else None)
+    hit = _cached_floor(material) if material is not None else None
+    if hit is not None:
+        fl, taps, path = hit
+        fl.source = f"read from {path}"
+    else:
+        fl = measure_floor(weights, fps, stores, tap_ids=stream)   # the stream is one of fps: no forward of its own
+        taps = fl.tap_floors if fl.tap_floors is not None else tap_floors(weights, stream, stores)
+        if material is not None:
+            fl.source = f"measured, kept in {floor_cache.store(material, _floor_payload(fl, taps))}"
     th = thresholds_for(getattr(backend, "precision", "float32"), fl)
-    th = with_tap_profile(th, weights, floor_prompts(weights.config, None)[-1], stores_of(backend))
+    th = dataclasses.replace(th, tap_profile=tap_profile_of(taps, th.multiple, tie_band(th), stores, len(stream)))
     if unresolvable(th, fl):   # a coarse floor: say which stores make it so (one floor per store kind)
         fl = floor_breakdown(weights, fps, fl)
     return th, fl, unresolvable(th, fl)
@@ -497,53 +561,135 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
     row's scores is a near tie. Returns a :class:`taps.diff.Profile`; the per-tap figures are in its
     ``source`` text's companion attribute ``floors`` (``{tap: (rel_l2, atol_rms)}``).
     """
+    return tap_profile_of(tap_floors(weights, ids, stores), multiple, score_rel, stores, len(ids))
+
+
+def tap_floors(weights, ids: Sequence[int], stores: dict | None = None) -> dict:
+    """Per activation tap of one forward over ``ids``, its floor ``(rel_l2, atol_rms)``: the float32 reference
+    (store-rounded for ``stores``) against float64, selections forced to the float64 run's, the envelope
+    over :data:`FLOOR_ORDERS` (each at least the float32 unit roundoff). The measurement behind
+    :func:`tap_floor_profile` (:func:`tap_profile_of` turns it into a profile); :func:`measure_floor` records
+    the same figures from its own forwards when asked (``tap_ids``). Cost: one float64 and one float32 forward
+    per order, every tap kept in float64."""
     from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
 
-    class _Keep:
-        def __init__(self):
-            self.v = {}
-
-        def emit(self, name, value, positions=None, **_):
-            self.v.setdefault(name, []).append(np.array(value, dtype=np.float64, copy=True))
-
-    def run(m, log=None):
-        cap = _Keep()
-        tok = taphook.set_current(cap)
-        try:
-            if log is None:
-                lg, lo = logged_logits(m, ids)
-            else:
-                lg, lo = forced_logits(m, ids, log), log
-        finally:
-            taphook.reset_current(tok)
-        return {k: np.concatenate(v, axis=0) for k, v in cap.v.items()}, lo
-
-    u = UNIT_ROUNDOFF["float32"]
-    ref, log = run(ReferenceModel(weights, dtype=np.float64))
+    ref, (_, log) = _captured(lambda: logged_logits(ReferenceModel(weights, dtype=np.float64), ids))
     m = ReferenceModel(weights, dtype=np.float32)
     if stores:
         m.store_round = rounder(stores)
     floors = {}
     for o in FLOOR_ORDERS:   # per tap, the envelope over the float32 evaluation orders (as the logit floor)
         with evaluation_order(o):
-            got, _ = run(m, log)
-        for name, a in ref.items():
-            spec = registry.spec_for(name)
-            b = got.get(name)
-            if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
-                continue
-            fin = np.isfinite(a) & np.isfinite(b)
-            if not fin.any():
-                continue
-            with np.errstate(invalid="ignore"):
-                d = np.where(fin, b - a, 0.0)
-            aa = np.where(fin, a, 0.0)
-            na = float(np.sqrt(np.sum(aa * aa)))
-            rms = float(np.sqrt(np.mean(aa * aa))) or 1.0
-            rel = max(float(np.sqrt(np.sum(d * d))) / na if na else 0.0, u)
-            at = max(float(np.max(np.abs(d))) / rms, u)
-            r0, a0 = floors.get(name, (0.0, 0.0))
-            floors[name] = (max(r0, rel), max(a0, at))
+            got, _ = _captured(lambda: forced_logits(m, ids, log))  # noqa: B023 - called at once
+        _merge_tap_floors(floors, ref, got)
+    return floors
+
+
+class _Keep:
+    """A tap recorder keeping every emitted value in float64 (for the per-tap floors)."""
+
+    def __init__(self):
+        self.v = {}
+
+    def emit(self, name, value, positions=None, **_):
+        self.v.setdefault(name, []).append(_float64_copy(value))
+
+
+def _float64_copy(value) -> np.ndarray:
+    """A float64 copy of ``value`` (a tap); a large one in row blocks on :func:`compare_threads` threads (a
+    real-width logits tap of 2060 tokens is 511M values; NumPy's cast releases the GIL)."""
+    a = np.asarray(value)
+    if a.size < (1 << 22) or a.ndim == 0 or a.shape[0] < 2:
+        return np.array(a, dtype=np.float64, copy=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from parity.harness.metrics import compare_threads
+    out = np.empty(a.shape, dtype=np.float64)
+    n = compare_threads()
+    step = max(1, -(-a.shape[0] // (4 * n)))
+
+    def put(s0):
+        out[s0:s0 + step] = a[s0:s0 + step]
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(put, range(0, a.shape[0], step)))
+    return out
+
+
+def _captured(fn):
+    """``(taps, fn())``: ``fn`` (a reference forward) run with every tap it emits kept, ``taps`` =
+    ``{name: [rows, ...] float64}``."""
+    cap = _Keep()
+    tok = taphook.set_current(cap)
+    try:
+        out = fn()
+    finally:
+        taphook.reset_current(tok)
+    return {k: v[0] if len(v) == 1 else np.concatenate(v, axis=0) for k, v in cap.v.items()}, out
+
+
+#: elements per block of :func:`_tap_err_stats` (fixed, so the sums' order does not depend on the thread count)
+_TAP_BLOCK_ELEMENTS = 1 << 18
+
+
+def _tap_err_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, bool]:
+    """``(sum a^2, sum (b - a)^2, max |b - a|, any finite)`` over the entries finite on both sides of two float64
+    arrays of one shape, in row blocks of :data:`_TAP_BLOCK_ELEMENTS` on :func:`compare_threads` threads (a
+    real-width tap of 2060 tokens is ~100M values; the logits 511M): each block's float64 sums, then the blocks'
+    in their order."""
+    from parity.harness.metrics import compare_threads
+    if a.size == 0:
+        return 0.0, 0.0, 0.0, False
+    a2 = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
+    b2 = b.reshape(a2.shape)
+    step = max(1, _TAP_BLOCK_ELEMENTS // max(a2.shape[1], 1))
+
+    def part(s0):
+        x, y = a2[s0:s0 + step], b2[s0:s0 + step]
+        fin = np.isfinite(x) & np.isfinite(y)
+        with np.errstate(invalid="ignore"):
+            d = np.where(fin, y - x, 0.0)
+        xx = np.where(fin, x, 0.0)
+        return float(np.sum(xx * xx)), float(np.sum(d * d)), float(np.max(np.abs(d))) if d.size else 0.0, \
+            bool(fin.any())
+    starts = range(0, a2.shape[0], step)
+    n = min(compare_threads(), len(starts))
+    if n > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(n) as ex:
+            parts = list(ex.map(part, starts))
+    else:
+        parts = [part(s0) for s0 in starts]
+    sa = sd = md = 0.0
+    for pa, pd, pm, _ in parts:
+        sa, sd, md = sa + pa, sd + pd, max(md, pm)
+    return sa, sd, md, any(p[3] for p in parts)
+
+
+def _merge_tap_floors(floors: dict, ref: dict, got: dict) -> None:
+    """Fold one float32 order's taps ``got`` into ``floors`` (``{tap: (rel_l2, atol_rms)}``, the maximum over the
+    orders) against the float64 taps ``ref`` (activation taps only; each figure at least the float32 unit
+    roundoff)."""
+    u = UNIT_ROUNDOFF["float32"]
+    for name, a in ref.items():
+        spec = registry.spec_for(name)
+        b = got.get(name)
+        if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
+            continue
+        sa, sd, md, any_fin = _tap_err_stats(a, b)
+        if not any_fin:
+            continue
+        na = float(np.sqrt(sa))
+        rms = float(np.sqrt(sa / a.size)) or 1.0
+        rel = max(float(np.sqrt(sd)) / na if na else 0.0, u)
+        at = max(md / rms, u)
+        r0, a0 = floors.get(name, (0.0, 0.0))
+        floors[name] = (max(r0, rel), max(a0, at))
+
+
+def tap_profile_of(floors: dict, multiple: float, score_rel: float | None, stores: dict | None, positions: int):
+    """The tap-diff :class:`taps.diff.Profile` of measured per-tap ``floors`` (:func:`tap_floors`) at
+    ``multiple``, index flips within ``score_rel`` near ties (:func:`tap_floor_profile` says how)."""
+    u = UNIT_ROUNDOFF["float32"]
     overrides = []
     for name, (rel, at) in floors.items():
         r = multiple * rel
@@ -554,6 +700,6 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
                    activation={"rel_l2": multiple * u * 64, "rtol": 0.0, "atol_rms": multiple * u * 64, "atol": 0.0,
                                "cos_min": 1.0 - (multiple * u * 64) ** 2 / 2},
                    index={"score_rtol": sr, "score_atol": 0.0}, overrides=overrides,
-                   source=f"measured on this model over {len(ids)} positions")
+                   source=f"measured on this model over {positions} positions")
     prof.floors = floors
     return prof

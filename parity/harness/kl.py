@@ -116,16 +116,31 @@ class KLReport:
         }
 
 
-def _greedy(backend, ids: Sequence[int], n: int) -> tuple[list[int], np.ndarray | None]:
+def _truth_logits(a, ids: list[int]):
+    """``(a's one-shot logits of ids, their SelectionLog or None)``: for the reference backend (whose one-shot
+    logits are its model's full forward) the forward runs with its selections logged, so the negative control
+    reads them instead of a forward of its own; any other backend: its one-shot logits and None."""
+    from parity.backends.reference import ReferenceBackend
+    if isinstance(a, ReferenceBackend) and type(a).logits is ReferenceBackend.logits:
+        return logged_logits(a.model, ids)
+    return one_shot_logits(a, ids), None
+
+
+def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tuple[list[int], np.ndarray | None]:
     """Greedy continuation of ``n`` tokens through prefill + decode (the incremental path).
 
     Returns ``(tokens [n], decode logits [n - 1, V])``: the rows decode() returned for tokens 1..n-1 (the
-    first token comes from the prefill's last row, which the prefill comparison already judges)."""
+    first token comes from the prefill's last row, which the prefill comparison already judges).
+    ``last_only``: the prefill through ``prefill_last`` (only its last row is formed: the reference's own
+    continuation, whose prefill rows nothing reads; the backend under test keeps prefill())."""
     if n <= 0:
         return [], None
     h = backend.new_sequence()
     try:
-        logits = np.asarray(backend.prefill(h, list(ids)))
+        if last_only:
+            logits = np.asarray(prefill_last_of(backend, h, list(ids))).reshape(1, -1)
+        else:
+            logits = np.asarray(backend.prefill(h, list(ids)))
         out = [int(np.argmax(logits[-1]))]
         rows = []
         while len(out) < n:
@@ -296,7 +311,8 @@ def _max_rel(c: LogitComparison) -> float:
 CONTROL_RESIZE = 2.0
 
 
-def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = "", truth_model=None) -> dict:
+def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = "", truth_model=None,
+                     logs=None) -> dict:
     """The negative control, sized from the floor: the perturbation (``pb_factory(scale=s)``: a backend with one
     weight + s * rms * N(0, 1)) is first applied at full size (s = 1) to measure the model's response, then
     at the size whose effect is intended to be :data:`CONTROL_MARGIN` x the tolerance (linear response; re-sized
@@ -310,12 +326,14 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
     perturbation sized for 7e-4 and "flag" it whatever the tolerance. A control that cannot be forced and whose
     effect stays far above the intended size (a discrete jump) is not counted as flagged.
 
+    ``logs``: the truth's :class:`parity.harness.floor.SelectionLog` per prompt when the caller logged them with
+    ``truths`` (one forward, :func:`_truth_logits`); None: logged here on ``truth_model``.
+
     Returns a control dict: ``ok`` (flagged at the sized perturbation), ``inconclusive`` (not ok), ``scale``,
     ``intended_rel`` (CONTROL_MARGIN x tolerance), ``effect_rel`` (the measured effect at ``scale``, relative to
     the logit scale), ``full_effect_rel`` (at s = 1), ``forced`` (selections forced), ``max_kl``, ``detail``.
     """
-    logs = None
-    if truth_model is not None and hasattr(truth_model, "selection_hook"):
+    if logs is None and truth_model is not None and hasattr(truth_model, "selection_hook"):
         logs = [logged_logits(truth_model, [int(t) for t in ids])[1] for ids in prompts]
     full, forced = _effect(pb_factory, 1.0, truths, prompts, logs)
     pre = f"{note}: " if note else ""
@@ -363,7 +381,8 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
 
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,
            floor_pair: tuple | None = None, perturbed_b: Callable[..., object] | None = None,
-           perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None) -> KLReport:
+           perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None,
+           control_weights=None) -> KLReport:
     """Run the KL harness: b against a over ``prompts`` (prefill rows and greedy decode rows) plus the controls.
 
     Args:
@@ -379,6 +398,9 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             (the negative control, see :func:`negative_control`; a zero-argument callable is used at full size).
         thresholds: the run's thresholds when already derived from ``floor`` (with its measured tap profile);
             None: :func:`thresholds_for` of b's precision and the floor.
+        control_weights: the reference weights ``perturbed_b`` perturbs, when it perturbs the reference (not b):
+            with ``$QWEN4EXP_FLOOR_CACHE`` set the control is then kept there and read back by a run with the same
+            weights, prompts, thresholds and code (:func:`parity.harness.floor_cache.control_material`).
         progress: ``"bar"`` / True (a tqdm bar), ``"lines"`` (a plain line per prompt, for a stderr that is not a
             terminal) or a false value (none): :func:`parity.harness.progress.progress_bar`.
     Returns:
@@ -408,7 +430,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     # a backend claiming determinism must repeat bitwise; any other is allowed its own measured run-to-run noise
     claims_det = bool(capabilities_of(b).get("deterministic"))
     spread, spread_at = 0.0, None
-    la_all, truth_last = [], []
+    la_all, truth_last, logs_a = [], [], []
     tie_rows, outside, per_prompt, unresolved = [], [], [], []
     truth_model = getattr(a, "model", None) if floor is not None else None
     # a coarse floor: the logits may not show a pick outside the tie set, so the selections are read on every prompt
@@ -419,7 +441,8 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             bar.update(1)   # prompt i - 1 is finished (named by the label still set)
         bar.set_postfix_str(f"prompt {i + 1} of {len(prompts)} ({len(ids)} tokens)")
         ids = [int(t) for t in ids]
-        la = one_shot_logits(a, ids)
+        la, log_a = _truth_logits(a, ids)
+        logs_a.append(log_a)
         lb = one_shot_logits(b, ids)
         lb2 = one_shot_logits(b, ids)
         if lb.shape != lb2.shape or not np.array_equal(lb, lb2, equal_nan=True):
@@ -434,7 +457,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         path, truth, be = ids, la, lb
         g = None
         if greedy_tokens:
-            ga = _greedy(a, ids, greedy_tokens)[0]
+            ga = _greedy(a, ids, greedy_tokens, last_only=True)[0]
             gb, rows = _greedy(b, ids, greedy_tokens)
             g = {"prompt": i, "a": ga, "b": gb, "agree": greedy_agreement(ga, gb)}
             if rows is not None and len(rows) and lb.ndim == 2 and rows.shape[-1] == lb.shape[-1]:
@@ -549,8 +572,20 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         controls["negative_control"] = {"ok": False, "inconclusive": True, "detail": "not computed (no perturbed backend)"}
         inconclusive.append("negative control not computed")
     else:
-        nc = negative_control(perturbed_b, la_all, prompts, th, perturbed_note,
-                              truth_model=getattr(a, "model", None))
+        from parity.harness import floor_cache
+        # a control perturbing the reference is the same for every backend judged with these thresholds on these
+        # prompts: kept once in $QWEN4EXP_FLOOR_CACHE (control_weights: given only for such a control)
+        mat = (floor_cache.control_material(control_weights, prompts, th, perturbed_note)
+               if control_weights is not None and floor_cache.cache_dir() else None)
+        hit = floor_cache.load_control(mat) if mat is not None else None
+        if hit is not None:
+            nc = {**hit[0], "source": f"read from {hit[1]}"}
+        else:
+            nc = negative_control(perturbed_b, la_all, prompts, th, perturbed_note,
+                                  truth_model=getattr(a, "model", None),
+                                  logs=logs_a if all(lg is not None for lg in logs_a) else None)
+            if mat is not None:
+                nc["source"] = f"measured, kept in {floor_cache.store_control(mat, nc)}"
         controls["negative_control"] = nc
         if not nc["ok"]:
             inconclusive.append("negative control: " + nc["detail"])

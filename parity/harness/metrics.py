@@ -20,7 +20,8 @@ import numpy as np
 from reference.errors import InputError
 
 __all__ = ["log_softmax", "kl_per_position", "kl_rounding_floor", "summarize", "topk_sets", "logit_scale",
-           "LogitComparison", "offset_free_error", "rerun_spread", "compare_logits", "greedy_agreement",
+           "LogitComparison", "offset_free_error", "rerun_spread", "compare_logits", "compare_threads",
+           "COMPARE_BLOCK_ELEMENTS", "greedy_agreement",
            "FLOOR_MAX_KL", "PERCENTILES"]
 
 PERCENTILES = (("mean", None), ("median", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9), ("max", 100.0))
@@ -74,12 +75,13 @@ def kl_per_position(logits_p: np.ndarray, logits_q: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(kl), np.nan, np.maximum(kl, 0.0))
 
 
-def _kl_rows(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
+def _kl_rows(lp: np.ndarray, lq: np.ndarray, p: np.ndarray | None = None) -> np.ndarray:
     """``[T]`` sum_v P_v (log P_v - log Q_v) from log-probabilities, with the convention 0 log 0 = 0: a token P
     gives probability 0 (a -inf logit) adds nothing, so a row truncated to -inf by one side gives KL = inf in
-    the direction that sees the truncation, not nan (nan only from a nan logit)."""
+    the direction that sees the truncation, not nan (nan only from a nan logit). ``p``: ``exp(lp)`` when the
+    caller has it already."""
     with np.errstate(invalid="ignore", over="ignore"):
-        p = np.exp(lp)
+        p = np.exp(lp) if p is None else p
         terms = np.where(p == 0.0, 0.0, p * (lp - lq))
     return np.sum(terms, axis=-1)
 
@@ -310,9 +312,34 @@ def rerun_spread(first: np.ndarray, second: np.ndarray, truth: np.ndarray) -> fl
     return float(np.max(rel)) if np.isfinite(rel).all() else float("inf")
 
 
+#: elements of one row block of :func:`compare_logits` (2 rows of a 248,320-token vocabulary): each block's
+#: float64 temporaries (~4 MB) stay in the caches instead of ~4 GB each for a 2,100-row prefill (measured on a
+#: 248,320-token vocabulary, 2 cores: 37.5 ms per row in blocks of 32 rows, 5.7 ms in blocks of 2)
+COMPARE_BLOCK_ELEMENTS = 1 << 19
+
+
+def compare_threads() -> int:
+    """Threads :func:`compare_logits` spreads its row blocks over: the CPUs this process may run on, at most
+    ``$OMP_NUM_THREADS`` when that is set (a run given half of the cores keeps to them)."""
+    import os
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    if cap.isdigit() and int(cap) > 0:
+        n = min(n, int(cap))
+    return max(1, n)
+
+
 def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitComparison:
     """Compare two ``[T, V]`` logit arrays position by position (see :class:`LogitComparison`; a is the truth).
     The logit error is judged after removing each row's common offset (:func:`offset_free_error`).
+
+    Every figure is a function of its own row only, so the rows are compared in blocks of
+    :data:`COMPARE_BLOCK_ELEMENTS` elements on :func:`compare_threads` threads (NumPy releases the GIL in its
+    loops) and concatenated: the result is bitwise that of one pass over the whole array, without its
+    ``[T, V]`` float64 temporaries.
 
     Raises:
         InputError: shapes differ or are not 2-D float arrays.
@@ -321,13 +348,29 @@ def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitCompariso
     b = _check_logits("logits_b", logits_b)
     if a.shape != b.shape:
         raise InputError(f"logits: expected equal shapes [T, V], found {a.shape} (a) and {b.shape} (b)")
+    T, V = a.shape
+    step = max(1, COMPARE_BLOCK_ELEMENTS // max(V, 1))
+    if T <= step:
+        return _compare_rows(a, b)
+    spans = [(s, min(T, s + step)) for s in range(0, T, step)]
+    n = min(compare_threads(), len(spans))
+    if n == 1:
+        return LogitComparison.concat([_compare_rows(a[s:e], b[s:e]) for s, e in spans])
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(n) as ex:
+        parts = list(ex.map(lambda se: _compare_rows(a[se[0]:se[1]], b[se[0]:se[1]]), spans))
+    return LogitComparison.concat(parts)
+
+
+def _compare_rows(a: np.ndarray, b: np.ndarray) -> LogitComparison:
+    """:func:`compare_logits` of two checked ``[T, V]`` arrays of equal shape in one pass."""
     la, lb = log_softmax(a), log_softmax(b)
     pa, pb = np.exp(la), np.exp(lb)
-    kl_ab, kl_ba = _kl_rows(la, lb), _kl_rows(lb, la)
+    kl_ab, kl_ba = _kl_rows(la, lb, pa), _kl_rows(lb, la, pb)
     kl_ab = np.where(np.isnan(kl_ab), np.nan, np.maximum(kl_ab, 0.0))
     kl_ba = np.where(np.isnan(kl_ba), np.nan, np.maximum(kl_ba, 0.0))
-    ta, tb = topk_sets(a, 1)[:, 0], topk_sets(b, 1)[:, 0]
     t5a, t5b = topk_sets(a, 5), topk_sets(b, 5)
+    ta, tb = t5a[:, 0], t5b[:, 0]   # the canonical order's first: topk_sets(x, 1) (value, then lower token id)
     k = t5a.shape[1]
     overlap = np.array([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(t5a, t5b)], dtype=np.float64)
     rows = np.arange(a.shape[0])

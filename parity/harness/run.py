@@ -61,7 +61,8 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     def perturbed(scale=1.0):
         return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
     rep = run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
-                 perturbed_b=perturbed, perturbed_note=note, progress=progress, floor=floor, thresholds=thresholds)
+                 perturbed_b=perturbed, perturbed_note=note, progress=progress, floor=floor, thresholds=thresholds,
+                 control_weights=r32.model.weights if target == "reference" else None)
     rep.backend = b  # the instance that ran (and holds the history of) every prompt: locating replays on it
     return rep
 
@@ -232,7 +233,8 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                   file=sys.stderr, flush=True)
         th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
         if progress:
-            print(f"parity: floor measured in {time.perf_counter() - tf:.0f}s", file=sys.stderr, flush=True)
+            src = "" if floor.source == "measured" else f" ({floor.source})"
+            print(f"parity: floor ready in {time.perf_counter() - tf:.0f}s{src}", file=sys.stderr, flush=True)
         from parity.harness.kl import USEFUL_FAULT_REL
         # the resolution: a fault moving some logit by more than the limit (relative to the logit scale) FAILs
         report.meta.update(thresholds=th.to_json(), floor=floor.to_json(), smallest_fault_rel=th.tol_rel,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.numba_kernels import bf16_matmul_t
+from reference.numba_kernels import bf16_matmul_t, bf16_upcast
 from reference.order import blocked_matmul_t, current as current_order
 
 __all__ = ["BF16Matrix", "linear", "FUSED_MAX_ROWS"]
@@ -49,8 +49,7 @@ class BF16Matrix:
         """The weight in ``dtype`` (exact for float32/float64)."""
         if self._upcast is not None:
             return self._upcast(dtype)
-        import ml_dtypes
-        return self.raw.view(ml_dtypes.bfloat16).astype(dtype)
+        return bf16_upcast(self.raw, dtype)
 
     def __repr__(self) -> str:
         return f"BF16Matrix(shape={self.shape})"

@@ -1,6 +1,6 @@
 """ci/gpu_realwidth.sh on the CPU: the prompts file it writes is the --prompts format the harness reads, the two
-backend runs side by side print their verdicts into the summary, and a run its budget kills is a TIMEOUT that fails
-the step (never a PASS). The real-width model and CUDA backends are replaced through REALWIDTH_MODEL /
+backend runs, one after the other, print their verdicts into the summary and the second reads the floor the first
+measured (QWEN4EXP_FLOOR_CACHE), and a run its budget kills is a TIMEOUT that fails the step (never a PASS). The real-width model and CUDA backends are replaced through REALWIDTH_MODEL /
 REALWIDTH_BACKENDS; on the GPU machine ci/gpu runs it as written."""
 from __future__ import annotations
 
@@ -39,11 +39,16 @@ def test_verdicts_of_both_runs_in_the_summary(tmp_path, request):
     assert summary.count("verdict: PASS") == 2, summary
     for name in ("kl", "budget"):
         assert summary.count(f"    {name} ") == 2, summary
+    # one floor measurement for both: the first run measured and kept it, the second read that entry
+    src = [json.loads((tmp_path / "realwidth" / str(i) / "report.json").read_text())["meta"]["floor"]["source"]
+           for i in (0, 1)]
+    assert src[0].startswith("measured, kept in") and src[1].startswith("read from"), src
+    assert src[0].split("kept in ")[1] == src[1].split("read from ")[1]
 
 
 def test_a_run_killed_by_the_budget_is_a_timeout_and_fails(tmp_path):
     # negative control: a budget far below a run's cost must never read as a verdict, let alone a PASS
-    r = _run(tmp_path, budget=3)
+    r = _run(tmp_path, budget=1)   # the first run alone may finish a tiny model in 3 s
     summary = (tmp_path / "realwidth_summary.txt").read_text()
     assert r.returncode == 1
     assert summary.count("TIMEOUT") == 2 and "PASS" not in summary, summary

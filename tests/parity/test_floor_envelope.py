@@ -122,3 +122,49 @@ def test_the_report_states_the_smallest_fault_it_can_catch():
     text = render_table(rep)
     assert "smallest fault this run can catch moves a logit by 8.4e-05 of the logit scale" in text
     assert rep.to_json()["meta"]["smallest_fault_rel"] == 8.4e-5
+
+
+def _one_output_split_k(descending: bool = True):
+    """The split-K order written as the plainest loop, one output at a time (the oracle of the kernel's
+    four-output tasks); ``descending=False``: the partials from the first block to the last (another order)."""
+    from numba import njit
+
+    @njit(fastmath={'contract'})
+    def k(xt, w, block, out):
+        K, N = xt.shape
+        nb = (K + block - 1) // block
+        for o in range(w.shape[0]):
+            acc = np.zeros(N, dtype=xt.dtype)
+            part = np.empty(N, dtype=xt.dtype)
+            for s in range(nb):
+                bi = nb - 1 - s if descending else s
+                part[:] = 0
+                for j in range(bi * block, min(K, (bi + 1) * block)):
+                    for t in range(N):
+                        part[t] += xt[j, t] * w[o, j]
+                for t in range(N):
+                    acc[t] += part[t]
+            for t in range(N):
+                out[t, o] = acc[t]
+    return k
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_split_k_kernel_is_bitwise_the_one_output_loop_and_tells_orders_apart(dtype):
+    from reference.numba_kernels import split_k_matmul_t
+    rng = np.random.default_rng(3)
+    oracle, forward = _one_output_split_k(True), _one_output_split_k(False)
+    differs = False
+    for N, O, K in ((1, 1, 7), (5, 2, 70), (37, 3, 33), (19, 53, 130), (64, 9, 257)):  # O % 4 = 1, 2, 3, 0 ...
+        x = rng.standard_normal((N, K)).astype(dtype)
+        w = rng.standard_normal((O, K)).astype(dtype)
+        xt = np.ascontiguousarray(x.T)
+        for block in (1, 4, 16, 300):
+            got = split_k_matmul_t(x, w, block)
+            want = np.empty((N, O), dtype)
+            oracle(xt, w, block, want)
+            assert got.dtype == dtype and np.array_equal(got, want), (N, O, K, block)
+            other = np.empty((N, O), dtype)
+            forward(xt, w, block, other)
+            differs |= not np.array_equal(got, other)
+    assert differs   # negative control: the bitwise check sees an accumulation in the other block order

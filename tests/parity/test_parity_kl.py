@@ -405,3 +405,44 @@ def test_kl_row_of_a_top_k_truncated_backend_shows_inf_not_nan():
     line = next(ln for ln in render_table(ParityReport(backend="b", model=FIX, rows=[row]), columns=None).splitlines()
                 if ln.startswith("kl "))
     assert " inf " in line and "nan" not in line, line
+
+
+def test_the_truth_side_runs_one_full_forward_per_prompt_and_the_same_controls(refs, monkeypatch):
+    # a's one-shot logits carry the selection log the negative control reads, and a's own greedy continuation
+    # prefills through prefill_last: one full forward of a per prompt (three before), the same control and verdict
+    from parity.backends import open_backend
+    from parity.harness import kl as K
+    from parity.harness.floor import logged_logits
+    r32, r64 = refs
+    a, b = open_backend("reference", FIX), open_backend("reference", FIX)
+    full = []
+    real = a.model._run
+
+    def counted(state, ids, logits="all", residual_out=None):
+        if logits == "all" and state.position == 0:
+            full.append(len(ids))
+        return real(state, ids, logits, residual_out)
+    monkeypatch.setattr(a.model, "_run", counted)
+    seen = {}
+    nc_real = K.negative_control
+
+    def nc(*args, **kw):
+        seen["logs"] = kw.get("logs")
+        return nc_real(*args, **kw)
+    monkeypatch.setattr(K, "negative_control", nc)
+    rep = run_kl(a, b, PROMPTS, greedy_tokens=3, floor_pair=(r32, r64), perturbed_b=_perturbed, progress=False)
+    assert rep.passed and rep.controls_ok
+    # per prompt: its one-shot forward, then the forward over prompt + b's continuation (the decode rows' truth)
+    assert full == [n for p in PROMPTS for n in (len(p), len(p) + 2)], full
+    assert seen["logs"] is not None and len(seen["logs"]) == len(PROMPTS)
+    monkeypatch.setattr(a.model, "_run", real)
+    for ids, lg in zip(PROMPTS, seen["logs"]):   # the very log a separate logged forward gives
+        ref = logged_logits(a.model, ids)[1]
+        assert all(np.array_equal(lg.moe_ids[k], ref.moe_ids[k]) for k in ref.moe_ids)
+        assert all(np.array_equal(lg.qsa_sel[k], ref.qsa_sel[k]) for k in ref.qsa_sel)
+    # the control with the logs handed over equals the control logging them itself (negative-control twin)
+    th = rep.thresholds
+    kept = nc_real(_perturbed, [a.logits(p) for p in PROMPTS], PROMPTS, th, truth_model=a.model, logs=seen["logs"])
+    own = nc_real(_perturbed, [a.logits(p) for p in PROMPTS], PROMPTS, th, truth_model=a.model)
+    assert kept == own
+    assert [g["a"] for g in rep.greedy] == [g["b"] for g in rep.greedy]   # prefill_last continues as prefill
