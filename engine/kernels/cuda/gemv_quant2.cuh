@@ -152,46 +152,6 @@ struct NVFP4S {  // nvfp4 streaming reader (chunk = 32 weights = 16 bytes + 2 sc
     }
 };
 
-// The streaming loop of a lane (qgemv2_body, moe_decode.cu): chunks c0, c0 + CS, c0 + 2 CS, ... < KC of the RL weight
-// rows nr of expert e, U chunks x RL rows (codes and scales) loaded before any is decoded (all in flight), each
-// decoded chunk's dot products with the activation rows xr[t] (t < count) added into acc[r][t] in chunk order.
-// The caller zeroes acc, reads the row scales g and reduces the lanes afterwards.
-template <typename LD, int NT, int CS, int RL, int U>
-__device__ __forceinline__ void qstream_rows(const LD& ld, long long e, const int (&nr)[RL], const float (&g)[RL],
-                                             const float* const (&xr)[NT], int count, int c0, int KC, int K,
-                                             float (&acc)[RL][NT]) {
-    constexpr int EPL = LD::EPL;
-    for (; c0 < KC; c0 += U * CS) {
-        typename LD::Raw raw[U][RL];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (c0 + u * CS < KC) {
-#pragma unroll
-                for (int r = 0; r < RL; ++r) raw[u][r] = ld.raw(e, nr[r], c0 + u * CS, K);
-            }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + u * CS;
-            if (c < KC) {
-#pragma unroll
-                for (int p = 0; p < EPL / 8; ++p) {
-                    float w[RL][8];
-#pragma unroll
-                    for (int r = 0; r < RL; ++r) ld.decode8(raw[u][r], p, g[r], w[r]);
-#pragma unroll
-                    for (int t = 0; t < NT; ++t)
-                        if (t < count) {
-                            const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL + 8 * p);
-                            const float4 xa = xp[0], xb = xp[1];
-#pragma unroll
-                            for (int r = 0; r < RL; ++r) acc[r][t] += dot8(w[r], xa, xb);
-                        }
-                }
-            }
-        }
-    }
-}
-
 template <typename LD, int NT, int G, int RL, int KS, int U>
 __device__ __forceinline__ void qgemv2_body(const LD& ld, const float* __restrict__ X,
                                             const int* __restrict__ row_index,
@@ -231,7 +191,38 @@ __device__ __forceinline__ void qgemv2_body(const LD& ld, const float* __restric
     for (int r = 0; r < RL; ++r)
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-    if (nw0 < N) qstream_rows<LD, NT, CSTEP, RL, U>(ld, e, nr, g, xr, count, ks * G + q, K / EPL, K, acc);
+    const int KC = K / EPL;
+    if (nw0 < N) {
+        for (int c0 = ks * G + q; c0 < KC; c0 += U * CSTEP) {
+            typename LD::Raw raw[U][RL];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (c0 + u * CSTEP < KC) {
+#pragma unroll
+                    for (int r = 0; r < RL; ++r) raw[u][r] = ld.raw(e, nr[r], c0 + u * CSTEP, K);
+                }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = c0 + u * CSTEP;
+                if (c < KC) {
+#pragma unroll
+                    for (int p = 0; p < EPL / 8; ++p) {
+                        float w[RL][8];
+#pragma unroll
+                        for (int r = 0; r < RL; ++r) ld.decode8(raw[u][r], p, g[r], w[r]);
+#pragma unroll
+                        for (int t = 0; t < NT; ++t)
+                            if (t < count) {
+                                const float4* xp = reinterpret_cast<const float4*>(xr[t] + c * EPL + 8 * p);
+                                const float4 xa = xp[0], xb = xp[1];
+#pragma unroll
+                                for (int r = 0; r < RL; ++r) acc[r][t] += dot8(w[r], xa, xb);
+                            }
+                    }
+                }
+            }
+        }
+    }
     // the G lanes of a slot: fixed butterfly order
 #pragma unroll
     for (int r = 0; r < RL; ++r)

@@ -91,10 +91,36 @@ __device__ __forceinline__ void moe_rows_dot(const LD& ld, long long e, const in
 #pragma unroll
         for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
     }
-    const float* xr[MT];
+    const int KC = K / EPL;
+    for (int c0 = q; c0 < KC; c0 += U * CS) {
+        typename LD::Raw raw[U][RL];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) xr[t] = X + xo[t];
-    qstream_rows<LD, MT, CS, RL, U>(ld, e, nr, g, xr, count, q, K / EPL, K, acc);
+        for (int u = 0; u < U; ++u)
+            if (c0 + u * CS < KC) {
+#pragma unroll
+                for (int r = 0; r < RL; ++r) raw[u][r] = ld.raw(e, nr[r], c0 + u * CS, K);
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * CS;
+            if (c < KC) {
+#pragma unroll
+                for (int p = 0; p < EPL / 8; ++p) {
+                    float w[RL][8];
+#pragma unroll
+                    for (int r = 0; r < RL; ++r) ld.decode8(raw[u][r], p, g[r], w[r]);
+#pragma unroll
+                    for (int t = 0; t < MT; ++t)
+                        if (t < count) {
+                            const float4* xp = reinterpret_cast<const float4*>(X + xo[t] + c * EPL + 8 * p);
+                            const float4 xa = xp[0], xb = xp[1];
+#pragma unroll
+                            for (int r = 0; r < RL; ++r) acc[r][t] += dot8(w[r], xa, xb);
+                        }
+                }
+            }
+        }
+    }
 #pragma unroll
     for (int r = 0; r < RL; ++r)
 #pragma unroll
