@@ -67,36 +67,58 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     return rep
 
 
-def topk_report(report, be, model, prompts):
+def topk_report(report, be, model, prompts, scenarios=None, *, below_bound=False, progress=False):
     """``qwen4exp parity`` of an OpenAI-compatible server: one kl-topk row (see parity.backends.openai and
     parity.harness.topk) judged by the thresholds of the floor measured on this model and prompts
     (parity.harness.floor.thresholds_for_run, as every other row); the scenarios need sequences the API does
-    not expose, so each is a skipped row with that reason (a skip never counts as a pass: the kl-topk row
-    carries the verdict). A row that compared nothing, or whose top-k mass cannot resolve a useful fault, is
-    INCONCLUSIVE with counts 0/0 (nothing vouched for)."""
+    not expose, so each one asked for is a skipped row with that reason (a skip never counts as a pass: the
+    kl-topk row carries the verdict). A row that compared nothing, or whose top-k mass cannot resolve a useful
+    fault, is INCONCLUSIVE with counts 0/0 (nothing vouched for).
+
+    ``scenarios``: the names asked for (None: all); the kl-topk row runs when ``kl`` is among them.
+    ``below_bound``: the prompts and the continuation confined below the QSA bound (:func:`confine_kl_prompts`,
+    as the kl row of a sequence backend; the floor stays the one measured on the whole prompts).
+    ``progress``: a line on stderr while the floor is measured (the run's first long step)."""
     from parity.backends import truth_model
     from parity.harness.floor import thresholds_for_run
     from parity.harness.report import ScenarioRow
     from parity.harness.scenarios import SCENARIOS
-    from parity.harness.topk import run_topk
+    from parity.harness.topk import GREEDY_TOKENS, run_topk
     from parity.prompts import load_prompts
+    from parity.harness.kl import USEFUL_FAULT_REL
+    names = ["kl", *SCENARIOS] if scenarios is None else [n.replace("-", "_") for n in scenarios]
     t0 = time.perf_counter()
     ps = load_prompts(prompts, model, be.config.vocab_size, be.config.max_position_embeddings)
     truth = truth_model(model)
+    if progress:
+        print("parity: measuring this model's precision floor (the limits every row is judged by)",
+              file=sys.stderr, flush=True)
     th, floor, _ = thresholds_for_run(truth.weights, be, ps)
-    report.meta.update(thresholds=th.to_json(), floor=floor.to_json())
+    if progress:
+        print(f"parity: floor ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    report.meta.update(thresholds=th.to_json(), floor=floor.to_json(), smallest_fault_rel=th.tol_rel,
+                       useful_fault_rel=USEFUL_FAULT_REL)
     limits = th.to_json()
-    try:
-        res = run_topk(be, truth, ps, thresholds=th)
-    except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
-        report.rows.append(ScenarioRow("kl-topk", 1, 1, float("nan"), float("nan"), f"backend raised "
-                                       f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e),
-                                       thresholds=limits, traceback=_format_tb(e)))
+    n_new, confined = GREEDY_TOKENS, None
+    if below_bound:
+        ps, n_new, confined = confine_kl_prompts(be.config, ps, n_new)
+    if "kl" not in names:
         res = None
+    else:
+        try:
+            res = run_topk(be, truth, ps, n_new=n_new, thresholds=th)
+        except Exception as e:  # noqa: BLE001 - the server raised: an ERROR row, as for any backend
+            report.rows.append(ScenarioRow("kl-topk", 1, 1, float("nan"), float("nan"), f"backend raised "
+                                           f"{type(e).__name__}: {e}", time.perf_counter() - t0, "error", str(e),
+                                           thresholds=limits, traceback=_format_tb(e)))
+            res = None
     if res is not None:
-        report.rows.append(_topk_row(res, be, th, limits, t0))
+        row = _topk_row(res, be, th, limits, t0)
+        if confined:
+            row.detail += "; " + confined
+        report.rows.append(row)
     report.meta["openai"] = {"convention": be.convention, "requests": be.requests}
-    for name in SCENARIOS:
+    for name in (n for n in SCENARIOS if n in names):
         report.rows.append(ScenarioRow(name.replace("_", "-"), 0, 0, float("nan"), float("nan"), None, 0.0, "skip",
                                        "skipped: needs sequences (snapshot/rollback/decode) an OpenAI server does "
                                        "not expose", skipped=1))
@@ -121,7 +143,7 @@ def _topk_row(res: dict, be, th, limits: dict, t0: float):
     if status == "inconclusive":
         first = res["inconclusive"]
     detail = (f"top-{be.topk} KL (+1 tail bucket: a lower bound of the full KL) <= (tol x scale + the server's "
-              f"float32 logprob rounding)^2 per position (tol {th.tol_rel:.3g}); worst KL / limit "
+              f"{getattr(be, 'precision', 'float32')} logprob rounding)^2 per position (tol {th.tol_rel:.3g}); worst KL / limit "
               f"{res['worst_kl_over_bound']:.3g}; smallest fault resolved at every position "
               f"{res['resolution_rel']:.3g} of the logit scale (least truth mass on the top-k "
               f"{res['min_mass_truth']:.3g}); "
@@ -132,10 +154,11 @@ def _topk_row(res: dict, be, th, limits: dict, t0: float):
                  + ", ".join(f"prompt {m['prompt']} at position {m['position']}" for m in res['echo_misaligned'])
                  if res["echo_misaligned"] else ""))
     prec = getattr(be, "precision", "float32")
-    if status == "fail" and prec == "float32":   # the first thing to rule out before blaming the graph
-        detail += ("; the limit is float32's: a server storing its KV cache in f16 (llama.cpp's default) fails it "
-                   "by that rounding alone (llama_cpp.server: --type_k 0 --type_v 0 for a float32 cache, or judge "
-                   "it at its precision: precision=fp16)")
+    if status == "fail" and prec == "float32":   # one thing to rule out before blaming the graph
+        detail += ("; the limit is float32's: if the server stores its KV cache or activations in f16/bf16 "
+                   "(llama.cpp's default KV cache is f16), that rounding alone can exceed it -- rule it out with a "
+                   "float32 cache (llama_cpp.server: --type_k 0 --type_v 0) or judge the server at its precision "
+                   "(precision=fp16); a FAIL that stays with a float32 cache is not that rounding")
     elif prec != "float32":
         detail += f"; judged at precision {prec} (every activation store rounded to {prec} in the floor)"
     # one case per judged prompt, as the other kl paths count them (a prompt fails when any of its request
@@ -202,7 +225,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                                 # what an outside engine leaves out of the checkpoint, located (never a silent skip)
                                 **({"engine_findings": probe.findings} if getattr(probe, "findings", None) else {})})
     if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
-        return topk_report(report, probe, model, prompts)
+        return topk_report(report, probe, model, prompts, scenarios, below_bound=below_bound, progress=progress)
     if hasattr(probe, "close"):
         probe.close()
     kl_prompts = None

@@ -123,7 +123,11 @@ def topk_compare(truth_logits: np.ndarray, rows, mappable=lambda i: True, thresh
             "resolution": res, "fault": fault}
 
 
-def run_topk(be, truth, prompts, *, n_new: int = 4, thresholds=None, budget_s: float = 120.0,
+#: greedy tokens a server generates after each prompt (temperature 0), judged as the continuation's rows
+GREEDY_TOKENS = 4
+
+
+def run_topk(be, truth, prompts, *, n_new: int = GREEDY_TOKENS, thresholds=None, budget_s: float = 120.0,
              prefix_reuse: bool = True) -> dict:
     """The kl-topk row of a server backend ``be`` (:class:`parity.backends.base.TopkServer`; only its public
     members are read): every sendable prompt

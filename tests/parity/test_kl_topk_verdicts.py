@@ -179,3 +179,37 @@ def test_server_precision_option_rejects_values_no_server_computes_in(bad):
     from reference.errors import InputError
     with pytest.raises(InputError, match=r"precision: expected one of float32, bf16, fp16, fp8.*found"):
         open_backend(f"openai:url=http://127.0.0.1:9,precision={bad}", TINY)
+
+
+def test_server_run_honours_scenario_and_below_bound(server_model, tmp_path):
+    """``--scenario kl`` gives the kl-topk row alone (no skip rows for scenarios not asked for), and
+    ``--below-bound`` confines what the server is sent below the QSA bound, as for a sequence backend (each
+    prompt plus its continuation at most the bound's visible tokens), saying so in the row; the control: without
+    it the longest prompt is sent whole."""
+    from parity.harness.report import ParityReport
+    from parity.harness.run import confine_kl_prompts, topk_report
+    from parity.harness.scenarios.common import sizes
+    from parity.harness.topk import GREEDY_TOKENS
+    cfg = server_model.config
+    bound = sizes(cfg).bound
+    long_prompt = [int(t) for t in np.arange(3, 3 + bound + 6) % cfg.vocab_size]
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(PROMPTS + [long_prompt]))
+
+    def sent_lengths(below):
+        be = ReferenceTopkServer(ReferenceLogprobs(server_model))
+        sent, orig = [], be.prompt_topk
+        be.prompt_topk = lambda ids, n_new=1: (sent.append((len(ids), n_new)), orig(ids, n_new))[1]
+        rep = topk_report(ParityReport(backend="fake-server", model=str(TINY)), be, TINY, f, ["kl"],
+                          below_bound=below)
+        return rep, sent
+
+    rep, sent = sent_lengths(True)
+    assert [r.scenario for r in rep.rows] == ["kl-topk"], [r.scenario for r in rep.rows]
+    assert "confined below the QSA bound" in rep.rows[0].detail
+    _, g, _ = confine_kl_prompts(cfg, [long_prompt], GREEDY_TOKENS)
+    assert all(n + k - 1 <= bound for n, k in sent), (sent, bound)
+    assert rep.meta["smallest_fault_rel"] > 0   # the resolution line's figure, as for a sequence backend
+    rep_all, sent_all = sent_lengths(False)
+    assert max(n for n, _ in sent_all) == len(long_prompt)
+    assert "confined" not in rep_all.rows[0].detail
