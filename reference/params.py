@@ -45,8 +45,9 @@ def stored_bytes(ck) -> dict:
 
 
 def scan(ck) -> tuple[dict, dict]:
-    """(parameters, stored bytes) per component of checkpoint ``ck``: integer buffers are not parameters,
-    quantisation scales count as bytes of their tensor's component."""
+    """(parameters, stored bytes) per component of checkpoint ``ck``: integer buffers are not parameters, an
+    NVFP4 weight's U8 bytes hold two parameters each, quantisation scales count as bytes of their tensor's
+    component."""
     from reference.checkpoint import _INT, DTYPES
 
     c = dict.fromkeys(COMPONENTS, 0)
@@ -55,12 +56,13 @@ def scan(ck) -> tuple[dict, dict]:
         dt = ck.dtype(n)
         comp = classify(n)
         size = math.prod(ck.shape(n))
-        if dt in _INT:
+        nvfp4 = dt == "U8" and ck.is_nvfp4(n)   # two E2M1 codes per stored byte
+        if dt in _INT and not nvfp4:
             continue
         if comp is None:  # a quantisation scale: bytes to the component of its tensor
             comp = classify(n.rsplit("_scale", 1)[0])
         else:
-            c[comp] += size
+            c[comp] += 2 * size if nvfp4 else size
         b[comp] += size * (DTYPES[dt].itemsize if dt in DTYPES else 0)
     return c, b
 

@@ -29,7 +29,7 @@ def test_default_model_is_bundled_tiny(capsys):
     assert a["params"] == b["params"] and a["model"].endswith("tiny")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-hc2", "tiny-hc3", "tiny-fp8", "tiny-nvfp4"])
 def test_counts_match_config_arithmetic(capsys, name):
     cfg = load_config(fixture_dir(name))
     r = _info(capsys, name)
@@ -102,6 +102,14 @@ def test_stored_bytes_follow_the_dtypes(capsys):
     n_scales = cfg.num_hidden_layers * cfg.num_experts * 3  # one 128x128 block per (small) expert matrix
     assert r["storage"]["stored_bytes"]["routed_experts"] == r["params"]["routed_experts"] + 4 * n_scales
     assert r["storage"]["stored_bytes"]["ple_table"] == r["params"]["ple_table"] + 2  # one BF16 scale
+    # NVFP4 experts: half a byte per parameter (two E2M1 codes per U8) + one E4M3 byte per 16 + per matrix a float32
+    # global scale (weight_scale_2) and a float32 activation scale (input_scale)
+    r = _info(capsys, "tiny-nvfp4")
+    from reference.checkpoint import Checkpoint
+    ck = Checkpoint.open(fixture_dir("tiny-nvfp4"))
+    n_global = sum(1 for n in ck.names() if ".mlp.experts." in n and n.endswith("weight_scale_2"))
+    p = r["params"]["routed_experts"]
+    assert n_global > 0 and r["storage"]["stored_bytes"]["routed_experts"] == p // 2 + p // 16 + 8 * n_global
 
 
 def test_info_header_shape_mismatch_is_exit_2(tiny, tmp_path, capsys):
