@@ -106,6 +106,17 @@ def find_nth_prime_after(start: int, count: int) -> int:
     return prime
 
 
+def defaulted_note(cfg: "ModelConfig", keys) -> str:
+    """`` (official default, not in config.json: vocab_size=248320)`` for those of ``keys`` the checkpoint's
+    config.json leaves out; `` (from config.json)`` when it sets them all or was not read from a file."""
+    src = cfg.source or {}
+    text = src.get("text_config") if isinstance(src.get("text_config"), dict) else src
+    missing = [k for k in keys if src and k not in text]
+    if not missing:
+        return " (from config.json)"
+    return " (official default, not in config.json: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in missing) + ")"
+
+
 @dataclass(frozen=True)
 class PLELayout:
     """Derived layout of one PLE layer's n-gram table.
@@ -408,8 +419,8 @@ class ModelConfig:
         if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
             bad(f"rms_norm_eps: expected a positive number, found {self.rms_norm_eps!r}")
         if len(self.layer_types) != self.num_hidden_layers:
-            bad(f"layer_types: expected {self.num_hidden_layers} entries (num_hidden_layers), "
-                f"found {len(self.layer_types)}")
+            bad(f"layer_types: expected num_hidden_layers = {self.num_hidden_layers} entries"
+                f"{defaulted_note(self, ('num_hidden_layers',))}, found {len(self.layer_types)}")
         unsupported = sorted(set(self.layer_types) - {"linear_attention", "indexed_attention"})
         if unsupported:
             bad(f"layer_types: unsupported Qwen4-Exp layer types {unsupported}; expected 'linear_attention' or "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from reference.config import ModelConfig
+from reference.config import ModelConfig, defaulted_note as _defaulted_note  # noqa: F401 - re-exported
 
 _PREFIXES = ("model.language_model.", "model.")
 _NGRAM_SHARD_RE = re.compile(r"^(layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
@@ -179,14 +179,3 @@ def _near(name: str, names: Iterable[str], k: int = 5) -> list[str]:
         stem = name.rsplit(".", 1)[-1]
         pool = [n for n in pool if n.endswith(stem)][:4000] or pool[:4000]
     return difflib.get_close_matches(name, pool, n=k, cutoff=0.5)
-
-
-def _defaulted_note(cfg: ModelConfig, keys: Iterable[str]) -> str:
-    """`` (official default, not in config.json: vocab_size=248320)`` for those of ``keys`` the checkpoint's
-    config.json leaves out; `` (from config.json)`` when it sets them all or was not read from a file."""
-    src = cfg.source or {}
-    text = src.get("text_config") if isinstance(src.get("text_config"), dict) else src
-    missing = [k for k in keys if src and k not in text]
-    if not missing:
-        return " (from config.json)"
-    return " (official default, not in config.json: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in missing) + ")"

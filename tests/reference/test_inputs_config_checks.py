@@ -298,3 +298,20 @@ def test_generation_config_eos_library_calls():
         G.eos_ids_from({"eos_token_id": [1, "x"]})
     with pytest.raises(InputError, match="generation_config.json: do_sample"):
         G.sampling_defaults({"do_sample": "yes"})
+
+
+# ------------------------------------------------------------------ a key left to the official default
+def test_missing_num_hidden_layers_names_the_official_default(tmp_path, capsys):
+    """config.json without ``num_hidden_layers`` takes the official default (40): the layer_types mismatch that
+    follows names the default and that config.json does not set it; the control: set, the message says so."""
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    n = len(cfg["layer_types"])
+    (cfg.get("text_config") or cfg).pop("num_hidden_layers")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(d)]) == 2
+    _one_line(capsys, "layer_types", "official default, not in config.json: num_hidden_layers=40", f"found {n}")
+    (cfg.get("text_config") or cfg)["num_hidden_layers"] = n + 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(d)]) == 2
+    _one_line(capsys, f"num_hidden_layers = {n + 1} entries (from config.json)", f"found {n}")
