@@ -81,7 +81,8 @@ class OpenAIBackend(TopkServer):
             raise InputError(f"{cls.scheme}:precision: expected one of {', '.join(cls.PRECISION_CHOICES)} (what the "
                              f"server computes in), found {precision!r}")
         if not url or not str(url).startswith(("http://", "https://")):
-            raise InputError(f"{cls.scheme} backend: expected url=http://HOST:PORT, found {url!r}")
+            raise InputError(f"{cls.scheme} backend: expected url=http://HOST:PORT, found "
+                             + ("no url= option" if url is None else repr(url)))
         if perturb is not None:
             raise BackendError(f"{cls.scheme} backend: perturb: not supported")
         be = cls(model_path, load_config(model_path), url, model or "", topk, timeout, max_requests)

@@ -213,3 +213,12 @@ def test_server_run_honours_scenario_and_below_bound(server_model, tmp_path):
     rep_all, sent_all = sent_lengths(False)
     assert max(n for n, _ in sent_all) == len(long_prompt)
     assert "confined" not in rep_all.rows[0].detail
+
+
+def test_server_without_url_says_the_option_is_missing():
+    from parity.backends.registry import open_backend
+    from reference.errors import InputError
+    with pytest.raises(InputError, match=r"expected url=http://HOST:PORT, found no url= option"):
+        open_backend("openai", TINY)
+    with pytest.raises(InputError, match=r"found 'ftp://x'"):   # the control: a url given is quoted as found
+        open_backend("openai:url=ftp://x", TINY)
