@@ -5,7 +5,9 @@
 # (parity.bench.synthetic.cached_synthetic; the n-gram table scaled down as in every synthetic checkpoint), judged by
 #     qwen4exp parity MODEL --backend B --scenario kl budget --level long --prompts P --page-sizes 16
 # for the engine's float32 and bf16 paths on CUDA. P: token-id prompts of REALWIDTH_LENGTHS tokens (default
-# 7 600 2100: short, mid, past the QSA bound of 2051), the harness's own token stream. --level long keeps the
+# 7 600 bound: short, mid, and "bound" = the floor's own stream past the QSA bound (2060 tokens at the real bound
+# of 2051, with EOS ids inside: parity.harness.floor.floor_prompts), which the floor then measures once, not twice),
+# the harness's own token stream. --level long keeps the
 # budget suite at the real bound (a prompt crossing it, a decode walking across it, the selections checked);
 # QWEN4EXP_LONG_MAX_TOKENS=2200 keeps the long level's one truth stream at the bound cases (2066 tokens).
 #
@@ -32,7 +34,7 @@ t0=$(date +%s)
 left() { local s=$(( budget - ($(date +%s) - t0) )); [ "$s" -ge 1 ] && echo "$s" || echo 1; }  # timeout 0 = none
 SUM="$OUT/realwidth_summary.txt"
 read -r -a BACKENDS <<<"${REALWIDTH_BACKENDS:-engine:device=cuda,precision=float32 engine:device=cuda,precision=bf16}"
-LENGTHS="${REALWIDTH_LENGTHS:-7 600 2100}"
+LENGTHS="${REALWIDTH_LENGTHS:-7 600 bound}"
 
 # the checkpoint (written once into the synthetic cache; an interrupted write leaves nothing the next call uses)
 if [ -n "${REALWIDTH_MODEL:-}" ]; then
@@ -55,12 +57,18 @@ fi
 PROMPTS="$OUT/realwidth/prompts.json"
 if ! desc=$(python3 - "$MODEL" "$PROMPTS" $LENGTHS 2>"$OUT/realwidth_prompts.log" <<'EOF'
 import sys
+from parity.harness.floor import floor_prompts
 from parity.harness.scenarios.common import token_stream
 from reference.atomic import atomic_write_json
 from reference.config import load_config
 from reference.paths import resolve_model
 cfg = load_config(resolve_model(sys.argv[1]))
-atomic_write_json(sys.argv[2], [token_stream(cfg, int(n), seed=4100 + i) for i, n in enumerate(sys.argv[3:])], indent=None)
+# "bound": the floor's own stream past the QSA bound (parity.harness.floor.floor_prompts), so the floor measures
+# it once as a KL prompt and as its stream
+ps = [floor_prompts(cfg, None)[-1] if n == "bound" else token_stream(cfg, int(n), seed=4100 + i)
+      for i, n in enumerate(sys.argv[3:])]
+atomic_write_json(sys.argv[2], ps, indent=None)
+print(f"prompts of {', '.join(str(len(p)) for p in ps)} tokens; ", end="")
 print(f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
       f"vocab {cfg.vocab_size}")
 EOF
@@ -102,7 +110,7 @@ for i in "${!BACKENDS[@]}"; do
 done
 
 {
-  echo "real-width period ($desc; $MODEL; prompts of ${LENGTHS// /, } tokens; kl + budget at --level long;" \
+  echo "real-width period ($desc; $MODEL; kl + budget at --level long;" \
        "$(( $(date +%s) - t0 ))s of a ${budget}s budget):"
   for i in "${!BACKENDS[@]}"; do
     f="$OUT/realwidth_$i.txt"

@@ -239,15 +239,20 @@ class ReferenceModel:
         blk = current_order().linear_block
         if blk and h.dtype == np.float32:   # an alternative evaluation order (reference.order)
             return blocked_matmul_t(h, self.w(name), blk)
-        if h.shape[0] <= FUSED_MAX_ROWS and name not in self._cache:
+        # the path is chosen by the rows and the stored format alone, never by what the weight cache holds: the
+        # same float32 forward gives the same bits whatever ran before it (an alternative order caches the upcast)
+        if h.shape[0] <= FUSED_MAX_ROWS:
             raw = self._bf16_raw(name)
             if raw is not None and raw.ndim == 2:
                 return bf16_matmul_t(h, raw)
-        if self._cache_on or name in self._cache or not hasattr(self.weights, "get_raw"):
+        if not hasattr(self.weights, "get_raw"):
             return h @ self.w(name).T
-        raw = self.weights.get_raw(name)
+        cached = self._cache.get(name)
+        if cached is None and self._cache_on:
+            cached = self.w(name)
+        raw = self.weights.get_raw(name) if cached is None else cached
         out = np.empty((h.shape[0], raw.shape[0]), dtype=self.dtype)
-        step = 16384
+        step = 16384   # vocabulary rows per product: the upcast of one chunk at a time when nothing is cached
         for s in range(0, raw.shape[0], step):
             chunk = raw[s:s + step]
             w = bf16_upcast(chunk, self.dtype) if chunk.dtype.name == "bfloat16" else np.asarray(chunk, self.dtype)

@@ -481,11 +481,14 @@ def with_tap_profile(th, weights, ids, stores: dict | None = None):
 def floor_prompts(config, prompts: Sequence[Sequence[int]] | None = None, seed: int = 1234) -> list[list[int]]:
     """The prompts a run's floor is measured on: ``prompts`` (the KL set) plus one deterministic token stream
     reaching two compress blocks past the QSA bound (the scenarios' sparse regime, where the selection cuts
-    are), with EOS ids inside (the PLE reset)."""
+    are), with EOS ids inside (the PLE reset). A prompt equal to that stream is not measured twice (the floor is
+    a maximum over prompts: a repeat adds nothing but its forwards)."""
     s = sizes(config)
     n = min(s.bound + 2 * s.ratio + 1, int(getattr(config, "max_position_embeddings", 1 << 30)))
     out = [list(map(int, p)) for p in (prompts or [])]
-    out.append(token_stream(config, n, seed, eos_every=max(2, s.ratio + 1)))
+    stream = token_stream(config, n, seed, eos_every=max(2, s.ratio + 1))
+    if stream not in out:
+        out.append(stream)
     return out
 
 

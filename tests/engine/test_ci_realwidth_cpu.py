@@ -31,11 +31,15 @@ def test_verdicts_of_both_runs_in_the_summary(tmp_path, request):
     # ~25 s on 2 shared cores (two parity runs on tiny): with the slow tests only
     if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("QWEN4EXP_RUN_SLOW"):
         pytest.skip("slow: run with -m slow or QWEN4EXP_RUN_SLOW=1")
-    r = _run(tmp_path, budget=800)
+    r = _run(tmp_path, budget=800, lengths="7 20 bound")
     summary = (tmp_path / "realwidth_summary.txt").read_text()
     assert r.returncode == 0, r.stdout + r.stderr
     prompts = json.loads((tmp_path / "realwidth" / "prompts.json").read_text())
-    assert [len(p) for p in prompts] == [7, 20]
+    from parity.backends import load_weights
+    from parity.harness.floor import floor_prompts
+    from reference.paths import resolve_model
+    stream = floor_prompts(load_weights(resolve_model("tiny")).config, None)[-1]
+    assert [len(p) for p in prompts[:2]] == [7, 20] and prompts[2] == stream   # "bound": the floor's own stream
     assert summary.count("verdict: PASS") == 2, summary
     for name in ("kl", "budget"):
         assert summary.count(f"    {name} ") == 2, summary
@@ -44,6 +48,9 @@ def test_verdicts_of_both_runs_in_the_summary(tmp_path, request):
            for i in (0, 1)]
     assert src[0].startswith("measured, kept in") and src[1].startswith("read from"), src
     assert src[0].split("kept in ")[1] == src[1].split("read from ")[1]
+    # the stream, a KL prompt too, is measured once: the floor's positions are the three prompts', no more
+    positions = json.loads((tmp_path / "realwidth" / "0" / "report.json").read_text())["meta"]["floor"]["positions"]
+    assert positions == 7 + 20 + len(stream)
 
 
 def test_a_run_killed_by_the_budget_is_a_timeout_and_fails(tmp_path):

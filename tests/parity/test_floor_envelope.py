@@ -168,3 +168,32 @@ def test_split_k_kernel_is_bitwise_the_one_output_loop_and_tells_orders_apart(dt
             forward(xt, w, block, other)
             differs |= not np.array_equal(got, other)
     assert differs   # negative control: the bitwise check sees an accumulation in the other block order
+
+
+def test_a_prompt_equal_to_the_floor_stream_is_measured_once(weights):
+    from parity.harness.floor import floor_prompts, measure_floor
+    cfg = weights.config
+    stream = floor_prompts(cfg, None)[-1]
+    assert floor_prompts(cfg, [stream]) == [stream]
+    other = list(stream)
+    other[-1] = (other[-1] + 1) % cfg.vocab_size   # one token apart: a prompt of its own (negative control)
+    assert floor_prompts(cfg, [other]) == [other, stream]
+    # the repeat measured nothing new: the same floor with and without it
+    once, twice = measure_floor(weights, [stream]), measure_floor(weights, [stream, stream])
+    assert (once.logit_rel, once.positions * 2) == (twice.logit_rel, twice.positions)
+
+
+def test_a_float32_forward_gives_the_same_bits_whatever_order_ran_before_it(weights):
+    # an alternative order caches the lm_head's upcast; the native order must not take another path because of it
+    # (it did: the floor's native figure then depended on the prompt's place in the list)
+    from parity.harness.floor import ALTERNATIVES, SelectionLog, floor_prompts, forced_logits, logged_logits
+    from reference.model import ReferenceModel
+    from reference.order import evaluation_order
+    ids = floor_prompts(weights.config, None)[-1]
+    _, log = logged_logits(ReferenceModel(weights, dtype=np.float64), ids)
+    fresh = forced_logits(ReferenceModel(weights, dtype=np.float32), ids, log, SelectionLog())
+    used = ReferenceModel(weights, dtype=np.float32)
+    with evaluation_order(ALTERNATIVES[0]):
+        alt = forced_logits(used, ids, log, SelectionLog())
+    assert not np.array_equal(alt, fresh)   # the alternative is another rounding sequence (else this proves nothing)
+    np.testing.assert_array_equal(forced_logits(used, ids, log, SelectionLog()), fresh)
