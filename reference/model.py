@@ -18,6 +18,8 @@ recorder is active).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from reference.blocks.gdn import conv_history, gdn_block
@@ -44,7 +46,18 @@ def _pfx(i) -> str:
     """Canonical tensor/tap prefix of decoder layer ``i``; ``"mtp"`` is the MTP head's layer (``mtp.layers.0.``)."""
     return "mtp.layers.0." if i == MTP_LAYER else f"layers.{i}."
 
-_AUTO_CACHE_BYTES = 2 << 30
+def _auto_cache_bytes() -> int:
+    """The default weight-cache budget of one model: an eighth of the host's memory, at least 2 GiB (a floor
+    measurement holds three models; the real-width period's float32 upcasts are ~10 GB, each forward re-reading
+    them costs ~4 s on 16 cores)."""
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        phys = 0
+    return max(2 << 30, phys // 8)
+
+
+_AUTO_CACHE_BYTES = _auto_cache_bytes()
 
 
 class _Capture:
@@ -92,7 +105,9 @@ class ReferenceModel:
         cache_weights: keep upcast weights (and used experts) in memory: ``True`` all, ``False`` none (every
             step reads through the reader's memory maps), ``None`` (default) up to ``cache_bytes`` -- all of a
             small model; for the real checkpoint the first weights touched, the rest read on demand.
-        cache_bytes: the byte budget of ``cache_weights=None`` (default 2 GiB).
+        cache_bytes: the byte budget of ``cache_weights=None`` (default an eighth of the host's memory, at
+            least 2 GiB). What is cached never changes a result: every product takes the same path with or
+            without it.
         progress: show a per-layer progress bar (tqdm) inside long steps; ``None`` = for real-width models
             (``hidden_size >= 1024``) on steps of 64 tokens or more.
     Raises:
@@ -115,6 +130,7 @@ class ReferenceModel:
         self.progress = progress
         self._cache: dict = {}
         self._expert_cache: dict = {}
+        self._upcast_cache: dict = {}
         self._expert_raw: dict = {}
         self._raw_views: dict = {}
         #: diagnostic hook ``(layer, positions [T], block_scores [T, NB], selected [T, block_topk]) -> selected``:
@@ -213,12 +229,23 @@ class ReferenceModel:
         got = self._expert_cache.get(key)
         if got is None:
             bits = self._expert_bits(layer, e)
-            if bits is not None:  # upcast (for many-row products) once per use, never kept
-                return tuple(BF16Matrix(b) for b in bits)
+            if bits is not None:  # products of many rows use the upcast: kept within the cache budget
+                return tuple(BF16Matrix(b, upcast=lambda dt, k=(layer, e, i), b=b: self._expert_upcast(k, b, dt))
+                             for i, b in enumerate(bits))
             got = tuple(np.asarray(a, dtype=self.dtype) for a in self.weights.expert(layer, e, dtype=self.dtype))
             if self._keep(sum(a.nbytes for a in got)):
                 self._expert_cache[key] = got
         return got
+
+    def _expert_upcast(self, key, raw: np.ndarray, dtype) -> np.ndarray:
+        """The upcast of one stored BF16 expert matrix ``raw`` (``key`` = layer, expert, part), kept in memory
+        within the cache budget."""
+        a = self._upcast_cache.get(key)
+        if a is None or a.dtype != np.dtype(dtype):
+            a = bf16_upcast(raw, dtype)
+            if self._keep(a.nbytes):
+                self._upcast_cache[key] = a
+        return a
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         name = "embed_tokens.weight"

@@ -319,17 +319,9 @@ COMPARE_BLOCK_ELEMENTS = 1 << 19
 
 
 def compare_threads() -> int:
-    """Threads :func:`compare_logits` spreads its row blocks over: the CPUs this process may run on, at most
-    ``$OMP_NUM_THREADS`` when that is set (a run given half of the cores keeps to them)."""
-    import os
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    cap = os.environ.get("OMP_NUM_THREADS", "")
-    if cap.isdigit() and int(cap) > 0:
-        n = min(n, int(cap))
-    return max(1, n)
+    """Threads :func:`compare_logits` spreads its row blocks over: :func:`reference.threads.host_threads`."""
+    from reference.threads import host_threads
+    return host_threads()
 
 
 def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitComparison:

@@ -9,17 +9,25 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
+from reference.threads import map_rows
+
 __all__ = ["rms_norm", "gated_rms_norm", "silu", "sigmoid", "softplus"]
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """Logistic function (``scipy.special.expit``: overflow-free); same shape and dtype as ``x``."""
-    return expit(x)
+    """Logistic function (``scipy.special.expit``: overflow-free); same shape and dtype as ``x``. Large arrays
+    run in row blocks on the host's threads (:func:`reference.threads.map_rows`: bitwise one pass)."""
+    return map_rows(expit, x)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x * expit(x)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """``x * sigmoid(x)`` (the model's only activation); same shape and dtype as ``x``."""
-    return x * sigmoid(x)
+    """``x * sigmoid(x)`` (the model's only activation); same shape and dtype as ``x`` (row blocks on threads,
+    as :func:`sigmoid`)."""
+    return map_rows(_silu, x)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -40,6 +48,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, group_size: int | No
         ``[..., D]`` in ``x.dtype``.
     Source: ``Qwen4ExpTextRMSNorm._norm`` / ``forward``.
     """
+    if x.ndim >= 2:   # rows are independent: row blocks on the host's threads, bitwise one pass
+        return map_rows(lambda xs: _rms_norm(xs, weight, eps, group_size), x)
+    return _rms_norm(x, weight, eps, group_size)
+
+
+def _rms_norm(x, weight, eps, group_size):
     shape = x.shape
     if group_size is not None:
         x = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
@@ -62,11 +76,13 @@ def gated_rms_norm(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: flo
         ValueError: unknown activation (the config validation rules it out earlier).
     Source: ``Qwen4ExpTextRMSNormGated.forward``.
     """
-    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
-    if activation == "sigmoid":
-        act = sigmoid(gate)
-    elif activation == "silu":
-        act = silu(gate)
-    else:
+    if activation not in ("sigmoid", "silu"):
         raise ValueError(f"gated_rms_norm: activation: expected 'sigmoid' or 'silu', found {activation!r}")
-    return weight.astype(x.dtype, copy=False) * (x * inv) * act
+    act = expit if activation == "sigmoid" else _silu
+
+    def rows(xs, gs):
+        inv = 1.0 / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + xs.dtype.type(eps))
+        return weight.astype(xs.dtype, copy=False) * (xs * inv) * act(gs)
+    if x.ndim >= 2 and gate.shape[:1] == x.shape[:1]:   # rows are independent: row blocks on threads
+        return map_rows(rows, x, gate)
+    return rows(x, gate)
