@@ -37,6 +37,13 @@ from reference.errors import InputError
 from parity.backends.base import BackendError, EchoMisaligned, TopkServer  # noqa: F401 - EchoMisaligned: its old home
 
 
+def server_root(url: str) -> str:
+    """The server's root URL: ``url`` without trailing slashes and without a final ``/v1`` (OpenAI clients take
+    the base URL with it, ``http://HOST:PORT/v1``; this backend adds ``/v1/...`` to every request itself)."""
+    u = str(url).rstrip("/")
+    return u[:-3] if u.endswith("/v1") else u
+
+
 class OpenAIBackend(TopkServer):
     """An OpenAI completions-API client (text prompts, echoed token strings); see the module docstring."""
 
@@ -49,7 +56,7 @@ class OpenAIBackend(TopkServer):
 
     def __init__(self, model_path, cfg, url, model, topk, timeout, max_requests):
         self.model_path, self.config = model_path, cfg
-        self.url, self.model, self.topk = url.rstrip("/"), model, int(topk)
+        self.url, self.model, self.topk = server_root(url), model, int(topk)
         self.timeout, self.max_requests = float(timeout), int(max_requests)
         self.requests, self.retokenized = 0, 0
         self.name = f"{self.scheme}:{self.url}"

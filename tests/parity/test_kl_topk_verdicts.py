@@ -222,3 +222,10 @@ def test_server_without_url_says_the_option_is_missing():
         open_backend("openai", TINY)
     with pytest.raises(InputError, match=r"found 'ftp://x'"):   # the control: a url given is quoted as found
         open_backend("openai:url=ftp://x", TINY)
+
+
+def test_server_url_with_or_without_v1_names_the_same_root():
+    from parity.backends.openai import server_root
+    for u in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
+        assert server_root(u) == "http://h:1", u
+    assert server_root("http://h:1/v1x") == "http://h:1/v1x"   # control: only a whole final /v1 segment goes
