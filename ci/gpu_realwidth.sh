@@ -13,7 +13,7 @@
 #
 #     OUT=<dir> bash ci/gpu_realwidth.sh      (ci/gpu runs it; NO_REALWIDTH=1 there skips it)
 #
-# REALWIDTH_BUDGET_S (default 240) bounds the whole step, checkpoint write included. Each run gets REALWIDTH_CORES
+# REALWIDTH_BUDGET_S (default 240; 560 in ci/gpu) bounds the whole step, checkpoint write included. Each run gets REALWIDTH_CORES
 # (default all) of the CPU cores (BLAS, OpenMP and Numba threads: the reference's truth and floor on the CPU are the cost, not the engine) and
 # is killed by `timeout` at the budget left when it starts; a killed run is reported TIMEOUT (no verdict) and fails
 # the step. They share one floor measurement: QWEN4EXP_FLOOR_CACHE points at $OUT/realwidth/floors (emptied
@@ -80,7 +80,7 @@ fi
 # the runs, each on all of the cores: the first alone until it has kept its floor (or ended), then the next beside
 # it -- it reads that floor instead of measuring it; the reference's forwards are largely single-threaded NumPy at
 # these widths, so two runs side by side lose little to each other
-cores="${REALWIDTH_CORES:-$(nproc)}"  # ci/gpu gives it 3/4 of them: it runs beside the GPU tests
+cores="${REALWIDTH_CORES:-$(nproc)}"  # ci/gpu runs it alone, on every core
 export QWEN4EXP_FLOOR_CACHE="$OUT/realwidth/floors"
 rm -rf "$QWEN4EXP_FLOOR_CACHE"
 rc_all=0

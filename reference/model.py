@@ -240,8 +240,9 @@ class ReferenceModel:
     def _expert_upcast(self, key, raw: np.ndarray, dtype) -> np.ndarray:
         """The upcast of one stored BF16 expert matrix ``raw`` (``key`` = layer, expert, part), kept in memory
         within the cache budget."""
+        key = (*key, np.dtype(dtype).str)
         a = self._upcast_cache.get(key)
-        if a is None or a.dtype != np.dtype(dtype):
+        if a is None:
             a = bf16_upcast(raw, dtype)
             if self._keep(a.nbytes):
                 self._upcast_cache[key] = a

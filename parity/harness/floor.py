@@ -599,16 +599,16 @@ class _Keep:
 
 
 def _float64_copy(value) -> np.ndarray:
-    """A float64 copy of ``value`` (a tap); a large one in row blocks on :func:`compare_threads` threads (a
-    real-width logits tap of 2060 tokens is 511M values; NumPy's cast releases the GIL)."""
+    """A float64 copy of ``value`` (a tap); a large one in row blocks on :func:`reference.threads.host_threads`
+    threads (a real-width logits tap of 2060 tokens is 511M values; NumPy's cast releases the GIL)."""
     a = np.asarray(value)
     if a.size < (1 << 22) or a.ndim == 0 or a.shape[0] < 2:
         return np.array(a, dtype=np.float64, copy=True)
     from concurrent.futures import ThreadPoolExecutor
 
-    from parity.harness.metrics import compare_threads
+    from reference.threads import host_threads
     out = np.empty(a.shape, dtype=np.float64)
-    n = compare_threads()
+    n = host_threads()
     step = max(1, -(-a.shape[0] // (4 * n)))
 
     def put(s0):
@@ -636,10 +636,10 @@ _TAP_BLOCK_ELEMENTS = 1 << 18
 
 def _tap_err_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, bool]:
     """``(sum a^2, sum (b - a)^2, max |b - a|, any finite)`` over the entries finite on both sides of two float64
-    arrays of one shape, in row blocks of :data:`_TAP_BLOCK_ELEMENTS` on :func:`compare_threads` threads (a
-    real-width tap of 2060 tokens is ~100M values; the logits 511M): each block's float64 sums, then the blocks'
+    arrays of one shape, in row blocks of :data:`_TAP_BLOCK_ELEMENTS` on :func:`reference.threads.host_threads`
+    threads (a real-width tap of 2060 tokens is ~100M values; the logits 511M): each block's float64 sums, then the blocks'
     in their order."""
-    from parity.harness.metrics import compare_threads
+    from reference.threads import host_threads
     if a.size == 0:
         return 0.0, 0.0, 0.0, False
     a2 = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
@@ -655,7 +655,7 @@ def _tap_err_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, b
         return float(np.sum(xx * xx)), float(np.sum(d * d)), float(np.max(np.abs(d))) if d.size else 0.0, \
             bool(fin.any())
     starts = range(0, a2.shape[0], step)
-    n = min(compare_threads(), len(starts))
+    n = min(host_threads(), len(starts))
     if n > 1:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(n) as ex:

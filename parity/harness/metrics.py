@@ -20,7 +20,7 @@ import numpy as np
 from reference.errors import InputError
 
 __all__ = ["log_softmax", "kl_per_position", "kl_rounding_floor", "summarize", "topk_sets", "logit_scale",
-           "LogitComparison", "offset_free_error", "rerun_spread", "compare_logits", "compare_threads",
+           "LogitComparison", "offset_free_error", "rerun_spread", "compare_logits",
            "COMPARE_BLOCK_ELEMENTS", "greedy_agreement",
            "FLOOR_MAX_KL", "PERCENTILES"]
 
@@ -318,19 +318,13 @@ def rerun_spread(first: np.ndarray, second: np.ndarray, truth: np.ndarray) -> fl
 COMPARE_BLOCK_ELEMENTS = 1 << 19
 
 
-def compare_threads() -> int:
-    """Threads :func:`compare_logits` spreads its row blocks over: :func:`reference.threads.host_threads`."""
-    from reference.threads import host_threads
-    return host_threads()
-
-
 def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitComparison:
     """Compare two ``[T, V]`` logit arrays position by position (see :class:`LogitComparison`; a is the truth).
     The logit error is judged after removing each row's common offset (:func:`offset_free_error`).
 
     Every figure is a function of its own row only, so the rows are compared in blocks of
-    :data:`COMPARE_BLOCK_ELEMENTS` elements on :func:`compare_threads` threads (NumPy releases the GIL in its
-    loops) and concatenated: the result is bitwise that of one pass over the whole array, without its
+    :data:`COMPARE_BLOCK_ELEMENTS` elements on :func:`reference.threads.host_threads` threads (NumPy releases the
+    GIL in its loops) and concatenated: the result is bitwise that of one pass over the whole array, without its
     ``[T, V]`` float64 temporaries.
 
     Raises:
@@ -345,7 +339,8 @@ def compare_logits(logits_a: np.ndarray, logits_b: np.ndarray) -> LogitCompariso
     if T <= step:
         return _compare_rows(a, b)
     spans = [(s, min(T, s + step)) for s in range(0, T, step)]
-    n = min(compare_threads(), len(spans))
+    from reference.threads import host_threads
+    n = min(host_threads(), len(spans))
     if n == 1:
         return LogitComparison.concat([_compare_rows(a[s:e], b[s:e]) for s, e in spans])
     from concurrent.futures import ThreadPoolExecutor
