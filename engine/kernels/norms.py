@@ -271,8 +271,10 @@ def _hc_pre_fused(normed, down_inject, up_weight, T: int, H: int, r: int, hc: in
     hcm = 4 if hc <= 4 else 8
     kernel("hc_fused.cu", f"hc_down_act_{_weight_dtype_name(down_inject)}_{tg}_pu{pu}")(
         (r + hc,), (256,), (normed, down_inject, a, inj, np.int32(T), np.int32(W), np.int32(r), np.int32(hc)))
+    # 4 warps (outputs) per block: at ~85 registers a thread, 256-thread blocks fit 2 to an SM, so H = 2560's 320
+    # blocks took two waves on 132 SMs; 128-thread blocks fit 5, one wave (the same per-warp arithmetic: same bits)
     kernel("hc_fused.cu", f"hc_up_mix_{_weight_dtype_name(up_weight)}_{tg}_hc{hcm}")(
-        (-(-H // 8),), (256,), (a, up_weight, normed, mixed, np.int32(T), np.int32(H), np.int32(r), np.int32(hc)),
+        (-(-H // 4),), (128,), (a, up_weight, normed, mixed, np.int32(T), np.int32(H), np.int32(r), np.int32(hc)),
         shared_mem=T * r * 4)
     return HCOut(mixed=mixed, injection_weights=inj)
 

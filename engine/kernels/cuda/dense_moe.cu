@@ -1,7 +1,7 @@
 // MoE dispatch kernels of the qwen4exp engine (no host synchronisation anywhere).
 //
 //   router_topk   : per token, softmax over the router logits (float32), top-k in the canonical order
-//                   (higher probability first, then lower expert id), optional renormalisation.
+//                   (higher probability first, then lower expert id), optional renormalisation (moe_route.cuh).
 //   moe_tables    : one block: per-expert counts, offsets, the sorted slot order (token of each sorted
 //                   slot, sorted position of each original slot) and the tile table for grouped GEMMs.
 //   moe_swiglu    : h[s, i] = silu(gu[s, i]) * gu[s, I + i]
@@ -9,91 +9,20 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
-__device__ __forceinline__ bool better(float pa, int ia, float pb, int ib) {
-    // canonical order: higher probability first, then the lower expert id
-    return pa > pb || (pa == pb && ia < ib);
-}
+// moe_route.cuh: moe_topk_block
+#include "moe_route.cuh"
 
-extern "C" __global__ void router_topk(const float* __restrict__ logits, int T, int E, int k, int renorm,
-                                       int* __restrict__ out_ids, float* __restrict__ out_w) {
+// One block of 256 threads per token (moe_route.cuh's moe_topk_block: the router's one implementation); dynamic
+// shared memory E floats.
+extern "C" __global__ void __launch_bounds__(256) router_topk(const float* __restrict__ logits, int T, int E, int k,
+                                                              int renorm, int* __restrict__ out_ids,
+                                                              float* __restrict__ out_w) {
     extern __shared__ float probs[];  // E floats
-    __shared__ float red_v[32];
-    __shared__ int red_i[32];
-    __shared__ float top_p[64];
+    __shared__ MoeTopkShared sh;
     const int t = blockIdx.x;
     if (t >= T) return;
-    const float* l = logits + (long long)t * E;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    // max
-    float m = __int_as_float(0xff800000);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (lane == 0) red_v[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        float v = lane < nw ? red_v[lane] : __int_as_float(0xff800000);
-        for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-        if (lane == 0) red_v[0] = v;
-    }
-    __syncthreads();
-    m = red_v[0];
-    __syncthreads();
-    // sum of exp
-    float s = 0.f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float v = expf(l[e] - m);
-        probs[e] = v;
-        s += v;
-    }
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) red_v[warp] = s;
-    __syncthreads();
-    if (warp == 0) {
-        float v = lane < nw ? red_v[lane] : 0.f;
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == 0) red_v[0] = v;
-    }
-    __syncthreads();
-    const float total = red_v[0];
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) probs[e] = probs[e] / total;
-    __syncthreads();
-    // k rounds of block arg-max; taken entries are marked with -1 (probabilities are >= 0)
-    for (int j = 0; j < k; ++j) {
-        float bp = -2.f;
-        int bi = 0x7fffffff;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            float p = probs[e];
-            if (p >= 0.f && better(p, e, bp, bi)) { bp = p; bi = e; }
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            float op = __shfl_xor_sync(0xffffffffu, bp, off);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (better(op, oi, bp, bi)) { bp = op; bi = oi; }
-        }
-        if (lane == 0) { red_v[warp] = bp; red_i[warp] = bi; }
-        __syncthreads();
-        if (warp == 0) {
-            float vp = lane < nw ? red_v[lane] : -2.f;
-            int vi = lane < nw ? red_i[lane] : 0x7fffffff;
-            for (int off = 16; off > 0; off >>= 1) {
-                float op = __shfl_xor_sync(0xffffffffu, vp, off);
-                int oi = __shfl_xor_sync(0xffffffffu, vi, off);
-                if (better(op, oi, vp, vi)) { vp = op; vi = oi; }
-            }
-            if (lane == 0) {
-                out_ids[(long long)t * k + j] = vi;
-                top_p[j] = vp;
-                probs[vi] = -1.f;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        float sum = 0.f;
-        for (int j = 0; j < k; ++j) sum += top_p[j];
-        for (int j = 0; j < k; ++j) out_w[(long long)t * k + j] = renorm ? top_p[j] / sum : top_p[j];
-    }
+    moe_topk_block(logits + (long long)t * E, E, k, renorm, out_ids + (long long)t * k, out_w + (long long)t * k,
+                   probs, sh);
 }
 
 // Launch with one block of 1024 threads and (E * sizeof(int)) bytes of dynamic shared memory.

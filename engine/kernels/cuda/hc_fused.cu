@@ -130,8 +130,9 @@ __device__ void hc_down_act_body(const float* __restrict__ N, const W_T* __restr
     }
 }
 
-// grid ceil(H / 8), block 256, dynamic shared T * r floats. A: [T, r]; UP: [hc * H, r]; N: [T, hc * H];
-// MIXED: [T, H]. Every weight piece of the warp's hc rows is loaded before the first product.
+// One warp per output h: grid ceil(H / (blockDim / 32)) (the host launches 128 threads), dynamic shared T * r floats.
+// A: [T, r]; UP: [hc * H, r]; N: [T, hc * H]; MIXED: [T, H]. Every weight piece of the warp's hc rows is loaded
+// before the first product.
 template <typename W_T, int TG, int HC_MAX>
 __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restrict__ UP, const float* __restrict__ N,
                                float* __restrict__ MIXED, int T, int H, int r, int hc) {
