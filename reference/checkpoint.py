@@ -147,7 +147,12 @@ class _WeightsBase:
 
     def _missing(self, name: str) -> CheckpointError:
         near = _near(name, self._stored())
-        return CheckpointError(f"{self._source()}: missing tensor {name!r}"
+        m = re.match(r"^layers\.(\d+)\.(linear_attn|self_attn)\.", name)
+        kind = ""
+        if m and int(m.group(1)) < len(self.config.layer_types):  # which mixer the config gives that layer
+            kind = (f"; layer {m.group(1)} is {self.config.layer_types[int(m.group(1))]!r} by layer_types"
+                    f"{_defaulted_note(self.config, ('layer_types',))}")
+        return CheckpointError(f"{self._source()}: missing tensor {name!r}{kind}"
                                + (f"; near names present: {near}" if near else
                                   f"; {len(self._stored())} tensors present"))
 

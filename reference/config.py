@@ -106,15 +106,56 @@ def find_nth_prime_after(start: int, count: int) -> int:
     return prime
 
 
+# keys of the text config that change no computation of this package (training, the cache switch, unused ids)
+_NO_EFFECT_KEYS = ("initializer_range", "use_cache", "attention_dropout", "output_router_logits",
+                   "router_aux_loss_coef", "pad_token_id", "bos_token_id")
+
+
+def _text_source(cfg: "ModelConfig") -> dict:
+    src = cfg.source or {}
+    return src.get("text_config") if isinstance(src.get("text_config"), dict) else src
+
+
+def _default_text(cfg: "ModelConfig", key: str) -> str:
+    """``key=value`` as a defaulted key is reported; ``layer_types`` (a long list) by the rule that built it."""
+    if key == "layer_types":
+        text = _text_source(cfg)
+        interval = text.get("full_attention_interval", 4)
+        given = "full_attention_interval" in text
+        return (f"layer_types=indexed_attention at 0-based layers {interval - 1}, {2 * interval - 1}, ..., the rest "
+                f"linear_attention, from full_attention_interval={interval}"
+                f"{'' if given else ' (also the official default)'}")
+    return f"{key}={getattr(cfg, key)}"
+
+
+def defaulted_keys(cfg: "ModelConfig", keys=None) -> list[str]:
+    """Those of ``keys`` (default: every text-config key that changes the computation) the checkpoint's
+    config.json leaves out, so that they hold the official default; [] for a config not read from a file.
+    ``rope_parameters`` built from the legacy ``rope_theta`` / ``partial_rotary_factor`` keys is not a default."""
+    src = cfg.source or {}
+    if not src:
+        return []
+    text = _text_source(cfg)
+    if keys is None:
+        keys = [k for k in _TEXT_DEFAULTS if k not in _NO_EFFECT_KEYS]
+        if "rope_theta" in text or "partial_rotary_factor" in text:
+            keys.remove("rope_parameters")
+    return [k for k in keys if k not in text]
+
+
 def defaulted_note(cfg: "ModelConfig", keys) -> str:
     """`` (official default, not in config.json: vocab_size=248320)`` for those of ``keys`` the checkpoint's
     config.json leaves out; `` (from config.json)`` when it sets them all or was not read from a file."""
-    src = cfg.source or {}
-    text = src.get("text_config") if isinstance(src.get("text_config"), dict) else src
-    missing = [k for k in keys if src and k not in text]
+    missing = defaulted_keys(cfg, keys)
     if not missing:
         return " (from config.json)"
-    return " (official default, not in config.json: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in missing) + ")"
+    return " (official default, not in config.json: " + ", ".join(_default_text(cfg, k) for k in missing) + ")"
+
+
+def defaulted_summary(cfg: "ModelConfig") -> dict[str, str]:
+    """``{key: 'key=value'}`` for every key that changes the computation and that config.json leaves to the
+    official default (what ``qwen4exp info`` lists under ``official defaults``)."""
+    return {k: _default_text(cfg, k) for k in defaulted_keys(cfg)}
 
 
 @dataclass(frozen=True)
@@ -435,8 +476,8 @@ class ModelConfig:
         if self.num_experts <= 0:
             bad(f"num_experts: expected > 0, found {self.num_experts}")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
-            bad(f"num_experts_per_tok: expected in [1, num_experts={self.num_experts}], "
-                f"found {self.num_experts_per_tok}")
+            bad(f"num_experts_per_tok: expected in [1, num_experts={self.num_experts}], found "
+                f"{self.num_experts_per_tok}{defaulted_note(self, ('num_experts_per_tok', 'num_experts'))}")
         if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size <= 0:
             bad(f"moe_intermediate_size and shared_expert_intermediate_size: expected > 0, found "
                 f"{self.moe_intermediate_size} and {self.shared_expert_intermediate_size}")

@@ -130,6 +130,9 @@ class CapabilityLimit(BackendError):
 OPERATIONS = ("rollback", "snapshot", "verify", "fork", "batched_prefill", "batched_decode", "taps", "perturb",
               "state_arrays", "snapshot_file", "mtp")
 SUPPORTED, LIMITED, UNSUPPORTED = "supported", "limited", "unsupported"
+#: the reason every operation of a backend declaring ``sequences: False`` is unsupported
+NO_SEQUENCES = ("the backend has no sequences (capabilities['sequences'] is False: it answers whole prompts, "
+                "e.g. a server's top-k logprobs)")
 
 
 @dataclass(frozen=True)
@@ -169,13 +172,20 @@ def capability(be_or_caps, op: str) -> Capability:
     Accepted declarations (``capabilities[op]``): a bool (True supported, False unsupported: the historical
     form, kept), a status string, a dict ``{"status": ..., "limit": "...", "max_tokens": n, "within": ...}``,
     a ``(status, limit)`` pair, or a :class:`Capability`. A missing key takes the protocol default
-    (:attr:`Backend.capabilities`). ``be_or_caps``: a backend or its capabilities dict.
+    (:attr:`Backend.capabilities`). A backend declaring ``sequences: False`` (the :class:`TopkServer` servers)
+    supports no operation: each reads unsupported, with :data:`NO_SEQUENCES` as the reason unless it gives its
+    own. ``be_or_caps``: a backend or its capabilities dict.
 
     Raises:
         BackendError: a declaration of none of these forms, an unknown status, or a bad max_tokens.
     """
     caps = be_or_caps if isinstance(be_or_caps, dict) else capabilities_of(be_or_caps)
     v = caps.get(op, Backend.capabilities.get(op, True))
+    if caps.get("sequences", True) is False and op in OPERATIONS:
+        # every operation acts on a sequence: a backend without them (a server's top-k logprobs) has none, whatever
+        # the protocol default; its own reason for one is kept
+        own = capability({op: v}, op) if not isinstance(v, bool) else None
+        return Capability(op, UNSUPPORTED, own.limit if own is not None and own.limit else NO_SEQUENCES)
     if isinstance(v, Capability):
         return v
     if isinstance(v, bool) or v is None:

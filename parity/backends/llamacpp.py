@@ -252,6 +252,8 @@ class LlamaCppBackend(Backend):
         Raises:
             EngineRefused: llama.cpp's converter or loader refuses the checkpoint.
             BackendError: llama-cpp-python / its converter missing, ``perturb`` asked, unknown options.
+            InputError: bad option values; a ``gguf`` that is not a GGUF, or whose metadata (architecture, layer
+                count, hidden size, vocabulary size) does not match MODEL's config (parity.backends.gguf_meta).
         """
         from reference.config import load_config
 
@@ -269,13 +271,16 @@ class LlamaCppBackend(Backend):
             if not str(v).isdigit() or (int(v) == 0 and k != "rs"):
                 raise InputError(f"llama.cpp:{k}={v!r}: expected a positive integer")
         cfg = load_config(model_path)
-        version = gc.installed_version()
         if gguf:
             if not Path(gguf).is_file():
                 raise InputError(f"llama.cpp:gguf={gguf!r}: expected a GGUF file, found "
                                  f"{'a directory' if Path(gguf).is_dir() else 'nothing there'}")
+            from parity.backends.gguf_meta import check_gguf_matches
+            check_gguf_matches(gguf, cfg, model_path)  # a GGUF of another model: refused before llama.cpp loads it
             conv = {"gguf": str(gguf), "reparams": [], "checks": [], "converter": "user's GGUF"}
+            gc.installed_version()  # llama-cpp-python itself (BackendError when missing), after the input checks
         else:
+            version = gc.installed_version()
             kw = {"timeout": int(convert_timeout)} if convert_timeout else {}
             conv = gc.convert(model_path, version, reparams=gc.parse_reparams(reparam, model_path), sdist=sdist, **kw)
         return cls(model_path, cfg, conv["gguf"], conv, threads=int(threads), seqs=int(seqs), ctx=int(ctx), rs=int(rs),

@@ -49,6 +49,27 @@ def exit_code_help() -> str:
         "\n  130 / 143 / 129  interrupted by SIGINT / SIGTERM / SIGHUP (outputs: the old ones or none, never a mix)"
 
 
+class SubcommandParser(argparse.ArgumentParser):
+    """The parser class of every subcommand (nested ones included): an argument it does not know is refused
+    by the subcommand itself, so the error shows that subcommand's usage (``qwen4exp taps record: error:
+    unrecognized arguments: --idz``, exit 2) rather than the top-level one. argparse's default hands a
+    subcommand's unknown arguments up to the top-level parser, whose usage does not list them."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Parse like ArgumentParser.parse_known_args; leftover arguments are an error of this parser."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            import difflib
+            options = sorted(o for o in self._option_string_actions if o.startswith("--"))
+            hints = []
+            for a in extras:
+                close = difflib.get_close_matches(a.split("=", 1)[0], options, n=1) if a.startswith("--") else []
+                if close:
+                    hints.append(f"{a.split('=', 1)[0]}: did you mean {close[0]}?")
+            self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``qwen4exp`` argument parser with every available ``parity.cli.*`` subcommand registered (a
     missing command module is skipped; other import errors propagate)."""
@@ -58,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=exit_code_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     add_traceback(p, top=True)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
     sub.required = True
     for name in _MODULES:
         try:

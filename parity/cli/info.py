@@ -3,8 +3,9 @@
   qwen4exp info [MODEL] [--config-only] [--json]
 
 MODEL is a checkpoint directory or a bundled fixture name (default: the bundled ``tiny``). Prints the
-config summary, the layer pattern (``L`` GatedDeltaNet, ``P`` GatedDeltaNet + PLE, ``Q`` QSA indexed
-attention; a space after each ``Q``), and parameter counts per component (backbone, routed experts,
+config summary, the keys config.json leaves to the official default (``official defaults``), the layer
+pattern (``L`` GatedDeltaNet, ``P`` GatedDeltaNet + PLE, ``Q`` QSA indexed attention; a space after each
+``Q``), and parameter counts per component (backbone, routed experts,
 PLE n-gram tables, MTP, vision) with the memory each takes in BF16. Counts come from the tensor
 shapes in the checkpoint headers (no weights are read); ``--config-only`` derives them from
 config.json alone (so it works on a real config without weights; MTP and vision are then unknown).
@@ -30,7 +31,7 @@ def run(args) -> int:
     """Run ``qwen4exp info``: print the config summary, storage and parameter counts (from config.json
     only with ``--config-only``) as text or JSON. Returns 0; checkpoint/config errors propagate (a missing or
     mis-shaped tensor is a CheckpointError naming it, exit 2, as in every other verb)."""
-    from reference.config import load_config
+    from reference.config import defaulted_summary, load_config
     from reference.params import COMPONENTS, LABELS, counts_from_config, fmt_bytes, fmt_count, fmt_gib, scan, summary
     from reference.paths import resolve_model
 
@@ -50,7 +51,8 @@ def run(args) -> int:
     active = counts["backbone"] + (counts["routed_experts"] * cfg.num_experts_per_tok) // cfg.num_experts
     info = {"model": str(path), "source": "config.json" if args.config_only else "checkpoint headers",
             "config": summary(cfg), "params": counts, "total_params": total,
-            "active_params_per_token": active, "bf16_bytes": {k: 2 * v for k, v in known.items()}}
+            "active_params_per_token": active, "bf16_bytes": {k: 2 * v for k, v in known.items()},
+            "official_defaults": defaulted_summary(cfg)}
     if ck is not None:
         dtypes: dict[str, int] = {}
         for n in ck.names():
@@ -67,6 +69,9 @@ def run(args) -> int:
     for k, v in info["config"].items():
         print(f"  {k:20s} {v}")
     print("  layer legend         L = GatedDeltaNet, P = GatedDeltaNet + PLE, Q = QSA indexed attention")
+    if info["official_defaults"]:
+        print("  official defaults    not in config.json, so the official default is used: "
+              + "; ".join(info["official_defaults"].values()))
     if "storage" in info:
         s = info["storage"]
         print(f"  storage              {s['tensors']} tensors in {s['files']} file(s), dtypes {s['dtypes']}, "

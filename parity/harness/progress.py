@@ -77,7 +77,9 @@ class LineProgress:
         self.label = str(s)
 
     def update(self, n: int = 1) -> None:
-        """``n`` more steps finished: one line naming the step."""
+        """``n`` more steps finished: one line naming the step (none for ``n`` = 0: nothing finished)."""
+        if not int(n):
+            return
         self.n += int(n)
         self._write(f"finished {self.label}" if self.label else "finished")
 
@@ -95,9 +97,46 @@ class LineProgress:
         return False
 
 
+class SubProgress:
+    """One part of a run counted on the run's own progress object: ``update(n)`` advances ``parent`` by ``n``
+    steps and ``set_postfix_str(s)`` names the step ``PREFIX/s`` there; ``close()`` leaves the parent running.
+    Handed as the ``mode`` of :func:`progress_bar`, it is returned as is, so a job with its own bar (the KL
+    harness: one step per prompt) counts its steps as cases of the enclosing run. ``n``: the steps it counted
+    (the owner tops the parent up to the part's total when the job stopped early).
+
+    Args:
+        parent: the run's progress object (:class:`LineProgress`, a tqdm bar, another SubProgress).
+        prefix: the part's name in the parent's step labels (``kl``).
+    """
+
+    def __init__(self, parent, prefix: str):
+        self.parent, self.prefix, self.n = parent, str(prefix), 0
+
+    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
+        """The step now running, named ``PREFIX/s`` on the parent."""
+        self.parent.set_postfix_str(f"{self.prefix}/{s}" if self.prefix else str(s))
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more steps finished, counted on the parent."""
+        self.n += int(n)
+        self.parent.update(n)
+
+    def close(self) -> None:
+        """Nothing to stop: the parent is closed by its owner."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def progress_bar(total: int, desc: str, mode, file=None):
     """A tqdm-like progress object for ``mode`` (``"bar"`` / ``True``: a tqdm bar on ``file``; ``"lines"``: a
-    :class:`LineProgress`; a false value: a disabled tqdm bar that prints nothing)."""
+    :class:`LineProgress`; a :class:`SubProgress`: itself, its steps counted on the enclosing run's bar; a false
+    value: a disabled tqdm bar that prints nothing)."""
+    if isinstance(mode, SubProgress):
+        return mode
     file = sys.stderr if file is None else file
     if mode == "lines":
         return LineProgress(total, desc, file=file)

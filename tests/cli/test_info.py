@@ -121,3 +121,25 @@ def test_info_header_shape_mismatch_is_exit_2(tiny, tmp_path, capsys):
     assert main(["info", str(m)]) == 2
     one_line_error(capsys, "tensor", "expected", str(cfg["hidden_size"]))
     assert main(["info", str(tiny)]) == 0
+
+
+def test_keys_left_to_the_official_default_are_listed(tmp_path, capsys):
+    """The real config without ``num_experts_per_tok`` and ``layer_types`` is valid with their official defaults
+    (top-10 of 512; indexed attention every 4th layer): ``info`` lists them as defaults, in text and JSON; the
+    bundled tiny sets every key and lists none."""
+    raw = json.loads((REAL / "config.json").read_text())
+    text = raw.get("text_config") or raw
+    text.pop("num_experts_per_tok")
+    text.pop("layer_types")
+    d = tmp_path / "real"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(raw))
+    defaults = _info(capsys, str(d), "--config-only")["official_defaults"]
+    assert defaults["num_experts_per_tok"] == "num_experts_per_tok=10"
+    assert defaults["layer_types"].startswith("layer_types=indexed_attention at 0-based layers 3, 7, ...")
+    assert main(["info", str(d), "--config-only"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "official defaults" in ln]
+    assert len(line) == 1 and "num_experts_per_tok=10" in line[0] and "layer_types=" in line[0], line
+    assert _info(capsys, "tiny")["official_defaults"] == {}
+    assert main(["info", "tiny"]) == 0
+    assert "official defaults" not in capsys.readouterr().out

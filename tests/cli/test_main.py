@@ -119,3 +119,34 @@ def test_empty_model_path_is_reported_as_typed(capsys, argv):
     assert main(argv) == 2
     line = one_line_error(capsys, "MODEL ''", "empty")
     assert "'.'" not in line
+
+
+@pytest.mark.parametrize("argv, usage, unknown, hint", [
+    (["parity", "--scenrio", "kl"], "usage: qwen4exp parity ", "--scenrio", "did you mean --scenario?"),
+    (["taps", "record", "tiny", "--ids", "x", "--out", "y", "--idz", "x"], "usage: qwen4exp taps record ",
+     "--idz x", "did you mean --ids?"),
+    (["tap-diff", "a", "b", "--profle", "bf16"], "usage: qwen4exp tap-diff ", "--profle bf16",
+     "did you mean --profile?"),
+    (["info", "tiny", "extra"], "usage: qwen4exp info ", "extra", None),
+])
+def test_unknown_option_of_a_subcommand_shows_that_subcommands_usage(capsys, argv, usage, unknown, hint):
+    """A mistyped option is refused by the subcommand it was given to: its usage (which lists the right
+    spelling), the argument found, a close match as the expected one, and exit 2 (usage error)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert "usage: qwen4exp [-h]" not in err
+    prog = usage[len("usage: "):].rstrip()
+    assert f"{prog}: error: unrecognized arguments: {unknown}" in err, err
+    if hint:
+        assert hint in err, err
+
+
+def test_unknown_top_level_option_keeps_the_top_level_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--bogus", "info"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: qwen4exp [-h]") and "qwen4exp: error: unrecognized arguments: --bogus" in err

@@ -76,6 +76,30 @@ def test_long_plan_follows_the_config_and_the_token_cap(monkeypatch):
         cases_for("budget", cfg, "long")
 
 
+@pytest.mark.parametrize("fixture, layer, position", [("tiny-hc2", 1, 8), ("tiny", 2, 11)])
+def test_selection_fault_failing_the_logits_too_is_named_at_the_selection(monkeypatch, fixture, layer, position):
+    """The long decode across the bound records the backend's block selection with each decode: when the
+    budget bound off by one moves the logits beyond the limit as well (it does on the tiny fixtures, by a
+    quarter of the logit scale), the verdict still names the selection tap -- the first divergence of the
+    dataflow -- without a replay (locate_on_fail off), and keeps the logits' failure in its message."""
+    from parity.backends import truth_model
+    from parity.harness.scenarios.common import TruthCache
+    from parity.harness.scenarios.runner import run_case
+    from parity.suites.faults import BudgetOffByOne
+    from reference.paths import bundled_model
+    monkeypatch.setenv("QWEN4EXP_LONG_MAX_TOKENS", "64")   # the bound-crossing cases only
+    path = bundled_model(fixture)
+    bad = BudgetOffByOne.open(path)
+    case = next(c for c in cases_for("budget", bad.config, "long") if c.name == "long_decode_across_bound")
+    r = run_case("budget", case, bad, TruthCache(truth_model(path)), locate_on_fail=False)
+    assert r.status == "fail", (r.failure, r.divergence)
+    assert f"first divergence layers.{layer}.self_attn.indexer.selected_blocks" in (r.divergence or ""), \
+        (r.failure, r.divergence)
+    assert f"position {position}" in r.divergence, r.divergence
+    assert f"QSA block selection differs from the truth's at position {position}" in r.failure, r.failure
+    assert "its logits fail too: seq long-across: logit error" in r.failure, r.failure
+
+
 @pytest.mark.slow
 def test_level_long_cpu_path_reduced(monkeypatch, request):
     """Real widths (16 experts for the CPU), one case: a decode walking across the real bound 2051. Not run by
@@ -99,8 +123,8 @@ def test_level_long_cpu_path_reduced(monkeypatch, request):
     assert all(r.status == "pass" for r in res), [(r.failure, r.divergence) for r in res]
     bad = BudgetOffByOne.open(path)
     r = run_case("budget", cases_for("budget", bad.config, "long")[0], bad, truth, locate_on_fail=False)
-    # a one-block error at the real bound moves no logit beyond the thresholds on random weights; the
-    # selection check names it
+    # a one-block error at the real bound moves the logits little on random weights (beyond the nominal limit at
+    # this decode, measured); the selection the decode took comes first in the dataflow and is the one named
     assert r.status == "fail" and "selected_blocks" in (r.divergence or ""), (r.failure, r.divergence)
 
 

@@ -84,6 +84,18 @@ def test_capability_declarations_normalise():
     assert table["rollback"] == {"status": "supported"} and table["snapshot_file"] == {"status": "supported"}
 
 
+def test_a_backend_without_sequences_supports_no_operation():
+    """``sequences: False`` makes every operation unsupported, the protocol defaults (verify, fork,
+    batched_prefill: supported) and a contradicting declaration included; a reason the backend gives is kept."""
+    from parity.backends.base import NO_SEQUENCES, OPERATIONS
+    caps = {"sequences": False, "batched_decode": True, "taps": ("unsupported", "no tap hooks in the server")}
+    for op in OPERATIONS:
+        c = capability(caps, op)
+        assert not c.usable, c
+        assert c.limit == ("no tap hooks in the server" if op == "taps" else NO_SEQUENCES), c
+    assert capability({"sequences": True}, "verify").status == "supported"   # control: declared sequences
+
+
 def test_limited_rollback_narrows_and_skips_with_reasons(truth):
     """Rollbacks within the limit run and pass, those beyond it are skipped (not passed) with the reason; the
     multi-token prefills are narrowed to one token at a time; snapshot cases are all skipped."""

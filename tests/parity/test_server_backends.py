@@ -152,3 +152,25 @@ def test_vllm_style_server_through_qwen4exp_parity(server_model, tmp_path):
         rep = run_parity(TINY, f"vllm:url={url}", ["kl"], prompts=f, level="ci", progress=False)
     assert rep.rows[0].scenario == "kl-topk" and rep.rows[0].status == "pass" and rep.exit_code == 0, rep.rows[0]
     assert rep.rows[0].cases == 3 and all(r.status == "skip" for r in rep.rows[1:])
+
+
+def test_a_server_declares_no_sequence_operation(server_model, tmp_path):
+    """A server has no sequences: every operation (verify, fork, batched_prefill included, which the sequence
+    protocol's defaults would call supported) reads unsupported with that reason, in the report too."""
+    from parity.backends.base import OPERATIONS, capability_table
+    from parity.backends.llama_cpp_server import LlamaCppServerBackend
+    from parity.backends.vllm import VllmBackend
+    for cls in (LlamaCppServerBackend, VllmBackend):
+        table = capability_table(cls)
+        assert set(table) == set(OPERATIONS)
+        for op, decl in table.items():
+            assert decl["status"] == "unsupported" and "no sequences" in decl["limit"], (cls, op, decl)
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(PROMPTS[:1]))
+    from parity.harness.run import run_parity
+    with serve_vllm(ReferenceLogprobs(server_model)) as (url, _):
+        rep = run_parity(TINY, f"vllm:url={url}", ["kl"], prompts=f, level="ci", progress=False)
+    caps = rep.meta["capabilities"]
+    assert caps["sequences"] is False
+    for op in ("verify", "fork", "batched_prefill"):
+        assert caps[op]["status"] == "unsupported" and "no sequences" in caps[op]["limit"], (op, caps[op])

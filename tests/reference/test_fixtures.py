@@ -171,6 +171,47 @@ def _load_build():
     return mod
 
 
+# sha256 of the per-expert tensors (names, dtypes, shapes, bytes, in the order written) and the dequantised
+# experts that fixtures/build_quant.py wrote for the seeded experts below before its per-expert loop was factored
+# into quantise_experts: the FP8 and NVFP4 stored bytes of tiny-fp8 / tiny-nvfp4 depend on nothing else of it
+_EXPERT_QUANT_SHA256 = {"fp8": "00b510a458eebfe98e11e09418c6e345d4d9a0d04683a27ecfc509ff1b795773",
+                        "nvfp4": "0207e22ef7929cb319860f958b1bc3453ce84e2aa9826a2f1db285154b29edb2"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_expert_quantisation_bytes_are_pinned(fmt):
+    """quantise_experts (FP8 128x128 blocks with a partial column block; NVFP4 with gate and up sharing one
+    global scale) writes the same bytes, names and order as the fixtures were built with; the control: one
+    weight changed changes the digest."""
+    import hashlib
+    import ml_dtypes
+    _load_build()
+    import build_quant as bq
+
+    def experts(bump=False):
+        r = np.random.default_rng(20260)
+        bf = lambda *s: (r.standard_normal(s) * 0.05).astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+        w = {"layers.0.mlp.experts.gate_up_proj": bf(4, 64, 160), "layers.0.mlp.experts.down_proj": bf(4, 160, 32)}
+        if bump:   # one weight becomes its block's largest: its codes and scales change
+            w["layers.0.mlp.experts.gate_up_proj"][1, 40, 7] = 0.5
+        return w
+
+    def digest(w):
+        part = bq._fp8_part((128, 128)) if fmt == "fp8" else bq._nvfp4_part
+        out, deqs = {}, []
+        for key, x in w.items():
+            deqs.append(bq.quantise_experts(out, key, x, 32, part))
+        assert len(out) == 4 * 3 * (2 if fmt == "fp8" else 4)   # every expert's gate, up, down and their scales
+        h = hashlib.sha256()
+        for k, v in out.items():
+            h.update(k.encode() + str(v.dtype).encode() + str(v.shape).encode() + np.ascontiguousarray(v).tobytes())
+        for d in deqs:
+            h.update(np.ascontiguousarray(d).tobytes())
+        return h.hexdigest()
+    assert digest(experts()) == _EXPERT_QUANT_SHA256[fmt]
+    assert digest(experts(bump=True)) != _EXPERT_QUANT_SHA256[fmt]
+
+
 def test_build_atomic_helpers(tmp_path):
     b = _load_build()
     f = tmp_path / "x.json"

@@ -315,3 +315,41 @@ def test_missing_num_hidden_layers_names_the_official_default(tmp_path, capsys):
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["info", str(d)]) == 2
     _one_line(capsys, f"num_hidden_layers = {n + 1} entries (from config.json)", f"found {n}")
+
+
+def test_missing_num_experts_per_tok_names_the_official_default(tmp_path, capsys):
+    """config.json without ``num_experts_per_tok`` takes the official default (10), more than tiny's 8 experts:
+    the range error names the default and that config.json does not set it; the control: set, it says so."""
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (cfg.get("text_config") or cfg).pop("num_experts_per_tok")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(d)]) == 2
+    _one_line(capsys, "num_experts_per_tok: expected in [1, num_experts=8], found 10",
+              "official default, not in config.json: num_experts_per_tok=10")
+    (cfg.get("text_config") or cfg)["num_experts_per_tok"] = 9
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(d)]) == 2
+    _one_line(capsys, "num_experts_per_tok: expected in [1, num_experts=8], found 9 (from config.json)")
+
+
+def test_missing_layer_types_names_the_official_default(tmp_path, capsys):
+    """config.json without ``layer_types`` takes the official pattern (indexed attention every 4th layer): tiny's
+    tensors (indexed attention at layers 2 and 5) then miss layer 2's GatedDeltaNet weights, and the error says
+    which mixer layer_types gives layer 2 and that it is the official default; the control: a layer_types in
+    config.json with the same mistake says it comes from config.json."""
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    lt = text.pop("layer_types")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(d)]) == 2
+    _one_line(capsys, "missing tensor 'layers.2.linear_attn.", "layer 2 is 'linear_attention' by layer_types",
+              "official default, not in config.json: layer_types=indexed_attention at 0-based layers 3, 7, ...",
+              "full_attention_interval=4 (also the official default)")
+    text["layer_types"] = ["linear_attention"] * 3 + lt[3:]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(d)]) == 2
+    line = _one_line(capsys, "missing tensor 'layers.2.linear_attn.",
+                     "layer 2 is 'linear_attention' by layer_types (from config.json)")
+    assert "official default" not in line

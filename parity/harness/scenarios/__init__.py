@@ -16,7 +16,8 @@ from reference.errors import InputError
 from parity.harness.scenarios import budget, chunk_boundary, self_consistency, snapshot_restore, speculative_rollback
 from parity.harness.scenarios.suite import Suite
 
-__all__ = ["SUITES", "SCENARIOS", "scenario_names", "cases_for", "run_scenario", "summarize_results",
+__all__ = ["SUITES", "SCENARIOS", "scenario_names", "cases_for", "count_cases", "count_run_cases", "run_scenario",
+           "summarize_results",
            "normalize_name", "meanings", "Suite"]
 
 #: the scenario suites, one line each, in run order
@@ -131,6 +132,13 @@ def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, o
 def count_cases(name: str, config, caps: dict, page_sizes=None, level: str = "full") -> int:
     """Number of case runs :func:`run_scenario` will make (for progress bars)."""
     return len(cases_for(name, config, level)) * len(_page_plan(caps, config, page_sizes))
+
+
+def count_run_cases(scenarios, config, caps: dict, page_sizes=None, level: str = "full", kl_prompts: int = 0) -> int:
+    """Cases a ``parity`` run's verdict table counts over ``scenarios`` (skipped ones included): the kl row one
+    per prompt (``kl_prompts`` of them), each suite :func:`count_cases`. The total of the run's progress
+    counter, so that its last step reads as many cases as the table."""
+    return sum(int(kl_prompts) if s == "kl" else count_cases(s, config, caps, page_sizes, level) for s in scenarios)
 
 
 def summarize_results(name: str, results, seconds: float, inconclusive: str | None = None):

@@ -97,15 +97,21 @@ def _around_bound(run: Run) -> list[int]:
 def check_selection(run: Run, s, token: int, desc: str) -> None:
     """Decode ``token`` on ``s`` with the backend's ``indexer.selected_blocks`` taps recorded and require them to
     equal the truth's at that position (flips within the score tolerance excepted; an exact tie must follow
-    the lower-index rule). Logits alone cannot see a one-block selection error near the real bound on random
-    weights (4 of ~2052 attended tokens: measured, a budget bound off by one passes every logit check there);
-    the selection can. Backends emitting no taps are checked on logits only."""
+    the lower-index rule). Logits may not see a one-block selection error near the real bound on random weights
+    (4 of ~2052 attended tokens move them little); the selection does. When both the selection and the logits of
+    this decode fail, the selection is named: it comes first in the dataflow (the logits' error follows from it;
+    the logits' failure is kept in the message). Backends emitting no taps are checked on logits only."""
+    from parity.harness.scenarios.case import CaseFailure
     p = len(s.hist)
     from parity.harness.ties import SELECTION_TAPS
     keep, run.keep_selections = run.keep_selections, False  # one tap recording at a time: this one, kept below
+    logits_failed = None
     try:
         with run.be.taps(None, include=list(SELECTION_TAPS), positions=[p]) as rec:
-            run.decode([s], [token], desc=desc)
+            try:
+                run.decode([s], [token], desc=desc)
+            except CaseFailure as f:  # judged below, after the selection this decode took
+                logits_failed = f
     finally:
         run.keep_selections = keep
     got = rec.archive()
@@ -115,17 +121,25 @@ def check_selection(run: Run, s, token: int, desc: str) -> None:
     key = (run.config.config_hash(), _plan(run.config)["stream"])
     truth = _SELECTION.get(key)
     if truth is None or not got.names() or p not in set(int(x) for x in _around_bound(run)):
+        if logits_failed is not None:
+            raise logits_failed
         return
     from taps.diff import diff_archives
-    op = run.ops - 1
+    op = logits_failed.op if logits_failed is not None else run.ops - 1
     run.checks += 1
     prof = "bf16" if getattr(run.be, "precision", "float32") in ("bf16", "fp8") else "fp32"
     rep = diff_archives(truth, got, prof, force=True, taps=[n for n in got.names() if truth.has(n)])
     if rep.first_divergence is not None:
         r = rep.result(rep.first_divergence)
-        run.fail(op, f"{desc}: QSA block selection differs from the truth's at position {p}",
+        also = ""
+        if logits_failed is not None:
+            lw = logits_failed.what
+            also = f"; its logits fail too: {lw[len(desc) + 2:] if lw.startswith(desc + ': ') else lw}"
+        run.fail(op, f"{desc}: QSA block selection differs from the truth's at position {p}{also}",
                  f"op {op}, seq {s.label}, position {p}: first divergence {rep.first_divergence}"
                  + (f" ({r.note})" if r is not None and r.note else ""), seq=s.label)
+    if logits_failed is not None:
+        raise logits_failed
 
 
 def _setup(config):

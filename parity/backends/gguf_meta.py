@@ -1,0 +1,177 @@
+"""A GGUF file's metadata (its key/value header) and the check that it is a conversion of the checkpoint MODEL.
+
+``--backend llama.cpp:gguf=PATH`` runs the user's own GGUF while MODEL gives the config and the truth: a GGUF
+of another model would be judged against the wrong reference. :func:`check_gguf_matches` compares the
+header's architecture, layer count, hidden size and vocabulary size with MODEL's config.json before llama.cpp
+loads anything, and refuses a mismatch naming each key, the expected and the found value.
+
+The header is read with the ``gguf`` package (llama.cpp's gguf-py) when it is importable, else by
+:func:`read_header` here (GGUF versions 2 and 3, little-endian: the layout of gguf-py's ``GGUFReader``); both
+give the same :class:`GGUFMeta`.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reference.errors import InputError
+
+#: the architecture name llama.cpp's converter writes for qwen4_exp (``general.architecture``)
+GGUF_ARCH = "qwen4exp"
+
+_MAGIC = b"GGUF"
+# GGUF value types: id -> struct format of a scalar (8 string, 9 array are read apart)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFMeta:
+    """A GGUF header's key/value metadata.
+
+    Attributes:
+        version: the GGUF format version.
+        values: scalar and string values by key.
+        array_lengths: the number of items of each array-valued key (e.g. ``tokenizer.ggml.tokens``).
+    """
+
+    version: int
+    values: dict = field(default_factory=dict)
+    array_lengths: dict = field(default_factory=dict)
+
+
+class _Header:
+    def __init__(self, f, path: str):
+        self.f, self.path = f, path
+
+    def take(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) != n:
+            raise InputError(f"GGUF {self.path!r}: expected a complete GGUF header, found the file ending at byte "
+                             f"{self.f.tell()}")
+        return b
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return self.take(self.unpack("<Q")).decode("utf-8", errors="replace")
+
+    def skip_value(self, vtype: int) -> None:
+        if vtype == _STRING:
+            self.f.seek(self.unpack("<Q"), 1)
+        elif vtype in _SCALARS:
+            self.f.seek(struct.calcsize(_SCALARS[vtype]), 1)
+        else:
+            raise InputError(f"GGUF {self.path!r}: expected a GGUF value type, found {vtype} at byte {self.f.tell()}")
+
+
+def read_header(path) -> GGUFMeta:
+    """The metadata of the GGUF at ``path``, read from its header with no dependency (versions 2 and 3).
+
+    Raises:
+        InputError: not a GGUF (magic), an unsupported version, or a truncated / malformed header.
+    """
+    path = str(path)
+    with open(path, "rb") as f:
+        h = _Header(f, path)
+        magic = f.read(4)
+        if magic != _MAGIC:
+            raise InputError(f"GGUF {path!r}: expected a GGUF file (magic b'GGUF'), found {magic!r}")
+        version = h.unpack("<I")
+        if version not in (2, 3):
+            raise InputError(f"GGUF {path!r}: expected GGUF version 2 or 3, found {version}")
+        h.unpack("<Q")  # tensor count
+        meta = GGUFMeta(version)
+        for _ in range(h.unpack("<Q")):
+            key = h.string()
+            vtype = h.unpack("<I")
+            if vtype == _ARRAY:
+                itype, n = h.unpack("<I"), h.unpack("<Q")
+                if itype in _SCALARS:
+                    f.seek(n * struct.calcsize(_SCALARS[itype]), 1)
+                else:
+                    for _i in range(n):
+                        h.skip_value(itype)
+                meta.array_lengths[key] = int(n)
+            elif vtype == _STRING:
+                meta.values[key] = h.string()
+            elif vtype in _SCALARS:
+                meta.values[key] = h.unpack(_SCALARS[vtype])
+            else:
+                raise InputError(f"GGUF {path!r}: key {key!r}: expected a GGUF value type, found {vtype}")
+    return meta
+
+
+def read_metadata(path) -> GGUFMeta:
+    """The metadata of the GGUF at ``path``: with the ``gguf`` package's ``GGUFReader`` when importable, else
+    :func:`read_header`.
+
+    Raises:
+        InputError: the file is not a readable GGUF.
+    """
+    try:
+        from gguf import GGUFReader, GGUFValueType
+    except ImportError:
+        return read_header(path)
+    try:
+        rd = GGUFReader(str(path))
+    except Exception as e:  # gguf-py raises ValueError / struct errors on a bad magic or a truncated file
+        raise InputError(f"GGUF {str(path)!r}: expected a GGUF file, found {type(e).__name__}: {e}") from e
+    version = rd.fields.get("GGUF.version")
+    meta = GGUFMeta(int(version.contents()) if version is not None else 0)
+    for key, fld in rd.fields.items():
+        if key.startswith("GGUF."):  # the reader's own entries for the file header
+            continue
+        if fld.types and fld.types[0] == GGUFValueType.ARRAY:
+            meta.array_lengths[key] = len(fld.data)
+        else:
+            v = fld.contents()
+            meta.values[key] = v.item() if hasattr(v, "item") else v
+    return meta
+
+
+def gguf_mismatches(meta: GGUFMeta, cfg) -> list[str]:
+    """What in ``meta`` disagrees with the checkpoint config ``cfg``: one ``key: expected E (...), found F`` per
+    key (architecture, layer count, hidden size, vocabulary size); [] when the GGUF matches.
+
+    The layer count expected is ``num_hidden_layers``, plus the GGUF's ``{arch}.nextn_predict_layers`` (MTP
+    layers a converter may append) when it declares them; the vocabulary is ``{arch}.vocab_size`` or, without
+    it, the number of ``tokenizer.ggml.tokens``.
+    """
+    out = []
+
+    def judge(key, expected, what):
+        found = meta.values.get(key, meta.array_lengths.get(key))
+        if found != expected:
+            out.append(f"{key}: expected {expected!r} ({what}), found "
+                       + (repr(found) if found is not None else "no such key"))
+    judge("general.architecture", GGUF_ARCH, "llama.cpp's name for qwen4_exp")
+    arch = meta.values.get("general.architecture")
+    if arch != GGUF_ARCH:  # the per-architecture keys below would be looked up under another name
+        return out
+    nextn = meta.values.get(f"{arch}.nextn_predict_layers") or 0
+    judge(f"{arch}.block_count", cfg.num_hidden_layers + int(nextn),
+          "config.json num_hidden_layers" + (f" + {arch}.nextn_predict_layers {nextn}" if nextn else ""))
+    judge(f"{arch}.embedding_length", cfg.hidden_size, "config.json hidden_size")
+    vkey = f"{arch}.vocab_size" if f"{arch}.vocab_size" in meta.values else "tokenizer.ggml.tokens"
+    judge(vkey, cfg.vocab_size, "config.json vocab_size" + (", as the number of tokens" if vkey.startswith("tok")
+                                                            else ""))
+    return out
+
+
+def check_gguf_matches(path, cfg, model_path) -> GGUFMeta:
+    """Refuse a GGUF that is not a conversion of the checkpoint ``model_path`` (config ``cfg``). Returns its
+    metadata.
+
+    Raises:
+        InputError: the file is not a readable GGUF, or one error naming every mismatching key with the
+            expected and the found value (:func:`gguf_mismatches`).
+    """
+    meta = read_metadata(path)
+    bad = gguf_mismatches(meta, cfg)
+    if bad:
+        raise InputError(f"llama.cpp:gguf={str(path)!r}: the GGUF does not match MODEL {str(Path(model_path))!r}: "
+                         + "; ".join(bad) + " (a GGUF of another model would be judged against the wrong reference)")
+    return meta
