@@ -18,8 +18,8 @@ file is a miss); an entry that cannot be parsed, is of another schema or lacks a
 again and overwritten). Entries are written atomically (:mod:`reference.atomic`): an interrupted write leaves
 no file a later run reads. Unset (the default), nothing is read or written.
 
-ci/gpu_realwidth.sh points it at a folder of its own output, so the two backends of the real-width period share
-one measurement and no entry outlives the run that wrote it.
+Backends judged in one process (``qwen4exp parity --backend A --backend B``, as ci/gpu_realwidth.sh runs them) share
+the floor and the control in memory; the cache is for runs in separate processes.
 """
 from __future__ import annotations
 
