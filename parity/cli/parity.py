@@ -188,7 +188,7 @@ def run(args) -> int:
     unwritten = []
     if args.out is not None:
         try:
-            with staged_dir(args.out, ("report.json", "taps")) as stage:
+            with staged_dir(args.out, ("report.json", "taps", *_many_entries(args.out))) as stage:
                 report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                                     out_dir=stage, progress=progress, **extra)
                 report.reproduce = _reproduce(args)
@@ -268,6 +268,17 @@ def prepare_out_many(out, n: int, overwrite: bool = False):
     return p
 
 
+def _many_entries(out) -> list[str]:
+    """The entries of ``--out DIR`` a run judging several backends wrote (``index.json``, each ``<i>/`` holding a
+    ``report.json``): a new run's results replace them, so no old index sits beside new reports."""
+    from pathlib import Path
+    d = Path(out)
+    if not d.is_dir():
+        return []
+    return ([e.name for e in d.iterdir() if e.is_dir() and e.name.isdigit() and (e / "report.json").exists()]
+            + (["index.json"] if (d / "index.json").is_file() else []))
+
+
 def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
     """``qwen4exp parity`` with several ``--backend``: :func:`parity.harness.run.run_parity_many`; each backend's
     table printed in turn (text / rich: under a ``backend I of N: SPEC`` line, the legend once, after the last;
@@ -318,12 +329,10 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
             out.append(d)
         return out
     if args.out is not None:
-        old = Path(args.out)
         # entries this run owns: its index and backend folders; a single-backend report and archives (and folders of
         # a run of more backends) left from earlier runs are removed when the new results are swapped in
-        stale = [d.name for d in old.iterdir() if d.is_dir() and d.name.isdigit() and (d / "report.json").exists()] \
-            if old.is_dir() else []
-        entries = tuple(dict.fromkeys(["index.json", "report.json", "taps", *map(str, range(len(specs))), *stale]))
+        entries = tuple(dict.fromkeys(["index.json", "report.json", "taps", *map(str, range(len(specs))),
+                                       *_many_entries(args.out)]))
         try:
             with staged_dir(args.out, entries) as stage:
                 reports = run_parity_many(model, specs, scen, out_dirs=[stage / str(i) for i in range(len(specs))],

@@ -163,3 +163,19 @@ def test_worst_exit_code_orders_environment_then_fail_then_inconclusive():
     from parity.harness.report import worst_exit_code
     assert worst_exit_code([0, 3, 1]) == 1 and worst_exit_code([3, 0]) == 3 and worst_exit_code([1, 4]) == 4
     assert worst_exit_code([0, 0]) == 0 and worst_exit_code([]) == 0
+
+
+def test_cli_a_run_of_one_backend_after_one_of_two_leaves_no_old_index(prompts, tmp_path, capsys):
+    # the --out folder holds one run's results: a single-backend run replaces an earlier two-backend run's index and
+    # folders, and the reverse
+    from parity.cli import main
+    out = tmp_path / "out"
+    base = ["parity", str(FIX), "--scenario", "kl", "--level", "ci", "--prompts", prompts, "--out", str(out),
+            "--no-progress", "--overwrite"]
+    assert main([*base, "--backend", F32, "--backend", F32]) == 0
+    assert (out / "index.json").is_file() and (out / "1" / "report.json").is_file()
+    assert main([*base, "--backend", F32]) == 0
+    assert (out / "report.json").is_file() and not (out / "index.json").exists() and not (out / "1").exists()
+    assert main([*base, "--backend", F32, "--backend", F32]) == 0
+    assert (out / "index.json").is_file() and not (out / "report.json").exists()
+    capsys.readouterr()
