@@ -3,8 +3,8 @@
 # the real widths with the real vocabulary (248,320) and REALWIDTH_EXPERTS routed experts (default 32, top-10), random
 # BF16 weights
 # (parity.bench.synthetic.cached_synthetic; the n-gram table scaled down as in every synthetic checkpoint), judged by
-#     qwen4exp parity MODEL --backend B --scenario kl budget --level long --prompts P --page-sizes 16
-# for the engine's float32 and bf16 paths on CUDA. P: token-id prompts of REALWIDTH_LENGTHS tokens (default
+#     qwen4exp parity MODEL --backend B1 --backend B2 --scenario kl budget --level long --prompts P --page-sizes 16
+# for the engine's float32 and bf16 paths on CUDA, both in one process. P: token-id prompts of REALWIDTH_LENGTHS tokens (default
 # 7 600 bound: short, mid, and "bound" = the floor's own stream past the QSA bound (2060 tokens at the real bound
 # of 2051, with EOS ids inside: parity.harness.floor.floor_prompts), which the floor then measures once, not twice),
 # the harness's own token stream. --level long keeps the
@@ -13,18 +13,17 @@
 #
 #     OUT=<dir> bash ci/gpu_realwidth.sh      (ci/gpu runs it; NO_REALWIDTH=1 there skips it)
 #
-# REALWIDTH_BUDGET_S (default 240; 560 in ci/gpu) bounds the whole step, checkpoint write included. Each run gets REALWIDTH_CORES
-# (default all) of the CPU cores (BLAS, OpenMP and Numba threads: the reference's truth and floor on the CPU are the cost, not the engine) and
-# is killed by `timeout` at the budget left when it starts; a killed run is reported TIMEOUT (no verdict) and fails
-# the step. They share one floor measurement: QWEN4EXP_FLOOR_CACHE points at $OUT/realwidth/floors (emptied
-# first); the first run measures the floor and keeps it there, and the next run starts once that entry exists (or
-# the first run ended) and reads it, running beside the first (parity.harness.floor_cache: keyed by the weights,
-# the prompts, the stores, the orders and the code; a negative control perturbing the reference is kept the same
-# way once a run has measured it).
+# REALWIDTH_BUDGET_S (default 240; 560 in ci/gpu) bounds the whole step, checkpoint write included. The backends are
+# judged by ONE run, `parity --backend A --backend B ...` (one process: the reference's truth and floor on the CPU
+# are the cost, not the engine, and they are computed once for all backends: the floor's forwards, the KL truth's
+# forward per prompt + continuation, the negative control perturbing the reference, the budget suite's truth), on
+# REALWIDTH_CORES (default all) of the CPU cores (BLAS, OpenMP and Numba threads), killed by `timeout` at the budget
+# left when it starts; a killed run is reported TIMEOUT for every backend (no verdict) and fails the step.
 # REALWIDTH_MODEL (a checkpoint or fixture name) and REALWIDTH_BACKENDS (space-separated specs) replace the model
 # and the backends, for a check of this script on the CPU (e.g. REALWIDTH_MODEL=tiny REALWIDTH_BACKENDS=reference).
-# Writes $OUT/realwidth_<n>.txt (each run's output), $OUT/realwidth/<n>/ (its report.json) and
-# $OUT/realwidth_summary.txt (the verdicts ci/gpu's summary prints); exit 0 when every run passed.
+# Writes $OUT/realwidth_run.txt (the run's output: each backend's table under "backend I of N: SPEC"),
+# $OUT/realwidth/<i>/report.json (backend i's report; $OUT/realwidth/index.json names them) and
+# $OUT/realwidth_summary.txt (the per-backend verdicts ci/gpu's summary prints); exit 0 when every backend passed.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT="${OUT:-$(mktemp -d)}"
@@ -77,53 +76,48 @@ EOF
   exit 1
 fi
 
-# the runs, each on all of the cores: the first alone until it has kept its floor (or ended), then the next beside
-# it -- it reads that floor instead of measuring it; the reference's forwards are largely single-threaded NumPy at
-# these widths, so two runs side by side lose little to each other
+# one run judging every backend: `parity --backend A --backend B` in one process on one set of truth forwards --
+# the floor, the KL truth's one forward per prompt + continuation, the negative control and the budget suite's truth
+# are computed once and shared (parity.harness.run.run_parity_many); each backend gets its own thresholds, verdict
+# table and $OUT/realwidth/<i>/report.json ($OUT/realwidth/index.json names them); killed at the budget left
 cores="${REALWIDTH_CORES:-$(nproc)}"  # ci/gpu runs it alone, on every core
-export QWEN4EXP_FLOOR_CACHE="$OUT/realwidth/floors"
-rm -rf "$QWEN4EXP_FLOOR_CACHE"
-rc_all=0
-rcs=()
-lims=()
-secs=()
-pids=()
-starts=()
-start_run() {  # start_run I: backend I in the background, killed at the budget left
-  local i=$1 lim; lim=$(left); lims[$i]=$lim; starts[$i]=$(date +%s)
-  OMP_NUM_THREADS=$cores OPENBLAS_NUM_THREADS=$cores MKL_NUM_THREADS=$cores NUMBA_NUM_THREADS=$cores \
-  QWEN4EXP_LONG_MAX_TOKENS=2200 timeout -k 20 "$lim" \
-    python3 -m parity.cli parity "$MODEL" --backend "${BACKENDS[$i]}" --scenario kl budget --level long \
-    --prompts "$PROMPTS" --page-sizes 16 --format text --overwrite --out "$OUT/realwidth/$i" \
-    >"$OUT/realwidth_$i.txt" 2>&1 &
-  pids[$i]=$!
-}
-floor_kept() { compgen -G "$QWEN4EXP_FLOOR_CACHE/floor-*.json" >/dev/null; }
-for i in "${!BACKENDS[@]}"; do
-  start_run "$i"
-  # the next run waits for this one's floor entry (or its end)
-  while [ "$i" -lt $(( ${#BACKENDS[@]} - 1 )) ] && kill -0 "${pids[$i]}" 2>/dev/null && ! floor_kept; do sleep 1; done
-done
-for i in "${!BACKENDS[@]}"; do
-  wait "${pids[$i]}"; r=$?; rcs[$i]=$r; secs[$i]=$(( $(date +%s) - ${starts[$i]} ))
-  [ "$r" = 0 ] || rc_all=1
-done
+args=()
+for b in "${BACKENDS[@]}"; do args+=(--backend "$b"); done
+RUN="$OUT/realwidth_run.txt"
+lim=$(left); t_run=$(date +%s)
+OMP_NUM_THREADS=$cores OPENBLAS_NUM_THREADS=$cores MKL_NUM_THREADS=$cores NUMBA_NUM_THREADS=$cores \
+QWEN4EXP_LONG_MAX_TOKENS=2200 timeout -k 20 "$lim" \
+  python3 -m parity.cli parity "$MODEL" "${args[@]}" --scenario kl budget --level long \
+  --prompts "$PROMPTS" --page-sizes 16 --format text --overwrite --out "$OUT/realwidth" >"$RUN" 2>&1
+rc=$?
+secs=$(( $(date +%s) - t_run ))
+n=${#BACKENDS[@]}
 
 {
-  echo "real-width period ($desc; $MODEL; kl + budget at --level long;" \
+  echo "real-width period ($desc; $MODEL; kl + budget at --level long; ${n} backends in one process;" \
        "$(( $(date +%s) - t0 ))s of a ${budget}s budget):"
   for i in "${!BACKENDS[@]}"; do
-    f="$OUT/realwidth_$i.txt"
-    echo "  --backend ${BACKENDS[$i]} (rc=${rcs[$i]}, ${secs[$i]}s):"
-    if [ "${rcs[$i]}" = 124 ] || [ "${rcs[$i]}" = 137 ]; then
-      # the progress lines (one per finished case, and every 10 s) say how far it got; none: still measuring the
-      # floor / the truth, which run before the first case
-      echo "    TIMEOUT: killed after ${lims[$i]}s, no verdict; $f holds $(grep -c "" "$f") lines, the last:"
-      tail -n 3 "$f" | sed 's/^/    /'
-    elif grep -q "^scenario  " "$f"; then  # the verdict table and the verdict line
-      sed -n '/^scenario  /,/^legend:/p' "$f" | grep -v "^legend:" | sed 's/^/    /'; grep "^verdict" "$f" | sed 's/^/    /'
-    else tail -n 8 "$f" | sed 's/^/    /'; fi
+    ex=""   # its own exit code, from the index the run wrote (none for a killed run: an older index is not read)
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] || ex=$(python3 -c "import json, sys
+print(json.load(open(sys.argv[1]))['reports'][int(sys.argv[2])]['exit_code'])" "$OUT/realwidth/index.json" "$i" 2>/dev/null)
+    echo "  --backend ${BACKENDS[$i]} (exit ${ex:--}; rc=$rc of the run, ${secs}s for all ${n}):"
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+      # the progress lines (one per finished case, every 10 s, and one as each backend starts) say how far it got;
+      # none: still measuring the floor / the truth, which run before the first case
+      echo "    TIMEOUT: killed after ${lim}s, no verdict; $RUN holds $(grep -c "" "$RUN") lines, the last:"
+      tail -n 3 "$RUN" | sed 's/^/    /'
+    elif [ "$n" = 1 ] && grep -q "^scenario  " "$RUN"; then  # one backend: the table as a run of its own prints it
+      sed -n '/^scenario  /,/^legend:/p' "$RUN" | grep -v "^legend:" | sed 's/^/    /'; grep "^verdict" "$RUN" | sed 's/^/    /'
+    elif grep -q "^backend $(( i + 1 )) of $n: " "$RUN"; then  # its block: the verdict table and the verdict line
+      awk -v h="backend $(( i + 1 )) of $n: " '
+        index($0, h) == 1 { inb = 1; next }
+        inb && (/^backend [0-9]+ of [0-9]+: / || /^verdict over /) { exit }
+        inb && /^scenario  / { tab = 1 }
+        inb && tab && /^(legend:|resolution:|verdict:)/ { tab = 0 }
+        inb && tab { print "    " $0 }
+        inb && /^verdict:/ { print "    " $0 }' "$RUN"
+    else tail -n 8 "$RUN" | sed 's/^/    /'; fi
   done
 } >"$SUM"
 cat "$SUM"
-exit "$rc_all"
+[ "$rc" = 0 ]

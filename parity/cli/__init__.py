@@ -143,7 +143,9 @@ def _outside_backend_raised(args, e: BaseException) -> str | None:
     whose own code the traceback of ``e`` passes through, or None (then the failure is not the backend's)."""
     import inspect
     files = {}
-    for key, val in vars(args).items():
+    # a list value: `parity --backend` given more than once
+    vals = [v for val in vars(args).values() for v in (val if isinstance(val, list) else [val])]
+    for val in vals:
         if not isinstance(val, str) or ":" not in val or "=" in val.split(":", 2)[1]:
             continue
         mod_name, _, rest = val.partition(":")

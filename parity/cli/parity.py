@@ -18,7 +18,7 @@ import sys
 
 def register(subparsers) -> None:
     """Add the ``parity`` subcommand and its options to ``subparsers``."""
-    from parity.cli.common import add_backend, add_format, add_model, add_out, add_traceback
+    from parity.cli.common import add_format, add_model, add_out, add_traceback
     from parity.harness.scenarios import SUITES
     against_truth = [s.label for s in SUITES.values() if s.needs_truth]
     p = subparsers.add_parser(
@@ -34,7 +34,13 @@ def register(subparsers) -> None:
                     "not vouch for a pass, or the reference's own logits are NaN/Inf) / 4 environment failure (output "
                     "not written: the old results are kept) / 128+N interrupted by signal N (130 Ctrl-C, 143 SIGTERM).")
     add_model(p)
-    add_backend(p, "engine")
+    from parity.backends.registry import backend_help
+    p.add_argument("--backend", dest="backend", action="append", default=None, metavar="SPEC",
+                   help=f"the backend under test: {backend_help()} (default: engine). Repeatable: several backends "
+                        "are judged in one process on one set of truth forwards (the floor, the truth's forwards, "
+                        "the negative control computed once), each with its own thresholds, verdict table and "
+                        "report (--out DIR/<i>/report.json, an index in DIR/index.json); the exit code is the "
+                        "worst of theirs (4, then 1, then 3, then 0)")
     p.add_argument("--scenario", nargs="+", default=None, metavar="NAME",
                    help=f"scenarios to run: {', '.join(s.label for s in SUITES.values())}, kl (default: all)")
     p.add_argument("--level", choices=["full", "ci", "long"], default="full",
@@ -143,15 +149,18 @@ def run(args) -> int:
     """
     from pathlib import Path
 
-    from parity.cli.common import backend_spec, check_out, output_format, replace_paths, staged_dir
+    from parity.cli.common import check_out, output_format, replace_paths, staged_dir
     from parity.harness.report import write_json_atomic
     from parity.harness.run import remove_empty_dirs, run_parity, unwritten_archives
     from reference.paths import resolve_model
 
     model = resolve_model(args.model)
-    spec = str(backend_spec(args))
+    specs = _backend_specs(args)
     fmt = output_format(args)
     scen = _parse_scenarios(args.scenario)
+    if len(specs) > 1:
+        return _run_many(args, model, specs, fmt, scen)
+    spec = specs[0]
     if args.out is not None:
         prepare_out_dir(args.out, overwrite=args.overwrite)
     if args.write_known is not None:   # the one output rule (parity.cli.common.check_out), before anything runs
@@ -179,7 +188,7 @@ def run(args) -> int:
     unwritten = []
     if args.out is not None:
         try:
-            with staged_dir(args.out, ("report.json", "taps")) as stage:
+            with staged_dir(args.out, ("report.json", "taps", *_many_entries(args.out))) as stage:
                 report = run_parity(model, spec, scen, level=args.level, page_sizes=pages, prompts=args.prompts,
                                     out_dir=stage, progress=progress, **extra)
                 report.reproduce = _reproduce(args)
@@ -221,6 +230,182 @@ def run(args) -> int:
               f"verdict above is {report.to_json()['verdict']}, exit {EXIT_ENVIRONMENT})", file=sys.stderr)
         return EXIT_ENVIRONMENT
     return report.exit_code
+
+
+def _backend_specs(args) -> list[str]:
+    """The ``--backend`` options of ``args`` (repeatable; ``engine`` when none), each parsed and in its current
+    spelling (:func:`parity.cli.common.backend_spec`).
+
+    Raises:
+        InputError: a malformed spec or an option the backend does not take, naming it.
+    """
+    import argparse
+
+    from parity.cli.common import backend_spec
+    given = args.backend if isinstance(args.backend, list) else [args.backend or "engine"]
+    return [str(backend_spec(argparse.Namespace(backend=g))) for g in (given or ["engine"])]
+
+
+def prepare_out_many(out, n: int, overwrite: bool = False):
+    """Validate ``--out DIR`` of a run judging ``n`` backends before anything runs: the rule of
+    :func:`prepare_out_dir`, and ``DIR/index.json`` absent or a regular file, each ``DIR/<i>`` (i < n) absent or a
+    directory.
+
+    Raises:
+        InputError: naming ``--out``.
+    """
+    from reference.errors import InputError
+    p = prepare_out_dir(out, overwrite=overwrite)
+    ix = p / "index.json"
+    if (ix.exists() or ix.is_symlink()) and not ix.is_file():
+        raise InputError(f"--out {str(out)!r}: expected {str(ix)!r} to be absent or a regular file (it is replaced "
+                         f"by the new index), found a directory or special file")
+    for i in range(n):
+        d = p / str(i)
+        if d.exists() and not d.is_dir():
+            raise InputError(f"--out {str(out)!r}: expected {str(d)!r} to be absent or a directory (backend {i}'s "
+                             f"report goes there), found a file")
+    return p
+
+
+def _many_entries(out) -> list[str]:
+    """The entries of ``--out DIR`` a run judging several backends wrote (``index.json``, each ``<i>/`` holding a
+    ``report.json``): a new run's results replace them, so no old index sits beside new reports."""
+    from pathlib import Path
+    d = Path(out)
+    if not d.is_dir():
+        return []
+    return ([e.name for e in d.iterdir() if e.is_dir() and e.name.isdigit() and (e / "report.json").exists()]
+            + (["index.json"] if (d / "index.json").is_file() else []))
+
+
+def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
+    """``qwen4exp parity`` with several ``--backend``: :func:`parity.harness.run.run_parity_many`; each backend's
+    table printed in turn (text / rich: under a ``backend I of N: SPEC`` line, the legend once, after the last;
+    json: ``{"backends": [report, ...], "exit_code", "verdict"}``), each report written to ``--out DIR/<i>/``
+    (``report.json`` and ``taps/``) with ``DIR/index.json`` naming them; returns the worst exit code
+    (:func:`parity.harness.report.worst_exit_code`).
+
+    Raises:
+        InputError: ``--known`` / ``--write-known`` (a baseline is of one backend), a bad ``--out`` or
+            ``--page-sizes``; a backend that cannot be opened (nothing runs then).
+    """
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from parity.cli.common import replace_paths, staged_dir
+    from parity.harness.report import render_table, worst_exit_code, write_json_atomic
+    from parity.harness.run import remove_empty_dirs, run_parity_many, unwritten_archives
+    from parity.harness.scenarios import meanings
+    from reference.errors import EXIT_ENVIRONMENT, InputError
+    for flag, v in (("--known", args.known), ("--write-known", args.write_known)):
+        if v is not None:
+            raise InputError(f"{flag}: a baseline is of one backend; expected one --backend with it, found "
+                             f"{len(specs)}")
+    if args.out is not None:
+        prepare_out_many(args.out, len(specs), overwrite=args.overwrite)
+    pages = None
+    if args.page_sizes is not None:
+        from parity.harness.scenarios import parse_page_sizes
+        from reference.config import load_config
+        pages = parse_page_sizes(args.page_sizes, load_config(model).max_position_embeddings)
+    from parity.harness.progress import progress_mode
+    progress = progress_mode(args.no_progress)
+    kw = dict(level=args.level, page_sizes=pages, prompts=args.prompts, progress=progress,
+              below_bound=args.below_bound)
+    unwritten, docs = [], []
+
+    def finish(reports, stage=None):
+        for r in reports:
+            r.reproduce = _reproduce(args)
+        out = []
+        for r in reports:
+            d = r.to_json()
+            if stage is not None:
+                d = replace_paths(d, str(stage), str(Path(args.out)))
+                for row in r.rows:   # the table names the archives at their final place too
+                    row.failures = replace_paths(row.failures, str(stage), str(Path(args.out)))
+            out.append(d)
+        return out
+    if args.out is not None:
+        # entries this run owns: its index and backend folders; a single-backend report and archives (and folders of
+        # a run of more backends) left from earlier runs are removed when the new results are swapped in
+        entries = tuple(dict.fromkeys(["index.json", "report.json", "taps", *map(str, range(len(specs))),
+                                       *_many_entries(args.out)]))
+        try:
+            with staged_dir(args.out, entries) as stage:
+                reports = run_parity_many(model, specs, scen, out_dirs=[stage / str(i) for i in range(len(specs))],
+                                          **kw)
+                docs = finish(reports, stage)
+                unwritten = [u for d in docs for u in unwritten_archives(d)]
+                if unwritten:  # an incomplete result set is never swapped in: the old results stay
+                    raise _Incomplete
+                for i, d in enumerate(docs):
+                    (stage / str(i)).mkdir(exist_ok=True)
+                    remove_empty_dirs(stage / str(i) / "taps")
+                    write_json_atomic(stage / str(i) / "report.json", d)
+                write_json_atomic(stage / "index.json", _index(docs, reports))
+        except _Incomplete:
+            pass
+        else:
+            print(f"reports: {Path(args.out) / 'index.json'} ({len(specs)} backends: "
+                  f"{', '.join(str(Path(args.out) / str(i) / 'report.json') for i in range(len(specs)))})",
+                  file=sys.stderr)
+    else:
+        reports = run_parity_many(model, specs, scen, **kw)
+        docs = finish(reports)
+    code = worst_exit_code(r.exit_code for r in reports)
+    if fmt == "json":
+        print(json.dumps({**_index(docs, reports), "backends": docs}, indent=1))
+    else:
+        console = None
+        if fmt == "rich":
+            from rich.console import Console
+            console = Console(highlight=False)
+        for i, r in enumerate(reports):
+            head = f"backend {i + 1} of {len(reports)}: {r.backend}"
+            shown = dataclasses.replace(r, model=display_path(r.model))
+            last = i == len(reports) - 1
+            if console is not None:
+                console.print(head)
+                render_table(shown, console, legend=last, meanings=meanings())
+            else:
+                print(("" if i == 0 else "\n") + head)
+                print(render_table(shown, legend=last, meanings=meanings()))
+        line = (f"verdict over {len(reports)} backends: exit {code} ("
+                + ", ".join(f"{i + 1} {r.verdict_line.split(' (')[0]}" for i, r in enumerate(reports)) + ")")
+        if console is not None:
+            console.print(line)
+        else:
+            print(line)
+    if getattr(args, "traceback", False):
+        for r in reports:
+            for row in r.rows:
+                if row.traceback:
+                    print(f"--- {r.backend} {row.scenario}: the backend's stack trace\n{row.traceback}",
+                          file=sys.stderr, end="")
+    elif any(row.traceback for r in reports for row in r.rows):
+        print("qwen4exp parity: a backend raised in some cases; --traceback prints the stack traces (report.json "
+              "holds them)", file=sys.stderr)
+    if unwritten:
+        print(f"qwen4exp parity: error: {len(unwritten)} failing case(s)' tap archives could not be written under "
+              f"{str(args.out)!r}: {unwritten[0]}; nothing was replaced in {str(args.out)!r} (the verdicts above "
+              f"stand, exit {EXIT_ENVIRONMENT})", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    return code
+
+
+def _index(docs: list, reports: list) -> dict:
+    """The index of a run judging several backends (``DIR/index.json``; the head of the json output): per backend
+    its position, spec, verdict, exit code and report path (relative to DIR), and the worst exit code."""
+    from parity.harness.report import worst_exit_code
+    code = worst_exit_code(r.exit_code for r in reports)
+    worst = next((d["verdict"] for d in docs if d["exit_code"] == code), "pass")
+    return {"exit_code": code, "verdict": worst, "reproduce": docs[0].get("reproduce") if docs else None,
+            "reports": [{"index": i, "backend": d["backend"], "verdict": d["verdict"], "exit_code": d["exit_code"],
+                         "verdict_line": d["verdict_line"], "report": f"{i}/report.json"}
+                        for i, d in enumerate(docs)]}
 
 
 def _reproduce(args) -> str | None:

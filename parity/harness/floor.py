@@ -45,7 +45,7 @@ from taps import registry
 from taps.diff import Profile
 
 __all__ = ["FLOOR_ORDERS", "STORE_KINDS", "ROUNDINGS", "rounder", "stores_of", "stores_label", "SelectionLog", "Floor", "measure_floor", "tie_report",
-           "TieReport", "forced_logits", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
+           "TieReport", "forced_logits", "measure_floors", "thresholds_for_runs", "UNIT_ROUNDOFF", "floor_prompts", "thresholds_for_run", "tap_floor_profile",
            "with_tap_profile", "floor_breakdown", "unresolvable", "tap_floors", "tap_profile_of"]
 
 #: where the reduced-precision floor rounds (``reference.model.ReferenceModel.store_round`` kinds)
@@ -166,6 +166,16 @@ class SelectionLog:
                 log_into.moe_ids[layer] = np.array(ids)
             return self.moe_ids[layer][np.asarray(pos)] if layer in self.moe_ids else ids
         model.selection_hook, model.expert_hook = q, m
+
+    def prefix(self, n: int, compress_ratio: int) -> "SelectionLog":
+        """The log of the first ``n`` positions (a causal model's forward over a prefix selects the same way from
+        the same scores): rows ``[:n]``, QSA block scores cut to the ``n // compress_ratio`` blocks a prefix of
+        ``n`` tokens completes. Arrays are views of this log's."""
+        r = int(compress_ratio or 1)
+        return SelectionLog(qsa_scores={i: a[:n, :n // r] for i, a in self.qsa_scores.items()},
+                            qsa_sel={i: a[:n] for i, a in self.qsa_sel.items()},
+                            moe_probs={i: a[:n] for i, a in self.moe_probs.items()},
+                            moe_ids={i: a[:n] for i, a in self.moe_ids.items()})
 
 
 def _uninstall(model):
@@ -346,6 +356,21 @@ def _rel_err(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return (float(np.max(rel)) if rel.size else 0.0), c.worst_kl()
 
 
+def _stores_of_precision(precision) -> dict:
+    """``{kind: format}`` of a floor precision argument (see :func:`measure_floor`).
+
+    Raises:
+        InputError: an unknown precision.
+    """
+    if isinstance(precision, dict):
+        return dict(precision)
+    if precision in ("float32", "float64"):
+        return {}
+    if precision in ROUNDINGS:
+        return {k: precision for k in STORE_KINDS}
+    raise InputError(f"floor precision: expected float32/float64 or one of {ROUNDINGS}, found {precision!r}")
+
+
 def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32",
                   tap_ids: Sequence[int] | None = None) -> Floor:
     """Measure a floor on ``weights`` (a Checkpoint/DictWeights) over ``prompts`` (token-id lists).
@@ -362,28 +387,46 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
         profile costs no forward of its own; with stores, or ids not among the prompts, nothing is recorded.
     Returns:
         :class:`Floor` (``precision`` = :func:`stores_label` of the stores rounded).
+    Raises:
+        InputError: an unknown precision.
+    """
+    return measure_floors(weights, prompts, [precision], tap_ids=tap_ids)[0]
+
+
+def measure_floors(weights, prompts: Sequence[Sequence[int]], precisions: Sequence,
+                   tap_ids: Sequence[int] | None = None) -> list[Floor]:
+    """The floors of several store sets over the same ``prompts`` in one pass: :func:`measure_floor` of each
+    element of ``precisions``, bitwise, with the backend-independent forwards run once -- per prompt one float64
+    forward (its selections force every other) and one float32 forward per order of :data:`FLOOR_ORDERS` (the
+    float32 envelope every floor carries); then per distinct non-empty store set one rounded float32 forward.
+
+    Args:
+        weights: a Checkpoint/DictWeights. prompts: token-id lists.
+        precisions: each as :func:`measure_floor`'s ``precision`` (equal store sets are measured once).
+        tap_ids: as :func:`measure_floor`: the per-tap float32 floors, recorded from the same forwards, are kept
+            in the float32 floors (those with no stores) only.
+    Returns:
+        ``[Floor]`` in the order of ``precisions`` (distinct objects, also for equal store sets).
+    Raises:
+        InputError: an unknown precision.
     """
     from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
-    if isinstance(precision, dict):
-        stores = dict(precision)
-    elif precision in ("float32", "float64"):
-        stores = {}
-    elif precision in ROUNDINGS:
-        stores = {k: precision for k in STORE_KINDS}
-    else:
-        raise InputError(f"floor precision: expected float32/float64 or one of {ROUNDINGS}, found {precision!r}")
+    sets = [_stores_of_precision(p) for p in precisions]
+    labels = list(dict.fromkeys(stores_label(st) for st in sets if st))   # distinct rounded store sets, in order
+    rounded_of = {stores_label(st): st for st in sets if st}
     m64 = ReferenceModel(weights, dtype=np.float64)
     m32 = ReferenceModel(weights, dtype=np.float32)
-    mr = None
-    if stores:
+    mrs = {}
+    for lab in labels:
         mr = ReferenceModel(weights, dtype=np.float32)
-        mr.store_round = rounder(stores)
+        mr.store_round = rounder(rounded_of[lab])
+        mrs[lab] = mr
     f32_rel = f32_kl = f32_srel = 0.0
-    r_rel = r_kl = r_srel = 0.0
+    r_fig = {lab: [0.0, 0.0, 0.0] for lab in labels}   # per store set: logit_rel, kl, score_rel
     n = 0
     logs = []
     by_order = {}
-    want_taps = None if stores or tap_ids is None else [int(t) for t in tap_ids]
+    want_taps = None if tap_ids is None or all(sets) else [int(t) for t in tap_ids]
     tap_fl = None
     for ids in prompts:
         keep = want_taps is not None and [int(t) for t in ids] == want_taps
@@ -407,29 +450,34 @@ def measure_floor(weights, prompts: Sequence[Sequence[int]], precision="float32"
             f32_rel, f32_kl = max(f32_rel, e), max(f32_kl, k)
             f32_srel = max(f32_srel, _score_rel(s32.qsa_scores, log.qsa_scores),
                            _score_rel(s32.moe_probs, log.moe_probs))
-        if mr is not None:
+        for lab, mr in mrs.items():
             sr = SelectionLog()
             lr = forced_logits(mr, ids, log, sr)
             e, k = _rel_err(lr, l64)
-            r_rel, r_kl = max(r_rel, e), max(r_kl, k)
-            r_srel = max(r_srel, _score_rel(sr.qsa_scores, log.qsa_scores), _score_rel(sr.moe_probs, log.moe_probs))
+            fig = r_fig[lab]
+            fig[0], fig[1] = max(fig[0], e), max(fig[1], k)
+            fig[2] = max(fig[2], _score_rel(sr.qsa_scores, log.qsa_scores), _score_rel(sr.moe_probs, log.moe_probs))
         n += len(ids)
-    if mr is None:
-        fl = Floor("float32", f32_rel, f32_kl, f32_srel, f32_rel, f32_srel, n, TieReport(), ())
-    else:
-        fl = Floor(stores_label(stores), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, TieReport(), tuple(sorted(stores)))
-    fl.by_order = by_order
-    if tap_fl is not None:
-        fl.tap_floors = tap_fl
-    # the truth's ties are reported at the band a backend of these stores is judged with (parity.harness.ties):
-    # exact ties, and floor-level near ties within 2 x multiple x this floor's score floor
-    band = tie_band(thresholds_for("float32" if mr is None else "bf16", fl))
-    for i, log in enumerate(logs):
-        rep = tie_report(log, weights.config, band)
-        for c in rep.cuts:
-            c["prompt"] = i
-        fl.ties.cuts.extend(rep.cuts)
-    return fl
+    out = []
+    for st in sets:
+        if not st:
+            fl = Floor("float32", f32_rel, f32_kl, f32_srel, f32_rel, f32_srel, n, TieReport(), ())
+            if tap_fl is not None:
+                fl.tap_floors = dict(tap_fl)
+        else:
+            r_rel, r_kl, r_srel = r_fig[stores_label(st)]
+            fl = Floor(stores_label(st), r_rel, r_kl, r_srel, f32_rel, f32_srel, n, TieReport(), tuple(sorted(st)))
+        fl.by_order = dict(by_order)
+        # the truth's ties are reported at the band a backend of these stores is judged with (parity.harness.ties):
+        # exact ties, and floor-level near ties within 2 x multiple x this floor's score floor
+        band = tie_band(thresholds_for("bf16" if st else "float32", fl))
+        for i, log in enumerate(logs):
+            rep = tie_report(log, weights.config, band)
+            for c in rep.cuts:
+                c["prompt"] = i
+            fl.ties.cuts.extend(rep.cuts)
+        out.append(fl)
+    return out
 
 
 def floor_breakdown(weights, prompts: Sequence[Sequence[int]], floor: Floor) -> Floor:
@@ -527,27 +575,55 @@ def thresholds_for_run(weights, backend, prompts: Sequence[Sequence[int]] | None
         resolve a fault of useful size (:data:`parity.harness.thresholds.USEFUL_FAULT_REL`) -- then a passing row
         is INCONCLUSIVE, never PASS.
     """
+    return thresholds_for_runs(weights, [backend], prompts)[0]
+
+
+def thresholds_for_runs(weights, backends: Sequence, prompts: Sequence[Sequence[int]] | None = None) -> list:
+    """:func:`thresholds_for_run` of several backends judged on the same weights and prompts, their floors measured
+    together (:func:`measure_floors`: the float64 and float32-order forwards once, one rounded forward per
+    distinct store set); each floor read from / kept in ``$QWEN4EXP_FLOOR_CACHE`` as a run of its own would.
+    Backends of equal stores get equal floors (distinct objects); thresholds follow each backend's precision.
+
+    Returns:
+        ``[(KLThresholds, Floor, inconclusive)]`` in the order of ``backends``.
+    """
     from parity.harness import floor_cache
     fps = floor_prompts(weights.config, prompts)
-    stores = stores_of(backend)
     stream = floor_prompts(weights.config, None)[-1]
-    # the same weights, prompts, stores and code measure the same floor: kept once in $QWEN4EXP_FLOOR_CACHE
-    material = (floor_cache.key_material(weights, fps, stores, stream, FLOOR_ORDERS) if floor_cache.cache_dir()
-                else None)
-    hit = _cached_floor(material) if material is not None else None
-    if hit is not None:
-        fl, taps, path = hit
-        fl.source = f"read from {path}"
-    else:
-        fl = measure_floor(weights, fps, stores, tap_ids=stream)   # the stream is one of fps: no forward of its own
-        taps = fl.tap_floors if fl.tap_floors is not None else tap_floors(weights, stream, stores)
-        if material is not None:
-            fl.source = f"measured, kept in {floor_cache.store(material, _floor_payload(fl, taps))}"
-    th = thresholds_for(getattr(backend, "precision", "float32"), fl)
-    th = dataclasses.replace(th, tap_profile=tap_profile_of(taps, th.multiple, tie_band(th), stores, len(stream)))
-    if unresolvable(th, fl):   # a coarse floor: say which stores make it so (one floor per store kind)
-        fl = floor_breakdown(weights, fps, fl)
-    return th, fl, unresolvable(th, fl)
+    stores = [stores_of(b) for b in backends]
+    labels = [stores_label(st) for st in stores]
+    got = {}   # store label -> (Floor, tap floors, source)
+    for st, lab in zip(stores, labels):
+        if lab in got:
+            continue
+        # the same weights, prompts, stores and code measure the same floor: kept once in $QWEN4EXP_FLOOR_CACHE
+        material = (floor_cache.key_material(weights, fps, st, stream, FLOOR_ORDERS) if floor_cache.cache_dir()
+                    else None)
+        hit = _cached_floor(material) if material is not None else None
+        got[lab] = (hit[0], hit[1], f"read from {hit[2]}", material) if hit is not None else (None, None, None,
+                                                                                            material)
+    missing = [lab for lab, v in got.items() if v[0] is None]
+    if missing:
+        first = {lab: st for st, lab in zip(stores, labels)}
+        fls = measure_floors(weights, fps, [first[lab] for lab in missing], tap_ids=stream)  # the stream is one of fps
+        for lab, fl in zip(missing, fls):
+            st = first[lab]
+            taps = fl.tap_floors if fl.tap_floors is not None else tap_floors(weights, stream, st)
+            material = got[lab][3]
+            src = (f"measured, kept in {floor_cache.store(material, _floor_payload(fl, taps))}"
+                   if material is not None else "measured")
+            got[lab] = (fl, taps, src, material)
+    out = []
+    for b, st, lab in zip(backends, stores, labels):
+        fl0, taps, src, _ = got[lab]
+        fl = dataclasses.replace(fl0, ties=TieReport(cuts=list(fl0.ties.cuts)), by_order=dict(fl0.by_order),
+                                 by_kind=dict(fl0.by_kind), source=src)
+        th = thresholds_for(getattr(b, "precision", "float32"), fl)
+        th = dataclasses.replace(th, tap_profile=tap_profile_of(taps, th.multiple, tie_band(th), st, len(stream)))
+        if unresolvable(th, fl):   # a coarse floor: say which stores make it so (one floor per store kind)
+            fl = floor_breakdown(weights, fps, fl)
+        out.append((th, fl, unresolvable(th, fl)))
+    return out
 
 
 def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, multiple: float = 8.0,

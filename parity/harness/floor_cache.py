@@ -18,8 +18,8 @@ file is a miss); an entry that cannot be parsed, is of another schema or lacks a
 again and overwritten). Entries are written atomically (:mod:`reference.atomic`): an interrupted write leaves
 no file a later run reads. Unset (the default), nothing is read or written.
 
-ci/gpu_realwidth.sh points it at a folder of its own output, so the two backends of the real-width period share
-one measurement and no entry outlives the run that wrote it.
+Backends judged in one process (``qwen4exp parity --backend A --backend B``, as ci/gpu_realwidth.sh runs them) share
+the floor and the control in memory; the cache is for runs in separate processes.
 """
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def store(material: dict, payload: dict) -> Path | None:
 
 def control_material(weights, prompts: Sequence[Sequence[int]], th, note: str) -> dict:
     """Everything the negative control of a run depends on when it perturbs the REFERENCE (not the backend under
-    test): the weights, the prompts, the thresholds' numbers (tol_rel, floor_rel, multiple, score_rel: what its
+    test): the weights, the token lists of its truths (``prompts``: each KL prompt + the continuation judged after
+    it, parity.harness.kl.run_kl), the thresholds' numbers (tol_rel, floor_rel, multiple, score_rel: what its
     verdicts read; the precision and source labels excluded), the perturbation's note (target and tensor) and the
     code (the perturbation itself is :func:`parity.harness.run.perturbation`, under parity/harness)."""
     ids = hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()

@@ -18,6 +18,7 @@ The metric and threshold names are re-exported here for the callers that import 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -126,6 +127,76 @@ def _truth_logits(a, ids: list[int]):
     return one_shot_logits(a, ids), None
 
 
+class KLTruth:
+    """The truth side of the KL harness, shareable by every backend judged in one process on the same prompts.
+
+    Holds the truth backend ``a`` and memoises what depends on it alone: :meth:`logged` -- a's one-shot logits
+    ``[T, V]`` over a token list with their :class:`parity.harness.floor.SelectionLog` (:func:`_truth_logits`:
+    one forward), the truth's greedy continuation per prompt (:meth:`continuation`) and the negative control per
+    key (:meth:`control`). A backend whose greedy continuation equals another's is judged against the very same
+    arrays; one with a continuation of its own gets the forward over its own path (a causal model's rows at the
+    prompt positions of any such forward are an equally valid truth). ``forwards``: the forwards of a run here
+    (token lists), in order.
+    """
+
+    def __init__(self, a):
+        self.a = a
+        self._truths: dict[tuple, tuple] = {}
+        self._greedy: dict[tuple, list[int]] = {}
+        self._controls: dict[str, dict] = {}
+        self.forwards: list[int] = []
+
+    def logged(self, ids: Sequence[int]):
+        """``(logits [T, V], SelectionLog or None)`` of a over ``ids`` (a's forward with its selections logged,
+        :func:`_truth_logits`), computed once; a kept forward over a longer token list that begins with ``ids``
+        answers with its first ``len(ids)`` rows and selections (:meth:`parity.harness.floor.SelectionLog.prefix`)."""
+        key = tuple(int(t) for t in ids)
+        hit = self._truths.get(key)
+        if hit is not None:
+            return hit
+        n = len(key)
+        for k, (lg, log) in self._truths.items():
+            if len(k) > n and k[:n] == key:
+                r = getattr(getattr(getattr(self.a, "model", None), "config", None), "indexer_compress_ratio", 1)
+                return lg[:n], (log.prefix(n, r) if log is not None else None)
+        self.forwards.append(n)
+        got = _truth_logits(self.a, list(key))
+        self._truths[key] = got
+        return got
+
+    def continuation(self, ids: Sequence[int], n: int, path_rows=None, path_tokens=None) -> list[int]:
+        """The truth's greedy continuation of ``n`` tokens after ``ids`` (the first per prompt is kept: the same
+        tokens for every backend). From ``path_rows`` (a's rows at positions ``len(ids) - 1 ..`` of a forward over
+        ``ids + path_tokens[:-1]``) while the truth's picks equal ``path_tokens``; past the first difference (or
+        without rows) through a's own prefill_last + decode (:func:`_greedy`)."""
+        key = (tuple(int(t) for t in ids), int(n))
+        hit = self._greedy.get(key)
+        if hit is not None:
+            return list(hit)
+        out = []
+        if path_rows is not None and path_tokens is not None:
+            rows = np.asarray(path_rows)
+            for k in range(min(n, len(rows))):
+                out.append(int(np.argmax(rows[k])))
+                if k >= len(path_tokens) or out[-1] != int(path_tokens[k]):
+                    break
+        if len(out) < n:
+            more = _greedy(self.a, list(key[0]) + out, n - len(out), last_only=True)[0] if out else \
+                _greedy(self.a, list(key[0]), n, last_only=True)[0]
+            out = out + list(more)
+        self._greedy[key] = list(out)
+        return out
+
+    def control(self, key: str, compute: Callable[[], dict]) -> dict:
+        """The negative control under ``key`` (its thresholds' numbers, note and truths' token lists), computed
+        once by ``compute()``; a copy is returned (a reuse says so in its ``shared`` field)."""
+        if key in self._controls:
+            return {**copy.deepcopy(self._controls[key]),
+                    "shared": "computed once in this process for every backend judged on the same truths"}
+        self._controls[key] = compute()
+        return copy.deepcopy(self._controls[key])
+
+
 def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tuple[list[int], np.ndarray | None]:
     """Greedy continuation of ``n`` tokens through prefill + decode (the incremental path).
 
@@ -157,7 +228,8 @@ def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tup
 GENERATION_BATCH = 8
 
 
-def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens: int, decode_tokens=None) -> dict:
+def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens: int, decode_tokens=None,
+                     truth_of: Callable | None = None) -> dict:
     """Judge b's generation path, the operations ``qwen4exp generate`` uses and the prefill/decode judgement
     never calls: ``prefill_last`` (:func:`parity.backends.base.prefill_last_of`) and ``decode_greedy``
     (:func:`parity.backends.base.decode_greedy_of`; a backend without them is judged through those defaults).
@@ -169,7 +241,9 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
       ``max_tokens``; one at a time when b declares batched decode unsupported), as generation does. Where the tokens equal ``decode_tokens[i]`` (b's own greedy
       continuation through decode(), whose rows are judged) nothing new is claimed; elsewhere each token is
       compared with the argmax of a's forward over the prompt and the tokens before it, a disagreement
-      failing outside the near-tie band (:func:`top1_flips`, the kl row's rule).
+      failing outside the near-tie band (:func:`top1_flips`, the kl row's rule). ``truth_of(ids) -> [T, V]``: a's
+      forward over a token list (default :func:`parity.backends.one_shot_logits` of a; the harness passes its
+      :class:`KLTruth`'s, which answers a continuation already forwarded without a forward of its own).
 
     Returns ``{"ok", "faults": [{"prompt", "op", "position", "detail"}], "prefill_last_rows",
     "decode_greedy_tokens"`` (judged against the truth), ``"decode_greedy_as_decode"`` (equal to decode()'s
@@ -231,7 +305,8 @@ def generation_paths(a, b, prompts, truth_last, th: KLThresholds, greedy_tokens:
                 toks_same += len(got) - 1
                 continue   # the same tokens as b's decode() argmax, whose rows are judged
             ids = [int(t) for t in prompts[i]]
-            truth = np.asarray(one_shot_logits(a, ids + got[:-1]))[len(ids):]   # rows predicting got[1:]
+            fwd = truth_of(ids + got[:-1]) if truth_of is not None else one_shot_logits(a, ids + got[:-1])
+            truth = np.asarray(fwd)[len(ids):]   # rows predicting got[1:]
             pick = np.asarray(got[1:], dtype=np.int64)
             if (pick < 0).any() or (pick >= V).any():
                 j = int(np.argmax((pick < 0) | (pick >= V)))
@@ -382,7 +457,7 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,
            floor_pair: tuple | None = None, perturbed_b: Callable[..., object] | None = None,
            perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None,
-           control_weights=None) -> KLReport:
+           control_weights=None, kl_truth: KLTruth | None = None, control_note: str | None = None) -> KLReport:
     """Run the KL harness: b against a over ``prompts`` (prefill rows and greedy decode rows) plus the controls.
 
     Args:
@@ -399,8 +474,15 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         thresholds: the run's thresholds when already derived from ``floor`` (with its measured tap profile);
             None: :func:`thresholds_for` of b's precision and the floor.
         control_weights: the reference weights ``perturbed_b`` perturbs, when it perturbs the reference (not b):
-            with ``$QWEN4EXP_FLOOR_CACHE`` set the control is then kept there and read back by a run with the same
-            weights, prompts, thresholds and code (:func:`parity.harness.floor_cache.control_material`).
+            the control is then a function of the weights, the truths' token lists (each prompt + the judged
+            continuation), the thresholds' numbers and the code: kept in ``kl_truth`` for the other backends of
+            this process and, with ``$QWEN4EXP_FLOOR_CACHE`` set, there for a later run
+            (:func:`parity.harness.floor_cache.control_material`).
+        control_note: what identifies the control's computation (its target and tensor) when ``perturbed_note``
+            adds words of this backend's own (None: ``perturbed_note``); the shared control's detail is worded
+            with ``perturbed_note``.
+        kl_truth: a :class:`KLTruth` of ``a`` shared with other backends judged on the same prompts (their
+            truth forwards, the truth's continuations and negative controls are reused); None: one of this run.
         progress: ``"bar"`` / True (a tqdm bar), ``"lines"`` (a plain line per prompt, for a stderr that is not a
             terminal) or a false value (none): :func:`parity.harness.progress.progress_bar`.
     Returns:
@@ -430,7 +512,9 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     # a backend claiming determinism must repeat bitwise; any other is allowed its own measured run-to-run noise
     claims_det = bool(capabilities_of(b).get("deterministic"))
     spread, spread_at = 0.0, None
-    la_all, truth_last, logs_a = [], [], []
+    la_all, truth_last, logs_a, paths = [], [], [], []
+    kl_truth = kl_truth if kl_truth is not None else KLTruth(a)
+    ratio = getattr(getattr(getattr(a, "model", None), "config", None), "indexer_compress_ratio", 1) or 1
     tie_rows, outside, per_prompt, unresolved = [], [], [], []
     truth_model = getattr(a, "model", None) if floor is not None else None
     # a coarse floor: the logits may not show a pick outside the tie set, so the selections are read on every prompt
@@ -441,10 +525,22 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             bar.update(1)   # prompt i - 1 is finished (named by the label still set)
         bar.set_postfix_str(f"prompt {i + 1} of {len(prompts)} ({len(ids)} tokens)")
         ids = [int(t) for t in ids]
-        la, log_a = _truth_logits(a, ids)
-        logs_a.append(log_a)
         lb = one_shot_logits(b, ids)
         lb2 = one_shot_logits(b, ids)
+        path, be, gb = ids, lb, None
+        if greedy_tokens:
+            gb, rows = _greedy(b, ids, greedy_tokens)
+            if rows is not None and len(rows) and lb.ndim == 2 and rows.shape[-1] == lb.shape[-1]:
+                # b's decode() rows along b's own continuation, judged against a's forward over the same tokens
+                path = ids + gb[:-1]
+                be = np.concatenate([lb, rows], axis=0)
+        # ONE forward of a per prompt: over the prompt and b's continuation, its selections logged; its prompt rows
+        # are the prompt's truth (the model is causal), its selections at those positions the negative control's
+        truth, log_path = kl_truth.logged(path)
+        la = truth[:len(ids)]
+        log_a = log_path.prefix(len(ids), ratio) if log_path is not None and len(path) > len(ids) else log_path
+        logs_a.append(log_a)
+        paths.append(path)
         if lb.shape != lb2.shape or not np.array_equal(lb, lb2, equal_nan=True):
             det_bad.append(i)
             if claims_det:
@@ -454,21 +550,15 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
                 if spread_at is None or not sp <= spread:
                     spread, spread_at = sp, i
         la_all.append(la)
-        path, truth, be = ids, la, lb
         g = None
         if greedy_tokens:
-            ga = _greedy(a, ids, greedy_tokens, last_only=True)[0]
-            gb, rows = _greedy(b, ids, greedy_tokens)
+            ga = kl_truth.continuation(ids, greedy_tokens, truth[len(ids) - 1:], gb)
             g = {"prompt": i, "a": ga, "b": gb, "agree": greedy_agreement(ga, gb)}
-            if rows is not None and len(rows) and lb.ndim == 2 and rows.shape[-1] == lb.shape[-1]:
-                # b's decode() rows along b's own continuation, judged against a's forward over the same tokens
-                path = ids + gb[:-1]
-                truth = one_shot_logits(a, path)
-                be = np.concatenate([lb, rows], axis=0)
         c = compare_logits(truth, be)
         bad = position_faults(c, th)
         if bad.any() and truth_model is not None and hasattr(truth_model, "selection_hook"):
-            tj = judge_ties(truth_model, path, be, bad, th, floor, backend=b)
+            tj = judge_ties(truth_model, path, be, bad, th, floor, backend=b,
+                            canon_log=(truth, log_path) if log_path is not None else None)
             if tj.outside:
                 outside.append(f"prompt {i}: {tj.outside}")
             elif tj.logits is not None:
@@ -522,7 +612,8 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     if outside:
         passed = False
         reason = outside[0] + ("" if len(outside) == 1 else f" (+{len(outside) - 1} more prompts)") + "; " + reason
-    gen = generation_paths(a, b, prompts, truth_last, th, greedy_tokens, [g["b"] for g in greedy] if greedy else None)
+    gen = generation_paths(a, b, prompts, truth_last, th, greedy_tokens, [g["b"] for g in greedy] if greedy else None,
+                           truth_of=lambda ids: kl_truth.logged(ids)[0])
     generation_failed = sorted({f["prompt"] for f in gen["faults"]} - set(failed_prompts))
     if gen["faults"]:   # prefill_last / decode_greedy (what generation runs) disagree with the truth
         first_gen = generation_fault_text(gen["faults"][0])
@@ -574,18 +665,34 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     else:
         from parity.harness import floor_cache
         # a control perturbing the reference is the same for every backend judged with these thresholds on these
-        # prompts: kept once in $QWEN4EXP_FLOOR_CACHE (control_weights: given only for such a control)
-        mat = (floor_cache.control_material(control_weights, prompts, th, perturbed_note)
-               if control_weights is not None and floor_cache.cache_dir() else None)
-        hit = floor_cache.load_control(mat) if mat is not None else None
-        if hit is not None:
-            nc = {**hit[0], "source": f"read from {hit[1]}"}
-        else:
+        # prompts: it is a function of the weights, the truths (the token lists they were computed over: each
+        # prompt + the judged continuation), the thresholds' numbers and the code -- computed once per process for
+        # every backend with the same key (kl_truth), and kept in $QWEN4EXP_FLOOR_CACHE (control_weights: given
+        # only for such a control)
+        cnote = control_note if control_note is not None else perturbed_note
+
+        def measure():
+            mat = (floor_cache.control_material(control_weights, paths, th, cnote)
+                   if floor_cache.cache_dir() else None)
+            hit = floor_cache.load_control(mat) if mat is not None else None
+            if hit is not None:
+                return {**hit[0], "source": f"read from {hit[1]}"}
+            got = negative_control(perturbed_b, la_all, prompts, th, cnote,
+                                   truth_model=getattr(a, "model", None),
+                                   logs=logs_a if all(lg is not None for lg in logs_a) else None)
+            if mat is not None:
+                got["source"] = f"measured, kept in {floor_cache.store_control(mat, got)}"
+            return got
+        if control_weights is not None:
+            key = json.dumps([[list(map(int, p)) for p in paths], float(th.tol_rel), float(th.floor_rel),
+                              float(th.multiple), float(th.score_rel), str(cnote)])
+            nc = kl_truth.control(key, measure)
+            if cnote != perturbed_note and nc["detail"].startswith(cnote):   # this backend's own wording
+                nc["detail"] = perturbed_note + nc["detail"][len(cnote):]
+        else:   # b itself perturbed: b's own control, never shared
             nc = negative_control(perturbed_b, la_all, prompts, th, perturbed_note,
                                   truth_model=getattr(a, "model", None),
                                   logs=logs_a if all(lg is not None for lg in logs_a) else None)
-            if mat is not None:
-                nc["source"] = f"measured, kept in {floor_cache.store_control(mat, nc)}"
         controls["negative_control"] = nc
         if not nc["ok"]:
             inconclusive.append("negative control: " + nc["detail"])

@@ -16,10 +16,10 @@ from pathlib import Path
 from parity.harness.causes import group_causes
 from parity.harness.jsonio import jsonable, write_json_atomic  # noqa: F401 (re-exported: callers import them here)
 from parity.harness.scenarios.locate import NOT_WRITTEN
-from reference.errors import EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK
+from reference.errors import EXIT_DIVERGENCE, EXIT_ENVIRONMENT, EXIT_INCONCLUSIVE, EXIT_OK
 
 __all__ = ["ScenarioRow", "ParityReport", "write_json_atomic", "render_table", "jsonable", "next_step",
-           "next_step_lines"]
+           "next_step_lines", "worst_exit_code", "EXIT_SEVERITY"]
 
 
 @dataclass
@@ -372,6 +372,21 @@ def _row_cells(report: ParityReport) -> list[list[str]]:
             err = f"{rel:.2e}xscale" if math.isfinite(rel) else str(rel)
         rows.append([r.scenario, cases, kl, _limits(r.thresholds), err, div, f"{r.seconds:.1f}s", r.status.upper()])
     return rows
+
+
+#: which exit code of several reports is the worst (a run judging several backends exits with it): an environment
+#: failure, then a divergence (a verdict against a backend), then inconclusive, then pass
+EXIT_SEVERITY = (EXIT_ENVIRONMENT, EXIT_DIVERGENCE, EXIT_INCONCLUSIVE, EXIT_OK)
+
+
+def worst_exit_code(codes) -> int:
+    """The worst of several exit codes by :data:`EXIT_SEVERITY` (a code not listed there counts as a
+    divergence); 0 for none."""
+    codes = [int(c) for c in codes]
+    for c in EXIT_SEVERITY:
+        if c in codes:
+            return c
+    return EXIT_DIVERGENCE if codes else 0
 
 
 HEADER = ["scenario", "cases", "worst KL", "limits", "worst logit err", "first divergence", "time", "verdict"]

@@ -32,7 +32,7 @@ def perturbation(seed: int = 0, scale: float = 1.0):
 
 
 def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_tokens=KL_GREEDY_TOKENS, perturb_name=None,
-                   progress=True, flags=("--a", "--b"), floor=None, thresholds=None):
+                   progress=True, flags=("--a", "--b"), floor=None, thresholds=None, shared=None):
     """Open the backends, run :func:`parity.harness.kl.run_kl` with all three controls. Returns the KLReport.
 
     The negative control perturbs b itself when b supports ``perturb`` (see Backend.capabilities) and exposes its
@@ -40,29 +40,39 @@ def run_kl_command(model_path, a_spec: str, b_spec: str, prompts, *, greedy_toke
     continuous, never a selection flip), else the reference (noted in the report: it then proves the harness,
     not b's loader, flags a bad weight); it is sized from the floor (parity.harness.kl.negative_control). ``flags``: the options of a and b named in error
     messages; ``floor`` / ``thresholds``: the run's measured floor and thresholds (None: measured by the
-    harness on the prompts).
+    harness on the prompts). ``shared``: the :class:`SharedTruth` of a run judging several backends (its truth
+    backend is a, ``a_spec`` must be "reference"; the truth's forwards and a control perturbing the reference are
+    shared through its :class:`parity.harness.kl.KLTruth`); None: a opened here.
     """
     from parity.backends import capabilities_of, open_backend
     from parity.harness.kl import run_kl
 
-    a = open_backend(a_spec, model_path, flag=flags[0])
-    b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
-    r32 = a if a_spec == "reference" else open_backend("reference", model_path)
-    r64 = open_backend("reference:dtype=float64", model_path)
+    if shared is not None:
+        a = shared.kl_reference()
+        b = open_backend(b_spec, model_path, flag=flags[1])
+        r32, r64 = a, None
+    else:
+        a = open_backend(a_spec, model_path, flag=flags[0])
+        b = a if b_spec == a_spec else open_backend(b_spec, model_path, flag=flags[1])
+        r32 = a if a_spec == "reference" else open_backend("reference", model_path)
+        r64 = open_backend("reference:dtype=float64", model_path)
     name = perturb_name or default_perturb_target(b.config)
     # the control's selections are forced to the truth's picks (a continuous effect, not a selection flip): that
     # needs the perturbed backend's reference model; b is perturbed itself only when it has one
     forceable = hasattr(getattr(b, "model", None), "selection_hook")
     target = b_spec if capabilities_of(b).get("perturb") and forceable else "reference"
-    note = f"{target} with {name} perturbed (+ rms * N(0,1))"
+    note = base_note = f"{target} with {name} perturbed (+ rms * N(0,1))"
     if target != b_spec and capabilities_of(b).get("perturb"):
         note += f" (not {b_spec}: its selections cannot be forced to the truth's)"
 
     def perturbed(scale=1.0):
         return open_backend(target, model_path, perturb=(name, perturbation(scale=scale)))
+    if floor is None and r64 is None:
+        r64 = open_backend("reference:dtype=float64", model_path)
     rep = run_kl(a, b, prompts, model=str(model_path), greedy_tokens=greedy_tokens, floor_pair=(r32, r64),
                  perturbed_b=perturbed, perturbed_note=note, progress=progress, floor=floor, thresholds=thresholds,
-                 control_weights=r32.model.weights if target == "reference" else None)
+                 control_weights=r32.model.weights if target == "reference" else None,
+                 control_note=base_note, kl_truth=shared.kl_truth if shared is not None else None)
     rep.backend = b  # the instance that ran (and holds the history of) every prompt: locating replays on it
     return rep
 
@@ -172,6 +182,48 @@ def _topk_row(res: dict, be, th, limits: dict, t0: float):
     return ScenarioRow("kl-topk", cases, n_bad, res["worst_kl"], None, first, time.perf_counter() - t0,
                        status, detail, failures=[fail] if status != "pass" else [], thresholds=limits)
 
+class SharedTruth:
+    """What every backend judged in one process on one model and prompt set shares: the truth model (the float32
+    reference) and its :class:`parity.harness.scenarios.common.TruthCache` (the suites' truth forwards), the KL
+    harness's truth backend over that same model and its :class:`parity.harness.kl.KLTruth` (the truth's
+    forwards per prompt + continuation, its greedy continuations, the negative control when it perturbs the
+    reference). Nothing in it depends on a backend under test: a backend's own results (its logits, tokens,
+    verdicts) are never kept here, only the truth's, keyed by the token lists they were computed over.
+
+    Built lazily: a run that needs no truth (self-consistency alone) never loads the reference.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._truth = None
+        self._a = None
+        self._kl = None
+
+    def truth(self):
+        """The :class:`parity.harness.scenarios.common.TruthCache` of the float32 reference (built once)."""
+        if self._truth is None:
+            from parity.backends import truth_model
+            from parity.harness.scenarios.common import TruthCache
+            self._truth = TruthCache(truth_model(self.model))
+        return self._truth
+
+    def kl_reference(self):
+        """The KL harness's truth backend: a :class:`parity.backends.ReferenceBackend` named ``reference`` over
+        :meth:`truth`'s model (one set of weights and weight caches for both)."""
+        if self._a is None:
+            from parity.backends import ReferenceBackend
+            self._a = ReferenceBackend(self.truth().model, "reference", self.model)
+        return self._a
+
+    @property
+    def kl_truth(self):
+        """The :class:`parity.harness.kl.KLTruth` of :meth:`kl_reference` (built once)."""
+        if self._kl is None:
+            from parity.harness.kl import KLTruth
+            self._kl = KLTruth(self.kl_reference())
+        return self._kl
+
+
 def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", page_sizes=None, prompts=None,
                out_dir=None, progress=True, known=None, below_bound=False):
     """Run the KL harness and the scenarios; returns a :class:`parity.harness.report.ParityReport`.
@@ -191,43 +243,91 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
     Raises:
         BackendError / InputError: the backend cannot be opened, bad options or prompts (before anything runs).
     """
+    return run_parity_many(model, [backend_spec], scenarios, level=level, page_sizes=page_sizes, prompts=prompts,
+                           out_dirs=[out_dir], progress=progress, known=known, below_bound=below_bound)[0]
+
+
+def run_parity_many(model, backend_specs: list[str], scenarios: list[str], *, level="full", page_sizes=None,
+                    prompts=None, out_dirs=None, progress=True, known=None, below_bound=False, share=True):
+    """:func:`run_parity` of several backends on one model and prompt set, in one process: one report per backend,
+    in the order of ``backend_specs``, each exactly what :func:`run_parity` of that backend alone gives -- its own
+    rows, thresholds (the floor of its own stores and precision), controls and failures -- while everything that
+    depends on the truth alone is computed once (:class:`SharedTruth`): the truth model and the suites' truth
+    forwards, the floors' float64 and float32-order forwards (parity.harness.floor.thresholds_for_runs: one rounded
+    forward per distinct store set), the KL truth's forward per prompt + continuation (a backend with another
+    continuation gets its own), the truth's greedy continuations and a negative control perturbing the reference.
+
+    Args:
+        backend_specs: ``--backend`` specs (at least one). Every backend is opened (probed) before anything runs.
+        out_dirs: per backend, the folder of its tap archives (``taps/`` under it), or None.
+        known: a ``--known`` baseline, for a single backend only.
+        share: False judges each backend with truths of its own (as separate runs would; the forward-count tests'
+            control).
+    Returns:
+        ``[ParityReport]``.
+    Raises:
+        BackendError / InputError: a backend cannot be opened, bad options or prompts; a top-k server backend
+            (``topk_only``) among several (it shares nothing: judge it in a run of its own); ``known`` with
+            several backends. Nothing runs then.
+    """
     from pathlib import Path
 
-    from parity.backends import opener, truth_model
-    from parity.harness.report import ParityReport, ScenarioRow
-    from parity.harness.scenarios import count_cases, run_scenario, summarize_results
-    from parity.harness.scenarios.common import TruthCache
-    from reference.errors import UserError
-
-    op = opener(backend_spec, model)
-    from parity.backends import capabilities_of
+    from parity.backends import capabilities_of, opener
     from parity.backends.base import capability_table
     from parity.backends.refusal import EngineRefused
-    t_open = time.perf_counter()
-    try:
-        probe = op()  # fails here, clearly, when the backend cannot be opened
-    except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
-        report = ParityReport(backend=backend_label(backend_spec), model=str(model), meta={"refused": e.to_json()})
-        # nothing was compared: no KL, no error figure ('-'); the offered re-parameterisation is in the cell
-        offer = f"; {e.offer}" if e.offer else ""
-        report.rows.append(ScenarioRow("open", 1, 1, None, None,
-                                       f"REFUSED by {e.engine} {e.stage}: {e.message}{offer}",
-                                       time.perf_counter() - t_open, "refused", e.offer))
-        return report
-    caps = capabilities_of(probe)
-    cfg = probe.config
-    report = ParityReport(backend=backend_label(backend_spec), model=str(model),
-                          meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
-                                # each operation's declaration (supported / limited with its limit / unsupported)
-                                "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
-                                **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
-                                **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {}),
-                                # what an outside engine leaves out of the checkpoint, located (never a silent skip)
-                                **({"engine_findings": probe.findings} if getattr(probe, "findings", None) else {})})
-    if caps.get("topk_only"):  # an OpenAI-compatible server: top-k logprobs only, no sequences
-        return topk_report(report, probe, model, prompts, scenarios, below_bound=below_bound, progress=progress)
-    if hasattr(probe, "close"):
-        probe.close()
+    from parity.harness.report import ParityReport, ScenarioRow
+    from reference.errors import InputError
+
+    specs = [str(sp) for sp in backend_specs]
+    if not specs:
+        raise InputError("--backend: expected at least one backend, found none")
+    if known is not None and len(specs) > 1:
+        raise InputError("--known: a baseline is of one backend; expected one --backend with it, found "
+                         f"{len(specs)}")
+    out_dirs = list(out_dirs) if out_dirs is not None else [None] * len(specs)
+    jobs = []   # per backend: (spec, opener, probe or None, report)
+    for spec in specs:
+        op = opener(spec, model)
+        t_open = time.perf_counter()
+        try:
+            probe = op()  # fails here, clearly, when the backend cannot be opened
+        except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
+            report = ParityReport(backend=backend_label(spec), model=str(model), meta={"refused": e.to_json()})
+            # nothing was compared: no KL, no error figure ('-'); the offered re-parameterisation is in the cell
+            offer = f"; {e.offer}" if e.offer else ""
+            report.rows.append(ScenarioRow("open", 1, 1, None, None,
+                                           f"REFUSED by {e.engine} {e.stage}: {e.message}{offer}",
+                                           time.perf_counter() - t_open, "refused", e.offer))
+            jobs.append((spec, op, None, report))
+            continue
+        caps = capabilities_of(probe)
+        cfg = probe.config
+        report = ParityReport(backend=backend_label(spec), model=str(model),
+                              meta={"config_hash": cfg.config_hash(), "precision": probe.precision, "level": level,
+                                    # each operation's declaration (supported / limited with its limit / unsupported)
+                                    "capabilities": {**{k: v for k, v in caps.items()}, **capability_table(probe)},
+                                    **({"load": probe.load_note} if getattr(probe, "load_note", None) else {}),
+                                    **({"conversion": probe.conversion} if hasattr(probe, "conversion") else {}),
+                                    # what an outside engine leaves out of the checkpoint, located (never a silent
+                                    # skip)
+                                    **({"engine_findings": probe.findings} if getattr(probe, "findings", None)
+                                       else {})})
+        if caps.get("topk_only") and len(specs) > 1:
+            raise InputError(f"--backend {spec}: a top-k server (OpenAI-compatible API) shares no truth with other "
+                             f"backends (it is judged on top-k logprobs of text requests); expected it alone, found "
+                             f"it among {len(specs)} --backend options: judge it in a run of its own")
+        jobs.append((spec, op, probe, report))
+    if len(jobs) == 1 and jobs[0][2] is not None and capabilities_of(jobs[0][2]).get("topk_only"):
+        # an OpenAI-compatible server: top-k logprobs only, no sequences
+        spec, op, probe, report = jobs[0]
+        return [topk_report(report, probe, model, prompts, scenarios, below_bound=below_bound, progress=progress)]
+    live = [j for j in jobs if j[2] is not None]
+    for _, _, probe, _ in live:
+        if hasattr(probe, "close"):
+            probe.close()
+    if not live:
+        return [j[3] for j in jobs]
+    cfg = live[0][2].config
     kl_prompts = None
     from parity.harness.scenarios import TRUTHLESS
     # the self-consistency suite needs no reference: a run of it alone never loads the truth
@@ -238,26 +338,57 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
         # scenarios run. A bad --prompts file is an input error (exit 2), found before anything runs.
         from parity.prompts import load_prompts
         kl_prompts = load_prompts(prompts, model, cfg.vocab_size, cfg.max_position_embeddings)
-    truth = TruthCache(truth_model(model)) if needs_truth else None
-    from parity.harness.scenarios.common import NonFiniteTruth, token_stream
-    invalid = None
-    if truth is not None:  # the truth must be finite before anything is judged against it (a NaN checkpoint is no verdict)
-        try:
-            truth.logits(kl_prompts[0] if kl_prompts else token_stream(cfg, min(8, cfg.max_position_embeddings),
-                                                                       seed=0))
-        except NonFiniteTruth as e:
-            invalid = e
-    floor, coarse = None, None
-    if truth is not None and invalid is None:
-        from parity.harness.floor import thresholds_for_run   # thresholds from the floor measured on this model
-        tf = time.perf_counter()
-        if progress:   # the floor is the run's first long step: a quiet log must still say what runs
-            print("parity: measuring this model's precision floor (the limits every row is judged by)",
-                  file=sys.stderr, flush=True)
-        th, floor, coarse = thresholds_for_run(truth.model.weights, probe, kl_prompts)
-        if progress:
-            src = "" if floor.source == "measured" else f" ({floor.source})"
-            print(f"parity: floor ready in {time.perf_counter() - tf:.0f}s{src}", file=sys.stderr, flush=True)
+    groups = [live] if share else [[j] for j in live]
+    judged = {}
+    for group in groups:
+        shared = SharedTruth(model)
+        truth = shared.truth() if needs_truth else None
+        from parity.harness.scenarios.common import NonFiniteTruth, token_stream
+        invalid = None
+        if truth is not None:  # the truth must be finite before anything is judged against it (a NaN checkpoint is no
+            try:               # verdict)
+                truth.logits(kl_prompts[0] if kl_prompts else token_stream(cfg, min(8, cfg.max_position_embeddings),
+                                                                           seed=0))
+            except NonFiniteTruth as e:
+                invalid = e
+        ths = [(None, None, None)] * len(group)
+        if truth is not None and invalid is None:
+            from parity.harness.floor import thresholds_for_runs   # thresholds from the floor measured on this model
+            tf = time.perf_counter()
+            if progress:   # the floor is the run's first long step: a quiet log must still say what runs
+                print("parity: measuring this model's precision floor (the limits every row is judged by)",
+                      file=sys.stderr, flush=True)
+            ths = thresholds_for_runs(truth.model.weights, [j[2] for j in group], kl_prompts)
+            if progress:
+                srcs = sorted({fl.source for _, fl, _ in ths if fl.source != "measured"})
+                src = f" ({'; '.join(srcs)})" if srcs else ""
+                print(f"parity: floor ready in {time.perf_counter() - tf:.0f}s{src}", file=sys.stderr, flush=True)
+        for (spec, op, probe, report), (th, floor, coarse) in zip(group, ths):
+            k = next(i for i, j in enumerate(jobs) if j[3] is report)
+            if len(specs) > 1 and progress:
+                print(f"parity: backend {k + 1} of {len(specs)}: {backend_label(spec)}", file=sys.stderr, flush=True)
+            _judge_backend(report, model, spec, op, probe, scenarios, shared, truth, invalid, th, floor, coarse,
+                           kl_prompts, level=level, page_sizes=page_sizes,
+                           out_dir=out_dirs[k], progress=progress, known=known, below_bound=below_bound)
+            judged[k] = report
+    return [judged.get(i, j[3]) for i, j in enumerate(jobs)]
+
+
+def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, truth, invalid, th, floor, coarse,
+                   kl_prompts, *, level, page_sizes, out_dir, progress, known, below_bound):
+    """Fill ``report`` with the rows of one backend (:func:`run_parity_many`): the kl row and the suites, judged
+    by its own thresholds ``th`` (None: the nominal ones of its precision, when no floor was measured) against
+    ``shared``'s truth."""
+    from pathlib import Path
+
+    from parity.backends import capabilities_of
+    from parity.harness.report import ScenarioRow
+    from parity.harness.scenarios import count_cases, run_scenario, summarize_results
+    from parity.harness.scenarios.common import NonFiniteTruth
+    from reference.errors import UserError
+    caps = capabilities_of(probe)
+    cfg = probe.config
+    if th is not None:
         from parity.harness.kl import USEFUL_FAULT_REL
         # the resolution: a fault moving some logit by more than the limit (relative to the logit scale) FAILs
         report.meta.update(thresholds=th.to_json(), floor=floor.to_json(), smallest_fault_rel=th.tol_rel,
@@ -281,7 +412,7 @@ def run_parity(model, backend_spec: str, scenarios: list[str], *, level="full", 
                 try:
                     report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
                                               archive_dir=archive_dir, floor=floor, known=known, thresholds=th,
-                                              below_bound=below_bound))
+                                              below_bound=below_bound, shared=shared))
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # the backend raised (or exited) in the KL
                     # harness: an ERROR row (the backend was opened and the prompts read before this point: nothing
                     # here is bad input); only a KeyboardInterrupt behind which a signal was received stops the run
@@ -346,7 +477,7 @@ def confine_kl_prompts(config, prompts, greedy_tokens: int = KL_GREEDY_TOKENS):
 
 
 def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=None, floor=None, known=None,
-           thresholds=None, below_bound=False):
+           thresholds=None, below_bound=False, shared=None):
     """The KL harness as one verdict-table row; a failing comparison is located: a decode failure through a
     replay of that prompt's prefill + greedy decode (:func:`parity.harness.kl.decode_case`: tap-diff and the
     search through the state), a prefill failure by tap-diff of the worst prompt's one-shot logits.
@@ -355,7 +486,9 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     failed cases are the report's ``failed_prompts`` (prefill or decode rows, or a pick outside a tie set).
     ``floor`` / ``thresholds``: the run's; ``known``: the ``--known`` baseline; ``below_bound``: judge only
     positions below the QSA bound (:func:`confine_kl_prompts`: the prompts and the continuation are cut; the floor
-    and thresholds stay those measured on the whole prompts).
+    and thresholds stay those measured on the whole prompts). ``shared``: the run's :class:`SharedTruth` (the
+    truth's forwards and a control perturbing the reference shared with the other backends of the run; None: a
+    run of its own).
     """
     import dataclasses
 
@@ -376,7 +509,7 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
         from reference.config import load_config
         prompts, greedy_tokens, confined = confine_kl_prompts(load_config(model), prompts, greedy_tokens)
     rep = run_kl_command(model, "reference", backend_spec, prompts, greedy_tokens=greedy_tokens, progress=False,
-                         flags=("reference", "--backend"), floor=floor, thresholds=thresholds)
+                         flags=("reference", "--backend"), floor=floor, thresholds=thresholds, shared=shared)
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = rep.status.lower()
     detail = rep.reason + (f"; controls failed: {failed_controls}" if failed_controls else "")

@@ -28,11 +28,12 @@ def weights():
 
 @pytest.fixture
 def counted(monkeypatch, tmp_path):
-    """The cache in a fresh folder; counts the floor measurements actually run."""
+    """The cache in a fresh folder; counts the floor measurements actually run (measure_floors: the one pass behind
+    measure_floor and thresholds_for_run[s])."""
     from parity.harness import floor as F
     monkeypatch.setenv("QWEN4EXP_FLOOR_CACHE", str(tmp_path / "floors"))
     n = {"floor": 0, "taps": 0}
-    real_floor, real_taps = F.measure_floor, F.tap_floors
+    real_floor, real_taps = F.measure_floors, F.tap_floors
 
     def mf(*a, **k):
         n["floor"] += 1
@@ -41,7 +42,7 @@ def counted(monkeypatch, tmp_path):
     def tf(*a, **k):
         n["taps"] += 1
         return real_taps(*a, **k)
-    monkeypatch.setattr(F, "measure_floor", mf)
+    monkeypatch.setattr(F, "measure_floors", mf)
     monkeypatch.setattr(F, "tap_floors", tf)
     return n, tmp_path / "floors"
 
@@ -233,3 +234,34 @@ def test_the_control_key_negative_controls(weights, nc_counted, change):
     rep = _kl(weights, ps, **kw)
     assert nc_counted[0] == 2, change
     assert "read from" not in rep.controls["negative_control"].get("source", "")
+
+
+def test_floors_of_several_store_sets_in_one_pass_equal_each_measured_alone(weights, monkeypatch):
+    # measure_floors runs the float64 and float32-order forwards once for every store set (one rounded forward per
+    # distinct set): each floor bitwise what measure_floor of that set alone gives
+    from parity.harness import floor as F
+    from reference.model import ReferenceModel
+    ps = _prompts(weights.config)
+    stream = F.floor_prompts(weights.config, None)[-1]
+    ps = ps + [stream]
+    sets = [{}, {"kv": "bf16"}, "bf16", {}]
+    passes = []
+    real = ReferenceModel._run
+
+    def counted(self, state, ids, logits="all", residual_out=None):
+        passes.append(np.dtype(self.dtype).name + ("+stores" if self.store_round is not None else ""))
+        return real(self, state, ids, logits, residual_out)
+    monkeypatch.setattr(ReferenceModel, "_run", counted)
+    together = F.measure_floors(weights, ps, sets, tap_ids=stream)
+    n_orders = len(F.FLOOR_ORDERS)
+    # per prompt: one float64, one float32 per order, one rounded per distinct store set (two)
+    assert passes.count("float64") == len(ps) and passes.count("float32") == n_orders * len(ps)
+    assert passes.count("float32+stores") == 2 * len(ps)
+    passes.clear()
+    alone = [F.measure_floor(weights, ps, st, tap_ids=stream) for st in sets]
+    assert len(passes) > (1 + n_orders) * len(ps) * 2          # measured alone, the shared forwards repeat
+    for a, b in zip(together, alone):
+        assert a.to_json() == b.to_json() and a.ties.cuts == b.ties.cuts
+        assert (a.tap_floors is None) == (b.tap_floors is None)
+        assert a.tap_floors is None or a.tap_floors == b.tap_floors
+    assert together[0] is not together[3]

@@ -408,41 +408,58 @@ def test_kl_row_of_a_top_k_truncated_backend_shows_inf_not_nan():
 
 
 def test_the_truth_side_runs_one_full_forward_per_prompt_and_the_same_controls(refs, monkeypatch):
-    # a's one-shot logits carry the selection log the negative control reads, and a's own greedy continuation
-    # prefills through prefill_last: one full forward of a per prompt (three before), the same control and verdict
+    # ONE pass of a per prompt: its forward over the prompt + b's continuation, selections logged; its prompt rows
+    # are the prompt's truth and its selections there the negative control's; a's own greedy continuation is read
+    # from the same rows (no prefill_last, no decode of a) while it equals b's
     from parity.backends import open_backend
     from parity.harness import kl as K
     from parity.harness.floor import logged_logits
     r32, r64 = refs
     a, b = open_backend("reference", FIX), open_backend("reference", FIX)
-    full = []
+    passes = []
     real = a.model._run
 
     def counted(state, ids, logits="all", residual_out=None):
-        if logits == "all" and state.position == 0:
-            full.append(len(ids))
+        passes.append((len(ids), logits, state.position))
         return real(state, ids, logits, residual_out)
     monkeypatch.setattr(a.model, "_run", counted)
     seen = {}
     nc_real = K.negative_control
 
     def nc(*args, **kw):
-        seen["logs"] = kw.get("logs")
+        seen["logs"], seen["truths"] = kw.get("logs"), args[1]
         return nc_real(*args, **kw)
     monkeypatch.setattr(K, "negative_control", nc)
     rep = run_kl(a, b, PROMPTS, greedy_tokens=3, floor_pair=(r32, r64), perturbed_b=_perturbed, progress=False)
     assert rep.passed and rep.controls_ok
-    # per prompt: its one-shot forward, then the forward over prompt + b's continuation (the decode rows' truth)
-    assert full == [n for p in PROMPTS for n in (len(p), len(p) + 2)], full
+    assert passes == [(len(p) + 2, "all", 0) for p in PROMPTS], passes   # three passes per prompt before
     assert seen["logs"] is not None and len(seen["logs"]) == len(PROMPTS)
     monkeypatch.setattr(a.model, "_run", real)
-    for ids, lg in zip(PROMPTS, seen["logs"]):   # the very log a separate logged forward gives
-        ref = logged_logits(a.model, ids)[1]
-        assert all(np.array_equal(lg.moe_ids[k], ref.moe_ids[k]) for k in ref.moe_ids)
-        assert all(np.array_equal(lg.qsa_sel[k], ref.qsa_sel[k]) for k in ref.qsa_sel)
+    for ids, g, lg, tr in zip(PROMPTS, rep.greedy, seen["logs"], seen["truths"]):
+        full, ref = logged_logits(a.model, ids + g["b"][:-1])   # the very forward, its prompt part
+        assert np.array_equal(tr, full[:len(ids)])
+        assert all(np.array_equal(lg.moe_ids[k], ref.moe_ids[k][:len(ids)]) for k in ref.moe_ids)
+        assert all(np.array_equal(lg.qsa_sel[k], ref.qsa_sel[k][:len(ids)]) for k in ref.qsa_sel)
+        own = logged_logits(a.model, ids)[1]   # a forward over the prompt alone selects the same here
+        assert all(np.array_equal(lg.moe_ids[k], own.moe_ids[k]) for k in own.moe_ids)
+        assert all(np.array_equal(lg.qsa_sel[k], own.qsa_sel[k]) for k in own.qsa_sel)
     # the control with the logs handed over equals the control logging them itself (negative-control twin)
     th = rep.thresholds
     kept = nc_real(_perturbed, [a.logits(p) for p in PROMPTS], PROMPTS, th, truth_model=a.model, logs=seen["logs"])
     own = nc_real(_perturbed, [a.logits(p) for p in PROMPTS], PROMPTS, th, truth_model=a.model)
     assert kept == own
     assert [g["a"] for g in rep.greedy] == [g["b"] for g in rep.greedy]   # prefill_last continues as prefill
+
+
+def test_the_truths_continuation_is_its_own_when_b_continues_otherwise(refs):
+    # b (a perturbed reference) continues with tokens of its own: a's continuation, read from the forward over b's
+    # path up to the first difference, then a's own greedy from there, equals a's greedy run alone
+    from parity.backends import open_backend
+    from parity.harness import kl as K
+    from parity.harness.run import perturbation
+    r32, r64 = refs
+    b = open_backend("reference", FIX, perturb=("layers.0.linear_attn.out_proj.weight", perturbation(scale=30.0)))
+    rep = run_kl(r32, b, PROMPTS, greedy_tokens=4, floor_pair=(r32, r64), perturbed_b=_perturbed, progress=False)
+    assert any(g["agree"] < 4 for g in rep.greedy), rep.greedy   # the case under test: b continues otherwise
+    for ids, g in zip(PROMPTS, rep.greedy):
+        assert g["a"] == K._greedy(r32, ids, 4, last_only=True)[0]

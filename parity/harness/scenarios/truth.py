@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from parity.harness.floor import SelectionLog, logged_logits
+from parity.harness.floor import logged_logits
 from reference.errors import InconclusiveError, first_nonfinite
 
 __all__ = ["TruthCache", "NonFiniteTruth", "check_truth_finite"]
@@ -79,12 +79,7 @@ class TruthCache:
             if not any(len(k) >= n and k[:n] == key for k in self._cache):
                 self._put(key, out)
         _, out, log = got
-        r = self.model.config.indexer_compress_ratio or 1
-        cut = SelectionLog(qsa_scores={i: a[:n, :n // r] for i, a in log.qsa_scores.items()},
-                           qsa_sel={i: a[:n] for i, a in log.qsa_sel.items()},
-                           moe_probs={i: a[:n] for i, a in log.moe_probs.items()},
-                           moe_ids={i: a[:n] for i, a in log.moe_ids.items()})
-        return out[:n], cut
+        return out[:n], log.prefix(n, self.model.config.indexer_compress_ratio)
 
     def prime(self, hist: Sequence[int]) -> None:
         """Compute (once) the truth over a history the case will reach piece by piece, so every
