@@ -627,7 +627,7 @@ def thresholds_for_runs(weights, backends: Sequence, prompts: Sequence[Sequence[
 
 
 def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, multiple: float = 8.0,
-                      score_rel: float | None = None):
+                      score_rel: float | None = None, rows: Sequence[int] | None = None):
     """A tap-diff tolerance profile measured on this model: per activation tap, ``multiple`` x that tap's own
     floor (the float32 reference, or the store-rounding one for ``stores``, against float64 over ``ids``, all
     selections forced to the float64 run's).
@@ -639,17 +639,25 @@ def tap_floor_profile(weights, ids: Sequence[int], stores: dict | None = None, m
     that. Index taps (selections): a flip within ``score_rel`` (the tie band, parity.harness.ties) of the
     row's scores is a near tie. Returns a :class:`taps.diff.Profile`; the per-tap figures are in its
     ``source`` text's companion attribute ``floors`` (``{tap: (rel_l2, atol_rms)}``).
+
+    ``rows``: the positions a comparison will judge (e.g. the one row of a decode step), when not all of ``ids``:
+    each tap's figures are then the larger of the whole history's and those rows' alone (same forwards). A
+    relative error over all rows can sit far below that of the last rows, where the error has accumulated
+    (measured on tiny: layers.4.linear_attn.norm.out at 1.04e-6 over 39 rows, while the reference's own decode of
+    the 39th row is 9.0e-6 off its one-shot forward): judged at the whole history's floor, a correct decode step
+    was named as the divergence's entry. The rows' own floor is the same rule applied to what is compared.
     """
-    return tap_profile_of(tap_floors(weights, ids, stores), multiple, score_rel, stores, len(ids))
+    return tap_profile_of(tap_floors(weights, ids, stores, rows), multiple, score_rel, stores, len(ids))
 
 
-def tap_floors(weights, ids: Sequence[int], stores: dict | None = None) -> dict:
+def tap_floors(weights, ids: Sequence[int], stores: dict | None = None, rows: Sequence[int] | None = None) -> dict:
     """Per activation tap of one forward over ``ids``, its floor ``(rel_l2, atol_rms)``: the float32 reference
     (store-rounded for ``stores``) against float64, selections forced to the float64 run's, the envelope
     over :data:`FLOOR_ORDERS` (each at least the float32 unit roundoff). The measurement behind
     :func:`tap_floor_profile` (:func:`tap_profile_of` turns it into a profile); :func:`measure_floor` records
-    the same figures from its own forwards when asked (``tap_ids``). Cost: one float64 and one float32 forward
-    per order, every tap kept in float64."""
+    the same figures from its own forwards when asked (``tap_ids``). ``rows``: positions judged alone later; each
+    figure is then also at least those rows' own (:func:`tap_floor_profile` says why). Cost: one float64 and one
+    float32 forward per order, every tap kept in float64."""
     from reference.model import ReferenceModel   # imports Numba (seconds): only where a model is built
 
     ref, (_, log) = _captured(lambda: logged_logits(ReferenceModel(weights, dtype=np.float64), ids))
@@ -661,6 +669,8 @@ def tap_floors(weights, ids: Sequence[int], stores: dict | None = None) -> dict:
         with evaluation_order(o):
             got, _ = _captured(lambda: forced_logits(m, ids, log))  # noqa: B023 - called at once
         _merge_tap_floors(floors, ref, got)
+        if rows is not None:
+            _merge_tap_floors(floors, ref, got, rows=[int(r) for r in rows], n=len(ids))
     return floors
 
 
@@ -744,16 +754,19 @@ def _tap_err_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, b
     return sa, sd, md, any(p[3] for p in parts)
 
 
-def _merge_tap_floors(floors: dict, ref: dict, got: dict) -> None:
+def _merge_tap_floors(floors: dict, ref: dict, got: dict, rows: list[int] | None = None, n: int = 0) -> None:
     """Fold one float32 order's taps ``got`` into ``floors`` (``{tap: (rel_l2, atol_rms)}``, the maximum over the
     orders) against the float64 taps ``ref`` (activation taps only; each figure at least the float32 unit
-    roundoff)."""
+    roundoff). ``rows``: only those positions of the taps laid out one row per position (first axis ``n``, the
+    history's length); other taps whole."""
     u = UNIT_ROUNDOFF["float32"]
     for name, a in ref.items():
         spec = registry.spec_for(name)
         b = got.get(name)
         if b is None or b.shape != a.shape or (spec is not None and getattr(spec, "kind", "activation") != "activation"):
             continue
+        if rows is not None and a.ndim >= 1 and a.shape[0] == n and all(0 <= r < n for r in rows):
+            a, b = a[rows], b[rows]
         sa, sd, md, any_fin = _tap_err_stats(a, b)
         if not any_fin:
             continue

@@ -398,8 +398,10 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
         th = thresholds_for(report.meta["precision"])
     limits = th.to_json()   # what every row (and every scenario operation) is judged by
     archive_dir = Path(out_dir) / "taps" if out_dir else None
-    total = sum(count_cases(s, cfg, caps, page_sizes, level) for s in scenarios if s != "kl") + ("kl" in scenarios)
-    from parity.harness.progress import progress_bar
+    from parity.harness.scenarios import count_run_cases
+    # the verdict table's cases: the kl row one per prompt (its harness counts each on this bar)
+    total = count_run_cases(scenarios, cfg, caps, page_sizes, level, kl_prompts=len(kl_prompts or ()))
+    from parity.harness.progress import SubProgress, progress_bar
     bar = progress_bar(total, "parity", progress if invalid is None else None)
     try:
         for name in scenarios:
@@ -409,8 +411,9 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
                 continue
             if name == "kl":
                 bar.set_postfix_str("kl")
+                sub = SubProgress(bar, "kl")
                 try:
-                    report.rows.append(kl_row(model, backend_spec, kl_prompts, progress, t0, truth=truth,
+                    report.rows.append(kl_row(model, backend_spec, kl_prompts, sub, t0, truth=truth,
                                               archive_dir=archive_dir, floor=floor, known=known, thresholds=th,
                                               below_bound=below_bound, shared=shared))
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # the backend raised (or exited) in the KL
@@ -422,7 +425,7 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
                                                    "error", msg, traceback=_format_tb(e), thresholds=limits))
-                bar.update(1)
+                bar.update(len(kl_prompts) - sub.n)  # the prompts not counted when the harness raised
                 continue
             try:
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
@@ -508,7 +511,7 @@ def kl_row(model, backend_spec, prompts, progress, t0, truth=None, archive_dir=N
     if below_bound:
         from reference.config import load_config
         prompts, greedy_tokens, confined = confine_kl_prompts(load_config(model), prompts, greedy_tokens)
-    rep = run_kl_command(model, "reference", backend_spec, prompts, greedy_tokens=greedy_tokens, progress=False,
+    rep = run_kl_command(model, "reference", backend_spec, prompts, greedy_tokens=greedy_tokens, progress=progress,
                          flags=("reference", "--backend"), floor=floor, thresholds=thresholds, shared=shared)
     failed_controls = [k for k, c in rep.controls.items() if not c.get("ok")]
     status = rep.status.lower()

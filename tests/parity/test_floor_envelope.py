@@ -197,3 +197,46 @@ def test_a_float32_forward_gives_the_same_bits_whatever_order_ran_before_it(weig
         alt = forced_logits(used, ids, log, SelectionLog())
     assert not np.array_equal(alt, fresh)   # the alternative is another rounding sequence (else this proves nothing)
     np.testing.assert_array_equal(forced_logits(used, ids, log, SelectionLog()), fresh)
+
+
+def test_tap_floor_of_the_judged_rows_covers_a_correct_decode_step():
+    """A decode step is judged at its one row. The tap floor of the whole history (a relative error over all rows)
+    can sit below that row's own float32 error, where error has accumulated; the floor of the judged rows is the same
+    rule applied to what is compared. The reference's own decode of the last row (a correct float32 evaluation)
+    must then sit within the multiple x floor at every activation tap; and the rows' floors never fall below the
+    whole history's (the join only widens where a subset is judged). Negative control: a 1e-4 relative fault in
+    one tap of that row is named."""
+    from parity.harness.floor import tap_floor_profile
+    from parity.prompts import load_prompts
+    from reference.checkpoint import Checkpoint
+    from reference.config import load_config
+    from reference.model import ReferenceModel
+    from reference.paths import resolve_model
+    from reference.session import Session
+    from taps.archive import MemoryArchive
+    from taps.diff import diff_archives
+    from taps.recorder import Recorder
+
+    path = resolve_model("tiny")
+    cfg = load_config(path)
+    ids = [int(t) for t in load_prompts(None, path, cfg.vocab_size, cfg.max_position_embeddings)[1]]
+    w = Checkpoint.open(str(path))
+    last = len(ids) - 1
+    whole = tap_floor_profile(w, ids, None, 8.0)
+    rows = tap_floor_profile(w, ids, None, 8.0, rows=[last])
+    for name, (rel, at) in whole.floors.items():
+        assert rows.floors[name][0] >= rel and rows.floors[name][1] >= at, name
+    m = ReferenceModel(w, dtype=np.float32)
+    with Recorder(None, positions=[last]) as rec:
+        m.forward(ids)
+    truth = rec.archive()
+    sess = Session(m)
+    sess.prefill(ids[:-1])
+    with Recorder(None, positions=[last]) as rec:
+        sess.decode(ids[-1])
+    dec = rec.archive()
+    assert diff_archives(truth, dec, profile=rows, force=True).first_divergence is None
+    name = next(n for n in dec.names() if n.endswith("linear_attn.norm.out"))
+    data = {n: [(dec.positions(n), dec.get(n) * (1 + 1e-4) if n == name else dec.get(n))] for n in dec.names()}
+    bad = MemoryArchive(dec.manifest, data)
+    assert diff_archives(truth, bad, profile=rows, force=True).first_divergence == name

@@ -79,9 +79,6 @@ def test_count_run_cases_is_the_verdict_tables_case_count(kl_budget_run):
     assert n == _table_cases(rows), (n, rows)
 
 
-@pytest.mark.xfail(strict=True, reason="parity/harness/run.py still counts the kl row as one progress step: its "
-                   "total must be count_run_cases(..., kl_prompts=len(kl_prompts)) and the kl row must advance the "
-                   "counter by its prompts (SubProgress(bar, 'kl') as the KL harness's progress)")
 def test_progress_total_is_the_verdict_tables_case_count(kl_budget_run):
     rows, err = kl_budget_run
     done = [(int(a), int(b)) for a, b in re.findall(r"^parity: \[(\d+)/(\d+)\] finished ", err, re.M)]

@@ -156,14 +156,16 @@ def _coverage(rep, backend) -> str:
 _FLOOR_CACHE: dict = {}
 
 
-def judging_profile_of(thresholds, precision: str = "float32", model=None, ids=None, backend=None):
+def judging_profile_of(thresholds, precision: str = "float32", model=None, ids=None, backend=None, positions=None):
     """The tap-diff profile of every automatic location (:func:`taps.diff.judging_profile`): ``multiple`` x each
     tap's own floor measured on THE SAME history ``ids`` (``parity.harness.floor.tap_floor_profile``: the float32
     truth, or the store-rounding one of ``backend``'s stores, against float64, selections forced to float64's),
     joined with the run's measured profile (``thresholds.tap_profile``). Without a ``model`` to measure on and
     no run profile: the bundled profile of ``precision``. One rule for the failing operation, the kl row and
     the locate-through-state search: a tap counts as diverged only beyond it (saved as ``profile.toml`` beside
-    the archives, so ``qwen4exp taps diff --profile profile.toml`` judges the same way).
+    the archives, so ``qwen4exp taps diff --profile profile.toml`` judges the same way). ``positions``: the rows
+    of ``ids`` the comparison judges, when not all of them (a decode step's row): the floor then also covers those
+    rows alone (:func:`parity.harness.floor.tap_floor_profile`).
 
     Tolerance: the multiple is the run's (``thresholds.multiple``, 8 for float32), the one the logits are judged
     at. Measured on the chunk-boundary cases of tiny (the reference prefilling in chunks of 1..79 vs its one-shot
@@ -173,12 +175,15 @@ def judging_profile_of(thresholds, precision: str = "float32", model=None, ids=N
     mult = float(getattr(thresholds, "multiple", float("nan")))
     if weights is not None and ids and mult == mult:
         stores = stores_of(backend) if backend is not None else None
+        rows = None
+        if positions is not None and sorted(int(p) for p in positions) != list(range(len(ids))):
+            rows = tuple(int(p) for p in positions)
         key = (id(weights), tuple(int(t) for t in ids), tuple(sorted((stores or {}).items())), mult,
-               getattr(thresholds, "score_rel", None))
+               getattr(thresholds, "score_rel", None), rows)
         here = _FLOOR_CACHE.get(key)
         if here is None:
             try:
-                here = tap_floor_profile(weights, list(ids), stores, mult, tie_band(thresholds))
+                here = tap_floor_profile(weights, list(ids), stores, mult, tie_band(thresholds), rows=rows)
             except Exception:  # noqa: BLE001 - the run's profile (or the bundled one) still judges
                 here = None
             if here is not None:
@@ -347,7 +352,7 @@ def _locate_recorded(case, backend, truth, th, failed_op, failed_seq, scenario, 
         return f"could not record the truth's taps: {type(e).__name__}: {e}", archives
     prec = getattr(backend, "precision", "float32")
     hk = list(hist[:max(positions) + 1])
-    prof = judging_profile_of(th, prec, truth.model, hk, backend)
+    prof = judging_profile_of(th, prec, truth.model, hk, backend, positions=positions)
     if archive_dir is not None:
         try:   # token ids + model on both sides, so `tap-diff --replay` can use the saved archives
             meta = {"token_ids": [int(t) for t in hk], "model": _model_meta(backend, truth)}
@@ -415,7 +420,7 @@ def entry_point(case, backend, truth, th, label: str, failed_op: int):
         with Recorder(None, positions=positions, meta={"backend": "truth", "token_ids": hk}) as rec:
             truth.model.forward(hk)
         t_arc = rec.archive()
-        profile = judging_profile_of(th, prec, truth.model, hk, backend)
+        profile = judging_profile_of(th, prec, truth.model, hk, backend, positions=positions)
         d = _diff(t_arc, be_arc, profile=profile, force=True)
         if d.first_divergence is not None:
             r = d.result(d.first_divergence)
