@@ -70,7 +70,7 @@ def router_topk(logits, top_k: int, norm_topk_prob: bool = True):
             raise KernelInputError(f"logits: expected at most 12288 experts (the router kernel's shared memory), "
                                    f"found E={E}")
         kernel("dense_moe.cu", "router_topk")(
-            (T,), (64,), (lg, np.int32(T), np.int32(E), np.int32(top_k), np.int32(1 if norm_topk_prob else 0), ids, w),
+            (T,), (256,), (lg, np.int32(T), np.int32(E), np.int32(top_k), np.int32(1 if norm_topk_prob else 0), ids, w),
             shared_mem=E * 4)
     return ids, w
 
@@ -303,8 +303,7 @@ def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob,
     S = T * k
     if not (1 <= k <= min(E, 64)) or S > 1024 or router_weight.ndim != 2 or tuple(router_weight.shape) != (E, H):
         return None
-    topk_groups = min(4, T, (44 * 1024) // (4 * E))  # tokens whose top-k runs side by side (E floats each)
-    if topk_groups < 1:
+    if E * 4 > 44 * 1024:  # the top-k's probabilities in shared memory
         return None
     rkind = weight_kind(router_weight)
     if rkind not in ("f32", "bf16") or H % 8:
@@ -353,9 +352,9 @@ def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob,
     i32 = np.int32
     kernel("moe_decode.cu", f"moe_router_{rkind}_t{MT}")(
         (-(-E // 2) + 1,), (256,),
-        (rw, x, i32(T), i32(E), i32(H), i32(k), i32(1 if norm_topk_prob else 0), i32(topk_groups), ptr_or_null(sgate),
+        (rw, x, i32(T), i32(E), i32(H), i32(k), i32(1 if norm_topk_prob else 0), ptr_or_null(sgate),
          i32(1 if sgk == "bf16" else 0), logits, sgl, ids, w, n_items, item_expert, item_count, item_tok, item_slot,
-         cnt), shared_mem=topk_groups * E * 4)
+         cnt), shared_mem=E * 4)
     pair = f"{r[0]}_{s[0]}_t{MT}"
     tables = (n_items, item_expert, item_count)
     kernel("moe_decode.cu", f"moe_gate_up_{pair}")(

@@ -9,20 +9,20 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
-// moe_route.cuh: moe_topk_group, MOE_TOPK_GROUP
+// moe_route.cuh: moe_topk_block
 #include "moe_route.cuh"
 
-// One block of MOE_TOPK_GROUP (64) threads per token (moe_route.cuh's moe_topk_group: the router's one
-// implementation); dynamic shared memory E floats.
-extern "C" __global__ void __launch_bounds__(MOE_TOPK_GROUP) router_topk(const float* __restrict__ logits, int T, int E,
-                                                                         int k, int renorm, int* __restrict__ out_ids,
-                                                                         float* __restrict__ out_w) {
+// One block of 256 threads per token (moe_route.cuh's moe_topk_block: the router's one implementation); dynamic
+// shared memory E floats.
+extern "C" __global__ void __launch_bounds__(256) router_topk(const float* __restrict__ logits, int T, int E, int k,
+                                                              int renorm, int* __restrict__ out_ids,
+                                                              float* __restrict__ out_w) {
     extern __shared__ float probs[];  // E floats
     __shared__ MoeTopkShared sh;
     const int t = blockIdx.x;
     if (t >= T) return;
-    moe_topk_group(logits + (long long)t * E, E, k, renorm, out_ids + (long long)t * k, out_w + (long long)t * k,
-                   probs, sh, 0);
+    moe_topk_block(logits + (long long)t * E, E, k, renorm, out_ids + (long long)t * k, out_w + (long long)t * k,
+                   probs, sh);
 }
 
 // Launch with one block of 1024 threads and (E * sizeof(int)) bytes of dynamic shared memory.

@@ -3,7 +3,7 @@
 //   moe_router_<rf>_t<MT>          : router logits [T, E] (warps split K of a row, partials added in a fixed order)
 //                                    and the shared expert's gate logit; the block that finishes last (a
 //                                    self-resetting ticket: CUDA-graph safe) runs the top-k of every token
-//                                    (moe_route.cuh's moe_topk_group, 64 threads a token, up to 4 side by side:
+//                                    (moe_route.cuh's moe_topk_block, the whole block on one token after another:
 //                                    router_topk's code and bits) and the item table: the distinct selected experts in ascending id, each
 //                                    with its tokens (ascending) and their slots s = t * k + j.
 //   moe_gate_up_<fr>_<fs>_t<MT>    : h = silu(gate . x) * (up . x) for every (item, token) and for the shared expert
@@ -30,7 +30,7 @@
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
 // gemv_quant.cuh: u8 and common.cuh (e4m3_to_f32, e2m1_to_f32, dot8, block_sum); gemv_quant2.cuh: FP8S, NVFP4S,
-// ld_stream16; gemv_dense.cuh: bf16_lo, bf16_hi; moe_route.cuh: moe_topk_group
+// ld_stream16; gemv_dense.cuh: bf16_lo, bf16_hi; moe_route.cuh: moe_topk_block
 #include "gemv_quant.cuh"
 #include "gemv_quant2.cuh"
 #include "gemv_dense.cuh"
@@ -147,13 +147,12 @@ __device__ __forceinline__ bool moe_last_block(unsigned int* counter, unsigned i
 
 // ---------------------------------------------------------------------------------------------------------------
 // Launch 1: router + shared gate + top-k + item table. Grid: ceil(E / 2) + 1 blocks of 256 threads (2 router rows per
-// block, 4 warps split K of a row; the last block the shared gate logit); dynamic shared memory W * E floats (W top-k
-// groups of 64 threads, 1 <= W <= 4).
+// block, 4 warps split K of a row; the last block the shared gate logit); dynamic shared memory E floats.
 constexpr int MOE_ROUTER_KS = 4;  // warps per router row
 
 template <typename LD, int MT>
 __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __restrict__ x, int T, int E, int H, int k,
-                                                int renorm, int topk_groups, const void* sgate, int sgate_bf16,
+                                                int renorm, const void* sgate, int sgate_bf16,
                                                 float* __restrict__ logits, float* __restrict__ sg_logit,
                                                 int* __restrict__ ids, float* __restrict__ wts,
                                                 int* __restrict__ n_items, int* __restrict__ item_expert,
@@ -197,12 +196,9 @@ __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __res
     if (!moe_last_block(counter, gridDim.x)) return;
     // top-k of every token (router_topk's semantics, bits for the same logits)
     __shared__ MoeTopkShared tk;
-    const int group = threadIdx.x / MOE_TOPK_GROUP;
-    if (group < topk_groups)
-        for (int t = group; t < T; t += topk_groups)
-            moe_topk_group(logits + (long long)t * E, E, k, renorm, ids + (long long)t * k, wts + (long long)t * k,
-                           moe_dyn + group * E, tk, group);
-    __syncthreads();
+    for (int t = 0; t < T; ++t)  // ends with a barrier: moe_dyn is free after it
+        moe_topk_block(logits + (long long)t * E, E, k, renorm, ids + (long long)t * k, wts + (long long)t * k, moe_dyn,
+                       tk);
     // item table: distinct experts ascending, tokens ascending within an expert
     const int S = T * k;
     int* cnt = reinterpret_cast<int*>(moe_dyn);  // E ints (the top-k scratch is no longer needed)
@@ -243,11 +239,11 @@ __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __res
 }
 
 #define MOE_ROUTER_ARGS                                                                                          \
-    const float *x, int T, int E, int H, int k, int renorm, int topk_groups, const void *sgate, int sgate_bf16,   \
+    const float *x, int T, int E, int H, int k, int renorm, const void *sgate, int sgate_bf16,                    \
         float *logits, float *sg_logit, int *ids, float *wts, int *n_items, int *item_expert, int *item_count,    \
         int *item_tok, int *item_slot, unsigned int *counter
 #define MOE_ROUTER_PASS                                                                                          \
-    x, T, E, H, k, renorm, topk_groups, sgate, sgate_bf16, logits, sg_logit, ids, wts, n_items, item_expert,      \
+    x, T, E, H, k, renorm, sgate, sgate_bf16, logits, sg_logit, ids, wts, n_items, item_expert,                   \
         item_count, item_tok, item_slot, counter
 
 #define MOE_ROUTER_ENTRY(MT)                                                                                     \
