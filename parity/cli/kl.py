@@ -193,6 +193,8 @@ def run(args) -> int:
         else:
             print("qwen4exp kl: --traceback prints the backend's stack trace", file=sys.stderr)
         return EXIT_DIVERGENCE
+    from parity.harness.run import _current_spelling
+    rep.a, rep.b = _current_spelling(rep.a), _current_spelling(rep.b)  # a deprecated alias's name: the current one
     text = dumps(rep)
     files = {}
     if out is not None:

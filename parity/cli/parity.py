@@ -357,7 +357,7 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
         docs = finish(reports)
     code = worst_exit_code(r.exit_code for r in reports)
     if fmt == "json":
-        print(json.dumps({**_index(docs, reports), "backends": docs}, indent=1))
+        print(json.dumps({**_index(docs, reports, written=bool(args.out)), "backends": docs}, indent=1))
     else:
         console = None
         if fmt == "rich":
@@ -374,7 +374,7 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
                 print(("" if i == 0 else "\n") + head)
                 print(render_table(shown, legend=last, meanings=meanings()))
         line = (f"verdict over {len(reports)} backends: exit {code} ("
-                + ", ".join(f"{i + 1} {r.verdict_line.split(' (')[0]}" for i, r in enumerate(reports)) + ")")
+                + ", ".join(f"#{i + 1} {r.verdict_line.split(' (')[0]}" for i, r in enumerate(reports)) + ")")
         if console is not None:
             console.print(line)
         else:
@@ -396,15 +396,16 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
     return code
 
 
-def _index(docs: list, reports: list) -> dict:
+def _index(docs: list, reports: list, written: bool = True) -> dict:
     """The index of a run judging several backends (``DIR/index.json``; the head of the json output): per backend
-    its position, spec, verdict, exit code and report path (relative to DIR), and the worst exit code."""
+    its position, spec, verdict, exit code and report path (relative to DIR; None when ``written`` is false: no
+    --out, nothing written), and the worst exit code."""
     from parity.harness.report import worst_exit_code
     code = worst_exit_code(r.exit_code for r in reports)
     worst = next((d["verdict"] for d in docs if d["exit_code"] == code), "pass")
     return {"exit_code": code, "verdict": worst, "reproduce": docs[0].get("reproduce") if docs else None,
             "reports": [{"index": i, "backend": d["backend"], "verdict": d["verdict"], "exit_code": d["exit_code"],
-                         "verdict_line": d["verdict_line"], "report": f"{i}/report.json"}
+                         "verdict_line": d["verdict_line"], "report": f"{i}/report.json" if written else None}
                         for i, d in enumerate(docs)]}
 
 

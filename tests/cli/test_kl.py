@@ -210,3 +210,12 @@ def test_kl_bad_backend_names_its_option(flag, capsys):
     assert main(["kl", flag, "bogus", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}:" in err and "--backend" not in err
+
+
+def test_kl_names_a_deprecated_backend_alias_by_its_current_spelling(capsys):
+    """--b engine-cpu (a deprecated alias, still accepted) is reported as engine:device=cpu, the spelling --backend
+    takes now; the deprecation note names the alias once on stderr."""
+    assert main(["kl", "--b", "engine-cpu", "--out", "-", "--greedy-tokens", "0", "--no-progress"]) in (0, 1)
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["b"] == "engine:device=cpu", cap.out[:300]
+    assert "engine-cpu" in cap.err

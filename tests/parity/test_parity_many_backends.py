@@ -132,7 +132,7 @@ def test_cli_two_backends_write_one_report_each_and_exit_with_the_worst(prompts,
     assert rc == 1, text
     assert text.count("\nscenario  ") + text.startswith("scenario  ") == 2 and text.count("legend:") == 1
     assert f"backend 1 of 2: {F32}" in text and f"backend 2 of 2: {FAULT}" in text
-    assert "verdict over 2 backends: exit 1 (1 PASS, 2 FAIL)" in text
+    assert "verdict over 2 backends: exit 1 (#1 PASS, #2 FAIL)" in text
     index = json.loads((out / "index.json").read_text())
     assert index["exit_code"] == 1 and [r["verdict"] for r in index["reports"]] == ["pass", "fail"]
     docs = [json.loads((out / r["report"]).read_text()) for r in index["reports"]]
@@ -145,6 +145,7 @@ def test_cli_two_backends_write_one_report_each_and_exit_with_the_worst(prompts,
                "--prompts", prompts, "--no-progress", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["exit_code"] == 0 and len(doc["backends"]) == 2 and len(doc["reports"]) == 2
+    assert [r["report"] for r in doc["reports"]] == [None, None]  # no --out: no report file is named
 
 
 def test_cli_a_backend_that_cannot_be_opened_among_several_is_exit_2_and_writes_nothing(prompts, tmp_path, capsys):
