@@ -161,16 +161,64 @@ def gguf_mismatches(meta: GGUFMeta, cfg) -> list[str]:
     return out
 
 
+#: Rows of ``token_embd.weight`` compared with MODEL's embedding (a sample: the check must stay cheap at 248k rows).
+EMBED_ROWS = 64
+
+#: Relative L2 distance (over :data:`EMBED_ROWS` rows) beyond which the GGUF's token embedding is not MODEL's. A
+#: faithful conversion differs by its storage format's rounding only (F32 / F16 / BF16 ~1e-3 and below; Q8_0
+#: ~1e-2; the 4-bit k-quants ~1e-1); another model's embedding of the same shape is an independent matrix, at a
+#: distance of ~sqrt(2) for two draws of one distribution and >= 1 whenever their scales differ (measured on
+#: the bundled fixtures: 1.41). 0.5 sits between the two with margin on both sides.
+EMBED_MISMATCH_REL = 0.5
+
+
+def embedding_distance(path, model_path) -> float | None:
+    """Relative L2 distance between the GGUF's ``token_embd.weight`` (dequantised by the ``gguf`` package) and
+    MODEL's ``embed_tokens.weight`` over the first :data:`EMBED_ROWS` token rows, or None when it cannot be
+    measured (no ``gguf`` package, no such tensor, a storage type the package cannot dequantise, other shapes:
+    the header check still stands).
+
+    Raises:
+        nothing: an unreadable tensor is None (the header was read already).
+    """
+    try:
+        import numpy as np
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        from reference.checkpoint import Checkpoint
+        t = next((t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"), None)
+        if t is None:
+            return None
+        g = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
+        ref = np.asarray(Checkpoint.open(str(model_path)).get("embed_tokens.weight", dtype=np.float32), np.float64)
+        if g.ndim != 2 or g.shape != ref.shape:
+            return None
+        n = min(EMBED_ROWS, ref.shape[0])
+        d = float(np.linalg.norm(g[:n] - ref[:n]))
+        r = float(np.linalg.norm(ref[:n]))
+        return d / r if r else (0.0 if d == 0 else float("inf"))
+    except Exception:  # noqa: BLE001 - the identity check is best effort beyond the header
+        return None
+
+
 def check_gguf_matches(path, cfg, model_path) -> GGUFMeta:
     """Refuse a GGUF that is not a conversion of the checkpoint ``model_path`` (config ``cfg``). Returns its
     metadata.
 
     Raises:
         InputError: the file is not a readable GGUF, or one error naming every mismatching key with the
-            expected and the found value (:func:`gguf_mismatches`).
+            expected and the found value (:func:`gguf_mismatches`), or, the header matching, a token embedding
+            that is not MODEL's (:func:`embedding_distance` beyond :data:`EMBED_MISMATCH_REL`).
     """
     meta = read_metadata(path)
     bad = gguf_mismatches(meta, cfg)
+    if not bad:   # same shape: the weights themselves (another fixture of one shape would pass the header)
+        rel = embedding_distance(path, model_path)
+        if rel is not None and not rel <= EMBED_MISMATCH_REL:
+            bad.append(f"token_embd.weight: expected MODEL's embed_tokens.weight up to the storage format's rounding "
+                       f"(relative L2 distance <= {EMBED_MISMATCH_REL} over the first {EMBED_ROWS} rows), found "
+                       f"{rel:.3g}")
     if bad:
         raise InputError(f"llama.cpp:gguf={str(path)!r}: the GGUF does not match MODEL {str(Path(model_path))!r}: "
                          + "; ".join(bad) + " (a GGUF of another model would be judged against the wrong reference)")

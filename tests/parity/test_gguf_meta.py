@@ -105,3 +105,48 @@ def test_parity_with_a_mismatching_gguf_is_a_usage_error(tmp_path, capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("qwen4exp parity: error: "), err
     assert f"{GGUF_ARCH}.embedding_length: expected 64 (config.json hidden_size), found 128" in err[0], err
+
+
+def _with_embedding(path, model, qtype=None):
+    """A tiny-shaped metadata GGUF holding ``model``'s token embedding as ``token_embd.weight`` (F32, or quantised to
+    ``qtype`` by the gguf package)."""
+    import numpy as np
+
+    from reference.checkpoint import Checkpoint
+    cfg = load_config(TINY)
+    emb = np.asarray(Checkpoint.open(str(bundled_model(model))).get("embed_tokens.weight", dtype=np.float32),
+                     np.float32)
+    w = gguf.GGUFWriter(str(path), GGUF_ARCH)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    if qtype is None:
+        w.add_tensor("token_embd.weight", emb)
+    else:
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", [None, "F16", "Q8_0", "Q4_0"])
+def test_the_checkpoints_own_embedding_is_accepted_in_any_storage_format(tmp_path, qtype):
+    from parity.backends.gguf_meta import EMBED_MISMATCH_REL, embedding_distance
+    q = None if qtype is None else getattr(gguf.GGMLQuantizationType, qtype)
+    f = _with_embedding(tmp_path / "own.gguf", "tiny", q)
+    rel = embedding_distance(f, TINY)
+    assert rel is not None and rel < EMBED_MISMATCH_REL / 2, rel   # the format's rounding, well inside the bound
+    check_gguf_matches(f, load_config(TINY), TINY)
+
+
+def test_another_fixtures_gguf_of_the_same_shape_is_refused_by_its_weights(tmp_path):
+    """tiny-fp8 has tiny's layer count, hidden size and vocabulary: the header check cannot tell them apart; its
+    token embedding is another matrix (a wrong GGUF judged against tiny would be a false FAIL of llama.cpp)."""
+    assert load_config(bundled_model("tiny-fp8")).hidden_size == load_config(TINY).hidden_size
+    f = _with_embedding(tmp_path / "fp8.gguf", "tiny-fp8", gguf.GGMLQuantizationType.Q8_0)
+    with pytest.raises(InputError) as e:
+        check_gguf_matches(f, load_config(TINY), TINY)
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "token_embd.weight: expected MODEL's embed_tokens.weight" in msg, msg
