@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 
-from engine.backend import cuda_source
+from engine.backend import CUDA_DIR, cuda_source
 from engine.kernels import moe as M
 from engine.kernels.dense_common import _MOE_FORMATS, kernel_module_options
 
@@ -45,22 +46,24 @@ def test_numpy_twin_ignores_the_flag(rng, monkeypatch):
 
 
 def test_decode_formulas_are_the_grouped_ones():
-    """The decode block's top-k (moe_route.cuh), SwiGLU and combine use the grouped chain's expressions (guards
-    drift): the shared expert's sigmoid gate, the combine's product order, the softmax terms, the tie order."""
+    """The decode block's SwiGLU and combine use the grouped chain's expressions (guards drift): the shared expert's
+    sigmoid gate, the combine's product order; the top-k is one function (moe_route.cuh's moe_topk_block) that
+    both modules include and call, not two copies."""
     dec = cuda_source("moe_decode.cu")
     unf = cuda_source("dense_moe.cu")
     pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * __ldcg(ys +"),
              ("acc += Y[(long long)p * H + h] * w[t * k + j];",
               "acc += __ldcg(y + (long long)(t * k + j) * H + n) * wts[t * k + j];"),
-             ("h[i] = (g / (1.f + expf(-g))) * u;", "= (g / (1.f + expf(-g))) * u;"),
-             ("float v = expf(l[e] - m);", "float x = expf(__ldcg(l + e) - m);"),
-             ("probs[e] = probs[e] / total;", "probs[e] = probs[e] / total;"),
-             ("return pa > pb || (pa == pb && ia < ib);", "return pa > pb || (pa == pb && ia < ib);"),
-             ("out_w[(long long)t * k + j] = renorm ? top_p[j] / sum : top_p[j];",
-              "out_w[j] = renorm ? out_w[j] / sum : out_w[j];")]
+             ("h[i] = (g / (1.f + expf(-g))) * u;", "= (g / (1.f + expf(-g))) * u;")]
     for u, f in pairs:
         assert u in unf, u
         assert f in dec, f
+    topk = (Path(CUDA_DIR) / "moe_route.cuh").read_text()
+    head = "__device__ __forceinline__ void moe_topk_block("
+    assert topk.count(head) == 1
+    for src in (dec, unf):   # the header's text inlined once, and called; no second softmax / arg-max of its own
+        assert src.count(head) == 1 and src.count("moe_topk_block(") == 2, src.count("moe_topk_block(")
+        assert src.count("expf(__ldcg(l + e) - m)") == 1 and src.count("moe_better(") == topk.count("moe_better(")
     # integer tickets and counts only: every atomicAdd's target is an int / unsigned counter
     targets = re.findall(r"atomicAdd\(([^,]+),", dec)
     assert targets and set(targets) == {"counter", "&cnt[e]"}, targets
