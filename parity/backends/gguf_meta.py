@@ -190,11 +190,13 @@ def embedding_distance(path, model_path) -> float | None:
         t = next((t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"), None)
         if t is None:
             return None
-        g = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
         ref = np.asarray(Checkpoint.open(str(model_path)).get("embed_tokens.weight", dtype=np.float32), np.float64)
-        if g.ndim != 2 or g.shape != ref.shape:
-            return None
         n = min(EMBED_ROWS, ref.shape[0])
+        if t.data.ndim != 2 or t.data.shape[0] != ref.shape[0]:
+            return None
+        g = np.asarray(dequantize(t.data[:n], t.tensor_type), dtype=np.float64)   # the sampled rows only
+        if g.shape != (n, ref.shape[1]):
+            return None
         d = float(np.linalg.norm(g[:n] - ref[:n]))
         r = float(np.linalg.norm(ref[:n]))
         return d / r if r else (0.0 if d == 0 else float("inf"))
