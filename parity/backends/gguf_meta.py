@@ -190,15 +190,20 @@ def embedding_distance(path, model_path) -> float | None:
         t = next((t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"), None)
         if t is None:
             return None
-        ref = np.asarray(Checkpoint.open(str(model_path)).get("embed_tokens.weight", dtype=np.float32), np.float64)
-        n = min(EMBED_ROWS, ref.shape[0])
-        if t.data.ndim != 2 or t.data.shape[0] != ref.shape[0]:
+        ck = Checkpoint.open(str(model_path))
+        shape = ck.shape("embed_tokens.weight")
+        n = min(EMBED_ROWS, shape[0])
+        if len(shape) != 2 or t.data.ndim != 2 or t.data.shape[0] != shape[0]:
             return None
+        if ck.dtype("embed_tokens.weight") in ("BF16", "F16", "F32", "F64"):   # exact upcast of the sampled rows
+            ref = np.asarray(ck.get_raw("embed_tokens.weight")[:n], np.float64)   # (memory-mapped: ~1 MB read)
+        else:   # a scaled format: the whole tensor's dequantisation (block scales span rows)
+            ref = np.asarray(ck.get("embed_tokens.weight", dtype=np.float32)[:n], np.float64)
         g = np.asarray(dequantize(t.data[:n], t.tensor_type), dtype=np.float64)   # the sampled rows only
-        if g.shape != (n, ref.shape[1]):
+        if g.shape != ref.shape:
             return None
-        d = float(np.linalg.norm(g[:n] - ref[:n]))
-        r = float(np.linalg.norm(ref[:n]))
+        d = float(np.linalg.norm(g - ref))
+        r = float(np.linalg.norm(ref))
         return d / r if r else (0.0 if d == 0 else float("inf"))
     except Exception:  # noqa: BLE001 - the identity check is best effort beyond the header
         return None
