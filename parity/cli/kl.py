@@ -39,7 +39,7 @@ def register(subparsers) -> None:
                    help="replace an existing --out / --plot file (only when the run completes)")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr (default: a bar on a "
                    "terminal, else a plain line per prompt and every 10 s)")
-    add_traceback(p)
+    add_traceback(p, failures="the JSON report holds it either way")
     p.set_defaults(func=run)
 
 

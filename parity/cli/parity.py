@@ -68,7 +68,7 @@ def register(subparsers) -> None:
                         "skipped; the kl row's prompts and greedy continuation are cut to end at bound - 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr (default: a bar on a "
                    "terminal, else a plain line per finished case and every 10 s)")
-    add_traceback(p)
+    add_traceback(p, failures="report.json holds them either way")
     p.set_defaults(func=run)
 
 
