@@ -57,17 +57,46 @@ class SubcommandParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         """Parse like ArgumentParser.parse_known_args; leftover arguments are an error of this parser."""
+        self._args_seen = list(sys.argv[1:] if args is None else args)
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            import difflib
-            options = sorted(o for o in self._option_string_actions if o.startswith("--"))
-            hints = []
-            for a in extras:
-                close = difflib.get_close_matches(a.split("=", 1)[0], options, n=1) if a.startswith("--") else []
-                if close:
-                    hints.append(f"{a.split('=', 1)[0]}: did you mean {close[0]}?")
-            self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+            self._refuse_unknown(extras)
         return namespace, extras
+
+    def _refuse_unknown(self, extras) -> None:
+        import difflib
+        options = sorted(o for o in self._option_string_actions if o.startswith("--"))
+        hints = []
+        for a in extras:
+            close = difflib.get_close_matches(a.split("=", 1)[0], options, n=1) if a.startswith("--") else []
+            if close:
+                hints.append(f"{a.split('=', 1)[0]}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+    def _unknown_options(self) -> list[str]:
+        """The ``--name`` arguments this parser does not know (nor as a unique abbreviation), up to ``--``."""
+        if self._subparsers is not None:   # a parser with subcommands hands its options on
+            return []
+        out = []
+        for a in getattr(self, "_args_seen", []):
+            if a == "--":
+                break
+            if a.startswith("--"):
+                name = a.split("=", 1)[0]
+                hits = [o for o in self._option_string_actions if o == name or o.startswith(name)]
+                if name not in self._option_string_actions and len(hits) != 1:
+                    out.append(a)
+        return out
+
+    def error(self, message):
+        """argparse's error; a missing required argument is reported after an unknown option, not in its place
+        (``logits --modle X`` would otherwise say only that ``--ids`` is missing)."""
+        if message.startswith("the following arguments are required"):
+            unknown = self._unknown_options()
+            if unknown:
+                self._args_seen = []
+                self._refuse_unknown(unknown)
+        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,6 +128,9 @@ def test_empty_model_path_is_reported_as_typed(capsys, argv):
     (["tap-diff", "a", "b", "--profle", "bf16"], "usage: qwen4exp tap-diff ", "--profle bf16",
      "did you mean --profile?"),
     (["info", "tiny", "extra"], "usage: qwen4exp info ", "extra", None),
+    # a mistyped REQUIRED option: named as unknown, not hidden behind "the following arguments are required"
+    (["logits", "tiny", "--idz", "1,2", "--out", "y.npy"], "usage: qwen4exp logits ", "--idz", "did you mean --ids?"),
+    (["taps", "diff", "--nope"], "usage: qwen4exp taps diff ", "--nope", None),
 ])
 def test_unknown_option_of_a_subcommand_shows_that_subcommands_usage(capsys, argv, usage, unknown, hint):
     """A mistyped option is refused by the subcommand it was given to: its usage (which lists the right
