@@ -1,4 +1,5 @@
-"""GDN: gates, causal conv and the gated delta rule (engine/kernels/gdn.py) on the CPU and on CUDA (prefill and the split decode kernels). Helpers: tests/kernels_seq_common.py.
+"""GDN: gates, causal conv and the gated delta rule (engine/kernels/gdn.py) on the CPU and on
+CUDA (prefill and the split decode kernels). Helpers: tests/kernels_seq_common.py.
 
 Sequence kernels (GDN conv + delta rule, RoPE, QSA) on the NumPy path, held to float64 dense re-statements of
 the official semantics (tests/kernels_seq_common.py) on seeded random inputs, with negative controls.
@@ -31,7 +32,8 @@ from engine.kernels import gdn, qsa, rope
 from tests.kernels_seq_common import dense_conv, dense_gdn, seeded_rng, rel_err
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poisoned_allocations")  # the gpu marker, skipped without cupy / a GPU; poisoned_allocations before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations before every CUDA test
+cuda = on_cuda("poisoned_allocations")
 
 
 # float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element

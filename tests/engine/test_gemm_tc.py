@@ -2,7 +2,7 @@
 
 CPU tests of the tensor-core prefill GEMM's host side (engine/kernels/gemm_tc.py): the split's NumPy twin, the
 exactness facts the design rests on, the dispatch rules, and the MoE's tile-padded layout composed as the kernels
-compose it (an emulation tied to the kernel source). The GPU side: tests/engine/test_gemm_tc_gpu.py.
+compose it (an emulation tied to the kernel source). The CUDA side below.
 
 GPU tests of the tensor-core prefill GEMM (engine/kernels/gemm_tc.py, cuda/gemm_tc.cu): cuBLAS BF16 GEMMs on
 the exact 3-way split of the float32 activations.
@@ -11,20 +11,18 @@ References: float64 ``x @ W.T`` on the exactly decoded weights (BF16 bits; NVFP4
 ``engine.kernels.quant.dequantize``), and the float32-FMA kernels of dense_linear.cu / quant_linear.cu (the path
 switched off through ``gemm_tc.TC_ENABLED``).
 
-Tolerances (as tests/engine/test_kernels_mma_gpu.py, whose GEMV uses the same split): the result is a float32 sum
-of the exact products x_k * w_k, so it is held elementwise to the classical float32-summation bound
-K * eps32 * sum_k |x_k w_k| (eps32 = 2^-23, twice the unit roundoff, covering the tensor core's non-IEEE internal
-rounding) and to a relative Frobenius error of 1e-5 (the dense kernels' tolerance). NVFP4: the global scale moves
-from each weight to each output (one more float32 rounding per output, ~eps32 relative: inside the same bounds).
-Sharp checks are exact: a one-hot power-of-two weight matrix reproduces the activations bit for bit (any lost
-activation bit, part mix-up or layout mistake shows). The split kernel equals its NumPy twin bit for bit.
-Negative controls: the 2-part split (lo dropped, ``gemm_tc.SPLITS = 2``) fails that exactness and is measurably
-less accurate; a perturbed NVFP4 E4M3 scale and a perturbed global scale are caught and located; a swapped expert
-changes exactly its tokens. FP8 (dense and expert stacks): nine exact part products per weight, so the bound is
-(K + 9) eps32 sum_k |x_k w_k| (the dense FP8 test and the MoE's grouped GEMM, window by window); a doubled
-block scale is caught and located. Every output the ops allocate is pre-filled with NaN (POISON). Seeds are fixed.
-"""
-from __future__ import annotations
+Tolerances (as the tensor-core GEMV's in tests/engine/test_linear.py, whose GEMV uses the same split): the result is a
+float32 sum of the exact products x_k * w_k, so it is held elementwise to the classical float32-summation bound K *
+eps32 * sum_k |x_k w_k| (eps32 = 2^-23, twice the unit roundoff, covering the tensor core's non-IEEE internal
+rounding) and to a relative Frobenius error of 1e-5 (the dense kernels' tolerance). NVFP4: the global scale moves from
+each weight to each output (one more float32 rounding per output, ~eps32 relative: inside the same bounds). Sharp
+checks are exact: a one-hot power-of-two weight matrix reproduces the activations bit for bit (any lost activation
+bit, part mix-up or layout mistake shows). The split kernel equals its NumPy twin bit for bit. Negative controls: the
+2-part split (lo dropped, ``gemm_tc.SPLITS = 2``) fails that exactness and is measurably less accurate; a perturbed
+NVFP4 E4M3 scale and a perturbed global scale are caught and located; a swapped expert changes exactly its tokens. FP8
+(dense and expert stacks): nine exact part products per weight, so the bound is (K + 9) eps32 sum_k |x_k w_k| (the
+dense FP8 test and the MoE's grouped GEMM, window by window); a doubled block scale is caught and located. Every
+output the ops allocate is pre-filled with NaN (POISON). Seeds are fixed. """ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
@@ -36,7 +34,9 @@ from engine.kernels.quant import QuantWeight, dequantize
 from reference.checkpoint import E2M1_VALUES
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poison", skipif=(cp is not None and not TC.available(), "cupy's cuBLAS binding lacks gemmEx"))  # the gpu marker, skipped without cupy / a GPU; poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison",
+               skipif=(cp is not None and not TC.available(), "cupy's cuBLAS binding lacks gemmEx"))
 
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -31,7 +31,8 @@ from engine.kernels.dense_common import KernelInputError, to_bf16_bits, NULL_PTR
 from engine.backend import CUDA_DIR
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poison")  # the gpu marker, skipped without cupy / a GPU; poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
 
 TOL32 = 1e-5  # see module docstring

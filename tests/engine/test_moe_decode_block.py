@@ -39,7 +39,8 @@ from engine.kernels.dense_common import _MOE_FORMATS, kernel_module_options, to_
 from engine.kernels.quant import QuantWeight
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poison")  # the gpu marker, skipped without cupy / a GPU; poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
 
 def test_decode_block_is_the_default_and_not_switchable_by_the_environment():
@@ -139,7 +140,7 @@ def same(a, b):
 
 
 def qmake(rng, fmt, shape):
-    """Random stored-format experts (every code but the E4M3 NaN), as test_kernels_quant_gpu.py builds them."""
+    """Random stored-format experts (every code but the E4M3 NaN), as tests/engine/test_quant_linear.py builds them."""
     *lead, N, K = shape
     lead = tuple(lead)
     if fmt == "fp8":
@@ -414,7 +415,7 @@ def test_negative_controls_exceed_the_bound(rng, monkeypatch):
 @cuda
 @pytest.mark.parametrize("name", ["tiny", "tiny-fp8", "tiny-nvfp4"])
 def test_engine_decode_block_matches_grouped_chain(monkeypatch, name):
-    """(The decode block for every format and token count: the autouse fixture.) The whole engine (prefill, then batched decode steps with their CUDA graphs, fixed input tokens) with the
+    """(The decode block for every format and token count: the poison fixture.) The whole engine (prefill, then batched decode steps with their CUDA graphs, fixed input tokens) with the
     decode block agrees with the grouped chain within the self-consistency limit (selfcheck.SELF_TOL: paths that
     differ in float32 summation order only), and two engines with the decode block give the same bits."""
     from engine import Engine, selfcheck

@@ -20,7 +20,8 @@ from reference.checkpoint import Checkpoint
 from reference.paths import FIXTURES
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poison")  # the gpu marker, skipped without cupy / a GPU; poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
 
 TOL32 = 1e-5  # see module docstring

@@ -1,4 +1,6 @@
-"""QSA: block keys, index scores, top-k, sparse attention, token writes and head prep (engine/kernels/qsa.py) on the CPU and on CUDA (prefill and the split decode kernels), and the sequence kernels' limits. Helpers: tests/kernels_seq_common.py.
+"""QSA: block keys, index scores, top-k, sparse attention, token writes and head prep (engine/kernels/qsa.py)
+on the CPU and on CUDA (prefill and the split decode kernels), and the sequence kernels' limits. Helpers:
+tests/kernels_seq_common.py.
 
 Sequence kernels (GDN conv + delta rule, RoPE, QSA) on the NumPy path, held to float64 dense re-statements of
 the official semantics (tests/kernels_seq_common.py) on seeded random inputs, with negative controls.
@@ -34,7 +36,8 @@ from tests.kernels_seq_common import (Pool, canonical_topk, dense_attention, den
                                       rel_err)
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poisoned_allocations")  # the gpu marker, skipped without cupy / a GPU; poisoned_allocations before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations before every CUDA test
+cuda = on_cuda("poisoned_allocations")
 
 
 # float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element
@@ -47,14 +50,16 @@ TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ QSA
-RATIO_SMALL, TOPK_SMALL, DI_SMALL, HI_SMALL, HQ_SMALL, HKV_SMALL, D_SMALL, ROT_SMALL, EPS_SMALL = 4, 3, 16, 2, 4, 2, 16, 8, 1e-6
+# the CPU tests' problem sizes (the CUDA tests': the real model's, below; RATIO, HKV and EPS are the same)
+RATIO, TOPK_SMALL, DI_SMALL, HI_SMALL, HQ_SMALL, HKV, D_SMALL, ROT_SMALL, EPS = 4, 3, 16, 2, 4, 2, 16, 8, 1e-6
 
 
 def _qsa_problem(rng, lengths, page_size):
-    pool = Pool(rng, lengths, page_size, {"idx_k": (DI_SMALL,), "blk_k": (DI_SMALL,), "kv_k": (HKV_SMALL, D_SMALL), "kv_v": (HKV_SMALL, D_SMALL)})
+    pool = Pool(rng, lengths, page_size,
+                {"idx_k": (DI_SMALL,), "blk_k": (DI_SMALL,), "kv_k": (HKV, D_SMALL), "kv_v": (HKV, D_SMALL)})
     raw = [rng.standard_normal((L, DI_SMALL)).astype(np.float32) for L in lengths]
-    K = [rng.standard_normal((L, HKV_SMALL, D_SMALL)).astype(np.float32) for L in lengths]
-    V = [rng.standard_normal((L, HKV_SMALL, D_SMALL)).astype(np.float32) for L in lengths]
+    K = [rng.standard_normal((L, HKV, D_SMALL)).astype(np.float32) for L in lengths]
+    V = [rng.standard_normal((L, HKV, D_SMALL)).astype(np.float32) for L in lengths]
     for r, L in enumerate(lengths):
         sl = pool.slots(r, np.arange(L))
         pool.arrays["idx_k"][sl] = raw[r]
@@ -70,12 +75,12 @@ def _write_block_keys(ops, pool, lengths, w, invf, split):
     rows = np.concatenate([np.full(min(split, L), r) for r, L in enumerate(lengths)])
     pos = np.concatenate([np.arange(min(split, L)) for L in lengths])
     ops.qsa_block_keys(pool.arrays["idx_k"], pool.arrays["blk_k"], pool.block_tables, rows, pos, w, invf, ROT_SMALL,
-                       RATIO_SMALL, pool.page_size, EPS_SMALL)
+                       RATIO, pool.page_size, EPS)
     for p in range(split, max(lengths)):
         rr = np.array([r for r, L in enumerate(lengths) if p < L])
         if rr.size:
             ops.qsa_block_keys(pool.arrays["idx_k"], pool.arrays["blk_k"], pool.block_tables, rr,
-                               np.full(rr.size, p), w, invf, ROT_SMALL, RATIO_SMALL, pool.page_size, EPS_SMALL)
+                               np.full(rr.size, p), w, invf, ROT_SMALL, RATIO, pool.page_size, EPS)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 64])
@@ -86,23 +91,24 @@ def test_qsa_pipeline_matches_dense_any_page_size(page_size):
     _write_block_keys(qsa, pool, lengths, w, invf, split=21)
     # block keys at block-end slots
     for r, L in enumerate(lengths):
-        ref_keys = dense_block_keys(raw[r], w, invf, ROT_SMALL, RATIO_SMALL, EPS_SMALL)
-        got = pool.arrays["blk_k"][pool.slots(r, np.arange(L // RATIO_SMALL) * RATIO_SMALL + RATIO_SMALL - 1)]
+        ref_keys = dense_block_keys(raw[r], w, invf, ROT_SMALL, RATIO, EPS)
+        got = pool.arrays["blk_k"][pool.slots(r, np.arange(L // RATIO) * RATIO + RATIO - 1)]
         assert rel_err(got, ref_keys) < TOL, (seed, r)
     # queries: every position of every sequence, one call (prefill and decode use the same op)
     rows = np.concatenate([np.full(L, r) for r, L in enumerate(lengths)])
     pos = np.concatenate([np.arange(L) for L in lengths])
     nv = pos + 1
     qi = rng.standard_normal((len(pos), HI_SMALL, DI_SMALL)).astype(np.float32)
-    nb = int(nv.max() // RATIO_SMALL)
-    scores, sel = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, rows, nv, nb, RATIO_SMALL, page_size, TOPK_SMALL)
+    nb = int(nv.max() // RATIO)
+    scores, sel = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, rows, nv, nb, RATIO, page_size,
+                                 TOPK_SMALL)
     q = rng.standard_normal((len(pos), HQ_SMALL, D_SMALL)).astype(np.float32)
     out = qsa.qsa_sparse_attention(q, pool.arrays["kv_k"], pool.arrays["kv_v"], pool.block_tables, rows, nv, sel,
-                                   RATIO_SMALL, page_size, D_SMALL ** -0.5)
+                                   RATIO, page_size, D_SMALL ** -0.5)
     dense = np.full(scores.shape, -np.inf)
     for t in range(len(pos)):
         r, n = int(rows[t]), int(nv[t])
-        keys = dense_block_keys(raw[r][:n], w, invf, ROT_SMALL, RATIO_SMALL, EPS_SMALL)
+        keys = dense_block_keys(raw[r][:n], w, invf, ROT_SMALL, RATIO, EPS)
         dense[t, :len(keys)] = dense_scores(qi[t], keys) if len(keys) else np.zeros(0)
     # one comparison over all finite scores: a single small score (relu-sum cancellation) is judged against the
     # scale of the whole matrix, not against itself
@@ -110,10 +116,10 @@ def test_qsa_pipeline_matches_dense_any_page_size(page_size):
     assert np.array_equal(np.isfinite(scores), fin) and rel_err(scores[fin], dense[fin]) < TOL, seed
     for t in range(len(pos)):
         r, n = int(rows[t]), int(nv[t])
-        rs = scores[t, :n // RATIO_SMALL]  # the canonical order is checked on the op's own scores
+        rs = scores[t, :n // RATIO]  # the canonical order is checked on the op's own scores
         top = canonical_topk(rs, TOPK_SMALL)
         assert sel[t, :len(top)].tolist() == top and np.all(sel[t, len(top):] == -1), (seed, t)
-        toks = [b * RATIO_SMALL + j for b in top for j in range(RATIO_SMALL)] + list(range(n // RATIO_SMALL * RATIO_SMALL, n))
+        toks = [b * RATIO + j for b in top for j in range(RATIO)] + list(range(n // RATIO * RATIO, n))
         assert rel_err(out[t], dense_attention(q[t], K[r], V[r], toks, D_SMALL ** -0.5)) < TOL, (seed, t)
 
 
@@ -124,9 +130,9 @@ def test_qsa_topk_canonical_ties_and_wrong_tiebreak_is_caught():
     scores[1, :] = 1.0  # all equal
     scores[2, 3] = -0.0  # -0 ties with +0
     nv = np.array([160, 160, 160, 13, 2])  # 40, 40, 40, 3, 0 complete blocks
-    sel = qsa.qsa_topk(scores, nv, RATIO_SMALL, k)
+    sel = qsa.qsa_topk(scores, nv, RATIO, k)
     for t in range(T):
-        nc = int(nv[t]) // RATIO_SMALL
+        nc = int(nv[t]) // RATIO
         ref = canonical_topk(scores[t, :nc], k)
         assert sel[t, :len(ref)].tolist() == ref and np.all(sel[t, len(ref):] == -1), (seed, t)
     assert sel[1].tolist() == list(range(k))
@@ -145,28 +151,28 @@ def test_qsa_negative_controls_are_caught():
     rows = np.array([0])
     q = rng.standard_normal((1, HQ_SMALL, D_SMALL)).astype(np.float32)
     qi = rng.standard_normal((1, HI_SMALL, DI_SMALL)).astype(np.float32)
-    scores, sel = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, rows, nv, 7, RATIO_SMALL, 3, TOPK_SMALL)
+    scores, sel = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, rows, nv, 7, RATIO, 3, TOPK_SMALL)
     args = (pool.arrays["kv_k"], pool.arrays["kv_v"])
-    good = qsa.qsa_sparse_attention(q, *args, pool.block_tables, rows, nv, sel, RATIO_SMALL, 3, D_SMALL ** -0.5)
+    good = qsa.qsa_sparse_attention(q, *args, pool.block_tables, rows, nv, sel, RATIO, 3, D_SMALL ** -0.5)
     # a stale (garbage) page in the block table: under the top block's last token (its block key) for the
     # scores, under its first token (K/V) for the attention
     spare = sorted(set(range(pool.num_pages)) - set(pool.block_tables[pool.block_tables >= 0].tolist()))[0]
     top = int(sel[0, 0])
     bt = pool.block_tables.copy()
-    bt[0, (top * RATIO_SMALL + RATIO_SMALL - 1) // 3] = spare
-    s2, _ = qsa.qsa_select(qi, pool.arrays["blk_k"], bt, rows, nv, 7, RATIO_SMALL, 3, TOPK_SMALL)
+    bt[0, (top * RATIO + RATIO - 1) // 3] = spare
+    s2, _ = qsa.qsa_select(qi, pool.arrays["blk_k"], bt, rows, nv, 7, RATIO, 3, TOPK_SMALL)
     assert rel_err(s2, scores) > 1e-2, seed
     bt = pool.block_tables.copy()
-    bt[0, top * RATIO_SMALL // 3] = spare
-    assert rel_err(qsa.qsa_sparse_attention(q, *args, bt, rows, nv, sel, RATIO_SMALL, 3, D_SMALL ** -0.5), good) > 1e-2, seed
-    assert rel_err(qsa.qsa_sparse_attention(q[:, ::-1].copy(), *args, pool.block_tables, rows, nv, sel, RATIO_SMALL, 3,
+    bt[0, top * RATIO // 3] = spare
+    assert rel_err(qsa.qsa_sparse_attention(q, *args, bt, rows, nv, sel, RATIO, 3, D_SMALL ** -0.5), good) > 1e-2, seed
+    assert rel_err(qsa.qsa_sparse_attention(q[:, ::-1].copy(), *args, pool.block_tables, rows, nv, sel, RATIO, 3,
                                             D_SMALL ** -0.5)[:, ::-1], good) > 1e-2, seed
     # dropped tail: 30 visible = 7 blocks + 2 tail tokens; pretending 28 visible drops them
-    assert rel_err(qsa.qsa_sparse_attention(q, *args, pool.block_tables, rows, np.array([28]), sel, RATIO_SMALL, 3,
+    assert rel_err(qsa.qsa_sparse_attention(q, *args, pool.block_tables, rows, np.array([28]), sel, RATIO, 3,
                                             D_SMALL ** -0.5), good) > 1e-3, seed
     # the tail is always visible: a huge value on the last token dominates the output
     pool.arrays["kv_v"][pool.slots(0, [29])] = 1e4
-    big = qsa.qsa_sparse_attention(q, *args, pool.block_tables, rows, nv, sel, RATIO_SMALL, 3, D_SMALL ** -0.5)
+    big = qsa.qsa_sparse_attention(q, *args, pool.block_tables, rows, nv, sel, RATIO, 3, D_SMALL ** -0.5)
     assert np.abs(big).max() > 10 * np.abs(good).max(), seed
 
 
@@ -178,10 +184,10 @@ def test_qsa_all_blocks_selected_below_budget_is_full_causal_attention():
     qi = rng.standard_normal((1, HI_SMALL, DI_SMALL)).astype(np.float32)
     q = rng.standard_normal((1, HQ_SMALL, D_SMALL)).astype(np.float32)
     nv = np.array([L])
-    _, sel = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, np.array([0]), nv, 3, RATIO_SMALL, 16, TOPK_SMALL)
+    _, sel = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, np.array([0]), nv, 3, RATIO, 16, TOPK_SMALL)
     assert sorted(sel[0].tolist()) == [0, 1, 2]
     out = qsa.qsa_sparse_attention(q, pool.arrays["kv_k"], pool.arrays["kv_v"], pool.block_tables, np.array([0]), nv,
-                                   sel, RATIO_SMALL, 16, D_SMALL ** -0.5)
+                                   sel, RATIO, 16, D_SMALL ** -0.5)
     assert rel_err(out[0], dense_attention(q[0], K[0], V[0], list(range(L)), D_SMALL ** -0.5)) < TOL, seed
 
 

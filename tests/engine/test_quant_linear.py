@@ -1,11 +1,12 @@
-"""Quantised GEMV (FP8 / NVFP4 weights: engine/kernels/quant.py, cuda/quant_linear.cu) on CUDA; the CPU twin and the dispatch: tests/engine/test_engine_quant.py.
+"""Quantised GEMV (FP8 / NVFP4 weights: engine/kernels/quant.py, cuda/quant_linear.cu) on CUDA; the CPU twin
+and the dispatch: tests/engine/test_engine_quant.py.
 
 GPU tests of the quantised-weight kernels (engine/kernels/cuda/quant_linear.cu): CUDA vs the NumPy twin.
 
 Random FP8 / NVFP4 codes and scales (every code value but the E4M3 NaN), fresh seed per run (printed);
 outputs poisoned before the launch. The kernels' dequantisation is checked bit for bit against the twin
 (``qdequant_*``, same products); the products against the twin in float64 with the dense kernels'
-tolerance (1e-5: float32 summation order only, see test_kernels_dense_gpu.py). Negative controls: one
+tolerance (1e-5: float32 summation order only, see tests/engine/test_linear.py). Negative controls: one
 perturbed code is caught and located in its output column; a swapped expert is caught.
 
 The decode GEMVs are the streaming ``qgemv2_*`` (16-byte chunks) and the scalar ``qgemv_*_s`` (unaligned
@@ -25,7 +26,8 @@ from engine.kernels.dense_common import kernel
 from engine.kernels.quant import QuantWeight, dequantize
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poison")  # the gpu marker, skipped without cupy / a GPU; poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
 
 TOL = 1e-5

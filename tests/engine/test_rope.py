@@ -21,7 +21,8 @@ from engine.kernels import rope
 from tests.kernels_seq_common import dense_rope, seeded_rng, rel_err
 from op_devices import cp, on_cuda
 
-cuda = on_cuda("poisoned_allocations")  # the gpu marker, skipped without cupy / a GPU; poisoned_allocations before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations before every CUDA test
+cuda = on_cuda("poisoned_allocations")
 
 
 # float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element
