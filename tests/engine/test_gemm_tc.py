@@ -22,7 +22,9 @@ bit, part mix-up or layout mistake shows). The split kernel equals its NumPy twi
 NVFP4 E4M3 scale and a perturbed global scale are caught and located; a swapped expert changes exactly its tokens. FP8
 (dense and expert stacks): nine exact part products per weight, so the bound is (K + 9) eps32 sum_k |x_k w_k| (the
 dense FP8 test and the MoE's grouped GEMM, window by window); a doubled block scale is caught and located. Every
-output the ops allocate is pre-filled with NaN (POISON). Seeds are fixed. """ from __future__ import annotations
+output the ops allocate is pre-filled with NaN (POISON). Seeds are fixed.
+"""
+from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
