@@ -1,6 +1,6 @@
-"""Greedy decoding on the engine's device and the host half of a decode step (CPU checks).
+"""Greedy decoding on the engine's device and the host half of a decode step (CPU checks; ``row_argmax`` itself:
+tests/engine/test_sampling.py).
 
-* ``row_argmax`` matches ``np.argmax`` (first maximum, NaN first) and refuses bad input;
 * ``Engine.decode_greedy`` returns the argmax of what ``Engine.decode`` returns, step after step;
 * the memory-mapped PLE row gather (``PLETable.gather_host``, also into a caller's buffer) equals the
   checkpoint's own ``ngram_rows`` on BF16 and FP8 fixtures, and a wrong row id is caught.
@@ -11,34 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels.dense_common import KernelInputError
-from engine.kernels.sampling import row_argmax
 from reference.checkpoint import Checkpoint
 from reference.errors import InputError
 from reference.paths import FIXTURES
-
-
-def test_row_argmax_matches_numpy_ties_nan_inf():
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((5, 37)).astype(np.float32)
-    x[1, [3, 20]] = 9.0  # a tie: first index wins
-    x[2, [7, 30]] = np.nan  # NaN ranks first, first NaN wins
-    x[3] = -np.inf
-    got = row_argmax(x)
-    assert got.dtype == np.int64
-    assert got.tolist() == np.argmax(x, axis=-1).tolist()
-    assert got[1] == 3 and got[2] == 7 and got[3] == 0
-    out = np.full(5, -1, np.int64)
-    assert row_argmax(x, out=out) is out and out.tolist() == got.tolist()
-
-
-def test_row_argmax_bad_input():
-    with pytest.raises(KernelInputError, match="float32"):
-        row_argmax(np.zeros((2, 3), np.float64))
-    with pytest.raises(KernelInputError, match="V = 0"):
-        row_argmax(np.zeros((2, 0), np.float32))
-    with pytest.raises(KernelInputError, match="out"):
-        row_argmax(np.zeros((2, 3), np.float32), out=np.zeros(3, np.int64))
 
 
 def _engine(name="tiny", **kw):

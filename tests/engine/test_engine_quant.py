@@ -241,7 +241,7 @@ def test_qgemv2_fast_decode_arithmetic_is_exact():
     E2M1 byte (two nibbles) under every finite E4M3 scale code and several global scales gives the reader's
     value bit for bit: nibble s.ee.m -> E4M3 byte s.0ee.m00 (= E2M1 * 2^-6), -> f16, times scale * 64 in f16
     (exact), -> f32, times the global scale; FP8 via f16 equals E4M3 -> f32 directly. The GPU test
-    (test_kernels_quant_gpu.py::test_qgemv2_decodes_exactly_every_config) checks the kernels themselves; this
+    (test_quant_linear.py::test_qgemv2_decodes_exactly_every_config) checks the kernels themselves; this
     one pins the arithmetic argument on the CPU. Negative control: dropping the 2^6 correction is caught."""
     import ml_dtypes
 

@@ -1,37 +1,109 @@
-"""GPU tests of the fused hyper-connection input side (``engine/kernels/cuda/hc_fused.cu``, three launches
-instead of six for decode-sized steps) against the unfused chain and float64.
+"""Hyper-connection sites (engine/kernels/norms.py hc_pre / hc_combine, cuda/hc_fused.cu): the stream mix,
+the injection weights, the combine, and the fused hc_pre kernels.
 
-Tolerance: the fused kernels multiply the same exactly-decoded weights by the same float32 activations as the
-unfused GEMVs; only the order of the float32 sums inside the two dot products differs. A float32 sum's error
-bound (gamma_n * sum |terms|) does not depend on the order, so the fused error vs float64 is bounded like the
-unfused one: it must stay within 4x the unfused path's measured error (the spread between two summation orders)
-plus one float32 ulp of the scale, and below the 1e-5 of the dense GEMV tests. A perturbed weight row (a fault of
-about 1e-3 relative) is far outside both.
+CPU: the twin against float64 formulas (``hc_ref64``), TOL32 = 1e-5 relative; swapped injection streams are caught
+in exactly those columns. CUDA (fused hc_pre): fused vs unfused kernels vs float64, TOL 1e-5, outputs poisoned;
+negative controls caught and located; graph capture bit exact; the combine + norm kernel bit identical to the
+separate ops.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy", reason="GPU tests need cupy (pip install '.[gpu]')")
+from engine.kernels import norms as N, dense_common
+from engine.kernels.dense_common import KernelInputError, to_bf16_bits
+from op_devices import cp, on_cuda
 
-from engine.backend import gpu_available  # noqa: E402
-from engine.kernels import dense_common  # noqa: E402
-from engine.kernels import norms as N  # noqa: E402
-from engine.kernels.dense_common import to_bf16_bits  # noqa: E402
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to cupy")]
+
+TOL32 = 1e-5  # see module docstring
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def bf16_to_f64(bits):
+    # independent decode: bit pattern -> float64 through Python's struct-free integer view
+    u32 = bits.astype(np.uint32) << np.uint32(16)
+    return u32.view(np.float32).astype(np.float64)
+
+
+def sig64(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _f64(w):
+    return bf16_to_f64(w) if w.dtype == np.uint16 else w.astype(np.float64)
+
+
+# ----------------------------------------------------------------------------------------------- norms
+def rms_ref64(x, w, gs, eps):
+    x = x.astype(np.float64)
+    y = np.empty_like(x)
+    D = x.shape[-1]
+    for g in range(D // gs):
+        sl = slice(g * gs, (g + 1) * gs)
+        ms = (x[:, sl] ** 2).sum(axis=1, keepdims=True) / gs
+        y[:, sl] = x[:, sl] / np.sqrt(ms + eps) * (1.0 + w[sl].astype(np.float64))
+    return y
+
+
+def hc_ref64(x, nw, down, up, inj_w, hc, eps):
+    T, W = x.shape
+    H = W // hc
+    n = rms_ref64(x, nw, H, eps)
+    a = n @ _f64(down).T / hc
+    a = a * sig64(a)
+    m = sig64(a @ _f64(up).T)
+    mixed = sum((m * n)[:, s * H:(s + 1) * H] for s in range(hc)) / hc
+    inj = 2.0 * sig64(n @ _f64(inj_w).T / hc)
+    return mixed, inj
+
+
+def test_hc_pre_and_combine(rng):
+    T, hc, H, r, eps = 6, 4, 16, 8, 1e-6
+    x = rng.standard_normal((T, hc * H)).astype(np.float32)
+    nw = (rng.standard_normal(hc * H) * 0.1).astype(np.float32)
+    down = to_bf16_bits(rng.standard_normal((r, hc * H)) * 0.2)
+    up = to_bf16_bits(rng.standard_normal((hc * H, r)) * 0.2)
+    inj_w = to_bf16_bits(rng.standard_normal((hc, hc * H)) * 0.2)
+    o = N.hc_pre(x, nw, down, up, inj_w, hc_count=hc, eps=eps)
+    mixed, inj = hc_ref64(x, nw, down, up, inj_w, hc, eps)
+    assert rel(o.mixed, mixed) < TOL32 and rel(o.injection_weights, inj) < TOL32
+    assert N.hc_pre(x, nw, down, up, None, hc_count=hc, eps=eps).injection_weights is None
+    # negative control: swapped streams of the injection weight are caught, in exactly those columns
+    bad = inj_w.copy()
+    bad[[0, 2]] = bad[[2, 0]]
+    ob = N.hc_pre(x, nw, down, up, bad, hc_count=hc, eps=eps)
+    cols = np.nonzero(np.abs(ob.injection_weights - inj).max(axis=0) > 1e-4)[0]
+    assert cols.tolist() == [0, 2]
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    ref = x.astype(np.float64).copy()
+    for s in range(hc):
+        ref[:, s * H:(s + 1) * H] += y * inj[:, s:s + 1]
+    assert rel(N.hc_combine(x, y, o.injection_weights), ref) < TOL32
+    with pytest.raises(KernelInputError, match="block_out"):
+        N.hc_combine(x, y[:, :-1], o.injection_weights)
+
+
 TOL = 1e-5  # see module docstring
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
     # the kernels take up to 16 tokens; the engine's default dispatch uses them at T = 1 only (measured faster there)
     monkeypatch.setattr(N, "HC_FUSED_MAX_TOKENS", 16)
 
 
-def rel(a, b):
+def rel_dev(a, b):
     a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
@@ -56,6 +128,7 @@ def _run(x, nw, down, up, inj, hc, fused: bool, monkeypatch):
     return o
 
 
+@cuda
 @pytest.mark.parametrize("hc,H,r,bf16", [(4, 2560, 320, True), (2, 64, 16, True), (3, 96, 24, False),
                                          (4, 64, 16, False)])
 @pytest.mark.parametrize("T", [1, 3, 4, 16])
@@ -67,10 +140,11 @@ def test_fused_matches_unfused_and_float64(rng, hc, H, r, bf16, T, monkeypatch):
     of = _run(x, nw, down, up, inj, hc, True, monkeypatch)
     ou = _run(x, nw, down, up, inj, hc, False, monkeypatch)
     for name in ("mixed", "injection_weights"):
-        ef, eu = rel(getattr(of, name), getattr(o64, name)), rel(getattr(ou, name), getattr(o64, name))
+        ef, eu = rel_dev(getattr(of, name), getattr(o64, name)), rel_dev(getattr(ou, name), getattr(o64, name))
         assert ef <= 4 * eu + 1.2e-7 and ef < TOL, (name, ef, eu)
 
 
+@cuda
 def test_fused_negative_controls_caught_and_located(rng, monkeypatch):
     hc, H, r, T = 4, 256, 32, 2
     nw, down, up, inj = _weights(rng, hc, H, r, True)
@@ -92,9 +166,10 @@ def test_fused_negative_controls_caught_and_located(rng, monkeypatch):
     bad_down = down.copy()
     bad_down[5] = to_bf16_bits(np.ones(hc * H) * 0.05)
     ob = _run(x, nw, bad_down, up, inj, hc, True, monkeypatch)
-    assert rel(ob.mixed, o64.mixed) > 100 * TOL
+    assert rel_dev(ob.mixed, o64.mixed) > 100 * TOL
 
 
+@cuda
 def test_fused_dispatch_limits(rng, monkeypatch):
     hc, H, r = 4, 64, 16
     _, down, up, _ = _weights(rng, hc, H, r, True)
@@ -110,6 +185,7 @@ def test_fused_dispatch_limits(rng, monkeypatch):
     assert not N.hc_pre_fused_ok(1, hc, H, r, d, u)
 
 
+@cuda
 def test_fused_captures_as_cuda_graph_bit_exact(rng, monkeypatch):
     hc, H, r, T = 4, 256, 32, 3
     nw, down, up, inj = (cp.asarray(a) for a in _weights(rng, hc, H, r, True))
@@ -128,10 +204,11 @@ def test_fused_captures_as_cuda_graph_bit_exact(rng, monkeypatch):
     for _ in range(3):
         graph.launch(stream=s)
     s.synchronize()
-    assert rel(out.mixed, cp.asnumpy(eager.mixed)) == 0.0
-    assert rel(out.injection_weights, cp.asnumpy(eager.injection_weights)) == 0.0
+    assert rel_dev(out.mixed, cp.asnumpy(eager.mixed)) == 0.0
+    assert rel_dev(out.injection_weights, cp.asnumpy(eager.injection_weights)) == 0.0
 
 
+@cuda
 @pytest.mark.parametrize("T,hc,H", [(1, 4, 2560), (5, 2, 64), (40, 3, 96), (3, 4, 300)])
 def test_combine_norm_bit_identical_to_separate_ops(rng, T, hc, H):
     res = rng.standard_normal((T, hc * H)).astype(np.float32)
@@ -144,7 +221,7 @@ def test_combine_norm_bit_identical_to_separate_ops(rng, T, hc, H):
     assert cp.array_equal(out, ref_out) and cp.array_equal(normed, ref_norm)
     # and both agree with float64 (the NumPy twin) within the float32 tolerance
     o64, n64 = N.hc_combine_norm(res.astype(np.float64), y.astype(np.float64), inj.astype(np.float64), nw, eps=1e-6)
-    assert rel(out, o64) < TOL and rel(normed, n64) < TOL
+    assert rel_dev(out, o64) < TOL and rel_dev(normed, n64) < TOL
     # negative control: the norm weight of another stream (a wrong group) is caught in exactly that stream
     bad = nw.copy()
     bad[:H] = bad[H:2 * H]
@@ -175,6 +252,7 @@ def _graph_us(fn, reps: int = 200) -> float:
     return float(np.median(times))
 
 
+@cuda
 def test_fused_hc_pre_timing_printed(rng, monkeypatch):
     """Prints the real-width timing (information for ci/gpu's summary, not asserted: no timed assertions); asserts
     only that both paths ran and agree."""
@@ -199,5 +277,5 @@ def test_fused_hc_pre_timing_printed(rng, monkeypatch):
                     return N.hc_pre(h, nw, down, up, inj, hc_count=hc, eps=1e-6, down_inject=di)
             outs[fused] = step().mixed
             line.append(f"T={T} {'fused' if fused else 'unfused'} {_graph_us(step):.1f} us")
-        assert rel(outs[True], cp.asnumpy(outs[False]).astype(np.float64)) < TOL
+        assert rel_dev(outs[True], cp.asnumpy(outs[False]).astype(np.float64)) < TOL
     print("\nDENSE HC-PRE combine + input side at real widths (graph replays): " + ", ".join(line))

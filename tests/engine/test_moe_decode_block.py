@@ -1,4 +1,13 @@
-"""GPU tests of the MoE decode block (``moe.FUSED_DECODE``, the default for 1..16 tokens: the three launches of
+"""The MoE decode block (engine/kernels/moe.py, cuda/moe_decode.cu): host side on the CPU, the kernels on CUDA.
+
+CPU checks of the MoE decode block's host side (engine/kernels/moe.py, cuda/moe_decode.cu), no GPU needed.
+
+* The decode block is the engine's decode path (no environment switch selects another).
+* The NumPy twin ignores the module flag.
+* The decode kernels' top-k, SwiGLU and combine are the grouped chain's expressions; no float atomics.
+* Every kernel name the host builds exists in the source, in the NVRTC module the options select.
+
+GPU tests of the MoE decode block (``moe.FUSED_DECODE``, the default for 1..16 tokens: the three launches of
 engine/kernels/cuda/moe_decode.cu) against the grouped chain of ``moe.moe_experts`` and the float64 twin.
 
 The decode block sums every dot product (router logits, gate/up, down) in another order than the grouped chain, so
@@ -18,26 +27,103 @@ step that did not run is caught.
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy", reason="GPU tests need cupy (pip install '.[gpu]')")
+from engine.backend import CUDA_DIR, cuda_source
+from engine.kernels import moe as M, dense_common
+from engine.kernels.dense_common import _MOE_FORMATS, kernel_module_options, to_bf16_bits, weight_as_float
+from engine.kernels.quant import QuantWeight
+from op_devices import cp, on_cuda
 
-from engine.backend import gpu_available  # noqa: E402
-from engine.kernels import dense_common  # noqa: E402
-from engine.kernels import moe as M  # noqa: E402
-from engine.kernels.dense_common import to_bf16_bits, weight_as_float  # noqa: E402
-from engine.kernels.quant import QuantWeight  # noqa: E402
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to cupy")]
+
+def test_decode_block_is_the_default_and_not_switchable_by_the_environment():
+    assert M.FUSED_DECODE is True
+    text = open(M.__file__).read()
+    assert not re.findall(r"QWEN4EXP_[A-Z0-9_]*[A-Z0-9]", text)
+
+
+def test_decode_block_default_only_where_measured_faster():
+    """The default runs the decode block for one token of BF16 / FP8 experts only (docs/performance.md: faster than
+    the grouped chain there, slower for NVFP4 and at 16 tokens); no format of the kernels is left out of the table."""
+    assert M.DECODE_BLOCK_MAX_TOKENS == {"bf16": 1, "fp8": 1, "nvfp4": 0}
+    assert set(M.DECODE_BLOCK_MAX_TOKENS) == set(_MOE_FORMATS)
+
+
+def test_numpy_twin_ignores_the_flag(rng, monkeypatch):
+    E, H, I, Is, k, T = 8, 16, 8, 8, 2, 3
+    W = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in
+         ((E, H), (E, 2 * I, H), (E, H, I), (Is, H), (Is, H), (H, Is), (1, H))]
+    x = rng.standard_normal((T, H))
+
+    def run():
+        return M.moe_block(x, W[0], W[1], W[2], top_k=k, shared_gate_proj=W[3], shared_up_proj=W[4],
+                           shared_down_proj=W[5], shared_expert_gate=W[6]).out
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    a = run()
+    monkeypatch.setattr(M, "FUSED_DECODE", True)
+    np.testing.assert_array_equal(run(), a)
+
+
+def test_decode_formulas_are_the_grouped_ones():
+    """The decode block's SwiGLU and combine use the grouped chain's expressions (guards drift): the shared expert's
+    sigmoid gate, the combine's product order; the top-k is one function (moe_route.cuh's moe_topk_block) that
+    both modules include and call, not two copies."""
+    dec = cuda_source("moe_decode.cu")
+    unf = cuda_source("dense_moe.cu")
+    pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * __ldcg(ys +"),
+             ("acc += Y[(long long)p * H + h] * w[t * k + j];",
+              "acc += __ldcg(y + (long long)(t * k + j) * H + n) * wts[t * k + j];"),
+             ("h[i] = (g / (1.f + expf(-g))) * u;", "= (g / (1.f + expf(-g))) * u;")]
+    for u, f in pairs:
+        assert u in unf, u
+        assert f in dec, f
+    topk = (Path(CUDA_DIR) / "moe_route.cuh").read_text()
+    head = "__device__ __forceinline__ void moe_topk_block("
+    assert topk.count(head) == 1
+    for src in (dec, unf):   # the header's text inlined once, and called; no second softmax / arg-max of its own
+        assert src.count(head) == 1 and src.count("moe_topk_block(") == 2, src.count("moe_topk_block(")
+        assert src.count("expf(__ldcg(l + e) - m)") == 1 and src.count("moe_better(") == topk.count("moe_better(")
+    # integer tickets and counts only: every atomicAdd's target is an int / unsigned counter
+    targets = re.findall(r"atomicAdd\(([^,]+),", dec)
+    assert targets and set(targets) == {"counter", "&cnt[e]"}, targets
+
+
+def test_every_host_kernel_name_is_in_its_module():
+    src = cuda_source("moe_decode.cu")
+    routers = {int(m) for m in re.findall(r"^MOE_ROUTER_ENTRY\((\d+)\)$", src, re.M)}
+    pairs = set(re.findall(r"^MOE_PAIR\((\w+), (\w+)\)$", src, re.M))
+    assert routers == {M._token_bound(t) for t in range(1, 17)} == {1, 4, 16}
+    assert pairs == {(a, b) for a in _MOE_FORMATS for b in _MOE_FORMATS}
+    for a, b in pairs:  # each pair's entries compiled in the module of its defines, the routers in the base one
+        opts = kernel_module_options("moe_decode.cu", f"moe_down_{a}_{b}_t16")
+        assert opts == (f"-DMOE_FR={_MOE_FORMATS.index(a)}", f"-DMOE_FS={_MOE_FORMATS.index(b)}")
+        sel = f"#if MOE_SEL({_MOE_FORMATS.index(a)}, {_MOE_FORMATS.index(b)})\nMOE_PAIR({a}, {b})\n#endif"
+        assert sel in src, sel
+    assert kernel_module_options("moe_decode.cu", "moe_router_f32_t4") == ()
+    assert kernel_module_options("moe_decode.cu", "moe_down_f32_bf16_t4") == ()  # not a pair: no such entry
+
+
+def test_nvrtc_text_has_every_header_inlined():
+    """NVRTC resolves no local include: cuda_source must inline every header of moe_decode.cu (an include line with
+    a trailing comment is not matched by its pattern and would reach NVRTC as is)."""
+    assert not [ln for ln in cuda_source("moe_decode.cu").splitlines() if ln.lstrip().startswith("#include")]
+
 
 U32 = 2.0 ** -24  # float32 unit roundoff
+
 
 # wide: many blocks per launch; narrow: few experts and rows
 SHAPES = {"wide": dict(E=64, H=256, I=96, Is=96, k=6), "narrow": dict(E=16, H=128, I=64, Is=64, k=2)}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
     # the decode block for every format and token count (the default runs it only where it is measured faster)
@@ -54,7 +140,7 @@ def same(a, b):
 
 
 def qmake(rng, fmt, shape):
-    """Random stored-format experts (every code but the E4M3 NaN), as test_kernels_quant_gpu.py builds them."""
+    """Random stored-format experts (every code but the E4M3 NaN), as tests/engine/test_quant_linear.py builds them."""
     *lead, N, K = shape
     lead = tuple(lead)
     if fmt == "fp8":
@@ -188,6 +274,7 @@ def check_within(res, Wh, x, k, **kw):
     return (np.abs(cp.asnumpy(res.out).astype(np.float64) - ex) / B).max(1), gap, dl
 
 
+@cuda
 @pytest.mark.parametrize("shape", ["wide", "narrow"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("T", [1, 4, 16])
@@ -210,6 +297,7 @@ def test_decode_block_within_float32_bound_of_grouped_chain(rng, monkeypatch, sh
         assert (np.abs(cp.asnumpy(r.router_logits) - xa @ Wh["router"].T) <= lb).all()
 
 
+@cuda
 @pytest.mark.parametrize("shared_fmt", ["fp8", "nvfp4"])
 def test_decode_block_stored_format_shared_expert(rng, monkeypatch, shared_fmt):
     """The shared expert in a stored format (the FP8 release stores it in FP8): same bound."""
@@ -221,6 +309,7 @@ def test_decode_block_stored_format_shared_expert(rng, monkeypatch, shared_fmt):
     assert (ex_f <= 1).all(), ex_f
 
 
+@cuda
 def test_fallbacks_run_the_grouped_chain_bit_for_bit(rng, monkeypatch):
     """float32 experts (no entry in DECODE_BLOCK_MAX_TOKENS) and an unstacked shared expert are not taken by the
     decode block: the grouped chain runs (bit for bit the same as with the flag off)."""
@@ -233,6 +322,7 @@ def test_fallbacks_run_the_grouped_chain_bit_for_bit(rng, monkeypatch):
         same(fused.topk_ids, ref.topk_ids)
 
 
+@cuda
 def test_bf16_router_and_no_shared_expert(rng, monkeypatch):
     W, k = weights(rng, "bf16", **SHAPES["wide"], router_bf16=True)
     x = cp.asarray(rng.standard_normal((5, 256)).astype(np.float32))
@@ -242,6 +332,7 @@ def test_bf16_router_and_no_shared_expert(rng, monkeypatch):
     assert (ex_f <= 1).all(), ex_f
 
 
+@cuda
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_deterministic_and_batch_invariant(rng, monkeypatch, fmt):
     """Two runs give the same bits; every token of a 16-token step gets the same bits as alone (T = 1) and in a
@@ -259,6 +350,7 @@ def test_deterministic_and_batch_invariant(rng, monkeypatch, fmt):
     same(four.out, a.out[4:8])
 
 
+@cuda
 def test_graph_replay_bit_exact(rng, monkeypatch):
     """Captured as a CUDA graph (no host synchronisation; the tickets reset themselves) and replayed on new
     inputs: every replay equals the eager result bit for bit."""
@@ -287,6 +379,7 @@ def test_graph_replay_bit_exact(rng, monkeypatch):
     assert not np.array_equal(outs[0], outs[1])
 
 
+@cuda
 def test_negative_controls_exceed_the_bound(rng, monkeypatch):
     """A swapped expert, a dropped shared expert and a wrong top-k selection are caught by the bound check at exactly
     the tokens concerned."""
@@ -319,9 +412,10 @@ def test_negative_controls_exceed_the_bound(rng, monkeypatch):
     assert np.nonzero(flagged)[0].tolist() == [1]
 
 
+@cuda
 @pytest.mark.parametrize("name", ["tiny", "tiny-fp8", "tiny-nvfp4"])
 def test_engine_decode_block_matches_grouped_chain(monkeypatch, name):
-    """(The decode block for every format and token count: the autouse fixture.) The whole engine (prefill, then batched decode steps with their CUDA graphs, fixed input tokens) with the
+    """(The decode block for every format and token count: the poison fixture.) The whole engine (prefill, then batched decode steps with their CUDA graphs, fixed input tokens) with the
     decode block agrees with the grouped chain within the self-consistency limit (selfcheck.SELF_TOL: paths that
     differ in float32 summation order only), and two engines with the decode block give the same bits."""
     from engine import Engine, selfcheck

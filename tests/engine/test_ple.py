@@ -1,27 +1,28 @@
-"""CPU tests of the dense kernels' NumPy twins (engine/kernels/{linear,moe,norms,ple}.py), including the
-engine's host n-gram hash against the reference's readable form on the tiny fixture's tables.
+"""PLE (engine/kernels/ple.py): the host n-gram hash (chunked, EOS resets, batched decode, the reference's
+readable form on the tiny fixture's tables, any chunking as a property), the dilated causal conv with carried state,
+and the whole PLE layer; on the CPU (twins against Python-int / float64 references) and on CUDA.
 
-Every check draws random inputs from the test's fixed seed (``rng`` fixture of tests/conftest.py, printed) and
-compares with an independent float64 formula written here (loops / Python ints, not the twins'
-vectorised code). Negative controls inject a known fault and assert it is caught AND located.
-
-Tolerances: float32 twin vs float64 truth by ||out - ref|| / ||ref||. float32 arithmetic over the
-sizes used here (K <= 96 terms) lands near 1e-7..1e-6; 1e-5 leaves a 10x margin while a single
-perturbed weight (relative size ~1e-1 of a row) gives errors > 1e-3.
+CPU tolerance: TOL32 = 1e-5 relative (float32 twin vs float64 truth); hashes are compared bit for bit. Negative
+controls: dropped context / state between chunks (caught at the first positions of the next chunk only), an
+off-by-one history, a hash ignoring EOS. CUDA: CUDA vs float64 twin with carried state over prefill and decode
+steps (poisoned outputs), TOL 1e-5; a dropped conv state is caught in the first L positions only.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from engine.kernels import linear as L
-from engine.kernels import moe as M
-from engine.kernels import norms as N
-from engine.kernels import ple as P
-from ple_helpers import ple_layer  # noqa: E402
+from engine.kernels import moe as M, norms as N, ple as P, dense_common
+from ple_helpers import ple_layer
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
 from reference.checkpoint import Checkpoint
 from reference.paths import FIXTURES
+from op_devices import cp, on_cuda
+
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
+
 
 TOL32 = 1e-5  # see module docstring
 
@@ -43,172 +44,8 @@ def sig64(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-# ----------------------------------------------------------------------------------------------- linear
-@pytest.mark.parametrize("wkind", ["bf16", "f32"])
-@pytest.mark.parametrize("M_", [1, 5, 40])
-def test_linear_twin_matches_float64(rng, wkind, M_):
-    K, Nn = 96, 24
-    x = rng.standard_normal((M_, K)).astype(np.float32)
-    w32 = rng.standard_normal((Nn, K)).astype(np.float32)
-    w = to_bf16_bits(w32) if wkind == "bf16" else w32
-    w64 = bf16_to_f64(w) if wkind == "bf16" else w32.astype(np.float64)
-    ref = np.array([[sum(float(x[m, k]) * w64[n, k] for k in range(K)) for n in range(Nn)] for m in range(M_)])
-    y = L.linear(x, w)
-    assert y.dtype == np.float32 and y.shape == (M_, Nn)
-    assert rel(y, ref) < TOL32
-    # out= is written in full
-    out = np.full((M_, Nn), np.nan, np.float32)
-    L.linear(x, w, out=out)
-    assert rel(out, ref) < TOL32
-    # negative control: one perturbed weight is caught and located in its output column
-    bad = w.copy()
-    # the perturbed input column is the one with the largest |x|: the fault's output error (4 |x[:, c]|)
-    # is then always far above the tolerance (a small |x[:, c]| once hid it for M_ = 1)
-    r, c = int(rng.integers(Nn)), int(np.argmax(np.abs(x).max(axis=0)))
-    bad[r, c] = to_bf16_bits(np.float32(w64[r, c] + 4.0)) if wkind == "bf16" else np.float32(w64[r, c] + 4.0)
-    yb = L.linear(x, bad)
-    assert rel(yb, ref) > 100 * TOL32
-    col_err = np.abs(yb.astype(np.float64) - ref).max(axis=0)
-    assert int(np.argmax(col_err)) == r
-
-
-def test_linear_bad_input_errors():
-    x = np.zeros((2, 8), np.float32)
-    with pytest.raises(KernelInputError, match="w"):
-        L.linear(x, np.zeros((3, 9), np.float32))
-    with pytest.raises(KernelInputError, match="weight"):
-        L.linear(x, np.zeros((3, 8), np.int32))
-    with pytest.raises(KernelInputError, match="out"):
-        L.linear(x, np.zeros((3, 8), np.float32), out=np.zeros((2, 2), np.float32))
-
-
-def test_grouped_linear_twin(rng):
-    E, Nn, K, R = 5, 12, 40, 9
-    w = to_bf16_bits(rng.standard_normal((E, Nn, K)))
-    counts = rng.integers(0, 5, size=E)
-    S = int(counts.sum())
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    x = rng.standard_normal((R, K)).astype(np.float32)
-    row_index = rng.integers(0, R, size=S).astype(np.int32)
-    y = L.grouped_linear(x, w, offsets, row_index=row_index)
-    w64 = bf16_to_f64(w)
-    ref = np.zeros((S, Nn))
-    for s in range(S):
-        e = int(np.searchsorted(offsets, s, side="right") - 1)
-        ref[s] = w64[e] @ x[row_index[s]].astype(np.float64)
-    assert rel(y, ref) < TOL32
-    # negative control: two experts' weights swapped -> exactly their rows are wrong
-    used = [e for e in range(E) if counts[e] > 0]
-    if len(used) >= 2:
-        a, b = used[0], used[1]
-        ws = w.copy()
-        ws[[a, b]] = ws[[b, a]]
-        ys = L.grouped_linear(x, ws, offsets, row_index=row_index)
-        bad_rows = np.nonzero(np.abs(ys - ref).max(axis=1) > 1e-3)[0]
-        expect = np.r_[offsets[a]:offsets[a + 1], offsets[b]:offsets[b + 1]]
-        assert set(bad_rows.tolist()) == set(expect.tolist())
-    with pytest.raises(KernelInputError, match="offsets"):
-        L.grouped_linear(x, w, offsets[::-1], row_index=row_index)
-
-
-# ----------------------------------------------------------------------------------------------- MoE
-def canonical_ids_ref(p64_row, k):
-    return [e for _, e in sorted(((-p, e) for e, p in enumerate(p64_row)))[:k]]
-
-
-def test_router_topk_canonical_tie_order(rng):
-    T, E, k = 6, 16, 4
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    # exact ties: duplicate the largest logits of every row into other (random) slots
-    for t in range(T):
-        top = int(np.argmax(logits[t]))
-        others = rng.choice([e for e in range(E) if e != top], size=2, replace=False)
-        logits[t, others] = logits[t, top]
-    ids, w = M.router_topk(logits, k, True)
-    assert ids.dtype == np.int32 and ids.shape == (T, k)
-    for t in range(T):
-        ex = np.exp(logits[t].astype(np.float64) - logits[t].max())
-        p = ex / ex.sum()
-        assert ids[t].tolist() == canonical_ids_ref(p, k)
-        ref_w = p[ids[t]] / p[ids[t]].sum()
-        assert rel(w[t], ref_w) < TOL32
-    # negative control: the opposite tie-break (higher id first) is detected by the same check
-    rev_ids = (E - 1) - np.argsort(-logits[:, ::-1], axis=-1, kind="stable")[:, :k]
-    assert any(rev_ids[t].tolist() != canonical_ids_ref(np.exp(logits[t] - logits[t].max()), k) for t in range(T))
-    # renormalisation off: raw probabilities
-    _, w_raw = M.router_topk(logits, k, False)
-    assert np.all(w_raw.sum(axis=1) < 1.0 + 1e-6) and not np.allclose(w_raw.sum(axis=1), 1.0)
-
-
-def test_moe_route_tables_invariants(rng):
-    T, k, E = 7, 3, 6
-    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
-    r = M.moe_route_tables(ids, E)
-    S = T * k
-    flat = ids.reshape(-1)
-    assert sorted(r.slot_pos.tolist()) == list(range(S))
-    for s in range(S):
-        p = r.slot_pos[s]
-        assert r.offsets[flat[s]] <= p < r.offsets[flat[s] + 1]
-        assert r.sorted_token[p] == s // k
-    with pytest.raises(KernelInputError, match="ids"):
-        M.moe_route_tables(np.full((2, 2), E, np.int32), E)
-
-
-def _moe_weights(rng, E, H, I, Is, wkind="bf16"):
-    def mk(*shape):
-        a = (rng.standard_normal(shape) * 0.3).astype(np.float32)
-        return to_bf16_bits(a) if wkind == "bf16" else a
-    return dict(router=mk(E, H), gate_up=mk(E, 2 * I, H), down=mk(E, H, I), sg=mk(Is, H), su=mk(Is, H),
-                sd=mk(H, Is), sgate=mk(1, H))
-
-
 def _f64(w):
     return bf16_to_f64(w) if w.dtype == np.uint16 else w.astype(np.float64)
-
-
-def moe_ref64(x, W, k, E, I):
-    """Per-token loop in float64: softmax, canonical top-k, renormalised weights, experts, shared."""
-    x64 = x.astype(np.float64)
-    out = np.zeros_like(x64)
-    gu, dn = _f64(W["gate_up"]), _f64(W["down"])
-    for t in range(x.shape[0]):
-        lg = _f64(W["router"]) @ x64[t]
-        p = np.exp(lg - lg.max())
-        p /= p.sum()
-        sel = canonical_ids_ref(p, k)
-        ws = p[sel] / p[sel].sum()
-        for e, wt in zip(sel, ws):
-            g = gu[e, :I] @ x64[t]
-            u = gu[e, I:] @ x64[t]
-            out[t] += wt * (dn[e] @ (g * sig64(g) * u))
-        g = _f64(W["sg"]) @ x64[t]
-        u = _f64(W["su"]) @ x64[t]
-        out[t] += sig64(_f64(W["sgate"]) @ x64[t])[0] * (_f64(W["sd"]) @ (g * sig64(g) * u))
-    return out
-
-
-@pytest.mark.parametrize("T", [1, 4, 23])
-def test_moe_block_twin_matches_float64(rng, T):
-    E, H, I, Is, k = 8, 32, 24, 20, 3
-    W = _moe_weights(rng, E, H, I, Is)
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    o = M.moe_block(x, W["router"], W["gate_up"], W["down"], top_k=k, shared_gate_proj=W["sg"],
-                    shared_up_proj=W["su"], shared_down_proj=W["sd"], shared_expert_gate=W["sgate"])
-    ref = moe_ref64(x, W, k, E, I)
-    assert o.out.shape == (T, H)
-    assert rel(o.out, ref) < TOL32
-    # negative control: swap two experts' down projections -> caught, located at the tokens using them
-    a, b = int(o.topk_ids[0, 0]), int((o.topk_ids[0, 0] + 1) % E)
-    dn = W["down"].copy()
-    dn[[a, b]] = dn[[b, a]]
-    bad = M.moe_experts(x, o.topk_ids, o.topk_weights, W["gate_up"], dn)
-    good = M.moe_experts(x, o.topk_ids, o.topk_weights, W["gate_up"], W["down"])
-    tok_err = np.abs(bad - good).max(axis=1)
-    users = {t for t in range(T) if a in o.topk_ids[t] or b in o.topk_ids[t]}
-    assert {int(t) for t in np.nonzero(tok_err > 1e-4)[0]} == users
-    with pytest.raises(KernelInputError, match="shared expert"):
-        M.moe_block(x, W["router"], W["gate_up"], W["down"], top_k=k, shared_gate_proj=W["sg"])
 
 
 # ----------------------------------------------------------------------------------------------- norms
@@ -221,64 +58,6 @@ def rms_ref64(x, w, gs, eps):
         ms = (x[:, sl] ** 2).sum(axis=1, keepdims=True) / gs
         y[:, sl] = x[:, sl] / np.sqrt(ms + eps) * (1.0 + w[sl].astype(np.float64))
     return y
-
-
-def test_rms_norm_grouped_and_gated(rng):
-    T, hc, H, eps = 5, 4, 24, 1e-6
-    x = rng.standard_normal((T, hc * H)).astype(np.float32)
-    w = (rng.standard_normal(hc * H) * 0.1).astype(np.float32)
-    assert rel(N.rms_norm(x, w, eps=eps, group_size=H), rms_ref64(x, w, H, eps)) < TOL32
-    assert rel(N.rms_norm(x, w, eps=eps), rms_ref64(x, w, hc * H, eps)) < TOL32
-    # negative control: a norm over the wrong group size is detected
-    assert rel(N.rms_norm(x, w, eps=eps, group_size=H // 2), rms_ref64(x, w, H, eps)) > 1e-3
-    g = rng.standard_normal((T, H)).astype(np.float32)
-    xx = rng.standard_normal((T, H)).astype(np.float32)
-    wg = rng.standard_normal(H).astype(np.float32)
-    base = xx.astype(np.float64) / np.sqrt((xx.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps) * wg
-    for act, fn in (("silu", lambda v: v * sig64(v)), ("sigmoid", sig64)):
-        assert rel(N.gated_rms_norm(xx, g, wg, eps=eps, activation=act), base * fn(g.astype(np.float64))) < TOL32
-    with pytest.raises(KernelInputError, match="activation"):
-        N.gated_rms_norm(xx, g, wg, eps=eps, activation="tanh")
-    with pytest.raises(KernelInputError, match="group_size"):
-        N.rms_norm(x, w, eps=eps, group_size=7)
-
-
-def hc_ref64(x, nw, down, up, inj_w, hc, eps):
-    T, W = x.shape
-    H = W // hc
-    n = rms_ref64(x, nw, H, eps)
-    a = n @ _f64(down).T / hc
-    a = a * sig64(a)
-    m = sig64(a @ _f64(up).T)
-    mixed = sum((m * n)[:, s * H:(s + 1) * H] for s in range(hc)) / hc
-    inj = 2.0 * sig64(n @ _f64(inj_w).T / hc)
-    return mixed, inj
-
-
-def test_hc_pre_and_combine(rng):
-    T, hc, H, r, eps = 6, 4, 16, 8, 1e-6
-    x = rng.standard_normal((T, hc * H)).astype(np.float32)
-    nw = (rng.standard_normal(hc * H) * 0.1).astype(np.float32)
-    down = to_bf16_bits(rng.standard_normal((r, hc * H)) * 0.2)
-    up = to_bf16_bits(rng.standard_normal((hc * H, r)) * 0.2)
-    inj_w = to_bf16_bits(rng.standard_normal((hc, hc * H)) * 0.2)
-    o = N.hc_pre(x, nw, down, up, inj_w, hc_count=hc, eps=eps)
-    mixed, inj = hc_ref64(x, nw, down, up, inj_w, hc, eps)
-    assert rel(o.mixed, mixed) < TOL32 and rel(o.injection_weights, inj) < TOL32
-    assert N.hc_pre(x, nw, down, up, None, hc_count=hc, eps=eps).injection_weights is None
-    # negative control: swapped streams of the injection weight are caught, in exactly those columns
-    bad = inj_w.copy()
-    bad[[0, 2]] = bad[[2, 0]]
-    ob = N.hc_pre(x, nw, down, up, bad, hc_count=hc, eps=eps)
-    cols = np.nonzero(np.abs(ob.injection_weights - inj).max(axis=0) > 1e-4)[0]
-    assert cols.tolist() == [0, 2]
-    y = rng.standard_normal((T, H)).astype(np.float32)
-    ref = x.astype(np.float64).copy()
-    for s in range(hc):
-        ref[:, s * H:(s + 1) * H] += y * inj[:, s:s + 1]
-    assert rel(N.hc_combine(x, y, o.injection_weights), ref) < TOL32
-    with pytest.raises(KernelInputError, match="block_out"):
-        N.hc_combine(x, y[:, :-1], o.injection_weights)
 
 
 # ----------------------------------------------------------------------------------------------- PLE
@@ -504,11 +283,6 @@ def test_ple_layer_matches_float64(rng):
         assert rel(out[b], ref) < TOL32
 
 
-# ----------------------------------------------------------------------------------------------- properties
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
 @settings(max_examples=25, deadline=None)
 @given(seq=st.lists(st.integers(0, 12), min_size=1, max_size=24), n=st.integers(2, 4),
        cuts=st.lists(st.integers(1, 23), max_size=4), seed=st.integers(0, 2**32 - 1))
@@ -552,3 +326,60 @@ def test_bad_inputs_name_the_argument():
                    dilation=3)
     with pytest.raises(KernelInputError, match="key/value/hidden"):
         P.ple_gate(np.zeros((2, 8)), np.zeros((2, 3)), np.zeros((2, 8)), *(np.zeros(8),) * 3, hc_count=4, eps=1e-6)
+
+
+TOL = 1e-5  # see module docstring
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    monkeypatch.setattr(dense_common, "POISON", True)
+
+
+def rel_dev(a, b):
+    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
+    b = cp.asnumpy(b).astype(np.float64) if isinstance(b, cp.ndarray) else np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def g(a):
+    return cp.asarray(a)
+
+
+def three_way(gpu_out, twin32, twin64):
+    """CUDA vs twin (float32) and vs float64; returns the two relative errors."""
+    cp.cuda.Device().synchronize()
+    return rel_dev(gpu_out, twin64), rel_dev(twin32, twin64)
+
+
+@cuda
+def test_ple_ops_cuda(rng):
+    B, hc, H, D, K, dil, eps = 2, 4, 160, 320, 4, 3, 1e-6
+    W = hc * H
+    Lh = (K - 1) * dil
+    kp = to_bf16_bits(rng.standard_normal((W, D)) * 0.05)
+    vp = to_bf16_bits(rng.standard_normal((H, D)) * 0.05)
+    nk, nq, nc = ((rng.standard_normal(W) * 0.1).astype(np.float32) for _ in range(3))
+    cw = rng.standard_normal((W, K)).astype(np.float32)
+    slab_n = rng.standard_normal((4, Lh, W)).astype(np.float32)
+    slab_64 = slab_n.astype(np.float64)
+    slab_g = g(slab_n)
+    slots = np.array([2, 0])
+    for T in (7, 1, 1, 12):  # a prefill chunk, two decode steps, another chunk: state carried throughout
+        hidden = rng.standard_normal((B, T, W)).astype(np.float32)
+        emb = rng.standard_normal((B, T, D)).astype(np.float32)
+        og, gg = ple_layer(g(hidden), g(emb), g(kp), g(vp), g(nk), g(nq), g(nc), g(cw), slab_g, g(slots),
+                           hc_count=hc, eps=eps, dilation=dil)
+        o64, g64 = ple_layer(hidden.astype(np.float64), emb.astype(np.float64), kp, vp, nk, nq, nc, cw, slab_64,
+                             slots, hc_count=hc, eps=eps, dilation=dil)
+        assert rel_dev(og, o64) < TOL and rel_dev(gg, g64) < TOL
+        assert rel_dev(slab_g, slab_64) < TOL
+    # negative control: a dropped conv state is caught in the first L positions of the next chunk only
+    x = rng.standard_normal((1, 12, W)).astype(np.float32)
+    keep = P.ple_conv(g(x), slab_g.copy(), g(np.array([2])), g(cw), dilation=dil)
+    dropped = slab_g.copy()
+    dropped[2] = 0
+    lost = P.ple_conv(g(x), dropped, g(np.array([2])), g(cw), dilation=dil)
+    bad_t = np.nonzero(cp.asnumpy(cp.abs(keep - lost).max(axis=2))[0] > 1e-6)[0]
+    assert len(bad_t) and bad_t.max() < Lh

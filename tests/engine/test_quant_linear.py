@@ -1,9 +1,12 @@
-"""GPU tests of the quantised-weight kernels (engine/kernels/cuda/quant_linear.cu): CUDA vs the NumPy twin.
+"""Quantised GEMV (FP8 / NVFP4 weights: engine/kernels/quant.py, cuda/quant_linear.cu) on CUDA; the CPU twin
+and the dispatch: tests/engine/test_engine_quant.py.
+
+GPU tests of the quantised-weight kernels (engine/kernels/cuda/quant_linear.cu): CUDA vs the NumPy twin.
 
 Random FP8 / NVFP4 codes and scales (every code value but the E4M3 NaN), fresh seed per run (printed);
 outputs poisoned before the launch. The kernels' dequantisation is checked bit for bit against the twin
 (``qdequant_*``, same products); the products against the twin in float64 with the dense kernels'
-tolerance (1e-5: float32 summation order only, see test_kernels_dense_gpu.py). Negative controls: one
+tolerance (1e-5: float32 summation order only, see tests/engine/test_linear.py). Negative controls: one
 perturbed code is caught and located in its output column; a swapped expert is caught.
 
 The decode GEMVs are the streaming ``qgemv2_*`` (16-byte chunks) and the scalar ``qgemv_*_s`` (unaligned
@@ -18,20 +21,19 @@ import secrets
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy", reason="GPU tests need cupy (pip install '.[gpu]')")
+from engine.kernels import dense_common, linear as L, moe as M
+from engine.kernels.dense_common import kernel
+from engine.kernels.quant import QuantWeight, dequantize
+from op_devices import cp, on_cuda
 
-from engine.backend import gpu_available  # noqa: E402
-from engine.kernels import dense_common  # noqa: E402
-from engine.kernels import linear as L  # noqa: E402
-from engine.kernels import moe as M  # noqa: E402
-from engine.kernels.dense_common import kernel  # noqa: E402
-from engine.kernels.quant import QuantWeight, dequantize  # noqa: E402
+# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+cuda = on_cuda("poison")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to cupy")]
+
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
 
@@ -71,6 +73,7 @@ def make(rng, fmt, shape, rb=128, cb=128):
     return QuantWeight("nvfp4", shape, q, sc, s2, s2_rows=N // 2 if N % 2 == 0 else N)
 
 
+@cuda
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("M_,K,N_", [(1, 2560, 334), (3, 96, 64), (4, 160, 40), (5, 2560, 78), (16, 320, 130),
                                       (17, 96, 70), (130, 2560, 200), (1, 640, 4000), (2, 48, 1000),
@@ -103,6 +106,7 @@ def test_quant_linear_cuda(rng, impl, fmt, M_, K, N_):
     assert int(np.argmax(np.abs(yb - ref).max(axis=0))) == r
 
 
+@cuda
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("rpt", [1, 4, 16, 64])
 @pytest.mark.parametrize("E,H,I,k,T", [(24, 256, 96, 5, 90), (7, 96, 640, 3, 5)])  # odd expert count, K = 640
@@ -129,6 +133,7 @@ def test_quant_moe_experts_all_tile_kinds(rng, impl, fmt, rpt, E, H, I, k, T):
     assert {int(t) for t in np.nonzero(np.abs(ob - cp.asnumpy(out)).max(1) > 1e-6)[0]} == users
 
 
+@cuda
 def test_synthetic_fill_matches_hash_twin():
     """synthetic_fill.cu's hash and fills equal their NumPy twins (parity/bench/synthetic.py) element for
     element, so a full-depth bench's device weights are what the CPU tests describe."""
@@ -166,6 +171,7 @@ def _make_all_codes(rng, fmt, N, K):
     return QuantWeight("nvfp4", (N, K), q, sc, s2, s2_rows=N // 2)
 
 
+@cuda
 @pytest.mark.parametrize("cfg", _qgemv2_configs(), ids=lambda c: "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*c))
 def test_qgemv2_decodes_exactly_every_config(rng, cfg):
     """One-hot activation rows through each qgemv2 entry: y[t, n] == deq[n, k_t] bit for bit (as values; the
