@@ -1,5 +1,5 @@
-"""Shared helpers for the sequence-kernel tests (tests/engine/test_kernels_seq*.py): seeded random problems, scrambled
-paged pools, and float64 dense re-statements of the official semantics that know nothing of pages.
+"""Shared helpers for the sequence-kernel tests (tests/engine/test_gdn.py, test_qsa.py, test_rope.py,
+test_kernels_seq_oracle.py): seeded random problems, scrambled paged pools, and float64 dense re-statements of the official semantics that know nothing of pages.
 
 Not a test module. Every generator takes an ``np.random.Generator``; tests draw the fixed seed of the running test
 (:func:`seeded_rng`) and put it in their failure messages.

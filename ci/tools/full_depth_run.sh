@@ -10,7 +10,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 free -g | head -2
-[ -n "${SKIP_TESTS:-}" ] || timeout 100 python3 -m pytest -p no:cacheprovider -q -rfE -m gpu tests/engine/test_kernels_quant_gpu.py \
+[ -n "${SKIP_TESTS:-}" ] || timeout 100 python3 -m pytest -p no:cacheprovider -q -rfE -m gpu tests/engine/test_quant_linear.py \
   -o addopts="" >"$OUT/quant_tests.log" 2>&1; echo "quant GPU tests rc=$? ($(( $(date +%s) - t0 )) s)"
 grep -E "passed|failed|^FAILED|^E " "$OUT/quant_tests.log" | head -n 30
 [ -n "${SKIP_TESTS:-}" ] || timeout 80 python3 - >"$OUT/parity.json" 2>"$OUT/parity.err" <<'PY'

@@ -290,7 +290,7 @@ def gated_delta_prefill(q, k, v, g, beta, state, slot: int, chunk_size: int = 64
     ``algorithm``: ``"chunked"`` (the chunked form below), ``"recurrent"`` (the token-by-token CUDA kernel of
     :func:`gated_delta_recurrent`, one launch) or ``"auto"``: NumPy -> the reference's chunked form; GPU -> the
     recurrent kernel, measured faster on the H200 (T=2048 at the real widths: 4.5 ms vs 18.7 ms for the chunked
-    array code; see tests/engine/test_kernels_seq_gpu.py timing summary).
+    array code; see tests/engine/test_qsa.py::test_seq_kernels_timing_summary).
 
     Args:
         q, k: ``[T, Hk, Dk]`` float (post-conv, NOT yet normalised: the l2norm + ``Dk**-0.5`` happen here).

@@ -7,7 +7,7 @@ exactly into three BF16 parts, ``x == hi + mid + lo`` (truncating split of ``com
 (``CUBLAS_COMPUTE_32F``) accumulating into the same float32 output (``beta`` 0, then 1; smallest part first).
 A product of two BF16 values is exact in float32, so the result is a float32 sum of the exact products
 ``x_k * w_k`` - a float32 GEMM up to the order and the tensor core's internal rounding of the summation (bounded
-by the classical ``K * eps32 * sum_k |x_k w_k|``; tests/engine/test_gemm_tc_gpu.py). Activations are never
+by the classical ``K * eps32 * sum_k |x_k w_k|``; tests/engine/test_gemm_tc.py). Activations are never
 rounded to BF16. Parts below 2^-126 are BF16 subnormals the tensor core may flush (absolute error ~2^-126 *
 sum|w|); a non-finite activation gives NaN (as the tensor-core GEMV, ``cuda/dense_linear_mma.cu``).
 

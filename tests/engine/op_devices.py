@@ -4,8 +4,8 @@ Each op module holds that op's CPU tests (the NumPy twins, against independent f
 tests (the kernels, against the twins and float64). A CUDA test carries the ``gpu`` marker, so ``pytest -m gpu``
 selects exactly the CUDA cases (ci/gpu runs ``pytest -m gpu tests/``) and ``-m "not gpu"`` the CPU ones; without
 cupy or a GPU a CUDA case is collected and skipped with the reason, never an error, and the CPU cases of the same
-module run. A test whose body is the same on both devices takes the ``device`` fixture (tests/engine/conftest.py),
-parametrised over ``DEVICES``: "cpu", and "cuda" carrying the same marker and skip.
+module run. The two sides are separate tests where their inputs or bounds differ (the CPU twins at small shapes
+against float64 loops, the kernels at the real widths against the twins).
 """
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ from engine.backend import cupy_or_none
 
 cp = cupy_or_none()  # the cupy module where cupy imports and sees a CUDA device, else None
 NO_CUDA = "no CUDA GPU visible to cupy (GPU tests need cupy: pip install '.[gpu]')"
-
-CUDA = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")
-DEVICES = ("cpu", CUDA)
 
 
 def on_cuda(*fixtures: str, skipif: tuple[bool, str] | None = None):
