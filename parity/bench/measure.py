@@ -416,9 +416,12 @@ def run_engine(spec: dict) -> dict:
 def project_periods(periods: dict, cfg) -> dict:
     """Project one-period (4 layers) and two-period (8 layers) engine results to ``cfg``'s depth: per
     setting, the marginal period cost ``m8 - m4`` (step seconds, bytes) and ``step(L) = m4 + (L/4 - 1) *
-    (m8 - m4)``; prefill likewise on the prompt's seconds. Rows carry ``projected: True``. Returns the
-    fields of an engine result (``periods``, ``hbm``, ``matmul``, ``gpu``, ``precision``, ``prefill``,
-    ``decode``)."""
+    (m8 - m4)``; prefill likewise on the prompt's seconds. Rows carry ``projected: True`` and the projection's
+    range: ``step(L) = (2 - L/4) m4 + (L/4 - 1) m8`` multiplies each measurement's own spread (its median +- half
+    its relative range) by up to ``L/4 - 1`` (11 at 48 layers), so ``tokens_per_s`` carries ``range [lo, hi]``
+    from those extremes and ``spread`` = ``(hi - lo) / median`` (None and ``range [lo, None]`` when the extremes
+    allow a step of zero or less: the measurements cannot bound it; the JSON's ``null``). Returns the fields of an engine result
+    (``periods``, ``hbm``, ``matmul``, ``gpu``, ``precision``, ``prefill``, ``decode``)."""
     L = cfg.num_hidden_layers
     out = {"periods": periods, "hbm": periods[4].get("hbm"), "matmul": periods[4].get("matmul"),
            "gpu": periods[4].get("gpu"), "precision": periods[4].get("precision"), "prefill": [], "decode": []}
@@ -430,11 +433,12 @@ def project_periods(periods: dict, cfg) -> dict:
             continue
         m4, m8 = r4["step_s"]["median"], r8["step_s"]["median"]
         step = m4 + k * (m8 - m4)
+        rate = _projected_rate(r4["batch"], step, (m4, r4["step_s"].get("spread")), (m8, r8["step_s"].get("spread")), k)
         b4, b8 = r4["bytes_per_step"], r8["bytes_per_step"]
         nbytes = b4 + k * (b8 - b4)
         row = {"batch": r4["batch"], "context": r4["context"], "projected": True,
                "period_marginal_s": m8 - m4, "period_marginal_bytes": b8 - b4,
-               "tokens_per_s": {"median": r4["batch"] / step}, "step_s": {"median": step},
+               "tokens_per_s": rate, "step_s": {"median": step},
                "bytes_per_step": nbytes, "bytes_per_token": nbytes / r4["batch"],
                "host_syncs_per_step": r4.get("host_syncs_per_step")}
         if out.get("hbm"):
@@ -451,12 +455,32 @@ def project_periods(periods: dict, cfg) -> dict:
         t4, t8 = P / p4["tokens_per_s"]["median"], P / p8["tokens_per_s"]["median"]
         t = t4 + k * (t8 - t4)
         row = {"prompt_len": P, "projected": True, "period_marginal_s": t8 - t4,
-               "tokens_per_s": {"median": P / t}}
+               "tokens_per_s": _projected_rate(P, t, (t4, p4["tokens_per_s"].get("spread")),
+                                               (t8, p8["tokens_per_s"].get("spread")), k)}
         fl = flops_per_token(cfg, P // 2)["total"]
         row["flop_per_token"] = fl
         if out.get("matmul"):
             row["matmul_fraction"] = (fl * P / t) / out["matmul"]["flop_per_s"]
         out["prefill"].append(row)
+    return out
+
+
+def _projected_rate(n: float, t: float, a: tuple, b: tuple, k: float) -> dict:
+    """``{median: n / t, range: [lo, hi], spread}`` of a projected ``t = (1 - k) ta + k tb`` (seconds for ``n``
+    tokens), ``a`` / ``b`` = ``(median seconds, spread)`` of the one- and two-period measurements (spread: the
+    relative range ``(max - min) / median``, None = unknown, taken as 0): the extremes of ``t`` over
+    ``ta (1 +- sa/2)``, ``tb (1 +- sb/2)`` (:func:`project_periods`)."""
+    (ta, sa), (tb, sb) = a, b
+    ha, hb = (sa or 0.0) / 2, (sb or 0.0) / 2
+    t_lo = (1 - k) * ta * (1 + ha) + k * tb * (1 - hb)   # k >= 1: the first term's weight is <= 0
+    t_hi = (1 - k) * ta * (1 - ha) + k * tb * (1 + hb)
+    out = {"median": n / t}
+    if t_lo > 0 and t > 0:
+        out["range"] = [n / t_hi, n / t_lo]
+        out["spread"] = (n / t_lo - n / t_hi) / (n / t)
+    else:
+        out["range"] = [n / t_hi if t_hi > 0 else 0.0, None]   # None: no upper bound
+        out["spread"] = None
     return out
 
 

@@ -230,6 +230,9 @@ def _fmt_rate(x) -> str:
     m = x.get("median") if isinstance(x, dict) else None
     if m is None:
         return "-"
+    if x.get("range"):   # a projection: its range from the measurements' spreads (measure.project_periods)
+        lo, hi = x["range"]
+        return f"{m:,.1f} ({lo:,.1f}..{'unbounded' if hi is None else f'{hi:,.1f}'})"
     s = x.get("spread")
     return f"{m:,.1f}" + (f" ±{100 * s / 2:.0f}%" if s else "")
 

@@ -88,6 +88,30 @@ def test_projection_from_one_and_two_periods():
     assert Ms.project_periods({4: res(4), 8: res(8)}, cfg24)["decode"][0]["step_s"]["median"] != d["step_s"]["median"]
 
 
+def test_projection_carries_the_range_its_measurements_allow():
+    """A projection multiplies the measurements' spread by up to L/4 - 1: the projected rate carries the range
+    of its extremes, wide for noisy inputs, and no upper bound where the extremes allow a step of zero."""
+    cfg = ModelConfig.from_dict(S.real_width_config(48))
+
+    def res(L, spread):
+        per = L // 4
+        return {"hbm": {"bytes_per_s": 4e12}, "gpu": "x", "precision": "bf16", "prefill": [],
+                "decode": [{"batch": 1, "context": 100, "bytes_per_step": 1e9 * per, "host_syncs_per_step": 1.0,
+                            "step_s": {"median": 1e-3 + 0.5e-3 * (per - 1), "spread": spread}}]}
+    exact = Ms.project_periods({4: res(4, 0.0), 8: res(8, 0.0)}, cfg)["decode"][0]["tokens_per_s"]
+    assert exact["range"] == [pytest.approx(exact["median"])] * 2 and exact["spread"] == pytest.approx(0.0)
+    r = Ms.project_periods({4: res(4, 0.1), 8: res(8, 0.1)}, cfg)["decode"][0]["tokens_per_s"]
+    # extremes by hand: t = -10 m4 + 11 m8, m4 = 1 ms, m8 = 1.5 ms, each +- 5 %
+    lo_t, hi_t = -10 * 1.05e-3 + 11 * 1.5e-3 * 0.95, -10 * 0.95e-3 + 11 * 1.5e-3 * 1.05
+    assert r["median"] == pytest.approx(1 / 6.5e-3)
+    assert r["range"] == [pytest.approx(1 / hi_t), pytest.approx(1 / lo_t)]
+    assert r["spread"] > 4 * 0.1      # the inputs' relative range 0.1 becomes > 0.4 at 48 layers
+    wild = Ms.project_periods({4: res(4, 0.9), 8: res(8, 0.9)}, cfg)["decode"][0]["tokens_per_s"]
+    assert wild["range"][1] is None and wild["spread"] is None
+    from parity.bench.runner import _fmt_rate
+    assert "unbounded" in _fmt_rate(wild) and "(" in _fmt_rate(r) and "±" not in _fmt_rate(r)
+
+
 def _args(**kw):
     base = dict(model_pos=None, model=None, synthetic="real-widths", backend="engine", layers=48, vocab=None,
                 device="cpu", precision=None, prompt_lens=None, batches=None, contexts=None, decode_tokens=None,
