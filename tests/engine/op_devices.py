@@ -6,6 +6,9 @@ selects exactly the CUDA cases (ci/gpu runs ``pytest -m gpu tests/``) and ``-m "
 cupy or a GPU a CUDA case is collected and skipped with the reason, never an error, and the CPU cases of the same
 module run. The two sides are separate tests where their inputs or bounds differ (the CPU twins at small shapes
 against float64 loops, the kernels at the real widths against the twins).
+
+The helpers the op modules share are in op_helpers.py, their shared fixtures (the poisoning of outputs) in
+conftest.py.
 """
 from __future__ import annotations
 

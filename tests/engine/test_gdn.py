@@ -28,21 +28,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels import gdn, qsa, rope
-from tests.kernels_seq_common import dense_conv, dense_gdn, seeded_rng, rel_err
+from engine.kernels import gdn, rope
+from tests.kernels_seq_common import (DK, DV, HK, HV, TOL, dense_conv, dense_gdn, gdn_inputs, seeded_rng,
+                                      split_dispatch, rel_err)
 from op_devices import cp, on_cuda
+from op_helpers import g, no_poison
 
-# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations (conftest.py) before every CUDA test
 cuda = on_cuda("poisoned_allocations")
-
-
-# float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element
-# (relative error ~1e-7); the delta rule carries float32 state through up to ~130 tokens (measured ~1e-6);
-# 1e-5 leaves an order of magnitude of margin while every negative control below moves results by >= 1e-2.
-# CUDA: float32 kernels vs float32 NumPy twins and float64 truth: per element a few float32 roundings (different
-# summation orders, cosf vs numpy cos, online vs two-pass softmax) -> ~1e-6 relative; 1e-5 per METHOD.md's fp32
-# guidance ("far under 1e-3"), while every negative control moves results by >= 1e-2 (>= 1e-3 for the split kernels).
-TOL = 1e-5
 
 
 def _gdn_problem(rng, T, Hk=2, Dk=16, Hv=4, Dv=8, S=3):
@@ -196,56 +189,11 @@ def test_gdn_decode_with_fused_gates_twin_equals_gates_then_decode():
     assert rel_err(o3, o2) > 1e-2
 
 
-POISON_I32 = 0x7F7F7F7F
-
-
-@pytest.fixture
-def poisoned_allocations():
-    """Every cupy allocation made during a test starts as bytes 0x7F."""
-    pool = cp.get_default_memory_pool()
-
-    def alloc(size):
-        mp = pool.malloc(size)
-        if size:
-            cp.cuda.runtime.memsetAsync(mp.ptr, 0x7F, size, cp.cuda.get_current_stream().ptr)
-        return mp
-
-    cp.cuda.set_allocator(alloc)
-    yield
-    cp.cuda.set_allocator(pool.malloc)
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def _no_poison(a):
-    a = cp.asnumpy(a)
-    if a.dtype.kind == "f":
-        return not np.any(a.astype(np.float64) >= 3e38)
-    return not np.any(a == POISON_I32)
-
-
 # ------------------------------------------------------------------------------------------------ GDN
-HK, HV, DK, DV = 16, 48, 128, 128
-
-
-def _gdn(rng, T, S=6):
-    q = rng.standard_normal((T, HK, DK)).astype(np.float32)
-    k = rng.standard_normal((T, HK, DK)).astype(np.float32)
-    v = rng.standard_normal((T, HV, DV)).astype(np.float32)
-    a = rng.standard_normal((T, HV)).astype(np.float32)
-    b = rng.standard_normal((T, HV)).astype(np.float32)
-    A_log = (rng.standard_normal(HV) * 0.5).astype(np.float32)
-    dtb = rng.standard_normal(HV).astype(np.float32)
-    state = (rng.standard_normal((S, HV, DK, DV)) * 0.1).astype(np.float32)
-    return q, k, v, a, b, A_log, dtb, state
-
-
 @cuda
 def test_gdn_gates_cuda_matches_twin():
     seed, rng = seeded_rng()
-    _, _, _, a, b, A_log, dtb, _ = _gdn(rng, 33)
+    _, _, _, a, b, A_log, dtb, _ = gdn_inputs(rng, 33)
     gg, bb = gdn.gdn_gates(g(a), g(b), g(A_log), g(dtb))
     tg, tb = gdn.gdn_gates(a, b, A_log, dtb)
     assert rel_err(gg.get(), tg) < TOL and rel_err(bb.get(), tb) < TOL, seed
@@ -262,14 +210,14 @@ def test_gdn_conv_cuda_prefill_decode_checkpoints():
     ck = cp.empty((T, K - 1, C), cp.float32)
     y = gdn.causal_conv_prefill(g(x[:T]), g(w), dst, 1, checkpoints=ck)
     ty = gdn.causal_conv_prefill(x[:T], w, tst, 1)
-    assert _no_poison(y) and _no_poison(ck), seed
+    assert no_poison(y) and no_poison(ck), seed
     assert rel_err(y.get(), ty) < TOL and rel_err(y.get(), dense_conv(x[:T], w, st[1])[0]) < TOL, seed
     assert np.array_equal(dst.get(), tst), seed
     for t in (0, 1, T - 1):
         assert np.array_equal(ck[t].get(), dense_conv(x[:t + 1], w, st[1])[1].astype(np.float32)), seed
     yd = gdn.causal_conv_decode(g(x[T:T + 3]), g(w), dst, g(np.array([1, 3, 0])))
     td = gdn.causal_conv_decode(x[T:T + 3], w, tst, np.array([1, 3, 0]))
-    assert _no_poison(yd) and rel_err(yd.get(), td) < TOL and rel_err(dst.get(), tst) < TOL, seed
+    assert no_poison(yd) and rel_err(yd.get(), td) < TOL and rel_err(dst.get(), tst) < TOL, seed
     assert np.array_equal(dst[2].get(), st[2]), seed  # untouched row
 
 
@@ -278,12 +226,12 @@ def test_gdn_conv_cuda_prefill_decode_checkpoints():
 @pytest.mark.parametrize("T,chunk", [(1, 64), (200, 64), (77, 32), (150, 100)])
 def test_gdn_prefill_cuda(T, chunk, algorithm):
     seed, rng = seeded_rng()
-    q, k, v, a, b, A_log, dtb, state = _gdn(rng, T)
+    q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, T)
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     dst, tst = g(state), state.copy()
     out = gdn.gated_delta_prefill(g(q), g(k), g(v), g(gg), g(bb), dst, 2, chunk, algorithm=algorithm)
     tout = gdn.gated_delta_prefill(q, k, v, gg, bb, tst, 2, chunk)
-    assert _no_poison(out), seed
+    assert no_poison(out), seed
     # chunks longer than 64 take the array-code forward substitution (cuBLAS batched products, ~100 dependent
     # rows): measured 1.5e-5 against the twin on the H200 (CPU: 2e-6), so that path is held to 1e-4; every other
     # path to TOL
@@ -304,7 +252,7 @@ def test_gdn_recurrent_cuda_decode_batch_and_verify_checkpoints():
     seed, rng = seeded_rng()
     lens = [1, 1, 4, 1, 0, 1]
     N = sum(lens)
-    q, k, v, a, b, A_log, dtb, state = _gdn(rng, N, S=8)
+    q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, N, S=8)
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     slots = np.array([5, 0, 3, 7, 1, 2])
     cu = np.concatenate([[0], np.cumsum(lens)])
@@ -313,7 +261,7 @@ def test_gdn_recurrent_cuda_decode_batch_and_verify_checkpoints():
     tck = np.zeros((N, HV, DK, DV), np.float32)
     out = gdn.gated_delta_recurrent(g(q), g(k), g(v), g(gg), g(bb), dst, g(slots), g(cu), checkpoints=ck)
     tout = gdn.gated_delta_recurrent(q, k, v, gg, bb, tst, slots, cu, checkpoints=tck)
-    assert _no_poison(out) and _no_poison(ck), seed
+    assert no_poison(out) and no_poison(ck), seed
     assert rel_err(out.get(), tout) < TOL and rel_err(dst.get(), tst) < TOL and rel_err(ck.get(), tck) < TOL, seed
     assert np.array_equal(dst[[4, 6]].get(), state[[4, 6]]), seed
     ro, rs = dense_gdn(q[2:6], k[2:6], v[2:6], gg[2:6], bb[2:6], state[3])
@@ -332,36 +280,11 @@ def test_gdn_recurrent_cuda_decode_batch_and_verify_checkpoints():
 
 @pytest.fixture
 def impl(monkeypatch):
-    """impl('prefill'): even decode-sized calls take the prefill kernels (the per-query-head attention, the
-    one-warp-per-32-columns GDN recurrence) by lowering the dispatch thresholds; impl('split'): the dispatch as
-    shipped. (Top-k and the block keys at these widths have one kernel each.)"""
-    split_t, split_tps = qsa.QSA_SPLIT_MAX_T, gdn.GDN_SPLIT_MAX_TPS
-
-    def set_(name):
-        assert name in ("prefill", "split"), name
-        monkeypatch.setattr(qsa, "QSA_SPLIT_MAX_T", 0 if name == "prefill" else split_t)
-        monkeypatch.setattr(gdn, "GDN_SPLIT_MAX_TPS", 0 if name == "prefill" else split_tps)
-    return set_
-
-
-def _poison_free(a):
-    a = cp.asnumpy(a)
-    return not np.any(a.astype(np.float64) >= 3e38) if a.dtype.kind == "f" else not np.any(a == 0x7F7F7F7F)
+    """impl('prefill') / impl('split'): the kernels decode-sized calls take (kernels_seq_common.split_dispatch)."""
+    return split_dispatch(monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------ GDN
-def _gdn_inputs(rng, N, S):
-    q = rng.standard_normal((N, HK, DK)).astype(np.float32)
-    k = rng.standard_normal((N, HK, DK)).astype(np.float32)
-    v = rng.standard_normal((N, HV, DV)).astype(np.float32)
-    a = rng.standard_normal((N, HV)).astype(np.float32)
-    b = rng.standard_normal((N, HV)).astype(np.float32)
-    A_log = (rng.standard_normal(HV) * 0.5).astype(np.float32)
-    dtb = rng.standard_normal(HV).astype(np.float32)
-    state = (rng.standard_normal((S, HV, DK, DV)) * 0.1).astype(np.float32)
-    return q, k, v, a, b, A_log, dtb, state
-
-
 def _locate(got, want):
     """(slot, head, row) of the largest |got - want| in a [S, Hv, Dk, Dv] state."""
     e = np.abs(np.asarray(got, np.float64) - want).max(axis=-1)
@@ -373,7 +296,7 @@ def _locate(got, want):
 def test_split_gdn_decode_matches_prefill_kernel_twin_dense_and_locates_a_dropped_state(B, impl):
     seed, rng = seeded_rng()
     S = B + 3
-    q, k, v, a, b, A_log, dtb, state = _gdn_inputs(rng, B, S)
+    q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, B, S)
     slots = rng.permutation(S)[:B]
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     tst = state.copy()
@@ -387,7 +310,7 @@ def test_split_gdn_decode_matches_prefill_kernel_twin_dense_and_locates_a_droppe
                 o = gdn.gated_delta_decode_gates(g(q), g(k), g(v), g(a), g(b), g(A_log), g(dtb), dst, g(slots))
             else:
                 o = gdn.gated_delta_decode(g(q), g(k), g(v), g(gg), g(bb), dst, g(slots))
-            assert _poison_free(o), (seed, name, fused)
+            assert no_poison(o), (seed, name, fused)
             res[(name, fused)] = (o.get(), dst.get())
             assert rel_err(res[(name, fused)][0], tout) < TOL and rel_err(res[(name, fused)][1], tst) < TOL, \
                 (seed, name, fused)
@@ -423,7 +346,7 @@ def test_split_gdn_decode_matches_prefill_kernel_twin_dense_and_locates_a_droppe
 def test_split_gdn_verify_checkpoints_and_forced_prefill(impl, monkeypatch):
     seed, rng = seeded_rng()
     N = 6
-    q, k, v, a, b, A_log, dtb, state = _gdn_inputs(rng, N, 4)
+    q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, N, 4)
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     slots, cu = np.array([3, 1]), np.array([0, 2, 6])
     tst, tck = state.copy(), np.zeros((N, HV, DK, DV), np.float32)
@@ -432,13 +355,13 @@ def test_split_gdn_verify_checkpoints_and_forced_prefill(impl, monkeypatch):
         impl(name)
         dst, ck = g(state), cp.empty((N, HV, DK, DV), cp.float32)
         o = gdn.gated_delta_recurrent(g(q), g(k), g(v), g(gg), g(bb), dst, g(slots), g(cu), checkpoints=ck)
-        assert _poison_free(o) and _poison_free(ck), (seed, name)
+        assert no_poison(o) and no_poison(ck), (seed, name)
         assert rel_err(o.get(), tout) < TOL and rel_err(dst.get(), tst) < TOL and rel_err(ck.get(), tck) < TOL, \
             (seed, name)
     # a prefill through the split kernel (forced; the default sends long sequences to the one-warp kernel)
     monkeypatch.setattr(gdn, "GDN_SPLIT_MAX_TPS", 1 << 30)
     T = 40
-    q, k, v, a, b, A_log, dtb, state = _gdn_inputs(rng, T, 1)
+    q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, T, 1)
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     tst = state.copy()
     tout = gdn.gated_delta_prefill(q, k, v, gg, bb, tst, 0, 16)

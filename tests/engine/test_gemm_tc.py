@@ -35,6 +35,7 @@ from engine.kernels.dense_common import bf16_bits_to_float32, to_bf16_bits
 from engine.kernels.quant import QuantWeight, dequantize
 from reference.checkpoint import E2M1_VALUES
 from op_devices import cp, on_cuda
+from op_helpers import replayed, wide_floats
 
 # the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
 cuda = on_cuda("poison",
@@ -44,17 +45,13 @@ cuda = on_cuda("poison",
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def _wide_floats(rng, n):
-    return (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-100, 100, n) * rng.choice([-1, 1], n)).astype(np.float32)
-
-
 def _f64(bits):
     return bf16_bits_to_float32(bits).astype(np.float64)
 
 
 def test_split3_twin_exact():
     rng = np.random.default_rng(5)
-    x = np.concatenate([rng.standard_normal(50_000).astype(np.float32), _wide_floats(rng, 50_000),
+    x = np.concatenate([rng.standard_normal(50_000).astype(np.float32), wide_floats(rng, 50_000),
                         np.float32([0.0, -0.0, 1.0, np.finfo(np.float32).max, -np.finfo(np.float32).max])])
     hi, mid, lo = TC.split3_twin(x)
     assert hi.dtype == mid.dtype == lo.dtype == np.uint16 and hi.shape == x.shape
@@ -67,7 +64,7 @@ def test_split3_twin_exact():
 
 def test_split3_negative_control_two_parts_not_exact():
     rng = np.random.default_rng(6)
-    x = _wide_floats(rng, 10_000)
+    x = wide_floats(rng, 10_000)
     hi, mid, lo = TC.split3_twin(x)
     two = _f64(hi) + _f64(mid)
     assert np.count_nonzero(two != x.astype(np.float64)) > 9_000  # almost every value needs its lo part
@@ -978,14 +975,7 @@ def test_moe_experts_tc_two_part_negative_control_and_graph(monkeypatch, fmt):
         return MO.moe_experts(*args, route=route)
     eager = step()
     eager = step()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        out = step()
-        graph = s.end_capture()
-    graph.launch(stream=s)
-    graph.launch(stream=s)
-    s.synchronize()
+    out = replayed(step, launches=2)
     np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint32), cp.asnumpy(eager).view(np.uint32))
 
 

@@ -14,6 +14,7 @@ import pytest
 from engine.kernels import norms as N, dense_common
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
 from op_devices import cp, on_cuda
+from op_helpers import rel, rel_dev, replayed, rms_ref64, sig64, to_f64
 
 # the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
 cuda = on_cuda("poison")
@@ -22,48 +23,18 @@ cuda = on_cuda("poison")
 TOL32 = 1e-5  # see module docstring
 
 
-def rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def bf16_to_f64(bits):
-    # independent decode: bit pattern -> float64 through Python's struct-free integer view
-    u32 = bits.astype(np.uint32) << np.uint32(16)
-    return u32.view(np.float32).astype(np.float64)
-
-
-def sig64(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def _f64(w):
-    return bf16_to_f64(w) if w.dtype == np.uint16 else w.astype(np.float64)
-
-
 # ----------------------------------------------------------------------------------------------- norms
-def rms_ref64(x, w, gs, eps):
-    x = x.astype(np.float64)
-    y = np.empty_like(x)
-    D = x.shape[-1]
-    for g in range(D // gs):
-        sl = slice(g * gs, (g + 1) * gs)
-        ms = (x[:, sl] ** 2).sum(axis=1, keepdims=True) / gs
-        y[:, sl] = x[:, sl] / np.sqrt(ms + eps) * (1.0 + w[sl].astype(np.float64))
-    return y
 
 
 def hc_ref64(x, nw, down, up, inj_w, hc, eps):
     T, W = x.shape
     H = W // hc
     n = rms_ref64(x, nw, H, eps)
-    a = n @ _f64(down).T / hc
+    a = n @ to_f64(down).T / hc
     a = a * sig64(a)
-    m = sig64(a @ _f64(up).T)
+    m = sig64(a @ to_f64(up).T)
     mixed = sum((m * n)[:, s * H:(s + 1) * H] for s in range(hc)) / hc
-    inj = 2.0 * sig64(n @ _f64(inj_w).T / hc)
+    inj = 2.0 * sig64(n @ to_f64(inj_w).T / hc)
     return mixed, inj
 
 
@@ -101,13 +72,6 @@ def poison(monkeypatch):
     monkeypatch.setattr(dense_common, "POISON", True)
     # the kernels take up to 16 tokens; the engine's default dispatch uses them at T = 1 only (measured faster there)
     monkeypatch.setattr(N, "HC_FUSED_MAX_TOKENS", 16)
-
-
-def rel_dev(a, b):
-    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def _weights(rng, hc, H, r, bf16):
@@ -196,14 +160,7 @@ def test_fused_captures_as_cuda_graph_bit_exact(rng, monkeypatch):
         return N.hc_pre(x, nw, down, up, inj, hc_count=hc, eps=1e-6, down_inject=di)
     step()
     eager = step()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        out = step()
-        graph = s.end_capture()
-    for _ in range(3):
-        graph.launch(stream=s)
-    s.synchronize()
+    out = replayed(step, launches=3)
     assert rel_dev(out.mixed, cp.asnumpy(eager.mixed)) == 0.0
     assert rel_dev(out.injection_weights, cp.asnumpy(eager.injection_weights)) == 0.0
 

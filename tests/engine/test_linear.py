@@ -30,29 +30,13 @@ from engine.kernels import linear as L, dense_common, moe as MO
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits, NULL_PTR, bf16_bits_to_float32
 from engine.backend import CUDA_DIR
 from op_devices import cp, on_cuda
+from op_helpers import bf16_to_f64, g, rel, rel_dev, three_way, wide_floats
 
-# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison (conftest.py) before every CUDA test
 cuda = on_cuda("poison")
 
 
 TOL32 = 1e-5  # see module docstring
-
-
-def rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def bf16_to_f64(bits):
-    # independent decode: bit pattern -> float64 through Python's struct-free integer view
-    u32 = bits.astype(np.uint32) << np.uint32(16)
-    return u32.view(np.float32).astype(np.float64)
-
-
-def sig64(x):
-    return 1.0 / (1.0 + np.exp(-x))
 
 
 # ----------------------------------------------------------------------------------------------- linear
@@ -242,14 +226,9 @@ def split3(x: np.ndarray):
     return tuple((p.astype(np.uint32) << np.uint32(16)).view(np.float32) for p in split3_twin(x))
 
 
-def _wide_floats(rng, n):
-    # all 24 significand bits random, exponents over most of the normal range
-    return (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-100, 100, n) * rng.choice([-1, 1], n)).astype(np.float32)
-
-
 def test_split3_exact_and_bf16_parts():
     rng = np.random.default_rng(2)
-    x = np.concatenate([rng.standard_normal(100_000).astype(np.float32), _wide_floats(rng, 100_000),
+    x = np.concatenate([rng.standard_normal(100_000).astype(np.float32), wide_floats(rng, 100_000),
                         np.float32([0.0, -0.0, 1.0, np.finfo(np.float32).max, -np.finfo(np.float32).max])])
     hi, mid, lo = split3(x)
     for part in (hi, mid, lo):
@@ -268,7 +247,7 @@ def test_split3_exact_and_bf16_parts():
 
 def test_split2_is_not_exact_negative_control():
     rng = np.random.default_rng(3)
-    x = _wide_floats(rng, 10_000)
+    x = wide_floats(rng, 10_000)
     hi, mid, lo = split3(x)
     two = hi.astype(np.float64) + mid.astype(np.float64)
     assert np.count_nonzero(two != x.astype(np.float64)) > 0.9 * x.size
@@ -334,28 +313,6 @@ def test_tensor_core_gemv_is_the_default_and_no_environment_switch_selects_anoth
 
 
 TOL = 1e-5  # see module docstring
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(dense_common, "POISON", True)
-
-
-def rel_dev(a, b):
-    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
-    b = cp.asnumpy(b).astype(np.float64) if isinstance(b, cp.ndarray) else np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def three_way(gpu_out, twin32, twin64):
-    """CUDA vs twin (float32) and vs float64; returns the two relative errors."""
-    cp.cuda.Device().synchronize()
-    return rel_dev(gpu_out, twin64), rel_dev(twin32, twin64)
 
 
 BIG = -1  # N large enough that the kernels use one K range per warp (no split-K): set from the SM count

@@ -13,32 +13,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels import moe as M, norms as N, dense_common
+from engine.kernels import moe as M, norms as N
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
 from op_devices import cp, on_cuda
+from op_helpers import g, rel, rel_dev, replayed, sig64, three_way, to_f64
 
-# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison (conftest.py) before every CUDA test
 cuda = on_cuda("poison")
 
 
 TOL32 = 1e-5  # see module docstring
-
-
-def rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def bf16_to_f64(bits):
-    # independent decode: bit pattern -> float64 through Python's struct-free integer view
-    u32 = bits.astype(np.uint32) << np.uint32(16)
-    return u32.view(np.float32).astype(np.float64)
-
-
-def sig64(x):
-    return 1.0 / (1.0 + np.exp(-x))
 
 
 # ----------------------------------------------------------------------------------------------- MoE
@@ -93,17 +77,13 @@ def _moe_weights(rng, E, H, I, Is, wkind="bf16"):
                 sd=mk(H, Is), sgate=mk(1, H))
 
 
-def _f64(w):
-    return bf16_to_f64(w) if w.dtype == np.uint16 else w.astype(np.float64)
-
-
 def moe_ref64(x, W, k, E, I):
     """Per-token loop in float64: softmax, canonical top-k, renormalised weights, experts, shared."""
     x64 = x.astype(np.float64)
     out = np.zeros_like(x64)
-    gu, dn = _f64(W["gate_up"]), _f64(W["down"])
+    gu, dn = to_f64(W["gate_up"]), to_f64(W["down"])
     for t in range(x.shape[0]):
-        lg = _f64(W["router"]) @ x64[t]
+        lg = to_f64(W["router"]) @ x64[t]
         p = np.exp(lg - lg.max())
         p /= p.sum()
         sel = canonical_ids_ref(p, k)
@@ -112,9 +92,9 @@ def moe_ref64(x, W, k, E, I):
             g = gu[e, :I] @ x64[t]
             u = gu[e, I:] @ x64[t]
             out[t] += wt * (dn[e] @ (g * sig64(g) * u))
-        g = _f64(W["sg"]) @ x64[t]
-        u = _f64(W["su"]) @ x64[t]
-        out[t] += sig64(_f64(W["sgate"]) @ x64[t])[0] * (_f64(W["sd"]) @ (g * sig64(g) * u))
+        g = to_f64(W["sg"]) @ x64[t]
+        u = to_f64(W["su"]) @ x64[t]
+        out[t] += sig64(to_f64(W["sgate"]) @ x64[t])[0] * (to_f64(W["sd"]) @ (g * sig64(g) * u))
     return out
 
 
@@ -142,28 +122,6 @@ def test_moe_block_twin_matches_float64(rng, T):
 
 
 TOL = 1e-5  # see module docstring
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(dense_common, "POISON", True)
-
-
-def rel_dev(a, b):
-    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
-    b = cp.asnumpy(b).astype(np.float64) if isinstance(b, cp.ndarray) else np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def three_way(gpu_out, twin32, twin64):
-    """CUDA vs twin (float32) and vs float64; returns the two relative errors."""
-    cp.cuda.Device().synchronize()
-    return rel_dev(gpu_out, twin64), rel_dev(twin32, twin64)
 
 
 @cuda
@@ -267,11 +225,5 @@ def test_decode_step_captures_as_cuda_graph(rng):
         return N.hc_combine(x, m.out, o.injection_weights)
     eager = step()  # also warms the memory pool and the compiled modules
     eager = step()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        out = step()
-        graph = s.end_capture()
-    graph.launch(stream=s)
-    s.synchronize()
+    out = replayed(step)
     assert rel_dev(out, eager) == 0.0

@@ -9,44 +9,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kernels import norms as N, dense_common
+from engine.kernels import norms as N
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
 from op_devices import cp, on_cuda
+from op_helpers import g, rel, rel_dev, rms_ref64, sig64, three_way
 
-# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison (conftest.py) before every CUDA test
 cuda = on_cuda("poison")
 
 
 TOL32 = 1e-5  # see module docstring
 
 
-def rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def bf16_to_f64(bits):
-    # independent decode: bit pattern -> float64 through Python's struct-free integer view
-    u32 = bits.astype(np.uint32) << np.uint32(16)
-    return u32.view(np.float32).astype(np.float64)
-
-
-def sig64(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 # ----------------------------------------------------------------------------------------------- norms
-def rms_ref64(x, w, gs, eps):
-    x = x.astype(np.float64)
-    y = np.empty_like(x)
-    D = x.shape[-1]
-    for g in range(D // gs):
-        sl = slice(g * gs, (g + 1) * gs)
-        ms = (x[:, sl] ** 2).sum(axis=1, keepdims=True) / gs
-        y[:, sl] = x[:, sl] / np.sqrt(ms + eps) * (1.0 + w[sl].astype(np.float64))
-    return y
 
 
 def test_rms_norm_grouped_and_gated(rng):
@@ -70,28 +45,6 @@ def test_rms_norm_grouped_and_gated(rng):
 
 
 TOL = 1e-5  # see module docstring
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(dense_common, "POISON", True)
-
-
-def rel_dev(a, b):
-    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
-    b = cp.asnumpy(b).astype(np.float64) if isinstance(b, cp.ndarray) else np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def three_way(gpu_out, twin32, twin64):
-    """CUDA vs twin (float32) and vs float64; returns the two relative errors."""
-    cp.cuda.Device().synchronize()
-    return rel_dev(gpu_out, twin64), rel_dev(twin32, twin64)
 
 
 @cuda

@@ -13,51 +13,22 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.kernels import moe as M, norms as N, ple as P, dense_common
+from engine.kernels import moe as M, norms as N, ple as P
 from ple_helpers import ple_layer
 from engine.kernels.dense_common import KernelInputError, to_bf16_bits
 from reference.checkpoint import Checkpoint
 from reference.paths import FIXTURES
 from op_devices import cp, on_cuda
+from op_helpers import g, rel, rel_dev, rms_ref64, sig64, to_f64
 
-# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison (conftest.py) before every CUDA test
 cuda = on_cuda("poison")
 
 
 TOL32 = 1e-5  # see module docstring
 
 
-def rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), "non-finite output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def bf16_to_f64(bits):
-    # independent decode: bit pattern -> float64 through Python's struct-free integer view
-    u32 = bits.astype(np.uint32) << np.uint32(16)
-    return u32.view(np.float32).astype(np.float64)
-
-
-def sig64(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def _f64(w):
-    return bf16_to_f64(w) if w.dtype == np.uint16 else w.astype(np.float64)
-
-
 # ----------------------------------------------------------------------------------------------- norms
-def rms_ref64(x, w, gs, eps):
-    x = x.astype(np.float64)
-    y = np.empty_like(x)
-    D = x.shape[-1]
-    for g in range(D // gs):
-        sl = slice(g * gs, (g + 1) * gs)
-        ms = (x[:, sl] ** 2).sum(axis=1, keepdims=True) / gs
-        y[:, sl] = x[:, sl] / np.sqrt(ms + eps) * (1.0 + w[sl].astype(np.float64))
-    return y
 
 
 # ----------------------------------------------------------------------------------------------- PLE
@@ -89,9 +60,9 @@ def ngram_ref_python(seq, n, hpn, eos, mult, vocab, offs):
     rows = []
     for q in range(n - 1, len(hist)):
         row = []
-        for g in range(2, n + 1):
+        for order in range(2, n + 1):
             toks = []
-            for s in range(g):
+            for s in range(order):
                 src = q - s
                 ok = src >= 0 and all(hist[p] != eos for p in range(src, q)) if s else True
                 toks.append(hist[src] if ok else eos)
@@ -99,7 +70,7 @@ def ngram_ref_python(seq, n, hpn, eos, mult, vocab, offs):
             for s, tkn in enumerate(toks):
                 mixed ^= (tkn * mult[s]) & MASK
             signed = mixed - (1 << 64) if mixed >= (1 << 63) else mixed
-            for h in range((g - 2) * hpn, (g - 1) * hpn):
+            for h in range((order - 2) * hpn, (order - 1) * hpn):
                 row.append(signed % vocab[h] + offs[h])  # Python % is the floor modulo
         rows.append(row)
     return np.array(rows, dtype=np.int64)
@@ -273,11 +244,11 @@ def test_ple_layer_matches_float64(rng):
     out, gate = ple_layer(hidden, emb, kp, vp, nk, nq, nc, cw, slab, [0, 1], hc_count=hc, eps=eps, dilation=dil)
     for b in range(B):
         e64 = emb[b].astype(np.float64)
-        key = rms_ref64(e64 @ _f64(kp).T, nk, H, eps).reshape(T, hc, H)
+        key = rms_ref64(e64 @ to_f64(kp).T, nk, H, eps).reshape(T, hc, H)
         q = rms_ref64(hidden[b], nq, H, eps).reshape(T, hc, H)
         g = (key * q).sum(-1) / np.sqrt(H)
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), 1e-6))
-        gated = (sig64(g)[:, :, None] * (e64 @ _f64(vp).T)[:, None, :]).reshape(T, W)
+        gated = (sig64(g)[:, :, None] * (e64 @ to_f64(vp).T)[:, None, :]).reshape(T, W)
         ref = gated + conv_ref64(rms_ref64(gated, nc, H, eps), cw, dil)
         assert rel(gate[b], g) < TOL32
         assert rel(out[b], ref) < TOL32
@@ -329,28 +300,6 @@ def test_bad_inputs_name_the_argument():
 
 
 TOL = 1e-5  # see module docstring
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(dense_common, "POISON", True)
-
-
-def rel_dev(a, b):
-    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
-    b = cp.asnumpy(b).astype(np.float64) if isinstance(b, cp.ndarray) else np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def three_way(gpu_out, twin32, twin64):
-    """CUDA vs twin (float32) and vs float64; returns the two relative errors."""
-    cp.cuda.Device().synchronize()
-    return rel_dev(gpu_out, twin64), rel_dev(twin32, twin64)
 
 
 @cuda

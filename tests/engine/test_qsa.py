@@ -32,21 +32,13 @@ import numpy as np
 import pytest
 
 from engine.kernels import gdn, qsa
-from tests.kernels_seq_common import (Pool, canonical_topk, dense_attention, dense_block_keys, dense_scores, seeded_rng,
-                                      rel_err)
+from tests.kernels_seq_common import (TOL, Pool, canonical_topk, dense_attention, dense_block_keys, dense_scores,
+                                      gdn_inputs, seeded_rng, split_dispatch, rel_err)
 from op_devices import cp, on_cuda
+from op_helpers import g, no_poison
 
-# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations (conftest.py) before every CUDA test
 cuda = on_cuda("poisoned_allocations")
-
-
-# float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element
-# (relative error ~1e-7); the delta rule carries float32 state through up to ~130 tokens (measured ~1e-6);
-# 1e-5 leaves an order of magnitude of margin while every negative control below moves results by >= 1e-2.
-# CUDA: float32 kernels vs float32 NumPy twins and float64 truth: per element a few float32 roundings (different
-# summation orders, cosf vs numpy cos, online vs two-pass softmax) -> ~1e-6 relative; 1e-5 per METHOD.md's fp32
-# guidance ("far under 1e-3"), while every negative control moves results by >= 1e-2 (>= 1e-3 for the split kernels).
-TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ QSA
@@ -250,52 +242,6 @@ def test_qsa_write_tokens_twin_is_the_slot_rule_and_catches_a_wrong_position(pag
                              src[:, 4:], k_src, v_src, page_size)
 
 
-POISON_I32 = 0x7F7F7F7F
-
-
-@pytest.fixture
-def poisoned_allocations():
-    """Every cupy allocation made during a test starts as bytes 0x7F."""
-    pool = cp.get_default_memory_pool()
-
-    def alloc(size):
-        mp = pool.malloc(size)
-        if size:
-            cp.cuda.runtime.memsetAsync(mp.ptr, 0x7F, size, cp.cuda.get_current_stream().ptr)
-        return mp
-
-    cp.cuda.set_allocator(alloc)
-    yield
-    cp.cuda.set_allocator(pool.malloc)
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def _no_poison(a):
-    a = cp.asnumpy(a)
-    if a.dtype.kind == "f":
-        return not np.any(a.astype(np.float64) >= 3e38)
-    return not np.any(a == POISON_I32)
-
-
-# ------------------------------------------------------------------------------------------------ GDN
-HK, HV, DK, DV = 16, 48, 128, 128
-
-
-def _gdn(rng, T, S=6):
-    q = rng.standard_normal((T, HK, DK)).astype(np.float32)
-    k = rng.standard_normal((T, HK, DK)).astype(np.float32)
-    v = rng.standard_normal((T, HV, DV)).astype(np.float32)
-    a = rng.standard_normal((T, HV)).astype(np.float32)
-    b = rng.standard_normal((T, HV)).astype(np.float32)
-    A_log = (rng.standard_normal(HV) * 0.5).astype(np.float32)
-    dtb = rng.standard_normal(HV).astype(np.float32)
-    state = (rng.standard_normal((S, HV, DK, DV)) * 0.1).astype(np.float32)
-    return q, k, v, a, b, A_log, dtb, state
-
-
 # ------------------------------------------------------------------------------------------------ QSA
 RATIO, TOPK, DI, HI, HQ, HKV, D, ROT, EPS = 4, 512, 128, 4, 24, 2, 256, 64, 1e-6
 
@@ -330,7 +276,7 @@ def test_qsa_cuda_matches_twin_and_dense_any_page_size(page_size):
     nb = int(nv.max() // RATIO)
     s_d, sel_d = qsa.qsa_select(g(qi), dev["blk_k"], bt, g(qr), g(nv), nb, RATIO, page_size, TOPK)
     s_t, sel_t = qsa.qsa_select(qi, pool.arrays["blk_k"], pool.block_tables, qr, nv, nb, RATIO, page_size, TOPK)
-    assert _no_poison(s_d) and _no_poison(sel_d), seed
+    assert no_poison(s_d) and no_poison(sel_d), seed
     fin = np.isfinite(s_t)
     assert np.array_equal(np.isfinite(s_d.get()), fin) and rel_err(s_d.get()[fin], s_t[fin]) < TOL, seed
     # selections equal up to genuine near-ties (scores within 1e-5 relative of the k-th best)
@@ -349,7 +295,7 @@ def test_qsa_cuda_matches_twin_and_dense_any_page_size(page_size):
                                    D ** -0.5)
     tout = qsa.qsa_sparse_attention(q, pool.arrays["kv_k"], pool.arrays["kv_v"], pool.block_tables, qr, nv, sd,
                                     RATIO, page_size, D ** -0.5)
-    assert _no_poison(out) and rel_err(out.get(), tout) < TOL, seed
+    assert no_poison(out) and rel_err(out.get(), tout) < TOL, seed
     # float64 dense truth for one selecting query and one short one
     for t in (0, 3):
         r, n = int(qr[t]), int(nv[t])
@@ -402,7 +348,7 @@ def test_seq_kernels_timing_summary(capsys):
         res[name] = cp.cuda.get_elapsed_time(e0, e1) / n * 1e3
 
     for B in (1, 16):
-        q, k, v, a, b, A_log, dtb, state = _gdn(rng, B, S=B)
+        q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, B, S=B)
         gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
         args = [g(x) for x in (q, k, v, gg, bb)]
         dst, sl = g(state), g(np.arange(B))
@@ -424,7 +370,7 @@ def test_seq_kernels_timing_summary(capsys):
         timeit(f"qsa_attention 2048 tok B={B}", lambda: qsa.qsa_sparse_attention(qq, kv, kv, bt, rows, nv, sel, RATIO,
                                                                                  16, D ** -0.5))
     T = 2048
-    q, k, v, a, b, A_log, dtb, state = _gdn(rng, T, S=1)
+    q, k, v, a, b, A_log, dtb, state = gdn_inputs(rng, T, S=1)
     gg, bb = gdn.gdn_gates(a, b, A_log, dtb)
     args = [g(x) for x in (q, k, v, gg, bb)]
     dst = g(state)
@@ -445,21 +391,8 @@ def test_seq_kernels_timing_summary(capsys):
 
 @pytest.fixture
 def impl(monkeypatch):
-    """impl('prefill'): even decode-sized calls take the prefill kernels (the per-query-head attention, the
-    one-warp-per-32-columns GDN recurrence) by lowering the dispatch thresholds; impl('split'): the dispatch as
-    shipped. (Top-k and the block keys at these widths have one kernel each.)"""
-    split_t, split_tps = qsa.QSA_SPLIT_MAX_T, gdn.GDN_SPLIT_MAX_TPS
-
-    def set_(name):
-        assert name in ("prefill", "split"), name
-        monkeypatch.setattr(qsa, "QSA_SPLIT_MAX_T", 0 if name == "prefill" else split_t)
-        monkeypatch.setattr(gdn, "GDN_SPLIT_MAX_TPS", 0 if name == "prefill" else split_tps)
-    return set_
-
-
-def _poison_free(a):
-    a = cp.asnumpy(a)
-    return not np.any(a.astype(np.float64) >= 3e38) if a.dtype.kind == "f" else not np.any(a == 0x7F7F7F7F)
+    """impl('prefill') / impl('split'): the kernels decode-sized calls take (kernels_seq_common.split_dispatch)."""
+    return split_dispatch(monkeypatch)
 
 
 def _fill(rng, pool, lengths, names):
@@ -509,7 +442,7 @@ def test_split_attention_matches_prefill_kernel_twin_dense_and_catches_a_wrong_b
             impl(name)
             o = qsa.qsa_sparse_attention(g(q), dev["kv_k"], dev["kv_v"], bt, g(rows), g(nv), g(sel), RATIO,
                                          page_size, D ** -0.5, n_blocks=hint)
-            assert _poison_free(o), (seed, name, hint)
+            assert no_poison(o), (seed, name, hint)
             outs[(name, hint)] = o.get()
             assert rel_err(outs[(name, hint)], twin) < TOL, (seed, name, hint, T)
         assert rel_err(outs[("split", None)], outs[("prefill", None)]) < TOL, seed
@@ -665,19 +598,6 @@ def test_split_block_keys_and_fused_token_write(page_size, impl):
     assert diff.tolist() == want, (seed, diff.tolist(), want)
 
 
-# ------------------------------------------------------------------------------------------------ GDN
-def _gdn_inputs(rng, N, S):
-    q = rng.standard_normal((N, HK, DK)).astype(np.float32)
-    k = rng.standard_normal((N, HK, DK)).astype(np.float32)
-    v = rng.standard_normal((N, HV, DV)).astype(np.float32)
-    a = rng.standard_normal((N, HV)).astype(np.float32)
-    b = rng.standard_normal((N, HV)).astype(np.float32)
-    A_log = (rng.standard_normal(HV) * 0.5).astype(np.float32)
-    dtb = rng.standard_normal(HV).astype(np.float32)
-    state = (rng.standard_normal((S, HV, DK, DV)) * 0.1).astype(np.float32)
-    return q, k, v, a, b, A_log, dtb, state
-
-
 # ------------------------------------------------------------------------------------------------ graphs, determinism
 @cuda
 def test_split_kernels_capture_in_a_cuda_graph_and_are_deterministic(impl):
@@ -691,7 +611,7 @@ def test_split_kernels_capture_in_a_cuda_graph_and_are_deterministic(impl):
     rows, nv = g(np.arange(4)), g(np.full(4, 8192))
     q = g(rng.standard_normal((4, HQ, D)).astype(np.float32))
     sc = g(rng.choice(np.array([0.0, 1.0, 2.0], np.float32), size=(4, 2048)))
-    gq, gk, gv, ga, gb, gA, gd, gst = (g(x) for x in _gdn_inputs(rng, 4, 4))
+    gq, gk, gv, ga, gb, gA, gd, gst = (g(x) for x in gdn_inputs(rng, 4, 4))
     bt = g(pool.block_tables)
 
     def step(st):
@@ -744,7 +664,7 @@ def test_prep_heads_equals_unfused_norm_rope_and_locates_a_wrong_weight(T):
     fd = g(fused)
     got = qsa.qsa_prep_heads(fd[:, :o1], fd[:, o1:o2], fd[:, o2:o3], *(g(w) for w in ws), g(pos), g(invf), ROT, EPS,
                              HI, DI, HQ, HKV, D)
-    assert all(_poison_free(a) for a in got), seed
+    assert all(no_poison(a) for a in got), seed
     qi = rms_norm(g(np.ascontiguousarray(fused[:, :HI * DI].reshape(T, HI, DI))), g(ws[0]), eps=EPS)
     qq = rms_norm(g(np.ascontiguousarray(fused[:, o1:o2].reshape(T, HQ, 2 * D)[:, :, :D])), g(ws[1]), eps=EPS)
     kk = rms_norm(g(np.ascontiguousarray(fused[:, o2:o3].reshape(T, HKV, D))), g(ws[2]), eps=EPS)

@@ -25,17 +25,13 @@ from engine.kernels import dense_common, linear as L, moe as M
 from engine.kernels.dense_common import kernel
 from engine.kernels.quant import QuantWeight, dequantize
 from op_devices import cp, on_cuda
+from op_helpers import rel_dev
 
-# the gpu marker, a skip without cupy / a GPU, and poison before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poison (conftest.py) before every CUDA test
 cuda = on_cuda("poison")
 
 
 TOL = 1e-5
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(dense_common, "POISON", True)
 
 
 @pytest.fixture
@@ -49,13 +45,6 @@ def rng():
     seed = secrets.randbits(32)
     print(f"seed={seed}")
     return np.random.default_rng(seed)
-
-
-def rel(a, b):
-    a = cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a)), f"{np.count_nonzero(~np.isfinite(a))} non-finite (unwritten?) elements"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def make(rng, fmt, shape, rb=128, cb=128):
@@ -96,7 +85,7 @@ def test_quant_linear_cuda(rng, impl, fmt, M_, K, N_):
     np.testing.assert_array_equal(cp.asnumpy(deq).view(np.uint32), dequantize(w).view(np.uint32))
     y = L.linear(cp.asarray(x), wg)
     ref = L.linear(x.astype(np.float64), w)
-    assert rel(y, ref) < TOL
+    assert rel_dev(y, ref) < TOL
     # negative control: one code changed -> caught and located in its output column
     r = int(rng.integers(N_))
     wb = w.to(np)
@@ -119,7 +108,7 @@ def test_quant_moe_experts_all_tile_kinds(rng, impl, fmt, rpt, E, H, I, k, T):
     route = M.moe_route_tables(cp.asarray(ids), E, rows_per_tile=rpt)
     out = M.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), gu.to(cp), dn.to(cp), route=route)
     ref = M.moe_experts(x.astype(np.float64), ids, w, gu, dn)
-    assert rel(out, ref) < TOL
+    assert rel_dev(out, ref) < TOL
     # negative control: experts a and b swapped in down -> exactly their tokens change
     a, b = int(ids[0, 0]), int(ids[0, 1])
     bad = dn.to(np)

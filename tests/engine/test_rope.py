@@ -15,23 +15,14 @@ Skips cleanly without cupy or a GPU.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from engine.kernels import rope
-from tests.kernels_seq_common import dense_rope, seeded_rng, rel_err
-from op_devices import cp, on_cuda
+from tests.kernels_seq_common import TOL, dense_rope, seeded_rng, rel_err
+from op_devices import on_cuda
+from op_helpers import g, no_poison
 
-# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations before every CUDA test
+# the gpu marker, a skip without cupy / a GPU, and poisoned_allocations (conftest.py) before every CUDA test
 cuda = on_cuda("poisoned_allocations")
-
-
-# float32 computations against float64 truth. Conv / RoPE / scores are a handful of float32 products per element
-# (relative error ~1e-7); the delta rule carries float32 state through up to ~130 tokens (measured ~1e-6);
-# 1e-5 leaves an order of magnitude of margin while every negative control below moves results by >= 1e-2.
-# CUDA: float32 kernels vs float32 NumPy twins and float64 truth: per element a few float32 roundings (different
-# summation orders, cosf vs numpy cos, online vs two-pass softmax) -> ~1e-6 relative; 1e-5 per METHOD.md's fp32
-# guidance ("far under 1e-3"), while every negative control moves results by >= 1e-2 (>= 1e-3 for the split kernels).
-TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ RoPE
@@ -52,37 +43,6 @@ def test_rope_matches_dense_at_large_positions_and_in_place():
     assert rel_err(rope.apply_rope(x, pos + 1, invf, 16), ref) > 1e-2, "off-by-one position not caught"
 
 
-POISON_I32 = 0x7F7F7F7F
-
-
-@pytest.fixture
-def poisoned_allocations():
-    """Every cupy allocation made during a test starts as bytes 0x7F."""
-    pool = cp.get_default_memory_pool()
-
-    def alloc(size):
-        mp = pool.malloc(size)
-        if size:
-            cp.cuda.runtime.memsetAsync(mp.ptr, 0x7F, size, cp.cuda.get_current_stream().ptr)
-        return mp
-
-    cp.cuda.set_allocator(alloc)
-    yield
-    cp.cuda.set_allocator(pool.malloc)
-
-
-def g(a):
-    return cp.asarray(a)
-
-
-def _no_poison(a):
-    a = cp.asnumpy(a)
-    if a.dtype.kind == "f":
-        return not np.any(a.astype(np.float64) >= 3e38)
-    return not np.any(a == POISON_I32)
-
-
-# ------------------------------------------------------------------------------------------------ RoPE
 @cuda
 def test_rope_cuda_matches_twin_and_dense():
     seed, rng = seeded_rng()
@@ -90,7 +50,7 @@ def test_rope_cuda_matches_twin_and_dense():
     pos = np.array([0, 1, 5, 999, 65536, 200001, 262143])
     invf = (1.0 / 1e7 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
     got = rope.apply_rope(g(x), g(pos), g(invf), 64)
-    assert _no_poison(got), seed
+    assert no_poison(got), seed
     twin = rope.apply_rope(x, pos, invf, 64)
     assert rel_err(got.get(), twin) < TOL and rel_err(got.get(), dense_rope(x, pos, invf, 64)) < TOL, seed
     y = g(x)
