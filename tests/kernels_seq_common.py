@@ -1,10 +1,21 @@
 """Shared helpers for the sequence-kernel tests (tests/engine/test_gdn.py, test_qsa.py, test_rope.py,
-test_kernels_seq_oracle.py): seeded random problems, scrambled paged pools, and float64 dense re-statements of the official semantics that know nothing of pages.
+test_kernels_seq_oracle.py): seeded random problems, scrambled paged pools, and float64 dense re-statements of
+the official semantics that know nothing of pages.
 For the op modules also: their tolerance ``TOL``, the GDN inputs at the real model's widths (:func:`gdn_inputs`) and
 the choice between the prefill and the split decode kernels (:func:`split_dispatch`).
 
 Not a test module. Every generator takes an ``np.random.Generator``; tests draw the fixed seed of the running test
 (:func:`seeded_rng`) and put it in their failure messages.
+
+How the sequence-kernel tests judge (tests/engine/test_gdn.py, test_qsa.py, test_rope.py):
+- the NumPy path against float64 dense re-statements of the official semantics (this module) on seeded random
+  inputs, with negative controls;
+- the CUDA path (prefill and the decode-oriented "split" kernels) against its NumPy twins and float64, at the real
+  model's head sizes; every device allocation poisoned (bytes 0x7F: float 3.4e38, int 2139062143) so an output a
+  kernel forgot to write cannot match; negative controls (a perturbed input or score, a wrong twin, a wrong
+  tie-break, a wrong block in a selection, a token written at the wrong position, a dropped slice of a GDN state)
+  caught by the same comparisons AND located (query / block / slot / head + rows); graph capture + replay equal to
+  the eager run bitwise, two runs bitwise equal; without cupy or a GPU the CUDA cases skip.
 """
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""RoPE (engine/kernels/rope.py) on the CPU and on CUDA. Helpers: tests/kernels_seq_common.py.
-
-Sequence kernels (GDN conv + delta rule, RoPE, QSA) on the NumPy path, held to float64 dense re-statements of
-the official semantics (tests/kernels_seq_common.py) on seeded random inputs, with negative controls.
-
-The GPU algorithm of the chunked prefill (``gdn._chunked_xp``) is array code; it is run here on numpy too.
-
-Sequence kernels on the GPU (CUDA / cupy path) vs their NumPy twins vs float64 dense semantics, at the real
-model's head sizes, on seeded random inputs. Every device allocation is poisoned (byte 0x7F: float 3.4e38, int
-2139062143) so an output element a kernel forgot to write cannot match the twin. Negative controls: perturbed
-inputs, a wrong twin and a wrong tie-break must be detected by the same comparisons.
-
-Skips cleanly without cupy or a GPU.
+"""RoPE (engine/kernels/rope.py) on the CPU and on CUDA. How the sequence kernels are judged:
+tests/kernels_seq_common.py.
 """
 from __future__ import annotations
 
