@@ -7,14 +7,19 @@ from reference.errors import InputError
 
 
 class TokenizerMissingError(InputError):
-    """The checkpoint has no usable ``tokenizer.json``."""
+    """The checkpoint has no ``tokenizer.json`` (callers may fall back to token ids)."""
+
+
+class TokenizerInvalidError(InputError):
+    """The checkpoint's ``tokenizer.json`` exists but does not load (never a reason to fall back silently)."""
 
 
 def load_tokenizer(model_dir: str | Path):
     """The checkpoint's tokenizer (``<model_dir>/tokenizer.json``) as a ``tokenizers.Tokenizer``.
 
     Raises:
-        TokenizerMissingError: no ``tokenizer.json`` in ``model_dir``, or it cannot be parsed.
+        TokenizerMissingError: no ``tokenizer.json`` in ``model_dir``.
+        TokenizerInvalidError: it is there but cannot be parsed.
     """
     from tokenizers import Tokenizer
 
@@ -25,5 +30,5 @@ def load_tokenizer(model_dir: str | Path):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers error types are not public
-        raise TokenizerMissingError(f"tokenizer: expected a valid tokenizers JSON file at {path}, found one "
+        raise TokenizerInvalidError(f"tokenizer: expected a valid tokenizers JSON file at {path}, found one "
                                     f"that does not load ({e})") from None

@@ -37,6 +37,20 @@ def _tiny_without_tokenizer(tiny, tmp_path) -> Path:
         (d / f).unlink(missing_ok=True)
     return d
 
+def test_kl_with_a_corrupt_tokenizer_is_refused_not_taken_for_missing(tiny, tmp_path, capsys):
+    """A tokenizer.json that does not load is bad input (exit 2, naming the file), never the silent token-id
+    fallback of a checkpoint that has none (negative control: the same copy without the file falls back)."""
+    d = tmp_path / "badtok"
+    shutil.copytree(tiny, d)
+    (d / "tokenizer.json").write_text("{")
+    assert main(["kl", str(d), "--b", "reference", "--greedy-tokens", "0", "--no-progress"]) == 2
+    line = one_line_error(capsys, "tokenizer.json", "does not load")
+    assert "no tokenizer.json" not in line
+    (d / "tokenizer.json").unlink()
+    assert main(["kl", str(d), "--b", "reference", "--greedy-tokens", "0", "--no-progress"]) == 0
+    assert "no tokenizer.json" in capsys.readouterr().err
+
+
 def _rows_all_error():
     from parity.harness.scenarios import summarize_results
     from parity.harness.scenarios.common import CaseResult
