@@ -70,7 +70,10 @@ def render_kl(rep) -> str:
     # the comparison's own verdict; a failure within the run-to-run noise of a backend not claiming determinism
     # is judged neither way (the run's status, on the exit line, is then INCONCLUSIVE)
     cmp_verdict = rep.status if rep.status == "INCONCLUSIVE" and not rep.passed else ("PASS" if rep.passed else "FAIL")
-    lines.append(f"  verdict b: {cmp_verdict} ({rep.reason})")
+    reason = rep.reason
+    if cmp_verdict == "PASS" and not rep.controls_ok:   # a pass the controls cannot vouch for is no PASS
+        cmp_verdict, reason = "INCONCLUSIVE", f"the comparison alone passes, but a control failed (below): {reason}"
+    lines.append(f"  verdict b: {cmp_verdict} ({reason})")
     lines.append("  controls:")
     for k, c in rep.controls.items():
         lines.append(f"    {k:17s} {'ok  ' if c.get('ok') else 'FAIL'}  {c.get('detail', '')}")

@@ -176,6 +176,30 @@ def test_kl_reference_vs_reference_passes(tmp_path, capsys):
     assert set(doc["metrics"]["kl_ab"]) == {"mean", "median", "p90", "p99", "p99.9", "max"}
 
 
+def test_kl_passing_comparison_with_a_failed_control_reads_inconclusive(tmp_path, capsys, monkeypatch):
+    """A comparison that passes while a control failed is no PASS anywhere in the text: the verdict line says
+    INCONCLUSIVE, the controls say FAIL, exit 3 (negative control of the wording: the same run with the control
+    flagged says PASS, exit 0)."""
+    import parity.harness.kl as KH
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([list(range(1, 13))]))
+    argv = ["kl", "--a", "reference", "--b", "reference", "--prompts", str(prompts), "--greedy-tokens", "0",
+            "--no-progress"]
+    assert main(argv) == 0
+    assert "verdict b: PASS" in capsys.readouterr().out
+    real = KH.negative_control
+
+    def unflagged(*a, **k):
+        c = real(*a, **k)
+        return dict(c, ok=False, inconclusive=True, detail="NOT flagged (forced for this test)")
+    monkeypatch.setattr(KH, "negative_control", unflagged)
+    assert main(argv) == 3
+    out = capsys.readouterr().out
+    verdict_line = next(ln for ln in out.splitlines() if "verdict b:" in ln)
+    assert "INCONCLUSIVE" in verdict_line and "PASS" not in verdict_line.split("(")[0]
+    assert "CONTROLS FAILED" in out
+
+
 def test_kl_flags_a_perturbed_backend(tmp_path, capsys):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([list(range(5, 25))]))  # 20 tokens: past the QSA bound (11) of tiny
