@@ -110,7 +110,8 @@ def run_worker(spec: dict, timeout_s: float | None = None, quiet: bool = False) 
             if os.path.exists(partial):  # keep what was measured before the limit
                 with open(partial) as f:
                     res = json.load(f)
-            res.update(error=f"timed out after {timeout_s:.0f} s (measurements up to then kept)", spec=spec)
+            res.update(error=f"timed out after {timeout_s:.0f} s (measurements up to then kept)", timed_out=True,
+                       spec=spec)
             return res
         except BaseException:
             _stop(proc)

@@ -106,7 +106,7 @@ def _spec_to_flags(args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``qwen4exp bench``: each planned job in a worker process, then the results as JSON and/or
-    a table. Returns 1 when any job reported an error, else 0; InputError/DeviceUnavailableError from
+    a table. Returns :func:`exit_of_runs` (0; 4 a job failed; 3 a job timed out); InputError/DeviceUnavailableError from
     :func:`plan` for bad options."""
     from parity.bench import runner
 
@@ -150,5 +150,15 @@ def _run_jobs(args, runner, jobs, settings, checkpoints) -> int:
         print(json.dumps(results, default=float))
     else:
         runner.print_table(results, fmt=fmt)
-    bad = [k for k, r in runs.items() if "error" in r]
-    return 1 if bad else 0
+    return exit_of_runs(runs)
+
+
+def exit_of_runs(runs: dict) -> int:
+    """The exit code of a bench run (reference.errors.EXIT_CODES): 0 every job measured; 4 a job failed (its
+    worker crashed or raised: an environment / internal failure, not a divergence: bench judges no backend); 3
+    otherwise when a job hit its time limit (no figure: the run is inconclusive, what it measured is kept)."""
+    from reference.errors import EXIT_ENVIRONMENT, EXIT_INCONCLUSIVE, EXIT_OK
+    bad = [r for r in runs.values() if "error" in r]
+    if any(not r.get("timed_out") for r in bad):
+        return EXIT_ENVIRONMENT
+    return EXIT_INCONCLUSIVE if bad else EXIT_OK

@@ -193,6 +193,10 @@ def test_worker_timeout_keeps_partial_results():
     assert done.get("finished") and "error" not in done
     cut = runner.run_worker({"kind": "selftest", "sleep": 60}, timeout_s=2, quiet=True)
     assert "timed out" in cut["error"] and not cut.get("finished")
+    # the exit codes of such runs: a timed-out job gives no figure (3), a crashed one is an environment failure (4)
+    from parity.cli.bench import exit_of_runs
+    assert cut.get("timed_out") and exit_of_runs({"a": done}) == 0 and exit_of_runs({"a": done, "b": cut}) == 3
+    assert exit_of_runs({"b": cut, "c": {"error": "worker exited 1"}}) == 4
     assert cut["decode"][0]["tokens_per_s"]["median"] == 2.0  # what was measured before the limit survives
 
 
