@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     from reference.errors import EXIT_ENVIRONMENT, UserError
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    try:   # Ctrl-C while the command modules import (Numba, llvmlite: up to a second) is an interrupt, not a crash
+        parser = build_parser()
+    except KeyboardInterrupt:
+        print(f"qwen4exp{_command_of(argv)}: interrupted", file=sys.stderr)
+        return 130
     try:
         _check_argv(argv)
     except UserError as e:

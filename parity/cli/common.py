@@ -133,9 +133,9 @@ def add_traceback(p, top: bool = False, failures: str | None = None) -> None:
     """``--traceback``: full stack traces of errors on stderr (``top``: the main parser's; a subcommand's leaves
     the main parser's value alone unless given). ``failures``: where the verb keeps the traces of backend
     failures it reports as a verdict (ERROR), which this then prints too (None: the verb has no such verdict)."""
-    what = "of an error" if failures is None else f"of an error, and of each backend failure (ERROR); {failures}"
-    p.add_argument("--traceback", action="store_true", default=False if top else argparse.SUPPRESS,
-                   help=f"print full stack traces: {what}")
+    text = ("print the full stack trace of an error" if failures is None else
+            f"print full stack traces of an error and of each backend failure (ERROR); {failures}")
+    p.add_argument("--traceback", action="store_true", default=False if top else argparse.SUPPRESS, help=text)
 
 
 def safe_text(s: str) -> str:

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
                     "inside a case: an ERROR row) / 2 usage or input error / 3 inconclusive (the evidence supports "
                     "no verdict: the model cannot resolve a fault of useful size at this precision, a control could "
                     "not vouch for a pass, or the reference's own logits are NaN/Inf) / 4 environment failure (output "
-                    "not written: the old results are kept) / 128+N interrupted by signal N (130 Ctrl-C, 143 SIGTERM).")
+                    "not written: the old results are kept) / 128+N interrupted by signal N (130 Ctrl-C, 143 "
+                    "SIGTERM, 129 SIGHUP).")
     add_model(p)
     from parity.backends.registry import backend_help
     p.add_argument("--backend", dest="backend", action="append", default=None, metavar="SPEC",

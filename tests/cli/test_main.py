@@ -153,3 +153,16 @@ def test_unknown_top_level_option_keeps_the_top_level_usage(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: qwen4exp [-h]") and "qwen4exp: error: unrecognized arguments: --bogus" in err
+
+
+def test_ctrl_c_while_the_commands_import_is_an_interrupt_not_a_crash(capsys, monkeypatch):
+    """Ctrl-C during the first second (the command modules importing Numba) gives exit 130 and one line,
+    no traceback, as it does later in the run."""
+    import parity.cli as C
+
+    def slow_import():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C, "build_parser", slow_import)
+    assert C.main(["info", "tiny"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "qwen4exp info: interrupted" and "Traceback" not in err
