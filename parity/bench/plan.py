@@ -94,6 +94,9 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
                 "synthetic": args.synthetic, "peer": not args.no_peer}
     if args.warmup == 0:  # allowed (cold-start timing), but never silently: the first run compiles the kernels
         settings["note"] = COLD_NOTE
+    if args.backend is None and backend == "reference":   # the default left the engine out: say why, in the table
+        settings["engine_skipped"] = ("no usable GPU (cupy and a CUDA device); the engine's CPU path: --backend "
+                                      "both --device cpu (a code-path check, not a speed figure)")
 
     def model_for(which: str):
         if args.synthetic:

@@ -334,6 +334,9 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
     note = results.get("settings", {}).get("note")
     if note:
         rows.append(("note", "warm-up", "-", note))
+    skipped = results.get("settings", {}).get("engine_skipped")
+    if skipped:
+        rows.append(("engine", "not measured", "-", skipped))
     for k, v in results.get("ratios", {}).items():
         rows.append(("ratio", ratio_label(k), "-" if v is None else f"{v:.2f}x", ""))
     for g in results.get("goals", []):

@@ -260,6 +260,23 @@ def test_bench_warmup_zero_is_said_and_reference_takes_prompt_lens(capsys):
     assert isinstance(args, argparse.Namespace)
 
 
+def test_bench_default_without_gpu_says_the_engine_was_not_measured(monkeypatch):
+    """The plain `bench` on a machine without a GPU runs the reference only and its table says why the engine
+    is missing (negative control: an explicit --backend reference, or a usable GPU, adds no such row)."""
+    import engine.backend as EB
+    from parity.bench.plan import plan
+    from parity.bench.runner import table_rows
+    from parity.cli import build_parser
+    monkeypatch.setattr(EB, "gpu_available", lambda: False)
+    _, settings, _ = plan(build_parser().parse_args(["bench", "--no-peer", "--no-extras"]))
+    rows = table_rows({"settings": settings, "runs": {}})
+    assert settings["backend"] == "reference"
+    assert any(r[0] == "engine" and r[1] == "not measured" and "no usable GPU" in r[3] for r in rows)
+    _, settings, _ = plan(build_parser().parse_args(["bench", "--backend", "reference", "--no-peer", "--no-extras"]))
+    assert "engine_skipped" not in settings and not any(r[0] == "engine" for r in table_rows({"settings": settings,
+                                                                                            "runs": {}}))
+
+
 def test_bench_end_to_end_tiny(tmp_path, capsys):
     _need_tiny()
     from parity.cli import main
