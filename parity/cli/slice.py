@@ -31,6 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--vocab", default=None, metavar="N|I,J,...",
                    help="keep token ids 0..N-1 (or these ids), plus EOS/PAD/BOS and added tokens")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    from parity.cli.common import add_traceback
+    add_traceback(p)
     p.set_defaults(func=run)
 
 

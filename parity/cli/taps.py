@@ -85,7 +85,8 @@ def register(subparsers) -> None:
     pc = sub.add_parser("check", help="validate a tap archive against its format (docs/tap-archive.md)")
     pc.add_argument("dir", help="tap archive directory")
     pc.add_argument("--model", default=None, help="also check shapes, layers and identity against this model")
-    pc.add_argument("--json", action="store_true", help="machine-readable output")
+    add_format(pc, default_help="text")
+    add_traceback(pc)
     pc.set_defaults(func=_cmd_check, command="taps check")
 
     pd = sub.add_parser("diff", help="diff two tap archives: first divergence, flips, replay bisect")
@@ -276,8 +277,10 @@ def _cmd_check(args) -> int:
         from reference.config import load_config
         from reference.paths import resolve_model
         config = load_config(resolve_model(args.model))
+    from parity.cli.common import output_format
+    fmt = output_format(args)   # text and rich print the same lines (a list, no table)
     rep = check_archive(args.dir, config)
-    if args.json:
+    if fmt == "json":
         print(json.dumps(rep.to_dict(), indent=1))
     else:
         for w in rep.warnings:

@@ -166,3 +166,24 @@ def test_ctrl_c_while_the_commands_import_is_an_interrupt_not_a_crash(capsys, mo
     assert C.main(["info", "tiny"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "qwen4exp info: interrupted" and "Traceback" not in err
+
+
+def test_every_verb_takes_the_shared_traceback_option():
+    """README: one grammar for every verb; `--traceback` is a shared option, so every subcommand's parser
+    (nested ones included) takes it itself (negative control: an option no verb has is refused by each)."""
+    import argparse
+
+    from parity.cli import build_parser
+
+    def leaves(p, path=()):
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield path, p
+        for a in subs:
+            for name, sp in a.choices.items():
+                yield from leaves(sp, path + (name,))
+    found = list(leaves(build_parser()))
+    assert len(found) >= 10
+    for path, p in found:
+        assert "--traceback" in p._option_string_actions, path
+        assert "--no-such-option" not in p._option_string_actions, path
