@@ -42,7 +42,9 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
                 import io
                 arr = np.load(io.BytesIO(fh.read()), allow_pickle=False)
         except (OSError, ValueError) as e:
-            raise InputError(f"{flag} {str(path)!r}: expected a readable .npy array, found {e}") from None
+            # numpy's own text for bytes that are no .npy array talks of pickles and unsafe loading: not said here
+            why = ("bytes that are not a .npy array" if "pickle" in str(e) or "magic" in str(e).lower() else str(e))
+            raise InputError(f"{flag} {str(path)!r}: expected a readable .npy array, found {why}") from None
         if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
             raise InputError(f"{flag} {str(path)!r}: expected an integer .npy array, found dtype {arr.dtype}")
         if arr.ndim != 1:
@@ -61,9 +63,16 @@ def read_ids_file(path, vocab_size: int | None = None, flag: str = "--ids") -> n
             except ValueError as e:
                 raise InputError(f"{flag} {str(path)!r}: expected a JSON list of integers, found unparsable JSON "
                                  f"({e})") from None
+            if isinstance(v, dict) and not ("ids" in v or "token_ids" in v):
+                raise InputError(f"{flag} {str(path)!r}: expected a JSON list of integers or an object with key "
+                                 f"'ids' / 'token_ids', found an object with keys {sorted(v)[:8]}")
             ids = v.get("ids", v.get("token_ids")) if isinstance(v, dict) else v
-            if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                raise InputError(f"{flag} {str(path)!r}: expected a list of integers, found {str(ids)[:80]!r}")
+            if not isinstance(ids, list):
+                raise InputError(f"{flag} {str(path)!r}: expected a list of integers, found a JSON "
+                                 f"{type(ids).__name__}")
+            bad = next((n for n, x in enumerate(ids) if not isinstance(x, int) or isinstance(x, bool)), None)
+            if bad is not None:
+                raise InputError(f"{flag} {str(path)!r}: expected a list of integers, found {ids[bad]!r} at item {bad}")
         else:
             ids = []
             # items are separated by commas (optionally with whitespace) or by whitespace alone

@@ -204,6 +204,7 @@ def test_logits_matches_reference(tiny, tmp_path, capsys):
 
 @pytest.mark.parametrize("content,msg", [("", "empty"), ("[]", "empty list"), ("1 2 x", "unparsable"),
                                          ("[1, 99999]", "vocab_size=512"), ("[1.5]", "integers"),
+                                         ("[2, true]", "True at item 1"), ('{"idz": [1]}', "keys ['idz']"),
                                          ("[-3]", "vocab_size")])
 def test_bad_ids_exit_2(tiny, tmp_path, capsys, content, msg):
     f = tmp_path / "ids.txt"
