@@ -677,8 +677,14 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             hit = floor_cache.load_control(mat) if mat is not None else None
             if hit is not None:
                 return {**hit[0], "source": f"read from {hit[1]}"}
-            got = negative_control(perturbed_b, la_all, prompts, th, cnote,
-                                   truth_model=getattr(a, "model", None),
+            tm = getattr(a, "model", None)
+            if not hasattr(tm, "selection_hook"):
+                # a is no reference (e.g. --a engine): the perturbed reference's selections are forced to the
+                # unperturbed reference's picks, so its effect is the continuous response (plus a's own distance
+                # from the reference, floor-sized), not the jump of a flipped pick
+                from reference.model import ReferenceModel
+                tm = ReferenceModel(control_weights, dtype=np.float32)
+            got = negative_control(perturbed_b, la_all, prompts, th, cnote, truth_model=tm,
                                    logs=logs_a if all(lg is not None for lg in logs_a) else None)
             if mat is not None:
                 got["source"] = f"measured, kept in {floor_cache.store_control(mat, got)}"

@@ -200,6 +200,20 @@ def test_kl_passing_comparison_with_a_failed_control_reads_inconclusive(tmp_path
     assert "CONTROLS FAILED" in out
 
 
+def test_kl_with_a_not_the_reference_still_sizes_its_negative_control(tmp_path, capsys):
+    """--a engine (no reference model to force picks on): the control perturbing the reference forces its
+    selections to the unperturbed reference's picks, so it is sized on the continuous response and flagged
+    (was: a selection flip at the first size, then a re-size into the floor noise, never flagged: exit 3)."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([list(range(5, 25)), [7, 3, 9, 11, 2, 40, 41]]))
+    rc = main(["kl", "--a", "engine", "--b", "engine", "--prompts", str(prompts), "--greedy-tokens", "0",
+               "--no-progress", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    nc = doc["controls"]["negative_control"]
+    assert rc == 0 and nc["ok"] and nc["forced"], nc["detail"]
+    assert nc["intended_rel"] / 2 <= nc["effect_rel"] <= 2 * nc["intended_rel"]
+
+
 def test_kl_flags_a_perturbed_backend(tmp_path, capsys):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([list(range(5, 25))]))  # 20 tokens: past the QSA bound (11) of tiny
