@@ -420,8 +420,8 @@ def project_periods(periods: dict, cfg) -> dict:
     range: ``step(L) = (2 - L/4) m4 + (L/4 - 1) m8`` multiplies each measurement's own spread (its median +- half
     its relative range) by up to ``L/4 - 1`` (11 at 48 layers), so ``tokens_per_s`` carries ``range [lo, hi]``
     from those extremes and ``spread`` = ``(hi - lo) / median`` (None and ``range [lo, None]`` when the extremes
-    allow a step of zero or less: the measurements cannot bound it; the JSON's ``null``). Returns the fields of an engine result
-    (``periods``, ``hbm``, ``matmul``, ``gpu``, ``precision``, ``prefill``, ``decode``)."""
+    allow a step of zero or less: the measurements cannot bound it; the JSON's ``null``). Returns the fields of
+    an engine result (``periods``, ``hbm``, ``matmul``, ``gpu``, ``precision``, ``prefill``, ``decode``)."""
     L = cfg.num_hidden_layers
     out = {"periods": periods, "hbm": periods[4].get("hbm"), "matmul": periods[4].get("matmul"),
            "gpu": periods[4].get("gpu"), "precision": periods[4].get("precision"), "prefill": [], "decode": []}
@@ -433,7 +433,8 @@ def project_periods(periods: dict, cfg) -> dict:
             continue
         m4, m8 = r4["step_s"]["median"], r8["step_s"]["median"]
         step = m4 + k * (m8 - m4)
-        rate = _projected_rate(r4["batch"], step, (m4, r4["step_s"].get("spread")), (m8, r8["step_s"].get("spread")), k)
+        rate = _projected_rate(r4["batch"], step, (m4, r4["step_s"].get("spread")),
+                               (m8, r8["step_s"].get("spread")), k)
         b4, b8 = r4["bytes_per_step"], r8["bytes_per_step"]
         nbytes = b4 + k * (b8 - b4)
         row = {"batch": r4["batch"], "context": r4["context"], "projected": True,

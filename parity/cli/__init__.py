@@ -93,8 +93,7 @@ class SubcommandParser(argparse.ArgumentParser):
         (``logits --modle X`` would otherwise say only that ``--ids`` is missing)."""
         if message.startswith("the following arguments are required"):
             unknown = self._unknown_options()
-            if unknown:
-                self._args_seen = []
+            if unknown:   # _refuse_unknown's own error is no "required" message: no recursion
                 self._refuse_unknown(unknown)
         super().error(message)
 
