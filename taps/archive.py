@@ -42,7 +42,7 @@ PRODUCER = "qwen4exp-parity"
 MANIFEST = "manifest.json"
 
 __all__ = ["ArchiveError", "ArchiveWriteError", "FORMAT_VERSION", "TapInfo", "TapSource", "Archive", "MemoryArchive", "ArchiveWriter",
-           "producer_version", "storable"]
+           "producer_version", "require_manifest", "storable"]
 
 
 class ArchiveError(UserError, ValueError):
@@ -54,6 +54,26 @@ class ArchiveWriteError(ArchiveError):
     (``exit_code`` = EXIT_ENVIRONMENT, as :class:`reference.atomic.OutputWriteError`) and nothing is left at the output."""
 
     exit_code = EXIT_ENVIRONMENT
+
+
+def require_manifest(p: Path) -> Path:
+    """The manifest file of the tap archive directory ``p``: what every reader (and ``taps check``) requires
+    before it can look at an archive at all.
+
+    Raises:
+        ArchiveError: ``p`` is no directory, or holds no manifest file (naming an interrupted recording's
+            leftover directory when one sits beside it).
+    """
+    tmp = sorted(p.parent.glob(p.name + ".tmp-*")) if p.parent.is_dir() else []
+    hint = f" (an interrupted recording left {tmp[0].name} -- delete it)" if tmp else ""
+    if not p.is_dir():
+        raise ArchiveError(f"tap archive {str(p)!r}: expected a directory holding {MANIFEST}, found "
+                           f"{'a file' if p.exists() else 'nothing'}{hint}")
+    mf = p / MANIFEST
+    if not mf.is_file():
+        raise ArchiveError(f"tap archive {str(p)!r}: expected {MANIFEST}, found "
+                           f"{'a directory' if mf.is_dir() else 'none'}{hint}")
+    return mf
 
 
 def _write_failed(out, e: BaseException) -> ArchiveWriteError:
@@ -386,14 +406,7 @@ class Archive(TapSource):
                 written by a newer format version than this reader understands.
         """
         p = Path(path)
-        mf = p / MANIFEST
-        tmp = sorted(p.parent.glob(p.name + ".tmp-*")) if p.parent.is_dir() else []
-        hint = f" (an interrupted recording left {tmp[0].name} -- delete it)" if tmp else ""
-        if not p.is_dir():
-            raise ArchiveError(f"tap archive {str(p)!r}: expected a directory holding {MANIFEST}, found "
-                               f"{'a file' if p.exists() else 'nothing'}{hint}")
-        if not mf.is_file():
-            raise ArchiveError(f"tap archive {str(p)!r}: expected {MANIFEST}, found none{hint}")
+        mf = require_manifest(p)
         try:
             manifest = json.loads(mf.read_text())
         except (OSError, ValueError) as e:

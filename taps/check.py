@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from taps import registry
-from taps.archive import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ArchiveError, check_manifest_schema, file_sha256
+from taps.archive import FORMAT_NAME, FORMAT_VERSION, MANIFEST, check_manifest_schema, file_sha256, require_manifest
 
 __all__ = ["CheckReport", "check_archive"]
 
@@ -54,18 +54,12 @@ def check_archive(path, config=None, max_problems: int = 200) -> CheckReport:
     Returns:
         A :class:`CheckReport`; never raises for a malformed archive.
     Raises:
-        ArchiveError: ``path`` is not a directory (nothing to check).
+        ArchiveError: ``path`` is not a directory or holds no manifest file (no archive to check).
     """
     p = Path(path)
     rep = CheckReport(str(p))
-    if not p.is_dir():
-        raise ArchiveError(f"tap archive {str(p)!r}: expected a directory holding {MANIFEST}, found "
-                           f"{'a file' if p.exists() else 'nothing'}")
+    mf = require_manifest(p)   # no manifest: no archive to check (an input error, as for every reader)
     bad = rep.problems.append
-    mf = p / MANIFEST
-    if not mf.is_file():
-        bad(f"{MANIFEST}: expected the manifest file, found none")
-        return rep
     try:
         m = json.loads(mf.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:

@@ -82,7 +82,10 @@ def register(subparsers) -> None:
     add_traceback(pr)
     pr.set_defaults(func=_cmd_record, command="taps record")
 
-    pc = sub.add_parser("check", help="validate a tap archive against its format (docs/tap-archive.md)")
+    pc = sub.add_parser("check", help="validate a tap archive against its format (docs/tap-archive.md)",
+                        description="Validate a tap archive against its format (docs/tap-archive.md). Exit 0: valid "
+                                    "(warnings listed); 1: invalid, every problem listed; 2: DIR is no tap archive "
+                                    "(not a directory, or no manifest.json) or --model is bad.")
     pc.add_argument("dir", help="tap archive directory")
     pc.add_argument("--model", default=None, help="also check shapes, layers and identity against this model")
     add_format(pc, default_help="text")
@@ -270,7 +273,8 @@ def _check_replay_model(args, ck) -> None:
 # ---------------------------------------------------------------- check
 def _cmd_check(args) -> int:
     """``taps check DIR``: 0 the archive conforms (warnings printed), 1 it does not (every problem listed),
-    2 DIR is not a directory / a bad --model."""
+    2 DIR is no tap archive at all (not a directory, or no manifest.json: the same error as ``taps diff``) / a
+    bad --model."""
     from taps.check import check_archive
     config = None
     if args.model:

@@ -126,6 +126,27 @@ def test_tap_diff_format_version_newer_and_null_token_ids(tmp_path, capsys):
     assert "token ids differ" not in json.dumps(rep)
 
 
+@pytest.mark.parametrize("inside", ["nothing", "a directory"])
+def test_taps_check_and_diff_give_one_input_error_for_a_directory_without_manifest(tmp_path, capsys, inside):
+    """A directory that holds no manifest.json is no tap archive: ``taps check`` and ``taps diff`` both exit 2
+    with the same one-line error naming the directory, the manifest expected and what was found."""
+    a = _archive(tmp_path / "a.taps")
+    d = tmp_path / "not-an-archive"
+    d.mkdir()
+    (d / "notes.txt").write_text("x")
+    if inside == "a directory":
+        (d / "manifest.json").mkdir()
+    found = "found none" if inside == "nothing" else "found a directory"
+    capsys.readouterr()
+    assert main(["taps", "check", str(d), "--json"]) == 2
+    assert capsys.readouterr().out == ""   # no report of an archive that is not there
+    assert main(["taps", "check", str(d)]) == 2
+    check_line = one_line_error(capsys, "taps check", "not-an-archive", "expected manifest.json", found)
+    assert main(["taps", "diff", str(a), str(d)]) == 2
+    diff_line = one_line_error(capsys, "taps diff", "not-an-archive", "expected manifest.json", found)
+    assert check_line.split(": error: ", 1)[1] == diff_line.split(": error: ", 1)[1]
+
+
 def test_taps_record_full_disk_is_one_line_exit_4(tmp_path, capsys, monkeypatch):
     import safetensors.numpy as SN
     from safetensors import SafetensorError
