@@ -95,8 +95,8 @@ def check_archive(path, config=None, max_problems: int = 200) -> CheckReport:
     if ids is None:
         rep.warnings.append(f"{MANIFEST}: no 'token_ids': tap-diff cannot verify both runs saw the same tokens")
     _check_identity(m, config, rep)
-    _check_chunks(p, m, rep)
-    files: dict[str, object] = {}
+    # a data file already reported by the 'chunks' check is not opened again (one fault, one line)
+    files: dict[str, object] = dict.fromkeys(_check_chunks(p, m, rep))
     n_layers = None if config is None else config.num_hidden_layers
     for name in m["order"]:
         if len(rep.problems) >= max_problems:
@@ -166,19 +166,29 @@ def _check_identity(m: dict, config, rep: CheckReport) -> None:
             rep.problems.append(f"{MANIFEST} 'token_ids': expected ids < vocab_size={config.vocab_size}, found {bad[0]}")
 
 
-def _check_chunks(p: Path, m: dict, rep: CheckReport) -> None:
+def _check_chunks(p: Path, m: dict, rep: CheckReport) -> set[str]:
+    """Check each data file against its 'chunks' entry (size, then checksum). Returns the files found missing,
+    truncated, longer or altered: one problem line each, and nothing more is read from them (their segments
+    would only repeat the same fault)."""
+    broken: set[str] = set()
     for fname, want in (m.get("chunks") or {}).items():
         fp = p / fname
         if not fp.is_file():
             rep.problems.append(f"{fname}: listed in 'chunks', expected the file, found none")
+            broken.add(fname)
             continue
         size = fp.stat().st_size
         if "bytes" in want and size != want["bytes"]:
-            rep.problems.append(f"{fname}: expected {want['bytes']} bytes ('chunks'), found {size}")
+            how = "truncated" if size < want["bytes"] else "longer than written"
+            rep.problems.append(f"{fname}: expected {want['bytes']} bytes ('chunks'), found {size} ({how}; "
+                                f"re-record the archive)")
+            broken.add(fname)
         elif "sha256" in want:
             got, _ = file_sha256(fp)
             if got != want["sha256"]:
                 rep.problems.append(f"{fname}: expected sha256 {want['sha256'][:16]}... ('chunks'), found {got[:16]}...")
+                broken.add(fname)
+    return broken
 
 
 def _open_file(p: Path, fname: str, files: dict, rep: CheckReport):

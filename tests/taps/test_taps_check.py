@@ -146,6 +146,39 @@ def test_malformed_archive_is_refused(case, ref_archive, cfg, tmp_path):
     assert any(needle in p for p in rep.problems), (case, rep.problems)
 
 
+def _damage(f, how):
+    data = f.read_bytes()
+    if how == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    elif how == "longer":
+        f.write_bytes(data + b"\0" * 64)
+    else:   # same size, the header overwritten: only the checksum tells
+        f.write_bytes(b"\xff" * 64 + data[64:])
+
+
+@pytest.mark.parametrize("how, needle", [("truncated", "(truncated;"), ("longer", "(longer than written;"),
+                                         ("header overwritten", "expected sha256")])
+def test_damaged_chunk_file_is_one_problem_naming_the_file(ref_archive, tmp_path, capsys, how, needle):
+    """A data file that fails its 'chunks' entry is one problem line (the file, expected vs found), not one
+    more for each tap whose segments it holds, nor an unreadable-safetensors line beside it."""
+    from parity.cli import main
+    bad = tmp_path / "bad.taps"
+    shutil.copytree(ref_archive, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    fname, want = next(iter(m["chunks"].items()))
+    _damage(bad / fname, how)
+    rep = check_archive(bad)
+    assert len(rep.problems) == 1, rep.problems
+    assert rep.problems[0].startswith(f"{fname}: expected") and needle in rep.problems[0]
+    if how != "header overwritten":
+        size = (bad / fname).stat().st_size
+        assert f"expected {want['bytes']} bytes" in rep.problems[0] and f"found {size}" in rep.problems[0]
+    capsys.readouterr()
+    assert main(["taps", "check", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert [ln for ln in out.splitlines() if ln.startswith("problem:")] == [f"problem: {rep.problems[0]}"]
+
+
 def test_warnings_and_cli(ref_archive, cfg, tmp_path, capsys):
     """An index tap without its companion and a stray file are warnings (still valid); the CLI exits 0 / 1 / 2."""
     from parity.cli import main
