@@ -12,7 +12,8 @@ scales, NVFP4's packed bytes and scales: no tensor is decoded, so any layout the
   tensors (and their ``weight_scale_inv`` / ``weight_scale``) are kept and renumbered 0..k-1, fused
   ``gate_up_proj`` / ``down_proj`` (and their scales) are cut on the expert axis, the router
   ``mlp.gate.weight`` keeps those rows (a router with FP8 block scales is refused: its rows share scales);
-  ``num_experts`` = k, ``num_experts_per_tok`` clipped to k. The router's softmax then runs over the kept
+  ``num_experts`` = k, ``num_experts_per_tok`` clipped to k (``SlicePlan.changed`` says so). Ids are kept in
+  ascending order whatever order they are given in; an id given twice is refused. The router's softmax then runs over the kept
   experts only: a different (valid) model, with the real router rows and margins among those experts.
 * optionally a subset of the vocabulary (``vocab``: a count -- ids 0..n-1 -- or a list of ids; the EOS, PAD and
   BOS ids of config.json / generation_config.json and every added (special) token are always kept): rows of
@@ -71,6 +72,7 @@ class SlicePlan:
     vocab: list[int] | None
     config: dict = field(default_factory=dict)  # the new config.json document
     notes: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)  # config values changed beyond the cut asked for (top-k)
 
 
 def _text(doc: dict) -> dict:
@@ -83,8 +85,9 @@ def _ids_of(v) -> list[int]:
     return [int(x) for x in (v if isinstance(v, list) else [v])]
 
 
-def _keep_list(spec, total: int, what: str, always=()) -> list[int] | None:
-    """A count (the first n) or a list of ids -> sorted unique kept ids (with ``always`` added), or None."""
+def _keep_list(spec, total: int, what: str, always=(), repeats: bool = True) -> list[int] | None:
+    """A count (the first n) or a list of ids -> sorted unique kept ids (with ``always`` added), or None.
+    ``repeats`` False: an id given twice is refused (a list that should name k distinct ids)."""
     if spec is None:
         return None
     if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
@@ -101,6 +104,10 @@ def _keep_list(spec, total: int, what: str, always=()) -> list[int] | None:
         bad = [i for i in ids if not 0 <= i < total]
         if bad:
             raise SliceError(f"slice {what}: expected ids in [0, {total}), found {bad[:5]}")
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice and not repeats:
+            raise SliceError(f"slice {what}: expected each id once, found {twice[:5]} given more than once "
+                             f"(in {','.join(map(str, ids))})")
     return sorted(set(ids) | {int(a) for a in always if a is not None and 0 <= int(a) < total})
 
 
@@ -121,7 +128,7 @@ def plan_slice(src, *, layers: int | None = None, experts=None, vocab=None) -> S
     n = cfg.num_hidden_layers if layers is None else int(layers)
     if not 1 <= n <= cfg.num_hidden_layers:
         raise SliceError(f"slice layers: expected 1..{cfg.num_hidden_layers} (num_hidden_layers), found {n}")
-    ex = _keep_list(experts, cfg.num_experts, "experts")
+    ex = _keep_list(experts, cfg.num_experts, "experts", repeats=False)
     specials = _special_ids(src, doc)
     vo = _keep_list(vocab, cfg.vocab_size, "vocab", always=specials)
     new = json.loads(json.dumps(doc))
@@ -135,10 +142,16 @@ def plan_slice(src, *, layers: int | None = None, experts=None, vocab=None) -> S
     for d in (new, t):
         if "mtp_num_hidden_layers" in d:
             d["mtp_num_hidden_layers"] = 0
+    changed = []
     if ex is not None:
         t["num_experts"] = len(ex)
-        t["num_experts_per_tok"] = min(int(t.get("num_experts_per_tok", cfg.num_experts_per_tok)), len(ex))
-        notes.append(f"experts {ex} of {cfg.num_experts} (router softmax over these only)")
+        top_k = int(t.get("num_experts_per_tok", cfg.num_experts_per_tok))
+        if top_k > len(ex):
+            t["num_experts_per_tok"] = len(ex)
+            changed.append(f"num_experts_per_tok {top_k} -> {len(ex)}: a token cannot be routed to more experts "
+                           f"than the {len(ex)} kept")
+        renum = "0" if len(ex) == 1 else f"0..{len(ex) - 1} in that order"
+        notes.append(f"experts {ex} of {cfg.num_experts}, renumbered {renum} (router softmax over these only)")
     if vo is not None:
         remap = {o: k for k, o in enumerate(vo)}
         t["vocab_size"] = len(vo)
@@ -149,7 +162,7 @@ def plan_slice(src, *, layers: int | None = None, experts=None, vocab=None) -> S
                     d[key] = [remap[int(x)] for x in v] if isinstance(v, list) else remap[int(v)]
         notes.append(f"vocabulary: {len(vo)} of {cfg.vocab_size} ids (renumbered; PLE n-grams hash to other rows)")
     ModelConfig.from_dict(_text(new), where="the sliced config")  # the slice's config must be valid
-    return SlicePlan(n, ex, vo, new, notes)
+    return SlicePlan(n, ex, vo, new, notes, changed)
 
 
 def _special_ids(src: Path, doc: dict) -> list[int]:

@@ -27,9 +27,14 @@ def register(subparsers) -> None:
     p.add_argument("src", help="source checkpoint directory or bundled fixture name")
     p.add_argument("dst", help="output directory (built in a temporary directory, then renamed)")
     p.add_argument("--layers", type=int, default=None, help="keep decoder layers 0..N-1 (default: all)")
-    p.add_argument("--experts", default=None, metavar="K|I,J,...", help="keep the first K experts, or these ids")
+    p.add_argument("--experts", default=None, metavar="K|I,J,...",
+                   help="keep the first K experts, or these distinct ids (an id given twice is refused, exit 2); "
+                        "kept in ascending id order and renumbered 0..k-1; when fewer experts are kept than the "
+                        "model's top-k (num_experts_per_tok), top-k becomes their count and a note on stderr "
+                        "says so")
     p.add_argument("--vocab", default=None, metavar="N|I,J,...",
-                   help="keep token ids 0..N-1 (or these ids), plus EOS/PAD/BOS and added tokens")
+                   help="keep token ids 0..N-1 (or the set of these ids: a repeat is the same id), plus "
+                        "EOS/PAD/BOS and added tokens")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     from parity.cli.common import add_traceback
     add_traceback(p)
@@ -44,5 +49,8 @@ def run(args) -> int:
     vocab = None if args.vocab is None else _count_or_ids(args.vocab, "--vocab")
     plan = slice_checkpoint(resolve_model(args.src), args.dst, layers=args.layers, experts=experts, vocab=vocab,
                             overwrite=args.overwrite)
+    import sys
+    for c in plan.changed:
+        print(f"note: {c}", file=sys.stderr)
     print(f"slice: {args.dst}: " + "; ".join(plan.notes))
     return 0

@@ -104,6 +104,38 @@ def test_bad_requests_are_one_clear_error(tmp_path):
         slice_checkpoint(tmp_path / "y", tmp_path / "y", layers=1, overwrite=True)
 
 
+def test_repeated_expert_ids_are_refused_naming_the_repeat(tmp_path, capsys):
+    """``--experts 3,0,0,5`` is not silently three experts: exit 2, one line naming the repeated id, nothing
+    written; the same ids without the repeat are accepted (control)."""
+    from fixture_helpers import one_line_error
+    from parity.cli import main
+    src = bundled_model("tiny")
+    with pytest.raises(SliceError, match=r"expected each id once, found \[0\]"):
+        slice_checkpoint(src, tmp_path / "x", experts=[3, 0, 0, 5])
+    capsys.readouterr()
+    assert main(["slice", "tiny", str(tmp_path / "x"), "--experts", "3,0,0,5"]) == 2
+    one_line_error(capsys, "slice experts", "each id once", "[0]", "3,0,0,5")
+    assert not (tmp_path / "x").exists()
+    assert main(["slice", "tiny", str(tmp_path / "x"), "--experts", "3,0,5"]) == 0
+    assert Checkpoint.open(tmp_path / "x").config.num_experts == 3
+
+
+def test_clipped_top_k_is_said_on_stderr(tmp_path, capsys):
+    """Keeping fewer experts than the model's top-k changes num_experts_per_tok: a note on stderr names the old
+    and new value; keeping at least top-k experts changes nothing and prints no note (control)."""
+    from parity.cli import main
+    top_k = Checkpoint.open(bundled_model("tiny")).config.num_experts_per_tok
+    assert top_k >= 2
+    capsys.readouterr()
+    assert main(["slice", "tiny", str(tmp_path / "few"), "--layers", "1", "--experts", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: num_experts_per_tok {top_k} -> 1" in err, err
+    assert Checkpoint.open(tmp_path / "few").config.num_experts_per_tok == 1
+    assert main(["slice", "tiny", str(tmp_path / "enough"), "--layers", "1", "--experts", str(top_k)]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert Checkpoint.open(tmp_path / "enough").config.num_experts_per_tok == top_k
+
+
 def test_a_damaged_slice_is_caught(tmp_path):
     """Negative control of the function test: one weight of the slice off by 1% changes the tap."""
     src = bundled_model("tiny")
