@@ -238,6 +238,25 @@ def test_table_explains_itself(capsys):
     assert len(body) == 2 and all("err<=" in ln and "xscale" in ln for ln in body)
 
 
+def test_readme_sample_output_prints_the_whole_legend():
+    """README's sample of the main command's text output holds, under 'legend:', every line the command prints
+    there for its rows -- the column legend and each shown scenario's meaning, in order and unshortened."""
+    from parity.harness.report import KL_MEANING, LEGEND
+    from parity.harness.scenarios import meanings
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    top = next(i for i, ln in enumerate(readme) if ln.startswith("    scenario  ") and "worst KL" in ln)
+    end = next(i for i in range(top, len(readme)) if readme[i].startswith("    verdict: "))
+    sample = [ln[4:] for ln in readme[top:end + 1]]
+    rows = [ln.split()[0] for ln in sample[2:] if ln and not ln.startswith((" ", "-"))
+            and ln.split()[-1] in ("PASS", "FAIL", "ERROR", "INCONCLUSIVE", "REFUSED", "SKIP")]
+    assert rows and rows[0] == "kl", sample
+    meaning = {"kl": KL_MEANING, **meanings()}
+    want = ["  " + ln for ln in LEGEND] + [f"  {r}: {meaning[r]}" for r in rows]
+    at = sample.index("legend:")
+    assert sample[at + 1:at + 1 + len(want)] == want
+    assert sample[at + 1 + len(want)].startswith("resolution: ")
+
+
 def test_parity_reference_passes_and_writes_report(tmp_path, capsys):
     rc = main(["parity", "--backend", "reference", "--scenario", "budget", "--level", "ci", "--out",
                str(tmp_path), "--no-progress"])
