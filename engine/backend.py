@@ -52,7 +52,9 @@ def get_xp(device: str):
 
             class DeviceError(UserError, RuntimeError):
                 pass
-            raise DeviceError("device 'cuda': expected cupy (pip install '.[gpu]') and a CUDA GPU, found none")
+            from reference.paths import install_command
+            raise DeviceError(f"device 'cuda': expected cupy (the `gpu` extra: {install_command('gpu')}) and a CUDA "
+                              f"GPU, found none")
         return cp
     from reference.errors import InputError
     raise InputError(f"device: expected 'cuda' or 'cpu', found {device!r}")

@@ -11,6 +11,38 @@ _INSTALLED_FIXTURES = Path(sys.prefix) / "share" / "qwen4exp-parity" / "fixtures
 FIXTURES = REPO_ROOT / "fixtures" if (REPO_ROOT / "fixtures").is_dir() else _INSTALLED_FIXTURES
 
 
+DIST_NAME = "qwen4exp-parity"
+
+
+def install_command(extra: str) -> str:
+    """The exact pip command that adds the optional dependency group ``extra`` (pyproject's
+    ``[project.optional-dependencies]``: ``oracle``, ``llamacpp``, ``gpu``, ``plot``) to this installation, for
+    error hints: an editable install (``pip install -e '.[test]'``, README) gets ``pip install -e
+    '<its source directory>[extra]'`` (right from any working directory), another install ``pip install
+    'qwen4exp-parity[extra]'`` (pip keeps the installed package and adds the extra's dependencies), a source
+    checkout run without installing ``pip install -e '<the checkout>[extra]'``."""
+    import json
+    import shlex
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+    try:
+        dist = metadata.distribution(DIST_NAME)
+    except metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        try:
+            url = json.loads(dist.read_text("direct_url.json") or "null") or {}
+        except ValueError:
+            url = {}
+        u = urlparse(str(url.get("url", "")))
+        if (url.get("dir_info") or {}).get("editable") and u.scheme == "file":
+            return f"pip install -e {shlex.quote(unquote(u.path) + f'[{extra}]')}"
+        return f"pip install {shlex.quote(f'{DIST_NAME}[{extra}]')}"
+    if (REPO_ROOT / "pyproject.toml").is_file():
+        return f"pip install -e {shlex.quote(f'{REPO_ROOT}[{extra}]')}"
+    return f"pip install {shlex.quote(f'{DIST_NAME}[{extra}]')}"
+
+
 def bundled_fixtures() -> list[str]:
     """The names of the bundled fixtures that exist (a directory under :data:`FIXTURES` with a config.json),
     ``tiny`` first, the rest sorted: what help texts and errors list."""

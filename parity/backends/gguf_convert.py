@@ -104,8 +104,9 @@ def installed_version() -> str:
     try:
         import llama_cpp
     except ImportError as e:
-        raise BackendError(f"llama.cpp backend: expected llama-cpp-python installed (pip install "
-                           f"'qwen4exp-parity[llamacpp]'), found {e}") from e
+        from reference.paths import install_command
+        raise BackendError(f"llama.cpp backend: expected llama-cpp-python installed (the `llamacpp` extra), found "
+                           f"{e}; install it: {install_command('llamacpp')}") from e
     return str(llama_cpp.__version__)
 
 

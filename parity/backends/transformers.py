@@ -139,18 +139,20 @@ MIN_TRANSFORMERS = (5, 23)
 
 
 def _import_torch():
+    from reference.paths import install_command
     try:
         import torch
         import transformers
         from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: F401
     except ImportError as e:
-        raise BackendError(f"backend transformers: expected torch and transformers with qwen4_exp (the `oracle` "
-                           f"extra: pip install 'qwen4exp-parity[oracle]'), found {e}") from e
+        raise BackendError(f"backend transformers: expected torch and transformers >= "
+                           f"{'.'.join(map(str, MIN_TRANSFORMERS))} with qwen4_exp (the `oracle` extra), found {e}; "
+                           f"install them: {install_command('oracle')}") from e
     got = tuple(int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
     if got < MIN_TRANSFORMERS:  # an earlier qwen4_exp is not the specification (its config validation differs)
         raise BackendError(f"backend transformers: expected transformers >= "
                            f"{'.'.join(map(str, MIN_TRANSFORMERS))} (the official qwen4_exp), found "
-                           f"{transformers.__version__} (pip install 'qwen4exp-parity[oracle]')")
+                           f"{transformers.__version__}; install it: {install_command('oracle')}")
     return torch
 
 

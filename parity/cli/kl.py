@@ -21,6 +21,7 @@ def register(subparsers) -> None:
                     "greedy continuation agreement. Controls computed in the same run: determinism (b twice, "
                     "bitwise), precision floor (reference float32 vs float64), negative control (b with one weight "
                     "perturbed must be flagged). A failed control makes the exit code 1.")
+    from reference.paths import install_command
     add_model(p)
     add_backend(p, "reference", flag="--a", what="backend a (the side trusted)")
     add_backend(p, "engine", flag="--b", what="backend b (the side under test)")
@@ -34,7 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", metavar="FILE.json", default=None,
                    help="also write the JSON report here ('-' = stdout); an existing file needs --overwrite")
     p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="write a KL histogram and per-position KL plot (needs matplotlib: pip install -e '.[plot]')")
+                   help="write a KL histogram and per-position KL plot (needs matplotlib, the `plot` extra: "
+                        f"{install_command('plot').replace('%', '%%')})")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out / --plot file (only when the run completes)")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr (default: a bar on a "
@@ -99,7 +101,9 @@ def plot_png(rep) -> bytes:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
+        from reference.paths import install_command
+        raise InputError(f"--plot: expected matplotlib installed (the `plot` extra), found it missing; install it: "
+                         f"{install_command('plot')}")
     import numpy as np
     kl = np.asarray(rep.comparison.kl_ab)
     fig, (h, line) = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -163,7 +167,9 @@ def run(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise InputError("--plot: expected matplotlib to be installed (pip install -e '.[plot]'), found it missing")
+            from reference.paths import install_command
+            raise InputError(f"--plot: expected matplotlib installed (the `plot` extra), found it missing; install "
+                             f"it: {install_command('plot')}")
     cfg = load_config(model)
     if args.perturb is not None:  # named against the option, before anything runs
         from reference.checkpoint import Checkpoint
