@@ -253,6 +253,8 @@ class LlamaCppBackend(Backend):
         Raises:
             EngineRefused: llama.cpp's converter or loader refuses the checkpoint.
             BackendError: llama-cpp-python / its converter missing, ``perturb`` asked, unknown options.
+            CheckpointError: MODEL is no checkpoint the reference runs (no weights; a tensor missing, mis-shaped
+                or truncated): checked before any conversion, so llama.cpp is never blamed for it.
             InputError: bad option values; a ``gguf`` that is not a GGUF, or whose metadata (architecture, layer
                 count, hidden size, vocabulary size) does not match MODEL's config (parity.backends.gguf_meta).
         """
@@ -272,6 +274,15 @@ class LlamaCppBackend(Backend):
             if not str(v).isdigit() or (int(v) == 0 and k != "rs"):
                 raise InputError(f"llama.cpp:{k}={v!r}: expected a positive integer")
         cfg = load_config(model_path)
+        # the reader's checks first (headers only): a checkpoint the reference cannot run either (no weights, a
+        # missing, mis-shaped or truncated tensor) is the user's input error naming the tensor, never llama.cpp's
+        # converter refusing it (verdict REFUSED blames the engine for a checkpoint the reference runs)
+        from reference.checkpoint import Checkpoint
+        ck = Checkpoint.open(model_path)
+        try:
+            ck.validate()
+        finally:
+            ck.close()
         if gguf:
             if not Path(gguf).is_file():
                 raise InputError(f"llama.cpp:gguf={gguf!r}: expected a GGUF file, found "
