@@ -3,8 +3,9 @@
     qwen4exp kl [MODEL] --a reference --b engine:device=cpu [--prompts FILE] [--format text|json]
                 [--out FILE.json] [--plot FILE.png]
 
-Exit codes (``qwen4exp -h``): 0 b agrees with a and every control passed; 1 b disagrees, a control failed or a
-backend raised while running (an ERROR verdict); 2 bad input; 4 environment failure.
+Exit codes (``qwen4exp -h``): 0 b agrees with a and every control passed; 1 b disagrees, a control failed, a
+backend raised while running (an ERROR verdict) or an outside engine refused the checkpoint (a REFUSED verdict,
+as ``parity``'s); 2 bad input; 4 environment failure.
 """
 from __future__ import annotations
 
@@ -146,6 +147,7 @@ def run(args) -> int:
     import traceback
 
     from parity.backends import backend_class
+    from parity.backends.refusal import EngineRefused
     from parity.cli.common import backend_spec, check_out, output_format, publish_files
     from parity.harness.kl import dumps
     from parity.prompts import load_prompts
@@ -185,6 +187,18 @@ def run(args) -> int:
                              perturb_name=args.perturb, progress=progress_mode(args.no_progress))
     except (KeyboardInterrupt, UserError):
         raise
+    except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, as parity's open row
+        doc = {"a": a, "b": b, "model": str(model), "verdict": "refused", "exit_code": EXIT_DIVERGENCE,
+               "refused": e.to_json()}
+        if out is not None:
+            publish_files({out: (json.dumps(doc, indent=1) + "\n").encode()})
+        if fmt == "json" or to_stdout:
+            print(json.dumps(doc, indent=1))
+        else:
+            offer = f"; {e.offer}" if e.offer else ""
+            print(f"qwen4exp kl: b={b} vs a={a} ({model})\n  verdict: REFUSED by {e.engine} {e.stage}: "
+                  f"{e.message}{offer}")
+        return EXIT_DIVERGENCE
     except (Exception, SystemExit) as e:  # noqa: BLE001 - a backend crashed mid-run: an ERROR verdict, never its code
         what = f"SystemExit({e.code!r}) (sys.exit called)" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))

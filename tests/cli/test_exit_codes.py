@@ -228,3 +228,32 @@ def test_report_exit_code_follows_the_contract():
     assert rep("pass", "pass").exit_code == 0
     assert rep("pass", "inconclusive").exit_code == 3 and rep("inconclusive").to_json()["verdict"] == "inconclusive"
     assert rep("inconclusive", "fail").exit_code == 1 and rep("error", "pass").exit_code == 1
+
+
+REFUSING = '''
+from parity.backends.refusal import EngineRefused
+
+
+class B:
+    @classmethod
+    def open(cls, model_path, **opts):
+        raise EngineRefused("fakeengine 1.0", "converter", "ValueError: no such tensor map", "reparam=x gets past it")
+'''
+
+
+def test_kl_engine_refusing_the_checkpoint_is_a_refused_verdict_as_in_parity(plugins, tmp_path, capsys):
+    """An outside engine refusing a valid checkpoint is `kl`'s REFUSED verdict (exit 1, the engine's own message,
+    report.json `refused`), as `parity`'s open row; not an ERROR saying a backend raised while the harness ran."""
+    (plugins / "refusing.py").write_text(REFUSING)
+    sys.modules.pop("refusing", None)
+    out = tmp_path / "kl.json"
+    assert main(["kl", "--b", "refusing:B", "--no-progress", "--out", str(out)]) == 1
+    cap = capsys.readouterr()
+    assert "verdict: REFUSED by fakeengine 1.0 converter: ValueError: no such tensor map; reparam=x" in cap.out
+    assert "ERROR" not in cap.out and "--traceback" not in cap.err
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "refused" and doc["exit_code"] == 1
+    assert doc["refused"] == {"engine": "fakeengine 1.0", "stage": "converter",
+                              "message": "ValueError: no such tensor map", "offer": "reparam=x gets past it"}
+    assert main(["parity", "--backend", "refusing:B", "--scenario", "kl", "--no-progress"]) == 1
+    assert "REFUSED by fakeengine 1.0 converter" in capsys.readouterr().out
