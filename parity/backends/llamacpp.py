@@ -272,7 +272,8 @@ class LlamaCppBackend(Backend):
             raise InputError(f"llama.cpp:fa={fa!r}: expected on, off or auto")
         for k, v in (("threads", threads), ("seqs", seqs), ("ctx", ctx), ("rs", rs)):
             if not str(v).isdigit() or (int(v) == 0 and k != "rs"):
-                raise InputError(f"llama.cpp:{k}={v!r}: expected a positive integer")
+                raise InputError(f"llama.cpp:{k}={v!r}: expected "
+                                 f"{'an integer >= 0' if k == 'rs' else 'a positive integer'}")
         cfg = load_config(model_path)
         # the reader's checks first (headers only): a checkpoint the reference cannot run either (no weights, a
         # missing, mis-shaped or truncated tensor) is the user's input error naming the tensor, never llama.cpp's

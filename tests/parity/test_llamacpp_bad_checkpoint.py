@@ -50,3 +50,13 @@ def test_parity_llamacpp_without_weights_exits_2_not_refused(tmp_path):
                         "--scenario", "kl", "--no-progress"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     assert "REFUSED" not in r.stdout and "expected model.safetensors" in r.stderr
+
+
+def test_llamacpp_rs_error_says_zero_is_allowed():
+    """rs= (n_rs_seq) accepts 0, so its error names the range it accepts, not 'a positive integer'."""
+    from parity.backends import open_backend
+    from reference.errors import InputError
+    with pytest.raises(InputError, match=r"llama.cpp:rs='abc': expected an integer >= 0$"):
+        open_backend("llama.cpp:rs=abc", bundled_model("tiny"))
+    with pytest.raises(InputError, match=r"seqs: expected an integer >= 1, found 'x'$"):
+        open_backend("llama.cpp:seqs=x", bundled_model("tiny"))
