@@ -198,6 +198,7 @@ class LlamaCppBackend(Backend):
                                f"config), found {self.n_vocab}")
         cp = ll.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = int(ctx), 512, 512
+        self.n_ctx = int(ctx)
         cp.n_seq_max, cp.n_rs_seq = int(seqs), int(rs)
         cp.n_threads = cp.n_threads_batch = int(threads)
         cp.kv_unified = True
@@ -225,6 +226,9 @@ class LlamaCppBackend(Backend):
         if not self._ctx:
             raise EngineRefused(f"llama.cpp {self.version}", "loader", _loader_message())
         self._mem = ll.llama_get_memory(self._ctx)
+        # llama.cpp caps n_batch at n_ctx (ctx=) and aborts the process (GGML_ASSERT, no exception) on a
+        # llama_decode of more tokens than n_batch: a larger batch is a BackendError naming ctx= here
+        self.n_batch = int(ll.llama_n_batch(self._ctx))
         self.n_rs = int(ll.llama_n_rs_seq(self._ctx))
         self.n_seq = int(seqs)
         self._free_ids = list(range(self.n_seq))[::-1]
@@ -332,6 +336,10 @@ class LlamaCppBackend(Backend):
         """``items``: [(seq, token, pos)] -> logits [n, V] (every token outputs logits)."""
         ll = self.ll
         n = len(items)
+        if n > self.n_batch:
+            raise BackendError(f"backend {self.name}: a llama_decode of {n} tokens: expected at most n_batch="
+                               f"{self.n_batch} (llama.cpp caps n_batch at ctx={self.n_ctx} and aborts the process "
+                               f"beyond it): raise ctx=")
         batch = ll.llama_batch_init(n, 0, 1)
         try:
             for i, (s, tok, pos) in enumerate(items):

@@ -624,3 +624,28 @@ def test_tokenizer_label_tokenizes_as_the_checkpoint_and_keeps_the_function(tmp_
     be2 = open_backend(f"llama.cpp:gguf={other}", m)
     assert np.array_equal(be2.logits(ids), want)
     be2.close()
+
+
+SMALL_CTX = """
+import sys
+from parity.backends import open_backend
+from parity.backends.base import BackendError
+be = open_backend("llama.cpp:reparam=auto,ctx=16", sys.argv[1])
+h = be.new_sequence()
+try:
+    be.prefill(h, list(range(1, 34)), chunk_size=33)
+except BackendError as e:
+    print("RAISED", e)
+"""
+
+
+def test_a_batch_over_a_small_ctx_is_an_error_not_an_abort():
+    """ctx= below 512 caps llama.cpp's n_batch; a llama_decode of more tokens than that is a BackendError naming
+    ctx=, not llama.cpp's GGML_ASSERT killing the process (SIGABRT, no report). In a child process: the abort
+    would take pytest down."""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", SMALL_CTX, str(bundled_model("tiny"))], capture_output=True,
+                       text=True, cwd=root, timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stderr[-1500:])
+    assert "RAISED" in r.stdout and "a llama_decode of 33 tokens: expected at most n_batch=16" in r.stdout
+    assert "raise ctx=" in r.stdout
