@@ -152,13 +152,59 @@ def safe_text(s: str) -> str:
     return "".join(out)
 
 
+def _stage_owner() -> str:
+    """``<host>-<pid>``: who a staging directory belongs to (its name carries it, :func:`remove_stale_stages`)."""
+    import socket
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def remove_stale_stages(where, prefix: str) -> list[Path]:
+    """Remove the staging directories ``<prefix><host>-<pid>-XXXX`` in ``where`` left by a run of this host
+    whose process is gone (killed by a signal no handler sees: SIGKILL, or an outside engine aborting the
+    process, e.g. llama.cpp's GGML_ASSERT). A directory of another host, of a live process or of another
+    name is left alone. Returns the paths removed (best effort: an unremovable one is skipped).
+    """
+    import shutil
+    host = _stage_owner().rsplit("-", 1)[0]
+    removed = []
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix + host + "-"):
+            continue
+        pid = name[len(prefix) + len(host) + 1:].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        path = Path(where) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
 def staged_dir(out, entries: tuple[str, ...]):
     """A context manager for an output directory ``out`` whose ``entries`` (``report.json``, ``taps``) a run
     writes: it yields a staging directory next to (or inside) ``out``; when the block completes, the staged
     entries replace the old ones in one step with SIGINT/SIGTERM/SIGHUP held (an old entry the run did not
     write again is removed: a new report never sits next to stale archives); other files in ``out`` are left
     alone. When the block raises or is interrupted, the staging directory is removed and ``out`` is as it
-    was: the old results or the new ones, never a mix, never a temp folder.
+    was: the old results or the new ones, never a mix, never a temp folder. A process killed outright (SIGKILL,
+    an outside engine aborting it) cannot remove its staging directory: the next run on ``out`` does
+    (:func:`remove_stale_stages`; the directory's name carries its host and process id).
 
     Raises:
         OutputWriteError: the staging directory cannot be created (full or read-only disk).
@@ -173,9 +219,11 @@ def staged_dir(out, entries: tuple[str, ...]):
     def cm():
         final = Path(out)
         existed = final.is_dir()
+        where = final if existed else Path(os.path.abspath(final)).parent
+        prefix = ".partial-" if existed else f".{final.name}.partial-"
+        remove_stale_stages(where, prefix)
         try:
-            stage = Path(tempfile.mkdtemp(dir=final if existed else Path(os.path.abspath(final)).parent,
-                                          prefix=".partial-" if existed else f".{final.name}.partial-"))
+            stage = Path(tempfile.mkdtemp(dir=where, prefix=f"{prefix}{_stage_owner()}-"))
         except OSError as e:
             raise write_failed(final, e) from None
         try:
