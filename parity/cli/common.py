@@ -213,11 +213,11 @@ def staged_dir(out, entries: tuple[str, ...]):
     import shutil
     import tempfile
 
-    from reference.atomic import apply_umask_modes, signals_deferred, write_failed
+    from reference.atomic import apply_umask_modes, signals_deferred, write_failed, write_target
 
     @contextlib.contextmanager
     def cm():
-        final = Path(out)
+        final = write_target(out)   # a symbolic link is written through: a dangling one gets its target made
         existed = final.is_dir()
         where = final if existed else Path(os.path.abspath(final)).parent
         prefix = ".partial-" if existed else f".{final.name}.partial-"
