@@ -112,6 +112,9 @@ def check_out(path, *, kind: str = "file", overwrite: bool = False, flag: str = 
                              f"cannot go to stdout), found '-'")
         return None
     p = Path(path)
+    if p.is_symlink() and _link_loops(p):   # no target to write through to
+        raise InputError(f"{flag} {str(path)!r}: expected a symbolic link that leads to a path, found a loop of "
+                         f"symbolic links")
     if kind == "dir" and p.is_dir() and not overwrite and any(p.iterdir()):
         raise InputError(f"{flag} {str(path)!r}: expected a new or empty directory, found a non-empty one "
                          f"(pass --overwrite)")
@@ -127,6 +130,16 @@ def check_out(path, *, kind: str = "file", overwrite: bool = False, flag: str = 
         raise InputError(f"{flag} {str(path)!r}: expected an existing parent directory {str(parent)!r}{via}, found "
                          f"{found}")
     return p
+
+
+def _link_loops(p: Path) -> bool:
+    """Whether the symbolic link ``p`` is part of a loop of links (ELOOP)."""
+    import errno
+    try:
+        os.stat(p)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def add_traceback(p, top: bool = False, failures: str | None = None) -> None:
