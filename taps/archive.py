@@ -541,21 +541,24 @@ class ArchiveWriter:
     """
 
     def __init__(self, out_dir, flush_bytes: int = 64 << 20, overwrite: bool = False):
+        from reference.atomic import write_target
         self.out = Path(out_dir)
-        if self.out.exists() and not self.out.is_dir():   # even with overwrite: never replace a file by an archive
+        # a symbolic link is written through: its target gets the archive and the link is kept (README "Paths")
+        self.dest = write_target(self.out)
+        if self.dest.exists() and not self.dest.is_dir():   # even with overwrite: never replace a file by an archive
             raise ArchiveError(f"archive output {str(self.out)!r}: expected a directory path (an archive is a "
                                f"directory), found an existing file")
-        if self.out.exists() and not overwrite:
+        if self.dest.exists() and not overwrite:
             raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an existing "
                                f"directory (remove it or pass --overwrite)")
-        parent = self.out.parent
+        parent = self.dest.parent
         if parent.exists() and not parent.is_dir():
             raise ArchiveError(f"archive output {str(self.out)!r}: expected a parent directory, found "
                                f"{str(parent)!r} is a file")
         if not parent.is_dir():
             raise ArchiveError(f"archive output {str(self.out)!r}: parent directory does not exist")
         self.overwrite = overwrite
-        self.tmp = Path(tempfile.mkdtemp(prefix=self.out.name + ".tmp-", dir=self.out.parent))
+        self.tmp = Path(tempfile.mkdtemp(prefix=self.dest.name + ".tmp-", dir=self.dest.parent))
         self.flush_bytes = int(flush_bytes)
         self._pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._pending_bytes = 0
@@ -644,15 +647,15 @@ class ArchiveWriter:
         }
         try:
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            if self.out.exists() or self.out.is_symlink():
-                if not self.out.is_dir() or self.out.is_symlink():
+            if self.dest.exists() or self.dest.is_symlink():
+                if not self.dest.is_dir() or self.dest.is_symlink():
                     raise ArchiveError(f"archive output {str(self.out)!r}: expected a directory path, found "
                                        f"an existing file")
                 if not self.overwrite:
                     raise ArchiveError(f"archive output {str(self.out)!r}: expected a new path, found an "
                                        f"existing directory (remove it or pass --overwrite)")
             from reference.atomic import swap_in_dir
-            swap_in_dir(self.tmp, self.out)  # umask modes; an old archive set aside and restored on failure
+            swap_in_dir(self.tmp, self.dest)  # umask modes; an old archive set aside and restored on failure
         except BaseException as e:
             shutil.rmtree(self.tmp, ignore_errors=True)   # nothing half-written is left behind
             if isinstance(e, OSError):
