@@ -48,11 +48,14 @@ def prompt_items(text: str, where) -> list:
             ``--prompts FILE``, the item and what was found).
     """
     from reference.textio import check_text
+    if not text.strip():   # an empty file or an empty pipe: say so, not a JSON parser's 'Expecting value'
+        raise InputError(f"--prompts {where}: expected a JSON list of texts or token-id lists, found "
+                         f"{'nothing' if not text else 'only whitespace'} (an empty input)")
     try:
         items = json.loads(text)
     except ValueError as e:
-        raise InputError(f"--prompts {where}: expected a JSON list of texts or token-id lists, found unreadable "
-                         f"content ({e})") from None
+        raise InputError(f"--prompts {where}: expected a JSON list of texts or token-id lists, found text that is "
+                         f"not JSON ({e})") from None
     if not isinstance(items, list) or not items:
         raise InputError(f"--prompts {where}: expected a non-empty JSON list, found {type(items).__name__}"
                          + (" (empty)" if isinstance(items, list) else ""))
