@@ -153,6 +153,7 @@ def run(args) -> int:
     from parity.cli.common import check_out, output_format, replace_paths, staged_dir
     from parity.harness.report import write_json_atomic
     from parity.harness.run import remove_empty_dirs, run_parity, unwritten_archives
+    from reference.atomic import OutputWriteError
     from reference.paths import resolve_model
 
     model = resolve_model(args.model)
@@ -187,6 +188,7 @@ def run(args) -> int:
         known.check_identity(identity, spec, model_path=str(model), prompts=prompts_id)
     extra = {"known": known, "below_bound": args.below_bound}
     unwritten = []
+    unwritten_report = None
     if args.out is not None:
         try:
             with staged_dir(args.out, ("report.json", "taps", *_many_entries(args.out))) as stage:
@@ -200,7 +202,11 @@ def run(args) -> int:
                 if unwritten:  # an incomplete result set is never swapped in: the old results stay
                     raise _Incomplete
                 remove_empty_dirs(stage / "taps")
-                write_json_atomic(stage / "report.json", doc)
+                try:
+                    write_json_atomic(stage / "report.json", doc)
+                except OutputWriteError as e:   # full or read-only disk: the verdict is still printed, exit 4
+                    unwritten_report = str(e).replace(str(stage), str(Path(args.out)))
+                    raise _Incomplete from None
         except _Incomplete:
             pass
         else:
@@ -224,6 +230,11 @@ def run(args) -> int:
     elif any(r.traceback for r in report.rows):
         print("qwen4exp parity: the backend raised in some cases; --traceback prints the stack traces (report.json "
               "holds them)", file=sys.stderr)
+    if unwritten_report:  # report.json could not be written (disk full): named at its place in --out, exit 4
+        from reference.errors import EXIT_ENVIRONMENT
+        print(f"qwen4exp parity: error: {unwritten_report}; nothing was replaced in {str(args.out)!r} (the verdict "
+              f"above is {report.to_json()['verdict']}, exit {EXIT_ENVIRONMENT})", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     if unwritten:  # the output is incomplete (disk full, read-only): the environment failed, exit 4
         from reference.errors import EXIT_ENVIRONMENT
         print(f"qwen4exp parity: error: {len(unwritten)} failing case(s)' tap archives could not be written under "
