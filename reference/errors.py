@@ -13,11 +13,12 @@ EXIT_CODES = {
     EXIT_OK: "pass / success",
     EXIT_DIVERGENCE: "divergence: a backend disagrees, a control failed, or the backend raised inside a case "
                      "(ERROR row)",
-    EXIT_USAGE: "usage or input error (bad arguments, model, prompts, a backend that cannot be opened); "
-                "nothing is written",
+    EXIT_USAGE: "usage or input error (bad arguments, model, prompts, a backend that cannot be opened, an --out "
+                "that cannot be written to), checked before the run; nothing is written",
     EXIT_INCONCLUSIVE: "inconclusive: the evidence supports no verdict",
-    EXIT_ENVIRONMENT: "environment failure: output could not be written (disk full, read-only), device lost, out "
-                      "of memory, or an internal error (traceback printed)",
+    EXIT_ENVIRONMENT: "environment failure: output could not be written once the run had its results (disk "
+                      "full, a location that became read-only), device lost, out of memory, or an internal error "
+                      "(traceback printed)",
 }
 
 

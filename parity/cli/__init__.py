@@ -46,7 +46,8 @@ def exit_code_help() -> str:
     """The exit-code contract as printed by ``qwen4exp -h`` (from :data:`reference.errors.EXIT_CODES`)."""
     from reference.errors import EXIT_CODES
     return "exit codes (every command):\n" + "\n".join(f"  {k}  {v}" for k, v in EXIT_CODES.items()) + \
-        "\n  130 / 143 / 129  interrupted by SIGINT / SIGTERM / SIGHUP (outputs: the old ones or none, never a mix)"
+        ("\n  130 / 143 / 129  interrupted by SIGINT / SIGTERM / SIGHUP (outputs: the old ones or none, never a mix)"
+         "\n  134              an outside engine in the process aborted it (SIGABRT; docs/outside-engines.md)")
 
 
 class SubcommandParser(argparse.ArgumentParser):
