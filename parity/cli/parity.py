@@ -310,6 +310,7 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
     from parity.harness.report import render_table, worst_exit_code, write_json_atomic
     from parity.harness.run import remove_empty_dirs, run_parity_many, unwritten_archives
     from parity.harness.scenarios import meanings
+    from reference.atomic import OutputWriteError
     from reference.errors import EXIT_ENVIRONMENT, InputError
     for flag, v in (("--known", args.known), ("--write-known", args.write_known)):
         if v is not None:
@@ -327,6 +328,7 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
     kw = dict(level=args.level, page_sizes=pages, prompts=args.prompts, progress=progress,
               below_bound=args.below_bound)
     unwritten, docs = [], []
+    unwritten_report = None
 
     def finish(reports, stage=None):
         for r in reports:
@@ -353,11 +355,15 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
                 unwritten = [u for d in docs for u in unwritten_archives(d)]
                 if unwritten:  # an incomplete result set is never swapped in: the old results stay
                     raise _Incomplete
-                for i, d in enumerate(docs):
-                    (stage / str(i)).mkdir(exist_ok=True)
-                    remove_empty_dirs(stage / str(i) / "taps")
-                    write_json_atomic(stage / str(i) / "report.json", d)
-                write_json_atomic(stage / "index.json", _index(docs, reports))
+                try:
+                    for i, d in enumerate(docs):
+                        (stage / str(i)).mkdir(exist_ok=True)
+                        remove_empty_dirs(stage / str(i) / "taps")
+                        write_json_atomic(stage / str(i) / "report.json", d)
+                    write_json_atomic(stage / "index.json", _index(docs, reports))
+                except OutputWriteError as e:   # full or read-only disk: the verdicts are still printed, exit 4
+                    unwritten_report = str(e).replace(str(stage), str(Path(args.out)))
+                    raise _Incomplete from None
         except _Incomplete:
             pass
         else:
@@ -400,6 +406,10 @@ def _run_many(args, model, specs: list[str], fmt: str, scen: list[str]) -> int:
     elif any(row.traceback for r in reports for row in r.rows):
         print("qwen4exp parity: a backend raised in some cases; --traceback prints the stack traces (report.json "
               "holds them)", file=sys.stderr)
+    if unwritten_report:  # a report / the index could not be written (disk full): named at its place in --out
+        print(f"qwen4exp parity: error: {unwritten_report}; nothing was replaced in {str(args.out)!r} (the verdicts "
+              f"above stand, exit {EXIT_ENVIRONMENT})", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     if unwritten:
         print(f"qwen4exp parity: error: {len(unwritten)} failing case(s)' tap archives could not be written under "
               f"{str(args.out)!r}: {unwritten[0]}; nothing was replaced in {str(args.out)!r} (the verdicts above "

@@ -23,3 +23,19 @@ def test_a_report_that_cannot_be_written_is_exit_4_with_the_verdict_printed(tmp_
     assert f"output {str(out / 'report.json')!r} could not be written: No space left on device" in cap.err
     assert ".partial-" not in cap.err and "exit 4" in cap.err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_several_backends_whose_reports_cannot_be_written_are_exit_4_with_the_verdicts_printed(
+        tmp_path, monkeypatch, capsys):
+    def full_disk(path, doc, *a, **k):
+        raise write_failed(path, OSError(errno.ENOSPC, "No space left on device"))
+    monkeypatch.setattr(report_mod, "write_json_atomic", full_disk)
+    out = tmp_path / "res"
+    rc = main(["parity", "tiny", "--backend", "reference", "--backend", "reference:dtype=float64", "--scenario",
+               "kl", "--level", "ci", "--no-progress", "--format", "text", "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 4
+    assert "verdict over 2 backends: exit 0" in cap.out
+    assert f"output {str(out / '0' / 'report.json')!r} could not be written: No space left on device" in cap.err
+    assert ".partial-" not in cap.err and "exit 4" in cap.err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
