@@ -7,13 +7,20 @@ import errno
 
 import parity.harness.report as report_mod
 from parity.cli import main
+import pytest
+
 from reference.atomic import write_failed
 
 
-def test_a_report_that_cannot_be_written_is_exit_4_with_the_verdict_printed(tmp_path, monkeypatch, capsys):
-    def full_disk(path, doc, *a, **k):
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Every report / index write fails as on a full disk."""
+    def write(path, doc, *a, **k):
         raise write_failed(path, OSError(errno.ENOSPC, "No space left on device"))
-    monkeypatch.setattr(report_mod, "write_json_atomic", full_disk)
+    monkeypatch.setattr(report_mod, "write_json_atomic", write)
+
+
+def test_a_report_that_cannot_be_written_is_exit_4_with_the_verdict_printed(tmp_path, full_disk, capsys):
     out = tmp_path / "res"
     rc = main(["parity", "tiny", "--backend", "reference", "--scenario", "kl", "--level", "ci", "--no-progress",
                "--format", "text", "--out", str(out)])
@@ -26,10 +33,7 @@ def test_a_report_that_cannot_be_written_is_exit_4_with_the_verdict_printed(tmp_
 
 
 def test_several_backends_whose_reports_cannot_be_written_are_exit_4_with_the_verdicts_printed(
-        tmp_path, monkeypatch, capsys):
-    def full_disk(path, doc, *a, **k):
-        raise write_failed(path, OSError(errno.ENOSPC, "No space left on device"))
-    monkeypatch.setattr(report_mod, "write_json_atomic", full_disk)
+        tmp_path, full_disk, capsys):
     out = tmp_path / "res"
     rc = main(["parity", "tiny", "--backend", "reference", "--backend", "reference:dtype=float64", "--scenario",
                "kl", "--level", "ci", "--no-progress", "--format", "text", "--out", str(out)])
