@@ -26,6 +26,10 @@ class EngineRefused(RuntimeError):
             text += f" ({offer})"
         super().__init__(text)
 
+    def verdict(self) -> str:
+        """The refusal as a verdict cell: ``REFUSED by ENGINE STAGE: message[; offer]`` (parity's open row, kl)."""
+        return f"REFUSED by {self.engine} {self.stage}: {self.message}" + (f"; {self.offer}" if self.offer else "")
+
     def to_json(self) -> dict:
         """The refusal as a report field."""
         return {"engine": self.engine, "stage": self.stage, "message": self.message, "offer": self.offer}

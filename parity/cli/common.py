@@ -165,11 +165,15 @@ def safe_text(s: str) -> str:
     return "".join(out)
 
 
+def _host_tag() -> str:
+    """This host's name as it appears in a staging directory's name (letters and digits, others as '_')."""
+    import socket
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+
+
 def _stage_owner() -> str:
     """``<host>-<pid>``: who a staging directory belongs to (its name carries it, :func:`remove_stale_stages`)."""
-    import socket
-    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
-    return f"{host}-{os.getpid()}"
+    return f"{_host_tag()}-{os.getpid()}"
 
 
 def remove_stale_stages(where, prefix: str) -> list[Path]:
@@ -179,7 +183,7 @@ def remove_stale_stages(where, prefix: str) -> list[Path]:
     name is left alone. Returns the paths removed (best effort: an unremovable one is skipped).
     """
     import shutil
-    host = _stage_owner().rsplit("-", 1)[0]
+    host = _host_tag()
     removed = []
     try:
         names = os.listdir(where)

@@ -86,6 +86,14 @@ def render_kl(rep) -> str:
     return "\n".join(lines)
 
 
+def _matplotlib_missing() -> Exception:
+    """The error of ``--plot`` without matplotlib (the ``plot`` extra), naming the install command."""
+    from reference.errors import InputError
+    from reference.paths import install_command
+    return InputError(f"--plot: expected matplotlib installed (the `plot` extra), found it missing; install it: "
+                      f"{install_command('plot')}")
+
+
 def plot_png(rep) -> bytes:
     """The KL plot as PNG bytes: a histogram of log10 KL(a||b) over positions (integer counts) and the
     per-position KL(a||b) with the pass threshold drawn as a line (matplotlib).
@@ -95,16 +103,13 @@ def plot_png(rep) -> bytes:
     """
     import io
 
-    from reference.errors import InputError
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        from reference.paths import install_command
-        raise InputError(f"--plot: expected matplotlib installed (the `plot` extra), found it missing; install it: "
-                         f"{install_command('plot')}")
+        raise _matplotlib_missing() from None
     import numpy as np
     kl = np.asarray(rep.comparison.kl_ab)
     fig, (h, line) = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -169,9 +174,7 @@ def run(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            from reference.paths import install_command
-            raise InputError(f"--plot: expected matplotlib installed (the `plot` extra), found it missing; install "
-                             f"it: {install_command('plot')}")
+            raise _matplotlib_missing() from None
     cfg = load_config(model)
     if args.perturb is not None:  # named against the option, before anything runs
         from reference.checkpoint import Checkpoint
@@ -195,9 +198,7 @@ def run(args) -> int:
         if fmt == "json" or to_stdout:
             print(json.dumps(doc, indent=1))
         else:
-            offer = f"; {e.offer}" if e.offer else ""
-            print(f"qwen4exp kl: b={b} vs a={a} ({model})\n  verdict: REFUSED by {e.engine} {e.stage}: "
-                  f"{e.message}{offer}")
+            print(f"qwen4exp kl: b={b} vs a={a} ({model})\n  verdict: {e.verdict()}")
         return EXIT_DIVERGENCE
     except (Exception, SystemExit) as e:  # noqa: BLE001 - a backend crashed mid-run: an ERROR verdict, never its code
         what = f"SystemExit({e.code!r}) (sys.exit called)" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"

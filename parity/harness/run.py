@@ -294,9 +294,7 @@ def run_parity_many(model, backend_specs: list[str], scenarios: list[str], *, le
         except EngineRefused as e:  # the engine's defect on a valid checkpoint: verdict REFUSED, exit 1
             report = ParityReport(backend=backend_label(spec), model=str(model), meta={"refused": e.to_json()})
             # nothing was compared: no KL, no error figure ('-'); the offered re-parameterisation is in the cell
-            offer = f"; {e.offer}" if e.offer else ""
-            report.rows.append(ScenarioRow("open", 1, 1, None, None,
-                                           f"REFUSED by {e.engine} {e.stage}: {e.message}{offer}",
+            report.rows.append(ScenarioRow("open", 1, 1, None, None, e.verdict(),
                                            time.perf_counter() - t_open, "refused", e.offer))
             jobs.append((spec, op, None, report))
             continue
