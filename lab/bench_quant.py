@@ -1,9 +1,9 @@
 """Micro-benchmark of the quantised decode GEMVs (``engine/kernels/cuda/quant_linear.cu``) at the routed-expert
 shapes of the real model: gate_up ``[10 experts x 1280 x 2560]`` and down ``[10 x 2560 x 640]``, FP8 and NVFP4,
 1 / 4 / 16 activation rows per expert, grouped (the MoE launch, through its device tile table) and dense (one
-matrix of the same bytes), the streaming ``qgemv2_*`` kernels (``v2``, the default configuration, and every
-other instantiated configuration: ``v2_g{G}_r{RL}_u{U}``). (The previous ``qgemv_*_v`` kernels, ``v1`` in older
-JSONs, are gone from the engine.)
+matrix of the same bytes): the tensor-core NVFP4 GEMV (``qmma``, the default for NVFP4) and the streaming
+``qgemv2_*`` kernels (``v2``, the default configuration, and every other instantiated configuration:
+``v2_g{G}_r{RL}_u{U}``).
 
 Run on a GPU: ``python -m lab.bench_quant [--reps 50] [--quick] [--json OUT]``. Consecutive launches
 read different groups of 10 experts out of a stack of 3x the L2 cache (so weights come from HBM, as in a decode
@@ -68,7 +68,8 @@ def _median_us(cp, fns, reps):
 
 
 def _variants(L, fmt, rpt):
-    """(label, v2 flag, config) for one activation-row tile: v1, v2 (default), the other v2 configurations."""
+    """(label, tensor-core flag, config) for one activation-row tile: qmma (the tensor-core NVFP4 GEMV), v2 (the
+    default qgemv2 configuration), the other qgemv2 configurations."""
     from engine.backend import CUDA_DIR
     import re
     src = (CUDA_DIR / "quant_linear.cu").read_text()
@@ -76,8 +77,9 @@ def _variants(L, fmt, rpt):
     cfgs = [(int(g), int(rl), int(u)) for nt, g, rl, u in
             re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam) if int(nt) == rpt]
     default = L.QGEMV2_CONFIG[fmt, rpt]
-    out = [("v2", True, default)]
-    out += [(f"v2_g{g}_r{rl}_u{u}", True, (g, rl, u)) for g, rl, u in cfgs if (g, rl, u) != default]
+    out = [("qmma", True, default)] if fmt == "nvfp4" else []
+    out += [("v2", False, default)]
+    out += [(f"v2_g{g}_r{rl}_u{u}", False, (g, rl, u)) for g, rl, u in cfgs if (g, rl, u) != default]
     return out
 
 
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
 
     Args:
         argv: ``--reps N`` (timed graph replays per figure, default 50), ``--json FILE`` (also write the results
-            there, atomically), ``--quick`` (only the default v2).
+            there, atomically), ``--quick`` (only qmma and the default v2).
     Returns:
         0. JSON keys: ``*_us`` microseconds, ``*_GBps`` GB/s, ``*_frac`` fraction of the measured copy bandwidth,
         ``*_kernel`` the kernel a grouped launch used. Printed (compact, so a device call's output tail holds it
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="only the default v2")
+    ap.add_argument("--quick", action="store_true", help="only qmma and the default v2")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     src = dst = None  # free the 2 GiB
     print(f"d2d_copy_GBps {copy:.0f}", flush=True)
     l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 50 << 20))
-    prev = (None, dict(L.QGEMV2_CONFIG))
+    prev = (L.QMMA_ENABLED, dict(L.QGEMV2_CONFIG))
     try:
         for fmt in ("nvfp4", "fp8"):
             for shape, (N, K) in SHAPES.items():
@@ -140,9 +142,10 @@ def main(argv=None) -> int:
                         routes.append(M.moe_route_tables(ids, E, rows_per_tile=rpt))
                     y = cp.empty((rpt * TOP_K, N), cp.float32)
                     io = x.nbytes + y.nbytes
-                    for label, v2, cfg in _variants(L, fmt, rpt):
-                        if args.quick and label != "v2":
+                    for label, tc, cfg in _variants(L, fmt, rpt):
+                        if args.quick and label not in ("v2", "qmma"):
                             continue
+                        L.QMMA_ENABLED = tc
                         if cfg is not None:
                             L.QGEMV2_CONFIG[fmt, rpt] = cfg
                         fns = [lambda r=r: L.grouped_linear(x, w, r.offsets, row_index=r.sorted_token, tiles=r.tiles,
@@ -161,9 +164,10 @@ def main(argv=None) -> int:
                         one = [w_dense(w, g, N, K) for g in range(groups)]
                     xd = rs.standard_normal((rpt, K), dtype=cp.float32)
                     yd = cp.empty((rpt, TOP_K * N), cp.float32)
-                    for label, v2, cfg in _variants(L, fmt, rpt):
-                        if args.quick and label != "v2":
+                    for label, tc, cfg in _variants(L, fmt, rpt):
+                        if args.quick and label not in ("v2", "qmma"):
                             continue
+                        L.QMMA_ENABLED = tc
                         if cfg is not None:
                             L.QGEMV2_CONFIG[fmt, rpt] = cfg
                         fns = [lambda wd=wd: L.linear(xd, wd, out=yd) for wd in one]
@@ -188,9 +192,10 @@ def main(argv=None) -> int:
                 routes = [M.moe_route_tables(cp.asarray(i), E) for i in ids]
                 used = float(np.mean([len(np.unique(i)) for i in ids]))
                 nbytes = used * _expert_bytes(w) + x.nbytes + y.nbytes
-                for label, v2, cfg in _variants(L, fmt, routes[0].rows_per_tile):
-                    if args.quick and label != "v2":
+                for label, tc, cfg in _variants(L, fmt, routes[0].rows_per_tile):
+                    if args.quick and label not in ("v2", "qmma"):
                         continue
+                    L.QMMA_ENABLED = tc
                     if cfg is not None:
                         L.QGEMV2_CONFIG[fmt, routes[0].rows_per_tile] = cfg
                     fns = [lambda r=r: L.grouped_linear(x, w, r.offsets, row_index=r.sorted_token, tiles=r.tiles,
@@ -204,6 +209,7 @@ def main(argv=None) -> int:
                     L.QGEMV2_CONFIG.update(prev[1])
                 w = None
     finally:
+        L.QMMA_ENABLED = prev[0]
         L.QGEMV2_CONFIG.clear()
         L.QGEMV2_CONFIG.update(prev[1])
     _summary(res)
@@ -214,8 +220,9 @@ def main(argv=None) -> int:
 
 
 def _summary(res: dict) -> None:
-    """Per format and row count: the grouped gate_up + down time of one MoE layer (v1, v2, the fastest v2
-    configuration, which is the suggested ``QGEMV2_CONFIG`` entry), its speed-up, and 48 layers' worth in ms."""
+    """Per format and row count: the grouped gate_up + down time of one MoE layer for qgemv2's default
+    configuration (v2), the tensor-core NVFP4 GEMV (qmma) and the fastest variant, the speed-up of qmma over v2,
+    and 48 layers' worth of the fastest in ms."""
     for fmt in ("nvfp4", "fp8"):
         for rpt in (1, 4, 16):
             tot: dict = {}
@@ -225,15 +232,16 @@ def _summary(res: dict) -> None:
                     label = key[:-3].split(f"_M{rpt}_", 1)[1]
                     tot.setdefault(label, []).append(v)
             tot = {k: sum(v) for k, v in tot.items() if len(v) == len(SHAPES)}
-            if "v1" not in tot or "v2" not in tot:
+            if "v2" not in tot:
                 continue
-            best = min((k for k in tot if k.startswith("v2")), key=tot.get)
+            best = min(tot, key=tot.get)
             name = f"moe_{fmt}_M{rpt}"
-            res[name + "_v1_us"], res[name + "_v2_us"], res[name + "_best"] = tot["v1"], tot["v2"], best
-            res[name + "_speedup"] = tot["v1"] / tot["v2"]
-            print(f"{name}: gate_up+down v1 {tot['v1']:.1f} us, v2 {tot['v2']:.1f} us ({tot['v1'] / tot['v2']:.2f}x); "
-                  f"fastest {best} {tot[best]:.1f} us; 48 layers {48 * tot['v1'] / 1e3:.2f} -> "
-                  f"{48 * tot['v2'] / 1e3:.2f} ms", flush=True)
+            res[name + "_v2_us"], res[name + "_best"] = tot["v2"], best
+            line = f"{name}: gate_up+down v2 {tot['v2']:.1f} us"
+            if "qmma" in tot:
+                res[name + "_qmma_us"], res[name + "_qmma_speedup"] = tot["qmma"], tot["v2"] / tot["qmma"]
+                line += f", qmma {tot['qmma']:.1f} us ({tot['v2'] / tot['qmma']:.2f}x)"
+            print(f"{line}; fastest {best} {tot[best]:.1f} us; 48 layers {48 * tot[best] / 1e3:.2f} ms", flush=True)
 
 
 def w_dense(w, g, N, K):

@@ -124,14 +124,15 @@ def module(filename: str):
     return load_module(filename)
 
 
-_QGEMV2_NT = re.compile(r"^qgemv2_\w+?_nt(\d+)_")
+_QGEMV2_NT = re.compile(r"^(?:qgemv2|qmma)_\w+?_nt(\d+)_")
 _MOE_PAIR = re.compile(r"^moe_(?:gate_up|down)_(bf16|fp8|nvfp4)_(bf16|fp8|nvfp4)_t\d+$")
 _MOE_FORMATS = ("bf16", "fp8", "nvfp4")  # moe_decode.cu's format indices
 
 
 def kernel_module_options(filename: str, name: str) -> tuple[str, ...]:
     """NVRTC options of the module that holds kernel ``name`` of ``filename``: ``quant_linear.cu``'s streaming
-    GEMVs (``qgemv2_<fmt>_nt<N>_...``) are compiled per activation-row tile (``-DQGEMV2_NT=<N>``), apart from the
+    GEMVs (``qgemv2_<fmt>_nt<N>_...``) and tensor-core NVFP4 GEMVs (``qmma_nvfp4_nt<N>_...``) are compiled per
+    activation-row tile (``-DQGEMV2_NT=<N>``), apart from the
     file's other kernels, each on first use (their instances would multiply the file's NVRTC time by ~4);
     ``moe_decode.cu``'s expert kernels (``moe_{gate_up,down}_<routed>_<shared>_t<MT>``) per format pair
     (``-DMOE_FR=<i> -DMOE_FS=<j>``), its router kernels in the module without defines."""
@@ -158,6 +159,13 @@ def sm_count() -> int:
     """Streaming multiprocessors of the current GPU (launch heuristics)."""
     cp = cupy_or_none()
     return int(cp.cuda.Device().attributes["MultiProcessorCount"]) if cp is not None else 1
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability() -> int:
+    """The current GPU's compute capability as major * 10 + minor (90 on Hopper, 121 on GB10; 0 without one)."""
+    cp = cupy_or_none()
+    return int(cp.cuda.Device().compute_capability) if cp is not None else 0
 
 
 def f32_contig(a, name: str):

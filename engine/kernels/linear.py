@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.kernels import gemm_tc as _tc
 from engine.kernels.dense_common import empty as _empty
-from engine.kernels.dense_common import NULL_PTR, kernel, ptr_or_null, sm_count
+from engine.kernels.dense_common import NULL_PTR, compute_capability, kernel, ptr_or_null, sm_count
 from engine.kernels.tiles import GEMM_TILE_ROWS, GEMV_MAX_ROWS, GroupTiles, gemv_tile_rows
 from engine.kernels.dense_common import (KernelInputError, check_dim, check_ndim, compute_dtype, f32_contig, is_cupy,
                                          same_device, weight_as_float, weight_kind)
@@ -44,6 +44,11 @@ MMA_GEMV_ENABLED = True
 #: (``QGEMV2_FAMILY``) exist; the micro-bench (``lab/bench_quant.py``) swaps entries to compare them. Defaults: the fastest measured on the
 #: H200 (``lab/bench_quant.py`` at the routed-expert shapes; docs/kernels_quant.md, docs/performance.md): 1 row (2, 2, 3) for both
 #: formats (NVFP4 gate_up 17.1 us vs 26.8 for (4, 1, 5) and 33.6 for the previous kernel), 4 and 16 rows (4, 2, 3).
+#: The tensor-core NVFP4 GEMV (``qmma_nvfp4_*`` of ``cuda/quant_linear.cu``, body ``cuda/gemv_qmma.cuh``) serves
+#: NVFP4 weights at 1..16 rows where ``K % 128 == 0`` and the GPU is sm_80+; ``qgemv2`` serves the rest. A module
+#: flag, not an environment switch: the tests and the micro-bench (``lab/bench_quant.py``) set it to run ``qgemv2``
+#: beside it.
+QMMA_ENABLED = True
 QGEMV2_CONFIG = {("nvfp4", 1): (2, 2, 3), ("nvfp4", 4): (4, 2, 3), ("nvfp4", 16): (4, 2, 3),
                  ("fp8", 1): (2, 2, 3), ("fp8", 4): (4, 2, 3), ("fp8", 16): (4, 2, 3)}
 
@@ -246,7 +251,8 @@ def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, ali
 
 
 def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec: bool, sms: int | None = None,
-                        config: tuple[int, int, int] | None = None) -> tuple[str, int]:
+                        config: tuple[int, int, int] | None = None, qmma: bool | None = None,
+                        cc: int | None = None) -> tuple[str, int]:
     """Which ``quant_linear.cu`` kernel a launch over a quantised weight uses (pure host logic).
 
     Args:
@@ -254,9 +260,12 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
         N, K: logical weight shape. grid_y: row tiles launched. vec: 16-byte chunks possible (K a multiple of
             the chunk, aligned pointers, fp8 scale blocks a multiple of 16 columns).
         sms: streaming multiprocessors (default: the current GPU's). config: ``(G, RL, U)`` for ``qgemv2``
-            (default :data:`QGEMV2_CONFIG` ``[fmt, rpt]``).
+            (default :data:`QGEMV2_CONFIG` ``[fmt, rpt]``). qmma: use the tensor-core NVFP4 GEMV where eligible
+            (default :data:`QMMA_ENABLED`). cc: compute capability (default: the current GPU's).
     Returns:
-        ``(kernel name, grid x)``. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
+        ``(kernel name, grid x)``. ``qmma_nvfp4`` (NVFP4, vec, ``K % 128 == 0``, sm_80+): 8 warps per block, ``KS``
+        of them split the 128-k groups, ``8 / KS`` row groups of 16; ``KS`` the smallest power of two up to 8
+        (and up to the groups) with at least twice as many blocks as SMs. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
         ``32 / G`` slots of ``RL`` rows; ``KS`` is the smallest power of two up to 8 with which every lane's
         chunks are loaded in one round (``G * KS * U >= K / chunk``), doubled while the launch has fewer
         blocks than twice the SMs. Otherwise (not vec) the scalar ``qgemv_*_s`` kernels: 8 warps per block, each over
@@ -270,6 +279,13 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
     if rpt not in (1, 4, 16):
         raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
     sms = sm_count() if sms is None else int(sms)
+    use_qmma = QMMA_ENABLED if qmma is None else bool(qmma)
+    if use_qmma and fmt == "nvfp4" and vec and K % 128 == 0 and (compute_capability() if cc is None else cc) >= 80:
+        ng = K // 128
+        ks = 1
+        while ks < 8 and 2 * ks <= ng and -(-N // ((_GEMV_WARPS // ks) * 16)) * grid_y < 2 * sms:
+            ks *= 2
+        return f"qmma_nvfp4_nt{rpt}_ks{ks}", -(-N // ((_GEMV_WARPS // ks) * 16))
     if vec:
         G, RL, U = QGEMV2_CONFIG[fmt, rpt] if config is None else config
         kc = K // (32 if fmt == "nvfp4" else 16)

@@ -153,13 +153,22 @@ def test_quant_kernel_choice():
     assert L.quant_kernel_choice("nvfp4", 16, 131072, 2560, 1, **scalar) == ("qgemv_nvfp4_nt16_r1_ks1_s", 16384)
     # streaming kernels: KS so that one round of U chunks per lane covers a row (nvfp4 gate_up: 80 chunks =
     # 4 lanes x 4 warps x 5; down: 20 = 4 x 1 x 5), rows per block (8 / KS) * (32 / G) * RL
-    v2 = dict(sms=132, config=(4, 1, 5))
+    v2 = dict(sms=132, config=(4, 1, 5), qmma=False)
     assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 20, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks4_u5", 80)
     assert L.quant_kernel_choice("nvfp4", 1, 2560, 640, 20, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks1_u5", 40)
     assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 20, vec=True, **v2) == ("qgemv2_fp8_nt1_g4_r1_ks8_u5", 160)
     # few blocks for the SMs: KS doubled (one 320-row matrix: 5 blocks at KS 1 -> 8 warps split K)
     assert L.quant_kernel_choice("nvfp4", 1, 320, 640, 1, vec=True, **v2) == ("qgemv2_nvfp4_nt1_g4_r1_ks8_u5", 40)
     assert L.quant_kernel_choice("fp8", 64, 1000, 64, 3, vec=True, sms=132)[0] == "qgemm_fp8"
+    # the tensor-core NVFP4 GEMV (K % 128 == 0, sm_80+): KS doubled while blocks < 2 x SMs, up to the 128-k groups
+    tc = dict(sms=132, vec=True, qmma=True, cc=90)
+    assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 10, **tc) == ("qmma_nvfp4_nt1_ks4", 40)
+    assert L.quant_kernel_choice("nvfp4", 1, 2560, 640, 10, **tc) == ("qmma_nvfp4_nt1_ks2", 40)
+    assert L.quant_kernel_choice("nvfp4", 16, 2560, 128, 1, **tc) == ("qmma_nvfp4_nt16_ks1", 20)  # one group
+    assert L.quant_kernel_choice("nvfp4", 4, 131072, 4096, 1, **tc) == ("qmma_nvfp4_nt4_ks1", 1024)
+    assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 10, **dict(tc, cc=75))[0].startswith("qgemv2_")
+    assert L.quant_kernel_choice("nvfp4", 1, 1280, 2592, 10, **tc)[0].startswith("qgemv2_")  # K % 128 != 0
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 10, **tc)[0].startswith("qgemv2_")
 
 
 @pytest.mark.parametrize("name", ["tiny-fp8", "tiny-nvfp4"])
@@ -220,6 +229,13 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
         entries |= {f"qgemv2_{fmt}_nt{nt}_g{g}_r{rl}_ks{ks}_u{u}" for fmt in ("fp8", "nvfp4") for ks in (1, 2, 4, 8)}
     assert all(L.QGEMV2_CONFIG[fmt, nt] in configs[nt] for fmt in ("fp8", "nvfp4") for nt in (1, 4, 16)), \
         (L.QGEMV2_CONFIG, configs)
+    # the tensor-core NVFP4 entries, in the same per-tile modules
+    qmma = re.findall(r"QMMA_ENTRY\(NT, (\d+)\)", src)
+    assert sorted(int(k) for k in qmma) == [1, 2, 4, 8]
+    for n in (1, 4, 16):
+        assert f"QGEMV2_FAMILY_NT{n}(nvfp4, NVFP4S)\nQMMA_FAMILY({n})\n#endif" in src
+        entries |= {f"qmma_nvfp4_nt{n}_ks{k}" for k in qmma}
+    assert dense_common.kernel_module_options("quant_linear.cu", "qmma_nvfp4_nt4_ks2") == ("-DQGEMV2_NT=4",)
     picked = set()
     for fmt in ("fp8", "nvfp4"):
         for rpt in (1, 4, 16, 64):
@@ -229,11 +245,12 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
                         for vec in (True, False):
                             cfgs = sorted(configs.get(rpt, {None})) if vec else [None]
                             for cfg in cfgs:
-                                picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132,
-                                                                 config=cfg)[0])
+                                for cc in (75, 90, 121):
+                                    picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132,
+                                                                     config=cfg, cc=cc)[0])
     assert picked <= entries, sorted(picked - entries)
     assert not any(n.startswith("qgemv_") and n.endswith("_v") for n in picked)  # one kernel per op
-    assert len(picked) >= 40
+    assert len(picked) >= 50 and any(n.startswith("qmma_") for n in picked)
 
 
 def test_qgemv2_fast_decode_arithmetic_is_exact():
@@ -272,3 +289,85 @@ def test_qgemv2_fast_decode_arithmetic_is_exact():
                         assert not np.array_equal(bad, want)
     c = np.arange(256, dtype=np.uint8)
     assert np.array_equal(e4(c).astype(np.float16).astype(np.float32), e4(c).astype(np.float32), equal_nan=True)
+
+
+def _bf16_value(bits):
+    """BF16 bit patterns (uint32 low 16 bits) -> float64 values (subnormals included)."""
+    return (np.asarray(bits, np.uint32) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _qmma_pair_twin(v, i):
+    """gemv_qmma.cuh:e2m1_pair_bf16<i>, operation by operation: (low, high) BF16 bits of nibbles i and i + 4."""
+    v = np.asarray(v, np.uint32)
+    sh = {0: v << 6, 1: v << 2, 2: v >> 2, 3: v >> 6}[i]
+    sg = {0: v << 12, 1: v << 8, 2: v << 4, 3: v}[i]
+    p = (sh & 0x01C001C0) | (sg & 0x80008000)
+    return p & 0xFFFF, p >> 16
+
+
+def test_qmma_decode_arithmetic_is_exact():
+    """The tensor-core NVFP4 GEMV's A operand (gemv_qmma.cuh), emulated in NumPy: every code nibble in every
+    position of a word, as BF16 code x 2^-126 (the subnormal 0.5 included), times every finite E4M3 scale x 2^119
+    rounded to BF16, gives code x scale x 2^-7 exactly, as a normal BF16 value (no rounding in the BF16 product).
+    The GPU test (test_quant_linear.py::test_qmma_decodes_exactly_every_config) checks the kernel itself.
+    Negative control: a sign moved to the wrong bit is caught."""
+    import ml_dtypes
+    words = np.arange(1 << 16, dtype=np.uint32)
+    words = words | (words << 16)  # every nibble value in every nibble position, both halves
+    for i in range(4):
+        lo, hi = _qmma_pair_twin(words, i)
+        for half, nib in ((lo, (words >> (4 * i)) & 15), (hi, (words >> (4 * i + 16)) & 15)):
+            assert np.array_equal(_bf16_value(half), E2M1_VALUES[nib].astype(np.float64) * 2.0 ** -126)
+    codes = E2M1_VALUES.astype(np.float64)[:, None] * 2.0 ** -126
+    scodes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    scale = scodes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    sbf = (scale * 2.0 ** 119).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.array_equal(sbf, scale * 2.0 ** 119)  # the BF16 scale is exact
+    prod = codes * sbf[None, :]
+    want = E2M1_VALUES.astype(np.float64)[:, None] * scale[None, :] * 2.0 ** -7
+    assert np.array_equal(prod, want)
+    nz = prod[prod != 0]
+    assert np.all(np.abs(nz) >= 2.0 ** -126)  # normal
+    assert np.array_equal(nz.astype(ml_dtypes.bfloat16).astype(np.float64), nz)  # exact in BF16
+    bad = (((words << 6) & 0x01C001C0) | ((words << 11) & 0x80008000)) & 0xFFFF  # negative control
+    assert not np.array_equal(_bf16_value(bad), E2M1_VALUES[words & 15].astype(np.float64) * 2.0 ** -126)
+
+
+def test_qmma_fragment_layout_is_a_permutation_of_k():
+    """gemv_qmma.cuh's fragment layout, emulated for one warp tile: the A registers every lane builds (rows g and
+    g + 8, MMA step j of group kg: word j / 2 of its 16 bytes, nibble pairs (p, p + 4) and (p + 1, p + 5)), the
+    B fragments the block stages (sB[group][j][column][t]: (x[k0], x[k0 + 4]), (x[k0 + 1], x[k0 + 5])) and the
+    m16n8k16 fragment rules (a0 / a1 rows g / g + 8 at slots 2t, 2t + 1, a2 / a3 at 2t + 8, 2t + 9; b0 / b1 the
+    same slots of column g) multiply every weight with its own activation: the emulated GEMV equals W x for 1, 2
+    and 5 tokens (columns 3 tok + part). Negative control: staging B with the codes' natural order is caught."""
+    rng = np.random.default_rng(5)
+    K = 256
+    W = rng.standard_normal((16, K))
+    for T in (1, 2, 5):
+        X = rng.standard_normal((T, K))
+        NC = 3 * T
+        parts = np.stack([X, np.zeros_like(X), np.zeros_like(X)], 1).reshape(NC, K)  # column c: part c % 3
+
+        def emulate(natural=False):
+            Y = np.zeros((16, NC))
+            for kg in range(K // 128):
+                for j in range(8):
+                    p, q = 2 * (j & 1), j >> 1
+                    A = np.zeros((16, 16))
+                    B = np.zeros((16, NC))
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        base = kg * 128 + 32 * t + 8 * q  # the lane's word q: codes base .. base + 7
+                        for r in (g, g + 8):  # a0 / a2 (row g), a1 / a3 (row g + 8)
+                            A[r, 2 * t], A[r, 2 * t + 1] = W[r, base + p], W[r, base + p + 4]
+                            A[r, 2 * t + 8], A[r, 2 * t + 9] = W[r, base + p + 1], W[r, base + p + 5]
+                        k0 = kg * 128 + 32 * t + 8 * (j >> 1) + 2 * (j & 1)
+                        d = (1, 2, 3) if natural else (4, 1, 5)
+                        for c in range(NC):  # b0 / b1 of the lanes of column c (staged for every t)
+                            B[2 * t, c], B[2 * t + 1, c] = parts[c, k0], parts[c, k0 + d[0]]
+                            B[2 * t + 8, c], B[2 * t + 9, c] = parts[c, k0 + d[1]], parts[c, k0 + d[2]]
+                    Y += A @ B
+            return Y[:, 0::3]  # hi columns (mid, lo are zero here)
+
+        np.testing.assert_allclose(emulate(), W @ X.T, rtol=1e-12, atol=1e-12)
+        assert not np.allclose(emulate(natural=True), W @ X.T)

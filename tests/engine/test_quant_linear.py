@@ -34,10 +34,12 @@ cuda = on_cuda("poison")
 TOL = 1e-5
 
 
-@pytest.fixture
-def impl():
-    """The engine's GEMV dispatch (one family per shape: qgemv2 with 16-byte chunks, else the scalar kernels)."""
-    return "v2"
+@pytest.fixture(params=["qmma", "qgemv2"])
+def impl(request, monkeypatch):
+    """The engine's GEMV dispatch: ``qmma`` = as shipped (NVFP4 with K % 128 == 0 on the tensor cores, the rest
+    on qgemv2 / the scalar kernels); ``qgemv2`` = the tensor-core NVFP4 GEMV off, so qgemv2 serves those shapes."""
+    monkeypatch.setattr(L, "QMMA_ENABLED", request.param == "qmma")
+    return request.param
 
 
 @pytest.fixture
@@ -160,25 +162,19 @@ def _make_all_codes(rng, fmt, N, K):
     return QuantWeight("nvfp4", (N, K), q, sc, s2, s2_rows=N // 2)
 
 
-@cuda
-@pytest.mark.parametrize("cfg", _qgemv2_configs(), ids=lambda c: "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*c))
-def test_qgemv2_decodes_exactly_every_config(rng, cfg):
-    """One-hot activation rows through each qgemv2 entry: y[t, n] == deq[n, k_t] bit for bit (as values; the
-    accumulator turns -0.0 into +0.0). The columns: every position of one random chunk, and a random sample.
-    Negative control: a changed code in a checked column is caught at that element."""
-    fmt, NT, G, RL, KS, U = cfg
-    N, K = 70, 32 * G * KS * U + (32 if fmt == "nvfp4" else 16)  # rows: a tail; K: more than one load round
+def _check_one_hot_decode(rng, fmt, NT, N, K, name, rows_per_block, epl):
+    """One-hot activation rows through entry ``name`` of quant_linear.cu (``NT``-row tiles, ``rows_per_block``
+    weight rows per block): y[t, n] == deq[n, k_t] bit for bit (as values; the accumulator turns -0.0 into +0.0).
+    The columns: every position of one random chunk of ``epl`` weights, and a random sample. Negative control: a
+    changed code in a checked column is caught at that element."""
     w = _make_all_codes(rng, fmt, N, K)
     deq = dequantize(w)
     assert np.all(np.isfinite(deq))
     wg = w.to(cp)
-    epl = 32 if fmt == "nvfp4" else 16
     c = int(rng.integers(K // epl))
     cols = np.concatenate([np.arange(c * epl, (c + 1) * epl), rng.choice(K, size=NT * 2, replace=False)])
     cols = cols[: (len(cols) // NT) * NT] if len(cols) >= NT else cols
-    name = "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*cfg)
     fn = kernel("quant_linear.cu", name)
-    rows_per_block = (8 // KS) * (32 // G) * RL
     null = dense_common.NULL_PTR
 
     def run(wgpu, ks_cols):
@@ -211,3 +207,24 @@ def test_qgemv2_decodes_exactly_every_config(rng, cfg):
         wb.q[n0, k0 if fmt == "fp8" else k0 // 2] = old
     yb = run(wb.to(cp), np.array([k0] * NT))
     assert list(np.nonzero(yb[0] != deq[:, k0])[0]) == [n0]
+
+
+@cuda
+@pytest.mark.parametrize("cfg", _qgemv2_configs(), ids=lambda c: "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*c))
+def test_qgemv2_decodes_exactly_every_config(rng, cfg):
+    """Every qgemv2 entry decodes exactly (_check_one_hot_decode)."""
+    fmt, NT, G, RL, KS, U = cfg
+    N, K = 70, 32 * G * KS * U + (32 if fmt == "nvfp4" else 16)  # rows: a tail; K: more than one load round
+    _check_one_hot_decode(rng, fmt, NT, N, K, "qgemv2_{}_nt{}_g{}_r{}_ks{}_u{}".format(*cfg),
+                          (8 // KS) * (32 // G) * RL, 32 if fmt == "nvfp4" else 16)
+
+
+@cuda
+@pytest.mark.parametrize("NT", [1, 4, 16])
+@pytest.mark.parametrize("KS", [1, 2, 4, 8])
+def test_qmma_decodes_exactly_every_config(rng, NT, KS):
+    """Every tensor-core NVFP4 entry decodes exactly (_check_one_hot_decode): every E2M1 code (the subnormal 0.5
+    through the BF16 subnormal path included) and every finite E4M3 scale. K: more than one group per warp and,
+    at 16 rows, more than one staged tile (3 groups); N: a partial row group."""
+    N, K = 70, 128 * (2 * KS + 3)
+    _check_one_hot_decode(rng, "nvfp4", NT, N, K, f"qmma_nvfp4_nt{NT}_ks{KS}", (8 // KS) * 16, 128)

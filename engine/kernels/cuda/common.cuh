@@ -55,6 +55,18 @@ __device__ __forceinline__ void split3(float x, unsigned int& hi, unsigned int& 
     lo = __float_as_uint(r - __uint_as_float(mid));
 }
 
+// One m16n8k16 BF16 tensor-core MMA, c += A B (float32 accumulators; fragment layouts: PTX ISA,
+// "Matrix Fragments for mma.m16n8k16"): a0 / a1 = rows g / g + 8 at k 2t, 2t + 1; a2 / a3 the same rows at k + 8;
+// b0 / b1 = column g at k 2t, 2t + 1 / + 8; c0, c1 = row g, columns 2t, 2t + 1; c2, c3 = row g + 8 (g = lane / 4,
+// t = lane % 4). sm_80+.
+__device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
+                                               unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // split3 of two float32 values (k and k+1) into packed bf16x2 parts hi, mid, lo (low half = a).
 __device__ __forceinline__ void split_pair(float a, float b, unsigned int& hi, unsigned int& mid, unsigned int& lo) {
     unsigned int ha, ma, la, hb, mb, lb;

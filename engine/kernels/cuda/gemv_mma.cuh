@@ -18,13 +18,7 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
 
 // split_pair (the exact 3-way BF16 split of two activations): common.cuh (shared with gemm_tc.cu)
 
-__device__ __forceinline__ void mma_bf16_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
-                                               unsigned int a3, unsigned int b0, unsigned int b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// mma_bf16_16816 (one m16n8k16 BF16 MMA, float32 accumulators): common.cuh
 
 // 16 x 8 x 32 partial product of one step: va/vb = this lane's 8 weights of rows g and g+8, h/m/l = the
 // activation parts; accumulated in a fresh register tile and then added to acc with ordinary

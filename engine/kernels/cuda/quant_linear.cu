@@ -123,17 +123,28 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
     QGEMV2_KS(FMT, LD, 16, 1, 2, 3)
 // qgemv2 instances end
 
+// qmma_nvfp4_nt<NT>_ks<KS>: the tensor-core NVFP4 GEMV (gemv_qmma.cuh), in the same per-tile modules.
+#include "gemv_qmma.cuh"
+#define QMMA_ENTRY(NT, KS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2) qmma_nvfp4_nt##NT##_ks##KS(NVFP4_ARGS, QCOMMON_ARGS) { \
+        NVFP4M ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};                                                     \
+        qmma_body<NT, KS>(ld, QCOMMON_PASS);                                                                    \
+    }
+#define QMMA_FAMILY(NT) QMMA_ENTRY(NT, 1) QMMA_ENTRY(NT, 2) QMMA_ENTRY(NT, 4) QMMA_ENTRY(NT, 8)
 #if QL_NT(1)
 QGEMV2_FAMILY_NT1(fp8, FP8S)
 QGEMV2_FAMILY_NT1(nvfp4, NVFP4S)
+QMMA_FAMILY(1)
 #endif
 #if QL_NT(4)
 QGEMV2_FAMILY_NT4(fp8, FP8S)
 QGEMV2_FAMILY_NT4(nvfp4, NVFP4S)
+QMMA_FAMILY(4)
 #endif
 #if QL_NT(16)
 QGEMV2_FAMILY_NT16(fp8, FP8S)
 QGEMV2_FAMILY_NT16(nvfp4, NVFP4S)
+QMMA_FAMILY(16)
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
