@@ -57,6 +57,14 @@ __device__ __forceinline__ unsigned int bf16x2_pack(float a, float b) {
     return d;
 }
 
+template <int NTILES>
+__device__ __forceinline__ void qmma_zero(float (&c)[NTILES][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
+}
+
 template <int NTILES, int NC>
 __device__ __forceinline__ void qmma_mma(float (&c)[NTILES][4], unsigned int a0, unsigned int a1, unsigned int a2,
                                          unsigned int a3, const uint2* __restrict__ bstep, int g, int t) {
@@ -103,10 +111,7 @@ struct NVFP4M {  // nvfp4 tensor-core reader (the layouts of quant_linear.cu's h
         const unsigned int sb0 = bf16x2_splat(fb.x * p119), sb1 = bf16x2_splat(fb.y * p119);
         const unsigned int wa[4] = {ra.v.x, ra.v.y, ra.v.z, ra.v.w}, wb[4] = {rb.v.x, rb.v.y, rb.v.z, rb.v.w};
         float c[NTILES][4];
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
+        qmma_zero(c);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const unsigned int sa = q < 2 ? sa0 : sa1, sb = q < 2 ? sb0 : sb1;
@@ -158,10 +163,7 @@ struct FP8M {  // fp8 tensor-core reader: E4M3 codes exact in BF16, the float32 
                                           const uint2* __restrict__ bgroup, int g, int t) const {
         const unsigned int wa[4] = {ra.v.x, ra.v.y, ra.v.z, ra.v.w}, wb[4] = {rb_.v.x, rb_.v.y, rb_.v.z, rb_.v.w};
         float c[NTILES][4];
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
+        qmma_zero(c);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             qmma_mma<NTILES, NC>(c, pair(wa[j]), pair(wb[j]), pair(wa[j] >> 16), pair(wb[j] >> 16),
@@ -198,10 +200,7 @@ __device__ __forceinline__ void qmma_body(const LD& ld, const float* __restrict_
     const int na = min(n0 + g, N - 1), nb = min(n0 + g + 8, N - 1);  // clamped: loads stay in bounds
     const int NG = K / LD::KG;
     float acc[NTILES][4];
-#pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    qmma_zero(acc);
     for (int g0 = 0; g0 < NG; g0 += GT) {
         const int ng = min(GT, NG - g0);
         typename LD::Raw ca, cb;
