@@ -419,9 +419,12 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         else:
             widths[_DIV] = max(len(header[_DIV]), min(widths[_DIV], room))
     keep = [i for i in range(len(header)) if not (below and i == _DIV) and not (lim_below and i == _LIM)]
+    cells = [_cell_lines(row[_DIV], widths[_DIV] if cols is not None else None) for row in rows]
+    if not below and rows:   # wrapped into the room left: as wide as its longest line, not the whole room
+        widths[_DIV] = max(len(header[_DIV]), *(len(ln) for cell in cells for ln in cell))
     lines = ["  ".join(header[i].ljust(widths[i]) for i in keep).rstrip(),
              "  ".join("-" * widths[i] for i in keep)]
-    for row in rows:
+    for row, cell in zip(rows, cells):
         if below:
             lines.append("  ".join(row[i].ljust(widths[i]) for i in keep).rstrip())
             if lim_below:
@@ -429,7 +432,6 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
             if row[_DIV] != "-":
                 lines += ["    " + t for t in _cell_lines("first divergence: " + row[_DIV], max(20, cols - 4))]
             continue
-        cell = _cell_lines(row[_DIV], widths[_DIV] if cols is not None else None)
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:_DIV], cell[0], *row[_DIV + 1:]], widths)).rstrip())
         pad = sum(widths[:_DIV]) + 2 * _DIV
         lines += [" " * pad + more for more in cell[1:]]

@@ -378,3 +378,19 @@ def test_rich_table_never_folds_or_cuts_a_name():
         assert name in out and "layers.2.mlp.out" in out and "…" not in out, out
         for h in ("scenario", "cases", "worst KL", "limits", "worst logit err", "time", "verdict"):
             assert h in out, (width, h)
+
+
+def test_first_divergence_column_is_as_wide_as_its_lines():
+    """A table of REFUSED rows only (the refusal in the "first divergence" cell, wrapped to the terminal): the column
+    is as wide as its longest line, not the whole room the other columns leave."""
+    from parity.backends.refusal import EngineRefused
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    e = EngineRefused("llama.cpp 0.3.36", "loader", "unknown model architecture: 'qwen4exp'")
+    rep = ParityReport("llama.cpp", "m", [ScenarioRow("open", 1, 1, None, None, e.verdict(), 0.5, "refused", e.offer)])
+    for columns in (None, 100, 120):
+        lines = render_table(rep, columns=columns).splitlines()
+        start = lines[0].index("first divergence")
+        width = len(lines[1][start:].split("  ")[0])
+        body = lines[2:next(i for i, ln in enumerate(lines) if ln.startswith("verdict:"))]
+        assert max(len(ln[start:start + width].rstrip()) for ln in body) == width, (columns, lines)
+        assert " ".join(ln[start:start + width].strip() for ln in body).strip() == e.verdict(), (columns, lines)
