@@ -425,12 +425,12 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         else:
             widths[_DIV] = max(len(header[_DIV]), min(widths[_DIV], room))
     keep = [i for i in range(len(header)) if not (below and i == _DIV) and not (lim_below and i == _LIM)]
-    cells = [_cell_lines(row[_DIV], widths[_DIV] if cols is not None else None) for row in rows]
+    div_cells = [_cell_lines(row[_DIV], widths[_DIV] if cols is not None else None) for row in rows]
     if not below and rows:   # wrapped into the room left: as wide as its longest line, not the whole room
-        widths[_DIV] = max(len(header[_DIV]), *(len(ln) for cell in cells for ln in cell))
+        widths[_DIV] = max(len(header[_DIV]), *(len(ln) for cell in div_cells for ln in cell))
     lines = ["  ".join(header[i].ljust(widths[i]) for i in keep).rstrip(),
              "  ".join("-" * widths[i] for i in keep)]
-    for row, cell in zip(rows, cells):
+    for row, cell in zip(rows, div_cells):
         if below:
             lines.append("  ".join(row[i].ljust(widths[i]) for i in keep).rstrip())
             if lim_below:
@@ -491,7 +491,8 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
             fixed = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
             room = width - (sum(fixed) - fixed[_DIV]) - (3 * len(header) + 1)
             cols_shown = [i for i in range(len(header)) if i != _DIV or room >= MIN_DIVERGENCE_WIDTH]
-            compact = sum(fixed[i] for i in cols_shown) + 3 * len(cols_shown) + 1 > width
+            # (the divergence shown: the rest fits with 30 columns to spare, so only a table without it is compact)
+            compact = _DIV not in cols_shown and sum(fixed[i] for i in cols_shown) + 3 * len(cols_shown) + 1 > width
             figures = [i for i in cols_shown if i not in (0, len(header) - 1)]
             if compact:
                 cols_shown = [0, len(header) - 1]

@@ -397,13 +397,16 @@ def test_rich_output_fits_a_narrow_terminal(monkeypatch, capsys):
     rows.insert(1, ScenarioRow("budget", 27, 3, 1e-3, 1e-2, f"{name} at position 11", 3.3, "fail", thresholds=th,
                                worst_logit_err_rel=0.3))
     rep = ParityReport("engine", "fixtures/tiny", rows)
-    for width in (40, 60, 80, 100, 160):
+    for width in (40, 60, 80, 100, 150, 160):
         buf = io.StringIO()
         render_table(rep, Console(file=buf, width=width, color_system=None), legend=True)
         out = buf.getvalue()
         assert max(len(ln) for ln in out.splitlines()) <= width, (width, out)
         if width < 60:   # scenario and verdict alone fill the line: the figures are folded, still not cut
             continue
+        head = next(ln for ln in out.splitlines() if "scenario" in ln)
+        # the divergence is a column where 30 columns are left for it (wrapped there), else under the table
+        assert ("first divergence" in head) == (width >= 150) and ("figures" in head) == (width < 100), (width, out)
         assert "…" not in out and name in out, (width, out)
         for word in ("speculative-rollback", "chunk-boundary", "7.16e-12", "err<=8.8e-05xscale", "1.29e-05xscale",
                      "3.00e-01xscale", "24/27", "FAIL", "PASS"):
