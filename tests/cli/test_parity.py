@@ -425,7 +425,7 @@ def test_first_divergence_column_is_as_wide_as_its_lines():
     from parity.harness.report import ParityReport, ScenarioRow, render_table
     e = EngineRefused("llama.cpp 0.3.36", "loader", "unknown model architecture: 'qwen4exp'")
     rep = ParityReport("llama.cpp", "m", [ScenarioRow("open", 1, 1, None, None, e.verdict(), 0.5, "refused", e.offer)])
-    for columns in (None, 100, 120):
+    for columns in (100, 120, 1000):
         lines = render_table(rep, columns=columns).splitlines()
         start = lines[0].index("first divergence")
         width = len(lines[1][start:].split("  ")[0])
