@@ -87,9 +87,11 @@ def check_checkpoint_dir(path: str | os.PathLike, what: str = "MODEL", error: ty
 
 
 def resolve_model(model: str | None) -> Path:
-    """A MODEL argument -> checkpoint directory: an existing path (checked by
-    :func:`check_checkpoint_dir`), a bundled fixture name, or None for ``tiny``. Every command resolves
-    its MODEL through here.
+    """A MODEL argument -> checkpoint directory: a bundled fixture name, an existing path (checked by
+    :func:`check_checkpoint_dir`), or None for ``tiny``. Every command resolves its MODEL through here.
+
+    A bare fixture name (``tiny``, no path separator) is the bundled fixture even where the current directory
+    holds a folder of that name: that folder is MODEL ``./tiny``; a note on stderr says which was used.
 
     Raises:
         InputError: neither an existing path nor a bundled fixture name; or a file given as the model.
@@ -98,6 +100,12 @@ def resolve_model(model: str | None) -> Path:
     if model is None:
         return check_checkpoint_dir(bundled_model("tiny"))
     p = Path(model)
+    if not any(sep and sep in model for sep in (os.sep, os.altsep)) and model in bundled_fixtures():
+        fixture = bundled_model(model)
+        if p.exists() and p.resolve() != fixture.resolve():
+            print(f"note: MODEL {model!r} is the bundled fixture {str(fixture)!r}, not the folder {model!r} here "
+                  f"(for that folder, write ./{model})", file=sys.stderr)
+        return check_checkpoint_dir(fixture)
     if p.exists():
         return check_checkpoint_dir(p)
     if (FIXTURES / model).is_dir():

@@ -7,10 +7,13 @@ loads anything, and refuses a mismatch naming each key, the expected and the fou
 
 The header is read with the ``gguf`` package (llama.cpp's gguf-py) when it is importable, else by
 :func:`read_header` here (GGUF versions 2 and 3, little-endian: the layout of gguf-py's ``GGUFReader``); both
-give the same :class:`GGUFMeta`.
+give the same :class:`GGUFMeta`. A file the ``gguf`` package cannot read because it ends inside its tensor data is
+refused naming the first tensor cut short (:func:`check_tensor_data`).
 """
 from __future__ import annotations
 
+import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +70,38 @@ class _Header:
             raise InputError(f"GGUF {self.path!r}: expected a GGUF value type, found {vtype} at byte {self.f.tell()}")
 
 
+def _read_kv(h: _Header) -> tuple[GGUFMeta, int]:
+    """The magic, version and key/value metadata of the GGUF open in ``h``: ``(metadata, tensor count)``, the file
+    left at the tensor-info table."""
+    f, path = h.f, h.path
+    magic = f.read(4)
+    if magic != _MAGIC:
+        raise InputError(f"GGUF {path!r}: expected a GGUF file (magic b'GGUF'), found {magic!r}")
+    version = h.unpack("<I")
+    if version not in (2, 3):
+        raise InputError(f"GGUF {path!r}: expected GGUF version 2 or 3, found {version}")
+    n_tensors = h.unpack("<Q")
+    meta = GGUFMeta(version)
+    for _ in range(h.unpack("<Q")):
+        key = h.string()
+        vtype = h.unpack("<I")
+        if vtype == _ARRAY:
+            itype, n = h.unpack("<I"), h.unpack("<Q")
+            if itype in _SCALARS:
+                f.seek(n * struct.calcsize(_SCALARS[itype]), 1)
+            else:
+                for _i in range(n):
+                    h.skip_value(itype)
+            meta.array_lengths[key] = int(n)
+        elif vtype == _STRING:
+            meta.values[key] = h.string()
+        elif vtype in _SCALARS:
+            meta.values[key] = h.unpack(_SCALARS[vtype])
+        else:
+            raise InputError(f"GGUF {path!r}: key {key!r}: expected a GGUF value type, found {vtype}")
+    return meta, int(n_tensors)
+
+
 def read_header(path) -> GGUFMeta:
     """The metadata of the GGUF at ``path``, read from its header with no dependency (versions 2 and 3).
 
@@ -75,33 +110,58 @@ def read_header(path) -> GGUFMeta:
     """
     path = str(path)
     with open(path, "rb") as f:
+        return _read_kv(_Header(f, path))[0]
+
+
+def check_tensor_data(path) -> None:
+    """Refuse a GGUF whose file ends before the data its tensor-info table declares (a truncated download or
+    copy), naming the first tensor cut short, the bytes it needs and where the file ends. The storage types'
+    sizes come from the ``gguf`` package (``GGML_QUANT_SIZES``): without it, or for a type it does not know,
+    nothing is checked (llama.cpp's loader then refuses the file itself).
+
+    Raises:
+        InputError: the header or tensor-info table is cut short, or a tensor's data runs past the end of the file.
+    """
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError:
+        return
+    path = str(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
         h = _Header(f, path)
-        magic = f.read(4)
-        if magic != _MAGIC:
-            raise InputError(f"GGUF {path!r}: expected a GGUF file (magic b'GGUF'), found {magic!r}")
-        version = h.unpack("<I")
-        if version not in (2, 3):
-            raise InputError(f"GGUF {path!r}: expected GGUF version 2 or 3, found {version}")
-        h.unpack("<Q")  # tensor count
-        meta = GGUFMeta(version)
-        for _ in range(h.unpack("<Q")):
-            key = h.string()
-            vtype = h.unpack("<I")
-            if vtype == _ARRAY:
-                itype, n = h.unpack("<I"), h.unpack("<Q")
-                if itype in _SCALARS:
-                    f.seek(n * struct.calcsize(_SCALARS[itype]), 1)
-                else:
-                    for _i in range(n):
-                        h.skip_value(itype)
-                meta.array_lengths[key] = int(n)
-            elif vtype == _STRING:
-                meta.values[key] = h.string()
-            elif vtype in _SCALARS:
-                meta.values[key] = h.unpack(_SCALARS[vtype])
-            else:
-                raise InputError(f"GGUF {path!r}: key {key!r}: expected a GGUF value type, found {vtype}")
-    return meta
+        meta, n_tensors = _read_kv(h)
+        infos = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = [h.unpack("<Q") for _d in range(h.unpack("<I"))]
+            infos.append((name, dims, h.unpack("<I"), h.unpack("<Q")))
+        align = int(meta.values.get("general.alignment") or 32)
+        start = -(-f.tell() // align) * align   # the data section: the first aligned byte after the table
+    for name, dims, ttype, offset in sorted(infos, key=lambda t: t[3]):
+        try:
+            qtype = GGMLQuantizationType(ttype)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            continue
+        begin = start + offset
+        end = begin + math.prod(dims) * type_size // block
+        if end > size:
+            raise InputError(f"GGUF {path!r}: tensor {name!r} ({qtype.name}, dims {dims}): expected its data at "
+                             f"bytes {begin}..{end}, found the file ending at byte {size} (a truncated file: an "
+                             f"incomplete download or copy)")
+
+
+def unreadable_message(path, e: BaseException) -> str:
+    """The one message for a GGUF the ``gguf`` package's reader raised ``e`` on: a truncated file named with its
+    first cut tensor (:func:`check_tensor_data`), else what the reader said."""
+    try:
+        check_tensor_data(path)
+    except InputError as cut:
+        return str(cut)
+    except OSError:
+        pass
+    return f"GGUF {str(path)!r}: expected a GGUF file, found {type(e).__name__}: {e}"
 
 
 def read_metadata(path) -> GGUFMeta:
@@ -118,7 +178,7 @@ def read_metadata(path) -> GGUFMeta:
     try:
         rd = GGUFReader(str(path))
     except Exception as e:  # gguf-py raises ValueError / struct errors on a bad magic or a truncated file
-        raise InputError(f"GGUF {str(path)!r}: expected a GGUF file, found {type(e).__name__}: {e}") from e
+        raise InputError(unreadable_message(path, e)) from e
     version = rd.fields.get("GGUF.version")
     meta = GGUFMeta(int(version.contents()) if version is not None else 0)
     for key, fld in rd.fields.items():

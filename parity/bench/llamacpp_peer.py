@@ -124,7 +124,8 @@ def gguf_summary(path, gguf_py=None) -> dict:
     try:
         rd = GGUFReader(str(path))
     except Exception as e:  # gguf-py raises ValueError / struct errors on a bad magic or a truncated file
-        raise PeerInputError(f"GGUF {str(path)!r}: expected a GGUF file, found {type(e).__name__}: {e}") from e
+        from parity.backends.gguf_meta import unreadable_message
+        raise PeerInputError(unreadable_message(path, e)) from e
     out = {"n_params": 0, "bytes": 0, "table_params": 0, "table_bytes": 0, "by_type": {}}
     f = rd.fields.get(GGUF_COMPRESS_RATIOS)
     if f is not None:

@@ -366,7 +366,7 @@ def print_table(results: dict, file=None, fmt: str = "rich") -> None:
             t.add_column(c)
         for r in rows:
             t.add_row(*r)
-        Console(file=file or sys.stdout, width=160).print(t)
+        Console(file=file or sys.stdout).print(t)   # the terminal's width (COLUMNS; 80 for a file)
     except ImportError:
         for r in rows:
             print(" | ".join(r), file=file or sys.stdout)

@@ -12,7 +12,8 @@ FORMATS = ("text", "rich", "json")
 def model_help() -> str:
     """MODEL's help: a checkpoint directory or one of the bundled fixtures that exist (reference.paths)."""
     from reference.paths import bundled_fixtures
-    return f"checkpoint directory or bundled fixture name ({', '.join(bundled_fixtures()) or 'none built'})"
+    return (f"checkpoint directory or bundled fixture name ({', '.join(bundled_fixtures()) or 'none built'}; a "
+            f"fixture name means the fixture even beside a folder of that name: write ./NAME for the folder)")
 
 
 def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:

@@ -523,7 +523,9 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
     for i, ids in enumerate(prompts):
         if i:
             bar.update(1)   # prompt i - 1 is finished (named by the label still set)
-        bar.set_postfix_str(f"prompt {i + 1} of {len(prompts)} ({len(ids)} tokens)")
+        # numbered as the report numbers prompts (its "prompt" fields, parity's kl/prompt N cases): from 0; the
+        # counter beside the label ([done/total]) says how many there are
+        bar.set_postfix_str(f"prompt {i} ({len(ids)} tokens)")
         ids = [int(t) for t in ids]
         lb = one_shot_logits(b, ids)
         lb2 = one_shot_logits(b, ids)

@@ -404,9 +404,15 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
     column takes the room the others leave and wraps at separators; when under :data:`MIN_DIVERGENCE_WIDTH`
     it is printed under each row instead. For a pipe (``columns`` None, not a terminal) nothing wraps.
     Text is never cut and identifiers are never split.
+
+    Rich (``console``): within the console's width; the notes wrap to it, the first divergence goes under the table
+    as in plain text, and a console narrower than the other columns gets three: scenario, the figures (one cell
+    wrapped at spaces) and verdict.
     """
     rows = _row_cells(report)
     header = HEADER
+    if console is not None and columns is None:   # rich: the notes fit the console's width
+        columns = getattr(console, "width", None)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     cols = _terminal_columns() if columns is None else int(columns)
     below = False     # the first divergence under each row (too narrow for its column)
@@ -419,9 +425,12 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
         else:
             widths[_DIV] = max(len(header[_DIV]), min(widths[_DIV], room))
     keep = [i for i in range(len(header)) if not (below and i == _DIV) and not (lim_below and i == _LIM)]
+    div_cells = [_cell_lines(row[_DIV], widths[_DIV] if cols is not None else None) for row in rows]
+    if not below and rows:   # wrapped into the room left: as wide as its longest line, not the whole room
+        widths[_DIV] = max(len(header[_DIV]), *(len(ln) for cell in div_cells for ln in cell))
     lines = ["  ".join(header[i].ljust(widths[i]) for i in keep).rstrip(),
              "  ".join("-" * widths[i] for i in keep)]
-    for row in rows:
+    for row, cell in zip(rows, div_cells):
         if below:
             lines.append("  ".join(row[i].ljust(widths[i]) for i in keep).rstrip())
             if lim_below:
@@ -429,7 +438,6 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
             if row[_DIV] != "-":
                 lines += ["    " + t for t in _cell_lines("first divergence: " + row[_DIV], max(20, cols - 4))]
             continue
-        cell = _cell_lines(row[_DIV], widths[_DIV] if cols is not None else None)
         lines.append("  ".join(c.ljust(w) for c, w in zip([*row[:_DIV], cell[0], *row[_DIV + 1:]], widths)).rstrip())
         pad = sum(widths[:_DIV]) + 2 * _DIV
         lines += [" " * pad + more for more in cell[1:]]
@@ -476,14 +484,24 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
             from rich.table import Table
             t = Table(title=f"qwen4exp parity: {report.backend} vs reference ({report.model})")
             from rich.markup import escape
-            # nothing is folded mid-word or cropped: every column but the divergence at its full width, the
-            # divergence pre-wrapped at separators into the room left (under 30: printed below the table)
+            # within the console's width, nothing cropped: every column but the divergence at its full width, the
+            # divergence pre-wrapped at separators into the room left (under 30: printed below the table); a console
+            # narrower than the other columns gets three: scenario, the figures (one cell, wrapped at spaces), verdict
             width = getattr(console, "width", 120) or 120
             fixed = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
             room = width - (sum(fixed) - fixed[_DIV]) - (3 * len(header) + 1)
             cols_shown = [i for i in range(len(header)) if i != _DIV or room >= MIN_DIVERGENCE_WIDTH]
-            for i in cols_shown:
-                t.add_column(header[i], no_wrap=True, overflow="ignore", min_width=None if i == _DIV else fixed[i])
+            # (the divergence shown: the rest fits with 30 columns to spare, so only a table without it is compact)
+            compact = _DIV not in cols_shown and sum(fixed[i] for i in cols_shown) + 3 * len(cols_shown) + 1 > width
+            figures = [i for i in cols_shown if i not in (0, len(header) - 1)]
+            if compact:
+                cols_shown = [0, len(header) - 1]
+                t.add_column(header[0], no_wrap=True, min_width=fixed[0])
+                t.add_column("figures", overflow="fold")
+                t.add_column(header[-1], no_wrap=True, min_width=fixed[-1])
+            else:
+                for i in cols_shown:
+                    t.add_column(header[i], no_wrap=True, overflow="ignore", min_width=None if i == _DIV else fixed[i])
             style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow", "INCONCLUSIVE": "magenta", "REFUSED": "magenta",
                      "SKIP": "dim"}
             for row in rows:
@@ -491,10 +509,11 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
                 if _DIV in cols_shown:
                     cells[_DIV] = "\n".join(escape(x) for x in _cell_lines(row[_DIV], room))
                 cells[-1] = f"[{style.get(row[-1], 'red')}]{row[-1]}[/]"
-                t.add_row(*(cells[i] for i in cols_shown))
-            need = sum(fixed[i] for i in cols_shown if i != _DIV) + 3 * len(cols_shown) + 1 + (
-                room if _DIV in cols_shown else 0)
-            console.print(t, width=max(width, need), crop=False)  # wider than the terminal: wrapped by it, never cut
+                shown = [cells[i] for i in cols_shown]
+                if compact:
+                    shown.insert(1, escape("; ".join(f"{header[i]} {row[i]}" for i in figures)))
+                t.add_row(*shown)
+            console.print(t)
             if _DIV not in cols_shown:
                 for row in rows:
                     if row[_DIV] not in ("-", ""):

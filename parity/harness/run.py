@@ -270,8 +270,6 @@ def run_parity_many(model, backend_specs: list[str], scenarios: list[str], *, le
             (``topk_only``) among several (it shares nothing: judge it in a run of its own); ``known`` with
             several backends. Nothing runs then.
     """
-    from pathlib import Path
-
     from parity.backends import capabilities_of, opener
     from parity.backends.base import capability_table
     from parity.backends.refusal import EngineRefused
@@ -381,7 +379,7 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
 
     from parity.backends import capabilities_of
     from parity.harness.report import ScenarioRow
-    from parity.harness.scenarios import count_cases, run_scenario, summarize_results
+    from parity.harness.scenarios import run_scenario, summarize_results
     from parity.harness.scenarios.common import NonFiniteTruth
     from reference.errors import UserError
     caps = capabilities_of(probe)

@@ -319,3 +319,16 @@ def test_bench_errors(capsys):
         assert rc == 2 and "GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--batches", "0,1"])
+
+
+def test_bench_rich_table_fits_the_terminal(monkeypatch):
+    """--format rich: the closing table within the terminal's width (COLUMNS where stdout is no terminal), its long
+    notes wrapped in their cell."""
+    import io
+
+    from parity.bench.runner import print_table
+    monkeypatch.setenv("COLUMNS", "60")
+    buf = io.StringIO()
+    print_table({"runs": {"peer_cpu": {"unavailable": "transformers is not installed " * 4}}}, file=buf)
+    lines = buf.getvalue().splitlines()
+    assert lines[-1].startswith("└") and max(len(ln) for ln in lines) <= 60, buf.getvalue()

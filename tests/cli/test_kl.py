@@ -271,3 +271,15 @@ def test_kl_names_a_deprecated_backend_alias_by_its_current_spelling(capsys):
     cap = capsys.readouterr()
     assert json.loads(cap.out)["b"] == "engine:device=cpu", cap.out[:300]
     assert "engine-cpu" in cap.err
+
+
+def test_kl_progress_numbers_prompts_as_the_report_does(tmp_path, capsys):
+    """The progress lines name each prompt by the number the report gives it (the JSON's ``prompt`` field, the
+    greedy line's ``prompt N``, parity's ``kl/prompt N`` cases): from 0."""
+    p = tmp_path / "p.json"
+    p.write_text("[[1, 2, 3, 4], [5, 6, 7]]")
+    assert main(["kl", "--b", "reference", "--prompts", str(p), "--greedy-tokens", "1", "--out", "-"]) == 0
+    cap = capsys.readouterr()
+    assert [g["prompt"] for g in json.loads(cap.out)["greedy"]] == [0, 1]
+    finished = [ln.split(" finished ")[1].split(",")[0] for ln in cap.err.splitlines() if " finished " in ln]
+    assert finished == ["prompt 0 (4 tokens)", "prompt 1 (3 tokens)"], cap.err

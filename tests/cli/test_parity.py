@@ -378,3 +378,57 @@ def test_rich_table_never_folds_or_cuts_a_name():
         assert name in out and "layers.2.mlp.out" in out and "…" not in out, out
         for h in ("scenario", "cases", "worst KL", "limits", "worst logit err", "time", "verdict"):
             assert h in out, (width, h)
+
+
+
+def test_rich_output_fits_a_narrow_terminal(monkeypatch, capsys):
+    """--format rich at a 60-column terminal (and narrower, and wider): no line is wider than the console; from 60
+    columns every scenario, figure and the first divergence's tap name are printed whole (at 60: the figures in one
+    cell wrapped at spaces between scenario and verdict, the divergence under the table)."""
+    import io
+
+    from rich.console import Console
+
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    th = {"tol_rel": 8.8e-05}
+    name = "layers.3.self_attn.indexer.topk_indices"
+    rows = [ScenarioRow(s, n, 0, 7.16e-12, 1e-5, None, 4.9, "pass", thresholds=th, worst_logit_err_rel=1.29e-05)
+            for s, n in (("kl", 5), ("chunk-boundary", 30), ("speculative-rollback", 21))]
+    rows.insert(1, ScenarioRow("budget", 27, 3, 1e-3, 1e-2, f"{name} at position 11", 3.3, "fail", thresholds=th,
+                               worst_logit_err_rel=0.3))
+    rep = ParityReport("engine", "fixtures/tiny", rows)
+    for width in (40, 60, 80, 100, 150, 160):
+        buf = io.StringIO()
+        render_table(rep, Console(file=buf, width=width, color_system=None), legend=True)
+        out = buf.getvalue()
+        assert max(len(ln) for ln in out.splitlines()) <= width, (width, out)
+        if width < 60:   # scenario and verdict alone fill the line: the figures are folded, still not cut
+            continue
+        head = next(ln for ln in out.splitlines() if "scenario" in ln)
+        # the divergence is a column where 30 columns are left for it (wrapped there), else under the table
+        assert ("first divergence" in head) == (width >= 150) and ("figures" in head) == (width < 100), (width, out)
+        assert "…" not in out and name in out, (width, out)
+        for word in ("speculative-rollback", "chunk-boundary", "7.16e-12", "err<=8.8e-05xscale", "1.29e-05xscale",
+                     "3.00e-01xscale", "24/27", "FAIL", "PASS"):
+            assert word in out, (width, word, out)
+    # the command: rich's console takes the terminal's width (COLUMNS where stdout is no terminal)
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["parity", "--backend", "reference", "--scenario", "budget", "--level", "ci", "--format", "rich",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and max(len(ln) for ln in out.splitlines()) <= 60, out
+
+def test_first_divergence_column_is_as_wide_as_its_lines():
+    """A table of REFUSED rows only (the refusal in the "first divergence" cell, wrapped to the terminal): the column
+    is as wide as its longest line, not the whole room the other columns leave."""
+    from parity.backends.refusal import EngineRefused
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    e = EngineRefused("llama.cpp 0.3.36", "loader", "unknown model architecture: 'qwen4exp'")
+    rep = ParityReport("llama.cpp", "m", [ScenarioRow("open", 1, 1, None, None, e.verdict(), 0.5, "refused", e.offer)])
+    for columns in (100, 120, 1000):
+        lines = render_table(rep, columns=columns).splitlines()
+        start = lines[0].index("first divergence")
+        width = len(lines[1][start:].split("  ")[0])
+        body = lines[2:next(i for i, ln in enumerate(lines) if ln.startswith("verdict:"))]
+        assert max(len(ln[start:start + width].rstrip()) for ln in body) == width, (columns, lines)
+        assert " ".join(ln[start:start + width].strip() for ln in body).strip() == e.verdict(), (columns, lines)

@@ -150,3 +150,21 @@ def test_another_fixtures_gguf_of_the_same_shape_is_refused_by_its_weights(tmp_p
         check_gguf_matches(f, load_config(TINY), TINY)
     msg = str(e.value)
     assert e.value.exit_code == 2 and "token_embd.weight: expected MODEL's embed_tokens.weight" in msg, msg
+
+
+def test_a_truncated_gguf_is_one_error_naming_the_file_and_the_tensor_cut(tmp_path, capsys):
+    """A GGUF cut inside its tensor data (an incomplete download or copy): exit 2 and one line naming the file, the
+    tensor, the bytes it needs and where the file ends -- not the reader's NumPy reshape message."""
+    whole = _with_embedding(tmp_path / "whole.gguf", "tiny").read_bytes()
+    f = tmp_path / "cut.gguf"
+    f.write_bytes(whole[:-1000])
+    with pytest.raises(InputError) as e:
+        read_metadata(f)
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "reshape" not in msg, msg
+    assert str(f) in msg and "tensor 'token_embd.weight' (F32, dims [64, 512])" in msg, msg
+    assert f"..{len(whole)}, found the file ending at byte {len(whole) - 1000} (a truncated file" in msg, msg
+    from parity.cli import main
+    assert main(["parity", "tiny", "--backend", f"llama.cpp:gguf={f}", "--scenario", "kl", "--no-progress"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("qwen4exp parity: error: ") and "token_embd.weight" in err[0], err

@@ -31,8 +31,8 @@ def test_sub_progress_counts_a_jobs_steps_on_the_run_counter():
     sub = SubProgress(run, "kl")
     bar = progress_bar(2, "kl engine vs reference", sub)   # what the KL harness does with its progress mode
     assert bar is sub and sub.n == 0
-    for i in (1, 2):
-        bar.set_postfix_str(f"prompt {i} of 2")
+    for i in (0, 1):
+        bar.set_postfix_str(f"prompt {i} (4 tokens)")
         bar.update(1)
     bar.close()
     assert sub.n == 2
@@ -41,8 +41,8 @@ def test_sub_progress_counts_a_jobs_steps_on_the_run_counter():
     run.update(1)
     run.close()
     assert out.getvalue().splitlines() == ["parity: [1/4] finished budget/a, elapsed 0s",
-                                           "parity: [2/4] finished kl/prompt 1 of 2, elapsed 0s",
-                                           "parity: [3/4] finished kl/prompt 2 of 2, elapsed 0s",
+                                           "parity: [2/4] finished kl/prompt 0 (4 tokens), elapsed 0s",
+                                           "parity: [3/4] finished kl/prompt 1 (4 tokens), elapsed 0s",
                                            "parity: [4/4] finished budget/b, elapsed 0s"]
 
 

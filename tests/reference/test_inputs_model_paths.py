@@ -233,3 +233,18 @@ def test_generate_help_documents_precision(capsys):
     opts = out[out.index("options:"):]
     block = opts[opts.index("--precision"):].split("\n  --", 1)[0]  # the option's own help paragraph
     assert "bf16" in block and "float32" in block and "float64" in block, block
+
+
+def test_a_folder_named_like_a_fixture_does_not_shadow_it(tmp_path, monkeypatch, capsys, tiny):
+    """MODEL ``tiny`` with a folder ./tiny in the current directory: the bundled fixture, and a note on stderr naming
+    both; the folder is MODEL ``./tiny``. In the fixtures folder itself (the same directory) there is no note."""
+    mine = tmp_path / "tiny"
+    shutil.copytree(tiny, mine)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("tiny") == tiny
+    err = capsys.readouterr().err
+    assert err.startswith("note: MODEL 'tiny' is the bundled fixture") and str(tiny) in err and "./tiny" in err, err
+    assert resolve_model("./tiny").resolve() == mine.resolve() and resolve_model(str(mine)) == mine
+    assert capsys.readouterr().err == ""
+    monkeypatch.chdir(tiny.parent)
+    assert resolve_model("tiny") == tiny and capsys.readouterr().err == ""
