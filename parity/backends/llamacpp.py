@@ -248,6 +248,10 @@ class LlamaCppBackend(Backend):
         }
         #: what this engine leaves out of the checkpoint, located (report.json meta.engine_findings)
         self.findings = engine_findings(cfg, self.version)
+        from parity.backends.gguf_meta import rounding_finding
+        rounded = rounding_finding(gguf, conv.get("storage_types"))
+        if rounded is not None:   # the user's GGUF in F16 / BF16 / a quantised type: a FAIL there is its rounding
+            self.findings.append(rounded)
 
     @classmethod
     def open(cls, model_path, *, gguf=None, reparam="none", threads=1, seqs=8, ctx=4096, rs=8, kv="f32", fa="off", sdist=None,
@@ -294,7 +298,9 @@ class LlamaCppBackend(Backend):
                                  f"{'a directory' if Path(gguf).is_dir() else 'nothing there'}")
             from parity.backends.gguf_meta import check_gguf_matches
             check_gguf_matches(gguf, cfg, model_path)  # a GGUF of another model: refused before llama.cpp loads it
-            conv = {"gguf": str(gguf), "reparams": [], "checks": [], "converter": "user's GGUF"}
+            from parity.backends.gguf_meta import storage_types
+            conv = {"gguf": str(gguf), "reparams": [], "checks": [], "converter": "user's GGUF",
+                    "storage_types": storage_types(gguf)}
             gc.installed_version()  # llama-cpp-python itself (BackendError when missing), after the input checks
         else:
             version = gc.installed_version()
