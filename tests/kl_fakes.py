@@ -98,3 +98,17 @@ class JitterClaimsDeterministic(Jitter):
     """The small jitter, but declaring ``deterministic``: must repeat bitwise, so it FAILs."""
 
     capabilities = {**_Wrap.capabilities, "deterministic": True}
+
+
+class SmallAt3LargeAt9(_Wrap):
+    """1e-3 x max |logit| seeded noise at position 3 and 3e-2 x at position 9: both beyond tolerance, the worst
+    logit error later than the first failing position."""
+
+    def _fix(self, lg, p0, op):
+        x = np.array(lg, dtype=np.float32, copy=True)
+        for pos, size in ((3, 1e-3), (9, 3e-2)):
+            i = pos - p0
+            if 0 <= i < x.shape[0]:
+                rng = np.random.default_rng(pos)
+                x[i] += (size * np.abs(x[i]).max() * rng.standard_normal(x.shape[-1])).astype(np.float32)
+        return x

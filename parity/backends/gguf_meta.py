@@ -269,6 +269,39 @@ def embedding_distance(path, model_path) -> float | None:
         return None
 
 
+def storage_types(path) -> dict[str, int] | None:
+    """How many of the GGUF's tensors each storage type holds (``{"F32": 120, "Q8_0": 44}``), read with the
+    ``gguf`` package; None when it cannot be read (best effort: the header was checked already)."""
+    try:
+        from gguf import GGUFReader
+        out: dict[str, int] = {}
+        for t in GGUFReader(str(path)).tensors:
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+        return dict(sorted(out.items()))
+    except Exception:  # noqa: BLE001 - a report figure, never a reason to refuse
+        return None
+
+
+def rounding_finding(path, types) -> dict | None:
+    """The engine finding of a GGUF that stores tensors in a format other than F32 (``types``: from
+    :func:`storage_types`): llama.cpp then computes with weights rounded to that format, and the float32
+    thresholds judge that rounding as a divergence (first where such a tensor is first used), which is the
+    GGUF's doing, not llama.cpp's computation. None for an all-F32 GGUF or unknown types."""
+    if not types:
+        return None
+    other = {k: v for k, v in types.items() if k != "F32"}
+    if not other:
+        return None
+    n = sum(types.values())
+    held = ", ".join(f"{v} as {k}" for k, v in other.items())
+    return {"id": "gguf:weights-not-f32", "where": f"GGUF {str(path)!r}: {held} (of {n} tensors)",
+            "message": f"the GGUF stores {held} of its {n} tensors: llama.cpp computes with those weights, rounded "
+                       f"to that format unless MODEL's own are in it, and the float32 thresholds count that "
+                       f"rounding as a divergence (first at the first tap that uses such a tensor); to judge "
+                       f"llama.cpp's computation give a GGUF converted with --outtype f32, or leave gguf= out (the "
+                       f"tool converts to f32)"}
+
+
 def check_gguf_matches(path, cfg, model_path) -> GGUFMeta:
     """Refuse a GGUF that is not a conversion of the checkpoint ``model_path`` (config ``cfg``). Returns its
     metadata.

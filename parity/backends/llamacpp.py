@@ -248,6 +248,10 @@ class LlamaCppBackend(Backend):
         }
         #: what this engine leaves out of the checkpoint, located (report.json meta.engine_findings)
         self.findings = engine_findings(cfg, self.version)
+        from parity.backends.gguf_meta import rounding_finding
+        rounded = rounding_finding(gguf, conv.get("storage_types"))
+        if rounded is not None:   # the user's GGUF in F16 / BF16 / a quantised type: a FAIL there is its rounding
+            self.findings.append(rounded)
 
     @classmethod
     def open(cls, model_path, *, gguf=None, reparam="none", threads=1, seqs=8, ctx=4096, rs=8, kv="f32", fa="off", sdist=None,
@@ -294,7 +298,9 @@ class LlamaCppBackend(Backend):
                                  f"{'a directory' if Path(gguf).is_dir() else 'nothing there'}")
             from parity.backends.gguf_meta import check_gguf_matches
             check_gguf_matches(gguf, cfg, model_path)  # a GGUF of another model: refused before llama.cpp loads it
-            conv = {"gguf": str(gguf), "reparams": [], "checks": [], "converter": "user's GGUF"}
+            from parity.backends.gguf_meta import storage_types
+            conv = {"gguf": str(gguf), "reparams": [], "checks": [], "converter": "user's GGUF",
+                    "storage_types": storage_types(gguf)}
             gc.installed_version()  # llama-cpp-python itself (BackendError when missing), after the input checks
         else:
             version = gc.installed_version()
@@ -607,13 +613,25 @@ class _TapSink:
                     if v is None:
                         continue
                     if base == "ple_embd" and v.shape[1] != cfg.ple_embed_dim:
-                        if not self.pad:  # a GGUF of another layout (e.g. the user's own): not comparable
+                        v = self._unpadded(v, cfg)
+                        if v is None:  # a GGUF of another layout: not comparable
                             continue
-                        nh = cfg.ngram_heads  # back to the checkpoint's layout: the ple-pad re-param's inverse
-                        r2, r = v.shape[1] // nh, cfg.ple_embed_dim // nh
-                        v = v.reshape(T, nh, r2)[:, :, :r].reshape(T, nh * r)
                 self.rec.emit(ours, v, positions=pos)
         self.nodes = {}
+
+    def _unpadded(self, v, cfg):
+        """``ple_embd`` rows ``[T, nh * r2]`` of a GGUF made with the ple-pad re-parameterisation, back in the
+        checkpoint's layout ``[T, nh * r]`` (its inverse: each n-gram head's first ``r`` columns), else None. A
+        GGUF given with ``gguf=`` (e.g. this tool's own conversion, used again) carries no re-param list: its rows
+        are taken as padded when they have ple-pad's width and every padding column is exactly zero."""
+        nh = cfg.ngram_heads
+        r = cfg.ple_embed_dim // nh if nh else 0
+        if not nh or v.shape[1] % nh or v.shape[1] // nh < r or r * nh != cfg.ple_embed_dim:
+            return None
+        w = v.reshape(v.shape[0], nh, v.shape[1] // nh)
+        if not self.pad and (v.shape[1] != cfg.hidden_size or np.any(w[:, :, r:])):
+            return None
+        return w[:, :, :r].reshape(v.shape[0], nh * r)
 
     @staticmethod
     def _selected_tokens(top, scores, items, cfg, cells):

@@ -454,6 +454,17 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
                              + what)}
 
 
+def _first_failing(cmp: LogitComparison, th: KLThresholds, offset: int = 0) -> str:
+    """The suffix naming a failing comparison's first failing position and the position of its worst logit error
+    (``verdict`` names the worst one only), in the words of the scenarios (parity.harness.scenarios.common)."""
+    bad = position_faults(cmp, th)
+    if not bad.any():
+        return ""
+    rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
+    return (f" (first failing position {offset + int(np.argmax(bad))}, worst logit error at position "
+            f"{offset + int(np.argmax(rel))})")
+
+
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,
            floor_pair: tuple | None = None, perturbed_b: Callable[..., object] | None = None,
            perturbed_note: str = "", progress=True, floor=None, weights=None, thresholds=None,
@@ -605,11 +616,11 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
             ok_pre, why_pre = verdict(c_pre, th)
             ok_dec, why_dec = verdict(c_dec, th, offset=c_pre.n) if c_dec is not None else (True, "")
             if not ok_pre:
-                reason = f"prompt {i}: {why_pre}"
+                reason = f"prompt {i}: {why_pre}{_first_failing(c_pre, th)}"
                 break
             if not ok_dec:
-                reason = (f"prompt {i}: decode: {why_dec} (its prefill rows agree: the fault is in decode() or the "
-                          f"state it carries)")
+                reason = (f"prompt {i}: decode: {why_dec}{_first_failing(c_dec, th, c_pre.n)} (its prefill rows "
+                          f"agree: the fault is in decode() or the state it carries)")
                 break
     if outside:
         passed = False

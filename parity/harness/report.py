@@ -462,6 +462,11 @@ def render_table(report: ParityReport, console=None, columns: int | None = None,
                          f"e.g. {c['cases'][0]}" + (f"; met in {met}{first}" if met else "")
                          + (f"; {where}" if where else "")
                          + (f"; not excused by --known: {c['known_note']}" if c.get("known_note") else ""))
+    findings = report.meta.get("engine_findings") or []
+    if findings:   # what the engine (or the file it runs) leaves out or changes: the reader needs it to act
+        notes.append(f"engine findings ({len(findings)}):")
+        for f in findings:
+            notes.append(f"  {f.get('id')}: {f.get('message')} ({f.get('where')})")
     notes += next_step_lines(report)
     if legend:
         width = cols if cols is not None else 10_000

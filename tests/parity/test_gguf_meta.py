@@ -168,3 +168,32 @@ def test_a_truncated_gguf_is_one_error_naming_the_file_and_the_tensor_cut(tmp_pa
     assert main(["parity", "tiny", "--backend", f"llama.cpp:gguf={f}", "--scenario", "kl", "--no-progress"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("qwen4exp parity: error: ") and "token_embd.weight" in err[0], err
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_gguf_not_stored_in_f32_is_a_finding_naming_its_storage_types(tmp_path, qtype):
+    """A user's GGUF in F16 / a quantised type is judged against float32 weights: the rounding of its weights
+    alone fails at float32 thresholds, so the report must say what the file stores (an all-F32 GGUF: nothing)."""
+    from parity.backends.gguf_meta import rounding_finding, storage_types
+    q = None if qtype is None else getattr(gguf.GGMLQuantizationType, qtype)
+    f = _with_embedding(tmp_path / "own.gguf", "tiny", q)
+    types = storage_types(f)
+    assert types == {qtype or "F32": 1}, types
+    found = rounding_finding(f, types)
+    if qtype is None:
+        assert found is None
+    else:
+        assert found["id"] == "gguf:weights-not-f32" and "1 as Q8_0" in found["where"], found
+        assert "--outtype f32" in found["message"] and "rounding" in found["message"], found
+
+
+def test_engine_findings_are_printed_under_the_table():
+    from parity.harness.report import ParityReport, ScenarioRow, render_table
+    finding = {"id": "gguf:weights-not-f32", "where": "GGUF 'x.gguf': 3 as Q8_0 (of 5 tensors)",
+               "message": "the GGUF stores 3 as Q8_0 of its 5 tensors: ..."}
+    rep = ParityReport(backend="llama.cpp:gguf=x.gguf", model="tiny", meta={"engine_findings": [finding]},
+                       rows=[ScenarioRow("kl", 5, 5, 0.1, 1.0, "prompt 0: first divergence embed_tokens.out at "
+                                         "position 0", 1.0, "fail")])
+    text = render_table(rep, columns=None)
+    assert "engine findings (1):" in text and "gguf:weights-not-f32: the GGUF stores 3 as Q8_0" in text, text
+    assert "(GGUF 'x.gguf': 3 as Q8_0 (of 5 tensors))" in text, text

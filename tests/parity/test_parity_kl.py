@@ -277,6 +277,13 @@ def test_harness_fails_an_offset_with_a_real_error(refs, cls, where):
     assert rep.status == "FAIL" and rep.exit_code == 1 and where in rep.reason, rep.reason
 
 
+def test_the_reason_names_the_first_failing_position_not_only_the_worst(refs):
+    rep = _kl(refs, "SmallAt3LargeAt9", greedy_tokens=0)
+    assert rep.status == "FAIL" and rep.exit_code == 1, rep.reason
+    assert rep.reason.startswith("prompt 0: ") and "at position 9" in rep.reason, rep.reason
+    assert "first failing position 3, worst logit error at position 9" in rep.reason, rep.reason
+
+
 def test_harness_top_k_tail_fails_with_kl_inf(refs):
     rep = _kl(refs, "TopKTail", greedy_tokens=0)
     assert rep.status == "FAIL" and "KL inf" in rep.reason and rep.comparison.worst_kl() == np.inf
