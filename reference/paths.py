@@ -107,7 +107,9 @@ def resolve_model(model: str | None) -> Path:
                   f"(for that folder, write ./{model})", file=sys.stderr)
         return check_checkpoint_dir(fixture)
     if p.exists():
-        return check_checkpoint_dir(p)
+        # a folder that would print as a fixture name ('./tiny' prints as 'tiny') is named by its absolute path,
+        # so that no message or report reads as the bundled fixture
+        return check_checkpoint_dir(p.absolute() if str(p) in bundled_fixtures() else p)
     if (FIXTURES / model).is_dir():
         return check_checkpoint_dir(FIXTURES / model)
     from reference.errors import InputError

@@ -114,12 +114,16 @@ def prepare_out_dir(out, overwrite: bool = False):
 
 
 def display_path(path) -> str:
-    """``path`` relative to the current directory when inside it (as README shows), else as is."""
+    """``path`` relative to the current directory when inside it (as README shows), else as is. A relative
+    path that would read as a bundled fixture's name (a folder ./tiny) keeps its ``./``."""
     from pathlib import Path
+
+    from reference.paths import bundled_fixtures
     try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+        rel = str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except (ValueError, OSError):
         return str(path)
+    return f"./{rel}" if rel in bundled_fixtures() else rel
 
 
 def _print_report(report, fmt: str, doc) -> None:

@@ -674,7 +674,7 @@ def unwritten_archives(doc) -> list[str]:
         if isinstance(x, dict):
             for k, v in x.items():
                 if k == "archives" and isinstance(v, list):
-                    out.extend(a[len(NOT_WRITTEN):].rstrip(")") for a in v
+                    out.extend(a[len(NOT_WRITTEN):].removesuffix(")") for a in v
                                if isinstance(a, str) and a.startswith(NOT_WRITTEN))
                 else:
                     walk(v)

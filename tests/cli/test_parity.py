@@ -180,6 +180,19 @@ def test_parity_unwritten_archives_surface_and_leave_no_empty_folders(tmp_path, 
     assert P.unwritten_archives({"scenarios": [{"failures": [{"archives": ["a/truth.taps"]}]}]}) == []
 
 
+def test_unwritten_archives_keep_a_reason_ending_in_a_parenthesis():
+    """Only the entry's own closing parenthesis is removed: a reason that ends in one (the disk-full hint
+    '(is the disk full?)') keeps it, so the printed error's parentheses stay balanced."""
+    import parity.harness.run as P
+    from parity.harness.scenarios.locate import not_written
+    why = "archive output 'x': could not be written: I/O error: No space left on device (is the disk full?)"
+    entry = not_written(RuntimeError(why))
+    doc = {"scenarios": [{"failures": [{"archives": [entry]}]}]}
+    assert P.unwritten_archives(doc) == [f"RuntimeError: {why}"]
+    # negative control: a reason without a parenthesis of its own is unchanged too
+    assert P.unwritten_archives({"archives": [not_written(RuntimeError("No space"))]}) == ["RuntimeError: No space"]
+
+
 @pytest.mark.parametrize("ps, needles", [
     ("99999999", ["--page-sizes", "max_position_embeddings=32768", "99999999"]),
     ("100000", ["--page-sizes", "100000"]),

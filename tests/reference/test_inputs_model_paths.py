@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -248,3 +249,28 @@ def test_a_folder_named_like_a_fixture_does_not_shadow_it(tmp_path, monkeypatch,
     assert capsys.readouterr().err == ""
     monkeypatch.chdir(tiny.parent)
     assert resolve_model("tiny") == tiny and capsys.readouterr().err == ""
+
+
+def test_a_folder_named_like_a_fixture_is_never_shown_as_the_fixture_name(tmp_path, monkeypatch, capsys, tiny):
+    """MODEL ``./tiny`` (a folder beside the bundled fixture's name): its errors, report.json and the verdict line
+    name it so that it cannot be read as the fixture ``tiny`` (Path('./tiny') prints as 'tiny')."""
+    from parity.cli.parity import display_path
+    mine = tmp_path / "tiny"
+    shutil.copytree(tiny, mine)
+    monkeypatch.chdir(tmp_path)
+    here = Path.cwd() / "tiny"  # the current directory as the process sees it (tmp_path may pass a symbolic link)
+    assert str(resolve_model("./tiny")) not in ("tiny", "./tiny") and resolve_model("./tiny") == here
+    assert display_path(mine) == "./tiny"
+    cfg = json.loads((mine / "config.json").read_text())
+    cfg["hidden_size"] = 128
+    (mine / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", "./tiny"]) == 2
+    err = capsys.readouterr().err
+    assert str(here) in err and "error: tiny:" not in err, err
+    # negative controls: the fixture itself and an ordinary folder keep their names
+    assert resolve_model("tiny") == tiny
+    other = tmp_path / "mine"
+    shutil.copytree(tiny, other)
+    assert str(resolve_model("mine")) == "mine" and display_path(other) == "mine"
+    monkeypatch.chdir(tiny.parent.parent)
+    assert display_path(tiny) == "fixtures/tiny"
