@@ -38,8 +38,8 @@ from parity.harness.metrics import (FLOOR_MAX_KL, PERCENTILES, LogitComparison, 
 from parity.harness.progress import progress_bar
 from parity.harness.scenarios.case import Case
 from parity.harness.thresholds import (FLOOR_MULTIPLE, FLOOR_OF, NOMINAL_GROWTH, USEFUL_FAULT_REL,  # noqa: F401
-                                       KLThresholds, kl_bound, pick_faults, position_faults, thresholds_for,
-                                       top1_flips, verdict)
+                                       KLThresholds, fault_positions, kl_bound, pick_faults, position_faults,
+                                       thresholds_for, top1_flips, verdict)
 from parity.harness.ties import MAX_RESOLUTIONS, judge_ties, outside_pick
 from reference.errors import InputError
 
@@ -457,12 +457,8 @@ def negative_control(pb_factory, truths, prompts, th: KLThresholds, note: str = 
 def _first_failing(cmp: LogitComparison, th: KLThresholds, offset: int = 0) -> str:
     """The suffix naming a failing comparison's first failing position and the position of its worst logit error
     (``verdict`` names the worst one only), in the words of the scenarios (parity.harness.scenarios.common)."""
-    bad = position_faults(cmp, th)
-    if not bad.any():
-        return ""
-    rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
-    return (f" (first failing position {offset + int(np.argmax(bad))}, worst logit error at position "
-            f"{offset + int(np.argmax(rel))})")
+    first, worst = fault_positions(cmp, th, offset)
+    return "" if first is None else f" (first failing position {first}, worst logit error at position {worst})"
 
 
 def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_tokens: int = 8,

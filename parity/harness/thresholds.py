@@ -16,7 +16,7 @@ import numpy as np
 from parity.harness.metrics import LogitComparison, logit_scale, topk_sets
 from reference.errors import InputError
 
-__all__ = ["UNIT_ROUNDOFF", "USEFUL_FAULT_REL", "FLOOR_MULTIPLE", "FLOOR_OF", "NOMINAL_GROWTH", "KLThresholds",
+__all__ = ["fault_positions", "UNIT_ROUNDOFF", "USEFUL_FAULT_REL", "FLOOR_MULTIPLE", "FLOOR_OF", "NOMINAL_GROWTH", "KLThresholds",
            "thresholds_for", "tie_band", "top1_flips", "pick_faults", "kl_bound", "position_faults", "verdict"]
 
 #: unit roundoff 2^-(p) of each format (p = mantissa bits + 1 -> u = 2^-p): the smallest meaningful relative
@@ -170,6 +170,14 @@ def position_faults(cmp: LogitComparison, th: KLThresholds) -> np.ndarray:
         bad |= both > kl_bound(cmp, th)
         bad |= top1_flips(cmp.top1, cmp.top1_gap, cmp.scale, th)
     return bad
+
+
+def fault_positions(cmp: LogitComparison, th: KLThresholds, offset: int = 0) -> tuple[int | None, int]:
+    """``(first, worst)``: the first position failing :func:`verdict`'s rules (None when none does) and the position
+    of the worst logit error (a NaN counts as the worst), each plus ``offset`` (the comparison's first position)."""
+    bad = position_faults(cmp, th)
+    rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
+    return (offset + int(np.argmax(bad)) if bad.any() else None), offset + int(np.argmax(rel))
 
 
 def verdict(cmp: LogitComparison, th: KLThresholds, top1: bool = True, offset: int = 0) -> tuple[bool, str]:

@@ -28,7 +28,7 @@ from parity.harness.metrics import compare_logits
 from parity.harness.scenarios.case import Case, CaseConfined, CaseFailure, CaseResult, CaseSkip  # noqa: F401
 from parity.harness.scenarios.truth import NonFiniteTruth, TruthCache, check_truth_finite  # noqa: F401
 from parity.harness.sizes import GDN_CHUNK, Sizes, page_sizes_for, sizes, token_stream  # noqa: F401
-from parity.harness.thresholds import KLThresholds, position_faults, verdict
+from parity.harness.thresholds import KLThresholds, fault_positions, position_faults, verdict
 from parity.harness.ties import SELECTION_TAPS, judge_ties
 from reference.errors import UserError
 from reference.taphook import layer_of
@@ -251,13 +251,10 @@ class Run:
             for i in range(k):
                 s.rows[start + i] = logits[i]
         if not ok:
-            bad = position_faults(cmp, self.th)
-            first = int(np.argmax(bad)) if bad.any() else 0
-            rel = np.where(np.isnan(cmp.rel_err()), np.inf, cmp.rel_err())
-            worst = int(np.argmax(rel))
+            first, worst = fault_positions(cmp, self.th, start)
             self.fault = fault_of(cmp, self.th, offset=start)
-            self.fail(op, f"{desc}: seq {s.label}: {why} (first failing position {start + first}, worst logit error at "
-                          f"position {start + worst})", seq=s.label)
+            self.fail(op, f"{desc}: seq {s.label}: {why} (first failing position {start if first is None else first}, "
+                          f"worst logit error at position {worst})", seq=s.label)
         self.tie_flips += int(flips.sum())
         s.last_logits = logits[-1]
 
