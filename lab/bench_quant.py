@@ -1,7 +1,7 @@
 """Micro-benchmark of the quantised decode GEMVs (``engine/kernels/cuda/quant_linear.cu``) at the routed-expert
 shapes of the real model: gate_up ``[10 experts x 1280 x 2560]`` and down ``[10 x 2560 x 640]``, FP8 and NVFP4,
 1 / 4 / 16 activation rows per expert, grouped (the MoE launch, through its device tile table) and dense (one
-matrix of the same bytes): the tensor-core NVFP4 GEMV (``qmma``, the default for NVFP4) and the streaming
+matrix of the same bytes): the tensor-core GEMV (``qmma``) and the streaming
 ``qgemv2_*`` kernels (``v2``, the default configuration, and every other instantiated configuration:
 ``v2_g{G}_r{RL}_u{U}``).
 
@@ -68,7 +68,7 @@ def _median_us(cp, fns, reps):
 
 
 def _variants(L, fmt, rpt):
-    """(label, tensor-core flag, config) for one activation-row tile: qmma (the tensor-core NVFP4 GEMV), v2 (the
+    """(label, tensor-core flag, config) for one activation-row tile: qmma (the tensor-core GEMV), v2 (the
     default qgemv2 configuration), the other qgemv2 configurations."""
     from engine.backend import CUDA_DIR
     import re
@@ -77,7 +77,7 @@ def _variants(L, fmt, rpt):
     cfgs = [(int(g), int(rl), int(u)) for nt, g, rl, u in
             re.findall(r"QGEMV2_KS\(FMT, LD, (\d+), (\d+), (\d+), (\d+)\)", fam) if int(nt) == rpt]
     default = L.QGEMV2_CONFIG[fmt, rpt]
-    out = [("qmma", True, default)] if fmt == "nvfp4" else []
+    out = [("qmma", True, default)]
     out += [("v2", False, default)]
     out += [(f"v2_g{g}_r{rl}_u{u}", False, (g, rl, u)) for g, rl, u in cfgs if (g, rl, u) != default]
     return out

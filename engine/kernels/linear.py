@@ -44,11 +44,16 @@ MMA_GEMV_ENABLED = True
 #: (``QGEMV2_FAMILY``) exist; the micro-bench (``lab/bench_quant.py``) swaps entries to compare them. Defaults: the fastest measured on the
 #: H200 (``lab/bench_quant.py`` at the routed-expert shapes; docs/kernels_quant.md, docs/performance.md): 1 row (2, 2, 3) for both
 #: formats (NVFP4 gate_up 17.1 us vs 26.8 for (4, 1, 5) and 33.6 for the previous kernel), 4 and 16 rows (4, 2, 3).
-#: The tensor-core NVFP4 GEMV (``qmma_nvfp4_*`` of ``cuda/quant_linear.cu``, body ``cuda/gemv_qmma.cuh``) serves
-#: NVFP4 weights at 1..16 rows where ``K % 128 == 0`` and the GPU is sm_80+; ``qgemv2`` serves the rest. A module
-#: flag, not an environment switch: the tests and the micro-bench (``lab/bench_quant.py``) set it to run ``qgemv2``
+#: The tensor-core quantised GEMV (``qmma_<fmt>_*`` of ``cuda/quant_linear.cu``, body ``cuda/gemv_qmma.cuh``) serves
+#: the activation-row tiles :data:`QMMA_ROWS` names, on sm_80+, where the shape fits (NVFP4: ``K % 128 == 0``; FP8:
+#: ``K % 64 == 0`` and scale blocks of ``16 n x 64 m`` rows x columns); ``qgemv2`` serves the rest. FP8 at one
+#: activation row over several row tiles (the routed experts at batch 1) stays on ``qgemv2``: there it measured
+#: faster (H100, ``lab.bench_quant``, 10 experts: gate_up 19.4 vs 23.3 us, down 11.6 vs 12.8), while one FP8 matrix
+#: at one row (the dense projections) runs faster on ``qmma`` (16.9 vs 19.1, 9.5 vs 10.9). Module flags,
+#: not environment switches: the tests and the micro-bench (``lab/bench_quant.py``) set them to run ``qgemv2``
 #: beside it.
 QMMA_ENABLED = True
+QMMA_ROWS = {"nvfp4": (1, 4, 16), "fp8": (1, 4, 16)}
 QGEMV2_CONFIG = {("nvfp4", 1): (2, 2, 3), ("nvfp4", 4): (4, 2, 3), ("nvfp4", 16): (4, 2, 3),
                  ("fp8", 1): (2, 2, 3), ("fp8", 4): (4, 2, 3), ("fp8", 16): (4, 2, 3)}
 
@@ -252,7 +257,7 @@ def dense_kernel_choice(kind: str, rpt: int, N: int, K: int, grid_y: int, *, ali
 
 def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec: bool, sms: int | None = None,
                         config: tuple[int, int, int] | None = None, qmma: bool | None = None,
-                        cc: int | None = None) -> tuple[str, int]:
+                        cc: int | None = None, blocks: tuple[int, int] = (128, 128)) -> tuple[str, int]:
     """Which ``quant_linear.cu`` kernel a launch over a quantised weight uses (pure host logic).
 
     Args:
@@ -261,11 +266,13 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
             the chunk, aligned pointers, fp8 scale blocks a multiple of 16 columns).
         sms: streaming multiprocessors (default: the current GPU's). config: ``(G, RL, U)`` for ``qgemv2``
             (default :data:`QGEMV2_CONFIG` ``[fmt, rpt]``). qmma: use the tensor-core NVFP4 GEMV where eligible
-            (default :data:`QMMA_ENABLED`). cc: compute capability (default: the current GPU's).
+            (default :data:`QMMA_ENABLED`, for the row tiles of :data:`QMMA_ROWS`; FP8 at one row only for one row tile). cc: compute capability
+            (default: the current GPU's). blocks: the FP8 scale block ``(rb, cb)``.
     Returns:
-        ``(kernel name, grid x)``. ``qmma_nvfp4`` (NVFP4, vec, ``K % 128 == 0``, sm_80+): 8 warps per block, ``KS``
-        of them split the 128-k groups, ``8 / KS`` row groups of 16; ``KS`` the smallest power of two up to 8
-        (and up to the groups) with at least twice as many blocks as SMs. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
+        ``(kernel name, grid x)``. ``qmma_<fmt>`` (vec, sm_80+; NVFP4 ``K % 128 == 0``; FP8 ``K % 64 == 0``,
+        ``rb % 16 == 0``, ``cb % 64 == 0``): 8 warps per block, ``KS`` of them split the k groups (128 NVFP4 / 64
+        FP8 weights), ``8 / KS`` row groups of 16; ``KS`` the smallest power of two up to 8 (and up to the groups)
+        with at least twice as many blocks as SMs. ``qgemv2`` (vec only): 8 warps per block, ``KS`` of them split K, each warp
         ``32 / G`` slots of ``RL`` rows; ``KS`` is the smallest power of two up to 8 with which every lane's
         chunks are loaded in one round (``G * KS * U >= K / chunk``), doubled while the launch has fewer
         blocks than twice the SMs. Otherwise (not vec) the scalar ``qgemv_*_s`` kernels: 8 warps per block, each over
@@ -279,13 +286,17 @@ def quant_kernel_choice(fmt: str, rpt: int, N: int, K: int, grid_y: int, *, vec:
     if rpt not in (1, 4, 16):
         raise KernelInputError(f"tiles.rows_per_tile: expected 1, 4, 16 or {GEMM_TILE_ROWS}, found {rpt}")
     sms = sm_count() if sms is None else int(sms)
-    use_qmma = QMMA_ENABLED if qmma is None else bool(qmma)
-    if use_qmma and fmt == "nvfp4" and vec and K % 128 == 0 and (compute_capability() if cc is None else cc) >= 80:
-        ng = K // 128
+    if qmma is None:
+        qmma = QMMA_ENABLED and rpt in QMMA_ROWS.get(fmt, ()) and not (fmt == "fp8" and rpt == 1 and grid_y > 1)
+    use_qmma = bool(qmma)
+    kg = 128 if fmt == "nvfp4" else 64
+    fits = K % kg == 0 and (fmt == "nvfp4" or (blocks[0] % 16 == 0 and blocks[1] % 64 == 0))
+    if use_qmma and vec and fits and (compute_capability() if cc is None else cc) >= 80:
+        ng = K // kg
         ks = 1
         while ks < 8 and 2 * ks <= ng and -(-N // ((_GEMV_WARPS // ks) * 16)) * grid_y < 2 * sms:
             ks *= 2
-        return f"qmma_nvfp4_nt{rpt}_ks{ks}", -(-N // ((_GEMV_WARPS // ks) * 16))
+        return f"qmma_{fmt}_nt{rpt}_ks{ks}", -(-N // ((_GEMV_WARPS // ks) * 16))
     if vec:
         G, RL, U = QGEMV2_CONFIG[fmt, rpt] if config is None else config
         kc = K // (32 if fmt == "nvfp4" else 16)
@@ -334,6 +345,6 @@ def _plan_quant(x, row_index, w, y, tiles: GroupTiles | None, M, N, K):
     if grid_y > 65535:
         raise KernelInputError(f"rows: {M} rows need {grid_y} tiles, above the grid limit 65535; use smaller chunks")
     vec, fargs = _quant_fargs(w, x, N, K)
-    name, grid_x = quant_kernel_choice(w.fmt, rpt, N, K, grid_y, vec=vec)
+    name, grid_x = quant_kernel_choice(w.fmt, rpt, N, K, grid_y, vec=vec, blocks=(w.rb, w.cb))
     return "quant_linear.cu", name, (grid_x, grid_y, 1), fargs + (
         x, ptr_or_null(row_index), y, tbl[0], tbl[1], tbl[2], tbl[3], np.int32(M), np.int32(N), np.int32(K))

@@ -168,7 +168,17 @@ def test_quant_kernel_choice():
     assert L.quant_kernel_choice("nvfp4", 4, 131072, 4096, 1, **tc) == ("qmma_nvfp4_nt4_ks1", 1024)
     assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 10, **dict(tc, cc=75))[0].startswith("qgemv2_")
     assert L.quant_kernel_choice("nvfp4", 1, 1280, 2592, 10, **tc)[0].startswith("qgemv2_")  # K % 128 != 0
-    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 10, **tc)[0].startswith("qgemv2_")
+    # FP8: 64-k groups; scale blocks of 16 rows x 64 columns (multiples) or qgemv2
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 10, **tc) == ("qmma_fp8_nt1_ks4", 40)
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 10, blocks=(8, 128), **tc)[0].startswith("qgemv2_")
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 10, blocks=(128, 32), **tc)[0].startswith("qgemv2_")
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2592, 10, **tc)[0].startswith("qgemv2_")
+    # the default (qmma=None): FP8 at one row over several row tiles (routed experts, batch 1) stays on qgemv2
+    dflt = dict(sms=132, vec=True, cc=90)
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 10, **dflt)[0].startswith("qgemv2_fp8_nt1")
+    assert L.quant_kernel_choice("fp8", 1, 1280, 2560, 1, **dflt)[0].startswith("qmma_fp8_nt1")
+    assert L.quant_kernel_choice("fp8", 4, 1280, 2560, 10, **dflt)[0].startswith("qmma_fp8_nt4")
+    assert L.quant_kernel_choice("nvfp4", 1, 1280, 2560, 10, **dflt)[0].startswith("qmma_nvfp4_nt1")
 
 
 @pytest.mark.parametrize("name", ["tiny-fp8", "tiny-nvfp4"])
@@ -230,11 +240,11 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
     assert all(L.QGEMV2_CONFIG[fmt, nt] in configs[nt] for fmt in ("fp8", "nvfp4") for nt in (1, 4, 16)), \
         (L.QGEMV2_CONFIG, configs)
     # the tensor-core NVFP4 entries, in the same per-tile modules
-    qmma = re.findall(r"QMMA_ENTRY\(NT, (\d+)\)", src)
-    assert sorted(int(k) for k in qmma) == [1, 2, 4, 8]
+    qmma = re.findall(r"QMMA_ENTRY\((\w+), \w+, NT, (\d+)\)", src)
+    assert sorted(qmma) == sorted((f, k) for f in ("fp8", "nvfp4") for k in "1248")
     for n in (1, 4, 16):
         assert f"QGEMV2_FAMILY_NT{n}(nvfp4, NVFP4S)\nQMMA_FAMILY({n})\n#endif" in src
-        entries |= {f"qmma_nvfp4_nt{n}_ks{k}" for k in qmma}
+        entries |= {f"qmma_{f}_nt{n}_ks{k}" for f, k in qmma}
     assert dense_common.kernel_module_options("quant_linear.cu", "qmma_nvfp4_nt4_ks2") == ("-DQGEMV2_NT=4",)
     picked = set()
     for fmt in ("fp8", "nvfp4"):
@@ -246,11 +256,12 @@ def test_every_kernel_the_dispatch_can_pick_exists_in_the_source():
                             cfgs = sorted(configs.get(rpt, {None})) if vec else [None]
                             for cfg in cfgs:
                                 for cc in (75, 90, 121):
-                                    picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132,
-                                                                     config=cfg, cc=cc)[0])
+                                    for blocks in ((128, 128), (8, 128)):
+                                        picked.add(L.quant_kernel_choice(fmt, rpt, N, K, grid_y, vec=vec, sms=132,
+                                                                         config=cfg, cc=cc, blocks=blocks)[0])
     assert picked <= entries, sorted(picked - entries)
     assert not any(n.startswith("qgemv_") and n.endswith("_v") for n in picked)  # one kernel per op
-    assert len(picked) >= 50 and any(n.startswith("qmma_") for n in picked)
+    assert len(picked) >= 50 and {n[:9] for n in picked if n.startswith("qmma_")} == {"qmma_fp8_", "qmma_nvfp"}
 
 
 def test_qgemv2_fast_decode_arithmetic_is_exact():

@@ -9,7 +9,7 @@ outputs poisoned before the launch. The kernels' dequantisation is checked bit f
 tolerance (1e-5: float32 summation order only, see tests/engine/test_linear.py). Negative controls: one
 perturbed code is caught and located in its output column; a swapped expert is caught.
 
-The decode GEMVs are the tensor-core ``qmma_nvfp4_*`` (NVFP4 where K % 128 == 0), the streaming ``qgemv2_*``
+The decode GEMVs are the tensor-core ``qmma_*`` (FP8 / NVFP4 where the shapes fit), the streaming ``qgemv2_*``
 (16-byte chunks) and the scalar ``qgemv_*_s`` (unaligned shapes); the ``impl`` fixture runs the dispatch as shipped
 and with ``qmma`` off (so ``qgemv2`` serves every 16-byte shape). Every instantiated ``qgemv2`` configuration (parsed from the source) is checked to decode
 bit for bit through its own fast path: with one-hot activation rows, ``y[t, n] = deq[n, k_t]`` exactly
@@ -164,12 +164,12 @@ def _make_all_codes(rng, fmt, N, K):
     return QuantWeight("nvfp4", (N, K), q, sc, s2, s2_rows=N // 2)
 
 
-def _check_one_hot_decode(rng, fmt, NT, N, K, name, rows_per_block, epl):
+def _check_one_hot_decode(rng, fmt, NT, N, K, name, rows_per_block, epl, w=None):
     """One-hot activation rows through entry ``name`` of quant_linear.cu (``NT``-row tiles, ``rows_per_block``
     weight rows per block): y[t, n] == deq[n, k_t] bit for bit (as values; the accumulator turns -0.0 into +0.0).
     The columns: every position of one random chunk of ``epl`` weights, and a random sample. Negative control: a
-    changed code in a checked column is caught at that element."""
-    w = _make_all_codes(rng, fmt, N, K)
+    changed code in a checked column is caught at that element. ``w``: the weight (default _make_all_codes)."""
+    w = _make_all_codes(rng, fmt, N, K) if w is None else w
     deq = dequantize(w)
     assert np.all(np.isfinite(deq))
     wg = w.to(cp)
@@ -222,11 +222,15 @@ def test_qgemv2_decodes_exactly_every_config(rng, cfg):
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("NT", [1, 4, 16])
 @pytest.mark.parametrize("KS", [1, 2, 4, 8])
-def test_qmma_decodes_exactly_every_config(rng, NT, KS):
-    """Every tensor-core NVFP4 entry decodes exactly (_check_one_hot_decode): every E2M1 code (the subnormal 0.5
-    through the BF16 subnormal path included) and every finite E4M3 scale. K: more than one group per warp and,
-    at 16 rows, more than one staged tile (3 groups); N: a partial row group."""
-    N, K = 70, 128 * (2 * KS + 3)
-    _check_one_hot_decode(rng, "nvfp4", NT, N, K, f"qmma_nvfp4_nt{NT}_ks{KS}", (8 // KS) * 16, 128)
+def test_qmma_decodes_exactly_every_config(rng, fmt, NT, KS):
+    """Every tensor-core entry decodes exactly (_check_one_hot_decode): NVFP4 every E2M1 code (the subnormal 0.5
+    through the BF16 subnormal path included) and every finite E4M3 scale; FP8 every code but NaN, scale blocks
+    of 16 x 64. K: more than one group per warp and, at 16 rows, more than one staged tile; N: a partial row
+    group (and a partial scale block)."""
+    kg = 128 if fmt == "nvfp4" else 64
+    N, K = 70, kg * (2 * KS + 3)
+    w = make(rng, "fp8", (N, K), rb=16, cb=64) if fmt == "fp8" else None
+    _check_one_hot_decode(rng, fmt, NT, N, K, f"qmma_{fmt}_nt{NT}_ks{KS}", (8 // KS) * 16, kg, w=w)

@@ -123,14 +123,20 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
     QGEMV2_KS(FMT, LD, 16, 1, 2, 3)
 // qgemv2 instances end
 
-// qmma_nvfp4_nt<NT>_ks<KS>: the tensor-core NVFP4 GEMV (gemv_qmma.cuh), in the same per-tile modules.
+// qmma_<fmt>_nt<NT>_ks<KS>: the tensor-core FP8 / NVFP4 GEMV (gemv_qmma.cuh), in the same per-tile modules.
 #include "gemv_qmma.cuh"
-#define QMMA_ENTRY(NT, KS)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 2) qmma_nvfp4_nt##NT##_ks##KS(NVFP4_ARGS, QCOMMON_ARGS) { \
-        NVFP4M ld{Q, S, S2, q_es, s_es, s2_rows, s2_per_e};                                                     \
-        qmma_body<NT, KS>(ld, QCOMMON_PASS);                                                                    \
+#define QMMA_ENTRY(FMT, LD, NT, KS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 2) qmma_##FMT##_nt##NT##_ks##KS(FMT##_ARGS_LC,            \
+                                                                                    QCOMMON_ARGS) {            \
+        LD ld{FMT##_LD_INIT};                                                                                  \
+        qmma_body<LD, NT, KS>(ld, QCOMMON_PASS);                                                                \
     }
-#define QMMA_FAMILY(NT) QMMA_ENTRY(NT, 1) QMMA_ENTRY(NT, 2) QMMA_ENTRY(NT, 4) QMMA_ENTRY(NT, 8)
+#define fp8_LD_INIT Q, S, q_es, s_es, rb, cb, ncb
+#define nvfp4_LD_INIT Q, S, S2, q_es, s_es, s2_rows, s2_per_e
+#define QMMA_FAMILY(NT)                                                                                        \
+    QMMA_ENTRY(fp8, FP8M, NT, 1) QMMA_ENTRY(fp8, FP8M, NT, 2) QMMA_ENTRY(fp8, FP8M, NT, 4)                      \
+    QMMA_ENTRY(fp8, FP8M, NT, 8) QMMA_ENTRY(nvfp4, NVFP4M, NT, 1) QMMA_ENTRY(nvfp4, NVFP4M, NT, 2)              \
+    QMMA_ENTRY(nvfp4, NVFP4M, NT, 4) QMMA_ENTRY(nvfp4, NVFP4M, NT, 8)
 #if QL_NT(1)
 QGEMV2_FAMILY_NT1(fp8, FP8S)
 QGEMV2_FAMILY_NT1(nvfp4, NVFP4S)
