@@ -152,6 +152,35 @@ def test_bf16_f32_decode_matches_ml_dtypes():
     np.testing.assert_array_equal(decode_twin(x.view(np.uint8), 0), x)
 
 
+def test_bf16_decode_every_bit_pattern_matches_ml_dtypes():
+    """The tabulated BF16 decode over all 65,536 patterns (NaNs compared as equal)."""
+    import ml_dtypes
+    pats = np.arange(1 << 16, dtype=np.uint16)
+    np.testing.assert_array_equal(decode_twin(pats.view(np.uint8), 1),
+                                  pats.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 3])
+def test_decode_scale_is_one_float32_multiply(code):
+    """A shard scale multiplies each decoded value once in float32 (the kernel's arithmetic), also into ``out``."""
+    rng = np.random.default_rng(code)
+    raw = rng.integers(0, 256, (5, 8 * P._ITEMSIZE[code]), dtype=np.uint8)
+    if code == 0:
+        raw = rng.standard_normal((5, 8)).astype(np.float32).view(np.uint8)
+    scale = np.float32(0.0123)
+    want = decode_twin(raw, code) * scale
+    out = np.empty_like(want)
+    got = decode_twin(raw, code, scale, out=out)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(decode_twin(raw, code, np.float32(0.0124)), want)  # control: the scale is used
+
+
+def test_decode_unknown_code_is_an_input_error():
+    with pytest.raises(InputError, match="code: expected one of"):
+        decode_twin(np.zeros(4, np.uint8), 7)
+
+
 def test_twin_f32_unequal_shards():
     """F32 shards (no fixture stores one): three unequal shards split from one table."""
     rng = np.random.default_rng(2)
