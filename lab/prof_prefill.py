@@ -11,6 +11,9 @@ Run on a GPU from the repository root:
   grouped float32-FMA kernels (``gemm_tc.MOE_MAX_PAD_FP8`` / ``MOE_MAX_PAD_NVFP4`` = 0: the MoE's tensor-core path
   off, the dense projections unchanged), the "before" of the tensor-core MoE in the same process, timed first
   (cupy's pool never shrinks: the GiB it holds after each mode are that mode's peak, then the larger of both).
+  ``--seq-ab`` also times the GDN recurrence and the QSA attention of the prefill on their split (decode) kernels
+  (``gdn.GDN_SPLIT_MAX_TPS`` / ``qsa.QSA_SPLIT_MAX_T`` raised past the prompt). Each mode's last logits are
+  compared with the first mode's (max |diff|, same prompt).
 
 * ``--sweep-scratch-mb 512,8192`` / ``--sweep-tile-rows 32,128`` (with ``--time``): the tensor-core MoE again at
   each FP8 scratch budget (``gemm_tc.MOE_FP8_SCRATCH_BYTES``) / tile height (``gemm_tc.MOE_TILE_ROWS``), at the
@@ -38,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", action="store_true", help="with --time: also the grouped-kernel MoE (before)")
     ap.add_argument("--sweep-scratch-mb", default="", help="with --time: FP8 scratch budgets to time (MiB)")
     ap.add_argument("--sweep-tile-rows", default="", help="with --time: MoE tile heights to time")
+    ap.add_argument("--seq-ab", action="store_true",
+                    help="with --time: also the GDN / QSA prefill on their split (decode) kernels")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -54,8 +59,9 @@ def main(argv=None) -> int:
 
     def prefill(n):
         s = eng.add_sequence()
-        eng.prefill(s, rng.integers(0, V - 10, n), last_only=True)
+        out = eng.prefill(s, np.random.default_rng(n).integers(0, V - 10, n), last_only=True)
         eng.free(s)
+        return out
 
     if not lens:
         prefill(args.tokens)
@@ -65,21 +71,34 @@ def main(argv=None) -> int:
         cp.cuda.Device().synchronize()
         cp.cuda.runtime.profilerStop()
         return 0
-    # (name, [(module attribute, value)], lengths); the grouped mode first: its pool peak shows apart
-    modes = ([("grouped", [("MOE_MAX_PAD_FP8", 0.0), ("MOE_MAX_PAD_NVFP4", 0.0)], lens)] if args.ab else [])
+    from engine.kernels import gdn as GDN
+    from engine.kernels import qsa as QSA
+    # (name, [(module, attribute, value)], lengths); the grouped mode first: its pool peak shows apart
+    modes = ([("grouped", [(TC, "MOE_MAX_PAD_FP8", 0.0), (TC, "MOE_MAX_PAD_NVFP4", 0.0)], lens)] if args.ab else [])
     modes.append(("tc", [], lens))
-    modes += [(f"tc_scratch{v}MiB", [("MOE_FP8_SCRATCH_BYTES", int(v) << 20)], lens[-1:])
+    if args.seq_ab:
+        modes += [("gdn_split", [(GDN, "GDN_SPLIT_MAX_TPS", 1 << 30)], lens),
+                  ("qsa_split", [(QSA, "QSA_SPLIT_MAX_T", 1 << 30)], lens),
+                  ("both_split", [(GDN, "GDN_SPLIT_MAX_TPS", 1 << 30), (QSA, "QSA_SPLIT_MAX_T", 1 << 30)], lens)]
+    modes += [(f"tc_scratch{v}MiB", [(TC, "MOE_FP8_SCRATCH_BYTES", int(v) << 20)], lens[-1:])
               for v in args.sweep_scratch_mb.split(",") if v.strip()]
-    modes += [(f"tc_R{v}", [("MOE_TILE_ROWS", int(v))], lens[-1:]) for v in args.sweep_tile_rows.split(",")
+    modes += [(f"tc_R{v}", [(TC, "MOE_TILE_ROWS", int(v))], lens[-1:]) for v in args.sweep_tile_rows.split(",")
               if v.strip()]
     pool = cp.get_default_memory_pool()
+    first = {}  # the first mode's logits per length: every other mode's agreement is printed against them
     for name, sets, mlens in modes:
-        saved = [(a, getattr(TC, a)) for a, _ in sets]
-        for a, v in sets:
-            setattr(TC, a, v)
+        saved = [(m, a, getattr(m, a)) for m, a, _ in sets]
+        for m, a, v in sets:
+            setattr(m, a, v)
         try:
             for n in mlens:
-                prefill(n)  # warm-up (kernels compiled, pool grown)
+                lg = np.asarray(prefill(n), dtype=np.float64)  # warm-up (kernels compiled, pool grown)
+                if n in first:
+                    ref = first[n]
+                    print(f"  {name} T={n}: last logits max |diff| vs {ref[0]} "
+                          f"{np.max(np.abs(lg - ref[1])):.3e} (logit scale {np.std(ref[1]):.3e})")
+                else:
+                    first[n] = (name, lg)
                 times = []
                 for _ in range(3):
                     a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -93,8 +112,8 @@ def main(argv=None) -> int:
                       f"({n / ms * 1e3:.0f} tok/s; all {', '.join(f'{t:.1f}' for t in times)}); pool "
                       f"{pool.total_bytes() / 2**30:.2f} GiB held")
         finally:
-            for a, v in saved:
-                setattr(TC, a, v)
+            for m, a, v in saved:
+                setattr(m, a, v)
     return 0
 
 
