@@ -145,14 +145,26 @@ class _WeightsBase:
         """True when ``name`` is stored, or is the tied lm_head / the whole sharded n-gram table."""
         return name in self._stored() or self._virtual(name) is not None
 
+    def _file_key(self, name: str) -> str:
+        """``name`` (canonical) as this store's own keys spell it; in memory the canonical name itself."""
+        return name
+
     def _missing(self, name: str) -> CheckpointError:
-        near = _near(name, self._stored())
+        """The error for a required tensor ``name`` (canonical) that is not stored: it names the key the store
+        would hold (a file's ``model.`` / ``model.language_model.`` prefix included), the shape and dtype the
+        config expects, and what is there instead (near names, or how many tensors)."""
+        near = [self._file_key(n) for n in _near(name, self._stored())]
         m = re.match(r"^layers\.(\d+)\.(linear_attn|self_attn)\.", name)
         kind = ""
         if m and int(m.group(1)) < len(self.config.layer_types):  # which mixer the config gives that layer
             kind = (f"; layer {m.group(1)} is {self.config.layer_types[int(m.group(1))]!r} by layer_types"
                     f"{_defaulted_note(self.config, ('layer_types',))}")
-        return CheckpointError(f"{self._source()}: missing tensor {name!r}{kind}"
+        exp = expected_shape(self.config, name, self._expected)
+        want = ""
+        if exp is not None:
+            want = (f": expected {'an integer' if name.endswith(_INT_BUFFERS) else 'a float'} tensor of shape "
+                    f"{list(exp)} (shape from config.json), found no such key")
+        return CheckpointError(f"{self._source()}: missing tensor {self._file_key(name)!r}{want}{kind}"
                                + (f"; near names present: {near}" if near else
                                   f"; {len(self._stored())} tensors present"))
 
@@ -794,6 +806,35 @@ class Checkpoint(_WeightsBase):
             self.close()
         except Exception:
             pass
+
+    def _file_key(self, name: str) -> str:
+        """``name`` (canonical) as this checkpoint's files spell it: the stored key where it is stored, else the
+        prefix its files give that part of the model (the most common one among the stored names of the same
+        top-level module, else of the text trunk), so that a missing tensor is named as the file would hold it."""
+        en = self._entries.get(name)
+        if en is not None:
+            return en.stored_name
+        top = name.split(".", 1)[0]
+        same: dict[str, int] = {}
+        trunk: dict[str, int] = {}
+        for c, e in self._entries.items():
+            prefix = e.stored_name[:len(e.stored_name) - len(c)]
+            t = c.split(".", 1)[0]
+            if t == top:
+                same[prefix] = same.get(prefix, 0) + 1
+            if t not in ("lm_head", "mtp", "visual"):
+                trunk[prefix] = trunk.get(prefix, 0) + 1
+        if same:
+            return max(same, key=same.get) + name
+        if top in ("lm_head", "mtp"):  # the official layouts store both outside the text model's prefix
+            return name
+        if top == "visual":
+            return "model." + name
+        if trunk:
+            return max(trunk, key=trunk.get) + name
+        # nothing stored to copy from: the official layout of this config (the multimodal wrapper nests the text)
+        return ("model.language_model." if isinstance((self.config.source or {}).get("text_config"), dict)
+                else "model.") + name
 
     def stored_name(self, name: str) -> str:
         """The name as written in the file (with its prefix)."""

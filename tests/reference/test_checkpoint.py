@@ -3,6 +3,7 @@ decoding of the raw bits), sharded index, prefixes, both expert layouts, the n-g
 overrides, fingerprint, atomic writes, and every error case (each a CheckpointError naming the thing)."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import os
@@ -410,10 +411,35 @@ def test_missing_tensor_lists_near_names(tmp_path):
     t = _tensors("tiny-hc2")
     del t["model.layers.0.linear_attn.in_proj_z.weight"]
     ck = Checkpoint.open(_write_ck(tmp_path, _config("tiny-hc2"), t))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'layers.0.linear_attn.in_proj_z.weight'.*near names"):
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.0.linear_attn.in_proj_z.weight'.*near names"):
         ck.get("layers.0.linear_attn.in_proj_z.weight")
     with pytest.raises(CheckpointError, match="in_proj_z"):
         ck.validate()
+
+
+@pytest.mark.parametrize("name, key, n_files", [
+    ("tiny-hc2", "model.layers.0.linear_attn.in_proj_z.weight", 1),
+    ("tiny-hc3", "model.language_model.layers.0.linear_attn.in_proj_z.weight", 3),
+    # no other embed_tokens key to copy the prefix from: the trunk's prefix
+    ("tiny-hc3", "model.language_model.embed_tokens.weight", 1),
+    ("tiny-hc2", "lm_head.weight", 1)])
+def test_missing_tensor_named_as_the_files_spell_it(tmp_path, name, key, n_files):
+    """A missing tensor is named by the key the checkpoint's files would hold (their ``model.`` /
+    ``model.language_model.`` prefix kept; ``lm_head`` stays bare as stored), with the shape config.json
+    expects and that no such key was found; the near names are file keys too."""
+    t = _tensors(name)
+    del t[key]
+    ck = Checkpoint.open(_write_ck(tmp_path, _config(name), t, n_files=n_files))
+    c = canonical_name(key)
+    shape = list(ck._expected[c])
+    for read in (lambda: ck.get(c), ck.validate):
+        with pytest.raises(CheckpointError) as e:
+            read()
+        msg = str(e.value)
+        assert f"missing tensor {key!r}: expected a float tensor of shape {shape} (shape from config.json), " \
+               f"found no such key" in msg, msg
+        near = re.search(r"near names present: (\[.*\])", msg)
+        assert near and all(n in t for n in ast.literal_eval(near.group(1))), msg
 
 
 def test_wrong_shape_reported_on_access(tmp_path):

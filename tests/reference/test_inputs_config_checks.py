@@ -344,12 +344,12 @@ def test_missing_layer_types_names_the_official_default(tmp_path, capsys):
     lt = text.pop("layer_types")
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["info", str(d)]) == 2
-    _one_line(capsys, "missing tensor 'layers.2.linear_attn.", "layer 2 is 'linear_attention' by layer_types",
+    _one_line(capsys, "missing tensor 'model.layers.2.linear_attn.", "layer 2 is 'linear_attention' by layer_types",
               "official default, not in config.json: layer_types=indexed_attention at 0-based layers 3, 7, ...",
               "full_attention_interval=4 (also the official default)")
     text["layer_types"] = ["linear_attention"] * 3 + lt[3:]
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["info", str(d)]) == 2
-    line = _one_line(capsys, "missing tensor 'layers.2.linear_attn.",
+    line = _one_line(capsys, "missing tensor 'model.layers.2.linear_attn.",
                      "layer 2 is 'linear_attention' by layer_types (from config.json)")
     assert "official default" not in line
