@@ -505,9 +505,9 @@ class _WeightsBase:
         st = self._stored()
         unknown = []
         for n, (_dt, shp) in st.items():
-            if expected_shape(self.config, n, self._expected) is not None or _NGRAM_SHARD_RE.match(n):
+            if self._is_model_tensor(n):
                 self._check_shape(n, shp)
-            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale", "_scale_2"))):
+            elif not self._is_optional(n):
                 unknown.append(n)
         if require_complete:
             for n in _iter_required(self.config, st):
@@ -516,6 +516,22 @@ class _WeightsBase:
             for layer in self.config.ple_layers:
                 self._table(layer)
         return unknown
+
+    def _is_model_tensor(self, name: str) -> bool:
+        """The text model (or the MTP head) reads ``name``: a shape is expected for it."""
+        return expected_shape(self.config, name, self._expected) is not None or bool(_NGRAM_SHARD_RE.match(name))
+
+    @staticmethod
+    def _is_optional(name: str) -> bool:
+        """Known and optional though no shape is listed: anything of the MTP head or the vision tower, and the
+        quantisation scales (FP8 ``weight_scale_inv`` / ``weight_scale``, NVFP4 ``weight_scale_2`` /
+        ``input_scale``)."""
+        return name.startswith(("mtp.", "visual.")) or name.endswith(("_scale_inv", "_scale", "_scale_2"))
+
+    def unused_names(self) -> list[str]:
+        """Stored canonical names the model does not use (neither a text-model or MTP tensor nor a known optional
+        one: vision tower, quantisation scales), sorted. Reads names only; the tensors are ignored."""
+        return sorted(n for n in self._stored() if not (self._is_model_tensor(n) or self._is_optional(n)))
 
     def has_mtp(self) -> bool:
         """True when the checkpoint carries the MTP head (``mtp.*``, plain or ``model.``-prefixed names).
@@ -673,9 +689,13 @@ class Checkpoint(_WeightsBase):
 
     # ---- construction
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Checkpoint":
+    def open(cls, path: str | os.PathLike, *, report_unused: bool = True) -> "Checkpoint":
         """Open a checkpoint directory (config.json + model.safetensors, or shards listed by
         model.safetensors.index.json, or else every ``*.safetensors`` in it).
+
+        Stored tensors the model does not use (:meth:`unused_names`) are ignored; with ``report_unused`` one note
+        on stderr says so (their count and up to 5 of their stored names), once per checkpoint and process, when
+        every required tensor is present (otherwise the missing one's error says what is wrong).
 
         Raises:
             ConfigError: config.json missing or invalid.
@@ -732,10 +752,29 @@ class Checkpoint(_WeightsBase):
                 if stored_seen.get(n) != root / fn:
                     raise CheckpointError(f"{index}: tensor {n!r}: expected in {fn}, found "
                                           f"{'in ' + stored_seen[n].name if n in stored_seen else 'nowhere'}")
-        return cls(root, config, entries, metadata)
+        ck = cls(root, config, entries, metadata)
+        if report_unused:
+            ck._note_unused()
+        return ck
 
     def _source(self) -> str:
         return str(self.root)
+
+    def _note_unused(self) -> None:
+        """One note naming the stored tensors the model ignores: a checkpoint of another variant, or a converter
+        writing extra tensors, would otherwise be accepted without a word."""
+        from reference.notes import note_once, noted
+        key = ("unused tensors", str(self.root.resolve()))
+        if noted(key):  # a run opens one checkpoint several times: list its names once
+            return
+        unused = self.unused_names()
+        # a checkpoint lacking a required tensor gets that error (naming its near names) when it is used; a note
+        # before it would add a second message about the same mismatch (often the unused names are the culprits)
+        if not unused or any(n not in self._st for n in _iter_required(self.config, self._st)):
+            return
+        shown = ", ".join(repr(self._entries[n].stored_name) for n in unused[:5])
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        note_once(key, f"{self.root}: {len(unused)} stored tensor(s) the model does not use, ignored: {shown}{more}")
 
     def _stored(self):
         return self._st

@@ -72,6 +72,23 @@ def test_mtp_and_vision_counted(tmp_path, capsys):
     assert r["backbone"] == base["backbone"]
 
 
+def test_unused_tensor_is_a_note_not_a_failure(tmp_path, capsys):
+    """A tensor the model does not use: ``info`` succeeds (its JSON alone on stdout) and stderr holds one note
+    naming the tensor as stored."""
+    from reference.checkpoint import Checkpoint
+    src = Checkpoint.open(fixture_dir("tiny-hc2"))
+    t = {src.stored_name(n): np.array(src.get_raw(n)) for n in src.names()}
+    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros((4,), np.float32)
+    (tmp_path / "config.json").write_text((fixture_dir("tiny-hc2") / "config.json").read_text())
+    write_safetensors(tmp_path / "model.safetensors", t)
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["storage"]["tensors"] == len(t)
+    notes = [ln for ln in cap.err.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "1 stored tensor(s) the model does not use, ignored: " \
+        "'model.layers.0.self_attn.rotary_emb.inv_freq'" in notes[0], cap.err
+
+
 def test_real_architecture_config_only(capsys):
     """Numbers from config.json of the real model agree with the published tensor census
     (model-facts.md: PLE shards [2,500,012, 160] x 128; routed experts 120.80B params)."""

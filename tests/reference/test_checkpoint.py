@@ -442,6 +442,51 @@ def test_missing_tensor_named_as_the_files_spell_it(tmp_path, name, key, n_files
         assert near and all(n in t for n in ast.literal_eval(near.group(1))), msg
 
 
+def test_unused_tensors_are_reported_once_and_ignored(tmp_path, capsys):
+    """Stored tensors the model does not use load (they are ignored) with one note on stderr: their count and
+    the first 5 stored names (prefix kept); the MTP head, the vision tower and quantisation scales are known and
+    not listed; opening the same checkpoint again prints nothing more. The control: a bundled fixture opens
+    without a note."""
+    t = _tensors("tiny-hc2")
+    extra = {f"model.layers.0.rotary_emb.extra_{k}": np.zeros((2,), np.float32) for k in range(7)}
+    known = {"mtp.fc.weight": np.ones((4, 4), np.float32), "model.visual.patch.weight": np.ones((2,), np.float32),
+             "model.layers.0.linear_attn.in_proj_z.weight_scale_inv": np.ones((1, 1), np.float32)}
+    d = _write_ck(tmp_path / "ck", _config("tiny-hc2"), {**t, **extra, **known})
+    capsys.readouterr()
+    ck = Checkpoint.open(d)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert len(lines) == 1, err
+    assert "7 stored tensor(s) the model does not use, ignored" in lines[0] and "and 2 more" in lines[0], lines
+    assert lines[0].count("'model.layers.0.rotary_emb.extra_") == 5, lines
+    assert not any(k in lines[0] for k in ("mtp.", "visual", "_scale_inv")), lines
+    assert ck.unused_names() == sorted(canonical_name(k) for k in extra)
+    assert np.array_equal(ck.get("embed_tokens.weight"), t["model.embed_tokens.weight"])
+    assert ck.validate() == ck.unused_names()
+    Checkpoint.open(d)
+    assert "note:" not in capsys.readouterr().err
+    Checkpoint.open(fixture_dir("tiny-hc2"))
+    Checkpoint.open(fixture_dir("tiny-mtp"))
+    assert capsys.readouterr().err == ""
+
+
+def test_unused_tensors_of_an_incomplete_checkpoint_leave_the_missing_tensor_error_alone(tmp_path, capsys):
+    """A tensor stored under a name the model does not use, in place of one it needs: no note at open (the
+    missing tensor's error names it among the near names); once complete, the note comes."""
+    t = _tensors("tiny-hc2")
+    key = "model.layers.0.linear_attn.in_proj_z.weight"
+    t["model.layers.0.linear_attn.in_proj_zz.weight"] = t.pop(key)
+    capsys.readouterr()
+    ck = Checkpoint.open(_write_ck(tmp_path / "a", _config("tiny-hc2"), t))
+    assert capsys.readouterr().err == ""
+    with pytest.raises(CheckpointError, match=r"in_proj_z.weight'.*near names.*in_proj_zz"):
+        ck.validate()
+    assert ck.unused_names() == ["layers.0.linear_attn.in_proj_zz.weight"]
+    t[key] = t["model.layers.0.linear_attn.in_proj_zz.weight"]
+    Checkpoint.open(_write_ck(tmp_path / "b", _config("tiny-hc2"), t))
+    assert "1 stored tensor(s) the model does not use" in capsys.readouterr().err
+
+
 def test_wrong_shape_reported_on_access(tmp_path):
     t = _tensors("tiny-hc2")
     t["model.layers.0.linear_attn.in_proj_b.weight"] = np.zeros((5, 64), np.float32)
