@@ -56,6 +56,30 @@ def test_layer_pattern_text(capsys):
     assert "LPQ LLQ" in out and "routed experts" in out and "MiB" in out
 
 
+@pytest.mark.parametrize("argv, columns", [
+    (["tiny"], ["component", "parameters", "BF16 MiB/GiB", "disk MiB/GiB"]),
+    (["tiny", "--config-only"], ["component", "parameters", "BF16 MiB/GiB"])])
+def test_parameter_table_has_a_header_naming_columns_and_units(capsys, argv, columns):
+    """The parameter table opens with a header row naming each column with its unit, then a rule; every row's
+    cells end where their header's column ends (right-aligned under it). ``--json`` is unchanged: JSON only."""
+    import re
+    assert main(["info", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    h = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("component"))
+    assert re.split(r"\s{2,}", lines[h].strip()) == columns, lines[h]
+    assert set(lines[h + 1].replace(" ", "")) == {"-"}, lines[h + 1]
+    ends = [m.end() for m in re.finditer(r"\S+(?: \S+)*", lines[h])][1:]
+    rows = lines[h + 2:h + 5]  # backbone, routed experts, PLE n-gram tables
+    assert rows[0].lstrip().startswith("backbone") and rows[2].lstrip().startswith("PLE n-gram tables"), rows
+    for r in rows:
+        cells = [m.end() for m in re.finditer(r"\S+(?: \S+)*", r)][1:]
+        assert cells == ends, (lines[h], r)
+        assert r.rstrip().endswith("MiB"), r
+    assert main(["info", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "component" not in out and json.loads(out)["params"]["backbone"] > 0
+
+
 def test_mtp_and_vision_counted(tmp_path, capsys):
     """Extra mtp.* / model.visual.* tensors land in their own components (not in the backbone)."""
     from reference.checkpoint import Checkpoint
