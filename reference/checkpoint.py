@@ -145,14 +145,26 @@ class _WeightsBase:
         """True when ``name`` is stored, or is the tied lm_head / the whole sharded n-gram table."""
         return name in self._stored() or self._virtual(name) is not None
 
+    def _file_key(self, name: str) -> str:
+        """``name`` (canonical) as this store's own keys spell it; in memory the canonical name itself."""
+        return name
+
     def _missing(self, name: str) -> CheckpointError:
-        near = _near(name, self._stored())
+        """The error for a required tensor ``name`` (canonical) that is not stored: it names the key the store
+        would hold (a file's ``model.`` / ``model.language_model.`` prefix included), the shape and dtype the
+        config expects, and what is there instead (near names, or how many tensors)."""
+        near = [self._file_key(n) for n in _near(name, self._stored())]
         m = re.match(r"^layers\.(\d+)\.(linear_attn|self_attn)\.", name)
         kind = ""
         if m and int(m.group(1)) < len(self.config.layer_types):  # which mixer the config gives that layer
             kind = (f"; layer {m.group(1)} is {self.config.layer_types[int(m.group(1))]!r} by layer_types"
                     f"{_defaulted_note(self.config, ('layer_types',))}")
-        return CheckpointError(f"{self._source()}: missing tensor {name!r}{kind}"
+        exp = expected_shape(self.config, name, self._expected)
+        want = ""
+        if exp is not None:
+            want = (f": expected {'an integer' if name.endswith(_INT_BUFFERS) else 'a float'} tensor of shape "
+                    f"{list(exp)} (shape from config.json), found no such key")
+        return CheckpointError(f"{self._source()}: missing tensor {self._file_key(name)!r}{want}{kind}"
                                + (f"; near names present: {near}" if near else
                                   f"; {len(self._stored())} tensors present"))
 
@@ -493,9 +505,9 @@ class _WeightsBase:
         st = self._stored()
         unknown = []
         for n, (_dt, shp) in st.items():
-            if expected_shape(self.config, n, self._expected) is not None or _NGRAM_SHARD_RE.match(n):
+            if self._is_model_tensor(n):
                 self._check_shape(n, shp)
-            elif not (n.startswith(("mtp.", "visual.")) or n.endswith(("_scale_inv", "_scale", "_scale_2"))):
+            elif not self._is_optional(n):
                 unknown.append(n)
         if require_complete:
             for n in _iter_required(self.config, st):
@@ -504,6 +516,22 @@ class _WeightsBase:
             for layer in self.config.ple_layers:
                 self._table(layer)
         return unknown
+
+    def _is_model_tensor(self, name: str) -> bool:
+        """The text model (or the MTP head) reads ``name``: a shape is expected for it."""
+        return expected_shape(self.config, name, self._expected) is not None or bool(_NGRAM_SHARD_RE.match(name))
+
+    @staticmethod
+    def _is_optional(name: str) -> bool:
+        """Known and optional though no shape is listed: anything of the MTP head or the vision tower, and the
+        quantisation scales (FP8 ``weight_scale_inv`` / ``weight_scale``, NVFP4 ``weight_scale_2`` /
+        ``input_scale``)."""
+        return name.startswith(("mtp.", "visual.")) or name.endswith(("_scale_inv", "_scale", "_scale_2"))
+
+    def unused_names(self) -> list[str]:
+        """Stored canonical names the model does not use (neither a text-model or MTP tensor nor a known optional
+        one: vision tower, quantisation scales), sorted. Reads names only; the tensors are ignored."""
+        return sorted(n for n in self._stored() if not (self._is_model_tensor(n) or self._is_optional(n)))
 
     def has_mtp(self) -> bool:
         """True when the checkpoint carries the MTP head (``mtp.*``, plain or ``model.``-prefixed names).
@@ -661,9 +689,13 @@ class Checkpoint(_WeightsBase):
 
     # ---- construction
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Checkpoint":
+    def open(cls, path: str | os.PathLike, *, report_unused: bool = True) -> "Checkpoint":
         """Open a checkpoint directory (config.json + model.safetensors, or shards listed by
         model.safetensors.index.json, or else every ``*.safetensors`` in it).
+
+        Stored tensors the model does not use (:meth:`unused_names`) are ignored; with ``report_unused`` one note
+        on stderr says so (their count and up to 5 of their stored names), once per checkpoint and process, when
+        every required tensor is present (otherwise the missing one's error says what is wrong).
 
         Raises:
             ConfigError: config.json missing or invalid.
@@ -720,10 +752,29 @@ class Checkpoint(_WeightsBase):
                 if stored_seen.get(n) != root / fn:
                     raise CheckpointError(f"{index}: tensor {n!r}: expected in {fn}, found "
                                           f"{'in ' + stored_seen[n].name if n in stored_seen else 'nowhere'}")
-        return cls(root, config, entries, metadata)
+        ck = cls(root, config, entries, metadata)
+        if report_unused:
+            ck._note_unused()
+        return ck
 
     def _source(self) -> str:
         return str(self.root)
+
+    def _note_unused(self) -> None:
+        """One note naming the stored tensors the model ignores: a checkpoint of another variant, or a converter
+        writing extra tensors, would otherwise be accepted without a word."""
+        from reference.notes import note_once, noted
+        key = ("unused tensors", str(self.root.resolve()))
+        if noted(key):  # a run opens one checkpoint several times: list its names once
+            return
+        unused = self.unused_names()
+        # a checkpoint lacking a required tensor gets that error (naming its near names) when it is used; a note
+        # before it would add a second message about the same mismatch (often the unused names are the culprits)
+        if not unused or any(n not in self._st for n in _iter_required(self.config, self._st)):
+            return
+        shown = ", ".join(repr(self._entries[n].stored_name) for n in unused[:5])
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        note_once(key, f"{self.root}: {len(unused)} stored tensor(s) the model does not use, ignored: {shown}{more}")
 
     def _stored(self):
         return self._st
@@ -794,6 +845,35 @@ class Checkpoint(_WeightsBase):
             self.close()
         except Exception:
             pass
+
+    def _file_key(self, name: str) -> str:
+        """``name`` (canonical) as this checkpoint's files spell it: the stored key where it is stored, else the
+        prefix its files give that part of the model (the most common one among the stored names of the same
+        top-level module, else of the text trunk), so that a missing tensor is named as the file would hold it."""
+        en = self._entries.get(name)
+        if en is not None:
+            return en.stored_name
+        top = name.split(".", 1)[0]
+        same: dict[str, int] = {}
+        trunk: dict[str, int] = {}
+        for c, e in self._entries.items():
+            prefix = e.stored_name[:len(e.stored_name) - len(c)]
+            t = c.split(".", 1)[0]
+            if t == top:
+                same[prefix] = same.get(prefix, 0) + 1
+            if t not in ("lm_head", "mtp", "visual"):
+                trunk[prefix] = trunk.get(prefix, 0) + 1
+        if same:
+            return max(same, key=same.get) + name
+        if top in ("lm_head", "mtp"):  # the official layouts store both outside the text model's prefix
+            return name
+        if top == "visual":
+            return "model." + name
+        if trunk:
+            return max(trunk, key=trunk.get) + name
+        # nothing stored to copy from: the official layout of this config (the multimodal wrapper nests the text)
+        return ("model.language_model." if isinstance((self.config.source or {}).get("text_config"), dict)
+                else "model.") + name
 
     def stored_name(self, name: str) -> str:
         """The name as written in the file (with its prefix)."""

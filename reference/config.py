@@ -131,6 +131,7 @@ def _default_text(cfg: "ModelConfig", key: str) -> str:
 def defaulted_keys(cfg: "ModelConfig", keys=None) -> list[str]:
     """Those of ``keys`` (default: every text-config key that changes the computation) the checkpoint's
     config.json leaves out, so that they hold the official default; [] for a config not read from a file.
+    ``rope_parameters: null`` counts as left out (the official config builds the same default from it);
     ``rope_parameters`` built from the legacy ``rope_theta`` / ``partial_rotary_factor`` keys is not a default."""
     src = cfg.source or {}
     if not src:
@@ -140,7 +141,22 @@ def defaulted_keys(cfg: "ModelConfig", keys=None) -> list[str]:
         keys = [k for k in _TEXT_DEFAULTS if k not in _NO_EFFECT_KEYS]
         if "rope_theta" in text or "partial_rotary_factor" in text:
             keys.remove("rope_parameters")
-    return [k for k in keys if k not in text]
+    return [k for k in keys if k not in text or (k == "rope_parameters" and text[k] is None)]
+
+
+def rope_null_note(cfg: "ModelConfig") -> str | None:
+    """For a config.json stating ``rope_parameters: null``: what was used instead, each value with where it comes
+    from (the legacy ``rope_theta`` / ``partial_rotary_factor`` keys, else the official default); None otherwise."""
+    text = _text_source(cfg)
+    if not ("rope_parameters" in text and text["rope_parameters"] is None):
+        return None
+
+    def src(key: str, default: str) -> str:
+        return f"config.json's {key}" if key in text else f"official default{default}"
+
+    return (f"rope_parameters is null, so rope_parameters={cfg.rope_parameters} is used: "
+            f"rope_theta={cfg.rope_theta} ({src('rope_theta', '')}), partial_rotary_factor="
+            f"{cfg.partial_rotary_factor} ({src('partial_rotary_factor', ': every channel rotated')})")
 
 
 def defaulted_note(cfg: "ModelConfig", keys) -> str:
@@ -704,7 +720,8 @@ def load_config(path: str | Path) -> ModelConfig:
     A config.json must state its ``model_type`` (``qwen4_exp`` or ``qwen4_exp_text``): transformers'
     AutoConfig needs it to pick the configuration class. Every other key may be absent and takes the
     official ``Qwen4ExpTextConfig`` default (e.g. ``vocab_size`` 248320; a checkpoint whose tensors
-    disagree is caught when they are checked, naming the key).
+    disagree is caught when they are checked, naming the key). ``rope_parameters: null`` is such a default too:
+    one note on stderr (once per file and process) says which values it stands for.
 
     Raises:
         ConfigError: missing or unreadable file, bytes that are not UTF-8, invalid JSON, no
@@ -723,4 +740,9 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
     if isinstance(raw, dict) and "model_type" not in raw:
         raise ConfigError(f"{p}: model_type: expected 'qwen4_exp' or 'qwen4_exp_text', found no model_type key")
-    return ModelConfig.from_dict(raw, where=str(p))
+    cfg = ModelConfig.from_dict(raw, where=str(p))
+    rope = rope_null_note(cfg)
+    if rope is not None:  # an explicit null reads as "set", yet it stands for a default: say which
+        from reference.notes import note_once
+        note_once(("rope_parameters null", str(p.resolve())), f"{p}: {rope}")
+    return cfg

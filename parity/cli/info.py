@@ -77,14 +77,21 @@ def run(args) -> int:
         print(f"  storage              {s['tensors']} tensors in {s['files']} file(s), dtypes {s['dtypes']}, "
               f"{s['expert_layout']} experts")
     disk = info.get("storage", {}).get("stored_bytes")
-    print("parameters (memory in BF16" + (", as stored):" if disk else "):"))
+
+    def row(label: str, *cells: str) -> str:
+        return f"  {label:52s}" + "".join(f"  {c:>{w}s}" for c, w in zip(cells, (10, 12, 12)))
+
+    print("parameters (count: K/M/B = thousand/million/billion; memory: in BF16 at 2 bytes a parameter"
+          + (", and as stored on disk):" if disk else "):"))
+    # the header names each column with its unit (each size cell also carries its own MiB / GiB)
+    print(row("component", "parameters", "BF16 MiB/GiB", *(["disk MiB/GiB"] if disk else [])))
+    print(row("-" * 52, "-" * 10, "-" * 12, *(["-" * 12] if disk else [])))
     for k in COMPONENTS:
         v = counts[k]
         if v is None:
-            print(f"  {LABELS[k]:52s} {'unknown (config only)':>10s}")
+            print(f"  {LABELS[k]:52s}  {'unknown (config only)'}")
         elif v or k in ("backbone", "routed_experts", "ple_table"):
-            print(f"  {LABELS[k]:52s} {fmt_count(v):>10s} {fmt_gib(v):>12s}" + (f" {fmt_bytes(disk[k]):>12s}" if disk else ""))
-    print(f"  {'total':52s} {fmt_count(total):>10s} {fmt_gib(total):>12s}"
-          + (f" {fmt_bytes(sum(disk.values())):>12s}" if disk else ""))
-    print(f"  {'active per token (backbone + top-k experts)':52s} {fmt_count(active):>10s}")
+            print(row(LABELS[k], fmt_count(v), fmt_gib(v), *([fmt_bytes(disk[k])] if disk else [])))
+    print(row("total", fmt_count(total), fmt_gib(total), *([fmt_bytes(sum(disk.values()))] if disk else [])))
+    print(row("active per token (backbone + top-k experts)", fmt_count(active)))
     return 0

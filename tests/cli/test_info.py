@@ -56,6 +56,30 @@ def test_layer_pattern_text(capsys):
     assert "LPQ LLQ" in out and "routed experts" in out and "MiB" in out
 
 
+@pytest.mark.parametrize("argv, columns", [
+    (["tiny"], ["component", "parameters", "BF16 MiB/GiB", "disk MiB/GiB"]),
+    (["tiny", "--config-only"], ["component", "parameters", "BF16 MiB/GiB"])])
+def test_parameter_table_has_a_header_naming_columns_and_units(capsys, argv, columns):
+    """The parameter table opens with a header row naming each column with its unit, then a rule; every row's
+    cells end where their header's column ends (right-aligned under it). ``--json`` is unchanged: JSON only."""
+    import re
+    assert main(["info", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    h = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("component"))
+    assert re.split(r"\s{2,}", lines[h].strip()) == columns, lines[h]
+    assert set(lines[h + 1].replace(" ", "")) == {"-"}, lines[h + 1]
+    ends = [m.end() for m in re.finditer(r"\S+(?: \S+)*", lines[h])][1:]
+    rows = lines[h + 2:h + 5]  # backbone, routed experts, PLE n-gram tables
+    assert rows[0].lstrip().startswith("backbone") and rows[2].lstrip().startswith("PLE n-gram tables"), rows
+    for r in rows:
+        cells = [m.end() for m in re.finditer(r"\S+(?: \S+)*", r)][1:]
+        assert cells == ends, (lines[h], r)
+        assert r.rstrip().endswith("MiB"), r
+    assert main(["info", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "component" not in out and json.loads(out)["params"]["backbone"] > 0
+
+
 def test_mtp_and_vision_counted(tmp_path, capsys):
     """Extra mtp.* / model.visual.* tensors land in their own components (not in the backbone)."""
     from reference.checkpoint import Checkpoint
@@ -70,6 +94,23 @@ def test_mtp_and_vision_counted(tmp_path, capsys):
     r = _info(capsys, str(tmp_path))["params"]
     assert r["mtp"] == 64 * 128 and r["vision"] == 15
     assert r["backbone"] == base["backbone"]
+
+
+def test_unused_tensor_is_a_note_not_a_failure(tmp_path, capsys):
+    """A tensor the model does not use: ``info`` succeeds (its JSON alone on stdout) and stderr holds one note
+    naming the tensor as stored."""
+    from reference.checkpoint import Checkpoint
+    src = Checkpoint.open(fixture_dir("tiny-hc2"))
+    t = {src.stored_name(n): np.array(src.get_raw(n)) for n in src.names()}
+    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros((4,), np.float32)
+    (tmp_path / "config.json").write_text((fixture_dir("tiny-hc2") / "config.json").read_text())
+    write_safetensors(tmp_path / "model.safetensors", t)
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["storage"]["tensors"] == len(t)
+    notes = [ln for ln in cap.err.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "1 stored tensor(s) the model does not use, ignored: " \
+        "'model.layers.0.self_attn.rotary_emb.inv_freq'" in notes[0], cap.err
 
 
 def test_real_architecture_config_only(capsys):

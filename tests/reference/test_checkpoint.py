@@ -3,6 +3,7 @@ decoding of the raw bits), sharded index, prefixes, both expert layouts, the n-g
 overrides, fingerprint, atomic writes, and every error case (each a CheckpointError naming the thing)."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import os
@@ -410,10 +411,80 @@ def test_missing_tensor_lists_near_names(tmp_path):
     t = _tensors("tiny-hc2")
     del t["model.layers.0.linear_attn.in_proj_z.weight"]
     ck = Checkpoint.open(_write_ck(tmp_path, _config("tiny-hc2"), t))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'layers.0.linear_attn.in_proj_z.weight'.*near names"):
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.0.linear_attn.in_proj_z.weight'.*near names"):
         ck.get("layers.0.linear_attn.in_proj_z.weight")
     with pytest.raises(CheckpointError, match="in_proj_z"):
         ck.validate()
+
+
+@pytest.mark.parametrize("name, key, n_files", [
+    ("tiny-hc2", "model.layers.0.linear_attn.in_proj_z.weight", 1),
+    ("tiny-hc3", "model.language_model.layers.0.linear_attn.in_proj_z.weight", 3),
+    # no other embed_tokens key to copy the prefix from: the trunk's prefix
+    ("tiny-hc3", "model.language_model.embed_tokens.weight", 1),
+    ("tiny-hc2", "lm_head.weight", 1)])
+def test_missing_tensor_named_as_the_files_spell_it(tmp_path, name, key, n_files):
+    """A missing tensor is named by the key the checkpoint's files would hold (their ``model.`` /
+    ``model.language_model.`` prefix kept; ``lm_head`` stays bare as stored), with the shape config.json
+    expects and that no such key was found; the near names are file keys too."""
+    t = _tensors(name)
+    del t[key]
+    ck = Checkpoint.open(_write_ck(tmp_path, _config(name), t, n_files=n_files))
+    c = canonical_name(key)
+    shape = list(ck._expected[c])
+    for read in (lambda: ck.get(c), ck.validate):
+        with pytest.raises(CheckpointError) as e:
+            read()
+        msg = str(e.value)
+        assert f"missing tensor {key!r}: expected a float tensor of shape {shape} (shape from config.json), " \
+               f"found no such key" in msg, msg
+        near = re.search(r"near names present: (\[.*\])", msg)
+        assert near and all(n in t for n in ast.literal_eval(near.group(1))), msg
+
+
+def test_unused_tensors_are_reported_once_and_ignored(tmp_path, capsys):
+    """Stored tensors the model does not use load (they are ignored) with one note on stderr: their count and
+    the first 5 stored names (prefix kept); the MTP head, the vision tower and quantisation scales are known and
+    not listed; opening the same checkpoint again prints nothing more. The control: a bundled fixture opens
+    without a note."""
+    t = _tensors("tiny-hc2")
+    extra = {f"model.layers.0.rotary_emb.extra_{k}": np.zeros((2,), np.float32) for k in range(7)}
+    known = {"mtp.fc.weight": np.ones((4, 4), np.float32), "model.visual.patch.weight": np.ones((2,), np.float32),
+             "model.layers.0.linear_attn.in_proj_z.weight_scale_inv": np.ones((1, 1), np.float32)}
+    d = _write_ck(tmp_path / "ck", _config("tiny-hc2"), {**t, **extra, **known})
+    capsys.readouterr()
+    ck = Checkpoint.open(d)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert len(lines) == 1, err
+    assert "7 stored tensor(s) the model does not use, ignored" in lines[0] and "and 2 more" in lines[0], lines
+    assert lines[0].count("'model.layers.0.rotary_emb.extra_") == 5, lines
+    assert not any(k in lines[0] for k in ("mtp.", "visual", "_scale_inv")), lines
+    assert ck.unused_names() == sorted(canonical_name(k) for k in extra)
+    assert np.array_equal(ck.get("embed_tokens.weight"), t["model.embed_tokens.weight"])
+    assert ck.validate() == ck.unused_names()
+    Checkpoint.open(d)
+    assert "note:" not in capsys.readouterr().err
+    Checkpoint.open(fixture_dir("tiny-hc2"))
+    Checkpoint.open(fixture_dir("tiny-mtp"))
+    assert capsys.readouterr().err == ""
+
+
+def test_unused_tensors_of_an_incomplete_checkpoint_leave_the_missing_tensor_error_alone(tmp_path, capsys):
+    """A tensor stored under a name the model does not use, in place of one it needs: no note at open (the
+    missing tensor's error names it among the near names); once complete, the note comes."""
+    t = _tensors("tiny-hc2")
+    key = "model.layers.0.linear_attn.in_proj_z.weight"
+    t["model.layers.0.linear_attn.in_proj_zz.weight"] = t.pop(key)
+    capsys.readouterr()
+    ck = Checkpoint.open(_write_ck(tmp_path / "a", _config("tiny-hc2"), t))
+    assert capsys.readouterr().err == ""
+    with pytest.raises(CheckpointError, match=r"in_proj_z.weight'.*near names.*in_proj_zz"):
+        ck.validate()
+    assert ck.unused_names() == ["layers.0.linear_attn.in_proj_zz.weight"]
+    t[key] = t["model.layers.0.linear_attn.in_proj_zz.weight"]
+    Checkpoint.open(_write_ck(tmp_path / "b", _config("tiny-hc2"), t))
+    assert "1 stored tensor(s) the model does not use" in capsys.readouterr().err
 
 
 def test_wrong_shape_reported_on_access(tmp_path):

@@ -85,6 +85,40 @@ def test_rope_theta_negative_control_int_theta_accepted(tmp_path, capsys):
     assert "theta 500000" in capsys.readouterr().out
 
 
+def test_rope_parameters_null_is_one_note_naming_the_default(tmp_path, capsys):
+    """``rope_parameters: null`` is valid and stands for the official default (rope_theta 10000, every channel
+    rotated): one note on stderr says so, once however often the file is read, and ``info`` lists it among the
+    official defaults. With the legacy ``rope_theta`` key beside it the note names that key instead. The control:
+    the fixture's own rope_parameters prints no note."""
+    c = _copy(tmp_path)
+    _edit_json(c / "config.json", rope_parameters=None)
+    capsys.readouterr()
+    assert main(["info", str(c), "--json"]) == 0
+    cap = capsys.readouterr()
+    line = _one_line_of(cap.err)
+    assert line.startswith(f"note: {c / 'config.json'}: rope_parameters is null"), line
+    assert "rope_theta=10000.0 (official default)" in line and \
+        "partial_rotary_factor=1.0 (official default: every channel rotated)" in line, line
+    assert json.loads(cap.out)["official_defaults"]["rope_parameters"] == \
+        "rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0}"
+    load_config(c)
+    assert main(["info", str(c), "--config-only"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    legacy = _copy(tmp_path / "legacy")
+    _edit_json(legacy / "config.json", rope_parameters=None, rope_theta=500000)
+    load_config(legacy)
+    line = _one_line_of(capsys.readouterr().err)
+    assert "rope_theta=500000.0 (config.json's rope_theta)" in line and "partial_rotary_factor=1.0" in line, line
+    assert main(["info", str(_copy(tmp_path / "control")), "--config-only"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def _one_line_of(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 # ------------------------------------------------------------------ 3. the type of every field
 BAD_TYPES = [  # (key, bad value, words of the expectation)
     ("norm_topk_prob", "no", "a JSON boolean"), ("tie_word_embeddings", "yes", "a JSON boolean"),
@@ -344,12 +378,12 @@ def test_missing_layer_types_names_the_official_default(tmp_path, capsys):
     lt = text.pop("layer_types")
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["info", str(d)]) == 2
-    _one_line(capsys, "missing tensor 'layers.2.linear_attn.", "layer 2 is 'linear_attention' by layer_types",
+    _one_line(capsys, "missing tensor 'model.layers.2.linear_attn.", "layer 2 is 'linear_attention' by layer_types",
               "official default, not in config.json: layer_types=indexed_attention at 0-based layers 3, 7, ...",
               "full_attention_interval=4 (also the official default)")
     text["layer_types"] = ["linear_attention"] * 3 + lt[3:]
     (d / "config.json").write_text(json.dumps(cfg))
     assert main(["info", str(d)]) == 2
-    line = _one_line(capsys, "missing tensor 'layers.2.linear_attn.",
+    line = _one_line(capsys, "missing tensor 'model.layers.2.linear_attn.",
                      "layer 2 is 'linear_attention' by layer_types (from config.json)")
     assert "official default" not in line
