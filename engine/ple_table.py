@@ -27,9 +27,10 @@ Source of the table layout: modeling_qwen4_exp.py ``Qwen4ExpTextNGramEmbedding._
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit, prange
 
 from reference.errors import CheckpointError, InputError
 
@@ -137,6 +138,7 @@ class TableShards:
     codes: np.ndarray
     scales: np.ndarray
     head_dim: int
+    _jit: tuple | None = field(default=None, repr=False, compare=False)  # (shard list, tables) of _gather_rows
 
 
 def table_shards(ck, layer: int) -> TableShards:
@@ -274,12 +276,58 @@ def gather_twin(sh: TableShards, rows, out: np.ndarray | None = None) -> np.ndar
     if n == 1:
         decode_twin(sh.arrays[0][flat], int(sh.codes[0]), sh.scales[0], out=o2)
         return out
-    which = np.searchsorted(sh.starts[:n], flat, side="right") - 1
-    for k in np.unique(which):
-        sel = np.nonzero(which == k)[0]
-        raw = sh.arrays[int(k)][flat[sel] - sh.starts[k]]
-        o2[sel] = decode_twin(raw, int(sh.codes[k]), sh.scales[k])
+    if sh._jit is None:  # once per table: the shard views as one typed list, each FP8 shard's scaled table
+        from numba.typed import List
+        views = []
+        for a in sh.arrays:
+            v = a.view()
+            v.flags.writeable = False  # one element type for file maps and in-memory shards alike
+            views.append(v)
+        luts = np.zeros((n, 256), np.float32)
+        for k in range(n):
+            if int(sh.codes[k]) in (2, 3):
+                luts[k] = decode_twin(np.arange(256, dtype=np.uint8), int(sh.codes[k]), sh.scales[k])
+        sh._jit = (List(views), luts)
+    shards, luts = sh._jit
+    _gather_rows(shards, np.ascontiguousarray(sh.starts[:n]), np.ascontiguousarray(sh.codes, dtype=np.int32),
+                 np.ascontiguousarray(sh.scales, dtype=np.float32), luts, np.ascontiguousarray(flat), o2,
+                 o2.view(np.uint32))
     return out
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gather_rows(shards, starts, codes, scales, luts, flat, out, out_bits):  # pragma: no cover - compiled
+    """Rows ``flat`` of a sharded table into ``out [rows, head_dim]`` (float32; ``out_bits`` its uint32 view):
+    the shard search and decode of :func:`decode_twin` row by row, in one call (the engine's host gather had one
+    NumPy pass per shard touched: ~20 us each, ~110 shards for a 16-token decode step)."""
+    n = starts.shape[0]
+    hd = out.shape[1]
+    for r in prange(flat.shape[0]):
+        g = flat[r]
+        lo, hi = 0, n - 1  # the last shard whose start <= g
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if starts[mid] <= g:
+                lo = mid
+            else:
+                hi = mid - 1
+        row = shards[lo][g - starts[lo]]
+        c = codes[lo]
+        if c == 2 or c == 3:  # FP8: the shard's scaled table
+            for j in range(hd):
+                out[r, j] = luts[lo, row[j]]
+            continue
+        if c == 0:
+            for j in range(hd):
+                out_bits[r, j] = (np.uint32(row[4 * j]) | (np.uint32(row[4 * j + 1]) << 8)
+                                  | (np.uint32(row[4 * j + 2]) << 16) | (np.uint32(row[4 * j + 3]) << 24))
+        else:  # BF16: the stored bits are the float32's upper half
+            for j in range(hd):
+                out_bits[r, j] = (np.uint32(row[2 * j]) | (np.uint32(row[2 * j + 1]) << 8)) << 16
+        s = scales[lo]
+        if s != 1:
+            for j in range(hd):
+                out[r, j] = out[r, j] * s
 
 
 # --------------------------------------------------------------------------- the table

@@ -192,6 +192,31 @@ def test_twin_f32_unequal_shards():
     np.testing.assert_array_equal(gather_twin(sh, rows), table[rows].reshape(rows.shape[0], -1))
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_twin_sharded_gather_every_code(scale):
+    """The sharded gather (one compiled call over all rows) against each row decoded alone, for shards of every
+    code in one table, with and without a scale, over boundary rows and many random ones (the parallel loop)."""
+    rng = np.random.default_rng(11)
+    hd, codes, sizes = 6, [0, 1, 2, 3, 2, 1], [3, 1, 5, 4, 7, 2]
+    arrays = []
+    for c, n in zip(codes, sizes):
+        if c == 0:
+            arrays.append(rng.standard_normal((n, hd)).astype(np.float32).view(np.uint8))
+        else:
+            arrays.append(rng.integers(0, 256, (n, hd * P._ITEMSIZE[c]), dtype=np.uint8))
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    scales = np.array([scale if k % 2 else 1.0 for k in range(len(codes))], np.float32)
+    sh = TableShards(tuple(arrays), starts, np.asarray(codes, np.int32), scales, hd)
+    rows = np.concatenate([_boundary_rows(starts, 2).reshape(-1), rng.integers(0, starts[-1], 3000)]).reshape(-1, 2)
+    k_of = np.searchsorted(starts[:-1], rows.reshape(-1), side="right") - 1
+    want = np.stack([decode_twin(arrays[k][g - starts[k]], codes[k], scales[k])
+                     for g, k in zip(rows.reshape(-1), k_of)]).reshape(rows.shape[0], -1)
+    np.testing.assert_array_equal(gather_twin(sh, rows), want)
+    in2 = rows[(k_of.reshape(rows.shape) == 2).all(axis=1)]  # rows of shard 2 (E4M3) only
+    wrong = TableShards(tuple(arrays), starts, np.asarray([0, 1, 3, 3, 2, 1], np.int32), scales, hd)
+    assert len(in2) and not np.array_equal(gather_twin(wrong, in2), gather_twin(sh, in2))  # control: the code is read
+
+
 def test_twin_matches_ngram_rows_on_fixtures():
     seen_codes = set()
     for name, ck, i in _layers():
