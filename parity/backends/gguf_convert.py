@@ -469,12 +469,16 @@ _FIXES = (("BPE pre-tokenizer was not recognized", "tokenizer-label"),
 
 
 def offer_for(message: str, model_dir, used) -> str:
-    """The hint attached to a refusal: the re-parameterisation that gets past it, when one exists."""
+    """The hint attached to a refusal: the re-parameterisation that gets past it, when one exists, spelt
+    together with those already in ``used`` (a ``reparam=`` value to use as written: offering the new one
+    alone would drop those, and their refusal would come back)."""
     for pat, fix in _FIXES:
         if pat in message:
             if fix in used:
                 break
             if fix in applicable_reparams(model_dir):
-                return f"llama.cpp:reparam={fix} (or auto) offers a function-preserving re-parameterisation: {REPARAMS[fix]}"
+                names = "+".join(n for n in REPARAMS if n in used or n == fix)
+                return (f"llama.cpp:reparam={names} (or auto) offers a function-preserving re-parameterisation: "
+                        f"{REPARAMS[fix]}")
             break
     return "no function-preserving re-parameterisation gets past this"
