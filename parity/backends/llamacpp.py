@@ -274,6 +274,14 @@ class LlamaCppBackend(Backend):
                              f"convert_timeout; found {sorted(opts)}")
         if perturb is not None:
             raise BackendError("llama.cpp backend: perturb: not supported (the weights live in a GGUF)")
+        if gguf:  # the options of the tool's own conversion mean nothing for a GGUF loaded as is: never dropped
+            given = [f"{k}={v}" for k, v in (("reparam", reparam), ("sdist", sdist),
+                                            ("convert_timeout", convert_timeout))
+                     if v is not None and not (k == "reparam" and str(v) in ("", "none"))]
+            if given:
+                raise InputError(f"llama.cpp:gguf={gguf!r}: expected no conversion option with gguf= (the GGUF is "
+                                 f"loaded as is; reparam=, sdist= and convert_timeout= act on the tool's own "
+                                 f"conversion of MODEL, without gguf=), found {', '.join(given)}")
         if kv not in ("f32", "f16"):  # checked before a conversion is spent on them
             raise InputError(f"llama.cpp:kv={kv!r}: expected f32 or f16")
         if fa not in ("on", "off", "auto"):

@@ -36,3 +36,32 @@ def test_the_offer_keeps_the_reparameterisations_already_in_use():
 def test_no_offer_when_the_fix_is_already_in_use():
     tiny = bundled_model("tiny")
     assert gc.offer_for(PLE_KEY_MSG, tiny, ["tokenizer-label", "ple-pad"]).startswith("no function-preserving")
+
+
+import pytest  # noqa: E402
+
+from reference.errors import InputError  # noqa: E402
+
+
+@pytest.mark.parametrize("opt", ["reparam=auto", "reparam=ple-pad", "sdist=/tmp/x.tar.gz", "convert_timeout=60"])
+def test_a_conversion_option_with_a_given_gguf_is_refused_not_ignored(tmp_path, opt):
+    """gguf= loads the file as is: reparam=, sdist= and convert_timeout= act only on the tool's own conversion,
+    so giving them with gguf= is a contradiction (exit 2), never silently dropped while the report's backend
+    spec still lists them."""
+    from parity.backends.llamacpp import LlamaCppBackend
+    k, v = opt.split("=", 1)
+    with pytest.raises(InputError) as e:
+        LlamaCppBackend.open(bundled_model("tiny"), gguf=str(tmp_path / "m.gguf"), **{k: v})
+    msg = str(e.value)
+    assert f"{k}=" in msg and "gguf=" in msg and "expected" in msg and "found" in msg, msg
+    # reparam=none says the same as leaving it out: no contradiction (here: the missing file is the error)
+    with pytest.raises(InputError, match="expected a GGUF file, found nothing there"):
+        LlamaCppBackend.open(bundled_model("tiny"), gguf=str(tmp_path / "m.gguf"), reparam="none")
+
+
+def test_parity_with_gguf_and_reparam_exits_2(tmp_path, capsys):
+    from parity.cli import main
+    rc = main(["parity", "tiny", "--backend", f"llama.cpp:gguf={tmp_path / 'm.gguf'},reparam=auto",
+               "--scenario", "kl", "--format", "text", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "reparam=" in err and err.count("error:") == 1, err
