@@ -4,7 +4,8 @@ The converter (``convert_hf_to_gguf.py`` + ``conversion/`` + ``gguf-py/``) ships
 llama-cpp-python's source distribution (``vendor/llama.cpp``), not in its wheel. It is found, in order:
 the ``sdist=PATH`` backend option, ``$QWEN4EXP_LLAMACPP_SDIST``, ``<cache>/sdist/llama_cpp_python-<v>.tar.gz``,
 else ``pip download llama-cpp-python==<v> --no-binary :all: --no-deps`` into ``<cache>/sdist`` (bounded
-time). Its three parts are extracted once into ``<cache>/llama.cpp-<v>/``; ``<cache>`` is
+time). Its three parts are extracted once into ``<cache>/llama.cpp-<v>/`` (an sdist asked for by the option
+or the variable: into ``<cache>/llama.cpp-<v>-<digest>/``, see :func:`converter_dir`); ``<cache>`` is
 ``$QWEN4EXP_CACHE`` or ``~/.cache/qwen4exp``. The vendored ``gguf-py`` is used (put first on the path),
 so the converter and the loader are of one version.
 
@@ -110,13 +111,13 @@ def installed_version() -> str:
     return str(llama_cpp.__version__)
 
 
-def find_sdist(version: str, path=None) -> Path:
-    """The source distribution of llama-cpp-python ``version`` (see the module docstring for the order).
+def asked_sdist(path=None) -> Path | None:
+    """The source distribution asked for: the ``sdist=`` option ``path``, else ``$QWEN4EXP_LLAMACPP_SDIST``;
+    None when neither is set.
 
     Raises:
-        BackendError: not found and ``pip download`` failed (message names every place looked at).
+        BackendError: the one asked for is not a file.
     """
-    looked = []
     for cand, why in ((path, "sdist= option"), (os.environ.get("QWEN4EXP_LLAMACPP_SDIST"), "$QWEN4EXP_LLAMACPP_SDIST")):
         if cand:
             p = Path(cand)
@@ -124,6 +125,27 @@ def find_sdist(version: str, path=None) -> Path:
                 raise BackendError(f"llama.cpp backend: {why} {str(p)!r}: expected llama-cpp-python's source "
                                    f"distribution (.tar.gz), found {'a directory' if p.is_dir() else 'nothing there'}")
             return p
+    return None
+
+
+def _file_digest(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def find_sdist(version: str, path=None) -> Path:
+    """The source distribution of llama-cpp-python ``version`` (see the module docstring for the order).
+
+    Raises:
+        BackendError: not found and ``pip download`` failed (message names every place looked at).
+    """
+    looked = []
+    asked = asked_sdist(path)
+    if asked is not None:
+        return asked
     d = cache_root() / "sdist"
     p = d / f"llama_cpp_python-{version}.tar.gz"
     looked.append(str(p))
@@ -147,11 +169,15 @@ def find_sdist(version: str, path=None) -> Path:
 
 def converter_dir(version: str, sdist=None) -> Path:
     """``<cache>/llama.cpp-<version>/`` holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``
-    extracted from the sdist (once; extracted to a temporary folder, then renamed)."""
-    dst = cache_root() / f"llama.cpp-{version}"
+    extracted from the sdist (once; extracted to a temporary folder, then renamed). An sdist asked for
+    (``sdist=``, ``$QWEN4EXP_LLAMACPP_SDIST``: :func:`asked_sdist`) is extracted to a folder of its own,
+    ``llama.cpp-<version>-<sha256 of the file, 12 digits>``: the converter asked for is the one used, never one
+    extracted earlier from another sdist (a patched converter would be silently ignored)."""
+    asked = asked_sdist(sdist)
+    dst = cache_root() / (f"llama.cpp-{version}" if asked is None else f"llama.cpp-{version}-{_file_digest(asked)}")
     if (dst / "convert_hf_to_gguf.py").is_file():
         return dst
-    src = find_sdist(version, sdist)
+    src = asked if asked is not None else find_sdist(version)
     prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
     wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -425,7 +451,8 @@ def convert(model_dir, version: str, *, reparams=(), sdist=None, outtype="f32", 
     label = (pre_tokenizer_label(model_dir) or "") if "tokenizer-label" in reparams else ""
     # the label is part of the key: a GGUF labelled otherwise (an older cache) is not this conversion
     names = [f"tokenizer-label={label}" if r == "tokenizer-label" else r for r in reparams]
-    key = f"{fingerprint(model_dir)}-{'+'.join(names) or 'asis'}-{outtype}-{version}"
+    # the converter is part of the key too: one from an sdist asked for (its folder's digest suffix) converts apart
+    key = f"{fingerprint(model_dir)}-{'+'.join(names) or 'asis'}-{outtype}-{version}{conv.name[len(f'llama.cpp-{version}'):]}"
     root = cache_root() / "gguf" / key
     gguf = root / "model.gguf"
     info = root / "info.json"

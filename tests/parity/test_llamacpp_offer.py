@@ -65,3 +65,59 @@ def test_parity_with_gguf_and_reparam_exits_2(tmp_path, capsys):
                "--scenario", "kl", "--format", "text", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "reparam=" in err and err.count("error:") == 1, err
+
+
+# --- sdist=: the converter asked for is the one used --------------------------------------------------------
+
+def _sdist(path, text: str, version: str = "0.3.36"):
+    """A stand-in source distribution holding only a converter whose text is ``text``."""
+    import io
+    import tarfile
+    with tarfile.open(path, "w:gz") as tf:
+        for name, data in ((f"llama_cpp_python-{version}/vendor/llama.cpp/convert_hf_to_gguf.py", text),
+                           (f"llama_cpp_python-{version}/vendor/llama.cpp/conversion/__init__.py", ""),
+                           (f"llama_cpp_python-{version}/vendor/llama.cpp/gguf-py/gguf/__init__.py", "")):
+            b = data.encode()
+            ti = tarfile.TarInfo(name)
+            ti.size = len(b)
+            tf.addfile(ti, io.BytesIO(b))
+    return path
+
+
+def test_an_sdist_given_is_used_even_when_another_converter_is_cached(tmp_path, monkeypatch):
+    """sdist= (and $QWEN4EXP_LLAMACPP_SDIST) name the converter to use: a converter already extracted from
+    another sdist must not stand in for it (a patched converter would be silently ignored), and a missing
+    sdist= is an error whatever the cache holds."""
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("QWEN4EXP_LLAMACPP_SDIST", raising=False)
+    a, b = _sdist(tmp_path / "a.tar.gz", "# A"), _sdist(tmp_path / "b.tar.gz", "# B (patched)")
+    da = gc.converter_dir("0.3.36", a)
+    assert (da / "convert_hf_to_gguf.py").read_text() == "# A"
+    db = gc.converter_dir("0.3.36", b)
+    assert (db / "convert_hf_to_gguf.py").read_text() == "# B (patched)", db
+    monkeypatch.setenv("QWEN4EXP_LLAMACPP_SDIST", str(a))
+    assert (gc.converter_dir("0.3.36") / "convert_hf_to_gguf.py").read_text() == "# A"
+    monkeypatch.delenv("QWEN4EXP_LLAMACPP_SDIST")
+    from parity.backends.base import BackendError
+    with pytest.raises(BackendError, match="sdist= option .*nothing there"):
+        gc.converter_dir("0.3.36", tmp_path / "missing.tar.gz")
+
+
+def test_conversions_by_different_converters_are_cached_apart(tmp_path, monkeypatch):
+    import subprocess
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("QWEN4EXP_LLAMACPP_SDIST", raising=False)
+    ran = []
+
+    def fake_converter(conv, src, outfile, **kw):
+        ran.append((conv / "convert_hf_to_gguf.py").read_text())
+        Path(outfile).write_bytes(b"GGUF")
+        return subprocess.CompletedProcess([], 0, "", "")
+    from pathlib import Path
+    monkeypatch.setattr(gc, "run_converter", fake_converter)
+    a, b = _sdist(tmp_path / "a.tar.gz", "# A"), _sdist(tmp_path / "b.tar.gz", "# B (patched)")
+    ca = gc.convert(bundled_model("tiny"), "0.3.36", sdist=a)
+    cb = gc.convert(bundled_model("tiny"), "0.3.36", sdist=b)
+    assert ran == ["# A", "# B (patched)"], ran
+    assert ca["gguf"] != cb["gguf"] and ca["converter"] != cb["converter"]
+    assert gc.convert(bundled_model("tiny"), "0.3.36", sdist=b) == cb and len(ran) == 2  # cached: not re-run
