@@ -183,7 +183,12 @@ def converter_dir(version: str, sdist=None) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
     try:
-        with tarfile.open(src, "r:gz") as tf:
+        try:
+            tf = tarfile.open(src, "r:gz")
+        except (tarfile.TarError, EOFError, OSError) as e:  # not a gzipped tarball: name the file, not tarfile
+            raise BackendError(f"llama.cpp backend: {str(src)!r}: expected llama-cpp-python's source distribution "
+                               f"(a .tar.gz), found a file that is not one ({type(e).__name__}: {e})") from e
+        with tf:
             members = [m for m in tf.getmembers() if m.name.startswith(prefix)
                        and m.name[len(prefix):].startswith(wanted) and (m.isfile() or m.isdir())]
             if not any(m.name.endswith("convert_hf_to_gguf.py") for m in members):

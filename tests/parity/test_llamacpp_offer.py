@@ -121,3 +121,16 @@ def test_conversions_by_different_converters_are_cached_apart(tmp_path, monkeypa
     assert ran == ["# A", "# B (patched)"], ran
     assert ca["gguf"] != cb["gguf"] and ca["converter"] != cb["converter"]
     assert gc.convert(bundled_model("tiny"), "0.3.36", sdist=b) == cb and len(ran) == 2  # cached: not re-run
+
+
+def test_an_sdist_that_is_no_tarball_is_one_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN4EXP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("QWEN4EXP_LLAMACPP_SDIST", raising=False)
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_text("not a tarball")
+    from parity.backends.base import BackendError
+    with pytest.raises(BackendError) as e:
+        gc.converter_dir("0.3.36", bad)
+    msg = str(e.value)
+    assert str(bad) in msg and "expected" in msg and "found" in msg and "gzip" in msg, msg
+    assert not any((tmp_path / "cache").glob("llama.cpp-*")), "a failed extraction left a folder behind"
