@@ -207,15 +207,20 @@ def main(argv=None) -> int:
     bb = cp.full((T, HV), 0.5, dtype=cp.float32)
     cu = cp.asarray(np.array([0, T], dtype=np.int64))
     saved = G.GDN_SPLIT_MAX_TPS
-    G.GDN_SPLIT_MAX_TPS = 1 << 30  # force the split kernel for the prefill row (default: the one-warp kernel for prefill)
 
     def pre():
         return G.gated_delta_recurrent(q, k, v, gg, bb, state, sl, cu)
+
+    def pre_one_warp():  # the float64 kernel's float32 twin (the prefill default before the split kernel took it)
+        G.GDN_SPLIT_MAX_TPS = 0
+        try:
+            return G.gated_delta_recurrent(q, k, v, gg, bb, state, sl, cu)
+        finally:
+            G.GDN_SPLIT_MAX_TPS = saved
     old_reps, old_inner = args.reps, args.inner
     args.reps, args.inner = 5, 1
-    ab(f"gdn_recurrent prefill T={T} (split forced)", pre, pre)
+    ab(f"gdn_recurrent prefill T={T} (one-warp vs split)", pre_one_warp, pre)
     args.reps, args.inner = old_reps, old_inner
-    G.GDN_SPLIT_MAX_TPS = saved
     if args.json:
         from reference.atomic import atomic_write_json
         atomic_write_json(args.json, res)

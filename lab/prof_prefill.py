@@ -11,8 +11,9 @@ Run on a GPU from the repository root:
   grouped float32-FMA kernels (``gemm_tc.MOE_MAX_PAD_FP8`` / ``MOE_MAX_PAD_NVFP4`` = 0: the MoE's tensor-core path
   off, the dense projections unchanged), the "before" of the tensor-core MoE in the same process, timed first
   (cupy's pool never shrinks: the GiB it holds after each mode are that mode's peak, then the larger of both).
-  ``--seq-ab`` also times the GDN recurrence and the QSA attention of the prefill on their split (decode) kernels
-  (``gdn.GDN_SPLIT_MAX_TPS`` / ``qsa.QSA_SPLIT_MAX_T`` raised past the prompt). Each mode's last logits are
+  ``--seq-ab`` also times the GDN recurrence and the QSA attention of the prefill on their fallback kernels (the
+  one-warp GDN recurrence, the per-query-head QSA attention: ``gdn.GDN_SPLIT_MAX_TPS`` / ``qsa.QSA_SPLIT_MAX_T`` =
+  0), each and both. Each mode's last logits are
   compared with the first mode's (max |diff|, same prompt).
 
 * ``--sweep-scratch-mb 512,8192`` / ``--sweep-tile-rows 32,128`` (with ``--time``): the tensor-core MoE again at
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-scratch-mb", default="", help="with --time: FP8 scratch budgets to time (MiB)")
     ap.add_argument("--sweep-tile-rows", default="", help="with --time: MoE tile heights to time")
     ap.add_argument("--seq-ab", action="store_true",
-                    help="with --time: also the GDN / QSA prefill on their split (decode) kernels")
+                    help="with --time: also the GDN / QSA prefill on their fallback kernels")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -77,9 +78,9 @@ def main(argv=None) -> int:
     modes = ([("grouped", [(TC, "MOE_MAX_PAD_FP8", 0.0), (TC, "MOE_MAX_PAD_NVFP4", 0.0)], lens)] if args.ab else [])
     modes.append(("tc", [], lens))
     if args.seq_ab:
-        modes += [("gdn_split", [(GDN, "GDN_SPLIT_MAX_TPS", 1 << 30)], lens),
-                  ("qsa_split", [(QSA, "QSA_SPLIT_MAX_T", 1 << 30)], lens),
-                  ("both_split", [(GDN, "GDN_SPLIT_MAX_TPS", 1 << 30), (QSA, "QSA_SPLIT_MAX_T", 1 << 30)], lens)]
+        modes += [("gdn_one_warp", [(GDN, "GDN_SPLIT_MAX_TPS", 0)], lens),
+                  ("qsa_per_head", [(QSA, "QSA_SPLIT_MAX_T", 0)], lens),
+                  ("both_fallback", [(GDN, "GDN_SPLIT_MAX_TPS", 0), (QSA, "QSA_SPLIT_MAX_T", 0)], lens)]
     modes += [(f"tc_scratch{v}MiB", [(TC, "MOE_FP8_SCRATCH_BYTES", int(v) << 20)], lens[-1:])
               for v in args.sweep_scratch_mb.split(",") if v.strip()]
     modes += [(f"tc_R{v}", [(TC, "MOE_TILE_ROWS", int(v))], lens[-1:]) for v in args.sweep_tile_rows.split(",")

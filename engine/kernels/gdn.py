@@ -33,12 +33,13 @@ from reference.errors import InputError
 
 L2NORM_EPS = 1e-6  # official l2norm default, used with use_qk_l2norm_in_kernel=True
 _BLOCK = 128
-#: which CUDA recurrent kernel runs: up to GDN_SPLIT_MAX_TPS tokens per sequence on average (decode, verify;
-#: float32), 8 warps per (sequence, value head, 32 columns), each holding 1/8 of the key rows
-#: (``gdn_recurrent_split_f32_f32``); above (prefill) or in float64, one warp per 32 columns holding every key row
-#: (``gdn_recurrent_<dtypes>``). Same math; the split kernel sums the two key-row reductions per warp then over the
-#: warps (a different float32 summation order, deterministic).
-GDN_SPLIT_MAX_TPS = 16
+#: which CUDA recurrent kernel runs: in float32 (decode, verify and prefill), 8 warps per (sequence, value head, 32
+#: columns), each holding 1/8 of the key rows (``gdn_recurrent_split_f32_f32``); in float64, one warp per 32 columns
+#: holding every key row (``gdn_recurrent_<dtypes>``). Same math; the split kernel sums the two key-row reductions
+#: per warp then over the warps (a different float32 summation order, deterministic). The split kernel measured
+#: faster at a 4096-token prefill too (H100, 4 real-width layers: 359 vs 371 ms per prefill). ``None`` = no limit; a
+#: number caps the average tokens per sequence of a split launch (the tests set 0 to run the one-warp kernel).
+GDN_SPLIT_MAX_TPS: int | None = None
 _GDN_WARPS = 8  # GDN_W in gdn.cu
 
 
@@ -463,7 +464,7 @@ def _recurrent_cuda(q, k, v, g, beta, state, slots, cu_seqlens, checkpoints, gat
     if N == 0:
         return out
     split = (dt == np.float32 and state.dtype == np.float32 and Dk >= _GDN_WARPS
-             and N <= GDN_SPLIT_MAX_TPS * B)
+             and (GDN_SPLIT_MAX_TPS is None or N <= GDN_SPLIT_MAX_TPS * B))
     if gates is not None and not split:  # the unfused path: the gates kernel, then the recurrence
         g, beta = gdn_gates(*gates)
         gates = None

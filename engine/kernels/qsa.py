@@ -41,9 +41,12 @@ from reference.numba_kernels import block_topk_select
 
 #: the largest block_topk the CUDA top-k sorts in shared memory (the model uses 512; vLLM allows 512 / 2048)
 QSA_MAX_BLOCK_TOPK = 4096
-#: the split attention serves at most this many query tokens per launch (decode batches, verify); more (prefill)
-#: run the per-query-head kernel (qsa_attn_partial), whose CTAs suit many queries
-QSA_SPLIT_MAX_T = 64
+#: the split attention (qsa_attn_partial_split: a CTA per query, KV head and token split, serving the KV head's whole
+#: query-head group) serves every float32 launch whose rows are 16-byte aligned, prefill included: at a 4096-token
+#: prefill it measured faster than the per-query-head kernel, which reads each K / V row once per query head (H100,
+#: 4 real-width layers: 349 vs 371 ms per prefill). ``None`` = no limit; a number caps the query tokens per split
+#: launch (the tests set 0 to run the per-query-head kernel, which serves unaligned rows and ``D % 4 != 0``).
+QSA_SPLIT_MAX_T: int | None = None
 _SPLIT_TILE = 16  # QSA_TILE in qsa.cu
 _SM_COUNT = {}
 _TOPK_THREADS = 1024
@@ -494,7 +497,7 @@ def qsa_sparse_attention(q, kv_k, kv_v, block_tables, rows, n_visible, selected,
         return out
     ksel = selected.shape[1]
     bound = ksel * ratio + ratio - 1  # most tokens one query can attend (QSA's budget + incomplete tail)
-    if (0 < T <= QSA_SPLIT_MAX_T and D % 4 == 0
+    if (0 < T and (QSA_SPLIT_MAX_T is None or T <= QSA_SPLIT_MAX_T) and D % 4 == 0
             and all(int(a.data.ptr) % 16 == 0 for a in (q, kv_k, kv_v))):
         qc = cp.ascontiguousarray(q)
         if int(qc.data.ptr) % 16 == 0:

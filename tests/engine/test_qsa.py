@@ -402,8 +402,10 @@ def test_split_attention_matches_prefill_kernel_twin_dense_and_catches_a_wrong_b
     _fill(rng, pool, lengths, ("kv_k", "kv_v"))
     dev = {k: g(v) for k, v in pool.arrays.items()}
     bt = g(pool.block_tables)
-    # batch 1 (decode at 1025 and at 8192) and a batch of 16 (decode rows + verify-like mid positions)
+    # batch 1 (decode at 1025 and at 8192), a batch of 16 (decode rows + verify-like mid positions)
+    # and a prefill chunk: 300 consecutive queries of one sequence (the split kernel serves prefill too)
     cases = [(np.array([0]), np.array([1024])), (np.array([1]), np.array([8191])),
+             (np.full(300, 3), np.arange(1751, 2051)),
              (np.array([0, 1, 2, 3, 1, 1, 0, 3, 2, 1, 0, 1, 3, 1, 0, 1]),
               np.array([1024, 8191, 8, 2050, 8190, 4003, 17, 2047, 3, 2048, 1023, 2049, 0, 7, 1, 6000]))]
     for rows, qp in cases:
