@@ -210,11 +210,6 @@ def _lut(code: int) -> np.ndarray:
     return lut
 
 
-def _check_code(code: int, who: str) -> None:
-    if code not in _ITEMSIZE:
-        raise InputError(f"{who}: code: expected one of {sorted(_ITEMSIZE)}, found {code}")
-
-
 def decode_twin(raw_bytes: np.ndarray, code: int, scale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
     """NumPy twin of ``ple_decode`` in ple_gather.cu: stored bytes -> float32 by bit manipulation (tabulated
     per bit pattern), times the shard's float32 ``scale`` (one float32 multiply per value, as the kernel).
@@ -228,7 +223,8 @@ def decode_twin(raw_bytes: np.ndarray, code: int, scale: float = 1.0, out: np.nd
     Raises:
         InputError: an unknown code.
     """
-    _check_code(code, "decode_twin")
+    if code not in _ITEMSIZE:
+        raise InputError(f"decode_twin: code: expected one of {sorted(_ITEMSIZE)}, found {code}")
     b = np.ascontiguousarray(raw_bytes)
     if code == 0:
         vals = b.view(np.float32)
@@ -247,10 +243,9 @@ def decode_twin(raw_bytes: np.ndarray, code: int, scale: float = 1.0, out: np.nd
 
 
 def gather_twin(sh: TableShards, rows, out: np.ndarray | None = None) -> np.ndarray:
-    """NumPy twin of the ``ple_gather_rows`` kernel: same shard search (last shard whose start <= row),
-    decode and per-shard scale (float32 multiply), reading the shard views in place. Also the engine's
-    host gather (modes ``numpy`` and ``pinned``): one fancy index per shard over the memory map, no
-    system call per row.
+    """Host twin of the ``ple_gather_rows`` kernel: same shard search (last shard whose start <= row),
+    decode and per-shard scale (float32 multiply), reading the shard views in place (one compiled call over
+    all rows, :func:`_gather_rows`). Also the engine's host gather (modes ``numpy`` and ``pinned``).
 
     Args:
         sh: :func:`table_shards` of the layer.
@@ -272,34 +267,37 @@ def gather_twin(sh: TableShards, rows, out: np.ndarray | None = None) -> np.ndar
         raise InputError(f"gather_twin: out: expected C-contiguous float32 {(T, H * sh.head_dim)}, found "
                          f"{out.dtype} {out.shape}")
     o2 = out.reshape(flat.size, sh.head_dim)
-    n = len(sh.arrays)
-    if n == 1:
-        decode_twin(sh.arrays[0][flat], int(sh.codes[0]), sh.scales[0], out=o2)
-        return out
-    if sh._jit is None:  # once per table: the shard views as one typed list, each FP8 shard's scaled table
+    _gather_rows(*_compiled_view(sh), np.ascontiguousarray(flat), o2, o2.view(np.uint32))
+    return out
+
+
+def _compiled_view(sh: TableShards) -> tuple:
+    """``(shards, starts, codes, scales, luts)`` of :func:`_gather_rows` for ``sh``, built once per table: the
+    shard views as one typed list (read-only: one element type for file maps and in-memory shards alike), the
+    per-shard arrays contiguous, and each FP8 shard's table of its 256 scaled values."""
+    if sh._jit is None:
         from numba.typed import List
+        n = len(sh.arrays)
         views = []
         for a in sh.arrays:
             v = a.view()
-            v.flags.writeable = False  # one element type for file maps and in-memory shards alike
+            v.flags.writeable = False
             views.append(v)
         luts = np.zeros((n, 256), np.float32)
         for k in range(n):
             if int(sh.codes[k]) in (2, 3):
                 luts[k] = decode_twin(np.arange(256, dtype=np.uint8), int(sh.codes[k]), sh.scales[k])
-        sh._jit = (List(views), luts)
-    shards, luts = sh._jit
-    _gather_rows(shards, np.ascontiguousarray(sh.starts[:n]), np.ascontiguousarray(sh.codes, dtype=np.int32),
-                 np.ascontiguousarray(sh.scales, dtype=np.float32), luts, np.ascontiguousarray(flat), o2,
-                 o2.view(np.uint32))
-    return out
+        sh._jit = (List(views), np.ascontiguousarray(sh.starts[:n], dtype=np.int64),
+                   np.ascontiguousarray(sh.codes, dtype=np.int32), np.ascontiguousarray(sh.scales, dtype=np.float32),
+                   luts)
+    return sh._jit
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _gather_rows(shards, starts, codes, scales, luts, flat, out, out_bits):  # pragma: no cover - compiled
     """Rows ``flat`` of a sharded table into ``out [rows, head_dim]`` (float32; ``out_bits`` its uint32 view):
-    the shard search and decode of :func:`decode_twin` row by row, in one call (the engine's host gather had one
-    NumPy pass per shard touched: ~20 us each, ~110 shards for a 16-token decode step)."""
+    the shard search and decode of :func:`decode_twin` row by row, in one call (one NumPy pass per shard touched
+    took ~20 us each, ~110 shards for a 16-token decode step)."""
     n = starts.shape[0]
     hd = out.shape[1]
     for r in prange(flat.shape[0]):

@@ -73,7 +73,7 @@ def test_gather_host_equals_checkpoint_rows(name):
 
 
 def test_gather_single_shard_path_equals_checkpoint_rows():
-    """The one-shard fast path of gather_twin (no shard search) on the tiny table merged into one shard."""
+    """gather_twin on the tiny table merged into one shard (a table of one shard, scaled and not)."""
     from engine.ple_table import TableShards, gather_twin, table_shards
     ck = Checkpoint.open(FIXTURES / "tiny")
     layer = ck.config.ple_layers[0]
