@@ -221,7 +221,7 @@ def applicable_reparams(model_dir) -> list[str]:
     out = ["tokenizer-label"] if pre_tokenizer_label(model_dir) else []
     has_scale = False
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as s:
+        with safe_open(str(f), "numpy") as s:  # keys only: no torch needed to offer a reparam
             has_scale = has_scale or any(k.endswith("ngram_embedding.weight_scale") for k in s.keys())
     if has_scale:
         out.append("ple-dequant")
