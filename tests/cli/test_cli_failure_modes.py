@@ -280,6 +280,9 @@ def test_wrong_logits_shape_shows_no_kl_figures(tmp_path, monkeypatch, capsys):
     row = doc["scenarios"][0]
     assert row["status"] == "fail" and row["failed_cases"] == row["cases"] > 0
     assert row["worst_kl"] is None and row["worst_logit_err"] is None  # was 2.58e-12: KL of the rows before
+    # nor does the relative error figure the next step quotes: 0 would read as a perfect case
+    assert all(f["worst_logit_err_rel"] is None for f in row["failures"]), row["failures"]
+    assert doc["next_step"]["worst_logit_err_rel"] is None
     assert "backend returned logits of shape (" in row["detail"] and "= [positions, vocab_size]" in row["detail"]
     from reference.config import load_config
     assert f", {load_config(bundled_model('tiny')).vocab_size}) = [positions, vocab_size]" in row["detail"]
@@ -288,6 +291,9 @@ def test_wrong_logits_shape_shows_no_kl_figures(tmp_path, monkeypatch, capsys):
                                      [ScenarioRow(**{k: v for k, v in row.items()})]))
     cells = text.splitlines()[2].split()
     assert cells[2] == "-" and cells[3].startswith(("KL<=", "err<=")) and "-" in cells[4:7], text
+    from parity.harness.report import next_step_lines
+    lines = next_step_lines(ParityReport("clifix_short:Short", "tiny", [ScenarioRow(**{k: v for k, v in row.items()})]))
+    assert lines and not any("worst logit err" in ln for ln in lines), lines  # was '(worst logit err 0.00e+00xscale)'
 
 
 # --- 9 / 10: taps diff summary adds up, names no Python None; the --taps hints

@@ -100,8 +100,8 @@ def run_case(scenario: str, case: Case, backend, truth: TruthCache, *, page_size
     res.checks, res.worst_kl, res.worst_logit_err = run.checks, run.worst_kl, run.worst_err
     res.worst_logit_err_rel, res.tie_flips = run.worst_rel, run.tie_flips
     res.tie_equivalent = [list(x) for x in run.tie_equivalent]
-    if getattr(run, "shape_mismatch", False):  # logits of the wrong shape: no KL figure describes this case
-        res.worst_kl = res.worst_logit_err = None
+    if getattr(run, "shape_mismatch", False):  # logits of the wrong shape: no KL or error figure describes this case
+        res.worst_kl = res.worst_logit_err = res.worst_logit_err_rel = None
     res.narrowed = list(run.narrowed)
     if res.status == "fail" and res.divergence is None and locate_on_fail and not capability(backend, "taps").usable:
         res.divergence = f"not located: {capability(backend, 'taps').reason()} (no tap replay)"
