@@ -199,6 +199,8 @@ def _cmd_record(args) -> int:
     from reference.config import load_config
     from reference.paths import resolve_model
     model_dir = resolve_model(str(args.model))  # once: a fixture-name note is said once
+    from reference.paths import check_output_spares_model
+    check_output_spares_model(args.out, model_dir, "--out")
     vocab = load_config(model_dir).vocab_size   # ids checked where they are read: --ids FILE named
     ids = [int(x) for x in read_ids_file(args.ids, vocab_size=vocab)]
     arc = record(str(model_dir), ids, args.out, backend=spec, include=args.taps, layers=args.layers,
