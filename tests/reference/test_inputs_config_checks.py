@@ -289,7 +289,8 @@ def _write_st(f, hdr, data):
                                                   ("shape", "512x64", "shape: expected a list of integers"),
                                                   ("dtype", "ZZ99", "unknown dtype"),
                                                   ("dtype", 16, "unknown dtype"),
-                                                  ("data_offsets", [88.0, 65624], "data_offsets: expected two")])
+                                                  ("data_offsets", [88.0, 65624], "data_offsets: expected two"),
+                                                  ("data_offsets", [65624, 88], "expected start <= end, found")])
 @pytest.mark.parametrize("command", ["info", "logits"])
 def test_safetensors_header_bad_values_rejected_at_open(tmp_path, capsys, field, value, needle, command):
     c = _copy(tmp_path)
