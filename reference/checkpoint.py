@@ -714,10 +714,15 @@ class Checkpoint(_WeightsBase):
             text = read_utf8(index, str(index), "JSON file", CheckpointError)
             try:
                 idx = json.loads(text)
-                wanted = dict(idx["weight_map"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            except ValueError as e:   # json.JSONDecodeError is a ValueError
                 raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object, found unreadable content "
                                       f"({type(e).__name__}: {e})") from None
+            wm = idx.get("weight_map") if isinstance(idx, dict) else None
+            if not isinstance(wm, dict):
+                found = (type(idx).__name__ if not isinstance(idx, dict) else
+                         "no 'weight_map' key" if "weight_map" not in idx else f"'weight_map' as {type(wm).__name__}")
+                raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object, found {found}")
+            wanted = dict(wm)
             for n, fn in wanted.items():
                 if not (isinstance(fn, str) and fn and Path(fn).name == fn):
                     raise CheckpointError(f"{index}: weight_map[{n!r}]: expected a shard file name (a string such as "

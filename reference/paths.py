@@ -115,3 +115,18 @@ def resolve_model(model: str | None) -> Path:
     from reference.errors import InputError
     raise InputError(f"model {model!r}: expected a checkpoint directory or a bundled fixture name "
                      f"({', '.join(bundled_fixtures()) or 'none built'}), found neither")
+
+
+def check_output_spares_model(out, model, flag: str) -> None:
+    """An output directory that a run replaces (``taps record --out``, ``slice DST``) must neither be the
+    model it reads nor hold it: with ``--overwrite`` the checkpoint would be deleted with the old contents.
+
+    Raises:
+        InputError: naming ``flag``, the output and the model.
+    """
+    from reference.errors import InputError
+    o, m = Path(os.path.realpath(out)), Path(os.path.realpath(model))
+    if o == m or o in m.parents:
+        where = "is" if o == m else "holds"
+        raise InputError(f"{flag} {str(out)!r}: expected an output directory other than the model and not holding "
+                         f"it, found it {where} the model {str(model)!r} (replacing it would delete the checkpoint)")

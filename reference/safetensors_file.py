@@ -112,7 +112,10 @@ def _parse_file(path: Path) -> tuple[list[_Entry], dict]:
             raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype: expected a safetensors dtype (one of "
                                   f"{sorted(set(DTYPES) | set(_OTHER_ST_BITS))}), found {dt!r}")
         shape = tuple(shape)
-        if not b <= e or data0 + e > size:
+        if e < b:
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets: expected start "
+                                  f"<= end, found [{b}, {e}]")
+        if data0 + e > size:
             raise CheckpointError(f"{path}: truncated or corrupt file: tensor {name!r} data_offsets [{b}, {e}] run "
                                   f"beyond the data section ({size - data0} bytes)")
         # Python ints: no overflow on absurd shapes; sub-byte dtypes pack (rounded up to whole bytes)

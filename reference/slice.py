@@ -198,6 +198,8 @@ def slice_checkpoint(src, dst, *, layers: int | None = None, experts=None, vocab
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise InputError(f"slice: expected an output directory other than the source, found {str(dst)!r} for both")
+    from reference.paths import check_output_spares_model
+    check_output_spares_model(dst, src, "DST")
     check_output_path(dst, "dir", overwrite=overwrite, flag="DST")
     plan = plan_slice(src, layers=layers, experts=experts, vocab=vocab)
     ck = Checkpoint.open(src)

@@ -275,6 +275,27 @@ def replace_paths(doc, old: str, new: str):
     return doc
 
 
+def check_distinct_outputs(*outputs) -> None:
+    """Two outputs of one command must be two files: each ``(flag, path)`` (None or ``-`` skipped) is compared,
+    spelling and symbolic links resolved, with the others, so that one result never silently replaces another
+    (``kl --out F --plot F``; ``parity --write-known DIR/report.json --out DIR``). Checked before anything runs.
+
+    Raises:
+        InputError: naming both flags and the one file they name.
+    """
+    from reference.errors import InputError
+    seen = {}
+    for flag, path in outputs:
+        if path is None or str(path) == "-":
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            other, other_path = seen[real]
+            raise InputError(f"{flag} {str(path)!r}: expected a file apart from {other} {str(other_path)!r}, found "
+                             f"the same file {real!r} (one output would replace the other)")
+        seen[real] = (flag, path)
+
+
 def publish_files(files: dict) -> None:
     """Write several output files together: each ``{path: bytes}`` to a temp file beside it, then all renamed
     into place with SIGINT/SIGTERM/SIGHUP held, so an interrupted run leaves every old file or every new one.

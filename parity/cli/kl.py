@@ -153,7 +153,7 @@ def run(args) -> int:
 
     from parity.backends import backend_class
     from parity.backends.refusal import EngineRefused
-    from parity.cli.common import backend_spec, check_out, output_format, publish_files
+    from parity.cli.common import backend_spec, check_distinct_outputs, check_out, output_format, publish_files
     from parity.harness.kl import dumps
     from parity.prompts import load_prompts
     from reference.config import load_config
@@ -170,6 +170,7 @@ def run(args) -> int:
     out = check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
     to_stdout = args.out == "-"
     plot = check_out(args.plot, kind="file", overwrite=args.overwrite, flag="--plot")
+    check_distinct_outputs(("--out", args.out), ("--plot", args.plot))
     if plot is not None:
         try:
             import matplotlib  # noqa: F401

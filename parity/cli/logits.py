@@ -66,7 +66,8 @@ def run(args) -> int:
         raise InputError("--device cuda: the reference backend runs on the CPU (expected auto or cpu), found "
                          "'cuda' (use --backend engine:device=cuda for the GPU)")
     sp = backend_spec(args, legacy={"--dtype": args.dtype, "--precision": args.precision, "--device": device})
-    ck = Checkpoint.open(resolve_model(args.model))
+    model_dir = resolve_model(args.model)  # once: a fixture-name note is said once
+    ck = Checkpoint.open(model_dir)
     ids = read_ids_file(args.ids, vocab_size=ck.config.vocab_size)
     check_length(len(ids), ck.config.max_position_embeddings)
     o = sp.options
@@ -77,7 +78,7 @@ def run(args) -> int:
         backend, kw = "reference", {"dtype": o.get("dtype", "float32")}
     else:
         backend, kw = str(sp), {}
-    logits = compute_logits(args.model, ids, backend=backend, chunk_size=args.chunk_size, last_only=args.last_only,
+    logits = compute_logits(str(model_dir), ids, backend=backend, chunk_size=args.chunk_size, last_only=args.last_only,
                             **kw)
     from reference.errors import EXIT_INCONCLUSIVE, EXIT_OK, first_nonfinite
     bad = first_nonfinite(logits)

@@ -154,7 +154,7 @@ def run(args) -> int:
     """
     from pathlib import Path
 
-    from parity.cli.common import check_out, output_format, replace_paths, staged_dir
+    from parity.cli.common import check_distinct_outputs, check_out, output_format, replace_paths, staged_dir
     from parity.harness.report import write_json_atomic
     from parity.harness.run import remove_empty_dirs, run_parity, unwritten_archives
     from reference.atomic import OutputWriteError
@@ -171,6 +171,8 @@ def run(args) -> int:
         prepare_out_dir(args.out, overwrite=args.overwrite)
     if args.write_known is not None:   # the one output rule (parity.cli.common.check_out), before anything runs
         check_out(args.write_known, kind="file", overwrite=args.overwrite, flag="--write-known")
+        if args.out is not None:   # the baseline written last would replace the report
+            check_distinct_outputs(("--out", Path(args.out) / "report.json"), ("--write-known", args.write_known))
     pages = None
     if args.page_sizes is not None:
         from parity.harness.scenarios import parse_page_sizes

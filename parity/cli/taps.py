@@ -198,9 +198,12 @@ def _cmd_record(args) -> int:
     check_out(args.out, kind="dir", overwrite=args.overwrite)
     from reference.config import load_config
     from reference.paths import resolve_model
-    vocab = load_config(resolve_model(str(args.model))).vocab_size   # ids checked where they are read: --ids FILE named
+    model_dir = resolve_model(str(args.model))  # once: a fixture-name note is said once
+    from reference.paths import check_output_spares_model
+    check_output_spares_model(args.out, model_dir, "--out")
+    vocab = load_config(model_dir).vocab_size   # ids checked where they are read: --ids FILE named
     ids = [int(x) for x in read_ids_file(args.ids, vocab_size=vocab)]
-    arc = record(args.model, ids, args.out, backend=spec, include=args.taps, layers=args.layers,
+    arc = record(str(model_dir), ids, args.out, backend=spec, include=args.taps, layers=args.layers,
                  positions=args.positions, chunk_size=args.chunk_size,
                  cap_bytes=args.cap, scenario=args.scenario, overwrite=args.overwrite)
     n = len(arc.names())

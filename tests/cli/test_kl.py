@@ -283,3 +283,15 @@ def test_kl_progress_numbers_prompts_as_the_report_does(tmp_path, capsys):
     assert [g["prompt"] for g in json.loads(cap.out)["greedy"]] == [0, 1]
     finished = [ln.split(" finished ")[1].split(",")[0] for ln in cap.err.splitlines() if " finished " in ln]
     assert finished == ["prompt 0 (4 tokens)", "prompt 1 (3 tokens)"], cap.err
+
+
+def test_kl_out_and_plot_naming_one_file_are_refused(tmp_path, capsys, monkeypatch):
+    """``kl --out F --plot F`` (or two spellings of F): the PNG silently replaced the JSON report (exit 0);
+    refused before anything runs, exit 2, naming both flags; nothing written."""
+    from fixture_helpers import one_line_error
+    from parity.cli import main
+    monkeypatch.chdir(tmp_path)
+    for a, b in (("same.json", "same.json"), ("same.json", "./same.json"), (str(tmp_path / "same.json"), "same.json")):
+        assert main(["kl", "--b", "reference", "--greedy-tokens", "0", "--no-progress", "--out", a, "--plot", b]) == 2
+        one_line_error(capsys, "--plot", "--out")
+        assert list(tmp_path.iterdir()) == []

@@ -127,3 +127,22 @@ def test_known_baseline_of_other_prompts_is_exit_2(tmp_path, capsys):
     rc = main(["parity", TINY, "--backend", "reference", "--scenario", "kl", "--prompts", str(p1), "--known", str(k0),
                "--no-progress"])
     assert rc == 2 and "unrecorded prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_write_known_onto_the_out_report_is_refused(tmp_path, capsys, fresh):
+    """``--write-known DIR/report.json --out DIR``: the baseline and the report would replace one another (the
+    report was lost, exit 0); refused before anything runs, exit 2, naming both flags; nothing written."""
+    from fixture_helpers import one_line_error
+    d = tmp_path / "res"
+    d.mkdir()
+    if not fresh:   # an earlier run's results, replaced with --overwrite
+        (d / "report.json").write_text("{}")
+    rc = main(["parity", TINY, "--backend", "reference", "--scenario", "kl", "--level", "ci", "--no-progress",
+               "--out", str(d), "--write-known", str(d / "report.json"), *([] if fresh else ["--overwrite"])])
+    assert rc == 2
+    one_line_error(capsys, "--write-known", "--out")
+    assert list(d.iterdir()) == [] if fresh else (d / "report.json").read_text() == "{}"
+    # negative control: a baseline beside the results directory is another file
+    from parity.cli.common import check_distinct_outputs
+    check_distinct_outputs(("--out", d / "report.json"), ("--write-known", tmp_path / "known.json"))

@@ -279,3 +279,24 @@ def test_taps_diff_compares_selections_padded_to_other_widths(tmp_path, capsys):
     assert main(["taps", "diff", a, c]) == 1
     out = capsys.readouterr().out
     assert "FIRST DIVERGENCE: layers.2.self_attn.indexer.selected_blocks (layer 2, position 3)" in out, out
+
+
+@pytest.mark.parametrize("into", ["model", "parent"])
+def test_taps_record_out_never_replaces_the_model_it_reads(tmp_path, capsys, into):
+    """``taps record M --out M --overwrite`` (or --out the folder holding M): the archive replaced the
+    checkpoint; exit 2 before anything is written, naming --out and the model, the model left as it was."""
+    import shutil
+
+    from fixture_helpers import one_line_error
+    from parity.cli import main
+    from reference.paths import bundled_model
+    m = tmp_path / "a" / "m"
+    shutil.copytree(bundled_model("tiny"), m)
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3")
+    before = sorted(p.name for p in m.iterdir())
+    out = m if into == "model" else m.parent
+    assert main(["taps", "record", str(m), "--ids", str(ids), "--out", str(out), "--overwrite",
+                 "--taps", "logits"]) == 2
+    one_line_error(capsys, "--out", str(m))
+    assert sorted(p.name for p in m.iterdir()) == before

@@ -186,3 +186,19 @@ def test_official_model_loads_the_slice_and_agrees(fx, tmp_path):
             assert "from_pretrained" in be.load_note
     finally:
         be.close()
+
+
+def test_a_slice_into_the_folder_holding_its_source_is_refused(tmp_path, capsys):
+    """``slice ./a/m ./a --overwrite``: replacing ./a deleted the source checkpoint; exit 2 before anything is
+    written, naming DST and the model; the source is left as it was. A sibling folder is accepted (control)."""
+    import shutil
+
+    from fixture_helpers import one_line_error
+    from parity.cli import main
+    m = tmp_path / "a" / "m"
+    shutil.copytree(bundled_model("tiny"), m)
+    before = sorted(p.name for p in m.iterdir())
+    assert main(["slice", str(m), str(tmp_path / "a"), "--overwrite", "--layers", "2"]) == 2
+    one_line_error(capsys, "DST", str(m))
+    assert sorted(p.name for p in m.iterdir()) == before
+    assert main(["slice", str(m), str(tmp_path / "a" / "s"), "--layers", "2"]) == 0

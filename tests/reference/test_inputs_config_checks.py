@@ -250,6 +250,20 @@ def test_index_weight_map_non_string_is_exit_2(tmp_path, capsys, value):
     _one_line(capsys, "model.safetensors.index.json", key, "expected a shard file name")
 
 
+@pytest.mark.parametrize("doc, found", [({"metadata": {}}, "no 'weight_map' key"),
+                                        ({"weight_map": [["a", "b"]]}, "'weight_map' as list"),
+                                        ({"weight_map": "x"}, "'weight_map' as str"),
+                                        ([1, 2], "list")])
+def test_index_without_a_weight_map_object_names_what_it_found(tmp_path, capsys, doc, found):
+    """An index that is valid JSON but holds no 'weight_map' object: the error says what is there (not a
+    Python exception name, nor 'unreadable content' for a readable file); a list of pairs is not taken as a map."""
+    h = _copy(tmp_path, "tiny-hc3")
+    (h / "model.safetensors.index.json").write_text(json.dumps(doc))
+    assert main(["info", str(h)]) == 2
+    line = _one_line(capsys, "model.safetensors.index.json", "expected JSON with a 'weight_map' object", found)
+    assert "Error" not in line and "unreadable" not in line, line
+
+
 def test_index_negative_control_unchanged_copy_opens(tmp_path, capsys):
     h = _copy(tmp_path, "tiny-hc3")
     assert main(["info", str(h)]) == 0
@@ -275,7 +289,8 @@ def _write_st(f, hdr, data):
                                                   ("shape", "512x64", "shape: expected a list of integers"),
                                                   ("dtype", "ZZ99", "unknown dtype"),
                                                   ("dtype", 16, "unknown dtype"),
-                                                  ("data_offsets", [88.0, 65624], "data_offsets: expected two")])
+                                                  ("data_offsets", [88.0, 65624], "data_offsets: expected two"),
+                                                  ("data_offsets", [65624, 88], "expected start <= end, found")])
 @pytest.mark.parametrize("command", ["info", "logits"])
 def test_safetensors_header_bad_values_rejected_at_open(tmp_path, capsys, field, value, needle, command):
     c = _copy(tmp_path)

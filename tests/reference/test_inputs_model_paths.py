@@ -274,3 +274,17 @@ def test_a_folder_named_like_a_fixture_is_never_shown_as_the_fixture_name(tmp_pa
     assert str(resolve_model("mine")) == "mine" and display_path(other) == "mine"
     monkeypatch.chdir(tiny.parent.parent)
     assert display_path(tiny) == "fixtures/tiny"
+
+
+@pytest.mark.parametrize("verb", ["logits", "taps record"])
+def test_the_fixture_name_note_is_printed_once_per_command(tmp_path, monkeypatch, capsys, tiny, verb):
+    """MODEL ``tiny`` beside a folder ./tiny: the command that resolves MODEL and then computes on it says which
+    was used once, not once per place that opens the model."""
+    shutil.copytree(tiny, tmp_path / "tiny")
+    (tmp_path / "ids.txt").write_text("1 2 3")
+    monkeypatch.chdir(tmp_path)
+    argv = {"logits": ["logits", "tiny", "--ids", "ids.txt", "--out", "out.npy"],
+            "taps record": ["taps", "record", "tiny", "--ids", "ids.txt", "--out", "arc", "--taps", "logits"]}[verb]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: MODEL 'tiny' is the bundled fixture") == 1, err
