@@ -110,6 +110,9 @@ class Seq:
         self.last_verify: tuple[int, int] | None = None  # (drafted tokens, history length) right after a verify
         #: the QSA / MoE selections the backend took, ``{tap name: {position: row}}`` (Run.keep_selections)
         self.sel: dict[str, dict[int, np.ndarray]] = {}
+        #: positions of the history whose rows were accepted under a tie resolution other than the canonical one:
+        #: the backend's state holds that resolution, so every later row is judged against its truth too
+        self.tie_pos: set[int] = set()
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Snap:
     obj: Any
     hist: list[int]
     src: Any = None
+    tie_pos: frozenset = frozenset()   # the source's tie-resolved positions at snapshot time (Seq.tie_pos)
 
 
 class Run:
@@ -236,9 +240,17 @@ class Run:
         self.checks += 1
         ok, why = verdict(cmp, self.th, offset=start)
         shown = cmp  # the comparison the worst-error figures report: vs the tie-resolved truth when it judged
-        if not ok:
-            ok, why, resolved = self._tie_resolved(op, s, logits, start, end, cmp, why)
-            shown = resolved if ok else cmp
+        sticky = any(p < start for p in s.tie_pos)
+        if not ok or sticky:
+            # a history the backend resolved otherwise than the canonical truth is judged under its resolution
+            # even where the canonical rows pass: their error would hold the resolution's effect, not the
+            # backend's own (an inflated figure, or a fault offset by it)
+            ok_r, why_r, resolved = self._tie_resolved(op, s, logits, start, end, cmp, why, every_row=sticky)
+            if resolved is not None or not ok:
+                ok, why = ok_r, why_r
+                shown = resolved if resolved is not None else cmp
+                if not ok and resolved is not None:
+                    cmp = resolved   # the failure's positions are those of the judged comparison
         wk = shown.worst_kl()
         we = float(np.max(shown.max_abs_err)) if shown.n else 0.0
         self.worst_kl = max(self.worst_kl, wk) if np.isfinite(wk) else float("inf")
@@ -258,12 +270,15 @@ class Run:
         self.tie_flips += int(flips.sum())
         s.last_logits = logits[-1]
 
-    def _tie_resolved(self, op, s: Seq, logits, start: int, end: int, cmp, why: str):
+    def _tie_resolved(self, op, s: Seq, logits, start: int, end: int, cmp, why: str, every_row: bool = False):
         """A failing comparison may be tie-equivalent (parity.harness.ties): judge the rows against the truth
         under the tie resolution the backend took (its selection taps, or a search over the tied cuts of
-        ``s.hist[:end]``). Returns ``(ok, reason, comparison)``: the comparison against the tie-resolved truth
-        when it judged the rows tie-equivalent (else None); a pick outside the tie set is the reason of a failure.
-        The tie-equivalent positions are recorded in ``tie_equivalent`` (reported apart from agreement)."""
+        ``s.hist[:end]``). ``every_row``: the history before ``start`` was already resolved otherwise than the
+        canonical truth (``s.tie_pos``): every row is judged under the resolution, passing canonically or not.
+        Returns ``(ok, reason, comparison)``: the comparison against the tie-resolved truth when a resolution was
+        found (else None; with ``every_row`` it is returned failing too, and judges the rows); a pick outside the
+        tie set is the reason of a failure. The tie-equivalent positions are recorded in ``tie_equivalent``
+        (reported apart from agreement) and ``s.tie_pos``."""
         model = getattr(self.truth, "model", None)
         if model is None or not hasattr(model, "selection_hook"):
             return False, why, None
@@ -274,7 +289,7 @@ class Run:
                 be[p] = r
         be[start:end] = logits
         bad = np.zeros(end, dtype=bool)
-        bad[start:end] = position_faults(cmp, self.th)
+        bad[start:end] = True if every_row else position_faults(cmp, self.th)
         try:
             logged = getattr(self.truth, "logged", None)
             tj = judge_ties(model, s.hist[:end], be, bad, self.th, backend=self.be, be_sel=self._selection_log(s, end),
@@ -288,9 +303,12 @@ class Run:
         c2 = compare_logits(tj.logits[start:end], logits)
         ok2, why2 = verdict(c2, self.th, offset=start)
         if not ok2:
-            return False, why, None
+            return (False, why2 + " (judged under the backend's tie resolution of the earlier positions)", c2) \
+                if every_row else (False, why, None)
         pos = [start + int(i) for i in np.nonzero(position_faults(cmp, self.th))[0]]
-        self.tie_equivalent.append((op, s.label, pos))
+        if pos:
+            self.tie_equivalent.append((op, s.label, pos))
+            s.tie_pos.update(pos)
         return True, why2, c2
 
     def finish(self) -> None:
@@ -551,6 +569,8 @@ class Run:
         c = Seq(label, self.be.fork(s.h))
         c.hist = list(s.hist)
         c.last_logits = s.last_logits
+        c.rows, c.tie_pos = dict(s.rows), set(s.tie_pos)   # the same history, resolved the same way
+        c.sel = {name: dict(rows) for name, rows in s.sel.items()}
         self.seqs.append(c)
         self._check_position(op, c, f"fork of {s.label}")
         return c
@@ -585,6 +605,7 @@ class Run:
         self.be.rollback(s.h, n)
         if n:
             del s.hist[-n:]
+            s.tie_pos = {p for p in s.tie_pos if p < len(s.hist)}
         self._check_position(op, s, d)
 
     def snapshot(self, s: Seq) -> Snap:
@@ -592,7 +613,7 @@ class Run:
         self.need("snapshot", f"snapshot of seq {s.label}")
         self._next_op()
         self.current_op = "snapshot"
-        return Snap(self.be.snapshot(s.h), list(s.hist), s)
+        return Snap(self.be.snapshot(s.h), list(s.hist), s, frozenset(p for p in s.tie_pos if p < len(s.hist)))
 
     def restore(self, s: Seq, snap: Snap, desc: str | None = None):
         """Restore ``snap`` into ``s`` (history included) and check the position. Raises CaseFailure on a wrong
@@ -605,6 +626,7 @@ class Run:
         s.last_verify = None
         s.sel = {}  # the restored positions' selections were taken on another history: the tie judge re-reads them
         s.hist = list(snap.hist)
+        s.tie_pos = set(snap.tie_pos)
         self._check_position(op, s, desc or "restore")
 
     def _check_position(self, op: int, s: Seq, desc: str):
