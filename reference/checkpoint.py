@@ -241,14 +241,14 @@ class _WeightsBase:
                         + _defaulted_note(cfg, ("vocab_size", "hidden_size")))
             else:
                 what = f"{list(exp)} (from config.json)"
-            raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected {what}, "
+            raise CheckpointError(f"{self._source()}: tensor {self._file_key(name)!r}: unexpected shape: expected {what}, "
                                   f"found {list(shape)}")
         if m is not None:
             i = int(m.group(2))
             if i in self.config.ple_layers:
                 hd = self.config.ple_layout(i).head_dim
                 if len(shape) != 2 or shape[1] != hd:
-                    raise CheckpointError(f"{self._source()}: tensor {name!r}: unexpected shape: expected "
+                    raise CheckpointError(f"{self._source()}: tensor {self._file_key(name)!r}: unexpected shape: expected "
                                           f"[rows, {hd}] (head_dim = ple_embed_dim / ngram heads), found {list(shape)}")
         self._checked.add(name)
 
@@ -258,7 +258,7 @@ class _WeightsBase:
         buffers (:data:`_INT_BUFFERS`) are integers."""
         sd = self._stored()[name][0]
         if sd in _INT and not self.is_nvfp4(name):
-            raise CheckpointError(f"{self._source()}: tensor {name!r}: expected a float dtype (F32, BF16, F16, F64, "
+            raise CheckpointError(f"{self._source()}: tensor {self._file_key(name)!r}: expected a float dtype (F32, BF16, F16, F64, "
                                   f"F8_E4M3) or NVFP4 U8 codes with a weight_scale_2, found {sd}")
 
     # --- reading ------------------------------------------------------------------------
