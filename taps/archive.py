@@ -362,6 +362,11 @@ def check_manifest_schema(m: dict) -> str | None:
     missing = [x for x in order if x not in taps]
     if missing:
         return f"'order': expected names of recorded taps, found {missing[0]!r} not in 'taps'"
+    extra = [n for n in taps if n not in order]
+    if extra:   # a reader lists the taps by 'order': a tap outside it would be silently left out of a diff
+        return f"'order': expected every recorded tap, found {extra[0]!r} missing from it"
+    if len(set(order)) != len(order):
+        return "'order': expected each tap once, found a repeat"
     if "chunks" in m:
         ch = m["chunks"]
         if not isinstance(ch, dict):

@@ -111,6 +111,29 @@ def test_tap_diff_refuses_a_malformed_manifest_naming_the_field(tmp_path, capsys
     assert "manifest.json" in line
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda order: order[:-1], "missing from it"),      # a tap recorded but not listed: a diff would skip it
+    (lambda order: order + order[:1], "each tap once"),
+])
+def test_an_order_that_does_not_list_each_tap_once_is_refused_by_diff_and_check(tmp_path, capsys, edit, needle):
+    from taps.archive import ArchiveWriter
+    a = tmp_path / "a.taps"
+    w = ArchiveWriter(a)
+    for name in ("embed_tokens.out", "norm.out"):
+        w.add(name, np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(3, dtype=np.int64))
+    w.close({"backend": "reference", "dtype": "float32", "token_ids": [1, 2, 3]})
+    xm = tmp_path / "xm"
+    shutil.copytree(a, xm)
+    m = json.loads((xm / "manifest.json").read_text())
+    assert len(m["order"]) >= 2
+    (xm / "manifest.json").write_text(json.dumps({**m, "order": edit(m["order"])}))
+    assert main(["tap-diff", str(a), str(xm)]) == 2
+    line = one_line_error(capsys, "xm", "'order'", needle)
+    assert "manifest.json" in line
+    assert main(["taps", "check", str(xm)]) == 1
+    assert needle in capsys.readouterr().out
+
+
 def test_tap_diff_format_version_newer_and_null_token_ids(tmp_path, capsys):
     a = _archive(tmp_path / "a.taps")
     xm = tmp_path / "xm"
