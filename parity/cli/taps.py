@@ -203,7 +203,12 @@ def _cmd_record(args) -> int:
     check_output_spares_model(args.out, model_dir, "--out")
     vocab = load_config(model_dir).vocab_size   # ids checked where they are read: --ids FILE named
     ids = [int(x) for x in read_ids_file(args.ids, vocab_size=vocab)]
-    arc = record(str(model_dir), ids, args.out, backend=spec, include=args.taps, layers=args.layers,
+    # the name as typed where it names model_dir alone (messages then repeat it); else the resolved folder, whose
+    # second resolution repeats no fixture-beside-a-folder note
+    typed = str(args.model)
+    from pathlib import Path
+    shown = typed if not Path(typed).exists() or Path(typed).resolve() == model_dir.resolve() else str(model_dir)
+    arc = record(shown, ids, args.out, backend=spec, include=args.taps, layers=args.layers,
                  positions=args.positions, chunk_size=args.chunk_size,
                  cap_bytes=args.cap, scenario=args.scenario, overwrite=args.overwrite)
     n = len(arc.names())
