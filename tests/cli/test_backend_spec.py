@@ -78,3 +78,32 @@ def test_old_backend_names_work_with_one_deprecation_line(tmp_path, capsys):
     assert main(["logits", "tiny", "--ids", str(ids), "--out", str(b), "--overwrite", "--backend",
                  "reference:dtype=float32", "--dtype", "float64"]) == 2
     one_line_error(capsys, "--dtype", "dtype=float32")  # a flag contradicting the spec is refused
+
+
+def test_suites_bad_model_is_one_usage_error(tmp_path):
+    """A bad ``--qwen4exp-model`` is refused at configure time, also without ``--qwen4exp-backend``: a missing
+    directory, an invalid config.json, no weights. Before, each became a collection error or one error per case,
+    with a traceback."""
+    import pytest
+
+    from parity.suites import plugin
+
+    class Cfg:
+        def __init__(self, **o):
+            self.o = o
+
+        def getoption(self, name):
+            return self.o.get(name, plugin.OPTIONS[name][0])
+
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text('{"model_type": "qwen4_exp"')
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_bytes((REPO_ROOT / "fixtures" / "tiny" / "config.json").read_bytes())
+    for model, needle in ((tmp_path / "nothing", "found neither"), (bad_json, "not valid JSON"),
+                          (no_weights, "found none")):
+        with pytest.raises(pytest.UsageError, match=needle) as e:
+            plugin.pytest_configure(Cfg(**{"--qwen4exp-model": str(model)}))
+        assert "--qwen4exp-model" in str(e.value) and str(model) in str(e.value), e.value
+    plugin.pytest_configure(Cfg(**{"--qwen4exp-model": "tiny"}))  # negative control: a good model passes
