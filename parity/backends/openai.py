@@ -259,8 +259,12 @@ class OpenAIBackend(TopkServer):
         if v["after-token"] != v["openai"]:
             self.convention = "after-token" if v["after-token"] > v["openai"] else "openai"
         if self.convention is None:
+            why = ("no greedy token was mappable" if all(g is None for g in greedy) and not any(v.values()) else
+                   f"the mappable greedy tokens were the argmax of neither reading's row or of both equally often "
+                   f"(votes so far: openai {v['openai']}, after-token {v['after-token']}): the server's greedy "
+                   f"tokens do not follow its own top_logprobs")
             raise BackendError(f"backend {self.name}: cannot tell which row top_logprobs[i] is (OpenAI's "
-                               f"distribution of token i, or the one after it): no greedy token was mappable")
+                               f"distribution of token i, or the one after it): {why}")
         after = list(rows[1:]) + [None] if self.convention == "openai" else list(rows)  # openai: after p = rows[p+1]
         return after[:T + n_new - 1], greedy, ids
 

@@ -242,3 +242,27 @@ def test_malformed_server_answers_are_one_clear_backend_error(monkeypatch):
     be2 = LlamaCppServerBackend(TINY, cfg, "http://127.0.0.1:1", "m", 5, 1, 10)
     with pytest.raises(BackendError, match=r"GET /v1/models: expected a JSON object, found a list"):
         be2._request("GET", "/v1/models")
+
+
+def test_row_convention_error_says_why_it_cannot_be_told():
+    """When mappable greedy tokens match neither reading of the rows (a server whose greedy tokens do not follow
+    its own top_logprobs), the error says so -- not "no greedy token was mappable", which sends the user after
+    the tokenizer. With no mappable greedy token, that is what it says (negative control)."""
+    from parity.backends.base import BackendError
+    from parity.backends.llama_cpp_server import LlamaCppServerBackend
+    from reference.config import load_config
+    cfg = load_config(TINY)
+    be = LlamaCppServerBackend(TINY, cfg, "http://127.0.0.1:1", "m", 5, 1, 10)
+    ids = [i for i in range(cfg.vocab_size) if be.mappable(i)][:4]
+    s = [be._tok.decode([i], skip_special_tokens=False) for i in ids]
+    # greedy token ids[3]; rows 2 and 3 (the two readings) have ids[1] / ids[2] on top: neither matches
+    be._request = lambda method, path, body=None: {"choices": [{"logprobs": {
+        "tokens": s[:3] + [s[3]], "top_logprobs": [None, {s[0]: -0.1}, {s[1]: -0.1}, {s[2]: -0.1}]}}]}
+    with pytest.raises(BackendError, match="argmax of neither reading's row") as e:
+        be.prompt_topk(ids[:3], n_new=1)
+    assert "no greedy token was mappable" not in str(e.value)
+    be._votes = {"openai": 0, "after-token": 0}
+    be._request = lambda method, path, body=None: {"choices": [{"logprobs": {
+        "tokens": s[:3] + ["\u0000not-a-token"], "top_logprobs": [None, {s[0]: -0.1}, {s[1]: -0.1}, {s[2]: -0.1}]}}]}
+    with pytest.raises(BackendError, match="no greedy token was mappable"):
+        be.prompt_topk(ids[:3], n_new=1)
