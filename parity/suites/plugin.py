@@ -44,10 +44,14 @@ def pytest_configure(config):
         return
     from reference.errors import UserError
     try:
-        from parity.backends import backend_class
-        backend_class(spec or DEFAULT_BACKEND, flag="--qwen4exp-backend")
+        from parity.backends import backend_class, capabilities_of
+        cls, _ = backend_class(spec or DEFAULT_BACKEND, flag="--qwen4exp-backend")
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
+    if capabilities_of(cls).get("sequences", True) is False:  # else every case FAILs as a refused operation
+        raise pytest.UsageError(f"--qwen4exp-backend {spec!r}: expected a backend that runs sequences (the suites "
+                                f"prefill, decode, verify, roll back), found a top-k server backend; judge it with "
+                                f"qwen4exp parity --backend {spec} (its kl-topk row)")
     model = _model(config)  # a missing checkpoint is one usage error too
     try:
         # what collection and the session fixtures read next: a bad config.json or a missing / mis-shaped

@@ -107,3 +107,25 @@ def test_suites_bad_model_is_one_usage_error(tmp_path):
             plugin.pytest_configure(Cfg(**{"--qwen4exp-model": str(model)}))
         assert "--qwen4exp-model" in str(e.value) and str(model) in str(e.value), e.value
     plugin.pytest_configure(Cfg(**{"--qwen4exp-model": "tiny"}))  # negative control: a good model passes
+
+
+def test_suites_refuse_a_topk_server_backend_at_configure_time():
+    """The suites drive sequences; a top-k server backend (openai, vllm) has none, so every case FAILed as "backend
+    refused an operation the model allows" after the server was contacted. Now one usage error before anything
+    connects, naming the backend and where a server is judged (qwen4exp parity's kl-topk row)."""
+    import pytest
+
+    from parity.suites import plugin
+
+    class Cfg:
+        def __init__(self, **o):
+            self.o = o
+
+        def getoption(self, name):
+            return self.o.get(name, plugin.OPTIONS[name][0])
+
+    for spec in ("openai:url=http://127.0.0.1:1", "vllm:url=http://127.0.0.1:1"):
+        with pytest.raises(pytest.UsageError, match="top-k server backend") as e:
+            plugin.pytest_configure(Cfg(**{"--qwen4exp-backend": spec}))
+        assert spec in str(e.value) and "qwen4exp parity" in str(e.value)
+    plugin.pytest_configure(Cfg(**{"--qwen4exp-backend": "reference"}))  # negative control: a sequence backend
