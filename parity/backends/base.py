@@ -118,6 +118,14 @@ class BackendRaised(UserError, RuntimeError):
         self.traceback = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
 
 
+class BackendOutputError(UserError, RuntimeError):
+    """The backend under test returned something other than the protocol's answer (logits of the wrong
+    shape): its defect, as a raise would be -- exit :data:`reference.errors.EXIT_DIVERGENCE` (1), one line naming
+    the backend, what was expected and what was found; nothing is written."""
+
+    from reference.errors import EXIT_DIVERGENCE as exit_code  # noqa: N811 - the class attribute of UserError
+
+
 class CapabilityLimit(BackendError):
     """An operation asked for outside the limit the backend DECLARED for it (``capabilities[op]`` 'limited').
 

@@ -96,8 +96,9 @@ class OpenAIBackend(TopkServer):
         be.precision = str(precision)
         doc = be._request("GET", "/v1/models")
         if not be.model:
-            data = doc.get("data") or [{}]
-            be.model = data[0].get("id", "")
+            data = doc.get("data")
+            first = data[0] if isinstance(data, list) and data else {}
+            be.model = str(first.get("id", "")) if isinstance(first, dict) else ""
         be._probe()
         return be
 
@@ -126,10 +127,36 @@ class OpenAIBackend(TopkServer):
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read().decode("utf-8"))
+                doc = json.loads(r.read().decode("utf-8"))
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise BackendError(f"backend {self.name}: {method} {path}: expected a JSON answer within "
                                f"{self.timeout:g} s, found {type(e).__name__}: {e}") from e
+        if not isinstance(doc, dict):  # every endpoint answers an object; a list here crashed the readers
+            raise BackendError(f"backend {self.name}: {method} {path}: expected a JSON object, found "
+                               f"{_kind(doc)}")
+        return doc
+
+    def logprob_row(self, d, where: str) -> dict | None:
+        """A ``top_logprobs`` entry checked: None, or ``{key: float}`` from a JSON object whose values are
+        log-probabilities (numbers; -inf allowed, NaN and +inf not: no probability is NaN or infinite).
+
+        Raises:
+            BackendError: naming ``where``, what was expected and what was found.
+        """
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise BackendError(f"backend {self.name}: {where}: expected an object {{token: logprob}} or null, "
+                               f"found {_kind(d)}")
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and "logprob" in v:  # vLLM's prompt_logprobs: {id: {"logprob": x, ...}}
+                v = v["logprob"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v == float("inf"):
+                raise BackendError(f"backend {self.name}: {where}: expected log-probabilities (numbers, -inf "
+                                   f"allowed), found {v!r} for {k!r}")
+            out[k] = float(v)
+        return out
 
     def sendable(self, ids) -> bool:
         """Whether ``ids`` survive decode -> encode with the model's tokenizer (the API carries text)."""
@@ -174,8 +201,20 @@ class OpenAIBackend(TopkServer):
         body = {"model": self.model, "prompt": text, "max_tokens": int(n_new), "temperature": 0, "echo": True,
                 "logprobs": self.topk}
         doc = self._request("POST", "/v1/completions", body)
-        lp = (doc.get("choices") or [{}])[0].get("logprobs") or {}
-        toks, tops = lp.get("tokens") or [], lp.get("top_logprobs") or []
+        ch = doc.get("choices")
+        if not isinstance(ch, list) or not ch or not isinstance(ch[0], dict):
+            raise BackendError(f"backend {self.name}: POST /v1/completions: expected 'choices' as a list of one "
+                               f"or more objects, found {_kind(ch)}")
+        lp = ch[0].get("logprobs") or {}
+        toks = (lp.get("tokens") or []) if isinstance(lp, dict) else None
+        tops = (lp.get("top_logprobs") or []) if isinstance(lp, dict) else None
+        if not isinstance(toks, list) or not all(isinstance(t, str) for t in toks) or not isinstance(tops, list):
+            raise BackendError(f"backend {self.name}: POST /v1/completions: expected choices[0].logprobs with "
+                               f"'tokens' (strings) and 'top_logprobs' (a list), found {str(lp)[:80]!r}")
+        if len(tops) != len(toks):  # rows are read by token index: a shorter list would shift or cut them
+            raise BackendError(f"backend {self.name}: POST /v1/completions: expected one top_logprobs entry per "
+                               f"token ({len(toks)}), found {len(tops)}")
+        tops = [self.logprob_row(d, f"choices[0].logprobs.top_logprobs[{i}]") for i, d in enumerate(tops)]
         if len(toks) < len(ids) or "".join(toks[:len(ids)]) != "".join(
                 self._tok.decode([t], skip_special_tokens=False) for t in ids).replace("\ufffd", ""):
             # the echoed strings differ (the server's token strings, e.g. byte pieces, or its own tokenization
@@ -220,8 +259,12 @@ class OpenAIBackend(TopkServer):
         if v["after-token"] != v["openai"]:
             self.convention = "after-token" if v["after-token"] > v["openai"] else "openai"
         if self.convention is None:
+            why = ("no greedy token was mappable" if all(g is None for g in greedy) and not any(v.values()) else
+                   f"the mappable greedy tokens were the argmax of neither reading's row or of both equally often "
+                   f"(votes so far: openai {v['openai']}, after-token {v['after-token']}): the server's greedy "
+                   f"tokens do not follow its own top_logprobs")
             raise BackendError(f"backend {self.name}: cannot tell which row top_logprobs[i] is (OpenAI's "
-                               f"distribution of token i, or the one after it): no greedy token was mappable")
+                               f"distribution of token i, or the one after it): {why}")
         after = list(rows[1:]) + [None] if self.convention == "openai" else list(rows)  # openai: after p = rows[p+1]
         return after[:T + n_new - 1], greedy, ids
 
@@ -241,6 +284,14 @@ class OpenAIBackend(TopkServer):
 
     def _id_of(self, s):
         return self._str2id.get(s)
+
+
+def _kind(x) -> str:
+    """What a JSON value is, for a message: 'a list', 'a string ('abc')', 'nothing'."""
+    if x is None:
+        return "nothing"
+    name = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(x), "a number")
+    return f"{name} ({str(x)[:40]!r})"
 
 
 def _tokenizer(model_path, scheme: str = "openai"):

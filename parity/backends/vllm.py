@@ -58,7 +58,11 @@ class VllmBackend(OpenAIBackend):
                              f"{self.config.vocab_size}), found {[i for i in ids if not self.mappable(i)][:5]}")
         body = {"model": self.model, "prompt": ids, "max_tokens": int(n_new), "temperature": 0,
                 "logprobs": self.topk, "prompt_logprobs": self.topk, "return_tokens_as_token_ids": True}
-        ch = (self._request("POST", "/v1/completions", body).get("choices") or [{}])[0]
+        ch = self._request("POST", "/v1/completions", body).get("choices")
+        if not isinstance(ch, list) or not ch or not isinstance(ch[0], dict):
+            raise BackendError(f"backend {self.name}: POST /v1/completions: expected 'choices' as a list of one "
+                               f"or more objects, found {ch!r:.60}")
+        ch = ch[0]
         ran = ch.get("prompt_token_ids")  # the ids the server ran, where it says: first, so a drop is located
         if ran is not None and [int(t) for t in ran] != ids:
             p = next((i for i, (a, b) in enumerate(zip(ran, ids)) if int(a) != b), min(len(ran), len(ids)))
@@ -76,7 +80,7 @@ class VllmBackend(OpenAIBackend):
                 rows.append(None)
                 continue
             try:
-                row = {int(k): float(v["logprob"] if isinstance(v, dict) else v) for k, v in d.items()}
+                row = {int(k): v for k, v in self.logprob_row(d, f"prompt_logprobs[{p}]").items()}
             except (AttributeError, KeyError, TypeError, ValueError) as e:
                 raise BackendError(f"backend {self.name}: prompt_logprobs[{p}]: expected {{id: {{'logprob': x}}}}, "
                                    f"found {str(d)[:80]!r} ({type(e).__name__})") from e
@@ -86,9 +90,15 @@ class VllmBackend(OpenAIBackend):
                                      f"positions", p)
             rows.append(row)
         lp = ch.get("logprobs") or {}
-        greedy = [self._id_of(s) for s in lp.get("tokens") or []]
-        rows += [None if d is None else {i: float(v) for s, v in d.items() if (i := self._id_of(s)) is not None}
-                 for d in lp.get("top_logprobs") or []]
+        toks = (lp.get("tokens") or []) if isinstance(lp, dict) else None
+        tops = (lp.get("top_logprobs") or []) if isinstance(lp, dict) else None
+        if not isinstance(toks, list) or not isinstance(tops, list) or len(tops) != len(toks):
+            raise BackendError(f"backend {self.name}: POST /v1/completions: expected choices[0].logprobs with "
+                               f"'tokens' and one 'top_logprobs' entry per token, found {str(lp)[:80]!r}")
+        greedy = [self._id_of(s) for s in toks]
+        for j, d in enumerate(tops):
+            d = self.logprob_row(d, f"choices[0].logprobs.top_logprobs[{j}]")
+            rows.append(None if d is None else {i: v for s, v in d.items() if (i := self._id_of(s)) is not None})
         return ids, greedy, rows
 
     def _id_of(self, s):

@@ -124,6 +124,12 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
         P = args.prompt_lens[0] if args.prompt_lens else (32 if real else 64)  # the reference times one length
         settings["reference_prompt_len"] = P
         D = args.decode_tokens or (4 if real else 16)
+        # the reference prefills P then decodes D: checked here, else a length past the model's positions runs
+        # (and allocates) in the worker until it fails or the timeout ends it
+        max_pos = Checkpoint.open(m).config.max_position_embeddings
+        if P + D > max_pos:
+            raise InputError(f"--prompt-lens: expected the reference's prefill length (the first) <= {max_pos - D} "
+                             f"(max_position_embeddings={max_pos} minus {D} decode steps), found {P}")
         base = {"model": m, "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s}
         jobs.append(("reference", dict(base, kind="reference", prompt_len=P, decode_tokens=D)))
         if not args.no_peer:

@@ -284,7 +284,7 @@ class Generator:
                 h, logits = self.lm.start(np.asarray(p, dtype=np.int64))
                 prefill_s[i] = time.perf_counter() - t0
                 handles.append(h)
-                emit(i, samplers[i](logits))
+                emit(i, samplers[i](logits, _where(i, B, 0)))
             if progress and B > 1:
                 from tqdm import tqdm
                 bar = tqdm(total=B * params.max_new_tokens, desc="decode", unit="tok", leave=False)
@@ -299,7 +299,7 @@ class Generator:
                     nxt = [int(t) for t in step_greedy(hs, last)]
                 else:
                     logits = self.lm.step(hs, last)
-                    nxt = [samplers[i](logits[row]) for row, i in enumerate(active)]
+                    nxt = [samplers[i](logits[row], _where(i, B, len(out[i]))) for row, i in enumerate(active)]
                 for row, i in enumerate(active):
                     pos[i] += 1
                     emit(i, nxt[row])
@@ -324,6 +324,11 @@ class Generator:
             results.append(GenerationResult(list(map(int, prompts[i])), out[i], "".join(texts[i]), stop[i],
                                             prefill_s[i], decode_s))
         return results
+
+
+def _where(i: int, n: int, token: int) -> str:
+    """Which draw an error is about: 'generated token 3', with 'prompt i, ' when several prompts run."""
+    return (f"prompt {i}, " if n > 1 else "") + f"generated token {token}"
 
 
 def first_divergence(a: Sequence[GenerationResult], b: Sequence[GenerationResult]) -> tuple[int, int] | None:

@@ -20,6 +20,23 @@ class SamplingError(InputError):
     """A sampling value out of range."""
 
 
+def check_sampleable(logits: np.ndarray, where: str = "") -> None:
+    """Refuse logits nothing can be drawn from: a NaN or +inf (argmax would pick the NaN's id; the softmax is
+    NaN), or no finite value at all. -inf alone is fine: an id the backend excludes.
+
+    Raises:
+        InconclusiveError: naming ``where`` (e.g. 'prompt 0, generated token 3'), the first bad id and value.
+    """
+    bad = np.isnan(logits) | (logits == np.inf)
+    if bad.any() or not np.isfinite(logits).any():
+        from reference.errors import EXIT_INCONCLUSIVE, InconclusiveError
+        j = int(np.argmax(bad)) if bad.any() else 0
+        raise InconclusiveError(
+            f"{where + ': ' if where else ''}the logits to sample from: expected finite values (-inf only for "
+            f"excluded ids), found {logits[j]} at id {j}; the checkpoint's weights or the backend give NaN/Inf, "
+            f"nothing can be generated from them (exit {EXIT_INCONCLUSIVE})")
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings. ``temperature == 0`` or ``do_sample=False`` means greedy (argmax, lowest id
@@ -131,16 +148,22 @@ class Sampler:
         self.p = params.validate()
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, where: str = "") -> int:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        check_sampleable(logits, where)
         if self.p.greedy:
             return int(np.argmax(logits))
         probs = self.probs(logits)
         return int(self.rng.choice(probs.size, p=probs))
 
-    def probs(self, logits: np.ndarray) -> np.ndarray:
-        """The sampling distribution ``[V]`` float64 after temperature, top-k and top-p (sampling params)."""
+    def probs(self, logits: np.ndarray, where: str = "") -> np.ndarray:
+        """The sampling distribution ``[V]`` float64 after temperature, top-k and top-p (sampling params).
+
+        Raises:
+            InconclusiveError: NaN or +inf logits, or none finite (:func:`check_sampleable`).
+        """
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        check_sampleable(logits, where)
         x = logits / self.p.temperature
         k = int(self.p.top_k)
         if 0 < k < x.size:

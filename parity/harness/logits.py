@@ -68,6 +68,12 @@ def compute_logits(model_path, ids, backend: str = "reference", dtype: str = "fl
         h = be.new_sequence()
         out = np.asarray(be.prefill(h, [int(x) for x in ids], chunk_size=chunk_size))
         be.free(h)
+        want = (len(ids), ck.config.vocab_size)
+        if out.shape != want:  # else a [T, V-1] (or transposed) array would be written as if it were the logits
+            from parity.backends.base import BackendOutputError
+            raise BackendOutputError(f"backend {str(getattr(be, 'name', backend))!r}: prefill of {len(ids)} ids: "
+                                     f"expected logits of shape {list(want)} ([T, vocab_size]), found "
+                                     f"{list(out.shape)}; nothing was written")
     finally:
         close = getattr(be, "close", None)
         if close is not None:

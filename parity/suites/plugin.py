@@ -35,24 +35,40 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """When ``--qwen4exp-backend`` or ``--qwen4exp-page-sizes`` is given: refuse an unknown backend, a missing
-    checkpoint or bad page sizes once, as a usage error (not one failure per case). Does nothing otherwise."""
+    """When ``--qwen4exp-backend``, ``--qwen4exp-model`` or ``--qwen4exp-page-sizes`` is given: refuse an unknown
+    backend, a missing or unreadable checkpoint (config.json, tensor headers) or bad page sizes once, as a usage
+    error (not a collection error, nor one error per case). Does nothing otherwise."""
     spec = config.getoption("--qwen4exp-backend")
     ps = config.getoption("--qwen4exp-page-sizes")
-    if spec is None and ps is None:
+    if spec is None and ps is None and config.getoption("--qwen4exp-model") is None:
         return
     from reference.errors import UserError
     try:
-        from parity.backends import backend_class
-        backend_class(spec or DEFAULT_BACKEND, flag="--qwen4exp-backend")
+        from parity.backends import backend_class, capabilities_of
+        cls, _ = backend_class(spec or DEFAULT_BACKEND, flag="--qwen4exp-backend")
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
-    _model(config)  # a missing checkpoint is one usage error too
+    if capabilities_of(cls).get("sequences", True) is False:  # else every case FAILs as a refused operation
+        raise pytest.UsageError(f"--qwen4exp-backend {spec!r}: expected a backend that runs sequences (the suites "
+                                f"prefill, decode, verify, roll back), found a top-k server backend; judge it with "
+                                f"qwen4exp parity --backend {spec} (its kl-topk row)")
+    model = _model(config)  # a missing checkpoint is one usage error too
+    try:
+        # what collection and the session fixtures read next: a bad config.json or a missing / mis-shaped
+        # tensor would otherwise surface as a traceback there (headers only: cheap)
+        from reference.checkpoint import Checkpoint
+        from reference.config import load_config
+        max_pos = load_config(model).max_position_embeddings
+        ck = Checkpoint.open(model)
+        try:
+            ck.validate()
+        finally:
+            ck.close()
+    except UserError as e:
+        raise pytest.UsageError(f"--qwen4exp-model: {e}") from None
     if ps is not None:
         from parity.harness.scenarios import parse_page_sizes
         try:
-            from reference.config import load_config
-            max_pos = load_config(_model(config)).max_position_embeddings
             parse_page_sizes(ps, max_pos, flag="--qwen4exp-page-sizes")
         except UserError as e:
             raise pytest.UsageError(str(e)) from None

@@ -78,3 +78,54 @@ def test_old_backend_names_work_with_one_deprecation_line(tmp_path, capsys):
     assert main(["logits", "tiny", "--ids", str(ids), "--out", str(b), "--overwrite", "--backend",
                  "reference:dtype=float32", "--dtype", "float64"]) == 2
     one_line_error(capsys, "--dtype", "dtype=float32")  # a flag contradicting the spec is refused
+
+
+def test_suites_bad_model_is_one_usage_error(tmp_path):
+    """A bad ``--qwen4exp-model`` is refused at configure time, also without ``--qwen4exp-backend``: a missing
+    directory, an invalid config.json, no weights. Before, each became a collection error or one error per case,
+    with a traceback."""
+    import pytest
+
+    from parity.suites import plugin
+
+    class Cfg:
+        def __init__(self, **o):
+            self.o = o
+
+        def getoption(self, name):
+            return self.o.get(name, plugin.OPTIONS[name][0])
+
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text('{"model_type": "qwen4_exp"')
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_bytes((REPO_ROOT / "fixtures" / "tiny" / "config.json").read_bytes())
+    for model, needle in ((tmp_path / "nothing", "found neither"), (bad_json, "not valid JSON"),
+                          (no_weights, "found none")):
+        with pytest.raises(pytest.UsageError, match=needle) as e:
+            plugin.pytest_configure(Cfg(**{"--qwen4exp-model": str(model)}))
+        assert "--qwen4exp-model" in str(e.value) and str(model) in str(e.value), e.value
+    plugin.pytest_configure(Cfg(**{"--qwen4exp-model": "tiny"}))  # negative control: a good model passes
+
+
+def test_suites_refuse_a_topk_server_backend_at_configure_time():
+    """The suites drive sequences; a top-k server backend (openai, vllm) has none, so every case FAILed as "backend
+    refused an operation the model allows" after the server was contacted. Now one usage error before anything
+    connects, naming the backend and where a server is judged (qwen4exp parity's kl-topk row)."""
+    import pytest
+
+    from parity.suites import plugin
+
+    class Cfg:
+        def __init__(self, **o):
+            self.o = o
+
+        def getoption(self, name):
+            return self.o.get(name, plugin.OPTIONS[name][0])
+
+    for spec in ("openai:url=http://127.0.0.1:1", "vllm:url=http://127.0.0.1:1"):
+        with pytest.raises(pytest.UsageError, match="top-k server backend") as e:
+            plugin.pytest_configure(Cfg(**{"--qwen4exp-backend": spec}))
+        assert spec in str(e.value) and "qwen4exp parity" in str(e.value)
+    plugin.pytest_configure(Cfg(**{"--qwen4exp-backend": "reference"}))  # negative control: a sequence backend

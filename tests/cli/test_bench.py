@@ -203,6 +203,25 @@ def test_bench_sizes_beyond_max_positions_are_exit_2_before_running(capsys, monk
     one_line_error(capsys, *needles)
 
 
+@pytest.mark.parametrize("extra, needles", [
+    (["--prompt-lens", "99999999"], ["--prompt-lens", "max_position_embeddings=32768", "99999999"]),
+    (["--prompt-lens", "32760"], ["--prompt-lens", "<= 32752", "16 decode steps", "32760"]),
+])
+def test_bench_reference_prompt_beyond_max_positions_is_exit_2_before_running(capsys, monkeypatch, extra, needles):
+    """The reference job (prefill P, then decode D) is held to max_position_embeddings as the engine's is: a
+    longer --prompt-lens is one usage error before any worker starts, not a worker prefilling 1e8 random ids
+    until its timeout."""
+    from parity.bench import runner
+    monkeypatch.setattr(runner, "run_worker", lambda *a, **k: pytest.fail("a worker ran before the check"))
+    assert main(["bench", "--backend", "reference", "--no-peer", "--no-extras", *extra]) == 2
+    one_line_error(capsys, *needles)
+    from parity.bench.plan import plan
+    from parity.cli import build_parser
+    args = build_parser().parse_args(["bench", "--backend", "reference", "--no-peer", "--no-extras",
+                                      "--prompt-lens", "32752"])
+    assert dict(plan(args)[0])["reference"]["prompt_len"] == 32752  # negative control: the largest that fits
+
+
 def test_bench_sizes_within_limits_plan_and_empty_items_refused(capsys):
     from parity.cli import build_parser
     from parity.bench.plan import ints as _ints, plan

@@ -268,3 +268,29 @@ def test_logits_out_parent_must_exist_and_existing_needs_overwrite(tmp_path, cap
     assert "--overwrite" in capsys.readouterr().err and out.read_bytes() == b"old"
     assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out), "--overwrite"]) == 0
     assert np.load(out).shape[0] == 4
+
+
+def test_logits_of_the_wrong_shape_from_a_backend_are_refused(tmp_path, capsys, monkeypatch):
+    """A module:Class backend whose prefill returns logits of another shape ([T, V-1], or transposed) is one
+    ERROR line naming the backend, the expected and the found shape, exit 1, and nothing is written -- not a
+    file of that shape with exit 0 (the file is [T, vocab_size] by contract)."""
+    (tmp_path / "shapebe.py").write_text(
+        "import numpy as np\n"
+        "from parity.backends.reference import ReferenceBackend\n"
+        "class Cut(ReferenceBackend):\n"
+        "    def prefill(self, h, ids, chunk_size=None):\n"
+        "        return np.asarray(super().prefill(h, ids, chunk_size=chunk_size))[:, :-1]\n"
+        "class Turned(ReferenceBackend):\n"
+        "    def prefill(self, h, ids, chunk_size=None):\n"
+        "        return np.asarray(super().prefill(h, ids, chunk_size=chunk_size)).T.copy()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ids = ids_file(tmp_path)
+    V = Checkpoint.open(FIXTURES / "tiny").config.vocab_size
+    for cls, found in (("Cut", [6, V - 1]), ("Turned", [V, 6])):
+        out = tmp_path / f"{cls}.npy"
+        assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out), "--backend", f"shapebe:{cls}"]) == 1
+        one_line_error(capsys, f"shapebe:{cls}", f"expected logits of shape [6, {V}]", f"found {found}")
+        assert not out.exists()
+    out = tmp_path / "ok.npy"  # negative control: the same backend's correct logits are written
+    assert main(["logits", "tiny", "--ids", str(ids), "--out", str(out), "--backend", "shapebe:ReferenceBackend"]) == 0
+    assert np.load(out).shape == (6, V)

@@ -282,6 +282,26 @@ def test_sampler_seeded():
     assert r1 != r3  # negative control: another seed draws another sequence
 
 
+def test_sampler_refuses_logits_nothing_can_be_drawn_from():
+    """NaN or +inf logits (a backend or checkpoint gone wrong) are one inconclusive error naming the draw, the id
+    and the value -- not numpy's 'Probabilities contain NaN' as an internal error, nor a silent argmax landing on
+    the NaN's id. -inf alone marks an excluded id and is sampled around (negative control)."""
+    from reference.errors import EXIT_INCONCLUSIVE, InconclusiveError
+    x = np.array([0.5, 1.0, 2.0, 0.1])
+    for params in (G.SamplingParams(seed=1), G.SamplingParams(do_sample=False), G.SamplingParams(top_p=0.5)):
+        for val, j in ((np.nan, 2), (np.inf, 1)):
+            y = x.copy()
+            y[j] = val
+            with pytest.raises(InconclusiveError, match=rf"generated token 3: .*found {val} at id {j}") as e:
+                G.Sampler(params)(y, "generated token 3")
+            assert e.value.exit_code == EXIT_INCONCLUSIVE
+        with pytest.raises(InconclusiveError, match="found -inf at id 0"):
+            G.Sampler(params)(np.full(4, -np.inf))
+        y = x.copy()
+        y[2] = -np.inf
+        assert G.Sampler(params)(y) != 2
+
+
 def test_generation_config_defaults():
     gc = {"eos_token_id": [248046, 248044], "do_sample": True, "temperature": 1.0, "top_k": 20, "top_p": 0.95}
     d = G.sampling_defaults(gc)

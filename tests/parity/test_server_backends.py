@@ -174,3 +174,95 @@ def test_a_server_declares_no_sequence_operation(server_model, tmp_path):
     assert caps["sequences"] is False
     for op in ("verify", "fork", "batched_prefill"):
         assert caps[op]["status"] == "unsupported" and "no sequences" in caps[op]["limit"], (op, caps[op])
+
+
+def test_malformed_server_answers_are_one_clear_backend_error(monkeypatch):
+    """A server answering JSON of the wrong shape or with values no log-probability has (NaN, +inf, a string)
+    is a BackendError naming the field, what was expected and what was found (a case ERROR, exit 1), for both
+    server backends -- not an AttributeError / IndexError / ValueError that `parity` reported as a backend that
+    "cannot be opened" (exit 2), nor NaN logprobs judged as a KL of nan."""
+    import io
+    import urllib.request
+
+    from parity.backends.base import BackendError
+    from parity.backends.llama_cpp_server import LlamaCppServerBackend
+    from parity.backends.vllm import VllmBackend
+    from reference.config import load_config
+    cfg = load_config(TINY)
+    be = LlamaCppServerBackend(TINY, cfg, "http://127.0.0.1:1", "m", 5, 1, 10)
+    ids = [i for i in range(cfg.vocab_size) if be.mappable(i)][:3]
+    assert be.sendable(ids)
+    toks = [be._tok.decode([i], skip_special_tokens=False) for i in ids] + [be._tok.decode([ids[0]])]
+    good_tops = [None, {toks[1]: -0.1}, {toks[2]: -0.1}, {toks[0]: -0.1}]  # the greedy token: argmax of row 3
+
+    def answer(tops=good_tops, lp=None, doc=None):
+        d = doc if doc is not None else {"choices": [{"logprobs": lp if lp is not None else
+                                                      {"tokens": toks, "top_logprobs": tops}}]}
+        be._request = lambda method, path, body=None: d
+        be.convention = None
+        be._votes = {"openai": 0, "after-token": 0}
+        return be.prompt_topk(ids, n_new=1)
+
+    cases = [
+        (dict(doc={"choices": "nope"}), "expected 'choices' as a list of one or more objects, found a string"),
+        (dict(doc={"choices": []}), "expected 'choices' as a list"),
+        (dict(lp={"tokens": "abc", "top_logprobs": []}), "expected choices[0].logprobs with 'tokens'"),
+        (dict(tops=good_tops[:2]), "expected one top_logprobs entry per token (4), found 2"),
+        (dict(tops=[None, [1, 2]] + good_tops[2:]), "top_logprobs[1]: expected an object {token: logprob} or null"),
+        (dict(tops=[None, {toks[0]: "x"}] + good_tops[2:]), "top_logprobs[1]: expected log-probabilities"),
+        (dict(tops=[None, {toks[0]: None}] + good_tops[2:]), "found None"),
+        (dict(tops=[None, {toks[0]: float("nan")}] + good_tops[2:]), "found nan"),
+        (dict(tops=[None, {toks[0]: float("inf")}] + good_tops[2:]), "found inf"),
+    ]
+    for kw, needle in cases:
+        with pytest.raises(BackendError) as e:
+            answer(**kw)
+        assert needle in str(e.value), (kw, str(e.value))
+    answer(tops=[None, {toks[0]: float("-inf")}] + good_tops[2:])  # negative control: -inf is a probability 0
+
+    vb = VllmBackend(TINY, cfg, "http://127.0.0.1:1", "m", 5, 1, 10)
+    plp = [None, {"6": {"logprob": -0.1}}, {"7": {"logprob": float("nan")}}]
+    vb._request = lambda method, path, body=None: {"choices": [{"prompt_logprobs": plp, "logprobs": {
+        "tokens": ["token_id:1"], "top_logprobs": [{"token_id:1": -0.1}]}}]}
+    with pytest.raises(BackendError, match=r"prompt_logprobs\[2\]: expected log-probabilities .* found nan"):
+        vb.prompt_topk([5, 6, 7], n_new=1)
+    vb._request = lambda method, path, body=None: {"choices": [{"prompt_logprobs": plp[:2] + [{"7": -0.2}],
+                                                                "logprobs": {"tokens": ["token_id:1"],
+                                                                             "top_logprobs": []}}]}
+    with pytest.raises(BackendError, match="one 'top_logprobs' entry per token"):
+        vb.prompt_topk([5, 6, 7], n_new=1)
+
+    class Resp(io.BytesIO):  # the transport: a JSON list where an object is due
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout=None: Resp(b"[1, 2]"))
+    be2 = LlamaCppServerBackend(TINY, cfg, "http://127.0.0.1:1", "m", 5, 1, 10)
+    with pytest.raises(BackendError, match=r"GET /v1/models: expected a JSON object, found a list"):
+        be2._request("GET", "/v1/models")
+
+
+def test_row_convention_error_says_why_it_cannot_be_told():
+    """When mappable greedy tokens match neither reading of the rows (a server whose greedy tokens do not follow
+    its own top_logprobs), the error says so -- not "no greedy token was mappable", which sends the user after
+    the tokenizer. With no mappable greedy token, that is what it says (negative control)."""
+    from parity.backends.base import BackendError
+    from parity.backends.llama_cpp_server import LlamaCppServerBackend
+    from reference.config import load_config
+    cfg = load_config(TINY)
+    be = LlamaCppServerBackend(TINY, cfg, "http://127.0.0.1:1", "m", 5, 1, 10)
+    ids = [i for i in range(cfg.vocab_size) if be.mappable(i)][:4]
+    s = [be._tok.decode([i], skip_special_tokens=False) for i in ids]
+    # greedy token ids[3]; rows 2 and 3 (the two readings) have ids[1] / ids[2] on top: neither matches
+    be._request = lambda method, path, body=None: {"choices": [{"logprobs": {
+        "tokens": s[:3] + [s[3]], "top_logprobs": [None, {s[0]: -0.1}, {s[1]: -0.1}, {s[2]: -0.1}]}}]}
+    with pytest.raises(BackendError, match="argmax of neither reading's row") as e:
+        be.prompt_topk(ids[:3], n_new=1)
+    assert "no greedy token was mappable" not in str(e.value)
+    be._votes = {"openai": 0, "after-token": 0}
+    be._request = lambda method, path, body=None: {"choices": [{"logprobs": {
+        "tokens": s[:3] + ["\u0000not-a-token"], "top_logprobs": [None, {s[0]: -0.1}, {s[1]: -0.1}, {s[2]: -0.1}]}}]}
+    with pytest.raises(BackendError, match="no greedy token was mappable"):
+        be.prompt_topk(ids[:3], n_new=1)
