@@ -316,15 +316,26 @@ def run(args: argparse.Namespace) -> int:
     single = len(prompts) == 1
     stream = single and not args.json
 
+    streamed = []
+
     def on_text(i, piece):
         sys.stdout.write(safe_text(piece))  # a random model's ESC / control bytes must not drive the terminal
         sys.stdout.flush()
+        streamed.append(bool(piece))
 
-    if k_spec is not None:  # MTP drafts, one prompt after another
-        results = [G.generate_speculative(gen, p, params, k_spec, on_text=(lambda s: on_text(0, s)) if stream else None)
-                   for p in prompts]
-    else:
-        results = gen.generate_batch(prompts, params, on_text=on_text if stream else None, progress=not args.json and not args.no_progress and sys.stderr.isatty())
+    try:
+        if k_spec is not None:  # MTP drafts, one prompt after another
+            results = [G.generate_speculative(gen, p, params, k_spec,
+                                              on_text=(lambda s: on_text(0, s)) if stream else None)
+                       for p in prompts]
+        else:
+            results = gen.generate_batch(prompts, params, on_text=on_text if stream else None,
+                                         progress=not args.json and not args.no_progress and sys.stderr.isatty())
+    except BaseException:
+        if any(streamed):   # the error (stderr) starts a line of its own, not after the streamed text
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     n_prompt = sum(len(p) for p in prompts)
     prefill_s = sum(r.prefill_s for r in results)
     decode_s = results[0].decode_s

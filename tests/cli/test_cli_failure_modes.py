@@ -215,6 +215,36 @@ def test_generate_outside_backend(tmp_path, monkeypatch, capsys, raising):
     assert main([*argv, "--backend", "clifix_good:Mine", "--device", "cpu"]) == 2
 
 
+LATE = '''
+from parity.backends import ReferenceBackend
+
+
+class RaiseOnThirdDecode(ReferenceBackend):
+    calls = 0
+
+    def decode(self, handles, token_ids):
+        type(self).calls += 1
+        if type(self).calls == 3:
+            raise RuntimeError("late")
+        return super().decode(handles, token_ids)
+'''
+
+
+def test_generate_ends_the_streamed_line_before_a_backend_error(tmp_path, monkeypatch, capsys, raising):
+    """Text streamed before the backend raised ends with a newline, so the error is a line of its own on a
+    terminal (stdout and stderr share it); the control: nothing streamed, nothing added."""
+    (tmp_path / "clifix_late.py").write_text(LATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("clifix_late", None)
+    argv = ["generate", "--prompt", "hello", "--greedy", "--max-new-tokens", "6", "--backend",
+            "clifix_late:RaiseOnThirdDecode"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert out and out.endswith("\n") and out.count("\n") == 1, repr(out)
+    assert main([*argv[:-2], "--backend", "clifix_raise:RaiseRuntime"]) == 1   # raises before any text
+    assert capsys.readouterr().out == ""
+
+
 # --- 6 / 7: --format is shared by bench and generate; bench's text is plain; --warmup's help says >= 0
 def test_bench_format_text_is_plain_and_shared(monkeypatch, capsys):
     from parity.bench import runner
