@@ -300,7 +300,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _kind(v) -> str:
+def json_kind(v) -> str:
     """A JSON value's type as a user reads it, with a short excerpt: ``a string ("1")``."""
     kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
@@ -319,46 +319,46 @@ def check_manifest_schema(m: dict) -> str | None:
     """
     taps = m.get("taps")
     if not isinstance(taps, dict):
-        return f"'taps': expected an object of tap name -> entry, found {_kind(taps)}"
+        return f"'taps': expected an object of tap name -> entry, found {json_kind(taps)}"
     for name, t in taps.items():
         at = f"'taps'[{name!r}]"
         if not isinstance(t, dict):
-            return f"{at}: expected an object, found {_kind(t)}"
+            return f"{at}: expected an object, found {json_kind(t)}"
         if not isinstance(t.get("dtype"), str):
-            return f"{at}.dtype: expected a string, found {_kind(t.get('dtype'))}"
+            return f"{at}.dtype: expected a string, found {json_kind(t.get('dtype'))}"
         try:
             np.dtype(t["dtype"])
         except TypeError:
-            return f"{at}.dtype: expected a numpy dtype name, found {_kind(t['dtype'])}"
+            return f"{at}.dtype: expected a numpy dtype name, found {json_kind(t['dtype'])}"
         tail = t.get("tail")
         if not isinstance(tail, list) or not all(_is_int(x) and x >= 0 for x in tail):
-            return f"{at}.tail: expected a list of integers >= 0, found {_kind(tail)}"
+            return f"{at}.tail: expected a list of integers >= 0, found {json_kind(tail)}"
         if not _is_int(t.get("rows")) or t["rows"] < 0:
-            return f"{at}.rows: expected an integer >= 0, found {_kind(t.get('rows'))}"
+            return f"{at}.rows: expected an integer >= 0, found {json_kind(t.get('rows'))}"
         if "kind" in t and not isinstance(t["kind"], str):
-            return f"{at}.kind: expected a string, found {_kind(t['kind'])}"
+            return f"{at}.kind: expected a string, found {json_kind(t['kind'])}"
         if "ragged" in t and not isinstance(t["ragged"], bool):
-            return f"{at}.ragged: expected true or false, found {_kind(t['ragged'])}"
+            return f"{at}.ragged: expected true or false, found {json_kind(t['ragged'])}"
         segs = t.get("segments")
         if not isinstance(segs, list):
-            return f"{at}.segments: expected a list, found {_kind(segs)}"
+            return f"{at}.segments: expected a list, found {json_kind(segs)}"
         total = 0
         for i, sg in enumerate(segs):
             if not isinstance(sg, dict):
-                return f"{at}.segments[{i}]: expected an object, found {_kind(sg)}"
+                return f"{at}.segments[{i}]: expected an object, found {json_kind(sg)}"
             f = sg.get("file")
             if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", ".."):
-                return f"{at}.segments[{i}].file: expected a file name inside the archive, found {_kind(f)}"
+                return f"{at}.segments[{i}].file: expected a file name inside the archive, found {json_kind(f)}"
             if not isinstance(sg.get("key"), str):
-                return f"{at}.segments[{i}].key: expected a string, found {_kind(sg.get('key'))}"
+                return f"{at}.segments[{i}].key: expected a string, found {json_kind(sg.get('key'))}"
             if not _is_int(sg.get("rows")) or sg["rows"] < 0:
-                return f"{at}.segments[{i}].rows: expected an integer >= 0, found {_kind(sg.get('rows'))}"
+                return f"{at}.segments[{i}].rows: expected an integer >= 0, found {json_kind(sg.get('rows'))}"
             total += sg["rows"]
         if total != t["rows"]:
             return f"{at}: expected segment rows summing to rows={t['rows']}, found {total}"
     order = m.get("order")
     if not isinstance(order, list) or not all(isinstance(x, str) for x in order):
-        return f"'order': expected a list of tap names, found {_kind(order)}"
+        return f"'order': expected a list of tap names, found {json_kind(order)}"
     missing = [x for x in order if x not in taps]
     if missing:
         return f"'order': expected names of recorded taps, found {missing[0]!r} not in 'taps'"
@@ -370,26 +370,26 @@ def check_manifest_schema(m: dict) -> str | None:
     if "chunks" in m:
         ch = m["chunks"]
         if not isinstance(ch, dict):
-            return f"'chunks': expected an object of file name -> {{sha256, bytes}}, found {_kind(ch)}"
+            return f"'chunks': expected an object of file name -> {{sha256, bytes}}, found {json_kind(ch)}"
         for fname, e in ch.items():
             if not isinstance(e, dict):
-                return f"'chunks'[{fname!r}]: expected an object with sha256 and bytes, found {_kind(e)}"
+                return f"'chunks'[{fname!r}]: expected an object with sha256 and bytes, found {json_kind(e)}"
             if "sha256" in e and not isinstance(e["sha256"], str):
-                return f"'chunks'[{fname!r}].sha256: expected a string, found {_kind(e['sha256'])}"
+                return f"'chunks'[{fname!r}].sha256: expected a string, found {json_kind(e['sha256'])}"
             if "bytes" in e and (not _is_int(e["bytes"]) or e["bytes"] < 0):
-                return f"'chunks'[{fname!r}].bytes: expected an integer >= 0, found {_kind(e['bytes'])}"
+                return f"'chunks'[{fname!r}].bytes: expected an integer >= 0, found {json_kind(e['bytes'])}"
     if m.get("token_ids") is not None:
         ids = m["token_ids"]
         if not isinstance(ids, list):
-            return f"'token_ids': expected a list of integers (or null: not recorded), found {_kind(ids)}"
+            return f"'token_ids': expected a list of integers (or null: not recorded), found {json_kind(ids)}"
         bad = next((i for i, x in enumerate(ids) if not _is_int(x) or x < 0), None)
         if bad is not None:
-            return f"'token_ids': expected integers >= 0, found {_kind(ids[bad])} at index {bad}"
+            return f"'token_ids': expected integers >= 0, found {json_kind(ids[bad])} at index {bad}"
     if m.get("model") is not None and not isinstance(m["model"], dict):
-        return f"'model': expected an object (or null), found {_kind(m['model'])}"
+        return f"'model': expected an object (or null), found {json_kind(m['model'])}"
     for k in ("backend", "dtype"):
         if m.get(k) is not None and not isinstance(m[k], str):
-            return f"'{k}': expected a string (or null), found {_kind(m[k])}"
+            return f"'{k}': expected a string (or null), found {json_kind(m[k])}"
     return None
 
 
@@ -422,7 +422,7 @@ class Archive(TapSource):
         ver = manifest.get("format_version")
         if not _is_int(ver) or ver < 1:
             raise ArchiveError(f"tap archive {str(p)!r}: {MANIFEST} 'format_version': expected an integer >= 1, "
-                               f"found {_kind(ver) if 'format_version' in manifest else 'none'}")
+                               f"found {json_kind(ver) if 'format_version' in manifest else 'none'}")
         if ver > FORMAT_VERSION:
             raise ArchiveError(f"tap archive {str(p)!r}: format version {ver!r} is newer than this reader supports "
                                f"(up to {FORMAT_VERSION}); upgrade qwen4exp-parity (producer was "

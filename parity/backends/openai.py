@@ -33,6 +33,7 @@ from pathlib import Path
 
 
 from reference.errors import InputError
+from taps.archive import json_kind
 
 from parity.backends.base import BackendError, EchoMisaligned, TopkServer  # noqa: F401 - EchoMisaligned: its old home
 
@@ -133,7 +134,7 @@ class OpenAIBackend(TopkServer):
                                f"{self.timeout:g} s, found {type(e).__name__}: {e}") from e
         if not isinstance(doc, dict):  # every endpoint answers an object; a list here crashed the readers
             raise BackendError(f"backend {self.name}: {method} {path}: expected a JSON object, found "
-                               f"{_kind(doc)}")
+                               f"{json_kind(doc)}")
         return doc
 
     def logprob_row(self, d, where: str) -> dict | None:
@@ -147,7 +148,7 @@ class OpenAIBackend(TopkServer):
             return None
         if not isinstance(d, dict):
             raise BackendError(f"backend {self.name}: {where}: expected an object {{token: logprob}} or null, "
-                               f"found {_kind(d)}")
+                               f"found {json_kind(d)}")
         out = {}
         for k, v in d.items():
             if isinstance(v, dict) and "logprob" in v:  # vLLM's prompt_logprobs: {id: {"logprob": x, ...}}
@@ -204,7 +205,7 @@ class OpenAIBackend(TopkServer):
         ch = doc.get("choices")
         if not isinstance(ch, list) or not ch or not isinstance(ch[0], dict):
             raise BackendError(f"backend {self.name}: POST /v1/completions: expected 'choices' as a list of one "
-                               f"or more objects, found {_kind(ch)}")
+                               f"or more objects, found {json_kind(ch)}")
         lp = ch[0].get("logprobs") or {}
         toks = (lp.get("tokens") or []) if isinstance(lp, dict) else None
         tops = (lp.get("top_logprobs") or []) if isinstance(lp, dict) else None
@@ -284,14 +285,6 @@ class OpenAIBackend(TopkServer):
 
     def _id_of(self, s):
         return self._str2id.get(s)
-
-
-def _kind(x) -> str:
-    """What a JSON value is, for a message: 'a list', 'a string ('abc')', 'nothing'."""
-    if x is None:
-        return "nothing"
-    name = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(x), "a number")
-    return f"{name} ({str(x)[:40]!r})"
 
 
 def _tokenizer(model_path, scheme: str = "openai"):

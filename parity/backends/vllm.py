@@ -18,6 +18,7 @@ can be installed on the machine the tool is developed on (no GPU runtime for the
 from __future__ import annotations
 
 from reference.errors import InputError
+from taps.archive import json_kind
 
 from parity.backends.base import BackendEntry, BackendError, EchoMisaligned
 from parity.backends.openai import OpenAIBackend
@@ -61,7 +62,7 @@ class VllmBackend(OpenAIBackend):
         ch = self._request("POST", "/v1/completions", body).get("choices")
         if not isinstance(ch, list) or not ch or not isinstance(ch[0], dict):
             raise BackendError(f"backend {self.name}: POST /v1/completions: expected 'choices' as a list of one "
-                               f"or more objects, found {ch!r:.60}")
+                               f"or more objects, found {json_kind(ch)}")
         ch = ch[0]
         ran = ch.get("prompt_token_ids")  # the ids the server ran, where it says: first, so a drop is located
         if ran is not None and [int(t) for t in ran] != ids:

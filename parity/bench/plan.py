@@ -126,7 +126,8 @@ def plan(args) -> tuple[list[tuple[str, dict]], dict, dict]:
         D = args.decode_tokens or (4 if real else 16)
         # the reference prefills P then decodes D: checked here, else a length past the model's positions runs
         # (and allocates) in the worker until it fails or the timeout ends it
-        max_pos = Checkpoint.open(m).config.max_position_embeddings
+        from reference.config import load_config
+        max_pos = load_config(m).max_position_embeddings
         if P + D > max_pos:
             raise InputError(f"--prompt-lens: expected the reference's prefill length (the first) <= {max_pos - D} "
                              f"(max_position_embeddings={max_pos} minus {D} decode steps), found {P}")

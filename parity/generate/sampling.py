@@ -150,10 +150,10 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, where: str = "") -> int:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-        check_sampleable(logits, where)
         if self.p.greedy:
+            check_sampleable(logits, where)
             return int(np.argmax(logits))
-        probs = self.probs(logits)
+        probs = self.probs(logits, where)   # checks the logits
         return int(self.rng.choice(probs.size, p=probs))
 
     def probs(self, logits: np.ndarray, where: str = "") -> np.ndarray:

@@ -57,10 +57,9 @@ def pytest_configure(config):
         # what collection and the session fixtures read next: a bad config.json or a missing / mis-shaped
         # tensor would otherwise surface as a traceback there (headers only: cheap)
         from reference.checkpoint import Checkpoint
-        from reference.config import load_config
-        max_pos = load_config(model).max_position_embeddings
         ck = Checkpoint.open(model)
         try:
+            max_pos = ck.config.max_position_embeddings
             ck.validate()
         finally:
             ck.close()
