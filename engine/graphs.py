@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.backend import pdl_capture
 from engine.model import Segment, Step
 
 __all__ = ["DecodeGraphs"]
@@ -181,7 +182,7 @@ class DecodeGraphs:
         e["rows"], e["slabs"] = cst.rows_dev, cst.slabs_dev
         cp.cuda.Device().synchronize()  # inputs in place before capture starts
         try:
-            with self.stream:
+            with self.stream, pdl_capture():
                 with cp.cuda.using_allocator(e["mem"].malloc):
                     self.stream.begin_capture()
                     try:

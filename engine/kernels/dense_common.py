@@ -120,7 +120,7 @@ def is_cupy(xp) -> bool:
 
 
 def module(filename: str):
-    """Compiled RawModule of ``engine/kernels/cuda/<filename>`` (NVRTC, cached)."""
+    """The compiled :class:`engine.backend.Module` of ``engine/kernels/cuda/<filename>`` (NVRTC, cached)."""
     return load_module(filename)
 
 
@@ -149,7 +149,7 @@ def kernel_module_options(filename: str, name: str) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def kernel(filename: str, name: str):
-    """The cached ``cupy.RawKernel`` ``name`` of ``engine/kernels/cuda/<filename>`` (in the module
+    """The cached :class:`engine.backend.Kernel` ``name`` of ``engine/kernels/cuda/<filename>`` (in the module
     :func:`kernel_module_options` names)."""
     return load_module(filename, kernel_module_options(filename, name)).get_function(name)
 

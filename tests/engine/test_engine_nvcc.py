@@ -75,3 +75,38 @@ def test_nvrtc_source_inlines_the_shared_header(tmp_path, monkeypatch):
     assert B.cuda_source("a.cu").count("\nH\n") == 1
     with pytest.raises(FileNotFoundError, match="missing.cuh"):
         B.cuda_source("b.cu")
+
+
+def kernels_without_grid_dep_entry(text: str) -> list[str]:
+    """The kernels of CUDA source ``text`` whose body does not begin with ``GRID_DEP_ENTRY();``.
+
+    engine.backend launches a captured step's kernels with programmatic dependent launch, so a kernel may be
+    scheduled while the one before it still runs; only the entry's wait keeps its reads after that kernel's
+    writes (grid_dep.cuh). A kernel body is the text after the first ``{`` following ``__global__`` (parameter
+    lists and launch bounds hold no braces); a macro's line continuations are whitespace here.
+    """
+    import re
+    missing = []
+    for m in re.finditer(r"__global__", text):
+        head_end = text.index("{", m.end())
+        name = re.findall(r"([A-Za-z_][A-Za-z0-9_#]*)\s*\(", text[m.end():head_end])
+        name = next((n for n in name if n != "__launch_bounds__"), "?")
+        body = text[head_end + 1:].lstrip(" \t\\\n")
+        if not body.startswith("GRID_DEP_ENTRY();"):
+            missing.append(name)
+    return missing
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=[s.name for s in SOURCES])
+def test_every_kernel_waits_for_the_previous_one_first(src):
+    text = src.read_text()
+    assert '#include "grid_dep.cuh"' in text, f"{src.name}: does not include grid_dep.cuh"
+    assert "__global__" in text
+    assert kernels_without_grid_dep_entry(text) == [], f"{src.name}: kernels without GRID_DEP_ENTRY() first"
+
+
+def test_negative_control_a_kernel_without_the_entry_is_named():
+    text = ('extern "C" __global__ void __launch_bounds__(256) good(float* x) {\n    GRID_DEP_ENTRY();\n    x[0] = 1;\n}\n'
+            '#define K(N) extern "C" __global__ void N(float* x) { GRID_DEP_ENTRY();  \\\n    x[0] = 2; }\n'
+            'extern "C" __global__ void late(float* x) {\n    x[0] = 3;\n    GRID_DEP_ENTRY();\n}\n')
+    assert kernels_without_grid_dep_entry(text) == ["late"]

@@ -12,6 +12,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 #include "gemv_dense.cuh"
@@ -20,7 +21,7 @@
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
         const float* X, const int* row_index, const WT* W, long long w_expert_stride, float* Y,                  \
         const int* tile_expert, const int* tile_start, const int* tile_count, const int* n_tiles, int M, int N,  \
-        int K) {                                                                                                 \
+        int K) { GRID_DEP_ENTRY();                                                                               \
         gemv_body<WT, NT, R, KS, VEC>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count,  \
                                       n_tiles, M, N, K);                                                         \
     }
@@ -116,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(const float* X, cons
                                                             float* Y, const int* tile_expert, const int* tile_start,
                                                             const int* tile_count, const int* n_tiles, int M, int N,
                                                             int K) {
+    GRID_DEP_ENTRY();
     gemm_body<bf16_bits_t>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count, n_tiles, M, N, K);
 }
 
@@ -124,5 +126,6 @@ extern "C" __global__ void __launch_bounds__(256) gemm_f32(const float* X, const
                                                            const int* tile_expert, const int* tile_start,
                                                            const int* tile_count, const int* n_tiles, int M, int N,
                                                            int K) {
+    GRID_DEP_ENTRY();
     gemm_body<float>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start, tile_count, n_tiles, M, N, K);
 }

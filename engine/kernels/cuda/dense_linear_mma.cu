@@ -41,6 +41,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc (sm_80+).
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 #include "gemv_mma.cuh"
@@ -49,7 +50,7 @@
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
         const float* X, const int* row_index, const bf16_bits_t* W, long long w_expert_stride, float* Y,         \
         const int* tile_expert, const int* tile_start, const int* tile_count, const int* n_tiles, int M, int N,  \
-        int K) {                                                                                                 \
+        int K) { GRID_DEP_ENTRY();                                                                               \
         mma_gemv_body_sx<NT, MT, SPLITS>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start,           \
                                          tile_count, n_tiles, M, N, K);                                          \
     }
@@ -58,7 +59,7 @@
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
         const float* X, const int* row_index, const bf16_bits_t* W, long long w_expert_stride, float* Y,         \
         const int* tile_expert, const int* tile_start, const int* tile_count, const int* n_tiles, int M, int N,  \
-        int K) {                                                                                                 \
+        int K) { GRID_DEP_ENTRY();                                                                               \
         mma_gemv_body<NT, KS, MT, SPLITS>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start,          \
                                           tile_count, n_tiles, M, N, K);                                         \
     }

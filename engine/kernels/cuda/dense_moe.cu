@@ -10,6 +10,7 @@
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
 // moe_route.cuh: moe_topk_block
+#include "grid_dep.cuh"
 #include "moe_route.cuh"
 
 // One block of 256 threads per token (moe_route.cuh's moe_topk_block: the router's one implementation); dynamic
@@ -17,6 +18,7 @@
 extern "C" __global__ void __launch_bounds__(256) router_topk(const float* __restrict__ logits, int T, int E, int k,
                                                               int renorm, int* __restrict__ out_ids,
                                                               float* __restrict__ out_w) {
+    GRID_DEP_ENTRY();
     extern __shared__ float probs[];  // E floats
     __shared__ MoeTopkShared sh;
     const int t = blockIdx.x;
@@ -34,6 +36,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_tables(const int* __restr
                                                               int* __restrict__ tile_start,
                                                               int* __restrict__ tile_count,
                                                               int* __restrict__ n_tiles) {
+    GRID_DEP_ENTRY();
     extern __shared__ int cnt[];  // E
     __shared__ int tsum[1024];
     __shared__ int ttil[1024];
@@ -87,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_tables(const int* __restr
 }
 
 extern "C" __global__ void moe_swiglu(const float* __restrict__ gu, float* __restrict__ h, long long S, int I) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= S * I) return;
     long long s = i / I;
@@ -99,6 +103,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ Y, const int* _
                                        const float* __restrict__ w, const float* __restrict__ shared,
                                        const float* __restrict__ shared_gate, float* __restrict__ out, int T, int k,
                                        int H) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * H) return;
     long long t = i / H;

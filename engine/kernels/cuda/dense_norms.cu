@@ -12,6 +12,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
@@ -20,6 +21,7 @@ __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); 
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ X, const float* __restrict__ W,
                                          float* __restrict__ Y, long long rows, int D, int group_size, float eps,
                                          int zero_centred) {
+    GRID_DEP_ENTRY();
     __shared__ float red[33];
     const int groups = D / group_size;
     const long long b = blockIdx.x;
@@ -42,6 +44,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ X, const floa
 extern "C" __global__ void gated_rms_norm_rows(const float* __restrict__ X, const float* __restrict__ G,
                                                const float* __restrict__ W, float* __restrict__ Y, long long rows,
                                                int D, float eps, int act) {
+    GRID_DEP_ENTRY();
     __shared__ float red[33];
     const long long row = blockIdx.x;
     if (row >= rows) return;
@@ -61,6 +64,7 @@ extern "C" __global__ void gated_rms_norm_rows(const float* __restrict__ X, cons
 
 extern "C" __global__ void act_div(const float* __restrict__ X, float* __restrict__ Y, long long n, float d,
                                    int mode) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float v = X[i] / d;
@@ -69,6 +73,7 @@ extern "C" __global__ void act_div(const float* __restrict__ X, float* __restric
 
 extern "C" __global__ void hc_mix(const float* __restrict__ Mpre, const float* __restrict__ normed,
                                   float* __restrict__ mixed, long long T, int hc, int H) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * H) return;
     long long t = i / H;
@@ -82,6 +87,7 @@ extern "C" __global__ void hc_mix(const float* __restrict__ Mpre, const float* _
 extern "C" __global__ void hc_combine(const float* __restrict__ R, const float* __restrict__ Yb,
                                       const float* __restrict__ Inj, float* __restrict__ Out, long long T, int hc,
                                       int H) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long W = (long long)hc * H;
     if (i >= T * W) return;
@@ -95,6 +101,7 @@ extern "C" __global__ void hc_combine_norm(const float* __restrict__ R, const fl
                                            const float* __restrict__ Inj, const float* __restrict__ Wn,
                                            float* __restrict__ Out, float* __restrict__ Normed, long long T, int hc,
                                            int H, float eps) {
+    GRID_DEP_ENTRY();
     __shared__ float red[33];
     const long long row = blockIdx.x / hc;
     const int s = (int)(blockIdx.x % hc);

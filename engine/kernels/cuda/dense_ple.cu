@@ -10,6 +10,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 // One block per (row r, stream s). key: [R, hc*H] (key_proj output), value: [R, H], hidden: [R, hc*H].
@@ -18,6 +19,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ key, const float* 
                                     const float* __restrict__ wq, const float* __restrict__ wc,
                                     float* __restrict__ gated, float* __restrict__ gated_normed,
                                     float* __restrict__ gate_out, long long R, int hc, int H, float eps) {
+    GRID_DEP_ENTRY();
     __shared__ float red[33];
     const long long r = blockIdx.x / hc;
     const int s = blockIdx.x % hc;
@@ -61,6 +63,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ key, const float* 
 extern "C" __global__ void ple_conv(const float* __restrict__ x, const float* __restrict__ state_slab,
                                     const long long* __restrict__ slots, const float* __restrict__ weight,
                                     float* __restrict__ y, int B, int T, int C, int K, int dil) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)B * T * C) return;
     const int c = (int)(i % C);
@@ -80,6 +83,7 @@ extern "C" __global__ void ple_conv(const float* __restrict__ x, const float* __
 
 extern "C" __global__ void ple_conv_state(const float* __restrict__ x, float* __restrict__ state_slab,
                                           const long long* __restrict__ slots, int B, int T, int C, int L) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)B * C) return;
     const int c = (int)(i % C);

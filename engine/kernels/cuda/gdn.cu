@@ -4,6 +4,7 @@
 // torch_recurrent_gated_delta_rule (l2norm eps inside rsqrt, q scaled by Dk^-0.5, v-head -> k-head = hv / (Hv/Hk)).
 // Layouts: x [T, C]; weight [C, K]; conv_state [S, K-1, C]; state [S, Hv, Dk, Dv].
 
+#include "grid_dep.cuh"
 #ifndef GDN_DK
 #define GDN_DK 128   // key head dim; the host compiles with -DGDN_DK=<Dk>
 #endif
@@ -147,20 +148,20 @@ __device__ void recurrent_body(const X* __restrict__ q, const X* __restrict__ k,
 
 #define GDN_INSTANTIATE(SFX, X, S)                                                                               \
 extern "C" __global__ void gdn_conv_prefill_##SFX(const X* x, const X* w, const S* st, S* ck, X* out,            \
-                                                  long long T, int C, int K, long long slot, int want_ck) {      \
+                                                  long long T, int C, int K, long long slot, int want_ck) { GRID_DEP_ENTRY();      \
     conv_prefill_body<X, S>(x, w, st, ck, out, T, C, K, slot, want_ck);                                          \
 }                                                                                                                \
 extern "C" __global__ void gdn_conv_state_update_##SFX(const X* x, S* st, long long T, int C, int K,             \
-                                                       long long slot) {                                         \
+                                                       long long slot) { GRID_DEP_ENTRY();                       \
     conv_state_update_body<X, S>(x, st, T, C, K, slot);                                                          \
 }                                                                                                                \
 extern "C" __global__ void gdn_conv_decode_##SFX(const X* x, const X* w, S* st, const long long* slots, X* out,   \
-                                                 long long B, int C, int K) {                                    \
+                                                 long long B, int C, int K) { GRID_DEP_ENTRY();                  \
     conv_decode_body<X, S>(x, w, st, slots, out, B, C, K);                                                       \
 }                                                                                                                \
 extern "C" __global__ void gdn_recurrent_##SFX(const X* q, const X* k, const X* v, const X* g, const X* beta,    \
                                                S* state, const long long* slots, const long long* cu, S* ck,     \
-                                               X* out, int Hk, int Hv, int Dv, int want_ck, float eps) {         \
+                                               X* out, int Hk, int Hv, int Dv, int want_ck, float eps) { GRID_DEP_ENTRY();         \
     recurrent_body<X, S>(q, k, v, g, beta, state, slots, cu, ck, out, Hk, Hv, Dv, want_ck, eps);                 \
 }
 
@@ -193,6 +194,7 @@ __device__ void unit_lower_solve_body(const X* __restrict__ L, X* x, int C, int 
 }
 
 extern "C" __global__ void gdn_unit_lower_solve_f32(const float* L, float* x, int C, int W) {
+    GRID_DEP_ENTRY();
     unit_lower_solve_body<float>(L, x, C, W);
 }
 
@@ -218,6 +220,7 @@ gdn_recurrent_split_f32_f32(const float* __restrict__ q, const float* __restrict
                             const float* __restrict__ ga, const float* __restrict__ gb,
                             const float* __restrict__ A_log, const float* __restrict__ dt_bias, long long q_ld,
                             long long k_ld, long long v_ld) {
+    GRID_DEP_ENTRY();
     __shared__ float red_m[GDN_W][32];
     __shared__ float red_o[GDN_W][32];
     const int b = blockIdx.x, hv = blockIdx.y;

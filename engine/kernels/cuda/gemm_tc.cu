@@ -31,6 +31,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 typedef unsigned short bf16_bits_t;
@@ -59,6 +60,7 @@ extern "C" __global__ void split3_rows(const float* __restrict__ X, const int* _
                                        bf16_bits_t* __restrict__ P, const int* __restrict__ tile_start,
                                        const int* __restrict__ tile_count, const int* __restrict__ n_tiles, int TM,
                                        long long rows, int K, int interleave, int nparts, int vec4) {
+    GRID_DEP_ENTRY();
     const long long r = blockIdx.x;
     const long long src = padded_source(r, TM, row_index, tile_start, tile_count, n_tiles);
     if (src == -2) return;
@@ -95,6 +97,7 @@ extern "C" __global__ void split3_rows(const float* __restrict__ X, const int* _
 // nibble (i & 1) of byte i / 2 (low nibble first) and its E4M3 scale is byte i / 16. One thread per 16 weights.
 extern "C" __global__ void nvfp4_to_bf16(const unsigned char* __restrict__ Q, const unsigned char* __restrict__ S,
                                          bf16_bits_t* __restrict__ out, long long n16) {
+    GRID_DEP_ENTRY();
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= n16) return;
     const uint2 q = __ldg(reinterpret_cast<const uint2*>(Q) + g);  // 8 bytes = 16 codes (Q 8-byte aligned)
@@ -123,6 +126,7 @@ extern "C" __global__ void fp8_to_bf16x3(const unsigned char* __restrict__ Q, co
                                          const int* __restrict__ slot_expert, int pslots,
                                          bf16_bits_t* __restrict__ out, int N, int K, int rb, int cb, int ncb,
                                          int vec4) {
+    GRID_DEP_ENTRY();
     const int s = blockIdx.y;
     const long long e = slot_expert != nullptr ? (long long)slot_expert[s] : (long long)s;
     if (e < 0) return;
@@ -166,6 +170,7 @@ extern "C" __global__ void fp8_to_bf16x3(const unsigned char* __restrict__ Q, co
 extern "C" __global__ void scale_rows_s2(float* __restrict__ C, const float* __restrict__ S2, int per, int s2_rows,
                                          const int* __restrict__ tile_expert, const int* __restrict__ n_tiles, int TM,
                                          long long rows, int N) {
+    GRID_DEP_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * N) return;
     const long long r = i / N;
@@ -195,6 +200,7 @@ extern "C" __global__ void swiglu_split3(const float* __restrict__ GU3, bf16_bit
                                          const float* __restrict__ S2, int per, int s2_rows,
                                          const int* __restrict__ tile_expert, const int* __restrict__ tile_count,
                                          const int* __restrict__ n_tiles, int TM, long long rows, int I, int nparts) {
+    GRID_DEP_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * I) return;
     const long long r = i / I;
@@ -224,6 +230,7 @@ extern "C" __global__ void reduce3_rows(const float* __restrict__ Y3, float* __r
                                         const float* __restrict__ S2, int per, int s2_rows,
                                         const int* __restrict__ tile_expert, const int* __restrict__ n_tiles, int TM,
                                         long long rows, int N) {
+    GRID_DEP_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * N) return;
     const long long r = i / N;
@@ -239,6 +246,7 @@ extern "C" __global__ void reduce3_rows(const float* __restrict__ Y3, float* __r
 extern "C" __global__ void pad_of_sorted(const int* __restrict__ tile_start, const int* __restrict__ tile_count,
                                          const int* __restrict__ n_tiles, int TM, long long rows,
                                          int* __restrict__ pad) {
+    GRID_DEP_ENTRY();
     const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const long long t = r / TM;
@@ -250,6 +258,7 @@ extern "C" __global__ void pad_of_sorted(const int* __restrict__ tile_start, con
 // slot_pad[s] = pad[slot_pos[s]] (-1 stays -1): the padded row of each original slot (moe_combine's slot_pos).
 extern "C" __global__ void slot_pad(const int* __restrict__ slot_pos, const int* __restrict__ pad, int S,
                                     int* __restrict__ out) {
+    GRID_DEP_ENTRY();
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= S) return;
     const int p = slot_pos[s];
@@ -268,6 +277,7 @@ extern "C" __global__ void tile_ptrs(const int* __restrict__ tile_expert, const 
                                      unsigned long long W, long long a_stride, long long a_part, int nw,
                                      unsigned long long B, long long b_tile, unsigned long long C, long long c_tile,
                                      unsigned long long* __restrict__ ptrs) {
+    GRID_DEP_ENTRY();
     const int nt = *n_tiles;
     if (windowed) {
         for (int s = threadIdx.x; s < nslots; s += blockDim.x) slot_expert[s] = -1;

@@ -31,6 +31,7 @@
 
 // gemv_quant.cuh: u8 and common.cuh (e4m3_to_f32, e2m1_to_f32, dot8, block_sum); gemv_quant2.cuh: FP8S, NVFP4S,
 // ld_stream16; gemv_dense.cuh: bf16_lo, bf16_hi; moe_route.cuh: moe_topk_block
+#include "grid_dep.cuh"
 #include "gemv_quant.cuh"
 #include "gemv_quant2.cuh"
 #include "gemv_dense.cuh"
@@ -247,12 +248,12 @@ __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __res
         item_count, item_tok, item_slot, counter
 
 #define MOE_ROUTER_ENTRY(MT)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) moe_router_f32_t##MT(const float* W, MOE_ROUTER_ARGS) {    \
+    extern "C" __global__ void __launch_bounds__(256) moe_router_f32_t##MT(const float* W, MOE_ROUTER_ARGS) { GRID_DEP_ENTRY();    \
         F32S ld{W};                                                                                              \
         moe_router_body<F32S, MT>(ld, MOE_ROUTER_PASS);                                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) moe_router_bf16_t##MT(const unsigned short* W,            \
-                                                                            MOE_ROUTER_ARGS) {                   \
+                                                                            MOE_ROUTER_ARGS) { GRID_DEP_ENTRY(); \
         BF16S ld{W, 0};                                                                                          \
         moe_router_body<BF16S, MT>(ld, MOE_ROUTER_PASS);                                                         \
     }
@@ -417,7 +418,7 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
     extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB(MT)) moe_gate_up_##FR##_##FS##_t##MT(                       \
         MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, const float* x, int T, int H, int I, int Is,    \
         const int* n_items, const int* item_expert, const int* item_count, const int* item_tok,                   \
-        const int* item_slot, float* h, float* hs) {                                                             \
+        const int* item_slot, float* h, float* hs) { GRID_DEP_ENTRY();                                           \
         MOE_##FR##_MAKE(r_) MOE_##FS##_MAKE(s_)                                                                  \
         moe_gate_up_body<MOE_##FR##_T, MOE_##FS##_T, MT>(r_ld, s_ld, has_shared, x, T, H, I, Is, n_items,         \
                                                          item_expert, item_count, item_tok, item_slot, h, hs);   \
@@ -426,7 +427,7 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
         MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, int T, int H, int I, int Is, int k,             \
         const int* n_items, const int* item_expert, const int* item_count, const int* item_slot, const float* h,  \
         const float* hs, const float* wts, const float* sg_logit, float* y, float* ys, float* out,                \
-        unsigned int* counters) {                                                                                \
+        unsigned int* counters) { GRID_DEP_ENTRY();                                                              \
         MOE_##FR##_MAKE(r_) MOE_##FS##_MAKE(s_)                                                                  \
         moe_down_body<MOE_##FR##_T, MOE_##FS##_T, MT>(r_ld, s_ld, has_shared, T, H, I, Is, k, n_items,            \
                                                       item_expert, item_count, item_slot, h, hs, wts, sg_logit,  \

@@ -11,6 +11,7 @@
 // NOT RUN ON GB10 HARDWARE: only compiled (nvcc sm_90 / sm_121) and mirrored by a NumPy twin
 // (engine/ple_table.py:gather_twin).
 
+#include "grid_dep.cuh"
 #define PLE_F32 0
 #define PLE_BF16 1
 #define PLE_F8E4M3 2
@@ -61,6 +62,7 @@ extern "C" __global__ void ple_gather_rows(const unsigned long long* __restrict_
                                            const long long* __restrict__ rows,
                                            long long n_rows, int head_dim,
                                            float* __restrict__ out) {
+    GRID_DEP_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long n = n_rows * (long long)head_dim;
     if (i >= n) return;

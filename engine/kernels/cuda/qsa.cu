@@ -4,6 +4,7 @@
 // Qwen4ExpTextAttention.forward + eager_attention_forward (GQA softmax over the selected tokens).
 // Slot of token p in table row r: bt[r * max_pages + p / page] * page + p % page (any page size).
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 #ifndef QSA_HEAD_DIM
@@ -28,6 +29,7 @@ extern "C" __global__ void qsa_block_keys(const float* __restrict__ idx_k, float
                                           const long long* __restrict__ pos, const float* __restrict__ w,
                                           const float* __restrict__ inv_freq, int Di, int rot, int ratio, int page,
                                           int max_pages, float eps) {
+    GRID_DEP_ENTRY();
     extern __shared__ float sh[];
     const int t = blockIdx.x, lane = threadIdx.x;
     const long long p = pos[t];
@@ -71,6 +73,7 @@ extern "C" __global__ void qsa_index_scores(const float* __restrict__ q, const f
                                             const long long* __restrict__ n_visible, float* __restrict__ out,
                                             int Hi, int Di, long long NB, int ratio, int page, int max_pages,
                                             float sqrt_d) {
+    GRID_DEP_ENTRY();
     extern __shared__ float sq[];
     const int t = blockIdx.x;
     for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) sq[i] = q[(long long)t * Hi * Di + i];
@@ -113,6 +116,7 @@ extern "C" __global__ void qsa_attn_partial(const float* __restrict__ q, const f
                                             float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc,
                                             int Hq, int Hkv, int ksel, int ratio, int page, int max_pages,
                                             long long tps, float scale) {
+    GRID_DEP_ENTRY();
     __shared__ float sm_m[QSA_WARPS], sm_l[QSA_WARPS];
     __shared__ float sm_acc[QSA_WARPS][QSA_HEAD_DIM];
     const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, n_split = gridDim.z;
@@ -186,6 +190,7 @@ extern "C" __global__ void qsa_attn_partial(const float* __restrict__ q, const f
 extern "C" __global__ void qsa_attn_combine(const float* __restrict__ pm, const float* __restrict__ pl,
                                             const float* __restrict__ pacc, float* __restrict__ out, int Hq,
                                             int n_split) {
+    GRID_DEP_ENTRY();
     const int t = blockIdx.x, h = blockIdx.y;
     const float NEG_INF = -__int_as_float(0x7f800000);
     const long long o = ((long long)t * Hq + h) * n_split;
@@ -221,6 +226,7 @@ extern "C" __global__ void qsa_write_tokens(const int* __restrict__ bt, const lo
                                             float* __restrict__ kv_v, int Di, int KVW, int page, int max_pages,
                                             int fuse_bk, float* __restrict__ blk_k, const float* __restrict__ w,
                                             const float* __restrict__ inv_freq, int rot, int ratio, float eps) {
+    GRID_DEP_ENTRY();
     __shared__ float sh[1024];
     __shared__ float red[33];
     const int t = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
@@ -280,6 +286,7 @@ extern "C" __global__ void qsa_block_keys_split(const float* __restrict__ idx_k,
                                                 const long long* __restrict__ pos, const float* __restrict__ w,
                                                 const float* __restrict__ inv_freq, int Di, int rot, int ratio,
                                                 int page, int max_pages, float eps) {
+    GRID_DEP_ENTRY();
     __shared__ float sh[1024];
     __shared__ float red[33];
     const int t = blockIdx.x, d = threadIdx.x;
@@ -351,6 +358,7 @@ __device__ __forceinline__ int qsa_block_scan(int flag, int* ws, int& total) {
 
 extern "C" __global__ void qsa_topk_split(const float* __restrict__ scores, const long long* __restrict__ n_visible,
                                           int* __restrict__ out, long long NB, int ratio, int k, int p2) {
+    GRID_DEP_ENTRY();
     extern __shared__ unsigned long long buf[];
     __shared__ unsigned int hist[256];
     __shared__ unsigned int wtot[8];
@@ -501,6 +509,7 @@ qsa_attn_partial_split(const float* __restrict__ q, const float* __restrict__ kv
                        const long long* __restrict__ n_visible, const int* __restrict__ sel, float* __restrict__ pm,
                        float* __restrict__ pl, float* __restrict__ pacc, int Hq, int Hkv, int ksel, int ratio,
                        int page, int max_pages, long long tps, float scale) {
+    GRID_DEP_ENTRY();
     extern __shared__ float4 smem4[];
     float* sq = (float*)smem4;                        // [G][D] the group's queries
     float* sk = sq + QSA_GROUP * QSA_HEAD_DIM;        // [TILE][D]
@@ -670,6 +679,7 @@ qsa_attn_partial_split(const float* __restrict__ q, const float* __restrict__ kv
 extern "C" __global__ void qsa_attn_combine_split(const float* __restrict__ pm, const float* __restrict__ pl,
                                                   const float* __restrict__ pacc, float* __restrict__ out,
                                                   int n_split) {
+    GRID_DEP_ENTRY();
     extern __shared__ float wsp[];
     __shared__ float red[33];
     const long long th = blockIdx.x;
@@ -716,6 +726,7 @@ qsa_prep_heads(const float* __restrict__ qk, long long qk_ld, const float* __res
                const float* __restrict__ w_q, const float* __restrict__ w_k, const long long* __restrict__ pos,
                const float* __restrict__ inv_freq, int rot, int Hi, int Di, int Hq, int Hkv, int hd, float eps,
                float* __restrict__ q_idx, float* __restrict__ q_out, float* __restrict__ k_out) {
+    GRID_DEP_ENTRY();
     __shared__ float red[33];
     __shared__ float sh[1024];
     const long long t = blockIdx.x;

@@ -25,6 +25,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 #include "common.cuh"
 
 // Module split (NVRTC compile time: the qgemv2 instances take ~3x the rest): NVRTC builds one module without
@@ -57,7 +58,7 @@
 
 #define QGEMV_ENTRY(FMT, LD, NT, R, KS, VEC, SUF)                                                              \
     extern "C" __global__ void __launch_bounds__(256) qgemv_##FMT##_nt##NT##_r##R##_ks##KS##_##SUF(            \
-        FMT##_ARGS_LC, QCOMMON_ARGS) {                                                                         \
+        FMT##_ARGS_LC, QCOMMON_ARGS) { GRID_DEP_ENTRY();                                                       \
         FMT##_MAKE_LC                                                                                          \
         qgemv_body<LD, NT, R, KS, VEC>(ld, QCOMMON_PASS);                                                      \
     }
@@ -90,7 +91,7 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
 #define QGEMV2_ENTRY(FMT, LD, NT, G, RL, KS, U)                                                                \
     extern "C" __global__ void __launch_bounds__(256, QGEMV2_MINB(NT))                                         \
         qgemv2_##FMT##_nt##NT##_g##G##_r##RL##_ks##KS##_u##U(                                                  \
-        FMT##_ARGS_LC, QCOMMON_ARGS) {                                                                         \
+        FMT##_ARGS_LC, QCOMMON_ARGS) { GRID_DEP_ENTRY();                                                       \
         FMT##_MAKE2_LC                                                                                         \
         qgemv2_body<LD, NT, G, RL, KS, U>(ld, QCOMMON_PASS);                                                   \
     }
@@ -127,7 +128,7 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
 #include "gemv_qmma.cuh"
 #define QMMA_ENTRY(FMT, LD, NT, KS)                                                                            \
     extern "C" __global__ void __launch_bounds__(256, 2) qmma_##FMT##_nt##NT##_ks##KS(FMT##_ARGS_LC,            \
-                                                                                    QCOMMON_ARGS) {            \
+                                                                                    QCOMMON_ARGS) { GRID_DEP_ENTRY();            \
         LD ld{FMT##_LD_INIT};                                                                                  \
         qmma_body<LD, NT, KS>(ld, QCOMMON_PASS);                                                                \
     }
@@ -217,17 +218,20 @@ __device__ __forceinline__ void qgemm_body(const LD& ld, const float* __restrict
 
 #if QL_BASE
 extern "C" __global__ void __launch_bounds__(256) qgemm_fp8(FP8_ARGS, QCOMMON_ARGS) {
+    GRID_DEP_ENTRY();
     FP8_MAKE
     qgemm_body<FP8W>(ld, QCOMMON_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(256) qgemm_nvfp4(NVFP4_ARGS, QCOMMON_ARGS) {
+    GRID_DEP_ENTRY();
     NVFP4_MAKE
     qgemm_body<NVFP4W>(ld, QCOMMON_PASS);
 }
 
 // Dequantise a whole (stacked) weight to float32 (tests, and the float32 view a caller may ask for).
 extern "C" __global__ void qdequant_fp8(FP8_ARGS, int E, int N, int K, float* out) {
+    GRID_DEP_ENTRY();
     FP8_MAKE
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)E * N * K;
@@ -238,6 +242,7 @@ extern "C" __global__ void qdequant_fp8(FP8_ARGS, int E, int N, int K, float* ou
 }
 
 extern "C" __global__ void qdequant_nvfp4(NVFP4_ARGS, int E, int N, int K, float* out) {
+    GRID_DEP_ENTRY();
     NVFP4_MAKE
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)E * N * K;

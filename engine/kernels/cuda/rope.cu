@@ -3,6 +3,7 @@
 // (Qwen4ExpTextRotaryEmbedding.forward). One thread per rotated pair or passed-through channel, so the op is
 // safe in place (out == x).
 
+#include "grid_dep.cuh"
 template <typename T>
 __device__ __forceinline__ void rope_body(const T* __restrict__ x, T* out, const long long* __restrict__ pos,
                                           const float* __restrict__ inv_freq, long long n_tok, int n_heads,
@@ -30,10 +31,12 @@ __device__ __forceinline__ void rope_body(const T* __restrict__ x, T* out, const
 
 extern "C" __global__ void rope_f32(const float* x, float* out, const long long* pos, const float* inv_freq,
                                     long long n_tok, int n_heads, int head_dim, int rotary_dim) {
+    GRID_DEP_ENTRY();
     rope_body<float>(x, out, pos, inv_freq, n_tok, n_heads, head_dim, rotary_dim);
 }
 
 extern "C" __global__ void rope_f64(const double* x, double* out, const long long* pos, const float* inv_freq,
                                     long long n_tok, int n_heads, int head_dim, int rotary_dim) {
+    GRID_DEP_ENTRY();
     rope_body<double>(x, out, pos, inv_freq, n_tok, n_heads, head_dim, rotary_dim);
 }

@@ -7,6 +7,7 @@
 // strided slice keeping its first best, then a shared-memory tree reduction keeps, for equal values,
 // the lower index. Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 __device__ __forceinline__ bool argmax_better(float v, long long i, float bv, long long bi) {
     // is (v, i) preferred to (bv, bi)? NaN first, then larger value, then lower index
     const bool vn = v != v, bn = bv != bv;
@@ -20,6 +21,7 @@ __device__ __forceinline__ bool argmax_better(float v, long long i, float bv, lo
 
 extern "C" __global__ void __launch_bounds__(1024) row_argmax(const float* __restrict__ logits, long long V,
                                                               long long* __restrict__ out) {
+    GRID_DEP_ENTRY();
     __shared__ float sv[1024];
     __shared__ long long si[1024];
     const long long row = blockIdx.x;
@@ -64,6 +66,7 @@ __device__ __forceinline__ void argmax_block_reduce(float& bv, long long& bi, fl
 extern "C" __global__ void __launch_bounds__(256) row_argmax_partial(const float* __restrict__ logits, long long V,
                                                                     long long chunk, float* __restrict__ part_v,
                                                                     long long* __restrict__ part_i) {
+    GRID_DEP_ENTRY();
     __shared__ float sv[256];
     __shared__ long long si[256];
     const long long row = blockIdx.y;
@@ -88,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(256) row_argmax_partial(const float
 extern "C" __global__ void __launch_bounds__(1024) row_argmax_final(const float* __restrict__ part_v,
                                                                   const long long* __restrict__ part_i, int P,
                                                                   long long V, long long* __restrict__ out) {
+    GRID_DEP_ENTRY();
     __shared__ float sv[1024];
     __shared__ long long si[1024];
     const long long row = blockIdx.x;

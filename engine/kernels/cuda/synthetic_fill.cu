@@ -8,6 +8,7 @@
 //
 // Self-contained (no host headers): compiles with NVRTC (cupy.RawModule) and nvcc.
 
+#include "grid_dep.cuh"
 __device__ __forceinline__ unsigned int hash32(unsigned long long i, unsigned int seed) {
     unsigned int x = (unsigned int)(i ^ (i >> 32)) ^ seed;
     x = (x ^ (x >> 16)) * 0x7feb352du;
@@ -17,6 +18,7 @@ __device__ __forceinline__ unsigned int hash32(unsigned long long i, unsigned in
 }
 
 extern "C" __global__ void fill_bf16_normal(unsigned short* out, long long n, unsigned int seed, float amp) {
+    GRID_DEP_ENTRY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const unsigned int h = hash32((unsigned long long)i, seed);
         const float u1 = (float)(h & 0xffffu) * (1.0f / 65536.0f), u2 = (float)(h >> 16) * (1.0f / 65536.0f);
@@ -26,6 +28,7 @@ extern "C" __global__ void fill_bf16_normal(unsigned short* out, long long n, un
 
 extern "C" __global__ void fill_u8(unsigned char* out, long long n, unsigned int seed, unsigned int mask,
                                    unsigned int bits) {
+    GRID_DEP_ENTRY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         out[i] = (unsigned char)((hash32((unsigned long long)i, seed) & mask) | bits);
     }
