@@ -227,7 +227,7 @@ class Kernel:
         held = [_arg_holder(a) for a in args]
         params = (ctypes.c_void_p * max(1, len(held)))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
                                                           for h in held])
-        rc = fn(ctypes.byref(cfg), self.fn.ptr, params, None)
+        rc = fn(ctypes.byref(cfg), self.fn.kernel.ptr, params, None)  # the RawKernel's CUfunction
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx: CUresult {rc} launching {getattr(self.fn, 'name', '?')}")
         global pdl_launches

@@ -80,8 +80,10 @@ def test_a_captured_chain_of_dependent_kernels_keeps_its_order():
     before = backend.pdl_launches
     with stream, pdl_capture():
         stream.begin_capture()
-        out = chain(a, b)
-        graph = stream.end_capture()
+        try:
+            out = chain(a, b)
+        finally:
+            graph = stream.end_capture()
     used = backend.pdl_launches - before
     if backend._pdl_launcher() is not None:
         assert used == steps, "inside pdl_capture every launch is a programmatic dependent launch"
