@@ -50,7 +50,7 @@ t0=$(date +%s)
 "$PY" -m parity.cli bench --synthetic real-widths --backend engine --device cuda \
     --layers "${BENCH_LAYERS:-4}" --budget-s "${BENCH_BUDGET_S:-40}" --timeout-s "${BENCH_TIMEOUT_S:-150}" \
     --repeats 3 --warmup 1 \
-    --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+    --overwrite --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
 echo "gpu_bench: bench took $(( $(date +%s) - t0 )) s; results in $OUT/bench.json"
 
 # 3. speculative verify cost: verify at widths 1..5 vs a decode step and the MTP draft,
@@ -71,7 +71,7 @@ if [ "${FULL_DEPTH:-1}" != 0 ]; then
     echo "gpu_bench: ================ full depth, 48 layers, $w weights in memory ================"
     "$PY" -m parity.cli bench --synthetic real-widths --backend engine --device cuda --layers 48 --weights "$w" \
         --prompt-lens 512,4096 --batches 1,16 --contexts 1024 --repeats 3 --warmup 1 --decode-tokens 8 --no-extras \
-        --budget-s $(( ${FULL_DEPTH_TIMEOUT_S:-300} - 60 )) --timeout-s "${FULL_DEPTH_TIMEOUT_S:-300}" --out "$OUT/bench-full-$w.json" 2>&1 \
+        --budget-s $(( ${FULL_DEPTH_TIMEOUT_S:-300} - 60 )) --timeout-s "${FULL_DEPTH_TIMEOUT_S:-300}" --overwrite --out "$OUT/bench-full-$w.json" 2>&1 \
       | grep -vE "it/s\]|s/it\]" | tee "$OUT/bench-full-$w.log" || status=1
     echo "gpu_bench: full depth $w took $(( $(date +%s) - t1 )) s; results in $OUT/bench-full-$w.json"
   done

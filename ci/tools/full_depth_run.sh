@@ -24,7 +24,7 @@ for w in ${FORMATS:-nvfp4 fp8}; do
   timeout $(( ${STEP_S:-165} + 10 )) python3 -c "import sys; from parity.cli import main; sys.exit(main())" bench --synthetic real-widths --backend engine \
     --device cuda --layers 48 --weights "$w" --prompt-lens 512,4096 --batches 1,16 --contexts 1024 --repeats 3 \
     --warmup 1 --decode-tokens 8 --no-extras --budget-s $(( ${STEP_S:-165} - 70 )) --timeout-s "${STEP_S:-165}" \
-    --out "$OUT/bench-full-$w.json" 2>&1 | grep -vE "it/s\]|s/it\]" >"$OUT/bench-full-$w.log"
+    --overwrite --out "$OUT/bench-full-$w.json" 2>&1 | grep -vE "it/s\]|s/it\]" >"$OUT/bench-full-$w.log"
   echo "bench $w rc=${PIPESTATUS[0]} ($(( $(date +%s) - t1 )) s)"; tail -n 45 "$OUT/bench-full-$w.log"
 done
 echo "total $(( $(date +%s) - t0 )) s"
