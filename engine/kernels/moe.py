@@ -219,10 +219,19 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
                                 shared_expert_gate=shared_expert_gate)
         if got is not None:
             return got
+    shared = sg = None
+    side = None
+    if (shared_gate_proj is not None and SHARED_SIDE_STREAM and experts_fn is None and is_cupy(same_device(x))
+            and x.shape[0] <= GEMV_MAX_ROWS):
+        side = _side_branch()
+        with side:
+            shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
+            sg = linear(x, shared_expert_gate)
     logits = linear(x, router_weight)
     ids, w = router_topk(logits, top_k, norm_topk_prob)
-    shared = sg = None
-    if shared_gate_proj is not None:
+    if side is not None:
+        side.join()
+    elif shared_gate_proj is not None:
         shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
         sg = linear(x, shared_expert_gate)
     if experts_fn is not None:
@@ -230,6 +239,48 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
     else:
         out = moe_experts(x, ids, w, gate_up, down, shared=shared, shared_gate=sg)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)
+
+
+#: The shared expert of a decode-sized MoE block (1..16 tokens, cupy, the grouped chain) runs on a side stream,
+#: beside the router, top-k and route tables of the current stream, which waits for it before the combine: in a
+#: captured decode step the two chains are parallel branches of the graph, so the shared expert's four small launches
+#: (latency-bound at these sizes) overlap the router's. The same kernels in the same order on each stream: the
+#: results are bitwise those of one stream. Longer inputs stay on one stream (their tensor-core GEMMs share one
+#: cuBLAS workspace). A module flag (no environment switch) so the tests and lab tools can run both.
+SHARED_SIDE_STREAM = True
+_SIDE_STREAMS: dict = {}
+
+
+class _side_branch:
+    """A fork of the current stream onto the device's side stream (``with`` it to launch there), joined back by
+    :meth:`join`. The side stream is non-blocking (no implicit order with the legacy stream), so the fork and the
+    join are explicit events: the side work starts after everything already queued on the current stream and
+    the current stream's later work after :meth:`join` waits for it. Each use begins by waiting for the current
+    stream, so memory the side stream frees and takes again is never still in use by an earlier join's reader."""
+
+    def __init__(self):
+        import cupy as cp
+        self.cp = cp
+        self.main = cp.cuda.get_current_stream()
+        dev = cp.cuda.Device().id
+        self.side = _SIDE_STREAMS.get(dev)
+        if self.side is None:
+            self.side = _SIDE_STREAMS[dev] = cp.cuda.Stream(non_blocking=True)
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(self.main)
+        self.side.wait_event(fork)
+
+    def __enter__(self):
+        self.side.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.side.__exit__(*exc)
+
+    def join(self):
+        done = self.cp.cuda.Event(disable_timing=True)
+        done.record(self.side)
+        self.main.wait_event(done)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -227,3 +227,38 @@ def test_decode_step_captures_as_cuda_graph(rng):
     eager = step()
     out = replayed(step)
     assert rel_dev(out, eager) == 0.0
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 5, 16, 17])
+def test_shared_expert_on_a_side_stream_equals_one_stream(rng, monkeypatch, T):
+    """The shared expert forked onto the side stream (1..16 tokens) gives the one-stream results bit for bit, run
+    eagerly and replayed from a captured graph (where the fork and the join are graph edges); 17 tokens stay on one
+    stream."""
+    E, H, I, Is, k = 64, 256, 96, 80, 6
+    mk = lambda *s: g(to_bf16_bits(rng.standard_normal(s) * 0.1))  # noqa: E731
+    W = dict(router=mk(E, H), gate_up=mk(E, 2 * I, H), down=mk(E, H, I), sg=mk(Is, H), su=mk(Is, H), sd=mk(H, Is),
+             sgate=mk(1, H))
+    x = g(rng.standard_normal((T, H)).astype(np.float32))
+    forks = []
+    branch = M._side_branch
+
+    def counted():
+        forks.append(1)
+        return branch()
+    monkeypatch.setattr(M, "_side_branch", counted)
+
+    def run():
+        return M.moe_block(x, W["router"], W["gate_up"], W["down"], top_k=k, shared_gate_proj=W["sg"],
+                           shared_up_proj=W["su"], shared_down_proj=W["sd"], shared_expert_gate=W["sgate"]).out
+    monkeypatch.setattr(M, "SHARED_SIDE_STREAM", False)
+    one = cp.asnumpy(run())
+    assert not forks
+    monkeypatch.setattr(M, "SHARED_SIDE_STREAM", True)
+    side = cp.asnumpy(run())
+    assert len(forks) == (1 if T <= M.GEMV_MAX_ROWS else 0)
+    np.testing.assert_array_equal(side, one)
+    np.testing.assert_array_equal(cp.asnumpy(replayed(run, launches=2)), one)
+    # negative control: the comparison sees a change of the shared expert alone
+    W["sd"] = W["sd"] * np.uint16(1) + np.uint16(1)  # the last bit of every BF16 down weight
+    assert not np.array_equal(cp.asnumpy(run()), one)
