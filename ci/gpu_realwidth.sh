@@ -26,6 +26,7 @@
 # $OUT/realwidth_summary.txt (the per-backend verdicts ci/gpu's summary prints); exit 0 when every backend passed.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY="${PYTHON:-python3}"  # the interpreter: the caller's (tests pass theirs), else python3 on PATH
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT/realwidth"
 budget="${REALWIDTH_BUDGET_S:-240}"
@@ -39,7 +40,7 @@ LENGTHS="${REALWIDTH_LENGTHS:-7 600 bound}"
 if [ -n "${REALWIDTH_MODEL:-}" ]; then
   MODEL="$REALWIDTH_MODEL"
 else
-  MODEL=$(timeout -k 20 "$(left)" python3 -c "
+  MODEL=$(timeout -k 20 "$(left)" "$PY" -c "
 from parity.bench.synthetic import cached_synthetic
 n = int('${REALWIDTH_EXPERTS:-32}')
 print(cached_synthetic(4, overrides={'num_experts': n, 'num_experts_per_tok': min(10, n)}, progress=False))
@@ -54,7 +55,7 @@ fi
 
 # the prompts: one JSON list of token-id lists (the --prompts format of every verb), ids from the model's vocabulary
 PROMPTS="$OUT/realwidth/prompts.json"
-if ! desc=$(python3 - "$MODEL" "$PROMPTS" $LENGTHS 2>"$OUT/realwidth_prompts.log" <<'EOF'
+if ! desc=$("$PY" - "$MODEL" "$PROMPTS" $LENGTHS 2>"$OUT/realwidth_prompts.log" <<'EOF'
 import sys
 from parity.harness.floor import floor_prompts
 from parity.harness.scenarios.common import token_stream
@@ -87,7 +88,7 @@ RUN="$OUT/realwidth_run.txt"
 lim=$(left); t_run=$(date +%s)
 OMP_NUM_THREADS=$cores OPENBLAS_NUM_THREADS=$cores MKL_NUM_THREADS=$cores NUMBA_NUM_THREADS=$cores \
 QWEN4EXP_LONG_MAX_TOKENS=2200 timeout -k 20 "$lim" \
-  python3 -m parity.cli parity "$MODEL" "${args[@]}" --scenario kl budget --level long \
+  "$PY" -m parity.cli parity "$MODEL" "${args[@]}" --scenario kl budget --level long \
   --prompts "$PROMPTS" --page-sizes 16 --format text --overwrite --out "$OUT/realwidth" >"$RUN" 2>&1
 rc=$?
 secs=$(( $(date +%s) - t_run ))
@@ -98,7 +99,7 @@ n=${#BACKENDS[@]}
        "$(( $(date +%s) - t0 ))s of a ${budget}s budget):"
   for i in "${!BACKENDS[@]}"; do
     ex=""   # its own exit code, from the index the run wrote (none for a killed run: an older index is not read)
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] || ex=$(python3 -c "import json, sys
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] || ex=$("$PY" -c "import json, sys
 print(json.load(open(sys.argv[1]))['reports'][int(sys.argv[2])]['exit_code'])" "$OUT/realwidth/index.json" "$i" 2>/dev/null)
     echo "  --backend ${BACKENDS[$i]} (exit ${ex:--}; rc=$rc of the run, ${secs}s for all ${n}):"
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then

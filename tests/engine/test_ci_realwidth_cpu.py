@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ SCRIPT = ROOT / "ci" / "gpu_realwidth.sh"
 
 
 def _run(tmp_path, budget: int, lengths: str = "7 20", backends: str = "reference engine:device=cpu,precision=float32"):
-    env = {**os.environ, "OUT": str(tmp_path), "REALWIDTH_MODEL": "tiny", "REALWIDTH_LENGTHS": lengths,
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "REALWIDTH_MODEL": "tiny", "REALWIDTH_LENGTHS": lengths,
            "REALWIDTH_BACKENDS": backends, "REALWIDTH_BUDGET_S": str(budget)}
     return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
