@@ -17,23 +17,9 @@ import numpy as np
 
 
 def _graph_us(cp, fn, reps=30):
-    fn()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        try:
-            fn()
-        finally:
-            g = s.end_capture()
-        for _ in range(3):
-            g.launch(stream=s)
-        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
-        for a, b in ev:
-            a.record(s)
-            g.launch(stream=s)
-            b.record(s)
-        ev[-1][1].synchronize()
-    return float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in ev])) * 1e3
+    """Median microseconds of ``fn`` captured as one CUDA graph (lab.bench_dense's timer)."""
+    from lab.bench_dense import _graph_timer
+    return _graph_timer(cp, fn, reps=reps) * 1e6
 
 
 def main(argv=None) -> int:
