@@ -88,3 +88,13 @@ def test_cli_until_position_negative_is_a_usage_error(tmp_path, capsys):
     assert main(["taps", "diff", str(a), str(b), "--until-position", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--until-position -1: expected a token position >= 0, found -1" in err
+
+
+def test_profile_file_without_a_table_names_the_tables_it_has(tmp_path):
+    import pytest
+    from taps.profiles import ProfileError
+    p = tmp_path / "p.toml"
+    p.write_text("[default]\nrtol = 1e-3\n")
+    with pytest.raises(ProfileError, match=r"expected a \[activation\] table, found no such table \(tables present: "
+                                           r"\['default'\]\)"):
+        load_profile(p)
