@@ -209,7 +209,8 @@ def diff_archives(a, b, profile: Profile | str = "fp32", force: bool = False, ta
         raise DiffRefused(f"archives {_label(a)} and {_label(b)}: expected taps recorded at common positions in "
                           f"both, found none to compare ({len(names_a)} taps in A, {len(names_b)} in B"
                           f"{', after --taps' if taps else ''})")
-    rep = DiffReport(a=_label(a), b=_label(b), profile=prof.name, results=results, identity=ident)
+    rep = DiffReport(a=_label(a), b=_label(b), profile=prof.name, results=results, identity=ident,
+                     until_position=until_position)
     _conclude(rep, until_position)
     rep.elapsed_s = time.perf_counter() - t0
     rep.bytes_read = int(stats.get("bytes", 0))

@@ -58,6 +58,7 @@ class DiffReport:
     last_agreeing: str | None = None
     explained_by_flip: str | None = None
     replay: dict | None = None
+    until_position: int | None = None
     elapsed_s: float = 0.0
     bytes_read: int = 0
 
@@ -208,6 +209,10 @@ def render_table(rep: DiffReport, show_all: bool = False, file=None, color: bool
         if rep.explained_by_flip:
             con.print(f"note: this divergence comes after near-tie flips at {rep.explained_by_flip}; it may be "
                       f"explained by them rather than by a bug")
+    elif any(r.failed for r in rep.results):   # every divergence starts after --until-position: none counted
+        n = sum(r.failed for r in rep.results)
+        con.print(f"AGREE up to position {rep.until_position}: no tap is first beyond tolerance at or before it; "
+                  f"{n} tap{'s' if n != 1 else ''} diverged only after it (not counted)")
     else:
         con.print("AGREE: every common tap is within tolerance")
     for r in rep.results:

@@ -224,6 +224,9 @@ def _cmd_diff(args) -> int:
     from reference.errors import InputError
     if args.memory_mb < 1:
         raise InputError(f"--memory-mb {args.memory_mb}: expected a memory budget >= 1 (MB), found {args.memory_mb}")
+    if args.until_position is not None and args.until_position < 0:
+        raise InputError(f"--until-position {args.until_position}: expected a token position >= 0, found "
+                         f"{args.until_position}")
     replay_ck = None
     if args.replay:   # validated up front, whether or not the archives end up diverging
         from reference.checkpoint import Checkpoint

@@ -68,7 +68,9 @@ def load_profile(spec: str | Path = "fp32") -> Profile:
     def section(key, keys):
         d = raw.get(key)
         if not isinstance(d, dict):
-            raise ProfileError(f"profile {str(p)!r}: expected a [{key}] table, found {d!r}")
+            found = (f"no such table (tables present: {sorted(k for k, v in raw.items() if isinstance(v, dict))})"
+                     if d is None else f"{d!r}")
+            raise ProfileError(f"profile {str(p)!r}: expected a [{key}] table, found {found}")
         out = {}
         for k, typ in keys.items():
             v = d.get(k)

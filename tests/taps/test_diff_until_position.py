@@ -71,3 +71,30 @@ def test_joined_profile_is_never_tighter_than_a_part_and_round_trips_through_tom
     back = load_profile(p)
     for name in names:
         assert back.for_tap(name) == j.for_tap(name), name
+
+
+def test_cli_until_position_before_every_divergence_does_not_claim_every_tap_agrees(tmp_path, capsys):
+    from parity.cli import main
+    a, b = _arcs(tmp_path)
+    assert main(["taps", "diff", str(a), str(b), "--until-position", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every common tap is within tolerance" not in out
+    assert "AGREE up to position 2" in out and "2 taps diverged only after it (not counted)" in out
+
+
+def test_cli_until_position_negative_is_a_usage_error(tmp_path, capsys):
+    from parity.cli import main
+    a, b = _arcs(tmp_path)
+    assert main(["taps", "diff", str(a), str(b), "--until-position", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--until-position -1: expected a token position >= 0, found -1" in err
+
+
+def test_profile_file_without_a_table_names_the_tables_it_has(tmp_path):
+    import pytest
+    from taps.profiles import ProfileError
+    p = tmp_path / "p.toml"
+    p.write_text("[default]\nrtol = 1e-3\n")
+    with pytest.raises(ProfileError, match=r"expected a \[activation\] table, found no such table \(tables present: "
+                                           r"\['default'\]\)"):
+        load_profile(p)
