@@ -221,8 +221,8 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
             return got
     shared = sg = None
     side = None
-    if (shared_gate_proj is not None and SHARED_SIDE_STREAM and experts_fn is None and is_cupy(same_device(x))
-            and x.shape[0] <= GEMV_MAX_ROWS):
+    if (shared_gate_proj is not None and experts_fn is None and is_cupy(same_device(x))
+            and shared_on_side_stream(x.shape[0], (router_weight, shared_gate_up, *shared_ws))):
         side = _side_branch()
         with side:
             shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
@@ -246,9 +246,26 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 #: captured decode step the two chains are parallel branches of the graph, so the shared expert's four small launches
 #: (latency-bound at these sizes) overlap the router's. The same kernels in the same order on each stream: the
 #: results are bitwise those of one stream. Longer inputs stay on one stream (their tensor-core GEMMs share one
-#: cuBLAS workspace). A module flag (no environment switch) so the tests and lab tools can run both.
+#: cuBLAS workspace; as do blocks on the tensor-core path: :func:`shared_on_side_stream`). A module flag (no
+#: environment switch) so the tests and lab tools can run both.
 SHARED_SIDE_STREAM = True
 _SIDE_STREAMS: dict = {}
+
+
+def shared_on_side_stream(T: int, weights) -> bool:
+    """Whether the shared expert of a ``T``-token block forks onto the side stream (pure host logic).
+
+    Args:
+        T: the block's tokens. weights: the weights of both branches (router, shared expert and its gate; None
+            entries are skipped).
+    Returns:
+        True for :data:`SHARED_SIDE_STREAM`, at most :data:`GEMV_MAX_ROWS` tokens, and no weight on the tensor-core
+        path at ``T`` rows (:func:`engine.kernels.gemm_tc.use_tc`): that path's cuBLAS GEMMs share one handle and one
+        workspace per device (``gemm_tc._handle``), so on two streams at once they would write the same workspace.
+        ``gemm_tc.TC_MIN_ROWS`` (its environment setting) at 16 or below sends decode-sized blocks there.
+    """
+    return (SHARED_SIDE_STREAM and T <= GEMV_MAX_ROWS
+            and not any(w is not None and _tc.use_tc(T, w) for w in weights))
 
 
 class _side_branch:
