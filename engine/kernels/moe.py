@@ -19,6 +19,7 @@ Nothing is copied to the host on either path.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,14 +225,14 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
     if (shared_gate_proj is not None and experts_fn is None and is_cupy(same_device(x))
             and shared_on_side_stream(x.shape[0], (router_weight, shared_gate_up, *shared_ws))):
         side = _side_branch()
-        with side:
-            shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
-            sg = linear(x, shared_expert_gate)
-    logits = linear(x, router_weight)
-    ids, w = router_topk(logits, top_k, norm_topk_prob)
-    if side is not None:
-        side.join()
-    elif shared_gate_proj is not None:
+    with side if side is not None else contextlib.nullcontext():  # the fork's region: joined on leaving it
+        if side is not None:
+            with side.side:
+                shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
+                sg = linear(x, shared_expert_gate)
+        logits = linear(x, router_weight)
+        ids, w = router_topk(logits, top_k, norm_topk_prob)
+    if side is None and shared_gate_proj is not None:
         shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
         sg = linear(x, shared_expert_gate)
     if experts_fn is not None:
@@ -269,11 +270,13 @@ def shared_on_side_stream(T: int, weights) -> bool:
 
 
 class _side_branch:
-    """A fork of the current stream onto the device's side stream (``with`` it to launch there), joined back by
-    :meth:`join`. The side stream is non-blocking (no implicit order with the legacy stream), so the fork and the
-    join are explicit events: the side work starts after everything already queued on the current stream and
-    the current stream's later work after :meth:`join` waits for it. Each use begins by waiting for the current
-    stream, so memory the side stream frees and takes again is never still in use by an earlier join's reader."""
+    """A fork of the current stream onto the device's side stream, made on construction; ``with`` it around the
+    region where the two streams overlap (launch the side work inside ``with branch.side:``): leaving the region
+    joins the fork, on an error too. The side stream is non-blocking (no implicit order with the legacy stream),
+    so the fork and the join are explicit events: the side work starts after everything already queued on the
+    current stream and the current stream's work after the region waits for it. Each use begins by waiting for the
+    current stream, so memory the side stream frees and takes again is never still in use by an earlier join's
+    reader."""
 
     def __init__(self):
         import cupy as cp
@@ -288,11 +291,22 @@ class _side_branch:
         self.side.wait_event(fork)
 
     def __enter__(self):
-        self.side.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        return self.side.__exit__(*exc)
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.join()
+            return False
+        # joined on an error too (one raised by either stream's work, or an interrupt between the fork and the
+        # join): a captured step then ends its capture with that error, where an unjoined fork would end it with
+        # cudaErrorStreamCaptureUnjoined instead (which the graphs' fallback takes for a capture failure, so an
+        # interrupt would be lost), and an eager one does not leave side kernels reading memory the current
+        # stream goes on to free and reuse
+        try:
+            self.join()
+        except Exception:  # (a capture the error already invalidated refuses the join): report the first error
+            pass
+        return False
 
     def join(self):
         done = self.cp.cuda.Event(disable_timing=True)

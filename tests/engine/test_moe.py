@@ -308,3 +308,84 @@ def test_a_block_on_the_tensor_cores_keeps_the_shared_expert_on_one_stream(rng, 
         M.moe_block(x, W["router"], W["gate_up"], W["down"], top_k=k, shared_gate_proj=W["sg"], shared_up_proj=W["su"],
                     shared_down_proj=W["sd"], shared_expert_gate=W["sgate"])
         assert len(forks) == n, (T, forks)
+
+
+def _fake_cupy_streams(log):
+    """A stand-in for the part of cupy that :class:`engine.kernels.moe._side_branch` uses; ``log`` gets each call
+    as ``(stream, what[, the stream an awaited event was recorded on])``."""
+    import types
+
+    class Stream:
+        def __init__(self, name="side", non_blocking=False):
+            self.name = name
+
+        def wait_event(self, e):
+            log.append((self.name, "wait", e.where))
+
+        def __enter__(self):
+            log.append((self.name, "enter"))
+            return self
+
+        def __exit__(self, *exc):
+            log.append((self.name, "exit"))
+            return False
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            self.where = None
+
+        def record(self, s):
+            self.where = s.name
+            log.append((s.name, "record"))
+
+    main = Stream("main")
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: main, Device=lambda: types.SimpleNamespace(id=0),
+        Stream=lambda non_blocking=False: Stream("side", non_blocking), Event=Event))
+
+
+def test_a_side_branch_is_joined_on_leaving_its_region_on_an_error_too(monkeypatch):
+    """The fork is joined when its region is left: normally, on an error of the side work, and on one raised
+    between the fork and the join on the current stream (an interrupt, say). An unjoined fork would end a capture
+    with cudaErrorStreamCaptureUnjoined instead of the error (the graphs' fallback takes that for a capture failure
+    and carries on, so an interrupt would be lost), and leave an eager step's current stream not waiting for side
+    kernels that still read its memory."""
+    import sys
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_streams(log))
+    monkeypatch.setattr(M, "_SIDE_STREAMS", {})
+    with M._side_branch() as b:
+        with b.side:
+            pass
+    assert log == [("main", "record"), ("side", "wait", "main"), ("side", "enter"), ("side", "exit"),
+                   ("side", "record"), ("main", "wait", "side")]
+    joined = [("side", "record"), ("main", "wait", "side")]
+    log.clear()
+    with pytest.raises(RuntimeError, match="side work failed"):
+        with M._side_branch() as b:
+            with b.side:
+                raise RuntimeError("side work failed")
+    assert log[-3:] == [("side", "exit")] + joined
+    log.clear()
+    with pytest.raises(KeyboardInterrupt):
+        with M._side_branch():
+            raise KeyboardInterrupt
+    assert log[-2:] == joined
+
+
+def test_a_side_branch_whose_join_fails_after_an_error_reports_the_error(monkeypatch):
+    """A capture that the error invalidated refuses the join's event calls too: the first error is the one that
+    propagates."""
+    import sys
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_streams(log))
+    monkeypatch.setattr(M, "_SIDE_STREAMS", {})
+    b = M._side_branch()
+
+    def refused(e):
+        raise RuntimeError("cudaErrorStreamCaptureInvalidated")
+    b.main.wait_event = refused
+    with pytest.raises(RuntimeError, match="side work failed"):
+        with b:
+            with b.side:
+                raise RuntimeError("side work failed")
