@@ -185,9 +185,10 @@ def _arg_holder(a):
 
 
 def _dim3(d) -> list:
-    """A launch dimension (an int or a tuple of up to three) as three ints."""
+    """A launch dimension (an int or a tuple of up to three) as three ints, each at least 1: cupy launches an
+    extent of 0 as 1 (a kernel's bounds checks then do nothing), which the driver would refuse."""
     d = tuple(d) if isinstance(d, (tuple, list)) else (d,)
-    return [int(v) for v in d] + [1] * (3 - len(d))
+    return [max(1, int(v)) for v in d] + [1] * (3 - len(d))
 
 
 class Kernel:

@@ -19,6 +19,7 @@ Nothing is copied to the host on either path.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -221,17 +222,17 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
             return got
     shared = sg = None
     side = None
-    if (shared_gate_proj is not None and SHARED_SIDE_STREAM and experts_fn is None and is_cupy(same_device(x))
-            and x.shape[0] <= GEMV_MAX_ROWS):
+    if (shared_gate_proj is not None and experts_fn is None and is_cupy(same_device(x))
+            and shared_on_side_stream(x.shape[0], (router_weight, shared_gate_up, *shared_ws))):
         side = _side_branch()
-        with side:
-            shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
-            sg = linear(x, shared_expert_gate)
-    logits = linear(x, router_weight)
-    ids, w = router_topk(logits, top_k, norm_topk_prob)
-    if side is not None:
-        side.join()
-    elif shared_gate_proj is not None:
+    with side if side is not None else contextlib.nullcontext():  # the fork's region: joined on leaving it
+        if side is not None:
+            with side.side:
+                shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
+                sg = linear(x, shared_expert_gate)
+        logits = linear(x, router_weight)
+        ids, w = router_topk(logits, top_k, norm_topk_prob)
+    if side is None and shared_gate_proj is not None:
         shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
         sg = linear(x, shared_expert_gate)
     if experts_fn is not None:
@@ -246,17 +247,36 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 #: captured decode step the two chains are parallel branches of the graph, so the shared expert's four small launches
 #: (latency-bound at these sizes) overlap the router's. The same kernels in the same order on each stream: the
 #: results are bitwise those of one stream. Longer inputs stay on one stream (their tensor-core GEMMs share one
-#: cuBLAS workspace). A module flag (no environment switch) so the tests and lab tools can run both.
+#: cuBLAS workspace; as do blocks on the tensor-core path: :func:`shared_on_side_stream`). A module flag (no
+#: environment switch) so the tests and lab tools can run both.
 SHARED_SIDE_STREAM = True
 _SIDE_STREAMS: dict = {}
 
 
+def shared_on_side_stream(T: int, weights) -> bool:
+    """Whether the shared expert of a ``T``-token block forks onto the side stream (pure host logic).
+
+    Args:
+        T: the block's tokens. weights: the weights of both branches (router, shared expert and its gate; None
+            entries are skipped).
+    Returns:
+        True for :data:`SHARED_SIDE_STREAM`, at most :data:`GEMV_MAX_ROWS` tokens, and no weight on the tensor-core
+        path at ``T`` rows (:func:`engine.kernels.gemm_tc.use_tc`): that path's cuBLAS GEMMs share one handle and one
+        workspace per device (``gemm_tc._handle``), so on two streams at once they would write the same workspace.
+        ``gemm_tc.TC_MIN_ROWS`` (its environment setting) at 16 or below sends decode-sized blocks there.
+    """
+    return (SHARED_SIDE_STREAM and T <= GEMV_MAX_ROWS
+            and not any(w is not None and _tc.use_tc(T, w) for w in weights))
+
+
 class _side_branch:
-    """A fork of the current stream onto the device's side stream (``with`` it to launch there), joined back by
-    :meth:`join`. The side stream is non-blocking (no implicit order with the legacy stream), so the fork and the
-    join are explicit events: the side work starts after everything already queued on the current stream and
-    the current stream's later work after :meth:`join` waits for it. Each use begins by waiting for the current
-    stream, so memory the side stream frees and takes again is never still in use by an earlier join's reader."""
+    """A fork of the current stream onto the device's side stream, made on construction; ``with`` it around the
+    region where the two streams overlap (launch the side work inside ``with branch.side:``): leaving the region
+    joins the fork, on an error too. The side stream is non-blocking (no implicit order with the legacy stream),
+    so the fork and the join are explicit events: the side work starts after everything already queued on the
+    current stream and the current stream's work after the region waits for it. Each use begins by waiting for the
+    current stream, so memory the side stream frees and takes again is never still in use by an earlier join's
+    reader."""
 
     def __init__(self):
         import cupy as cp
@@ -271,11 +291,22 @@ class _side_branch:
         self.side.wait_event(fork)
 
     def __enter__(self):
-        self.side.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        return self.side.__exit__(*exc)
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.join()
+            return False
+        # joined on an error too (one raised by either stream's work, or an interrupt between the fork and the
+        # join): a captured step then ends its capture with that error, where an unjoined fork would end it with
+        # cudaErrorStreamCaptureUnjoined instead (which the graphs' fallback takes for a capture failure, so an
+        # interrupt would be lost), and an eager one does not leave side kernels reading memory the current
+        # stream goes on to free and reuse
+        try:
+            self.join()
+        except Exception:  # (a capture the error already invalidated refuses the join): report the first error
+            pass
+        return False
 
     def join(self):
         done = self.cp.cuda.Event(disable_timing=True)

@@ -103,6 +103,9 @@ def test_every_kernel_waits_for_the_previous_one_first(src):
     assert '#include "grid_dep.cuh"' in text, f"{src.name}: does not include grid_dep.cuh"
     assert "__global__" in text
     assert kernels_without_grid_dep_entry(text) == [], f"{src.name}: kernels without GRID_DEP_ENTRY() first"
+    # the text NVRTC compiles: a kernel defined in an included header is checked too
+    import engine.backend as B
+    assert kernels_without_grid_dep_entry(B.cuda_source(src.name)) == [], f"{src.name}: a header's kernel lacks it"
 
 
 def test_negative_control_a_kernel_without_the_entry_is_named():
@@ -110,3 +113,14 @@ def test_negative_control_a_kernel_without_the_entry_is_named():
             '#define K(N) extern "C" __global__ void N(float* x) { GRID_DEP_ENTRY();  \\\n    x[0] = 2; }\n'
             'extern "C" __global__ void late(float* x) {\n    x[0] = 3;\n    GRID_DEP_ENTRY();\n}\n')
     assert kernels_without_grid_dep_entry(text) == ["late"]
+
+
+def test_negative_control_a_header_kernel_without_the_entry_is_named(tmp_path, monkeypatch):
+    import engine.backend as B
+    (tmp_path / "a.cu").write_text('#include "grid_dep.cuh"\n#include "k.cuh"\n'
+                                   'extern "C" __global__ void top(float* x) { GRID_DEP_ENTRY(); x[0] = 1; }\n')
+    (tmp_path / "grid_dep.cuh").write_text((CUDA_DIR / "grid_dep.cuh").read_text())
+    (tmp_path / "k.cuh").write_text('extern "C" __global__ void in_header(float* x) { x[0] = 2; }\n')
+    monkeypatch.setattr(B, "CUDA_DIR", tmp_path)
+    assert kernels_without_grid_dep_entry((tmp_path / "a.cu").read_text()) == []
+    assert kernels_without_grid_dep_entry(B.cuda_source("a.cu")) == ["in_header"]

@@ -28,6 +28,7 @@ def test_arguments_are_held_by_value_as_cupy_passes_them():
     assert _bytes(_arg_holder(np.array([7], np.int16))) == np.int16(7).tobytes()
     assert _bytes(_arg_holder(5)) == np.int64(5).tobytes()  # a Python int is an int64, as in cupy
     assert _bytes(_arg_holder(2.0)) == np.float64(2.0).tobytes()
+    assert _bytes(_arg_holder(True)) == np.bool_(True).tobytes()  # a Python bool is a NumPy bool in cupy 14
     assert _bytes(_arg_holder(None)) == bytes(8)  # a null pointer
     assert _bytes(_arg_holder(_FakeDeviceArray())) == np.uint64(0x7F00_1234_5678).tobytes()
 
@@ -43,6 +44,10 @@ def test_launch_dimensions():
     assert _dim3(7) == [7, 1, 1]
     assert _dim3((3, 2)) == [3, 2, 1]
     assert _dim3([1, 2, 3]) == [1, 2, 3]
+    # an extent of 0 is launched as 1, as cupy's Function.__call__ does (max(1, ...)); the driver refuses 0
+    assert _dim3(0) == [1, 1, 1]
+    assert _dim3((5, 0)) == [5, 1, 1]
+    assert _dim3((np.int64(2), 0, 3)) == [2, 1, 3]
 
 
 _CHAIN_SRC = (CUDA_DIR / "grid_dep.cuh").read_text() + r'''

@@ -262,3 +262,130 @@ def test_shared_expert_on_a_side_stream_equals_one_stream(rng, monkeypatch, T):
     # negative control: the comparison sees a change of the shared expert alone
     W["sd"] = W["sd"] * np.uint16(1) + np.uint16(1)  # the last bit of every BF16 down weight
     assert not np.array_equal(cp.asnumpy(run()), one)
+
+
+def test_the_shared_expert_stays_on_one_stream_where_a_branch_takes_the_tensor_cores(monkeypatch):
+    """The side stream only for blocks whose router and shared-expert GEMMs are all off the tensor-core path: that
+    path's cuBLAS calls share one workspace per device, so a shared-expert GEMM on the side stream and the router's on
+    the current one would write it at once (``gemm_tc.TC_MIN_ROWS`` at 16 or below reaches decode-sized blocks)."""
+    from engine.kernels import gemm_tc as TC
+    bf16, f32 = np.zeros((8, 32), np.uint16), np.zeros((1, 32), np.float32)
+    monkeypatch.setattr(M, "SHARED_SIDE_STREAM", True)
+    monkeypatch.setattr(TC, "TC_ENABLED", True)
+    monkeypatch.setattr(TC, "TC_MIN_ROWS", 64)
+    assert M.shared_on_side_stream(16, (bf16, None, f32))
+    assert not M.shared_on_side_stream(17, (bf16, None, f32))
+    monkeypatch.setattr(TC, "TC_MIN_ROWS", 8)
+    assert M.shared_on_side_stream(7, (bf16, None, f32))
+    assert not M.shared_on_side_stream(8, (bf16, None))
+    assert not M.shared_on_side_stream(8, (None, f32))  # one weight on the tensor cores is enough
+    monkeypatch.setattr(TC, "TC_ENABLED", False)
+    assert M.shared_on_side_stream(8, (bf16, None, f32))
+    monkeypatch.setattr(M, "SHARED_SIDE_STREAM", False)
+    assert not M.shared_on_side_stream(1, (bf16, None, f32))
+
+
+@cuda
+def test_a_block_on_the_tensor_cores_keeps_the_shared_expert_on_one_stream(rng, monkeypatch):
+    """With the tensor-core path from 4 rows, a 12-token block does not fork (its GEMMs share cuBLAS's workspace)
+    and a 3-token one does."""
+    from engine.kernels import gemm_tc as TC
+    E, H, I, Is, k = 16, 256, 96, 80, 4
+    mk = lambda *s: g(to_bf16_bits(rng.standard_normal(s) * 0.1))  # noqa: E731
+    W = dict(router=mk(E, H), gate_up=mk(E, 2 * I, H), down=mk(E, H, I), sg=mk(Is, H), su=mk(Is, H), sd=mk(H, Is),
+             sgate=mk(1, H))
+    forks = []
+    branch = M._side_branch
+
+    def counted():
+        forks.append(1)
+        return branch()
+    monkeypatch.setattr(M, "_side_branch", counted)
+    monkeypatch.setattr(M, "SHARED_SIDE_STREAM", True)
+    monkeypatch.setattr(TC, "TC_MIN_ROWS", 4)
+    for T, n in ((3, 1), (12, 1)):  # the 12-token block adds no fork
+        x = g(rng.standard_normal((T, H)).astype(np.float32))
+        M.moe_block(x, W["router"], W["gate_up"], W["down"], top_k=k, shared_gate_proj=W["sg"], shared_up_proj=W["su"],
+                    shared_down_proj=W["sd"], shared_expert_gate=W["sgate"])
+        assert len(forks) == n, (T, forks)
+
+
+def _fake_cupy_streams(log):
+    """A stand-in for the part of cupy that :class:`engine.kernels.moe._side_branch` uses; ``log`` gets each call
+    as ``(stream, what[, the stream an awaited event was recorded on])``."""
+    import types
+
+    class Stream:
+        def __init__(self, name="side", non_blocking=False):
+            self.name = name
+
+        def wait_event(self, e):
+            log.append((self.name, "wait", e.where))
+
+        def __enter__(self):
+            log.append((self.name, "enter"))
+            return self
+
+        def __exit__(self, *exc):
+            log.append((self.name, "exit"))
+            return False
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            self.where = None
+
+        def record(self, s):
+            self.where = s.name
+            log.append((s.name, "record"))
+
+    main = Stream("main")
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: main, Device=lambda: types.SimpleNamespace(id=0),
+        Stream=lambda non_blocking=False: Stream("side", non_blocking), Event=Event))
+
+
+def test_a_side_branch_is_joined_on_leaving_its_region_on_an_error_too(monkeypatch):
+    """The fork is joined when its region is left: normally, on an error of the side work, and on one raised
+    between the fork and the join on the current stream (an interrupt, say). An unjoined fork would end a capture
+    with cudaErrorStreamCaptureUnjoined instead of the error (the graphs' fallback takes that for a capture failure
+    and carries on, so an interrupt would be lost), and leave an eager step's current stream not waiting for side
+    kernels that still read its memory."""
+    import sys
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_streams(log))
+    monkeypatch.setattr(M, "_SIDE_STREAMS", {})
+    with M._side_branch() as b:
+        with b.side:
+            pass
+    assert log == [("main", "record"), ("side", "wait", "main"), ("side", "enter"), ("side", "exit"),
+                   ("side", "record"), ("main", "wait", "side")]
+    joined = [("side", "record"), ("main", "wait", "side")]
+    log.clear()
+    with pytest.raises(RuntimeError, match="side work failed"):
+        with M._side_branch() as b:
+            with b.side:
+                raise RuntimeError("side work failed")
+    assert log[-3:] == [("side", "exit")] + joined
+    log.clear()
+    with pytest.raises(KeyboardInterrupt):
+        with M._side_branch():
+            raise KeyboardInterrupt
+    assert log[-2:] == joined
+
+
+def test_a_side_branch_whose_join_fails_after_an_error_reports_the_error(monkeypatch):
+    """A capture that the error invalidated refuses the join's event calls too: the first error is the one that
+    propagates."""
+    import sys
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_streams(log))
+    monkeypatch.setattr(M, "_SIDE_STREAMS", {})
+    b = M._side_branch()
+
+    def refused(e):
+        raise RuntimeError("cudaErrorStreamCaptureInvalidated")
+    b.main.wait_event = refused
+    with pytest.raises(RuntimeError, match="side work failed"):
+        with b:
+            with b.side:
+                raise RuntimeError("side work failed")
