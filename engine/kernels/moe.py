@@ -243,7 +243,7 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
 
 
 #: The shared expert of a decode-sized MoE block (1..16 tokens, cupy, the grouped chain) runs on a side stream,
-#: beside the router, top-k and route tables of the current stream, which waits for it before the combine: in a
+#: beside the router and top-k of the current stream, which waits for it before the route tables and experts: in a
 #: captured decode step the two chains are parallel branches of the graph, so the shared expert's four small launches
 #: (latency-bound at these sizes) overlap the router's. The same kernels in the same order on each stream: the
 #: results are bitwise those of one stream. Longer inputs stay on one stream (their tensor-core GEMMs share one
