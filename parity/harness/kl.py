@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from parity.backends import capabilities_of, one_shot_logits
-from parity.backends.base import capability, decode_greedy_of, prefill_last_of
+from parity.backends.base import capability, decode_greedy_of, owned, prefill_last_of
 from parity.harness.floor import (floor_breakdown, floor_prompts, forced_logits, logged_logits, measure_floor,
                                   stores_of, unresolvable)
 from parity.harness.metrics import (FLOOR_MAX_KL, PERCENTILES, LogitComparison, compare_logits,  # noqa: F401
@@ -211,11 +211,11 @@ def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tup
         if last_only:
             logits = np.asarray(prefill_last_of(backend, h, list(ids))).reshape(1, -1)
         else:
-            logits = np.asarray(backend.prefill(h, list(ids)))
+            logits = owned(backend.prefill(h, list(ids)))
         out = [int(np.argmax(logits[-1]))]
         rows = []
         while len(out) < n:
-            nxt = np.asarray(backend.decode([h], [out[-1]]))
+            nxt = owned(backend.decode([h], [out[-1]]))
             rows.append(nxt[0])
             out.append(int(np.argmax(nxt[0])))
         return out, (np.stack(rows) if rows else np.zeros((0, logits.shape[-1]), logits.dtype))

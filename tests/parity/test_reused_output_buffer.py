@@ -1,0 +1,17 @@
+"""A backend may return a view of an output buffer it reuses (llama.cpp's ``llama_get_logits``, a torch engine's
+static output tensor): the harness copies each answer when it gets it (parity.backends.base.owned), so such a
+CORRECT backend passes, and rows kept across calls are the rows returned then, not the buffer's last contents."""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "fixtures" / "tiny"
+
+
+def test_a_correct_backend_reusing_its_output_buffer_passes():
+    from parity.harness.run import run_parity
+    rep = run_parity(TINY, "parity_fakes:ReusedOutputBuffer", ["kl", "budget", "self-consistency"], level="ci",
+                     progress=False)
+    doc = rep.to_json()
+    assert rep.exit_code == 0, [(r["scenario"], r["status"], r["first_divergence"]) for r in doc["scenarios"]]
