@@ -179,3 +179,22 @@ class ReusedOutputBuffer(ReferenceBackend):
 
     def logits(self, ids):
         return self._out(super().logits(ids))
+
+
+class PaddedVocabLogits(ReferenceBackend):
+    """The reference returning every logits array with 64 extra columns (a vocabulary padded to a multiple of 64,
+    not sliced off): a wrong answer of the backend, which the kl row names as such."""
+
+    @staticmethod
+    def _pad(rows):
+        rows = np.asarray(rows)
+        return np.concatenate([rows, np.full(rows.shape[:-1] + (64,), -1e9, rows.dtype)], axis=-1)
+
+    def prefill(self, h, ids, chunk_size=None):
+        return self._pad(super().prefill(h, ids, chunk_size=chunk_size))
+
+    def decode(self, hs, ids):
+        return self._pad(super().decode(hs, ids))
+
+    def logits(self, ids):
+        return self._pad(super().logits(ids))

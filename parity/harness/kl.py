@@ -197,6 +197,18 @@ class KLTruth:
         return copy.deepcopy(self._controls[key])
 
 
+def _check_shape(rows, n: int, a, name: str, what: str) -> None:
+    """Raise :class:`parity.backends.base.BackendOutputError` when the backend's answer to ``n`` ids is not
+    ``[n, vocab_size]`` (a padded vocabulary, a missing row): the backend's defect, named as such -- before, the
+    comparison refused it as an input error that the kl row reported as raised by the backend."""
+    v = getattr(getattr(a, "config", None), "vocab_size", None)
+    shape = tuple(np.shape(rows))
+    if len(shape) != 2 or shape[0] != n or (v is not None and shape[1] != int(v)):
+        from parity.backends.base import BackendOutputError
+        raise BackendOutputError(f"backend {name!r} returned logits of shape {list(shape)} for {what}() of {n} ids, "
+                                 f"expected [{n}, {v if v is not None else 'vocab_size'}] = [tokens, vocab_size]")
+
+
 def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tuple[list[int], np.ndarray | None]:
     """Greedy continuation of ``n`` tokens through prefill + decode (the incremental path).
 
@@ -535,6 +547,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         bar.set_postfix_str(f"prompt {i} ({len(ids)} tokens)")
         ids = [int(t) for t in ids]
         lb = one_shot_logits(b, ids)
+        _check_shape(lb, len(ids), a, name_b, "logits")
         lb2 = one_shot_logits(b, ids)
         path, be, gb = ids, lb, None
         if greedy_tokens:
