@@ -151,3 +151,50 @@ class DenseAttention(ReferenceBackend):
             return np.where(allb < n[:, None], allb, -1)
         self.model.selection_hook = every_block
         return self
+
+
+class ReusedOutputBuffer(ReferenceBackend):
+    """A CORRECT backend whose every answer is a view of one output buffer it reuses (overwritten by its next
+    call), as llama.cpp's ``llama_get_logits`` and a torch engine's static output tensor are: the harness must
+    copy each answer when it gets it, so this backend PASSes (before, the kl row's greedy stream kept the views
+    and judged every decode row as the last one: a false FAIL with no location)."""
+
+    def _out(self, rows):
+        rows = np.asarray(rows)
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.size < rows.size:
+            buf = self._buf = np.empty(max(rows.size, 1), rows.dtype)
+        view = buf[:rows.size].reshape(rows.shape)
+        view[...] = rows
+        return view
+
+    def prefill(self, h, ids, chunk_size=None):
+        return self._out(super().prefill(h, ids, chunk_size=chunk_size))
+
+    def decode(self, hs, ids):
+        return self._out(super().decode(hs, ids))
+
+    def forward_tokens(self, h, ids):
+        return self._out(super().forward_tokens(h, ids))
+
+    def logits(self, ids):
+        return self._out(super().logits(ids))
+
+
+class PaddedVocabLogits(ReferenceBackend):
+    """The reference returning every logits array with 64 extra columns (a vocabulary padded to a multiple of 64,
+    not sliced off): a wrong answer of the backend, which the kl row names as such."""
+
+    @staticmethod
+    def _pad(rows):
+        rows = np.asarray(rows)
+        return np.concatenate([rows, np.full(rows.shape[:-1] + (64,), -1e9, rows.dtype)], axis=-1)
+
+    def prefill(self, h, ids, chunk_size=None):
+        return self._pad(super().prefill(h, ids, chunk_size=chunk_size))
+
+    def decode(self, hs, ids):
+        return self._pad(super().decode(hs, ids))
+
+    def logits(self, ids):
+        return self._pad(super().logits(ids))

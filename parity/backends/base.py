@@ -280,12 +280,22 @@ def capabilities_of(be) -> dict:
     return {**Backend.capabilities, **(getattr(be, "capabilities", None) or {})}
 
 
+def owned(x) -> np.ndarray:
+    """A private copy of an array a backend returned. A backend may hand back a view of a buffer it reuses
+    (llama.cpp's ``llama_get_logits``, a torch engine's static output tensor through ``.numpy()``): correct
+    when returned, overwritten by its next call. The harness keeps rows across calls (a greedy stream's decode
+    rows, a determinism check's two forwards, a batch replayed row by row), so it copies each answer at once
+    rather than judging whatever the buffer holds later."""
+    return np.array(x, copy=True)
+
+
 def one_shot_logits(be, ids) -> np.ndarray:
-    """``be.logits(ids)`` when the backend has it, else a fresh sequence prefilled with ``ids`` and freed."""
+    """``be.logits(ids)`` when the backend has it, else a fresh sequence prefilled with ``ids`` and freed (a
+    copy of what the backend returned: :func:`owned`)."""
     fn = getattr(be, "logits", None)
     if fn is not None:
-        return np.asarray(fn(ids))
-    return Backend.logits(be, ids)
+        return owned(fn(ids))
+    return owned(Backend.logits(be, ids))
 
 
 def prefill_last_of(be, h, ids) -> np.ndarray:
@@ -293,7 +303,7 @@ def prefill_last_of(be, h, ids) -> np.ndarray:
     default is ``prefill(h, ids)[-1]``), else -- a duck-typed backend -- the last row of ``be.prefill``.
     Returns the last position's logits as the backend returned them (``[V]`` for a correct backend)."""
     fn = getattr(be, "prefill_last", None)
-    return np.asarray(fn(h, ids) if fn is not None else np.asarray(be.prefill(h, ids))[-1])
+    return owned(fn(h, ids) if fn is not None else np.asarray(be.prefill(h, ids))[-1])
 
 
 def decode_greedy_of(be, hs, ids) -> np.ndarray:
@@ -303,7 +313,7 @@ def decode_greedy_of(be, hs, ids) -> np.ndarray:
     them (int ``[B]`` for a correct backend)."""
     fn = getattr(be, "decode_greedy", None)
     if fn is not None:
-        return np.asarray(fn(list(hs), [int(t) for t in ids]))
+        return owned(fn(list(hs), [int(t) for t in ids]))
     return np.argmax(np.asarray(be.decode(list(hs), [int(t) for t in ids])), axis=-1).astype(np.int64)
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from parity.backends import capabilities_of, one_shot_logits
-from parity.backends.base import capability, decode_greedy_of, prefill_last_of
+from parity.backends.base import capability, decode_greedy_of, owned, prefill_last_of
 from parity.harness.floor import (floor_breakdown, floor_prompts, forced_logits, logged_logits, measure_floor,
                                   stores_of, unresolvable)
 from parity.harness.metrics import (FLOOR_MAX_KL, PERCENTILES, LogitComparison, compare_logits,  # noqa: F401
@@ -197,6 +197,18 @@ class KLTruth:
         return copy.deepcopy(self._controls[key])
 
 
+def _check_shape(rows, n: int, a, name: str, what: str) -> None:
+    """Raise :class:`parity.backends.base.BackendOutputError` when the backend's answer to ``n`` ids is not
+    ``[n, vocab_size]`` (a padded vocabulary, a missing row): the backend's defect, named as such -- before, the
+    comparison refused it as an input error that the kl row reported as raised by the backend."""
+    v = getattr(getattr(a, "config", None), "vocab_size", None)
+    shape = tuple(np.shape(rows))
+    if len(shape) != 2 or shape[0] != n or (v is not None and shape[1] != int(v)):
+        from parity.backends.base import BackendOutputError
+        raise BackendOutputError(f"backend {name!r} returned logits of shape {list(shape)} for {what}() of {n} ids, "
+                                 f"expected [{n}, {v if v is not None else 'vocab_size'}] = [tokens, vocab_size]")
+
+
 def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tuple[list[int], np.ndarray | None]:
     """Greedy continuation of ``n`` tokens through prefill + decode (the incremental path).
 
@@ -211,11 +223,11 @@ def _greedy(backend, ids: Sequence[int], n: int, last_only: bool = False) -> tup
         if last_only:
             logits = np.asarray(prefill_last_of(backend, h, list(ids))).reshape(1, -1)
         else:
-            logits = np.asarray(backend.prefill(h, list(ids)))
+            logits = owned(backend.prefill(h, list(ids)))
         out = [int(np.argmax(logits[-1]))]
         rows = []
         while len(out) < n:
-            nxt = np.asarray(backend.decode([h], [out[-1]]))
+            nxt = owned(backend.decode([h], [out[-1]]))
             rows.append(nxt[0])
             out.append(int(np.argmax(nxt[0])))
         return out, (np.stack(rows) if rows else np.zeros((0, logits.shape[-1]), logits.dtype))
@@ -535,6 +547,7 @@ def run_kl(a, b, prompts: Sequence[Sequence[int]], *, model: str = "", greedy_to
         bar.set_postfix_str(f"prompt {i} ({len(ids)} tokens)")
         ids = [int(t) for t in ids]
         lb = one_shot_logits(b, ids)
+        _check_shape(lb, len(ids), a, name_b, "logits")
         lb2 = one_shot_logits(b, ids)
         path, be, gb = ids, lb, None
         if greedy_tokens:

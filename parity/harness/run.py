@@ -417,7 +417,8 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
                     # here is bad input); only a KeyboardInterrupt behind which a signal was received stops the run
                     if _real_interrupt(e):
                         raise
-                    msg = f"backend raised {_exc_name(e)}"
+                    from parity.backends.base import BackendOutputError
+                    msg = str(e) if isinstance(e, BackendOutputError) else f"backend raised {_exc_name(e)}"
                     report.rows.append(ScenarioRow("kl", len(kl_prompts), len(kl_prompts), float("nan"),
                                                    float("nan"), f"KL harness: {msg}", time.perf_counter() - t0,
                                                    "error", msg, traceback=_format_tb(e), thresholds=limits))

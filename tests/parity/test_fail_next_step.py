@@ -213,3 +213,22 @@ def test_the_regime_label_is_printed_only_for_a_qsa_tap():
         rep = ParityReport("b", "m", [_row([_fail(f"c{p}", f.format(p=p), d.format(p=p), cfg) for p in (b, b + 3)])])
         text = render_table(rep, columns=400)
         assert ("past the QSA bound only" in text) == shown, (tap, text)
+
+
+def test_a_state_check_failure_does_not_ask_for_out(tmp_path):
+    """A FAIL whose only failures are state checks (a rollback leaving the KV length one token long) has no tap
+    archive even with --out: the next step names the check, never 're-run with --out DIR' (which keeps nothing)."""
+    f = {"scenario": "speculative_rollback", "case": "accept_each_j_all_drafts", "status": "fail",
+         "worst_logit_err_rel": 8.7e-7, "archives": [], "label": "speculative_rollback/accept_each_j_all_drafts",
+         "failure": "accept 0/4, roll back 4: seq right-accept0: position 10, expected 9 (KV length)",
+         "divergence": "sequence length (KV length) 10 != 9",
+         "root_cause": root_cause("accept 0/4, roll back 4: seq right-accept0: position 10, expected 9 (KV length)",
+                                  "sequence length (KV length) 10 != 9")}
+    assert f["root_cause"]["tap"] == "sequence length"
+    row = ScenarioRow("speculative-rollback", 5, 1, 1e-13, 1e-6, f["divergence"], 0.1, "fail",
+                      failures=[f], worst_logit_err_rel=8.7e-7, thresholds={"tol_rel": 7.9e-5})
+    rep = ParityReport("faults", str(TINY), rows=[row])
+    nx = next_step(rep)
+    assert nx["command"] is None and "--out" not in nx["advice"] and "state check" in nx["advice"], nx
+    text = render_table(rep, columns=None)
+    assert "re-run with --out" not in text and "state check" in text, text

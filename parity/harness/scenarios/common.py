@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from parity.backends.base import capabilities_of, capability
+from parity.backends.base import capabilities_of, capability, owned
 from parity.harness.causes import fault_of
 from parity.harness.floor import SelectionLog
 from parity.harness.metrics import compare_logits
@@ -429,14 +429,14 @@ class Run:
             CaseFailure: a wrong shape, a disagreement with the truth, or a wrong position.
         """
         n = len(ids)
-        call = lambda h, t: self.be.prefill(h, t, chunk_size=chunk_size)  # noqa: E731
+        call = lambda h, t: owned(self.be.prefill(h, t, chunk_size=chunk_size))  # noqa: E731
         bp = self.cap("batched_prefill")
         if chunk_size:
             self.need("batched_prefill", f"prefill {n} tokens in chunks of {chunk_size}",
                       lambda c: c.max_tokens is None or min(chunk_size, n) <= c.max_tokens)
         elif n > 1 and (not bp.usable or (bp.max_tokens is not None and n > bp.max_tokens)):
             # narrowed: a backend without (or limited in) multi-token prefill gets the prompt one token at a time
-            call = lambda h, t: np.concatenate([np.asarray(self.be.decode([h], [x])) for x in t])  # noqa: E731
+            call = lambda h, t: np.concatenate([owned(self.be.decode([h], [x])) for x in t])  # noqa: E731
             desc = desc or f"prefill {n} tokens one at a time ({bp.reason()})"
         self.current_op = "batched_prefill"
         return self._segment(s, ids, call,
@@ -471,10 +471,10 @@ class Run:
             for s, t, st in zip(seqs, ids, starts):
                 if (self.record_at == op and s.label == self.record_seq) or s.label == self.record_all:
                     with self._recording(op, [st], s):
-                        rows.append(np.asarray(self.be.decode([s.h], [t]))[0])
+                        rows.append(owned(self.be.decode([s.h], [t]))[0])
                     self._keep_returned(op, rows[-1][None])
                 else:
-                    rows.append(np.asarray(self.be.decode([s.h], [t]))[0])
+                    rows.append(owned(self.be.decode([s.h], [t]))[0])
             out = np.stack(rows)
             if not narrow or self.unbatch_at == op or self.record_at == op:
                 d += " (replayed one sequence at a time)"
@@ -485,7 +485,7 @@ class Run:
             # the recorded one's rows are found by its rank among them
             same = [j for j, st in enumerate(starts) if st == starts[i]]
             with self._recording(op, [starts[i]], seqs[i], row=(same.index(i), len(same))), keep:
-                out = np.asarray(self.be.decode([s.h for s in seqs], ids))
+                out = owned(self.be.decode([s.h for s in seqs], ids))
             self._keep_returned(op, out[i:i + 1])
         if out.ndim != 2 or out.shape[0] != len(seqs):
             self.shape_mismatch = True
@@ -506,7 +506,7 @@ class Run:
         n = len(ids)
         self.need("verify", f"verify {n} drafted tokens", lambda c: c.max_tokens is None or n <= c.max_tokens)
         self.current_op = "verify"
-        out = self._segment(s, ids, self.be.forward_tokens,
+        out = self._segment(s, ids, lambda h, t: owned(self.be.forward_tokens(h, t)),
                             lambda start: desc or f"verify {n} drafted tokens at position {start}")
         s.last_verify = (n, len(s.hist))
         return out

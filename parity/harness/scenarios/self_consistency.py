@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from parity.backends.base import owned
 from parity.harness.scenarios.common import Case, Run, sizes, token_stream
 from parity.harness.scenarios.suite import Suite
 
@@ -66,7 +67,7 @@ def measure_noise(be, config) -> dict:
     for chunk in (None, None, s.ratio + 1):
         h = be.new_sequence()
         try:
-            outs.append(np.asarray(be.prefill(h, ids, chunk_size=chunk), dtype=np.float64))
+            outs.append(np.array(be.prefill(h, ids, chunk_size=chunk), dtype=np.float64))
         finally:
             be.free(h)
     return {"rerun": float(np.max(np.abs(outs[0] - outs[1]))), "reorder": float(np.max(np.abs(outs[0] - outs[2]))),
@@ -125,19 +126,19 @@ def cases(config, level: str = "full") -> list[Case]:
             hs.append(h)
             snaps.append(be.snapshot(h))
         toks = [token_stream(run.config, 3, seed=7300 + k) for k in range(len(hs))]
-        batched = [np.asarray(be.decode(hs, [t[j] for t in toks])) for j in range(3)]
+        batched = [owned(be.decode(hs, [t[j] for t in toks])) for j in range(3)]
         for order in (list(range(len(hs))), list(reversed(range(len(hs))))):
             for h, sn in zip(hs, snaps):
                 be.restore(h, sn)
             if order[0] == 0:  # alone, one sequence at a time
                 for k in order:
                     for j in range(3):
-                        row = np.asarray(be.decode([hs[k]], [toks[k][j]]))[0]
+                        row = owned(be.decode([hs[k]], [toks[k][j]]))[0]
                         _same(run, batched[j][k], row, f"decode step {j}: seq {k} (length {lens[k]}) in a batch of "
                               f"{len(hs)} vs alone", f"batch-dependence: decode row of seq {k} at step {j}")
             else:  # the same batch, permuted
                 for j in range(3):
-                    rows = np.asarray(be.decode([hs[k] for k in order], [toks[k][j] for k in order]))
+                    rows = owned(be.decode([hs[k] for k in order], [toks[k][j] for k in order]))
                     for pos, k in enumerate(order):
                         _same(run, batched[j][k], rows[pos], f"decode step {j}: seq {k} at batch row {pos} vs row {k}",
                               f"batch-dependence: decode row order (seq {k}, step {j})")
@@ -168,14 +169,14 @@ def cases(config, level: str = "full") -> list[Case]:
         run.scratch.setdefault("free", []).append(h)
         be.prefill(h, P)
         snap = be.snapshot(h)
-        wide = np.asarray(be.forward_tokens(h, drafts))
+        wide = owned(be.forward_tokens(h, drafts))
         be.restore(h, snap)
-        rows = np.stack([np.asarray(be.decode([h], [t]))[0] for t in drafts])
+        rows = np.stack([owned(be.decode([h], [t]))[0] for t in drafts])
         _same(run, wide, rows, f"verify of {len(drafts)} tokens vs the same tokens decoded one by one",
               "verify-width dependence: verify rows vs decode rows")
         for k in range(1, len(drafts)):
             be.restore(h, snap)
-            narrow = np.asarray(be.forward_tokens(h, drafts[:k]))
+            narrow = owned(be.forward_tokens(h, drafts[:k]))
             _same(run, wide[:k], narrow, f"verify of {k} tokens vs the first {k} rows of a verify of {len(drafts)}",
                   f"verify-width dependence: verify width {k} vs {len(drafts)}")
     out.append(Case("verify_rows_vs_decode_rows", verify_vs_decode, needs=("verify", "snapshot")))
@@ -202,27 +203,27 @@ def cases(config, level: str = "full") -> list[Case]:
         # plain greedy
         h = be.new_sequence()
         run.scratch.setdefault("free", []).append(h)
-        row = np.asarray(be.prefill(h, prompt))[-1]
+        row = owned(be.prefill(h, prompt))[-1]
         plain, gaps = [], []
         for _ in range(n_tok):
             t = int(np.argmax(row))
             top2 = np.sort(np.asarray(row, dtype=np.float64))[-2:]
             plain.append(t)
             gaps.append(float(top2[1] - top2[0]))
-            row = np.asarray(be.decode([h], [t]))[0]
+            row = owned(be.decode([h], [t]))[0]
         be.free(h)
         run.scratch["free"].remove(h)
         # speculative: drafts = the plain stream with every third draft corrupted (varied acceptance)
         g = be.new_sequence()
         run.scratch["free"].append(g)
-        row = np.asarray(be.prefill(g, prompt))[-1]
+        row = owned(be.prefill(g, prompt))[-1]
         spec = [int(np.argmax(row))]
         rounds = accepted = 0
         while len(spec) < n_tok:
             i = len(spec)
             drafts = [plain[j] if j < n_tok else 0 for j in range(i, i + SPEC_K)]
             drafts = [(t + 1) % s.vocab if (i + j) % 3 == 2 else t for j, t in enumerate(drafts)]
-            rows = np.asarray(be.forward_tokens(g, [spec[-1]] + drafts))
+            rows = owned(be.forward_tokens(g, [spec[-1]] + drafts))
             acc = 0
             while acc < SPEC_K and int(np.argmax(rows[acc])) == drafts[acc]:
                 acc += 1
