@@ -229,17 +229,12 @@ def test_decode_step_captures_as_cuda_graph(rng):
     assert rel_dev(out, eager) == 0.0
 
 
-@cuda
-@pytest.mark.parametrize("T", [1, 5, 16, 17])
-def test_shared_expert_on_a_side_stream_equals_one_stream(rng, monkeypatch, T):
-    """The shared expert forked onto the side stream (1..16 tokens) gives the one-stream results bit for bit, run
-    eagerly and replayed from a captured graph (where the fork and the join are graph edges); 17 tokens stay on one
-    stream."""
-    E, H, I, Is, k = 64, 256, 96, 80, 6
+def _side_stream_setup(rng, monkeypatch, E: int, H: int, I: int = 96, Is: int = 80):
+    """BF16 device weights of one MoE block with a shared expert, and a list that gets one entry per fork onto the
+    side stream (``moe._side_branch`` wrapped)."""
     mk = lambda *s: g(to_bf16_bits(rng.standard_normal(s) * 0.1))  # noqa: E731
     W = dict(router=mk(E, H), gate_up=mk(E, 2 * I, H), down=mk(E, H, I), sg=mk(Is, H), su=mk(Is, H), sd=mk(H, Is),
              sgate=mk(1, H))
-    x = g(rng.standard_normal((T, H)).astype(np.float32))
     forks = []
     branch = M._side_branch
 
@@ -247,6 +242,18 @@ def test_shared_expert_on_a_side_stream_equals_one_stream(rng, monkeypatch, T):
         forks.append(1)
         return branch()
     monkeypatch.setattr(M, "_side_branch", counted)
+    return W, forks
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 5, 16, 17])
+def test_shared_expert_on_a_side_stream_equals_one_stream(rng, monkeypatch, T):
+    """The shared expert forked onto the side stream (1..16 tokens) gives the one-stream results bit for bit, run
+    eagerly and replayed from a captured graph (where the fork and the join are graph edges); 17 tokens stay on one
+    stream."""
+    k, H = 6, 256
+    W, forks = _side_stream_setup(rng, monkeypatch, E=64, H=H)
+    x = g(rng.standard_normal((T, H)).astype(np.float32))
 
     def run():
         return M.moe_block(x, W["router"], W["gate_up"], W["down"], top_k=k, shared_gate_proj=W["sg"],
@@ -290,17 +297,8 @@ def test_a_block_on_the_tensor_cores_keeps_the_shared_expert_on_one_stream(rng, 
     """With the tensor-core path from 4 rows, a 12-token block does not fork (its GEMMs share cuBLAS's workspace)
     and a 3-token one does."""
     from engine.kernels import gemm_tc as TC
-    E, H, I, Is, k = 16, 256, 96, 80, 4
-    mk = lambda *s: g(to_bf16_bits(rng.standard_normal(s) * 0.1))  # noqa: E731
-    W = dict(router=mk(E, H), gate_up=mk(E, 2 * I, H), down=mk(E, H, I), sg=mk(Is, H), su=mk(Is, H), sd=mk(H, Is),
-             sgate=mk(1, H))
-    forks = []
-    branch = M._side_branch
-
-    def counted():
-        forks.append(1)
-        return branch()
-    monkeypatch.setattr(M, "_side_branch", counted)
+    k, H = 4, 256
+    W, forks = _side_stream_setup(rng, monkeypatch, E=16, H=H)
     monkeypatch.setattr(M, "SHARED_SIDE_STREAM", True)
     monkeypatch.setattr(TC, "TC_MIN_ROWS", 4)
     for T, n in ((3, 1), (12, 1)):  # the 12-token block adds no fork
