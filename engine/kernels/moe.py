@@ -226,15 +226,12 @@ def moe_block(x, router_weight, gate_up, down, *, top_k: int, norm_topk_prob: bo
             and shared_on_side_stream(x.shape[0], (router_weight, shared_gate_up, *shared_ws))):
         side = _side_branch()
     with side if side is not None else contextlib.nullcontext():  # the fork's region: joined on leaving it
-        if side is not None:
-            with side.side:
+        if shared_gate_proj is not None:
+            with side.side if side is not None else contextlib.nullcontext():
                 shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
                 sg = linear(x, shared_expert_gate)
         logits = linear(x, router_weight)
         ids, w = router_topk(logits, top_k, norm_topk_prob)
-    if side is None and shared_gate_proj is not None:
-        shared = shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj, gate_up=shared_gate_up)
-        sg = linear(x, shared_expert_gate)
     if experts_fn is not None:
         out = experts_fn(x, ids, w, shared=shared, shared_gate=sg)
     else:
