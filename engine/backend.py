@@ -8,6 +8,7 @@ kernels so both compilers accept them.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
 import os
@@ -132,7 +133,6 @@ class pdl_capture:
 def _pdl_launcher():
     """``cuLaunchKernelEx`` of the CUDA driver with its structures (ctypes), or None where the device is older
     than sm_90, the driver lacks the call, or ``QWEN4EXP_PDL=0``."""
-    import ctypes
     if os.environ.get(PDL_ENV, "1") == "0":
         return None
     cp = cupy_or_none()
@@ -164,7 +164,6 @@ def _arg_holder(a):
     """A ctypes object holding kernel argument ``a`` by value, as cupy passes it: a device array or a memory
     pointer as its address, None as a null pointer, a NumPy scalar (or one-element array) as its bytes, a
     Python int / float / bool as int64 / float64 / bool."""
-    import ctypes
     if a is None:
         return ctypes.c_uint64(0)
     if not isinstance(a, (np.ndarray, np.generic, int, float)):
@@ -215,7 +214,6 @@ class Kernel:
         launcher = _pdl_launcher() if _capture_depth else None
         if launcher is None:
             return self.fn(grid, block, args, shared_mem=shared_mem, stream=stream)
-        import ctypes
         fn, Config, attr = launcher
         cp = cupy_or_none()
         cfg = Config()
