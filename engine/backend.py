@@ -78,8 +78,7 @@ def to_numpy(a) -> np.ndarray:
 
 
 #: L2 prefetch of a kernel's first weight bytes before its programmatic-launch wait (``kernels/cuda/grid_dep.cuh``):
-#: ``QWEN4EXP_PREFETCH=0`` compiles the engine's kernels without it, ``=N`` with N bytes a block at most (A/B
-#: switches for benchmarks).
+#: ``QWEN4EXP_PREFETCH=0`` compiles the engine's kernels without it (an A/B switch for benchmarks).
 PREFETCH_ENV = "QWEN4EXP_PREFETCH"
 
 
@@ -87,28 +86,15 @@ PREFETCH_ENV = "QWEN4EXP_PREFETCH"
 def load_module(filename: str, options: tuple[str, ...] = ()):
     """Compile ``engine/kernels/cuda/<filename>`` with NVRTC for the current GPU (cached) and return
     it as a :class:`Module` (``get_function`` gives a :class:`Kernel`). Compile options always include
-    ``-std=c++17`` and :func:`prefetch_options` (``QWEN4EXP_PREFETCH``, read at each module's first compile:
-    the weight prefetches before a kernel's entry, ``kernels/cuda/grid_dep.cuh``); the architecture is the device's own (cupy picks it). Local headers (``#include "x.cuh"``) are inlined
+    ``-std=c++17``, and ``-DQWEN4EXP_NO_PREFETCH`` when ``QWEN4EXP_PREFETCH=0`` (read at each module's first
+    compile: the weight prefetches before a kernel's entry, ``kernels/cuda/grid_dep.cuh``, are left out); the
+    architecture is the device's own (cupy picks it). Local headers (``#include "x.cuh"``) are inlined
     (:func:`cuda_source`)."""
     cp = cupy_or_none()
     if cp is None:
         raise RuntimeError("load_module needs cupy and a GPU")
-    return Module(cp.RawModule(code=cuda_source(filename), options=("-std=c++17",) + prefetch_options()
-                               + tuple(options)))
-
-
-def prefetch_options() -> tuple[str, ...]:
-    """The compile definitions ``QWEN4EXP_PREFETCH`` asks for: unset or ``1`` none (the default cap of
-    ``grid_dep.cuh``, 32 KB a block); ``0`` ``-DQWEN4EXP_NO_PREFETCH``; a number of bytes >= 128 that cap
-    (``-DGRID_DEP_PREFETCH_MAX=N``). Raises ValueError naming the variable for any other value."""
-    v = os.environ.get(PREFETCH_ENV, "1").strip()
-    if v == "1":
-        return ()
-    if v == "0":
-        return ("-DQWEN4EXP_NO_PREFETCH",)
-    if v.isdigit() and int(v) >= 128:
-        return (f"-DGRID_DEP_PREFETCH_MAX={int(v)}",)
-    raise ValueError(f"{PREFETCH_ENV}: expected 0, 1 or a number of bytes >= 128, found {v!r}")
+    base = ("-std=c++17",) + (("-DQWEN4EXP_NO_PREFETCH",) if os.environ.get(PREFETCH_ENV, "1") == "0" else ())
+    return Module(cp.RawModule(code=cuda_source(filename), options=base + tuple(options)))
 
 
 

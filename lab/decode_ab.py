@@ -6,9 +6,7 @@ one prompt of ``--context`` tokens forked into each batch; per batch, ``--rounds
 alternating), each mode's decode graphs captured anew, then ``--steps`` pipelined greedy steps timed between device
 events (as ``qwen4exp bench``). Modes: ``engine`` (the defaults), ``plain`` (no programmatic dependent launch:
 ``engine.backend.pdl_capture`` launching plainly), ``one-stream`` (the MoE's shared expert on the current stream,
-``moe.SHARED_SIDE_STREAM`` off), ``block`` (the three-launch MoE decode block for every format at one token),
-``prefetch=N`` (the kernels compiled with ``QWEN4EXP_PREFETCH=N``: 0 no weight prefetch before the entry, else a cap
-in bytes a block; the compiled-module caches are cleared on entering and leaving such a mode).
+``moe.SHARED_SIDE_STREAM`` off), ``block`` (the three-launch MoE decode block for every format at one token).
 Prints each mode's per-round medians (us per step), the median of those, each mode's ratio to ``engine``, and the
 graphs' counters (a failed verification would show).
 """
@@ -31,26 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="engine,plain,one-stream")
     args = ap.parse_args(argv)
 
-    import os
-
     import engine as E
     from engine import backend
-    from engine.kernels import dense_common
-    prefetch_default = os.environ.get(backend.PREFETCH_ENV)
-    current = [prefetch_default]
-
-    def set_prefetch(value):  # None: the process's own setting
-        value = prefetch_default if value is None else value
-        if value == current[0]:
-            return
-        if value is None:
-            os.environ.pop(backend.PREFETCH_ENV, None)
-        else:
-            os.environ[backend.PREFETCH_ENV] = value
-        backend.prefetch_options()  # a bad value fails here, before any compile
-        backend.load_module.cache_clear()
-        dense_common.kernel.cache_clear()
-        current[0] = value
     from engine.kernels import moe as MOE
     from parity.bench import synthetic as S
 
@@ -77,7 +57,6 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for mode in (modes if r % 2 == 0 else modes[::-1]):
                 backend._pdl_launcher = (lambda: None) if mode == "plain" else pdl
-                set_prefetch(mode.split("=", 1)[1] if mode.startswith("prefetch=") else None)
                 MOE.DECODE_BLOCK_MAX_TOKENS.update(dict.fromkeys(keep, 1) if mode == "block" else keep)
                 MOE.SHARED_SIDE_STREAM = keep_side and mode != "one-stream"
                 g.entries.clear(), g.seen.clear(), g.failed.clear()
@@ -89,7 +68,6 @@ def main(argv=None) -> int:
                 if mode != "plain" and pdl() is not None and backend.pdl_launches == n0:
                     print(f"decode_ab: no launch used the attribute in mode {mode}", flush=True)
         backend._pdl_launcher = pdl
-        set_prefetch(None)
         MOE.DECODE_BLOCK_MAX_TOKENS.update(keep)
         MOE.SHARED_SIDE_STREAM = keep_side
         for q in seqs:

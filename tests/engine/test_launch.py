@@ -103,18 +103,3 @@ def test_a_memory_pointer_is_passed_as_its_address():
     class _Pointer:
         ptr = 0x1000
     assert _bytes(_arg_holder(_Pointer())) == np.uint64(0x1000).tobytes()
-
-
-def test_prefetch_switch_compile_definitions(monkeypatch):
-    """``QWEN4EXP_PREFETCH`` -> NVRTC definitions: default none, 0 off, N a cap; anything else is one error naming
-    the variable (a mistyped A/B switch must not silently measure the default)."""
-    from engine import backend as B
-    monkeypatch.delenv(B.PREFETCH_ENV, raising=False)
-    assert B.prefetch_options() == ()
-    for v, want in (("1", ()), ("0", ("-DQWEN4EXP_NO_PREFETCH",)), ("131072", ("-DGRID_DEP_PREFETCH_MAX=131072",))):
-        monkeypatch.setenv(B.PREFETCH_ENV, v)
-        assert B.prefetch_options() == want
-    for bad in ("off", "64", "-1", "1e5"):
-        monkeypatch.setenv(B.PREFETCH_ENV, bad)
-        with pytest.raises(ValueError, match="QWEN4EXP_PREFETCH.*found"):
-            B.prefetch_options()
