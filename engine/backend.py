@@ -77,25 +77,16 @@ def to_numpy(a) -> np.ndarray:
     return a.get()
 
 
-#: L2 prefetch of a kernel's first weight bytes before its programmatic-launch wait (``kernels/cuda/grid_dep.cuh``):
-#: ``QWEN4EXP_PREFETCH=0`` compiles the engine's kernels without it (an A/B switch for benchmarks).
-PREFETCH_ENV = "QWEN4EXP_PREFETCH"
-
-
 @functools.lru_cache(maxsize=None)
 def load_module(filename: str, options: tuple[str, ...] = ()):
     """Compile ``engine/kernels/cuda/<filename>`` with NVRTC for the current GPU (cached) and return
     it as a :class:`Module` (``get_function`` gives a :class:`Kernel`). Compile options always include
-    ``-std=c++17``, and ``-DQWEN4EXP_NO_PREFETCH`` when ``QWEN4EXP_PREFETCH=0`` (read at each module's first
-    compile: the weight prefetches before a kernel's entry, ``kernels/cuda/grid_dep.cuh``, are left out); the
-    architecture is the device's own (cupy picks it). Local headers (``#include "x.cuh"``) are inlined
-    (:func:`cuda_source`)."""
+    ``-std=c++17``; the architecture is the device's own (cupy picks it). Local headers (``#include "x.cuh"``)
+    are inlined (:func:`cuda_source`)."""
     cp = cupy_or_none()
     if cp is None:
         raise RuntimeError("load_module needs cupy and a GPU")
-    base = ("-std=c++17",) + (("-DQWEN4EXP_NO_PREFETCH",) if os.environ.get(PREFETCH_ENV, "1") == "0" else ())
-    return Module(cp.RawModule(code=cuda_source(filename), options=base + tuple(options)))
-
+    return Module(cp.RawModule(code=cuda_source(filename), options=("-std=c++17",) + tuple(options)))
 
 
 class Module:

@@ -50,9 +50,7 @@
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
         const float* X, const int* row_index, const bf16_bits_t* W, long long w_expert_stride, float* Y,         \
         const int* tile_expert, const int* tile_start, const int* tile_count, const int* n_tiles, int M, int N,  \
-        int K) {                                                                                                 \
-        grid_dep_prefetch_rows(W, 8 * 16 * MT, N, (long long)K * 2, tile_start == nullptr);                     \
-        GRID_DEP_ENTRY();                                                                                        \
+        int K) { GRID_DEP_ENTRY();                                                                               \
         mma_gemv_body_sx<NT, MT, SPLITS>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start,           \
                                          tile_count, n_tiles, M, N, K);                                          \
     }
@@ -61,9 +59,7 @@
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
         const float* X, const int* row_index, const bf16_bits_t* W, long long w_expert_stride, float* Y,         \
         const int* tile_expert, const int* tile_start, const int* tile_count, const int* n_tiles, int M, int N,  \
-        int K) {                                                                                                 \
-        grid_dep_prefetch_rows(W, (8 / KS) * 16 * MT, N, (long long)K * 2, tile_start == nullptr);              \
-        GRID_DEP_ENTRY();                                                                                        \
+        int K) { GRID_DEP_ENTRY();                                                                               \
         mma_gemv_body<NT, KS, MT, SPLITS>(X, row_index, W, w_expert_stride, Y, tile_expert, tile_start,          \
                                           tile_count, n_tiles, M, N, K);                                         \
     }

@@ -210,18 +210,13 @@ __device__ void hc_up_mix_body(const float* __restrict__ A, const W_T* __restric
 #define HC_DOWN_INSTANCE(SUFFIX, W_T, TG, PU)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) hc_down_act_##SUFFIX##_pu##PU(                               \
         const float* __restrict__ N, const W_T* __restrict__ DI, float* __restrict__ A, float* __restrict__ INJ,   \
-        int T, int W, int r, int hc) {                                                                             \
-        grid_dep_prefetch_rows(DI, 1, r + hc, (long long)W * sizeof(W_T), true);                                   \
-        GRID_DEP_ENTRY();                                                                                          \
+        int T, int W, int r, int hc) { GRID_DEP_ENTRY();                                                           \
         hc_down_act_body<W_T, TG, PU>(N, DI, A, INJ, T, W, r, hc);                                                 \
     }
 #define HC_UP_INSTANCE(SUFFIX, W_T, TG, HCM)                                                                        \
     extern "C" __global__ void __launch_bounds__(256) hc_up_mix_##SUFFIX##_hc##HCM(                                \
         const float* __restrict__ A, const W_T* __restrict__ UP, const float* __restrict__ N,                      \
-        float* __restrict__ MIXED, int T, int H, int r, int hc) {                                                  \
-        grid_dep_prefetch_rows(UP, blockDim.x >> 5, H, (long long)r * sizeof(W_T), true, hc,                        \
-                               (long long)H * r * sizeof(W_T));                                                    \
-        GRID_DEP_ENTRY();                                                                                          \
+        float* __restrict__ MIXED, int T, int H, int r, int hc) { GRID_DEP_ENTRY();                                \
         hc_up_mix_body<W_T, TG, HCM>(A, UP, N, MIXED, T, H, r, hc);                                                \
     }
 #define HC_FUSED_INSTANCES(SUFFIX, W_T, TG)                                                                        \

@@ -128,15 +128,11 @@ QGEMV_FAMILY(nvfp4, NVFP4W)
 #include "gemv_qmma.cuh"
 #define QMMA_ENTRY(FMT, LD, NT, KS)                                                                            \
     extern "C" __global__ void __launch_bounds__(256, 2) qmma_##FMT##_nt##NT##_ks##KS(FMT##_ARGS_LC,            \
-                                                                                    QCOMMON_ARGS) {                              \
-        grid_dep_prefetch_rows(Q, (8 / KS) * 16, N, FMT##_ROW_BYTES(K), tile_start == nullptr);                 \
-        GRID_DEP_ENTRY();                                                                                      \
+                                                                                    QCOMMON_ARGS) { GRID_DEP_ENTRY();            \
         LD ld{FMT##_LD_INIT};                                                                                  \
         qmma_body<LD, NT, KS>(ld, QCOMMON_PASS);                                                                \
     }
 #define fp8_LD_INIT Q, S, q_es, s_es, rb, cb, ncb
-#define fp8_ROW_BYTES(K) ((long long)(K))
-#define nvfp4_ROW_BYTES(K) ((long long)(K) >> 1)
 #define nvfp4_LD_INIT Q, S, S2, q_es, s_es, s2_rows, s2_per_e
 #define QMMA_FAMILY(NT)                                                                                        \
     QMMA_ENTRY(fp8, FP8M, NT, 1) QMMA_ENTRY(fp8, FP8M, NT, 2) QMMA_ENTRY(fp8, FP8M, NT, 4)                      \
