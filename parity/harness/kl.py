@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from parity.backends import capabilities_of, one_shot_logits
-from parity.backends.base import capability, decode_greedy_of, owned, prefill_last_of
+from parity.backends.base import BackendOutputError, capability, decode_greedy_of, owned, prefill_last_of
 from parity.harness.floor import (floor_breakdown, floor_prompts, forced_logits, logged_logits, measure_floor,
                                   stores_of, unresolvable)
 from parity.harness.metrics import (FLOOR_MAX_KL, PERCENTILES, LogitComparison, compare_logits,  # noqa: F401
@@ -204,7 +204,6 @@ def _check_shape(rows, n: int, a, name: str, what: str) -> None:
     v = getattr(getattr(a, "config", None), "vocab_size", None)
     shape = tuple(np.shape(rows))
     if len(shape) != 2 or shape[0] != n or (v is not None and shape[1] != int(v)):
-        from parity.backends.base import BackendOutputError
         raise BackendOutputError(f"backend {name!r} returned logits of shape {list(shape)} for {what}() of {n} ids, "
                                  f"expected [{n}, {v if v is not None else 'vocab_size'}] = [tokens, vocab_size]")
 

@@ -224,21 +224,21 @@ def next_step(report: ParityReport) -> dict | None:
         out["advice"] = ("the backend raised (" + str(f.get("failure") or "?") + "): its stack trace is in "
                          "report.json and on stderr with --traceback; a case that raises is judged no further")
         return out
-    if (f.get("root_cause") or {}).get("tap") == "returned logits":
+    tap = str((f.get("root_cause") or {}).get("tap") or "")
+    if tap == "returned logits":
         # every tap agreed with the truth: a tap diff would say AGREE; the fault is after the last tap
         out["advice"] = ("every recorded tap agrees with the truth, the returned logits do not: the fault is in "
                          "what the backend returns after its last tap (the lm_head output's copy, slicing, batching "
                          "or dtype), not in a block; compare the backend's logits tap with its returned rows")
         return out
-    tap = str((f.get("root_cause") or {}).get("tap") or "")
-    if _archive_pair(f) is None and (tap in ("sequence length", "refused") or tap.startswith("state ")):
+    pair = _archive_pair(f)
+    if pair is None and (tap in ("sequence length", "refused") or tap.startswith("state ")):
         # a state check (a position / KV length, a refused operation): no logits were wrong, so no tap archive
         # exists or would help -- re-running with --out (given or not) keeps nothing for it
         out["advice"] = (f"the failure is a state check, not a logit divergence ({f.get('failure') or tap}): no tap "
                          f"archive locates it; reproduce the case's operations (report.json: its failure, "
                          f"failed_op) against the backend's {tap} bookkeeping")
         return out
-    pair = _archive_pair(f)
     if pair is None:
         out["advice"] = f.get("advice") or ("re-run with --out DIR to keep the tap archives of the failing cases, "
                                             "then diff them with qwen4exp taps diff")
