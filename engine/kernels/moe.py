@@ -316,9 +316,10 @@ class _side_branch:
 
 #: The MoE block of a decode step (1..16 tokens, cupy, no expert parallelism; BF16 / FP8 / NVFP4 experts) in three
 #: launches (``cuda/moe_decode.cu``): router + shared gate + top-k + item table; gate_up + SwiGLU of every selected
-#: expert and of the shared expert; down + the weighted combine. Runs where :data:`DECODE_BLOCK_MAX_TOKENS` allows and
-#: its shapes fit; float32 weights and the rest run the grouped chain of :func:`moe_experts`. A module flag (no
-#: environment switch) so the tests can run the grouped chain beside it.
+#: expert and of the shared expert; down + the weighted combine, each block owning 8 output rows of every expert.
+#: Runs where :data:`DECODE_BLOCK_MAX_TOKENS` allows and its shapes fit; float32 weights and the rest run the grouped
+#: chain of :func:`moe_experts`. A module flag (no environment switch) so the tests can run the grouped chain beside
+#: it.
 FUSED_DECODE = True
 
 #: Per routed-expert format, the most tokens for which the decode block is the default: where it measured faster than
@@ -328,7 +329,7 @@ FUSED_DECODE = True
 #: switch: the tests and the bench raise every entry to 16 to run the block everywhere.
 DECODE_BLOCK_MAX_TOKENS = {"bf16": 1, "fp8": 1, "nvfp4": 0}
 
-_DOWN_ROWS = 32  # output rows per block of the down launch (moe_decode.cu MOE_DOWN_ROWS)
+_DOWN_ROWS = 8  # output rows per block of the down launch (moe_decode.cu MOE_DOWN_ROWS)
 _GU_ROWS = 8  # outputs per block of the gate_up launch (one warp each)
 _COUNTERS: dict = {}
 
@@ -423,11 +424,8 @@ def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob,
     n_items = _empty(xp, 1, dtype=xp.int32)
     item_expert, item_count = (_empty(xp, max_items, dtype=xp.int32) for _ in range(2))
     item_tok, item_slot = (_empty(xp, max_items * MT, dtype=xp.int32) for _ in range(2))
-    y = _empty(xp, (S, H), dtype=xp.float32)
-    ys = _empty(xp, (T, H), dtype=xp.float32) if has_shared else y
     out = _empty(xp, (T, H), dtype=xp.float32)
-    nb_down = -(-H // _DOWN_ROWS)
-    cnt = _counters(xp, 1 + nb_down)
+    cnt = _counters(xp, 1)
     i32 = np.int32
     kernel("moe_decode.cu", f"moe_router_{rkind}_t{MT}")(
         (-(-E // 2) + 1,), (256,),
@@ -441,7 +439,7 @@ def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob,
         r[1] + s[1] + (i32(1 if has_shared else 0), x, i32(T), i32(H), i32(I), i32(Is)) + tables
         + (item_tok, item_slot, h, hs))
     kernel("moe_decode.cu", f"moe_down_{pair}")(
-        (nb_down, max_items + 1, 1), (256,),
+        (-(-H // _DOWN_ROWS),), (256,),
         rd[1] + sd[1] + (i32(1 if has_shared else 0), i32(T), i32(H), i32(I), i32(Is), i32(k)) + tables
-        + (item_slot, h, hs, w, sgl, y, ys, out, cnt[1:]))
+        + (item_slot, h, hs, w, sgl, out), shared_mem=(S + T) * _DOWN_ROWS * 4)
     return MoEOut(out=out, router_logits=logits, topk_ids=ids, topk_weights=w)

@@ -77,9 +77,9 @@ def test_decode_formulas_are_the_grouped_ones():
     both modules include and call, not two copies."""
     dec = cuda_source("moe_decode.cu")
     unf = cuda_source("dense_moe.cu")
-    pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * __ldcg(ys +"),
+    pairs = [("acc += (1.f / (1.f + expf(-g))) * shared[", "acc += (1.f / (1.f + expf(-g))) * ssh[t * MOE_DOWN_ROWS + r];"),
              ("acc += Y[(long long)p * H + h] * w[t * k + j];",
-              "acc += __ldcg(y + (long long)(t * k + j) * H + n) * wts[t * k + j];"),
+              "acc += ysh[(t * k + j) * MOE_DOWN_ROWS + r] * wts[t * k + j];"),
              ("h[i] = (g / (1.f + expf(-g))) * u;", "= (g / (1.f + expf(-g))) * u;")]
     for u, f in pairs:
         assert u in unf, u

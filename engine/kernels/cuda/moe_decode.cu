@@ -8,8 +8,8 @@
 //                                    with its tokens (ascending) and their slots s = t * k + j.
 //   moe_gate_up_<fr>_<fs>_t<MT>    : h = silu(gate . x) * (up . x) for every (item, token) and for the shared expert
 //                                    (the last grid row), each expert's weight rows read once for all its tokens.
-//   moe_down_<fr>_<fs>_t<MT>       : y = down . h per (item, token) and per token for the shared expert; the block
-//                                    that finishes a row block last (a ticket per row block) writes
+//   moe_down_<fr>_<fs>_t<MT>       : by output rows: a block owns 8 rows of every item and of the shared expert,
+//                                    y = down . h for each (item, token) into shared memory, then writes
 //                                    out[t, n] = sum_j w[t, j] * y[t * k + j, n] + sigmoid(g[t]) * ys[t, n]
 //                                    (slots in order j, then the shared expert: the grouped chain's combine).
 //
@@ -17,7 +17,7 @@
 // bound (1, 4, 16) the accumulators are sized for (count <= MT tokens per item). Every sum's order depends on the
 // format and K only (a slot of G lanes, chunks q, q + CS, ...; a fixed xor butterfly; the combine in order j): never
 // on the other tokens of the step, so a token's result is the same whatever else is in the batch. No float
-// atomics; the tickets are integer counters reset by the block that takes the last ticket.
+// atomics; the router's ticket is an integer counter reset by the block that takes the last ticket.
 //
 // Weights: the stored formats' streaming loaders of gemv_quant2.cuh (FP8S, NVFP4S: decode8, exactly the reference
 // reader's values) and the BF16 / float32 readers below; activations and accumulation float32. Requires K % 32 == 0
@@ -330,25 +330,63 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Launch 3: down + combine. Grid: (ceil(H / 32), max_items + 1) blocks of 256 threads; a warp is 4 slots of 8 lanes,
-// slot s of warp w of block (bx, item) owns output row n = 32 bx + 4 w + s. Row gridDim.y - 1: the shared expert.
-constexpr int MOE_DOWN_ROWS = 32;
+// Launch 3: down + combine, by output rows. Grid: ceil(H / 8) blocks of 256 threads; block b owns output rows
+// [8 b, 8 b + 8) of every item and of the shared expert, so it holds every term of its outputs and writes
+// out[t, n] itself: no tickets, no y in global memory. A warp task is one item (or the shared expert) over the block's
+// 8 rows: the warp is 32 / G slots of G lanes, a slot owns RL = 8 G / 32 of the rows, and a row's G lanes cover K
+// (G, U: the format's MoeDownShape, sized so that one pass of U chunks covers a real-width row of 640 for the 8- and
+// 4-bit formats: every load of a lane in flight at once). Warp w takes tasks w, w + 8, ...; the results go to shared memory, then the block adds
+// out[t, n] = sum_j w[t, j] * y[t * k + j, n] + sigmoid(g[t]) * ys[t, n] (slots in order j, then the shared expert:
+// the grouped chain's combine). A slot no item wrote (a token whose top-k found no valid expert: NaN router logits)
+// stays NaN, so the fault shows in the output.
+constexpr int MOE_DOWN_ROWS = 8;
 
+template <typename LD>
+struct MoeDownShape;
+template <>
+struct MoeDownShape<BF16S> {  // 8 weights a chunk: 80 chunks of a 640 row, 16 lanes x 3 in two passes; 2 of a
+    static constexpr int G = 16, U = 3, RP = 2;  // slot's 4 rows at a time (registers)
+};
+template <>
+struct MoeDownShape<FP8S> {  // 16 weights a chunk: 40 chunks, 8 lanes x 5; a slot's 2 rows at once
+    static constexpr int G = 8, U = 5, RP = 2;
+};
+template <>
+struct MoeDownShape<NVFP4S> {  // 32 weights a chunk: 20 chunks, 4 lanes x 5; a slot's 1 row
+    static constexpr int G = 4, U = 5, RP = 1;
+};
+
+// One warp task: rows n0 .. n0 + 7 of expert e (loader ld) against the activation rows rows[0 .. count) of hin
+// ([*, K]; rows == nullptr: rows 0 .. count - 1); row r's result for token t goes to dst[rows[t] * 8 + r] (shared
+// memory). A slot's RL rows are taken RP at a time.
 template <typename LD, int MT>
-__device__ __forceinline__ void moe_down_item(const LD& ld, long long e, int H, int K, const float* __restrict__ hin,
-                                              const int* in_row, int count, float* __restrict__ y) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * MOE_DOWN_ROWS + warp * 4 + lane / 8;
-    const int nr[1] = {n < H ? n : H - 1};  // clamped: loads stay in bounds, the result is not written
+__device__ __forceinline__ void moe_down_task(const LD& ld, long long e, int n0, int H, int K,
+                                              const float* __restrict__ hin, const int* rows, int count, float* dst) {
+    constexpr int G = MoeDownShape<LD>::G, U = MoeDownShape<LD>::U, RP = MoeDownShape<LD>::RP;
+    constexpr int RL = MOE_DOWN_ROWS * G / 32;
+    static_assert(RL % RP == 0, "a slot's rows in whole passes");
+    const int lane = threadIdx.x & 31, slot = lane / G;
     int xo[MT];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) xo[t] = (t < count ? in_row[t] : 0) * K;
-    float acc[1][MT];
-    moe_rows_dot<LD, MT, 8, 8, 1, 4>(ld, e, nr, hin, xo, count, K, lane % 8, acc);
-    if (lane % 8 == 0 && n < H) {
+    for (int t = 0; t < MT; ++t) xo[t] = (t < count ? (rows != nullptr ? rows[t] : t) : 0) * K;
+#pragma unroll 1
+    for (int r0 = 0; r0 < RL; r0 += RP) {
+        int nr[RP];
 #pragma unroll
-        for (int t = 0; t < MT; ++t)
-            if (t < count) y[(long long)in_row[t] * H + n] = acc[0][t];
+        for (int r = 0; r < RP; ++r) {
+            const int n = n0 + slot * RL + r0 + r;
+            nr[r] = n < H ? n : H - 1;  // clamped: loads stay in bounds, the combine does not write it
+        }
+        float acc[RP][MT];
+        moe_rows_dot<LD, MT, G, G, RP, U>(ld, e, nr, hin, xo, count, K, lane % G, acc);
+        if (lane % G == 0) {
+#pragma unroll
+            for (int r = 0; r < RP; ++r)
+#pragma unroll
+                for (int t = 0; t < MT; ++t)
+                    if (t < count)
+                        dst[(rows != nullptr ? rows[t] : t) * MOE_DOWN_ROWS + slot * RL + r0 + r] = acc[r][t];
+        }
     }
 }
 
@@ -358,35 +396,32 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
                                               const int* __restrict__ item_expert, const int* __restrict__ item_count,
                                               const int* __restrict__ item_slot, const float* __restrict__ h,
                                               const float* __restrict__ hs, const float* __restrict__ wts,
-                                              const float* __restrict__ sg_logit, float* __restrict__ y,
-                                              float* __restrict__ ys, float* __restrict__ out,
-                                              unsigned int* __restrict__ counters) {
-    const int item = blockIdx.y;
+                                              const float* __restrict__ sg_logit, float* __restrict__ out) {
+    extern __shared__ float moe_dyn[];
+    float* ysh = moe_dyn;                              // [T * k][8]: the routed slots' rows
+    float* ssh = moe_dyn + T * k * MOE_DOWN_ROWS;      // [T][8]: the shared expert's
+    const int warp = threadIdx.x >> 5;
+    const int n0 = blockIdx.x * MOE_DOWN_ROWS;
+    for (int i = threadIdx.x; i < T * k * MOE_DOWN_ROWS; i += blockDim.x) ysh[i] = __int_as_float(0x7fc00000);
+    __syncthreads();
     const int ni = *n_items;
-    if (item == gridDim.y - 1) {
-        if (!has_shared) return;
-        int row[MT];
-#pragma unroll
-        for (int t = 0; t < MT; ++t) row[t] = t;
-        MOE_BY_COUNT(T, MT, (moe_down_item<LS, MC>(ls, 0, H, Is, hs, row, T, ys)));
-    } else {
-        if (item >= ni) return;  // the whole block: no ticket
-        const int count = item_count[item];
-        int slot[MT];
-#pragma unroll
-        for (int t = 0; t < MT; ++t) slot[t] = t < count ? item_slot[item * MT + t] : 0;
-        const long long e = item_expert[item];
-        MOE_BY_COUNT(count, MT, (moe_down_item<LR, MC>(lr, e, H, I, h, slot, count, y)));
+    // warp-uniform tasks (the shuffles of moe_rows_dot see the whole warp): the routed items w, w + 8, ..., then the
+    // shared expert (tokens 0 .. T - 1) on the warp whose turn comes next
+    for (int task = warp; task < ni; task += 8) {
+        const int count = item_count[task];
+        const long long e = item_expert[task];
+        MOE_BY_COUNT(count, MT, (moe_down_task<LR, MC>(lr, e, n0, H, I, h, item_slot + task * MT, count, ysh)));
     }
-    if (!moe_last_block(counters + blockIdx.x, (unsigned int)(ni + (has_shared ? 1 : 0)))) return;
+    if (has_shared && warp == ni % 8) MOE_BY_COUNT(T, MT, (moe_down_task<LS, MC>(ls, 0, n0, H, Is, hs, nullptr, T, ssh)));
+    __syncthreads();
     for (int i = threadIdx.x; i < T * MOE_DOWN_ROWS; i += blockDim.x) {
-        const int t = i / MOE_DOWN_ROWS, n = blockIdx.x * MOE_DOWN_ROWS + i % MOE_DOWN_ROWS;
+        const int t = i / MOE_DOWN_ROWS, r = i % MOE_DOWN_ROWS, n = n0 + r;
         if (n >= H) continue;
         float acc = 0.f;  // dense_moe.cu moe_combine: slots in order j, then the gated shared expert
-        for (int j = 0; j < k; ++j) acc += __ldcg(y + (long long)(t * k + j) * H + n) * wts[t * k + j];
+        for (int j = 0; j < k; ++j) acc += ysh[(t * k + j) * MOE_DOWN_ROWS + r] * wts[t * k + j];
         if (has_shared) {
             float g = sg_logit[t];
-            acc += (1.f / (1.f + expf(-g))) * __ldcg(ys + (long long)t * H + n);
+            acc += (1.f / (1.f + expf(-g))) * ssh[t * MOE_DOWN_ROWS + r];
         }
         out[(long long)t * H + n] = acc;
     }
@@ -409,10 +444,10 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
 #define MOE_nvfp4_T NVFP4S
 
 // Blocks per SM the register budget is sized for (streaming: occupancy keeps the loads in flight): 1 token <= 80
-// (gate_up) / 64 (down) registers, 4 and 16 tokens <= 128 (the 16-token body, run by items of 5+ tokens and the
+// registers, 4 and 16 tokens <= 128 (the 16-token body, run by items of 5+ tokens and the
 // shared expert only, spills a little).
 #define MOE_GU_MINB(MT) ((MT) == 1 ? 3 : 2)
-#define MOE_DN_MINB(MT) ((MT) == 1 ? 4 : 2)
+#define MOE_DN_MINB(MT) ((MT) == 1 ? 3 : 2)
 
 #define MOE_PAIR_ENTRIES(FR, FS, MT)                                                                             \
     extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB(MT)) moe_gate_up_##FR##_##FS##_t##MT(                       \
@@ -426,12 +461,11 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
     extern "C" __global__ void __launch_bounds__(256, MOE_DN_MINB(MT)) moe_down_##FR##_##FS##_t##MT(                          \
         MOE_##FR##_ARGS(r_), MOE_##FS##_ARGS(s_), int has_shared, int T, int H, int I, int Is, int k,             \
         const int* n_items, const int* item_expert, const int* item_count, const int* item_slot, const float* h,  \
-        const float* hs, const float* wts, const float* sg_logit, float* y, float* ys, float* out,                \
-        unsigned int* counters) { GRID_DEP_ENTRY();                                                              \
+        const float* hs, const float* wts, const float* sg_logit, float* out) { GRID_DEP_ENTRY();                 \
         MOE_##FR##_MAKE(r_) MOE_##FS##_MAKE(s_)                                                                  \
         moe_down_body<MOE_##FR##_T, MOE_##FS##_T, MT>(r_ld, s_ld, has_shared, T, H, I, Is, k, n_items,            \
                                                       item_expert, item_count, item_slot, h, hs, wts, sg_logit,  \
-                                                      y, ys, out, counters);                                     \
+                                                      out);                                                      \
     }
 
 #define MOE_PAIR(FR, FS) MOE_PAIR_ENTRIES(FR, FS, 1) MOE_PAIR_ENTRIES(FR, FS, 4) MOE_PAIR_ENTRIES(FR, FS, 16)
