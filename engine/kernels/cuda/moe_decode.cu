@@ -317,15 +317,19 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
         MOE_BY_COUNT(T, MT, (moe_gu_item<LS, MC>(ls, 0, n, Is, H, x, tok, T, hs, tok, Is)));
         return;
     }
-    if (item >= *n_items || n >= I) return;
-    const int count = item_count[item];
+    if (n >= I) return;
+    // the item's table entries are read beside n_items, not after it (one round trip: item < max_items, so every
+    // entry is inside the tables; those of a missing item are never used)
+    const int ni = *n_items, count = item_count[item];
+    const long long e = item_expert[item];
     int tok[MT], slot[MT];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-        tok[t] = t < count ? item_tok[item * MT + t] : 0;
-        slot[t] = t < count ? item_slot[item * MT + t] : 0;
+        const int a = item_tok[item * MT + t], b = item_slot[item * MT + t];
+        tok[t] = t < count ? a : 0;
+        slot[t] = t < count ? b : 0;
     }
-    const long long e = item_expert[item];
+    if (item >= ni) return;
     MOE_BY_COUNT(count, MT, (moe_gu_item<LR, MC>(lr, e, n, I, H, x, tok, count, h, slot, I)));
 }
 
@@ -368,7 +372,10 @@ __device__ __forceinline__ void moe_down_task(const LD& ld, long long e, int n0,
     const int lane = threadIdx.x & 31, slot = lane / G;
     int xo[MT];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) xo[t] = (t < count ? (rows != nullptr ? rows[t] : t) : 0) * K;
+    for (int t = 0; t < MT; ++t) {
+        const int rt = rows != nullptr ? rows[t] : t;  // read whatever count is (inside the table): no wait on it
+        xo[t] = (t < count ? rt : 0) * K;
+    }
 #pragma unroll 1
     for (int r0 = 0; r0 < RL; r0 += RP) {
         int nr[RP];
@@ -404,12 +411,14 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
     const int n0 = blockIdx.x * MOE_DOWN_ROWS;
     for (int i = threadIdx.x; i < T * k * MOE_DOWN_ROWS; i += blockDim.x) ysh[i] = __int_as_float(0x7fc00000);
     __syncthreads();
-    const int ni = *n_items;
+    // the first task's entries beside n_items (the tables hold at least 8 items: entry `warp` exists)
+    const int ni = *n_items, count0 = item_count[warp];
+    const long long e0 = item_expert[warp];
     // warp-uniform tasks (the shuffles of moe_rows_dot see the whole warp): the routed items w, w + 8, ..., then the
     // shared expert (tokens 0 .. T - 1) on the warp whose turn comes next
     for (int task = warp; task < ni; task += 8) {
-        const int count = item_count[task];
-        const long long e = item_expert[task];
+        const int count = task == warp ? count0 : item_count[task];
+        const long long e = task == warp ? e0 : item_expert[task];
         MOE_BY_COUNT(count, MT, (moe_down_task<LR, MC>(lr, e, n0, H, I, h, item_slot + task * MT, count, ysh)));
     }
     if (has_shared && warp == ni % 8) MOE_BY_COUNT(T, MT, (moe_down_task<LS, MC>(ls, 0, n0, H, Is, hs, nullptr, T, ssh)));
