@@ -261,7 +261,18 @@ __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __res
 // ---------------------------------------------------------------------------------------------------------------
 // Launch 2: gate_up + SwiGLU. Grid: (ceil(max(I, Is) / 8), max_items + 1) blocks of 256 threads; warp w of block
 // (bx, item) owns output n = 8 bx + w of the item (rows n and N + n of its stacked gate_up, all 32 lanes over K).
-// Row blockIdx.y == gridDim.y - 1 is the shared expert (tokens 0..T-1), when present.
+// Row blockIdx.y == 0 is the shared expert (tokens 0..T-1), when present: its blocks are scheduled first, as its
+// BF16 rows are the longest tasks; item i is row i + 1. U: chunks a lane loads at once, per format (K = 2560: one
+// pass for NVFP4 and FP8, two for BF16).
+template <typename LD>
+struct MoeGuShape {
+    static constexpr int U = 5;
+};
+template <>
+struct MoeGuShape<NVFP4S> {
+    static constexpr int U = 3;
+};
+
 template <typename LD, int MT>
 __device__ __forceinline__ void moe_gu_item(const LD& ld, long long e, int n, int N, int H, const float* __restrict__ x,
                                             const int* tok, int count, float* __restrict__ out, const int* out_row,
@@ -272,7 +283,7 @@ __device__ __forceinline__ void moe_gu_item(const LD& ld, long long e, int n, in
 #pragma unroll
     for (int t = 0; t < MT; ++t) xo[t] = (t < count ? tok[t] : 0) * H;
     float acc[2][MT];
-    moe_rows_dot<LD, MT, 32, 32, 2, 3>(ld, e, nr, x, xo, count, H, lane, acc);
+    moe_rows_dot<LD, MT, 32, 32, 2, MoeGuShape<LD>::U>(ld, e, nr, x, xo, count, H, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int t = 0; t < MT; ++t)
@@ -308,8 +319,8 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
                                                  const int* __restrict__ item_slot, float* __restrict__ h,
                                                  float* __restrict__ hs) {
     const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int item = blockIdx.y;
-    if (item == gridDim.y - 1) {
+    const int item = blockIdx.y - 1;
+    if (item < 0) {
         if (!has_shared || n >= Is) return;
         int tok[MT];
 #pragma unroll
@@ -362,10 +373,11 @@ struct MoeDownShape<NVFP4S> {  // 32 weights a chunk: 20 chunks, 4 lanes x 5; a 
 
 // One warp task: rows n0 .. n0 + 7 of expert e (loader ld) against the activation rows rows[0 .. count) of hin
 // ([*, K]; rows == nullptr: rows 0 .. count - 1); row r's result for token t goes to dst[rows[t] * 8 + r] (shared
-// memory). A slot's RL rows are taken RP at a time.
+// memory). A slot's RL rows are taken RP at a time: passes pass0 .. pass1 - 1 of them.
 template <typename LD, int MT>
 __device__ __forceinline__ void moe_down_task(const LD& ld, long long e, int n0, int H, int K,
-                                              const float* __restrict__ hin, const int* rows, int count, float* dst) {
+                                              const float* __restrict__ hin, const int* rows, int count, float* dst,
+                                              int pass0, int pass1) {
     constexpr int G = MoeDownShape<LD>::G, U = MoeDownShape<LD>::U, RP = MoeDownShape<LD>::RP;
     constexpr int RL = MOE_DOWN_ROWS * G / 32;
     static_assert(RL % RP == 0, "a slot's rows in whole passes");
@@ -377,7 +389,7 @@ __device__ __forceinline__ void moe_down_task(const LD& ld, long long e, int n0,
         xo[t] = (t < count ? rt : 0) * K;
     }
 #pragma unroll 1
-    for (int r0 = 0; r0 < RL; r0 += RP) {
+    for (int r0 = pass0 * RP; r0 < RL && r0 < pass1 * RP; r0 += RP) {
         int nr[RP];
 #pragma unroll
         for (int r = 0; r < RP; ++r) {
@@ -415,13 +427,18 @@ __device__ __forceinline__ void moe_down_body(const LR& lr, const LS& ls, int ha
     const int ni = *n_items, count0 = item_count[warp];
     const long long e0 = item_expert[warp];
     // warp-uniform tasks (the shuffles of moe_rows_dot see the whole warp): the routed items w, w + 8, ..., then the
-    // shared expert (tokens 0 .. T - 1) on the warp whose turn comes next
+    // shared expert (tokens 0 .. T - 1)
     for (int task = warp; task < ni; task += 8) {
         const int count = task == warp ? count0 : item_count[task];
         const long long e = task == warp ? e0 : item_expert[task];
-        MOE_BY_COUNT(count, MT, (moe_down_task<LR, MC>(lr, e, n0, H, I, h, item_slot + task * MT, count, ysh)));
+        MOE_BY_COUNT(count, MT,
+                     (moe_down_task<LR, MC>(lr, e, n0, H, I, h, item_slot + task * MT, count, ysh, 0, 8)));
     }
-    if (has_shared && warp == ni % 8) MOE_BY_COUNT(T, MT, (moe_down_task<LS, MC>(ls, 0, n0, H, Is, hs, nullptr, T, ssh)));
+    if (has_shared) {  // pass i of the shared expert's rows on warp 7 - i (the last warps have the fewest items)
+        constexpr int NP = MOE_DOWN_ROWS * MoeDownShape<LS>::G / 32 / MoeDownShape<LS>::RP;
+        const int i = 7 - warp;
+        if (i < NP) MOE_BY_COUNT(T, MT, (moe_down_task<LS, MC>(ls, 0, n0, H, Is, hs, nullptr, T, ssh, i, i + 1)));
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < T * MOE_DOWN_ROWS; i += blockDim.x) {
         const int t = i / MOE_DOWN_ROWS, r = i % MOE_DOWN_ROWS, n = n0 + r;
