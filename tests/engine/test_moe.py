@@ -142,6 +142,36 @@ def test_router_topk_cuda_tie_order(rng):
 
 
 @cuda
+@pytest.mark.parametrize("E,k", [(7, 7), (16, 10), (100, 1), (100, 64), (512, 10), (2000, 64)])
+def test_router_topk_cuda_every_width(rng, E, k):
+    """The ranking selection at widths where warps own no entry (E < 256), fewer than k (E = 16) or many (E = 2000),
+    k = E and k = 64, with exact ties at the top and across the k boundary: the twin's ids and weights."""
+    T = 4
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    for t in range(T):
+        order = np.argsort(-logits[t])
+        logits[t, order[1:3]] = logits[t, order[0]]
+        if k < E - 1:
+            logits[t, order[k]] = logits[t, order[k - 1]]
+    ids, w = M.router_topk(g(logits), k, True)
+    tid, tw = M.router_topk(logits, k, True)
+    np.testing.assert_array_equal(cp.asnumpy(ids), tid)
+    assert rel_dev(w, tw) < TOL
+
+
+@cuda
+def test_router_topk_cuda_invalid_logits():
+    """NaN logits give no probability: a token with fewer than k valid experts gets id 0x7fffffff at the positions
+    past them (the decode block's item table skips such slots), never a valid id with a NaN weight."""
+    E, k = 64, 4
+    logits = np.full((2, E), np.nan, dtype=np.float32)
+    logits[1] = np.linspace(-1, 1, E, dtype=np.float32)
+    ids = cp.asnumpy(M.router_topk(g(logits), k, True)[0])
+    assert (ids[0] == 0x7FFFFFFF).all(), ids[0]
+    assert ids[1].tolist() == [E - 1, E - 2, E - 3, E - 4]
+
+
+@cuda
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 70])
 @pytest.mark.parametrize("wkind", ["bf16", "f32"])
 def test_moe_block_cuda(rng, T, wkind):  # T = 17, 70: 16-row GEMV tiles (the prefill default here)

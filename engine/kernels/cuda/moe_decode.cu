@@ -200,42 +200,42 @@ __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __res
     for (int t = 0; t < T; ++t)  // ends with a barrier: moe_dyn is free after it
         moe_topk_block(logits + (long long)t * E, E, k, renorm, ids + (long long)t * k, wts + (long long)t * k, moe_dyn,
                        tk);
-    // item table: distinct experts ascending, tokens ascending within an expert
+    // item table: distinct experts ascending, tokens ascending within an expert. Per slot s (s = t * k + j), from the
+    // S selected ids alone (no pass over the E experts): s is its expert's first slot when no earlier slot chose it;
+    // the expert's item is the number of distinct valid experts below it; its rank among the expert's tokens is the
+    // number of earlier slots that chose it (an expert appears once per token)
     const int S = T * k;
-    int* cnt = reinterpret_cast<int*>(moe_dyn);  // E ints (the top-k scratch is no longer needed)
-    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __shared__ int first[1024];  // S <= 1024 (the host's bound), as sids
     for (int s = threadIdx.x; s < S; s += blockDim.x) sids[s] = __ldcg(ids + s);
     __syncthreads();
     for (int s = threadIdx.x; s < S; s += blockDim.x) {
         const int e = sids[s];
-        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-    }
-    __syncthreads();
-    if (warp == 0) {
-        int base = 0;
-        for (int e0 = 0; e0 < E; e0 += 32) {
-            const int e = e0 + lane;
-            const int c = e < E ? cnt[e] : 0;
-            const unsigned int m = __ballot_sync(0xffffffffu, c > 0);
-            const int pos = base + __popc(m & ((1u << lane) - 1u));
-            if (c > 0) {
-                item_expert[pos] = e;
-                item_count[pos] = c;
-            }
-            if (e < E) cnt[e] = c > 0 ? pos : -1;  // the expert's item
-            base += __popc(m);
-        }
-        if (lane == 0) *n_items = base;
+        int f = e >= 0 && e < E;
+        for (int q = 0; q < s && f; ++q) f = sids[q] != e;
+        first[s] = f;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < S; s += blockDim.x) {
         const int e = sids[s];
         if (e < 0 || e >= E) continue;
-        int rank = 0;  // earlier tokens that selected e (an expert appears once per token)
-        for (int q = 0; q < s; ++q) rank += sids[q] == e;
-        const int it = cnt[e];
+        int it = 0, count = 0, rank = 0;
+        for (int q = 0; q < S; ++q) {
+            const int eq = sids[q];
+            it += first[q] && eq < e;
+            count += eq == e;
+            rank += eq == e && q < s;
+        }
+        if (first[s]) {
+            item_expert[it] = e;
+            item_count[it] = count;
+        }
         item_tok[it * MT + rank] = s / k;
         item_slot[it * MT + rank] = s;
+    }
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int q = 0; q < S; ++q) n += first[q];
+        *n_items = n;
     }
 }
 

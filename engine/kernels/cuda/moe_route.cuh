@@ -7,30 +7,32 @@ __device__ __forceinline__ bool moe_better(float pa, int ia, float pb, int ib) {
     return pa > pb || (pa == pb && ia < ib);
 }
 
-// the block's shared scratch besides the E probabilities (two buffers of warp partials: one barrier per step)
+// Blocks of at most MOE_TOPK_WARPS warps (the launches use 256 threads).
+constexpr int MOE_TOPK_WARPS = 8;
+
+// the block's shared scratch besides the E probabilities: the softmax's warp partials, each warp's k candidates
 struct MoeTopkShared {
     float v[2][32];
-    int i[2][32];
+    float cand_p[MOE_TOPK_WARPS * 64];
+    int cand_i[MOE_TOPK_WARPS * 64];
     float top_p[64];
 };
 
-__device__ __forceinline__ void moe_argmax_warp(float& p, int& i) {
-    for (int off = 16; off > 0; off >>= 1) {
-        const float op = __shfl_xor_sync(0xffffffffu, p, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, off);
-        if (moe_better(op, oi, p, i)) { p = op; i = oi; }
-    }
-}
+// A probability as the selection ranks it: NaN (an invalid router logit) below every probability
+__device__ __forceinline__ float moe_rank_key(float p) { return p >= 0.f ? p : -1.f; }
 
-// Softmax over the E logits l (read with ld.cg: another block of the same launch may have written them), then k
-// rounds of arg-max in the canonical order, then the optional renormalisation; out_ids[j] / out_w[j] for j < k.
-// Every thread of the block calls it (any multiple of 32 threads up to 1024; the launches use 256). The sums' order
-// is fixed by the block size alone: thread i adds e = i, i + blockDim, ... in order, each warp reduces by an xor
-// butterfly, then the warp sums by the same butterfly (lanes past the warp count add 0), each warp redundantly; the
-// maximum and the arg-max are exact in any order (moe_better is a total order). Each thread keeps the
-// probabilities of its own entries (probs: E floats of shared memory, only the owner reads or writes an entry), so a
-// round takes one barrier: the warp winners go to alternating buffers of sh and every warp reduces them. Ends with a
-// barrier (probs and sh are free on return). Requires 1 <= k <= min(E, 64).
+// Softmax over the E logits l (read with ld.cg: another block of the same launch may have written them), then the
+// top k in the canonical order, then the optional renormalisation; out_ids[j] / out_w[j] for j < k. Every thread of
+// the block calls it (blockDim a multiple of 32, at most 32 * MOE_TOPK_WARPS). The sums' order is fixed by the block
+// size alone: thread i adds e = i, i + blockDim, ... in order, each warp reduces by an xor butterfly, then the warp
+// sums by the same butterfly (lanes past the warp count add 0), each warp redundantly. The selection ranks instead of
+// taking k arg-maxes one after another (a chain of 2k reductions): moe_better is a total order, so each entry's rank
+// (the entries better than it) is unique. Each warp ranks its own entries among themselves (thread i owns e = i,
+// i + blockDim, ...: the warp's entries are read from shared memory, no barrier); those of rank < k are the warp's
+// candidates (the block's top k are among the warps' candidates, as a warp holds at most k of them); after one
+// barrier each candidate's rank among all candidates is its position j. A position whose entry has no valid
+// probability (fewer than k valid entries) gets id 0x7fffffff and probability -2. Ends with a barrier (probs and sh
+// are free on return). Requires 1 <= k <= min(E, 64).
 __device__ __forceinline__ void moe_topk_block(const float* l, int E, int k, int renorm, int* out_ids, float* out_w,
                                                float* probs, MoeTopkShared& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -52,24 +54,41 @@ __device__ __forceinline__ void moe_topk_block(const float* l, int E, int k, int
     __syncthreads();
     float total = lane < nw ? sh.v[1][lane] : 0.f;
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) probs[e] = probs[e] / total;
-    for (int j = 0; j < k; ++j) {
-        const int b = j & 1;  // round j - 1 read the other buffer; round j - 2's readers of this one passed a barrier
-        float bp = -2.f;
-        int bi = 0x7fffffff;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            const float p = probs[e];
-            if (p >= 0.f && moe_better(p, e, bp, bi)) { bp = p; bi = e; }
-        }
-        moe_argmax_warp(bp, bi);
-        if (lane == 0) { sh.v[b][warp] = bp; sh.i[b][warp] = bi; }
-        __syncthreads();
-        bp = lane < nw ? sh.v[b][lane] : -2.f;
-        bi = lane < nw ? sh.i[b][lane] : 0x7fffffff;
-        moe_argmax_warp(bp, bi);
-        if (threadIdx.x == 0) { out_ids[j] = bi; sh.top_p[j] = bp; }
-        if (bi >= 0 && bi < E && bi % blockDim.x == threadIdx.x) probs[bi] = -1.f;  // taken (its owner marks it)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) probs[e] = moe_rank_key(probs[e] / total);
+    // the warp's candidate slots start empty (a warp may own fewer than k entries)
+    for (int j = lane; j < k; j += 32) {
+        sh.cand_p[warp * k + j] = -2.f;
+        sh.cand_i[warp * k + j] = 0x7fffffff;
     }
+    __syncwarp();
+    // rank of each own entry among the warp's entries: e' = warp * 32 + q + a * blockDim for lanes q, rows a
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float p = probs[e];
+        int rank = 0;
+        for (int b = warp * 32; b < E; b += blockDim.x) {
+            const int n = min(32, E - b);
+            for (int q = 0; q < n; ++q) rank += moe_better(probs[b + q], b + q, p, e);
+        }
+        if (rank < k) {
+            sh.cand_p[warp * k + rank] = p;
+            sh.cand_i[warp * k + rank] = e;
+        }
+    }
+    __syncthreads();
+    // rank of each candidate among all candidates: its position
+    const int nc = nw * k;
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+        const float p = sh.cand_p[c];
+        const int i = sh.cand_i[c];
+        int rank = 0;
+        for (int d = 0; d < nc; ++d) rank += moe_better(sh.cand_p[d], sh.cand_i[d], p, i);
+        if (rank < k) {
+            const bool valid = p >= 0.f;
+            out_ids[rank] = valid ? i : 0x7fffffff;
+            sh.top_p[rank] = valid ? p : -2.f;
+        }
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
         float sum = 0.f;
         for (int j = 0; j < k; ++j) sum += sh.top_p[j];
