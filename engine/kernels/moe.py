@@ -330,7 +330,8 @@ FUSED_DECODE = True
 DECODE_BLOCK_MAX_TOKENS = {"bf16": 1, "fp8": 1, "nvfp4": 0}
 
 _DOWN_ROWS = 8  # output rows per block of the down launch (moe_decode.cu MOE_DOWN_ROWS)
-_GU_ROWS = 8  # outputs per block of the gate_up launch (one warp each)
+#: outputs per block of the gate_up launch by the expert format (moe_decode.cu moe_gu_slots: 32 lanes / G)
+_GU_SLOTS = {"bf16": 2, "fp8": 4, "nvfp4": 8}
 _COUNTERS: dict = {}
 
 
@@ -435,8 +436,9 @@ def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob,
          cnt), shared_mem=E * 4)
     pair = f"{r[0]}_{s[0]}_t{MT}"
     tables = (n_items, item_expert, item_count)
+    nbs = -(-Is // _GU_SLOTS[s[0]]) if has_shared else 0  # the shared expert's blocks, then each item slot's
     kernel("moe_decode.cu", f"moe_gate_up_{pair}")(
-        (-(-max(I, Is) // _GU_ROWS), max_items + 1, 1), (256,),
+        (nbs + max_items * -(-I // _GU_SLOTS[r[0]]),), (256,),
         r[1] + s[1] + (i32(1 if has_shared else 0), x, i32(T), i32(H), i32(I), i32(Is)) + tables
         + (item_tok, item_slot, h, hs))
     kernel("moe_decode.cu", f"moe_down_{pair}")(

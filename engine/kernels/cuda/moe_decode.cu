@@ -259,38 +259,64 @@ __device__ __forceinline__ void moe_router_body(const LD& ld, const float* __res
     }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Launch 2: gate_up + SwiGLU. Grid: (ceil(max(I, Is) / 8), max_items + 1) blocks of 256 threads; warp w of block
-// (bx, item) owns output n = 8 bx + w of the item (rows n and N + n of its stacked gate_up, all 32 lanes over K).
-// Row blockIdx.y == 0 is the shared expert (tokens 0..T-1), when present: its blocks are scheduled first, as its
-// BF16 rows are the longest tasks; item i is row i + 1. U: chunks a lane loads at once, per format (K = 2560: one
-// pass for NVFP4 and FP8, two for BF16).
+// Launch 2: gate_up + SwiGLU. 1-D grid of 256-thread blocks: the shared expert's blocks first (when present: its
+// BF16 rows are the longest tasks), then ceil(I / SL) blocks per item slot (max_items of them). A block owns SL
+// consecutive outputs n of one item (rows n and N + n of its stacked gate_up); its 8 warps split K (warp ks takes
+// chunks ks * G + q + j * 8 G), and each warp is SL = 32 / G slots of G lanes, one output a slot. G per format
+// (MoeGuShape: 16 BF16, 8 FP8, 4 NVFP4) so that a lane's activation loads of one instruction touch G / 2 .. 4 cache
+// lines: with all 32 lanes on one row (the layout before) each x load touched 32 lines, and the L1 was the limit.
+// The 8 warp partials of an output are added in shared memory in ks order, then SwiGLU.
 template <typename LD>
-struct MoeGuShape {
-    static constexpr int U = 5;
+struct MoeGuShape;
+template <>
+struct MoeGuShape<BF16S> {  // K = 2560: 320 chunks, 2.5 a lane
+    static constexpr int G = 16, U = 3;
 };
 template <>
-struct MoeGuShape<NVFP4S> {
-    static constexpr int U = 3;
+struct MoeGuShape<FP8S> {  // 160 chunks
+    static constexpr int G = 8, U = 3;
 };
+template <>
+struct MoeGuShape<NVFP4S> {  // 80 chunks
+    static constexpr int G = 4, U = 3;
+};
+template <typename LD>
+__host__ __device__ constexpr int moe_gu_slots() { return 32 / MoeGuShape<LD>::G; }
 
+// The block's SL outputs n0 .. n0 + SL - 1 of expert e (loader ld; N its intermediate width) for the tokens tok[0 ..
+// count) of x ([*, H]); h[out_row[t] * N + n] = silu(gate) * up. red: shared scratch of 8 * 8 * 2 * MT floats. Every
+// thread of the block calls it (it has a barrier).
 template <typename LD, int MT>
-__device__ __forceinline__ void moe_gu_item(const LD& ld, long long e, int n, int N, int H, const float* __restrict__ x,
-                                            const int* tok, int count, float* __restrict__ out, const int* out_row,
-                                            int out_stride) {
-    const int lane = threadIdx.x & 31;
-    const int nr[2] = {n, N + n};
+__device__ __forceinline__ void moe_gu_block(const LD& ld, long long e, int n0, int N, int H,
+                                             const float* __restrict__ x, const int* tok, int count,
+                                             float* __restrict__ out, const int* out_row, float* red) {
+    constexpr int G = MoeGuShape<LD>::G, SL = 32 / G;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slot = lane / G, q = lane % G;
+    const int n = n0 + slot;
+    const int nc = n < N ? n : N - 1;  // clamped: loads stay in bounds, the result is not written
+    const int nr[2] = {nc, N + nc};
     int xo[MT];
 #pragma unroll
     for (int t = 0; t < MT; ++t) xo[t] = (t < count ? tok[t] : 0) * H;
     float acc[2][MT];
-    moe_rows_dot<LD, MT, 32, 32, 2, MoeGuShape<LD>::U>(ld, e, nr, x, xo, count, H, lane, acc);
-    if (lane == 0) {
+    moe_rows_dot<LD, MT, G, 8 * G, 2, MoeGuShape<LD>::U>(ld, e, nr, x, xo, count, H, warp * G + q, acc);
+    if (q == 0) {
 #pragma unroll
-        for (int t = 0; t < MT; ++t)
-            if (t < count) {
-                const float g = acc[0][t], u = acc[1][t];
-                out[(long long)out_row[t] * out_stride + n] = (g / (1.f + expf(-g))) * u;  // dense_moe.cu moe_swiglu
-            }
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int t = 0; t < MT; ++t) red[((warp * SL + slot) * 2 + r) * MT + t] = acc[r][t];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < SL * MT; i += blockDim.x) {
+        const int sl = i / MT, t = i % MT, no = n0 + sl;
+        if (t >= count || no >= N) continue;
+        float g = 0.f, u = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {  // the K split's partials in order
+            g += red[((w * SL + sl) * 2 + 0) * MT + t];
+            u += red[((w * SL + sl) * 2 + 1) * MT + t];
+        }
+        out[(long long)out_row[t] * N + no] = (g / (1.f + expf(-g))) * u;  // dense_moe.cu moe_swiglu
     }
 }
 
@@ -318,17 +344,18 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
                                                  const int* __restrict__ item_count, const int* __restrict__ item_tok,
                                                  const int* __restrict__ item_slot, float* __restrict__ h,
                                                  float* __restrict__ hs) {
-    const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int item = blockIdx.y - 1;
-    if (item < 0) {
-        if (!has_shared || n >= Is) return;
+    __shared__ float red[8 * 8 * 2 * MT];  // 8 warps x at most 8 slots x (gate, up) x tokens
+    constexpr int SLR = moe_gu_slots<LR>(), SLS = moe_gu_slots<LS>();
+    const int nbs = has_shared ? (Is + SLS - 1) / SLS : 0, nbr = (I + SLR - 1) / SLR;
+    const int b = blockIdx.x;
+    if (b < nbs) {
         int tok[MT];
 #pragma unroll
         for (int t = 0; t < MT; ++t) tok[t] = t;
-        MOE_BY_COUNT(T, MT, (moe_gu_item<LS, MC>(ls, 0, n, Is, H, x, tok, T, hs, tok, Is)));
+        MOE_BY_COUNT(T, MT, (moe_gu_block<LS, MC>(ls, 0, b * SLS, Is, H, x, tok, T, hs, tok, red)));
         return;
     }
-    if (n >= I) return;
+    const int item = (b - nbs) / nbr, n0 = (b - nbs) % nbr * SLR;
     // the item's table entries are read beside n_items, not after it (one round trip: item < max_items, so every
     // entry is inside the tables; those of a missing item are never used)
     const int ni = *n_items, count = item_count[item];
@@ -336,12 +363,12 @@ __device__ __forceinline__ void moe_gate_up_body(const LR& lr, const LS& ls, int
     int tok[MT], slot[MT];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-        const int a = item_tok[item * MT + t], b = item_slot[item * MT + t];
+        const int a = item_tok[item * MT + t], c = item_slot[item * MT + t];
         tok[t] = t < count ? a : 0;
-        slot[t] = t < count ? b : 0;
+        slot[t] = t < count ? c : 0;
     }
-    if (item >= ni) return;
-    MOE_BY_COUNT(count, MT, (moe_gu_item<LR, MC>(lr, e, n, I, H, x, tok, count, h, slot, I)));
+    if (item >= ni) return;  // the whole block
+    MOE_BY_COUNT(count, MT, (moe_gu_block<LR, MC>(lr, e, n0, I, H, x, tok, count, h, slot, red)));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
