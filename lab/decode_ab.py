@@ -1,12 +1,13 @@
 """The captured decode step under launch variants, in one process (GPU lab tool).
 
-``python -m lab.decode_ab FMT [--modes engine,plain,one-stream,block] [--layers 4] [--batches 1,16]
+``python -m lab.decode_ab FMT [--modes engine,plain,one-stream,block,grouped] [--layers 4] [--batches 1,16]
 [--context 1024] [--steps 48] [--rounds 4]``: the real-width synthetic model in FMT (``bf16``, ``fp8``, ``nvfp4``),
 one prompt of ``--context`` tokens forked into each batch; per batch, ``--rounds`` rounds of every mode (order
 alternating), each mode's decode graphs captured anew, then ``--steps`` pipelined greedy steps timed between device
 events (as ``qwen4exp bench``). Modes: ``engine`` (the defaults), ``plain`` (no programmatic dependent launch:
 ``engine.backend.pdl_capture`` launching plainly), ``one-stream`` (the MoE's shared expert on the current stream,
-``moe.SHARED_SIDE_STREAM`` off), ``block`` (the three-launch MoE decode block for every format at one token).
+``moe.SHARED_SIDE_STREAM`` off), ``block`` (the three-launch MoE decode block for every format at one token),
+``grouped`` (the grouped MoE chain for every format and batch).
 Prints each mode's per-round medians (us per step), the median of those, each mode's ratio to ``engine``, and the
 graphs' counters (a failed verification would show).
 """
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for mode in (modes if r % 2 == 0 else modes[::-1]):
                 backend._pdl_launcher = (lambda: None) if mode == "plain" else pdl
-                MOE.DECODE_BLOCK_MAX_TOKENS.update(dict.fromkeys(keep, 1) if mode == "block" else keep)
+                MOE.DECODE_BLOCK_MAX_TOKENS.update(dict.fromkeys(keep, 1) if mode == "block"
+                                                   else dict.fromkeys(keep, 0) if mode == "grouped" else keep)
                 MOE.SHARED_SIDE_STREAM = keep_side and mode != "one-stream"
                 g.entries.clear(), g.seen.clear(), g.failed.clear()
                 n0 = backend.pdl_launches

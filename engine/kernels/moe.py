@@ -323,11 +323,11 @@ class _side_branch:
 FUSED_DECODE = True
 
 #: Per routed-expert format, the most tokens for which the decode block is the default: where it measured faster than
-#: the grouped chain on the H200 (lab/moe_fused_bench.py at the real widths, docs/performance.md): BF16 1.29x and FP8
-#: 1.06x at one token. NVFP4 experts (0.80x at one token) and 2..16 tokens (0.49-0.73x at 16: latency-bound launches,
-#: a serial top-k) run the grouped chain until the kernels beat it there. A module constant, not an environment
-#: switch: the tests and the bench raise every entry to 16 to run the block everywhere.
-DECODE_BLOCK_MAX_TOKENS = {"bf16": 1, "fp8": 1, "nvfp4": 0}
+#: the grouped chain (lab/moe_fused_bench.py at the real widths, one H100, docs/performance.md): at one token BF16
+#: 1.39x, FP8 1.16x, NVFP4 1.05x. At 16 tokens the block is 0.38-0.58x (a serial top-k of 16 tokens in one block,
+#: float32 FMAs where the grouped chain has tensor cores), so 2..16 tokens run the grouped chain. A module constant,
+#: not an environment switch: the tests and the bench raise every entry to 16 to run the block everywhere.
+DECODE_BLOCK_MAX_TOKENS = {"bf16": 1, "fp8": 1, "nvfp4": 1}
 
 _DOWN_ROWS = 8  # output rows per block of the down launch (moe_decode.cu MOE_DOWN_ROWS)
 #: outputs per block of the gate_up launch by the expert format (moe_decode.cu moe_gu_slots: 32 lanes / G)

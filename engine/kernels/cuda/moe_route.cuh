@@ -37,7 +37,11 @@ __device__ __forceinline__ void moe_topk_block(const float* l, int E, int k, int
                                                float* probs, MoeTopkShared& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float m = __int_as_float(0xff800000);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, __ldcg(l + e));
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {  // the logits are read once (the owner keeps them in probs)
+        const float x = __ldcg(l + e);
+        probs[e] = x;
+        m = fmaxf(m, x);
+    }
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     if (lane == 0) sh.v[0][warp] = m;
     __syncthreads();
@@ -45,7 +49,7 @@ __device__ __forceinline__ void moe_topk_block(const float* l, int E, int k, int
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float s = 0.f;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float x = expf(__ldcg(l + e) - m);
+        const float x = expf(probs[e] - m);
         probs[e] = x;
         s += x;
     }
