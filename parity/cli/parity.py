@@ -438,11 +438,17 @@ def _index(docs: list, reports: list, written: bool = True) -> dict:
 
 
 def _reproduce(args) -> str | None:
-    """The command line of this run, shell-quoted (``qwen4exp parity ...``, the argv as given), or None when
-    the CLI was driven without one."""
+    """The command line of this run, shell-quoted (``qwen4exp parity ...``, the argv as given, with
+    ``--overwrite`` added when it writes an ``--out`` directory: that directory holds this run's results when the
+    command is read, and a run refuses a non-empty one without it), or None when the CLI was driven without one."""
     import shlex
     argv = getattr(args, "argv", None)
-    return None if argv is None else shlex.join(["qwen4exp", *argv])
+    if argv is None:
+        return None
+    argv = list(argv)
+    if getattr(args, "out", None) is not None and "--overwrite" not in argv:
+        argv.append("--overwrite")
+    return shlex.join(["qwen4exp", *argv])
 
 
 class _Incomplete(Exception):

@@ -379,7 +379,7 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
 
     from parity.backends import capabilities_of
     from parity.harness.report import ScenarioRow
-    from parity.harness.scenarios import run_scenario, summarize_results
+    from parity.harness.scenarios import page_sizes_unused, run_scenario, summarize_results
     from parity.harness.scenarios.common import NonFiniteTruth
     from reference.errors import UserError
     caps = capabilities_of(probe)
@@ -428,6 +428,9 @@ def _judge_backend(report, model, backend_spec, op, probe, scenarios, shared, tr
                 res = run_scenario(name, op, truth, page_sizes=page_sizes, archive_dir=archive_dir, progress=bar,
                                    level=level, thresholds=th, below_bound=below_bound, known=known)
                 report.rows.append(summarize_results(name, res, time.perf_counter() - t0, inconclusive=coarse))
+                unused = page_sizes_unused(caps, page_sizes)
+                if unused:  # said under the table, not silently dropped
+                    report.rows[-1].skips.append({"case": "*", "narrowed": unused})
             except NonFiniteTruth as e:  # the truth went NaN/Inf at some history: nothing to judge against
                 invalid = e
                 report.rows.append(_inconclusive_row(name, e, limits))

@@ -207,6 +207,27 @@ def test_parity_page_sizes_checked_up_front(capsys, monkeypatch, ps, needles):
     one_line_error(capsys, *needles)
 
 
+def test_page_sizes_on_a_backend_without_pages_run_each_case_once(tmp_path, capsys):
+    """``--page-sizes`` on a backend without a paged cache (the reference): each suite case runs once, the cases
+    column counts it once, and the note under the table says the sizes were not applied. The same suite on a
+    backend with pages (the engine's CPU path) runs at each size: the plan follows the backend."""
+    from parity.harness.scenarios import _page_plan, count_cases, page_sizes_unused
+    from reference.config import load_config
+    cfg = load_config(Path(__file__).resolve().parents[2] / "fixtures" / "tiny")
+    one = count_cases("budget", cfg, {"page_sizes": None}, None, "ci")
+    assert count_cases("budget", cfg, {"page_sizes": None}, [4, 8], "ci") == one
+    assert _page_plan({"page_sizes": "any"}, cfg, [4, 8]) == [4, 8]  # negative control: a paged backend
+    assert page_sizes_unused({"page_sizes": "any"}, [4, 8]) is None
+    out = tmp_path / "o"
+    assert main(["parity", "tiny", "--backend", "reference", "--scenario", "budget", "--level", "ci",
+                 "--page-sizes", "4,8", "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "report.json").read_text())
+    row = next(r for r in doc["scenarios"] if r["scenario"] == "budget")
+    assert row["cases"] == one, row["cases"]
+    printed = capsys.readouterr().out
+    assert "page sizes 4,8 not applied: the backend has no paged cache" in " ".join(printed.split())
+
+
 def test_page_sizes_parser_and_pytest_plugin():
     from parity.harness.scenarios import parse_page_sizes
     from parity.suites import plugin

@@ -84,7 +84,8 @@ def test_kl_topk_row_counts_some_failing_and_none(tmp_path):
 
 def test_report_json_carries_the_spec_given_and_a_reproduce_command(tmp_path, capsys):
     """The verdict line and report.json name the backend with its options (re-running it reproduces the
-    verdict); ``reproduce`` is the command line, shell-quoted, that re-runs it."""
+    verdict); ``reproduce`` is the command line, shell-quoted, that re-runs it: run as printed, it succeeds
+    with the same verdict although its --out now holds the first run's results."""
     from parity.cli import main
     out = tmp_path / "o u t"   # a space: the reproduce command must quote it
     argv = ["parity", "tiny", "--backend", "reference:dtype=float64", "--scenario", "kl", "--no-progress",
@@ -93,7 +94,11 @@ def test_report_json_carries_the_spec_given_and_a_reproduce_command(tmp_path, ca
     doc = json.loads((out / "report.json").read_text())
     assert doc["backend"] == "reference:dtype=float64"
     assert "backend reference:dtype=float64" in capsys.readouterr().out
-    assert shlex.split(doc["reproduce"]) == ["qwen4exp", *argv]
+    assert shlex.split(doc["reproduce"]) == ["qwen4exp", *argv, "--overwrite"]  # its --out holds this run now
+    capsys.readouterr()
+    assert main(shlex.split(doc["reproduce"])[1:]) == 0  # the command runs as printed, with the same verdict
+    assert json.loads((out / "report.json").read_text())["verdict"] == doc["verdict"]
+    assert main(argv) == 2  # negative control: the argv as given, without --overwrite, is refused
     # negative control: a backend with no options is named as typed, without options made up
     from parity.harness.run import run_parity
     assert run_parity(TINY, "reference", ["budget"], level="ci", progress=False).backend == "reference"

@@ -17,7 +17,7 @@ from parity.harness.scenarios import budget, chunk_boundary, self_consistency, s
 from parity.harness.scenarios.suite import Suite
 
 __all__ = ["SUITES", "SCENARIOS", "scenario_names", "cases_for", "count_cases", "count_run_cases", "run_scenario",
-           "summarize_results",
+           "page_sizes_unused", "summarize_results",
            "normalize_name", "meanings", "Suite"]
 
 #: the scenario suites, one line each, in run order
@@ -71,12 +71,24 @@ def cases_for(name: str, config, level: str = "full"):
 
 
 def _page_plan(backend_caps, config, page_sizes):
+    """The page sizes a suite runs its cases at: ``page_sizes`` (the user's) or the config's for a backend with a
+    paged cache; ``[None]`` (each case once, without pages) for one without, whatever ``page_sizes`` says (its
+    cases would otherwise run and count once per size, the same run each time): :func:`page_sizes_unused`."""
     from parity.harness.scenarios.common import page_sizes_for
-    if page_sizes is not None:
-        return list(page_sizes)
     if backend_caps.get("page_sizes") is None:
         return [None]
+    if page_sizes is not None:
+        return list(page_sizes)
     return page_sizes_for(config)
+
+
+def page_sizes_unused(backend_caps, page_sizes) -> str | None:
+    """The note a suite row carries when the user's ``page_sizes`` do not apply (a backend without a paged cache),
+    else None."""
+    if page_sizes is None or backend_caps.get("page_sizes") is not None:
+        return None
+    return (f"page sizes {','.join(str(p) for p in page_sizes)} not applied: the backend has no paged cache (each "
+            f"case ran once)")
 
 
 def run_scenario(name: str, open_backend: Callable, truth, *, page_sizes=None, only: list[str] | None = None,
