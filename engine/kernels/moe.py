@@ -336,8 +336,9 @@ _COUNTERS: dict = {}
 
 
 def _counters(xp, n: int):
-    """The device's ticket counters (uint32, zero between launches: the last block of a launch resets its own), at
-    least ``n`` of them; grown (zeroed) on demand. One set per device: the decode launches run on one stream."""
+    """The device's ticket counters (uint32, zero between launches: the last block of a launch resets its own; the
+    decode block uses one, the router launch's), at least ``n`` of them; grown (zeroed) on demand. One set per
+    device: the decode launches run on one stream."""
     dev = xp.cuda.Device().id
     c = _COUNTERS.get(dev)
     if c is None or c.size < n:

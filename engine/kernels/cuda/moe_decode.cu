@@ -7,7 +7,7 @@
 //                                    router_topk's code and bits) and the item table: the distinct selected experts in ascending id, each
 //                                    with its tokens (ascending) and their slots s = t * k + j.
 //   moe_gate_up_<fr>_<fs>_t<MT>    : h = silu(gate . x) * (up . x) for every (item, token) and for the shared expert
-//                                    (the last grid row), each expert's weight rows read once for all its tokens.
+//                                    (its blocks first), each expert's weight rows read once for all its tokens.
 //   moe_down_<fr>_<fs>_t<MT>       : by output rows: a block owns 8 rows of every item and of the shared expert,
 //                                    y = down . h for each (item, token) into shared memory, then writes
 //                                    out[t, n] = sum_j w[t, j] * y[t * k + j, n] + sigmoid(g[t]) * ys[t, n]
