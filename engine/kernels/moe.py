@@ -335,14 +335,13 @@ _GU_SLOTS = {"bf16": 2, "fp8": 4, "nvfp4": 8}
 _COUNTERS: dict = {}
 
 
-def _counters(xp, n: int):
-    """The device's ticket counters (uint32, zero between launches: the last block of a launch resets its own; the
-    decode block uses one, the router launch's), at least ``n`` of them; grown (zeroed) on demand. One set per
-    device: the decode launches run on one stream."""
+def _counter(xp):
+    """The device's ticket counter of the router launch (one uint32, zero between launches: the block taking the last
+    ticket resets it). One per device: the decode launches run on one stream."""
     dev = xp.cuda.Device().id
     c = _COUNTERS.get(dev)
-    if c is None or c.size < n:
-        c = _COUNTERS[dev] = xp.zeros(max(n, 64), dtype=xp.uint32)
+    if c is None:
+        c = _COUNTERS[dev] = xp.zeros(1, dtype=xp.uint32)
     return c
 
 
@@ -428,7 +427,7 @@ def _moe_block_decode(x, router_weight, gate_up, down, *, top_k, norm_topk_prob,
     item_expert, item_count = (_empty(xp, max(max_items, 8), dtype=xp.int32) for _ in range(2))
     item_tok, item_slot = (_empty(xp, max_items * MT, dtype=xp.int32) for _ in range(2))
     out = _empty(xp, (T, H), dtype=xp.float32)
-    cnt = _counters(xp, 1)
+    cnt = _counter(xp)
     i32 = np.int32
     kernel("moe_decode.cu", f"moe_router_{rkind}_t{MT}")(
         (-(-E // 2) + 1,), (256,),
