@@ -121,6 +121,8 @@ def test_cuda_graph_decode_equals_eager_and_is_faster():
         if graphs:
             st = eng.graphs.stats
             assert st["replays"] >= 6 and st["failed"] == 0, (st, eng.graphs.failed)
+            stats = dict(st)
     for a, b in zip(res[False], res[True]):
         assert selfcheck.rel_err(b, a) < selfcheck.SELF_TOL
-    print(f"\nGRAPH DECODE tiny B=3: eager {times[False] * 1e3:.2f} ms/step, graph {times[True] * 1e3:.2f} ms/step")
+    print(f"\nGRAPH DECODE tiny B=3: eager {times[False] * 1e3:.2f} ms/step, graph {times[True] * 1e3:.2f} ms/step"
+          f" (graph stats {stats})")
