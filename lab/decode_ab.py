@@ -1,13 +1,14 @@
 """The captured decode step under launch variants, in one process (GPU lab tool).
 
-``python -m lab.decode_ab FMT [--modes engine,plain,one-stream,block,grouped] [--layers 4] [--batches 1,16]
+``python -m lab.decode_ab FMT [--modes engine,plain,one-stream,block,grouped,hc-unfused] [--layers 4] [--batches 1,16]
 [--context 1024] [--steps 48] [--rounds 4]``: the real-width synthetic model in FMT (``bf16``, ``fp8``, ``nvfp4``),
 one prompt of ``--context`` tokens forked into each batch; per batch, ``--rounds`` rounds of every mode (order
 alternating), each mode's decode graphs captured anew, then ``--steps`` pipelined greedy steps timed between device
 events (as ``qwen4exp bench``). Modes: ``engine`` (the defaults), ``plain`` (no programmatic dependent launch:
 ``engine.backend.pdl_capture`` launching plainly), ``one-stream`` (the MoE's shared expert on the current stream,
 ``moe.SHARED_SIDE_STREAM`` off), ``block`` (the three-launch MoE decode block for every format at one token),
-``grouped`` (the grouped MoE chain for every format and batch).
+``grouped`` (the grouped MoE chain for every format and batch), ``hc-unfused`` (the hyper-connection sites as the
+unfused chain of seven launches, ``norms.HC_FUSED_ENABLED`` off).
 Prints each mode's per-round medians (us per step), the median of those, each mode's ratio to ``engine``, and the
 graphs' counters (a failed verification would show).
 """
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     import engine as E
     from engine import backend
     from engine.kernels import moe as MOE
+    from engine.kernels import norms as NORMS
     from parity.bench import synthetic as S
 
     ck = S.SyntheticWeights(S.real_width_config(args.layers), args.fmt)
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
                 MOE.DECODE_BLOCK_MAX_TOKENS.update(dict.fromkeys(keep, 1) if mode == "block"
                                                    else dict.fromkeys(keep, 0) if mode == "grouped" else keep)
                 MOE.SHARED_SIDE_STREAM = keep_side and mode != "one-stream"
+                NORMS.HC_FUSED_ENABLED = mode != "hc-unfused"
                 g.entries.clear(), g.seen.clear(), g.failed.clear()
                 n0 = backend.pdl_launches
                 toks = eng.decode_greedy_steps(seqs, toks, 2 + g.verify_replays + 2)[-1]
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
         backend._pdl_launcher = pdl
         MOE.DECODE_BLOCK_MAX_TOKENS.update(keep)
         MOE.SHARED_SIDE_STREAM = keep_side
+        NORMS.HC_FUSED_ENABLED = True
         for q in seqs:
             eng.free(q)
         med = {m: float(np.median(v)) for m, v in times.items()}
