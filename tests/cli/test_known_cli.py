@@ -146,3 +146,30 @@ def test_write_known_onto_the_out_report_is_refused(tmp_path, capsys, fresh):
     # negative control: a baseline beside the results directory is another file
     from parity.cli.common import check_distinct_outputs
     check_distinct_outputs(("--out", d / "report.json"), ("--write-known", tmp_path / "known.json"))
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_write_known_at_or_in_the_out_taps_folder_is_refused(tmp_path, capsys, monkeypatch, inside):
+    """``--write-known DIR/taps --out DIR``: on a failing run DIR/taps became the tap archives' folder and the
+    baseline then met a directory after the run (exit 4, no verdict printed); inside an earlier run's DIR/taps
+    the folder is replaced under it. Refused before anything runs, exit 2, naming both flags; nothing written."""
+    import parity.harness.run as P
+    from fixture_helpers import one_line_error
+    monkeypatch.setattr(P, "run_parity", lambda *a, **k: pytest.fail("ran with --write-known in --out's taps/"))
+    d = tmp_path / "res"
+    d.mkdir()
+    known = d / "taps"
+    if inside:   # an earlier failing run's results: DIR/taps is a folder, replaced with --overwrite
+        known.mkdir()
+        (d / "report.json").write_text("{}")
+        known = known / "known.json"
+    rc = main(["parity", TINY, "--backend", "reference", "--scenario", "kl", "--level", "ci", "--no-progress",
+               "--out", str(d), "--write-known", str(known), *(["--overwrite"] if inside else [])])
+    assert rc == 2
+    one_line_error(capsys, "--write-known", "--out", "taps")
+    assert not known.exists()
+    assert sorted(p.name for p in d.iterdir()) == (["report.json", "taps"] if inside else [])
+    # negative control: a baseline beside the results directory, or named like the folder elsewhere, is fine
+    from parity.cli.parity import _check_known_outside_taps
+    _check_known_outside_taps(d, tmp_path / "known.json")
+    _check_known_outside_taps(d, d / "taps.json")
