@@ -69,9 +69,14 @@ class SubcommandParser(argparse.ArgumentParser):
         options = sorted(o for o in self._option_string_actions if o.startswith("--"))
         hints = []
         for a in extras:
-            close = difflib.get_close_matches(a.split("=", 1)[0], options, n=1) if a.startswith("--") else []
+            name = a.split("=", 1)[0]
+            if a.startswith("--") and name in getattr(self, "option_hints", {}):   # a verb's own word for it
+                hints.append(f"{name}: {self.option_hints[name]}")
+                continue
+            # names compared without their '--' (shared by every option, it made '--bogus' read as '--out')
+            close = difflib.get_close_matches(name[2:], [o[2:] for o in options], n=1) if a.startswith("--") else []
             if close:
-                hints.append(f"{a.split('=', 1)[0]}: did you mean {close[0]}?")
+                hints.append(f"{name}: did you mean --{close[0]}?")
         self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
     def _unknown_options(self) -> list[str]:

@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     add_model(p)
     add_backend(p, "reference", flag="--a", what="backend a (the side trusted)")
     add_backend(p, "engine", flag="--b", what="backend b (the side under test)")
+    # kl compares two backends: `kl --backend X` is refused with the spelling it takes (parity.cli.SubcommandParser)
+    p.option_hints = {"--backend": "kl takes two backends, --a SPEC (the side trusted) and --b SPEC (the side under "
+                                   "test)"}
     p.add_argument("--prompts", metavar="FILE", default=None,
                    help="JSON list of texts or token-id lists (default: the bundled set; '-' reads stdin)")
     p.add_argument("--greedy-tokens", type=int, default=8, metavar="N",

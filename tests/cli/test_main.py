@@ -131,6 +131,10 @@ def test_empty_model_path_is_reported_as_typed(capsys, argv):
     # a mistyped REQUIRED option: named as unknown, not hidden behind "the following arguments are required"
     (["logits", "tiny", "--idz", "1,2", "--out", "y.npy"], "usage: qwen4exp logits ", "--idz", "did you mean --ids?"),
     (["taps", "diff", "--nope"], "usage: qwen4exp taps diff ", "--nope", None),
+    # kl takes --a / --b, not --backend: said so (before: "did you mean --traceback?", the shared '--' matching)
+    (["kl", "--backend", "engine"], "usage: qwen4exp kl ", "--backend", "kl takes two backends, --a SPEC"),
+    # no option is near '--bogus' once the '--' every option has is set aside (before: "did you mean --out?")
+    (["parity", "--bogus"], "usage: qwen4exp parity ", "--bogus", None),
 ])
 def test_unknown_option_of_a_subcommand_shows_that_subcommands_usage(capsys, argv, usage, unknown, hint):
     """A mistyped option is refused by the subcommand it was given to: its usage (which lists the right
@@ -145,6 +149,8 @@ def test_unknown_option_of_a_subcommand_shows_that_subcommands_usage(capsys, arg
     assert f"{prog}: error: unrecognized arguments: {unknown}" in err, err
     if hint:
         assert hint in err, err
+    else:
+        assert "did you mean" not in err, err
 
 
 def test_unknown_top_level_option_keeps_the_top_level_usage(capsys):
