@@ -191,8 +191,10 @@ def _cmd_record(args) -> int:
     from reference.ids_file import read_ids_file
     if args.precision == "bf16" and args.dtype is None and str(args.backend).startswith("reference"):
         check_precision("reference", "bf16")  # bf16 is refused as by logits/generate (the reference computes in f32/f64)
-    spec = backend_spec(args, legacy={"--dtype": args.dtype, "--device": None if args.device in (None, "auto")
-                                      else args.device, "--precision": args.precision})
+    device = None if args.device in (None, "auto") else args.device
+    if device == "cpu" and str(args.backend).startswith("reference"):
+        device = None  # the reference runs on the CPU: nothing to say (as logits); cuda is refused below
+    spec = backend_spec(args, legacy={"--dtype": args.dtype, "--device": device, "--precision": args.precision})
     from parity.backends import backend_class
     backend_class(spec)  # an unknown name / unimportable plugin: said before reading the ids (maybe a pipe)
     check_out(args.out, kind="dir", overwrite=args.overwrite)

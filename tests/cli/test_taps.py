@@ -323,3 +323,21 @@ def test_taps_record_out_never_replaces_the_model_it_reads(tmp_path, capsys, int
                  "--taps", "logits"]) == 2
     one_line_error(capsys, "--out", str(m))
     assert sorted(p.name for p in m.iterdir()) == before
+
+
+def test_taps_record_takes_device_cpu_on_the_reference_as_logits_does(tmp_path, capsys):
+    """One grammar for every verb: ``logits tiny --device cpu`` runs the reference (it runs on the CPU), so
+    ``taps record tiny --device cpu`` does too (before: exit 2, '--device applies to another backend'); the
+    archive equals the one recorded without the flag. ``--device cuda`` on the reference stays refused (exit 2)."""
+    ids = _ids(tmp_path, n=4)
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(a), "--taps", "embed_tokens.*"]) == 0
+    assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(b), "--taps", "embed_tokens.*",
+                 "--device", "cpu"]) == 0
+    capsys.readouterr()
+    chunks = sorted(p.name for p in a.iterdir() if p.suffix == ".safetensors")
+    assert chunks and chunks == sorted(p.name for p in b.iterdir() if p.suffix == ".safetensors")
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in chunks)
+    assert main(["taps", "record", "tiny", "--ids", str(ids), "--out", str(c), "--device", "cuda"]) == 2
+    one_line_error(capsys, "--device", "reference")
+    assert not c.exists()
