@@ -154,11 +154,15 @@ def kernel(filename: str, name: str):
     return load_module(filename, kernel_module_options(filename, name)).get_function(name)
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count() -> int:
-    """Streaming multiprocessors of the current GPU (launch heuristics)."""
+    """Streaming multiprocessors of the current GPU (launch heuristics; 1 without cupy)."""
     cp = cupy_or_none()
-    return int(cp.cuda.Device().attributes["MultiProcessorCount"]) if cp is not None else 1
+    return _sm_count_of(int(cp.cuda.Device().id)) if cp is not None else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_id: int) -> int:
+    return int(cupy_or_none().cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 from engine.backend import load_module, xp_of
+from engine.kernels.dense_common import sm_count
 from types import SimpleNamespace
 
 from reference.blocks import qsa as _ref_qsa
@@ -48,16 +49,8 @@ QSA_MAX_BLOCK_TOPK = 4096
 #: launch (the tests set 0 to run the per-query-head kernel, which serves unaligned rows and ``D % 4 != 0``).
 QSA_SPLIT_MAX_T: int | None = None
 _SPLIT_TILE = 16  # QSA_TILE in qsa.cu
-_SM_COUNT = {}
 _TOPK_THREADS = 1024
 _ATTN_WARPS = 4  # QSA_WARPS in qsa.cu
-
-
-def _sm_count(cp):
-    dev = cp.cuda.Device().id
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = int(cp.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
-    return _SM_COUNT[dev]
 
 
 def _int_arr(xp, a, name, n):
@@ -536,7 +529,7 @@ def _attention_split(cp, q, kv_k, kv_v, block_tables, rows, n_visible, selected,
     G = Hq // Hkv
     ksel = selected.shape[1]
     tiles = max(1, -(-bound // _SPLIT_TILE))
-    want = max(1, -(-2 * _sm_count(cp) // (T * Hkv)))
+    want = max(1, -(-2 * sm_count() // (T * Hkv)))
     per = -(-tiles // min(tiles, want))
     n_split = -(-tiles // per)
     tps = per * _SPLIT_TILE
