@@ -7,8 +7,8 @@ alternating), each mode's decode graphs captured anew, then ``--steps`` pipeline
 events (as ``qwen4exp bench``). Modes: ``engine`` (the defaults), ``plain`` (no programmatic dependent launch:
 ``engine.backend.pdl_capture`` launching plainly), ``one-stream`` (the MoE's shared expert on the current stream,
 ``moe.SHARED_SIDE_STREAM`` off), ``block`` (the three-launch MoE decode block for every format at one token),
-``grouped`` (the grouped MoE chain for every format and batch), ``hc-unfused`` (the hyper-connection sites as the
-unfused chain of seven launches, ``norms.HC_FUSED_ENABLED`` off).
+``grouped`` (the grouped MoE chain for every format and batch), ``hc-unfused`` (the hyper-connection input sides as
+the unfused chain of GEMVs and element-wise launches, ``norms.HC_FUSED_ENABLED`` off).
 Prints each mode's per-round medians (us per step), the median of those, each mode's ratio to ``engine``, and the
 graphs' counters (a failed verification would show).
 """
