@@ -46,7 +46,8 @@ def _load_module_class(spec: str, flag: str = "--backend"):
                            f"{': ' + msg if msg else ''}") from e
     cls = getattr(mod, cls_name, None)
     if cls is None:
-        raise BackendError(f"{flag} {spec!r}: module {mod_name!r} has no attribute {cls_name!r}")
+        raise BackendError(f"{flag} {spec!r}: expected a backend class {cls_name!r} in module {mod_name!r} "
+                           f"(module:Class), found no attribute of that name")
     if not hasattr(cls, "open"):
         raise BackendError(f"{flag} {spec!r}: expected a class with an open(model_path, **opts) classmethod "
                            f"(the parity Backend protocol), found {cls!r}")

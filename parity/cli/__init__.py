@@ -47,7 +47,9 @@ def exit_code_help() -> str:
     from reference.errors import EXIT_CODES
     return "exit codes (every command):\n" + "\n".join(f"  {k}  {v}" for k, v in EXIT_CODES.items()) + \
         ("\n  130 / 143 / 129  interrupted by SIGINT / SIGTERM / SIGHUP (outputs: the old ones or none, never a mix)"
-         "\n  134              an outside engine in the process aborted it (SIGABRT; docs/outside-engines.md)")
+         "\n  134              an outside engine in the process aborted it (SIGABRT; docs/outside-engines.md)"
+         "\n  other            a backend in the process ended it without a Python exception (os._exit(N) exits N);"
+         " outputs: the old ones or none")
 
 
 class SubcommandParser(argparse.ArgumentParser):

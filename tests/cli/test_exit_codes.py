@@ -72,6 +72,10 @@ def test_exit_codes_are_defined_once_and_shown_in_help(capsys):
     assert "exit codes" in out and "environment failure" in out and "inconclusive" in out
     readme = (REPO / "README.md").read_text()
     assert all(f"| {c} " in readme for c in EXIT_CODES), "README's exit-code table is missing a code"
+    # the rows README adds to the contract (signals, an outside engine's abort, a backend's os._exit) are in -h too
+    for code in ("130 / 143 / 129", "134", "other"):
+        if f"| {code} |" in readme:
+            assert f"\n  {code} " in out, f"README's exit-code row {code!r} is missing from -h"
 
 
 def test_cli_error_class_is_gone():

@@ -21,7 +21,7 @@ def test_names_resolve():
 @pytest.mark.parametrize("spec,err,match", [
     ("nonsense", InputError, "expected one of"),
     ("no_such_module_xyz:Cls", BackendError, "cannot import"),
-    ("parity.harness.kl:NoSuchClass", BackendError, "no attribute"),
+    ("parity.harness.kl:NoSuchClass", BackendError, "expected a backend class .NoSuchClass. in module"),
     ("parity.harness.kl:verdict", BackendError, "open"),
     (":Cls", InputError, "module:Class"),
 ])
