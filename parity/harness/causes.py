@@ -373,7 +373,8 @@ def read_known(path) -> KnownCauses:
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
-        raise InputError(f"--known {str(path)!r}: cannot be read: {e.strerror or e}") from None
+        raise InputError(f"--known {str(path)!r}: expected a readable baseline written by --write-known, found "
+                         f"{'no such file' if isinstance(e, FileNotFoundError) else (e.strerror or e)}") from None
     except ValueError as e:
         raise InputError(f"--known {str(path)!r}: expected a JSON baseline written by --write-known, found invalid "
                          f"JSON ({e})") from None

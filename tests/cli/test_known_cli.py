@@ -173,3 +173,16 @@ def test_write_known_at_or_in_the_out_taps_folder_is_refused(tmp_path, capsys, m
     from parity.cli.parity import _check_known_outside_taps
     _check_known_outside_taps(d, tmp_path / "known.json")
     _check_known_outside_taps(d, d / "taps.json")
+
+
+@pytest.mark.parametrize("content,found", [(None, "found no such file"), ("{not json", "found invalid JSON"),
+                                           ('{"a": 1}', "found dict with keys ['a']")])
+def test_known_file_missing_or_not_a_baseline_is_one_line_exit_2(tmp_path, capsys, content, found):
+    """--known names the file, what it expected (a baseline written by --write-known) and what it found; nothing
+    runs (exit 2 before the floor)."""
+    k = tmp_path / "known.json"
+    if content is not None:
+        k.write_text(content)
+    rc = main(["parity", TINY, "--backend", "reference", "--known", str(k), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--known {str(k)!r}: expected a" in err and "--write-known" in err and found in err, err
