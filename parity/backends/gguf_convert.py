@@ -336,28 +336,42 @@ def _find_tensor(model_dir, name):
     raise BackendError(f"llama.cpp:reparam=ple-dequant: expected tensor {name!r} in {str(model_dir)!r}, found none")
 
 
+def _config_doc(path) -> dict:
+    """``path/config.json`` as a dict ({} when unreadable: the forwards below then name the problem)."""
+    try:
+        doc = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def check_same_function(a, b, ids=None) -> dict:
-    """Run the official model (transformers, float32, CPU) -- or, when it is not installed or cannot load
-    the checkpoint, the reference -- on checkpoints ``a`` and ``b``; returns ``{"by", "max_abs_diff",
+    """Run the official model (transformers, float32, CPU) -- or, when it is not installed, cannot load the
+    checkpoint or the checkpoint is quantised, the reference -- on checkpoints ``a`` and ``b``; returns ``{"by", "max_abs_diff",
     "ok"}``. ``ok``: the logits agree to a float32 summation-order floor (zero padding can change the
     order of a BLAS reduction; 1e-5 relative to the logit scale covers it, a real change does not pass).
     """
     ids = list(ids) if ids is not None else [3, 17, 99, 5, 250, 7, 8, 9, 10, 11, 12, 13, 14, 200, 41, 6]
-    by, la, lb = None, None, None
-    try:
-        import torch
-        import transformers
-
-        def run(p):
-            m = transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
-            m.eval()
-            with torch.no_grad():
-                return m(torch.tensor([ids])).logits[0].float().numpy()
-        la, lb, by = run(a), run(b), f"transformers {transformers.__version__} (official model)"
-    except Exception as e:  # not installed, or cannot load (e.g. FP8 on CPU): the reference instead
-        from parity.backends.base import truth_model
+    quantised = [str(p) for p in (a, b) if "quantization_config" in _config_doc(p)]
+    from parity.backends.base import truth_model
+    if quantised:  # transformers' loader dequantises FP8 / NVFP4 to bf16 (warning at length): not the exact weights
         la, lb = truth_model(a).forward(ids), truth_model(b).forward(ids)
-        by = f"reference (official model unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        by = "reference (a quantised checkpoint: the reference dequantises its weights exactly)"
+    else:
+        try:
+            import torch
+            import transformers
+
+            def run(p):
+                m = transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+                m.eval()
+                with torch.no_grad():
+                    return m(torch.tensor([ids])).logits[0].float().numpy()
+            la, lb, by = run(a), run(b), f"transformers {transformers.__version__} (official model)"
+        except Exception as e:  # not installed, or cannot load: the reference instead
+            la, lb = truth_model(a).forward(ids), truth_model(b).forward(ids)
+            by = (f"reference (official model unavailable: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120] if str(e) else ''})")
     d = float(np.max(np.abs(np.asarray(la, np.float64) - np.asarray(lb, np.float64))))
     scale = float(np.max(np.abs(la))) or 1.0
     return {"by": by, "max_abs_diff": d, "ok": d <= 1e-5 * scale}

@@ -131,6 +131,24 @@ def test_pre_tokenizer_label_follows_the_tokenizer(tmp_path):
         gc.parse_reparams("tokenizer-label", tmp_path / "meta")
 
 
+def test_function_check_of_a_quantised_checkpoint_is_the_reference(tmp_path):
+    """The reparameterisation check runs the reference, not transformers' loader, on a quantised checkpoint (the
+    loader dequantises FP8 to bf16 and prints pages of warnings); it still catches a changed function."""
+    import shutil
+
+    from parity.backends import gguf_convert as gc
+    fp8 = bundled_model("tiny-fp8")
+    same = gc.check_same_function(fp8, fp8)
+    assert same["ok"] and same["by"].startswith("reference (a quantised checkpoint"), same
+    # negative control: a copy whose norms' eps is changed (config.json) computes another function
+    dst = tmp_path / "fp8"
+    shutil.copytree(fp8, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rms_norm_eps"] = 0.5
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert not gc.check_same_function(fp8, dst)["ok"]
+
+
 def _whole_call_case(cfg):
     from parity.harness.scenarios import cases_for
     return next(c for c in cases_for("speculative_rollback", cfg, "ci") if c.name == "reject_all_drafts_below_bound")
