@@ -55,6 +55,26 @@ def backend_spec(args, flag: str = "--backend", legacy: dict | None = None):
     return sp
 
 
+def legacy_device(device, backend: str) -> str | None:
+    """The deprecated ``--device`` flag as the backend option :func:`backend_spec` takes in ``legacy``: None when
+    unset or ``auto``, and for ``cpu`` on the reference (it runs on the CPU: nothing to say); ``backend`` is the
+    ``--backend`` value (its name is what precedes the first ':').
+
+    Raises:
+        InputError: a value other than auto / cpu / cuda, or ``cuda`` on the reference.
+    """
+    from reference.errors import InputError
+    if device is not None and device not in ("auto", "cpu", "cuda"):
+        raise InputError(f"--device {device!r}: expected one of auto, cpu, cuda, found {device!r}")
+    on_reference = str(backend).split(":", 1)[0] == "reference"
+    if device in (None, "auto") or (on_reference and device == "cpu"):
+        return None
+    if on_reference:
+        raise InputError("--device cuda: the reference backend runs on the CPU (expected auto or cpu), found "
+                         "'cuda' (use --backend engine:device=cuda for the GPU)")
+    return device
+
+
 def add_format(p, default_help: str = "rich on a terminal, text otherwise") -> None:
     """``--format text|rich|json`` (and ``--json``, short for ``--format json``)."""
     p.add_argument("--format", choices=FORMATS, default=None,
@@ -276,24 +296,34 @@ def replace_paths(doc, old: str, new: str):
 
 
 def check_distinct_outputs(*outputs) -> None:
-    """Two outputs of one command must be two files: each ``(flag, path)`` (None or ``-`` skipped) is compared,
+    """Two outputs of one command must be apart: each ``(flag, path)`` -- or ``(flag, path, "dir")`` for a folder
+    the command writes whole, which also claims every path inside it -- (None or ``-`` skipped) is compared,
     spelling and symbolic links resolved, with the others, so that one result never silently replaces another
-    (``kl --out F --plot F``; ``parity --write-known DIR/report.json --out DIR``). Checked before anything runs.
+    (``kl --out F --plot F``; ``parity --write-known DIR/report.json --out DIR``, or a baseline inside the tap
+    archives' folder ``DIR/taps``, which the run replaces). Checked before anything runs.
 
     Raises:
-        InputError: naming both flags and the one file they name.
+        InputError: naming both flags and the file or folder they share.
     """
     from reference.errors import InputError
     seen = {}
-    for flag, path in outputs:
+    for flag, path, *kind in outputs:
         if path is None or str(path) == "-":
             continue
-        real = os.path.realpath(path)
-        if real in seen:
-            other, other_path = seen[real]
-            raise InputError(f"{flag} {str(path)!r}: expected a file apart from {other} {str(other_path)!r}, found "
-                             f"the same file {real!r} (one output would replace the other)")
-        seen[real] = (flag, path)
+        real, is_dir = os.path.realpath(path), kind == ["dir"]
+        for other_real, (other, other_path, other_dir) in seen.items():
+            if real == other_real:
+                raise InputError(f"{flag} {str(path)!r}: expected a file apart from {other} {str(other_path)!r}, "
+                                 f"found the same file {real!r} (one output would replace the other)")
+            if other_dir and real.startswith(other_real + os.sep):
+                folder_flag, folder, inner = other, other_path, path
+            elif is_dir and other_real.startswith(real + os.sep):
+                folder_flag, folder, inner = flag, path, other_path
+            else:
+                continue
+            raise InputError(f"{flag} {str(path)!r}: expected a path outside the folder {folder_flag} writes whole, "
+                             f"{str(folder)!r}, found {str(inner)!r} inside it")
+        seen[real] = (flag, path, is_dir)
 
 
 def publish_files(files: dict) -> None:

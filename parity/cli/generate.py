@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from parity.harness.logits import check_precision
     from reference.errors import InputError, UserError
 
-    from parity.cli.common import backend_spec, safe_text
+    from parity.cli.common import backend_spec, legacy_device, safe_text
     from parity.cli.common import output_format
     args.json = output_format(args) == "json"
     model_dir = resolve_model(args.model)
@@ -217,10 +217,8 @@ def run(args: argparse.Namespace) -> int:
         if args.precision not in allowed:
             raise InputError(f"--precision {args.precision}: expected one of {', '.join(allowed)} for the "
                              f"{name} backend")
-    device = None if args.device in (None, "auto") or (name == "reference" and args.device == "cpu") else args.device
-    if name == "reference" and device == "cuda":
-        raise InputError("--device cuda: the reference runs on the CPU only; use --backend engine:device=cuda")
-    legacy = {} if plugin else {"--device": device, ("--dtype" if name == "reference" else "--precision"): args.precision}
+    legacy = {} if plugin else {"--device": legacy_device(args.device, name),
+                                ("--dtype" if name == "reference" else "--precision"): args.precision}
     sp = backend_spec(args, legacy=legacy)
     backend = str(sp) if plugin else sp.name
     device = sp.options.get("device", "auto") if not plugin else "auto"

@@ -45,27 +45,19 @@ def run(args) -> int:
     import io
     import sys
 
-    from parity.cli.common import backend_spec, check_out
+    from parity.cli.common import backend_spec, check_out, legacy_device
     from parity.harness.logits import check_precision, compute_logits
     from reference.atomic import atomic_save_npy
     from reference.checkpoint import Checkpoint
-    from reference.errors import InputError
     from reference.ids_file import read_ids_file
     from reference.paths import resolve_model
     from reference.session import check_length
 
     out = check_out(args.out, kind="file", overwrite=args.overwrite, stdout_ok=True)
-    device = args.device
     if args.precision == "bf16" and args.backend == "reference" and args.dtype is None:
         check_precision("reference", "bf16")  # the reference computes in float32/float64 only
-    if device is not None and device not in ("auto", "cpu", "cuda"):
-        raise InputError(f"--device {device!r}: expected one of auto, cpu, cuda, found {device!r}")
-    if args.backend == "reference" and device in ("auto", "cpu"):
-        device = None  # the reference runs on the CPU: nothing to say
-    if args.backend == "reference" and device == "cuda":
-        raise InputError("--device cuda: the reference backend runs on the CPU (expected auto or cpu), found "
-                         "'cuda' (use --backend engine:device=cuda for the GPU)")
-    sp = backend_spec(args, legacy={"--dtype": args.dtype, "--precision": args.precision, "--device": device})
+    sp = backend_spec(args, legacy={"--dtype": args.dtype, "--precision": args.precision,
+                                    "--device": legacy_device(args.device, args.backend)})
     model_dir = resolve_model(args.model)  # once: a fixture-name note is said once
     ck = Checkpoint.open(model_dir)
     ids = read_ids_file(args.ids, vocab_size=ck.config.vocab_size)

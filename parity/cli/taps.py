@@ -185,16 +185,14 @@ def _cmd_list(args) -> int:
 
 # ---------------------------------------------------------------- record
 def _cmd_record(args) -> int:
-    from parity.cli.common import backend_spec, check_out
+    from parity.cli.common import backend_spec, check_out, legacy_device
     from parity.harness.logits import check_precision
     from parity.harness.record import record
     from reference.ids_file import read_ids_file
     if args.precision == "bf16" and args.dtype is None and str(args.backend).startswith("reference"):
         check_precision("reference", "bf16")  # bf16 is refused as by logits/generate (the reference computes in f32/f64)
-    device = None if args.device in (None, "auto") else args.device
-    if device == "cpu" and str(args.backend).startswith("reference"):
-        device = None  # the reference runs on the CPU: nothing to say (as logits); cuda is refused below
-    spec = backend_spec(args, legacy={"--dtype": args.dtype, "--device": device, "--precision": args.precision})
+    spec = backend_spec(args, legacy={"--dtype": args.dtype, "--device": legacy_device(args.device, args.backend),
+                                      "--precision": args.precision})
     from parity.backends import backend_class
     backend_class(spec)  # an unknown name / unimportable plugin: said before reading the ids (maybe a pipe)
     check_out(args.out, kind="dir", overwrite=args.overwrite)

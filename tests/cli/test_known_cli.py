@@ -170,9 +170,9 @@ def test_write_known_at_or_in_the_out_taps_folder_is_refused(tmp_path, capsys, m
     assert not known.exists()
     assert sorted(p.name for p in d.iterdir()) == (["report.json", "taps"] if inside else [])
     # negative control: a baseline beside the results directory, or named like the folder elsewhere, is fine
-    from parity.cli.parity import _check_known_outside_taps
-    _check_known_outside_taps(d, tmp_path / "known.json")
-    _check_known_outside_taps(d, d / "taps.json")
+    from parity.cli.common import check_distinct_outputs
+    for fine in (tmp_path / "known.json", d / "taps.json"):
+        check_distinct_outputs(("--out", d / "report.json"), ("--out", d / "taps", "dir"), ("--write-known", fine))
 
 
 @pytest.mark.parametrize("content,found", [(None, "found no such file"), ("{not json", "found invalid JSON"),
