@@ -152,6 +152,12 @@ def real_interrupt() -> bool:
     return bool(_DELIVERED) or not _TRACKING
 
 
+def signal_delivered() -> bool:
+    """True when a SIGINT / SIGTERM / SIGHUP was delivered since the last command started (stays True after it
+    ended: the process is on its way out)."""
+    return bool(_DELIVERED)
+
+
 _TRACKING: list[bool] = []
 
 

@@ -303,5 +303,30 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def console_main() -> int:
+    """The ``qwen4exp`` console script and ``python -m parity.cli``: :func:`main` in a process of its own.
+
+    Once a signal has interrupted the command, an exception raised in a finalizer (``__del__``, reported through
+    :data:`sys.unraisablehook`) is not printed. The signal's exception can land inside a constructor of a
+    library's object (llvmlite's, while Numba compiles) and leave it half-built; its finalizer then fails when
+    the unwound stack is freed -- after the one-line "terminated" message, as a traceback that says nothing about
+    the run (exit code and outputs are right). Without a delivered signal, and for an interrupt's own exception
+    (KeyboardInterrupt, Terminated) swallowed where it could not propagate, the previous hook reports as before.
+    The hook stays installed until the process ends; callers of :func:`main` in-process keep theirs.
+
+    Returns:
+        :func:`main`'s exit code.
+    """
+    from reference.atomic import signal_delivered
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if signal_delivered() and not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return  # a consequence of the interrupt, already reported as such
+        previous(unraisable)
+    sys.unraisablehook = hook
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
