@@ -66,12 +66,59 @@ def terminate_on_signals():
         old[sig] = signal.signal(sig, handler)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         old[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
+    old_hook = sys.unraisablehook
+    hook = _redeliver_swallowed(old_hook)
+    sys.unraisablehook = hook
     try:
         with tracking_signals():
             yield
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = old_hook
+
+
+def _redeliver_swallowed(previous):
+    """An unraisable hook for :func:`terminate_on_signals`: a signal's exception raised where it cannot propagate
+    -- a ctypes callback (llvmlite's object-cache notify while Numba compiles) or a ``__del__`` -- is dropped
+    there with an "Exception ignored" traceback and the command would run on (or fail later on the state the
+    callback left). Instead the signal is sent to the main thread again once it has left this hook, so its
+    handler raises in ordinary code; a later landing in such a place repeats this. Anything else goes to
+    ``previous``."""
+    import threading
+    from reference.atomic import signal_delivered
+
+    def hook(unraisable) -> None:
+        e = unraisable.exc_value
+        signum = getattr(e, "signum", None)
+        if signum is None and isinstance(e, KeyboardInterrupt) and signal_delivered():
+            signum = signal.SIGINT
+        if signum is None:
+            previous(unraisable)
+            return
+        threading.Thread(target=_send_when_left, args=(sys._getframe(), signum), daemon=True,
+                         name="qwen4exp-redeliver-signal").start()
+    return hook
+
+
+def _send_when_left(frame, signum: int) -> None:
+    """Wait until ``frame`` is off the main thread's stack, then send ``signum`` to the main thread (a thread-
+    directed signal: held like any other while :func:`reference.atomic.signals_deferred` blocks it)."""
+    import threading
+    import time
+    main = threading.main_thread().ident
+    while True:
+        f = sys._current_frames().get(main)
+        if f is None:  # the main thread has ended
+            return
+        while f is not None and f is not frame:
+            f = f.f_back
+        if f is None:
+            break
+        time.sleep(0.001)
+    del frame, f
+    signal.pthread_kill(main, signum)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

@@ -12,7 +12,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,3 +65,48 @@ def test_half_built_object_after_sigterm_prints_nothing(tmp_path):
 def test_failing_finalizer_without_a_signal_is_still_reported(tmp_path):
     p = _run(tmp_path, "plain")
     assert "Exception ignored in" in p.stderr and "AttributeError" in p.stderr, p.stderr
+
+
+CALLBACK_DRIVER = textwrap.dedent("""
+    import ctypes, os, signal, sys, time
+    from parity.bench.runner import Terminated, terminate_on_signals
+
+    libc = ctypes.CDLL(None)
+    CMP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    sent = []
+
+    def cmp(a, b):
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.%s)  # the handler raises right after this call, inside the callback
+        return 0
+
+    arr = (ctypes.c_int * 8)(*range(8))
+    try:
+        with terminate_on_signals():
+            libc.qsort(arr, 8, ctypes.sizeof(ctypes.c_int), CMP(cmp))
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                time.sleep(0.005)
+            print("ran on")
+    except Terminated as e:
+        print("terminated", e.signum)
+    except KeyboardInterrupt:
+        print("interrupted")
+""")
+
+
+@pytest.mark.parametrize("sig, said", [("SIGTERM", "terminated 15"), ("SIGINT", "interrupted")])
+def test_signal_swallowed_by_a_ctypes_callback_is_raised_again(tmp_path, sig, said):
+    """The handler's exception lands in a ctypes callback, which can only drop it (llvmlite's object-cache
+    notify while Numba compiles): the signal is delivered again once the callback has returned, so the block
+    unwinds instead of running on."""
+    drv = tmp_path / "driver.py"
+    drv.write_text(CALLBACK_DRIVER % sig)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(drv)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.strip() == said, (p.stdout, p.stderr)
+    assert p.stderr == "", p.stderr
+    assert time.monotonic() - t0 < 15
