@@ -21,7 +21,7 @@ PY
 echo "selfcheck rc=$? ($(( $(date +%s) - t0 )) s)"; cat "$OUT/parity.json"; tail -n 5 "$OUT/parity.err"
 for w in ${FORMATS:-nvfp4 fp8}; do
   t1=$(date +%s)
-  timeout $(( ${STEP_S:-165} + 10 )) python3 -c "import sys; from parity.cli import main; sys.exit(main())" bench --synthetic real-widths --backend engine \
+  timeout $(( ${STEP_S:-165} + 10 )) python3 -m parity.cli bench --synthetic real-widths --backend engine \
     --device cuda --layers 48 --weights "$w" --prompt-lens 512,4096 --batches 1,16 --contexts 1024 --repeats 3 \
     --warmup 1 --decode-tokens 8 --no-extras --budget-s $(( ${STEP_S:-165} - 70 )) --timeout-s "${STEP_S:-165}" \
     --overwrite --out "$OUT/bench-full-$w.json" 2>&1 | grep -vE "it/s\]|s/it\]" >"$OUT/bench-full-$w.log"
