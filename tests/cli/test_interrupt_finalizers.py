@@ -71,6 +71,9 @@ CALLBACK_DRIVER = textwrap.dedent("""
     import ctypes, os, signal, sys, time
     from parity.bench.runner import Terminated, terminate_on_signals
 
+    # Python's own SIGINT handler, as in a terminal (a parent that ignores SIGINT, such as a pytest-xdist worker,
+    # passes SIG_IGN on, and then no handler would be installed)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     libc = ctypes.CDLL(None)
     CMP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
     sent = []
