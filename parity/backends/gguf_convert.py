@@ -346,17 +346,17 @@ def _config_doc(path) -> dict:
 
 
 def check_same_function(a, b, ids=None) -> dict:
-    """Run the official model (transformers, float32, CPU) -- or, when it is not installed, cannot load the
-    checkpoint or the checkpoint is quantised, the reference -- on checkpoints ``a`` and ``b``; returns ``{"by", "max_abs_diff",
-    "ok"}``. ``ok``: the logits agree to a float32 summation-order floor (zero padding can change the
-    order of a BLAS reduction; 1e-5 relative to the logit scale covers it, a real change does not pass).
+    """Run the official model (transformers, float32, CPU) -- or the reference, when transformers is not
+    installed, cannot load the checkpoint or the checkpoint is quantised -- on checkpoints ``a`` and ``b``;
+    returns ``{"by", "max_abs_diff", "ok"}``. ``ok``: the logits agree to a float32 summation-order floor (zero
+    padding can change the order of a BLAS reduction; 1e-5 relative to the logit scale covers it, a real change
+    does not pass).
     """
     ids = list(ids) if ids is not None else [3, 17, 99, 5, 250, 7, 8, 9, 10, 11, 12, 13, 14, 200, 41, 6]
-    quantised = any("quantization_config" in _config_doc(p) for p in (a, b))
-    from parity.backends.base import truth_model
-    if quantised:  # transformers' loader dequantises FP8 / NVFP4 to bf16 (warning at length): not the exact weights
-        la, lb = truth_model(a).forward(ids), truth_model(b).forward(ids)
-        by = "reference (a quantised checkpoint: the reference dequantises its weights exactly)"
+    by = None
+    if any("quantization_config" in _config_doc(p) for p in (a, b)):
+        # transformers' loader dequantises FP8 / NVFP4 to bf16 (warning at length): not the exact weights
+        why = "a quantised checkpoint: the reference dequantises its weights exactly"
     else:
         try:
             import torch
@@ -369,9 +369,11 @@ def check_same_function(a, b, ids=None) -> dict:
                     return m(torch.tensor([ids])).logits[0].float().numpy()
             la, lb, by = run(a), run(b), f"transformers {transformers.__version__} (official model)"
         except Exception as e:  # not installed, or cannot load: the reference instead
-            la, lb = truth_model(a).forward(ids), truth_model(b).forward(ids)
-            by = (f"reference (official model unavailable: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:120] if str(e) else ''})")
+            why = f"official model unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if by is None:
+        from parity.backends.base import truth_model
+        la, lb = truth_model(a).forward(ids), truth_model(b).forward(ids)
+        by = f"reference ({why})"
     d = float(np.max(np.abs(np.asarray(la, np.float64) - np.asarray(lb, np.float64))))
     scale = float(np.max(np.abs(la))) or 1.0
     return {"by": by, "max_abs_diff": d, "ok": d <= 1e-5 * scale}
